@@ -1,0 +1,42 @@
+"""Rollout storage: one preallocated TensorDict of shape [T, E] per collecting rank, reused every rollout."""
+
+from __future__ import annotations
+
+import gymnasium as gym
+import torch
+from tensordict import TensorDict
+
+from ppo_fabric.agent import action_shape_dtype
+
+ROLLOUT_KEYS = ("obs", "actions", "logprobs", "values", "rewards", "terminated", "truncated", "final_values")
+TRAIN_KEYS = ("obs", "actions", "logprobs", "values", "advantages", "returns")
+
+
+def rollout_storage(
+    steps: int, num_envs: int, obs_space: gym.Space, action_space: gym.Space, device: torch.device | str
+) -> TensorDict:
+    """Allocate the [T, E] rollout once; the rollout loop writes into it in place.
+
+    `final_values` holds V(final observation) at steps whose episode was truncated (0 elsewhere), so GAE
+    can bootstrap a time-limit cut without the observation itself being stored.
+    """
+    action_shape, action_dtype = action_shape_dtype(action_space)
+    te = (steps, num_envs)
+    floats = {k: torch.zeros(te, device=device) for k in ("logprobs", "values", "rewards", "final_values")}
+    floats |= {k: torch.zeros(te, device=device) for k in ("advantages", "returns")}
+    return TensorDict(
+        {
+            "obs": torch.zeros(te + tuple(obs_space.shape), dtype=torch.float32, device=device),
+            "actions": torch.zeros(te + action_shape, dtype=action_dtype, device=device),
+            "terminated": torch.zeros(te, dtype=torch.bool, device=device),
+            "truncated": torch.zeros(te, dtype=torch.bool, device=device),
+            **floats,
+        },
+        batch_size=te,
+        device=device,
+    )
+
+
+def training_batch(storage: TensorDict) -> TensorDict:
+    """The flat [T*E] view of what the update needs (no copy for the contiguous storage)."""
+    return storage.select(*TRAIN_KEYS).reshape(-1)

@@ -1,0 +1,130 @@
+"""Atomic checkpoints and exact resume.
+
+A checkpoint holds the shared learner state (model, optimizer, counters) once, and per rank what makes
+its next rollout identical to an uninterrupted run: RNG states, the vector env (pickled when it can be,
+e.g. sync envs), the observation it acts on next, and its recent episodes.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import pickle
+import random
+import tempfile
+import warnings
+from pathlib import Path
+from typing import Any
+
+import gymnasium as gym
+import numpy as np
+import torch
+from omegaconf import DictConfig, OmegaConf
+
+FORMAT_VERSION = 1
+# Keys whose change makes a checkpoint meaningless for a new run.
+_MODEL_KEYS = ("model",)
+
+
+def rng_state() -> dict[str, Any]:
+    return {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate()}
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    torch.set_rng_state(state["torch"])
+    np.random.set_state(state["numpy"])
+    random.setstate(state["python"])
+
+
+def pickle_envs(envs: gym.vector.VectorEnv) -> bytes | None:
+    """The vector env's full state, or None where it cannot be pickled (async workers, some simulators)."""
+    try:
+        return pickle.dumps(envs)
+    except Exception:  # any env may refuse; resume then starts fresh episodes
+        return None
+
+
+def atomic_write(data: bytes, path: Path) -> None:
+    """Write to a temp file in the same directory, fsync, then rename: readers never see a partial file."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as fh:
+            fh.write(data)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def save(state: dict[str, Any], ckpt_dir: Path, iteration: int, numbered: bool, keep: int) -> Path:
+    """Write `last.ckpt` and, when asked, `iter_XXXXXX.ckpt`, pruning numbered ones beyond `keep`."""
+    buffer = io.BytesIO()
+    torch.save({"format": FORMAT_VERSION, **state}, buffer)
+    data = buffer.getvalue()
+    if numbered:
+        atomic_write(data, ckpt_dir / f"iter_{iteration:06d}.ckpt")
+        if keep > 0:
+            for old in sorted(ckpt_dir.glob("iter_*.ckpt"))[:-keep]:
+                old.unlink(missing_ok=True)
+    last = ckpt_dir / "last.ckpt"
+    atomic_write(data, last)
+    return last
+
+
+def load(path: str | Path) -> dict[str, Any]:
+    """Load a checkpoint written by `save`; raises ValueError with a one-line reason."""
+    path = Path(path)
+    if not path.is_file():
+        raise ValueError(f"resume={str(path)!r}: no such checkpoint file")
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=False)
+    except Exception as exc:
+        raise ValueError(f"resume={str(path)!r}: not a readable checkpoint ({type(exc).__name__})") from exc
+    if not isinstance(state, dict) or state.get("format") != FORMAT_VERSION:
+        raise ValueError(f"resume={str(path)!r}: not a ppo-fabric checkpoint (format {FORMAT_VERSION})")
+    return state
+
+
+def check_resume(cfg: DictConfig, path: str, obs_space: gym.Space, action_space: gym.Space) -> dict[str, Any]:
+    """Refuse checkpoints that cannot continue this config, before any process starts."""
+    from ppo_fabric.config import ConfigError
+
+    try:
+        state = load(path)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from exc
+    saved = state["config"]
+    if saved["env"]["id"] != cfg.env.id:
+        raise ConfigError(
+            f"resume={path!r} was trained on env.id={saved['env']['id']!r}, not {cfg.env.id!r}; "
+            "set env.id to match or start a new run"
+        )
+    for key in _MODEL_KEYS:
+        now = OmegaConf.to_container(cfg[key], resolve=True)
+        if saved[key] != now:
+            raise ConfigError(f"resume={path!r} has a different '{key}' config ({saved[key]}); use the same {key}")
+    if state["observation_space"] != obs_space or state["action_space"] != action_space:
+        raise ConfigError(f"resume={path!r}: the env's observation or action space differs from the checkpoint's")
+    if saved["strategy"] != cfg.strategy:
+        raise ConfigError(f"resume={path!r} comes from strategy={saved['strategy']}; use the same strategy")
+    if state["env_step"] >= cfg.algo.total_steps:
+        raise ConfigError(
+            f"resume={path!r} is already at {state['env_step']} env steps >= algo.total_steps="
+            f"{cfg.algo.total_steps}; raise algo.total_steps to train further"
+        )
+    return state
+
+
+def restore_envs(blob: bytes | None, fallback: Any) -> Any:
+    """Unpickle a saved vector env, or keep the freshly built one when there is none."""
+    if blob is None:
+        warnings.warn(
+            "the checkpoint holds no env state (async or unpicklable envs): episodes restart on resume",
+            stacklevel=2,
+        )
+        return fallback
+    fallback.close()
+    return pickle.loads(blob)

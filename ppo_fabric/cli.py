@@ -1,0 +1,132 @@
+"""Command line: compose and validate the config, build Fabric, launch (or join) the processes, run.
+
+Three entry points share this: `python -m ppo_fabric`, the `ppo-fabric` script (both let Fabric launch
+`fabric.devices` processes) and `fabric run ... ppo_fabric/ppo.py` (processes exist already; Fabric
+reads accelerator/devices/strategy from the `fabric run` flags and must not launch again).
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import sys
+import traceback
+import warnings
+from pathlib import Path
+from typing import Any
+
+USAGE = """usage: python -m ppo_fabric [KEY=VALUE ...]   (also: ppo-fabric, fabric run ppo_fabric/ppo.py)
+
+Hydra overrides, for example:
+  env=lunarlander                  config group option (groups: algo env model fabric logger exp)
+  env.id=Acrobot-v1                any gymnasium id, or my.module:MyEnv-v0
+  algo.total_steps=1e6 algo.lr=3e-4
+  fabric.devices=2                 two processes (gloo on CPU, NCCL on CUDA)
+  strategy=decoupled               player and trainer ranks
+  hydra.run.dir=runs/my-run        where outputs go
+  resume=runs/my-run/checkpoints/last.ckpt
+"""
+
+
+def _fail(message: str, code: int = 2) -> None:
+    print(f"ppo-fabric: error: {message}", file=sys.stderr, flush=True)
+    raise SystemExit(code)
+
+
+def _quiet_libraries() -> None:
+    warnings.filterwarnings("ignore", message=".*is not a supported pipeline.*")
+    warnings.filterwarnings("ignore", category=UserWarning, module="lightning.fabric.*")
+    warnings.filterwarnings("ignore", message=".*does not have many workers.*")
+    import logging
+
+    for name in ("lightning.fabric", "lightning_fabric", "lightning.fabric.utilities.seed"):
+        logging.getLogger(name).setLevel(logging.WARNING)
+
+
+def build_fabric(cfg: Any, world_size: int) -> Any:
+    from lightning.fabric import Fabric
+    from lightning.fabric.strategies import DDPStrategy
+
+    timeout = datetime.timedelta(seconds=float(cfg.collectives.timeout))
+    under_cli = bool(os.environ.get("LT_CLI_USED"))
+    kwargs: dict[str, Any] = {}
+    if not under_cli:  # `fabric run` flags decide these, and passing others would conflict
+        kwargs = {
+            "accelerator": cfg.fabric.accelerator,
+            "devices": int(cfg.fabric.devices),
+            "num_nodes": int(cfg.fabric.num_nodes),
+            "precision": cfg.fabric.precision,
+        }
+    if world_size > 1 and cfg.fabric.strategy == "auto" and not os.environ.get("LT_STRATEGY"):
+        kwargs["strategy"] = DDPStrategy(timeout=timeout, start_method="popen")
+    elif not under_cli:
+        kwargs["strategy"] = cfg.fabric.strategy
+    return Fabric(**kwargs)
+
+
+def launch(cfg: Any, run_dir_template: str, facts: dict[str, Any]) -> dict[str, Any]:
+    """Start the processes and run the chosen strategy on each; returns this rank's summary."""
+    import torch
+
+    if int(cfg.torch_threads) > 0:
+        torch.set_num_threads(int(cfg.torch_threads))
+    fabric = build_fabric(cfg, facts["world_size"])
+    fabric.launch()
+    # Every process composed the config itself (at its own time); rank 0's run directory wins.
+    run_dir = Path(fabric.broadcast(str(Path(run_dir_template).resolve()), src=0))
+    from lightning.fabric.utilities.seed import seed_everything
+
+    seed_everything(int(cfg.seed) + fabric.global_rank, verbose=False)
+    if cfg.strategy == "decoupled":
+        from ppo_fabric import ppo_decoupled as strategy
+    else:
+        from ppo_fabric import ppo as strategy
+    try:
+        summary = strategy.main(fabric, cfg, run_dir)
+    except Exception as exc:
+        rank = fabric.global_rank
+        if os.environ.get("PPO_FABRIC_TRACEBACK"):
+            traceback.print_exc()
+        print(f"ppo-fabric: error on rank {rank}: {type(exc).__name__}: {exc}".splitlines()[0], file=sys.stderr)
+        sys.stderr.flush()
+        os._exit(1)  # do not wait in atexit hooks for peers that may be stuck in a collective
+    if fabric.global_rank == 0:
+        ret = summary.get("final_mean_return")
+        ret_text = "n/a" if ret is None else f"{ret:.1f}"
+        print(
+            f"ppo-fabric: {summary['strategy']} {summary['env_id']}: {summary['total_env_steps']} steps in "
+            f"{summary['wall_seconds']:.1f}s ({summary['sps']:,.0f} steps/s), final mean return {ret_text}; "
+            f"outputs in {run_dir}",
+            flush=True,
+        )
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+    return summary
+
+
+def main(argv: list[str] | None = None, strategy: str | None = None) -> None:
+    """Entry point of `python -m ppo_fabric` and `ppo-fabric`."""
+    args = list(sys.argv[1:] if argv is None else argv)
+    if any(a in ("-h", "--help") for a in args):
+        print(USAGE)
+        return
+    if strategy is not None:
+        args = [a for a in args if not a.startswith("strategy=")] + [f"strategy={strategy}"]
+    _quiet_libraries()
+    from ppo_fabric.config import ConfigError, load
+
+    try:
+        cfg, run_dir, facts = load(args)
+    except ConfigError as exc:
+        _fail(str(exc))
+    launch(cfg, run_dir, facts)
+
+
+def run_script(strategy: str) -> None:
+    """`fabric run ppo_fabric/<strategy file>.py [overrides]`: the file fixes the strategy."""
+    given = [a.split("=", 1)[1] for a in sys.argv[1:] if a.startswith("strategy=")]
+    if given and given[-1] != strategy:
+        _fail(f"strategy={given[-1]} conflicts with the launched file, which runs strategy={strategy}")
+    main(strategy=strategy)

@@ -1,0 +1,262 @@
+"""Compose the Hydra config and validate it before any process or vector env starts.
+
+Every problem is reported as a `ConfigError` whose message is one line naming the key and the fix; the
+CLI prints it and exits with status 2. Hydra's own multi-line errors are translated here.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import math
+import os
+from dataclasses import dataclass
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+from omegaconf import DictConfig, OmegaConf, open_dict
+
+STRATEGIES = ("coupled", "decoupled")
+ACCELERATORS = ("cpu", "cuda", "gpu", "mps", "auto")
+
+
+class ConfigError(ValueError):
+    """A configuration the run cannot start with; `str()` is a single line for the user."""
+
+
+def config_dir() -> Path:
+    """The `conf/` directory: the repository's in a checkout, the packaged copy in an installed wheel."""
+    repo_conf = Path(__file__).resolve().parent.parent / "conf"
+    if (repo_conf / "config.yaml").is_file():
+        return repo_conf
+    return Path(str(resources.files("ppo_fabric.conf")))
+
+
+def group_options(group: str) -> list[str]:
+    return sorted(p.stem for p in (config_dir() / group).glob("*.yaml"))
+
+
+def _first_line(exc: BaseException) -> str:
+    return str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+
+
+def _translate_hydra_error(exc: Exception) -> ConfigError:
+    from hydra.errors import ConfigCompositionException, MissingConfigException, OverrideParseException
+
+    text = str(exc)
+    if isinstance(exc, MissingConfigException) and "Could not find '" in text:
+        missing = text.split("Could not find '", 1)[1].split("'", 1)[0]
+        group, _, option = missing.rpartition("/")
+        if group and (config_dir() / group).is_dir():
+            return ConfigError(
+                f"{group}={option}: unknown option for config group '{group}'; "
+                f"available: {', '.join(group_options(group))}"
+            )
+        return ConfigError(f"config '{missing}' not found")
+    if isinstance(exc, ConfigCompositionException) and text.startswith("Could not override '"):
+        key = text.split("'", 2)[1]
+        parent, _, _ = key.rpartition(".")
+        return ConfigError(
+            f"{key}: unknown config key; check the spelling"
+            + (f" against the keys of '{parent}'" if parent else "")
+            + f", or add a new key with +{key}=VALUE"
+        )
+    if isinstance(exc, OverrideParseException):
+        return ConfigError(f"cannot parse override: {_first_line(exc)}")
+    return ConfigError(_first_line(exc))
+
+
+def compose(overrides: list[str]) -> tuple[DictConfig, str]:
+    """Compose `conf/config.yaml` with command-line overrides; returns (config, run-dir template)."""
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
+
+    if not OmegaConf.has_resolver("now"):
+        OmegaConf.register_new_resolver("now", lambda fmt: _dt.datetime.now().strftime(fmt))
+    try:
+        with initialize_config_dir(version_base=None, config_dir=str(config_dir()), job_name="ppo_fabric"):
+            cfg = hydra_compose("config", overrides=overrides, return_hydra_config=True)
+    except Exception as exc:  # Hydra raises many types; each becomes one line
+        raise _translate_hydra_error(exc) from exc
+    run_dir = str(cfg.hydra.run.dir)
+    with open_dict(cfg):
+        del cfg["hydra"]
+    return cfg, run_dir
+
+
+# ------------------------------------------------------------------------------------------- validation
+@dataclass(frozen=True)
+class _Rule:
+    key: str
+    kind: type  # int or float
+    low: float | None = None  # inclusive unless strict
+    high: float | None = None
+    strict_low: bool = False
+    optional: bool = False
+
+
+_RULES = (
+    _Rule("seed", int, 0),
+    _Rule("torch_threads", int, 0),
+    _Rule("algo.total_steps", int, 0, strict_low=True),
+    _Rule("algo.rollout_steps", int, 0, strict_low=True),
+    _Rule("algo.minibatch_size", int, 0, strict_low=True),
+    _Rule("algo.update_epochs", int, 0, strict_low=True),
+    _Rule("algo.lr", float, 0, strict_low=True),
+    _Rule("algo.adam_eps", float, 0, strict_low=True),
+    _Rule("algo.gamma", float, 0, 1),
+    _Rule("algo.gae_lambda", float, 0, 1),
+    _Rule("algo.clip_coef", float, 0, strict_low=True),
+    _Rule("algo.vf_coef", float, 0),
+    _Rule("algo.ent_coef", float, 0),
+    _Rule("algo.max_grad_norm", float, 0),
+    _Rule("algo.target_kl", float, 0, strict_low=True, optional=True),
+    _Rule("algo.players", int, 1),
+    _Rule("env.num_envs", int, 0, strict_low=True),
+    _Rule("env.action_repeat", int, 1),
+    _Rule("env.max_episode_steps", int, 0, strict_low=True, optional=True),
+    _Rule("fabric.devices", int, 0, strict_low=True),
+    _Rule("fabric.num_nodes", int, 0, strict_low=True),
+    _Rule("checkpoint.every", int, 0),
+    _Rule("checkpoint.keep", int, 0),
+    _Rule("logger.log_every", int, 0, strict_low=True),
+    _Rule("collectives.timeout", float, 0, strict_low=True),
+)
+
+_CHOICES = {
+    "strategy": STRATEGIES,
+    "env.vector": ("sync", "async"),
+    "fabric.accelerator": ACCELERATORS,
+    "algo.player_device": ("cpu", "auto"),
+}
+_BOOLS = ("algo.anneal_lr", "algo.norm_adv", "algo.clip_vloss", "algo.pipeline", "logger.tensorboard", "logger.csv")
+
+
+def _check_number(cfg: DictConfig, rule: _Rule) -> None:
+    value = OmegaConf.select(cfg, rule.key, throw_on_missing=False)
+    if value is None:
+        if rule.optional:
+            return
+        raise ConfigError(f"{rule.key} is required; set {rule.key}=VALUE")
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or math.isnan(value):
+        raise ConfigError(f"{rule.key}={value!r} must be a number")
+    if rule.kind is int:
+        if not float(value).is_integer():
+            raise ConfigError(f"{rule.key}={value!r} must be a whole number")
+        value = int(value)
+        OmegaConf.update(cfg, rule.key, value)
+    bound = ""
+    if rule.low is not None and (value <= rule.low if rule.strict_low else value < rule.low):
+        bound = f"> {rule.low:g}" if rule.strict_low else f">= {rule.low:g}"
+    if rule.high is not None and value > rule.high:
+        bound = f"<= {rule.high:g}"
+    if bound:
+        span = f"in [{rule.low:g}, {rule.high:g}]" if rule.high is not None else bound
+        raise ConfigError(f"{rule.key}={value} is out of range; it must be {span}")
+
+
+def launched_world_size(cfg: DictConfig) -> int:
+    """Processes in the job: `fabric run` (torchrun) says so in WORLD_SIZE, otherwise the config does."""
+    if os.environ.get("LT_CLI_USED") and os.environ.get("WORLD_SIZE"):
+        return int(os.environ["WORLD_SIZE"])
+    return int(cfg.fabric.devices) * int(cfg.fabric.num_nodes)
+
+
+def training_layout(cfg: DictConfig, world_size: int) -> tuple[int, int, int]:
+    """(collecting ranks, training ranks, samples each training rank learns from per update)."""
+    per_collector = int(cfg.algo.rollout_steps) * int(cfg.env.num_envs)
+    if cfg.strategy == "decoupled":
+        players = int(cfg.algo.players)
+        trainers = world_size - players
+        return players, trainers, per_collector * players // max(trainers, 1)
+    return world_size, world_size, per_collector
+
+
+def validate(cfg: DictConfig) -> dict[str, Any]:
+    """Check everything that can be checked without starting a run; returns facts found on the way."""
+    for rule in _RULES:
+        _check_number(cfg, rule)
+    for key, choices in _CHOICES.items():
+        value = OmegaConf.select(cfg, key)
+        if value not in choices:
+            raise ConfigError(f"{key}={value!r} is not one of {', '.join(map(str, choices))}")
+    for key in _BOOLS:
+        if not isinstance(OmegaConf.select(cfg, key), bool):
+            raise ConfigError(f"{key}={OmegaConf.select(cfg, key)!r} must be true or false")
+    for key in ("model.actor_hidden", "model.critic_hidden"):
+        widths = OmegaConf.select(cfg, key)
+        if not OmegaConf.is_list(widths) or not all(isinstance(w, int) and w > 0 for w in widths):
+            raise ConfigError(f"{key}={widths} must be a list of positive widths, e.g. [64, 64]")
+    from ppo_fabric.agent import ACTIVATIONS
+
+    if cfg.model.activation not in ACTIVATIONS:
+        raise ConfigError(f"model.activation={cfg.model.activation!r} is not one of {', '.join(ACTIVATIONS)}")
+
+    world = launched_world_size(cfg)
+    _check_layout(cfg, world)
+    spaces = _check_env_and_model(cfg)
+    if cfg.resume is not None:
+        from ppo_fabric.checkpoint import check_resume
+
+        check_resume(cfg, str(cfg.resume), *spaces)
+    return {"world_size": world, "observation_space": spaces[0], "action_space": spaces[1]}
+
+
+def _check_layout(cfg: DictConfig, world: int) -> None:
+    if cfg.strategy == "decoupled":
+        if world < 2:
+            raise ConfigError(
+                f"strategy=decoupled needs at least 2 processes (players + trainers), got {world}; "
+                "set fabric.devices=2 or more"
+            )
+        if cfg.algo.players > world - 1:
+            raise ConfigError(
+                f"algo.players={cfg.algo.players} leaves no trainer among {world} processes; "
+                f"use algo.players<={world - 1} or more fabric.devices"
+            )
+    collectors, trainers, per_trainer = training_layout(cfg, world)
+    per_collector = cfg.algo.rollout_steps * cfg.env.num_envs
+    if cfg.strategy == "decoupled" and (per_collector * collectors) % trainers:
+        raise ConfigError(
+            f"the batch of {per_collector * collectors} samples (algo.rollout_steps*env.num_envs*algo.players) "
+            f"cannot be split evenly over {trainers} trainers; change env.num_envs or algo.rollout_steps"
+        )
+    mb = cfg.algo.minibatch_size
+    if per_trainer % mb:
+        divisors = [d for d in range(2, per_trainer + 1) if per_trainer % d == 0]
+        near = sorted(divisors, key=lambda d: abs(d - mb))[:3]
+        raise ConfigError(
+            f"algo.minibatch_size={mb} does not divide the per-rank batch of {per_trainer} samples "
+            f"(algo.rollout_steps*env.num_envs); use a divisor such as {', '.join(map(str, sorted(near)))}"
+        )
+    if cfg.algo.norm_adv and mb < 2:
+        raise ConfigError("algo.minibatch_size must be >= 2 with algo.norm_adv=true (a std needs 2 samples)")
+    global_batch = per_collector * collectors
+    if cfg.algo.total_steps < global_batch:
+        raise ConfigError(
+            f"algo.total_steps={cfg.algo.total_steps} is smaller than one batch of {global_batch} env steps "
+            f"(algo.rollout_steps*env.num_envs*collecting ranks); raise algo.total_steps"
+        )
+
+
+def _check_env_and_model(cfg: DictConfig) -> tuple[Any, Any]:
+    from ppo_fabric.agent import ActorCritic
+    from ppo_fabric.envs import EnvError, probe_spaces
+
+    if cfg.env.id in (None, "???") or OmegaConf.is_missing(cfg.env, "id"):
+        raise ConfigError("env.id is required; set env.id=CartPole-v1 (or any gymnasium id)")
+    try:
+        obs_space, action_space = probe_spaces(cfg.env)
+        ActorCritic(obs_space, action_space, cfg.model)
+    except EnvError as exc:
+        raise ConfigError(str(exc)) from exc
+    except ValueError as exc:
+        raise ConfigError(f"env.id={cfg.env.id!r}: {exc}") from exc
+    return obs_space, action_space
+
+
+def load(overrides: list[str]) -> tuple[DictConfig, str, dict[str, Any]]:
+    """Compose and validate: (config, run-dir template, facts)."""
+    cfg, run_dir = compose(overrides)
+    facts = validate(cfg)
+    return cfg, run_dir, facts

@@ -1,0 +1,133 @@
+"""Environment construction shared by every strategy: single envs, wrappers, vector envs, seeding."""
+
+from __future__ import annotations
+
+import difflib
+import importlib
+from collections.abc import Callable
+from typing import Any
+
+import gymnasium as gym
+import numpy as np
+from gymnasium.vector import AsyncVectorEnv, AutoresetMode, SyncVectorEnv, VectorEnv
+from omegaconf import DictConfig, OmegaConf
+
+# Which pip extra provides the simulator behind an env id, so a missing one is named in the error.
+_EXTRA_BY_PREFIX = {
+    "ALE/": "atari",
+    "LunarLander": "box2d",
+    "BipedalWalker": "box2d",
+    "CarRacing": "box2d",
+    "HalfCheetah": "mujoco",
+    "Hopper": "mujoco",
+    "Walker2d": "mujoco",
+    "Ant": "mujoco",
+    "Humanoid": "mujoco",
+    "Swimmer": "mujoco",
+    "Reacher": "mujoco",
+    "Pusher": "mujoco",
+    "InvertedPendulum": "mujoco",
+    "InvertedDoublePendulum": "mujoco",
+}
+
+
+class EnvError(ValueError):
+    """An environment that cannot be built from the config; the message is one line for the user."""
+
+
+class ActionRepeat(gym.Wrapper):
+    """Repeat each action `repeat` times and sum the rewards, stopping early when the episode ends."""
+
+    def __init__(self, env: gym.Env, repeat: int) -> None:
+        super().__init__(env)
+        self.repeat = repeat
+
+    def step(self, action: Any) -> tuple[Any, float, bool, bool, dict[str, Any]]:
+        total = 0.0
+        for _ in range(self.repeat):
+            obs, reward, terminated, truncated, info = self.env.step(action)
+            total += float(reward)
+            if terminated or truncated:
+                break
+        return obs, total, terminated, truncated, info
+
+
+def extra_for(env_id: str) -> str | None:
+    name = env_id.split(":")[-1]
+    return next((extra for prefix, extra in _EXTRA_BY_PREFIX.items() if name.startswith(prefix)), None)
+
+
+def _import_env_module(env_id: str) -> None:
+    if ":" in env_id:
+        module = env_id.split(":", 1)[0]
+        try:
+            importlib.import_module(module)
+        except ImportError as exc:
+            raise EnvError(f"env.id={env_id!r}: cannot import module {module!r} ({exc})") from exc
+    if env_id.split(":")[-1].startswith("ALE/"):
+        try:
+            import ale_py
+
+            gym.register_envs(ale_py)
+        except ImportError as exc:
+            raise EnvError(f"env.id={env_id!r} needs Atari: pip install 'ppo-fabric[atari]'") from exc
+
+
+def make_env(env_cfg: DictConfig, render_mode: str | None = None) -> gym.Env:
+    """One environment with the configured wrappers; raises EnvError with a one-line reason."""
+    env_id = str(env_cfg.id)
+    _import_env_module(env_id)
+    kwargs: dict[str, Any] = dict(OmegaConf.to_container(env_cfg.kwargs, resolve=True) or {})
+    if env_cfg.max_episode_steps is not None:
+        kwargs["max_episode_steps"] = int(env_cfg.max_episode_steps)
+    if render_mode is not None:
+        kwargs["render_mode"] = render_mode
+    try:
+        env = gym.make(env_id, **kwargs)
+    except gym.error.DependencyNotInstalled as exc:
+        extra = extra_for(env_id)
+        hint = f"pip install 'ppo-fabric[{extra}]'" if extra else str(exc).splitlines()[0]
+        raise EnvError(f"env.id={env_id!r} needs an optional dependency: {hint}") from exc
+    except (gym.error.NameNotFound, gym.error.VersionNotFound, gym.error.UnregisteredEnv) as exc:
+        close = difflib.get_close_matches(env_id.split(":")[-1], list(gym.registry), n=3)
+        hint = f"; did you mean {', '.join(close)}?" if close else "; see gymnasium.pprint_registry()"
+        raise EnvError(f"env.id={env_id!r} is not a registered gymnasium environment{hint}") from exc
+    except gym.error.Error as exc:
+        raise EnvError(f"env.id={env_id!r}: {str(exc).splitlines()[0]}") from exc
+    except TypeError as exc:
+        raise EnvError(f"env.id={env_id!r} rejected env.kwargs: {exc}") from exc
+    if int(env_cfg.action_repeat) > 1:
+        env = ActionRepeat(env, int(env_cfg.action_repeat))
+    return env
+
+
+def env_seeds(seed: int, rank: int, num_envs: int) -> list[int]:
+    """Distinct, reproducible seeds for the envs of one rank, derived from `seed + rank`."""
+    seq = np.random.SeedSequence(seed + rank)
+    return [int(s) for s in seq.generate_state(num_envs, dtype=np.uint32)]
+
+
+def make_vector_env(env_cfg: DictConfig, seed: int, rank: int) -> tuple[VectorEnv, Any]:
+    """The rank's vector env, already reset; returns (envs, first observation).
+
+    Autoreset is SAME_STEP so that the final observation of a truncated episode arrives with the step that
+    ended it: the rollout bootstraps from its value, which NEXT_STEP autoreset would hide one step later.
+    Episode statistics wrap the vector env before any later normalisation so they report raw returns.
+    """
+    fns: list[Callable[[], gym.Env]] = [lambda: make_env(env_cfg) for _ in range(int(env_cfg.num_envs))]
+    cls = AsyncVectorEnv if env_cfg.vector == "async" else SyncVectorEnv
+    envs = cls(fns, autoreset_mode=AutoresetMode.SAME_STEP)
+    envs = gym.wrappers.vector.RecordEpisodeStatistics(envs, buffer_length=1)
+    seeds = env_seeds(seed, rank, int(env_cfg.num_envs))
+    obs, _ = envs.reset(seed=seeds)
+    envs.action_space.seed(seeds[0])
+    return envs, obs
+
+
+def probe_spaces(env_cfg: DictConfig) -> tuple[gym.Space, gym.Space]:
+    """Build one env to validate the id and read its spaces before any process or vector env starts."""
+    env = make_env(env_cfg)
+    try:
+        return env.observation_space, env.action_space
+    finally:
+        env.close()

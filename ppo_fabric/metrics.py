@@ -1,0 +1,107 @@
+"""Metrics: reductions across ranks, TensorBoard/CSV logging and the progress bar (rank 0 only)."""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from omegaconf import DictConfig, OmegaConf
+
+
+def all_gather_objects(obj: Any, group: Any = None) -> list[Any]:
+    """Every rank's `obj` (in rank order); a single-process run returns `[obj]`."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return [obj]
+    out: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(out, obj, group=group)
+    return out
+
+
+def episode_sums(returns: Iterable[float], lengths: Iterable[int]) -> torch.Tensor:
+    """[sum of returns, sum of lengths, count], ready for a SUM all-reduce."""
+    returns, lengths = list(returns), list(lengths)
+    return torch.tensor([sum(returns), float(sum(lengths)), float(len(returns))], dtype=torch.float64)
+
+
+def episode_means(sums: torch.Tensor) -> dict[str, float]:
+    total_ret, total_len, count = sums.tolist()
+    if count == 0:
+        return {}
+    return {"rollout/episode_return": total_ret / count, "rollout/episode_length": total_len / count}
+
+
+def final_mean_return(windows: list[Iterable[tuple[int, float, int]]], last: int = 20) -> float | None:
+    """Mean of the `last` episodes to finish across all ranks (ordered by the env step they ended at)."""
+    episodes = sorted((ep for window in windows for ep in window), key=lambda ep: ep[0])[-last:]
+    return sum(ep[1] for ep in episodes) / len(episodes) if episodes else None
+
+
+class RunLogger:
+    """Writes metrics on rank 0 and stays silent elsewhere, so callers never branch on the rank."""
+
+    def __init__(self, run_dir: Path, cfg: DictConfig, total_steps: int, enabled: bool) -> None:
+        self.enabled = enabled
+        self.loggers: list[Any] = []
+        self.bar = None
+        if not enabled:
+            return
+        from lightning.fabric.loggers import CSVLogger, TensorBoardLogger
+
+        if cfg.logger.tensorboard:
+            self.loggers.append(TensorBoardLogger(root_dir=run_dir, name="", version="tensorboard"))
+        if cfg.logger.csv:
+            self.loggers.append(CSVLogger(root_dir=run_dir, name="", version="", flush_logs_every_n_steps=10))
+        if sys.stdout.isatty():
+            from tqdm import tqdm
+
+            self.bar = tqdm(total=total_steps, unit="step", unit_scale=True, dynamic_ncols=True, file=sys.stdout)
+
+    def log(self, metrics: Mapping[str, float], step: int) -> None:
+        if not self.enabled:
+            return
+        for logger in self.loggers:
+            logger.log_metrics(dict(metrics), step=step)
+
+    def progress(self, step: int, sps: float, mean_return: float | None) -> None:
+        if self.bar is None:
+            return
+        self.bar.n = step
+        ret = "-" if mean_return is None else f"{mean_return:.1f}"
+        self.bar.set_postfix_str(f"sps={sps:,.0f} return={ret}", refresh=False)
+        self.bar.refresh()
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+        for logger in self.loggers:
+            logger.finalize("success")
+
+
+def write_json(path: Path, data: Mapping[str, Any]) -> None:
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
+    tmp.replace(path)
+
+
+def save_resolved_config(cfg: DictConfig, run_dir: Path) -> None:
+    (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
+
+
+class Stopwatch:
+    """Accumulates wall time per phase (collect, train, ...) for SPS and the time split."""
+
+    def __init__(self) -> None:
+        self.totals: dict[str, float] = {}
+        self._start = time.perf_counter()
+
+    def add(self, phase: str, seconds: float) -> None:
+        self.totals[phase] = self.totals.get(phase, 0.0) + seconds
+
+    def elapsed(self) -> float:
+        return time.perf_counter() - self._start

@@ -1,0 +1,247 @@
+"""Coupled PPO: every rank collects with its own envs and trains; Fabric DDP all-reduces the gradients.
+
+`main()` runs the collect/update loop, `train()` is one PPO update on a rank's batch. The decoupled
+strategy reuses `train()`, `build_learner()` and the rollout loop from here and its neighbours unchanged.
+
+Run as a script under `fabric run --accelerator=cpu --devices=2 ppo_fabric/ppo.py [overrides]`.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import gymnasium as gym
+import torch
+from lightning.fabric import Fabric
+from omegaconf import DictConfig, OmegaConf
+from tensordict import TensorDict
+
+from ppo_fabric import checkpoint as ckpt
+from ppo_fabric.agent import ActorCritic
+from ppo_fabric.buffer import rollout_storage, training_batch
+from ppo_fabric.envs import make_vector_env
+from ppo_fabric.loss import entropy_loss, normalize, policy_loss, value_loss
+from ppo_fabric.metrics import (
+    RunLogger,
+    Stopwatch,
+    all_gather_objects,
+    episode_means,
+    episode_sums,
+    final_mean_return,
+    save_resolved_config,
+    write_json,
+)
+from ppo_fabric.rollout import RolloutCollector
+
+
+# ----------------------------------------------------------------------------------------------- update
+def train(fabric: Fabric, model: Any, optimizer: Any, batch: TensorDict, algo: DictConfig) -> dict[str, float]:
+    """One PPO update: `update_epochs` passes over shuffled minibatches of this rank's flat batch.
+
+    With `target_kl` set, the KL estimate is averaged over all training ranks before deciding to stop, so
+    every rank runs the same number of backward passes (DDP would hang otherwise).
+    """
+    n, mb = batch.batch_size[0], int(algo.minibatch_size)
+    clip, clip_vloss = float(algo.clip_coef), bool(algo.clip_vloss)
+    stats: list[torch.Tensor] = []
+    epochs = 0
+    for _ in range(int(algo.update_epochs)):
+        shuffled = batch[torch.randperm(n, device=batch.device)]
+        obs, actions, old_logp = shuffled["obs"], shuffled["actions"], shuffled["logprobs"]
+        old_values, advantages, returns = shuffled["values"], shuffled["advantages"], shuffled["returns"]
+        for start in range(0, n, mb):
+            sl = slice(start, start + mb)
+            new_logp, entropy, new_values = model(obs[sl], actions[sl])
+            adv = normalize(advantages[sl]) if algo.norm_adv else advantages[sl]
+            pg = policy_loss(new_logp, old_logp[sl], adv, clip)
+            vl = value_loss(new_values, old_values[sl], returns[sl], clip, clip_vloss)
+            el = entropy_loss(entropy)
+            loss = pg + algo.vf_coef * vl + algo.ent_coef * el
+            optimizer.zero_grad(set_to_none=True)
+            fabric.backward(loss)
+            if algo.max_grad_norm > 0:
+                fabric.clip_gradients(model, optimizer, max_norm=float(algo.max_grad_norm), error_if_nonfinite=False)
+            optimizer.step()
+            with torch.no_grad():
+                logratio = new_logp - old_logp[sl]
+                ratio = logratio.exp()
+                approx_kl = ((ratio - 1) - logratio).mean()
+                clipfrac = ((ratio - 1).abs() > clip).float().mean()
+                stats.append(torch.stack((pg, vl, -el, approx_kl, clipfrac)).detach())
+        epochs += 1
+        if algo.target_kl is not None:
+            kl = torch.stack(stats[-(n // mb) :])[:, 3].mean()
+            if fabric.world_size > 1:
+                kl = fabric.all_reduce(kl, reduce_op="mean")
+            if kl.item() > algo.target_kl:
+                break
+    means = torch.stack(stats).mean(0).tolist()
+    values, returns = batch["values"], batch["returns"]
+    var_returns = returns.var()
+    explained = (1 - (returns - values).var() / var_returns).item() if var_returns > 0 else float("nan")
+    names = ("loss/policy", "loss/value", "loss/entropy", "train/approx_kl", "train/clip_fraction")
+    return dict(zip(names, means, strict=True)) | {"train/explained_variance": explained, "train/epochs": epochs}
+
+
+# ------------------------------------------------------------------------------------------- set-up
+@dataclass
+class Learner:
+    """The model as the update sees it (Fabric-wrapped, DDP when several ranks) and as rollouts see it."""
+
+    model: Any
+    optimizer: Any
+    policy: ActorCritic
+
+
+def build_learner(
+    fabric: Fabric, cfg: DictConfig, obs_space: gym.Space, action_space: gym.Space, resume: dict | None
+) -> Learner:
+    agent = ActorCritic(obs_space, action_space, cfg.model)
+    optimizer = torch.optim.Adam(agent.parameters(), lr=float(cfg.algo.lr), eps=float(cfg.algo.adam_eps))
+    if resume is not None:
+        agent.load_state_dict(resume["agent"])
+        optimizer.load_state_dict(resume["optimizer"])
+    model, optimizer = fabric.setup(agent, optimizer)
+    return Learner(model, optimizer, model.module)
+
+
+def set_lr(optimizer: Any, cfg: DictConfig, iteration: int, iterations: int) -> float:
+    """Linear annealing to zero over the run (a pure function of the iteration, so resume needs no state)."""
+    lr = float(cfg.algo.lr)
+    if cfg.algo.anneal_lr:
+        lr *= 1.0 - iteration / iterations
+    for group in optimizer.param_groups:
+        group["lr"] = lr
+    return lr
+
+
+def learner_state(cfg: DictConfig, learner: Learner, obs_space: gym.Space, action_space: gym.Space) -> dict:
+    return {
+        "config": OmegaConf.to_container(cfg, resolve=True),
+        "observation_space": obs_space,
+        "action_space": action_space,
+        "agent": learner.policy.state_dict(),
+        "optimizer": learner.optimizer.state_dict(),
+    }
+
+
+def collector_state(collector: RolloutCollector) -> dict[str, Any]:
+    """What one collecting rank needs to continue its rollouts exactly."""
+    return {
+        "rng": ckpt.rng_state(),
+        "envs": ckpt.pickle_envs(collector.envs),
+        "next_obs": collector.next_obs.cpu(),
+        "episodes": list(collector.episodes.window),
+        "episode_count": collector.episodes.count,
+    }
+
+
+def restore_collector(collector: RolloutCollector, state: dict[str, Any]) -> None:
+    collector.envs = ckpt.restore_envs(state["envs"], collector.envs)
+    if state["envs"] is not None:
+        collector.next_obs = state["next_obs"].to(collector.device)
+    collector.episodes.window.extend(state["episodes"])
+    collector.episodes.count = state["episode_count"]
+    ckpt.set_rng_state(state["rng"])
+
+
+# ------------------------------------------------------------------------------------------------ loop
+def main(fabric: Fabric, cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
+    """Collect with every rank, update with every rank; returns the run summary (on every rank)."""
+    rank, world = fabric.global_rank, fabric.world_size
+    algo = cfg.algo
+    envs, first_obs = make_vector_env(cfg.env, int(cfg.seed), rank)
+    obs_space, action_space = envs.single_observation_space, envs.single_action_space
+    resume = ckpt.load(cfg.resume) if cfg.resume is not None else None
+    learner = build_learner(fabric, cfg, obs_space, action_space, resume)
+    storage = rollout_storage(int(algo.rollout_steps), int(cfg.env.num_envs), obs_space, action_space, fabric.device)
+    collector = RolloutCollector(envs, first_obs, storage, float(algo.gamma), float(algo.gae_lambda))
+
+    steps_per_iter = int(algo.rollout_steps) * int(cfg.env.num_envs) * world
+    iterations = int(algo.total_steps) // steps_per_iter
+    start_iter, env_step = 0, 0
+    if resume is not None:
+        start_iter, env_step = resume["iteration"], resume["env_step"]
+        ranks = resume["ranks"]
+        if len(ranks) == world:
+            restore_collector(collector, ranks[rank])
+        elif rank == 0:
+            fabric.print(f"resume: checkpoint has {len(ranks)} ranks, this run {world}; episodes restart")
+
+    if rank == 0:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        save_resolved_config(cfg, run_dir)
+    logger = RunLogger(run_dir, cfg, iterations * steps_per_iter, enabled=rank == 0)
+    ckpt_dir = run_dir / "checkpoints"
+    watch = Stopwatch()
+    start_step = env_step
+
+    def save_checkpoint(iteration: int, numbered: bool) -> Path:
+        ranks = all_gather_objects(collector_state(collector))
+        state = learner_state(cfg, learner, obs_space, action_space)
+        state |= {"iteration": iteration, "env_step": env_step, "world_size": world, "ranks": ranks}
+        if rank == 0:
+            ckpt.save(state, ckpt_dir, iteration, numbered, int(cfg.checkpoint.keep))
+        return ckpt_dir / "last.ckpt"
+
+    for iteration in range(start_iter, iterations):
+        lr = set_lr(learner.optimizer, cfg, iteration, iterations)
+        t0 = time.perf_counter()
+        collector.collect(learner.policy, env_step)
+        env_step += steps_per_iter
+        t1 = time.perf_counter()
+        stats = train(fabric, learner.model, learner.optimizer, training_batch(storage), algo)
+        t2 = time.perf_counter()
+        watch.add("collect", t1 - t0)
+        watch.add("train", t2 - t1)
+        done = iteration + 1
+        if done % int(cfg.logger.log_every) == 0 or done == iterations:
+            sums = episode_sums(*collector.episodes.drain())
+            if world > 1:
+                sums = fabric.all_reduce(sums.to(fabric.device), reduce_op="sum").cpu()
+            recent = final_mean_return([collector.episodes.window])
+            sps = (env_step - start_step) / watch.elapsed()
+            metrics = stats | episode_means(sums) | {"train/lr": lr, "time/sps": sps}
+            metrics |= {"time/collect_s": t1 - t0, "time/train_s": t2 - t1}
+            if recent is not None:
+                metrics["rollout/return_mean20"] = recent
+            logger.log(metrics, env_step)
+            logger.progress(env_step, sps, recent)
+        if int(cfg.checkpoint.every) and done % int(cfg.checkpoint.every) == 0 and done != iterations:
+            save_checkpoint(done, numbered=True)
+
+    last = save_checkpoint(iterations, numbered=bool(int(cfg.checkpoint.every)))
+    wall = watch.elapsed()
+    windows = all_gather_objects(list(collector.episodes.window))
+    episodes = sum(all_gather_objects(collector.episodes.count))
+    summary = {
+        "strategy": "coupled",
+        "env_id": str(cfg.env.id),
+        "world_size": world,
+        "seed": int(cfg.seed),
+        "iterations": iterations,
+        "total_env_steps": env_step,
+        "steps_this_run": env_step - start_step,
+        "wall_seconds": wall,
+        "sps": (env_step - start_step) / wall if wall > 0 else 0.0,
+        "final_mean_return": final_mean_return(windows),
+        "episodes": episodes,
+        "time_split": watch.totals,
+        "run_dir": str(run_dir),
+        "checkpoint": str(last),
+        "resumed_from": None if cfg.resume is None else str(cfg.resume),
+    }
+    logger.close()
+    collector.envs.close()
+    if rank == 0:
+        write_json(run_dir / "summary.json", summary)
+    return summary
+
+
+if __name__ == "__main__":
+    from ppo_fabric.cli import run_script
+
+    run_script("coupled")

@@ -1,0 +1,99 @@
+"""The one rollout loop: act, step, store, bootstrap. Coupled ranks and decoupled players both run it."""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any
+
+import gymnasium as gym
+import numpy as np
+import torch
+from gymnasium.vector import VectorEnv
+from tensordict import TensorDict
+
+from ppo_fabric.advantages import compute_advantages
+from ppo_fabric.agent import ActorCritic
+
+
+@dataclass
+class EpisodeLog:
+    """Finished episodes: a short window for `final_mean_return`, and what finished since the last read."""
+
+    window: deque = field(default_factory=lambda: deque(maxlen=20))  # (env step, return, length)
+    returns: list[float] = field(default_factory=list)
+    lengths: list[int] = field(default_factory=list)
+    count: int = 0
+
+    def add(self, step: int, ret: float, length: int) -> None:
+        self.window.append((step, ret, length))
+        self.returns.append(ret)
+        self.lengths.append(length)
+        self.count += 1
+
+    def drain(self) -> tuple[list[float], list[int]]:
+        """Episodes finished since the previous call (for logging)."""
+        out = (self.returns, self.lengths)
+        self.returns, self.lengths = [], []
+        return out
+
+
+class RolloutCollector:
+    """Owns a rank's vector env and the observation it will act on next, so rollouts continue across
+    updates (and across checkpoint/resume) instead of restarting episodes."""
+
+    def __init__(
+        self, envs: VectorEnv, first_obs: Any, storage: TensorDict, gamma: float, gae_lambda: float
+    ) -> None:
+        self.envs = envs
+        self.storage = storage
+        self.device = storage.device
+        self.gamma = gamma
+        self.gae_lambda = gae_lambda
+        self.next_obs = self._to_tensor(first_obs)
+        self.episodes = EpisodeLog()
+        space = envs.single_action_space
+        self._clip = (space.low, space.high) if isinstance(space, gym.spaces.Box) else None
+
+    def _to_tensor(self, obs: Any) -> torch.Tensor:
+        return torch.as_tensor(obs, dtype=torch.float32, device=self.device)
+
+    @torch.inference_mode()
+    def collect(self, policy: ActorCritic, env_step: int) -> int:
+        """Fill the storage with T steps of every env, then compute GAE in it; returns env steps taken.
+
+        `env_step` is the global env step count at the start, used to time-stamp finished episodes.
+        """
+        s = self.storage
+        obs_buf, act_buf, logp_buf, val_buf = s["obs"], s["actions"], s["logprobs"], s["values"]
+        rew_buf, term_buf, trunc_buf, final_buf = s["rewards"], s["terminated"], s["truncated"], s["final_values"]
+        final_buf.zero_()
+        num_steps, num_envs = s.batch_size
+        obs = self.next_obs
+        for t in range(num_steps):
+            obs_buf[t] = obs
+            action, logprob, value = policy.act(obs)
+            act_buf[t] = action
+            logp_buf[t] = logprob
+            val_buf[t] = value
+            env_action = action.cpu().numpy()
+            if self._clip is not None:
+                env_action = np.clip(env_action, *self._clip)
+            next_obs, reward, terminated, truncated, info = self.envs.step(env_action)
+            rew_buf[t] = torch.from_numpy(np.asarray(reward, dtype=np.float32))
+            term_buf[t] = torch.from_numpy(terminated)
+            trunc_buf[t] = torch.from_numpy(truncated)
+            cut = truncated & ~terminated
+            if cut.any():
+                idx = np.flatnonzero(cut)
+                final_obs = self._to_tensor(np.stack(info["final_obs"][idx]))
+                final_buf[t, torch.from_numpy(idx).to(self.device)] = policy.get_value(final_obs)
+            if "_episode" in info:
+                ep = info["episode"]
+                step = env_step + (t + 1) * num_envs
+                for i in np.flatnonzero(info["_episode"]):
+                    self.episodes.add(step, float(ep["r"][i]), int(ep["l"][i]))
+            obs = self._to_tensor(next_obs)
+        self.next_obs = obs
+        compute_advantages(s, policy.get_value(obs), self.gamma, self.gae_lambda)
+        return num_steps * num_envs
