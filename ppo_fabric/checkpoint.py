@@ -77,6 +77,11 @@ def save(state: dict[str, Any], ckpt_dir: Path, iteration: int, numbered: bool, 
 def load(path: str | Path) -> dict[str, Any]:
     """Load a checkpoint written by `save`; raises ValueError with a one-line reason."""
     path = Path(path)
+    if path.is_dir():
+        raise ValueError(
+            f"resume={str(path)!r} is a directory; point resume at a .ckpt file such as "
+            f"{path / 'checkpoints' / 'last.ckpt'}"
+        )
     if not path.is_file():
         raise ValueError(f"resume={str(path)!r}: no such checkpoint file")
     try:
@@ -102,12 +107,18 @@ def check_resume(cfg: DictConfig, path: str, obs_space: gym.Space, action_space:
             f"resume={path!r} was trained on env.id={saved['env']['id']!r}, not {cfg.env.id!r}; "
             "set env.id to match or start a new run"
         )
-    for key in _MODEL_KEYS:
-        now = OmegaConf.to_container(cfg[key], resolve=True)
-        if saved[key] != now:
-            raise ConfigError(f"resume={path!r} has a different '{key}' config ({saved[key]}); use the same {key}")
+    for group in _MODEL_KEYS:
+        now = OmegaConf.to_container(cfg[group], resolve=True)
+        for key in sorted(set(now) | set(saved[group])):
+            if now.get(key) != saved[group].get(key):
+                raise ConfigError(
+                    f"resume={path!r}: {group}.{key}={now.get(key)} differs from the checkpoint's "
+                    f"{saved[group].get(key)}; use the same {group} settings"
+                )
     if state["observation_space"] != obs_space or state["action_space"] != action_space:
-        raise ConfigError(f"resume={path!r}: the env's observation or action space differs from the checkpoint's")
+        raise ConfigError(
+            f"resume={path!r}: the env's observation or action space differs from the checkpoint's"
+        )
     if saved["strategy"] != cfg.strategy:
         raise ConfigError(f"resume={path!r} comes from strategy={saved['strategy']}; use the same strategy")
     if state["env_step"] >= cfg.algo.total_steps:

@@ -43,6 +43,15 @@ def _quiet_libraries() -> None:
         logging.getLogger(name).setLevel(logging.WARNING)
 
 
+def describe_failure(exc: BaseException) -> str:
+    """One line for a rank's failure; a broken collective means another rank died first."""
+    text = f"{type(exc).__name__}: {exc}".strip().splitlines()[0]
+    lost = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "timed out", "Timeout")
+    if any(marker in text for marker in lost) or type(exc).__name__ == "DistBackendError":
+        return f"lost contact with another rank (it failed, was killed, or is stuck): {text[:160]}"
+    return text
+
+
 def build_fabric(cfg: Any, world_size: int) -> Any:
     from lightning.fabric import Fabric
     from lightning.fabric.strategies import DDPStrategy
@@ -71,7 +80,8 @@ def launch(cfg: Any, run_dir_template: str, facts: dict[str, Any]) -> dict[str, 
     if int(cfg.torch_threads) > 0:
         torch.set_num_threads(int(cfg.torch_threads))
     fabric = build_fabric(cfg, facts["world_size"])
-    fabric.launch()
+    if not os.environ.get("LT_CLI_USED"):  # under `fabric run` the processes exist and are set up already
+        fabric.launch()
     # Every process composed the config itself (at its own time); rank 0's run directory wins.
     run_dir = Path(fabric.broadcast(str(Path(run_dir_template).resolve()), src=0))
     from lightning.fabric.utilities.seed import seed_everything
@@ -84,10 +94,12 @@ def launch(cfg: Any, run_dir_template: str, facts: dict[str, Any]) -> dict[str, 
     try:
         summary = strategy.main(fabric, cfg, run_dir)
     except Exception as exc:
+        if fabric.world_size == 1:
+            raise
         rank = fabric.global_rank
         if os.environ.get("PPO_FABRIC_TRACEBACK"):
             traceback.print_exc()
-        print(f"ppo-fabric: error on rank {rank}: {type(exc).__name__}: {exc}".splitlines()[0], file=sys.stderr)
+        print(f"ppo-fabric: error on rank {rank}: {describe_failure(exc)}", file=sys.stderr)
         sys.stderr.flush()
         os._exit(1)  # do not wait in atexit hooks for peers that may be stuck in a collective
     if fabric.global_rank == 0:
@@ -106,6 +118,17 @@ def launch(cfg: Any, run_dir_template: str, facts: dict[str, Any]) -> dict[str, 
     return summary
 
 
+def run(overrides: list[str]) -> dict[str, Any]:
+    """Train in this process (Fabric launches more for fabric.devices>1); returns rank 0's summary.
+
+    Raises `ConfigError` for a config that cannot run. This is the Python API: `ppo_fabric.run([...])`.
+    """
+    from ppo_fabric.config import load
+
+    cfg, run_dir, facts = load(list(overrides))
+    return launch(cfg, run_dir, facts)
+
+
 def main(argv: list[str] | None = None, strategy: str | None = None) -> None:
     """Entry point of `python -m ppo_fabric` and `ppo-fabric`."""
     args = list(sys.argv[1:] if argv is None else argv)
@@ -115,13 +138,12 @@ def main(argv: list[str] | None = None, strategy: str | None = None) -> None:
     if strategy is not None:
         args = [a for a in args if not a.startswith("strategy=")] + [f"strategy={strategy}"]
     _quiet_libraries()
-    from ppo_fabric.config import ConfigError, load
+    from ppo_fabric.config import ConfigError
 
     try:
-        cfg, run_dir, facts = load(args)
+        run(args)
     except ConfigError as exc:
         _fail(str(exc))
-    launch(cfg, run_dir, facts)
 
 
 def run_script(strategy: str) -> None:

@@ -40,7 +40,7 @@ def _first_line(exc: BaseException) -> str:
     return str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
 
 
-def _translate_hydra_error(exc: Exception) -> ConfigError:
+def _translate_hydra_error(exc: Exception, overrides: list[str]) -> ConfigError:
     from hydra.errors import ConfigCompositionException, MissingConfigException, OverrideParseException
 
     text = str(exc)
@@ -61,9 +61,27 @@ def _translate_hydra_error(exc: Exception) -> ConfigError:
             + (f" against the keys of '{parent}'" if parent else "")
             + f", or add a new key with +{key}=VALUE"
         )
+    bad = _unparsable_override(overrides)
+    if bad is not None:
+        return ConfigError(f"cannot parse override {bad[0]!r}: {bad[1]}; write overrides as key=value")
     if isinstance(exc, OverrideParseException):
         return ConfigError(f"cannot parse override: {_first_line(exc)}")
     return ConfigError(_first_line(exc))
+
+
+def _unparsable_override(overrides: list[str]) -> tuple[str, str] | None:
+    """The first override Hydra's grammar rejects (Hydra's own message does not say which)."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    parser = OverridesParser.create()
+    for override in overrides:
+        if not override.startswith("~") and (override.startswith("=") or "=" not in override):
+            return override, "missing key or '='"
+        try:
+            parser.parse_overrides([override])
+        except Exception as exc:  # Hydra's grammar errors have no common base
+            return override, _first_line(exc)
+    return None
 
 
 def compose(overrides: list[str]) -> tuple[DictConfig, str]:
@@ -77,7 +95,7 @@ def compose(overrides: list[str]) -> tuple[DictConfig, str]:
         with initialize_config_dir(version_base=None, config_dir=str(config_dir()), job_name="ppo_fabric"):
             cfg = hydra_compose("config", overrides=overrides, return_hydra_config=True)
     except Exception as exc:  # Hydra raises many types; each becomes one line
-        raise _translate_hydra_error(exc) from exc
+        raise _translate_hydra_error(exc, overrides) from exc
     run_dir = str(cfg.hydra.run.dir)
     with open_dict(cfg):
         del cfg["hydra"]
@@ -128,8 +146,17 @@ _CHOICES = {
     "env.vector": ("sync", "async"),
     "fabric.accelerator": ACCELERATORS,
     "algo.player_device": ("cpu", "auto"),
+    "fabric.strategy": ("auto", "ddp"),
+    "fabric.precision": ("32-true", "32", "bf16-mixed", "16-mixed", "bf16-true", "16-true", "64-true", "64"),
 }
-_BOOLS = ("algo.anneal_lr", "algo.norm_adv", "algo.clip_vloss", "algo.pipeline", "logger.tensorboard", "logger.csv")
+_BOOLS = (
+    "algo.anneal_lr",
+    "algo.norm_adv",
+    "algo.clip_vloss",
+    "algo.pipeline",
+    "logger.tensorboard",
+    "logger.csv",
+)
 
 
 def _check_number(cfg: DictConfig, rule: _Rule) -> None:
@@ -138,8 +165,9 @@ def _check_number(cfg: DictConfig, rule: _Rule) -> None:
         if rule.optional:
             return
         raise ConfigError(f"{rule.key} is required; set {rule.key}=VALUE")
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or math.isnan(value):
-        raise ConfigError(f"{rule.key}={value!r} must be a number")
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        shown = str(value).lower() if isinstance(value, bool) else repr(value)
+        raise ConfigError(f"{rule.key}={shown} must be a finite number")
     if rule.kind is int:
         if not float(value).is_integer():
             raise ConfigError(f"{rule.key}={value!r} must be a whole number")
@@ -193,6 +221,7 @@ def validate(cfg: DictConfig) -> dict[str, Any]:
         raise ConfigError(f"model.activation={cfg.model.activation!r} is not one of {', '.join(ACTIVATIONS)}")
 
     world = launched_world_size(cfg)
+    _check_accelerator(cfg, world)
     _check_layout(cfg, world)
     spaces = _check_env_and_model(cfg)
     if cfg.resume is not None:
@@ -243,16 +272,38 @@ def _check_env_and_model(cfg: DictConfig) -> tuple[Any, Any]:
     from ppo_fabric.agent import ActorCritic
     from ppo_fabric.envs import EnvError, probe_spaces
 
-    if cfg.env.id in (None, "???") or OmegaConf.is_missing(cfg.env, "id"):
+    if OmegaConf.is_missing(cfg.env, "id") or cfg.env.id is None:
         raise ConfigError("env.id is required; set env.id=CartPole-v1 (or any gymnasium id)")
+    if not OmegaConf.is_dict(cfg.env.kwargs):
+        raise ConfigError(
+            f"env.kwargs={cfg.env.kwargs} must be a mapping; add keys with +env.kwargs.NAME=VALUE"
+        )
     try:
         obs_space, action_space = probe_spaces(cfg.env)
-        ActorCritic(obs_space, action_space, cfg.model)
     except EnvError as exc:
         raise ConfigError(str(exc)) from exc
-    except ValueError as exc:
-        raise ConfigError(f"env.id={cfg.env.id!r}: {exc}") from exc
+    try:
+        ActorCritic(obs_space, action_space, cfg.model)
+    except ValueError as exc:  # the model cannot serve these spaces, or a model key is wrong
+        raise ConfigError(str(exc)) from exc
     return obs_space, action_space
+
+
+def _check_accelerator(cfg: DictConfig, world: int) -> None:
+    if cfg.fabric.accelerator not in ("cuda", "gpu"):
+        return
+    import torch
+
+    available = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if available == 0:
+        raise ConfigError(
+            f"fabric.accelerator={cfg.fabric.accelerator} but no CUDA device is available; "
+            "use fabric=cpu (or fabric.accelerator=auto)"
+        )
+    if not os.environ.get("LT_CLI_USED") and cfg.fabric.devices > available:
+        raise ConfigError(
+            f"fabric.devices={cfg.fabric.devices} but this machine has {available} CUDA device(s)"
+        )
 
 
 def load(overrides: list[str]) -> tuple[DictConfig, str, dict[str, Any]]:

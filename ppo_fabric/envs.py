@@ -5,6 +5,7 @@ from __future__ import annotations
 import difflib
 import importlib
 from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 import gymnasium as gym
@@ -89,13 +90,13 @@ def make_env(env_cfg: DictConfig, render_mode: str | None = None) -> gym.Env:
         hint = f"pip install 'ppo-fabric[{extra}]'" if extra else str(exc).splitlines()[0]
         raise EnvError(f"env.id={env_id!r} needs an optional dependency: {hint}") from exc
     except (gym.error.NameNotFound, gym.error.VersionNotFound, gym.error.UnregisteredEnv) as exc:
-        close = difflib.get_close_matches(env_id.split(":")[-1], list(gym.registry), n=3)
+        close = difflib.get_close_matches(env_id.split(":")[-1], list(gym.registry), n=3, cutoff=0.75)
         hint = f"; did you mean {', '.join(close)}?" if close else "; see gymnasium.pprint_registry()"
         raise EnvError(f"env.id={env_id!r} is not a registered gymnasium environment{hint}") from exc
     except gym.error.Error as exc:
         raise EnvError(f"env.id={env_id!r}: {str(exc).splitlines()[0]}") from exc
     except TypeError as exc:
-        raise EnvError(f"env.id={env_id!r} rejected env.kwargs: {exc}") from exc
+        raise EnvError(f"env.id={env_id!r} rejected env.kwargs: {str(exc)[:120]}") from exc
     if int(env_cfg.action_repeat) > 1:
         env = ActionRepeat(env, int(env_cfg.action_repeat))
     return env
@@ -114,7 +115,8 @@ def make_vector_env(env_cfg: DictConfig, seed: int, rank: int) -> tuple[VectorEn
     ended it: the rollout bootstraps from its value, which NEXT_STEP autoreset would hide one step later.
     Episode statistics wrap the vector env before any later normalisation so they report raw returns.
     """
-    fns: list[Callable[[], gym.Env]] = [lambda: make_env(env_cfg) for _ in range(int(env_cfg.num_envs))]
+    # partial, not a lambda: the vector env keeps its factories, and checkpoints pickle the vector env.
+    fns: list[Callable[[], gym.Env]] = [partial(make_env, env_cfg) for _ in range(int(env_cfg.num_envs))]
     cls = AsyncVectorEnv if env_cfg.vector == "async" else SyncVectorEnv
     envs = cls(fns, autoreset_mode=AutoresetMode.SAME_STEP)
     envs = gym.wrappers.vector.RecordEpisodeStatistics(envs, buffer_length=1)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import sys
 import time
@@ -21,6 +22,12 @@ def all_gather_objects(obj: Any, group: Any = None) -> list[Any]:
     out: list[Any] = [None] * dist.get_world_size(group)
     dist.all_gather_object(out, obj, group=group)
     return out
+
+
+def parameters_digest(module: torch.nn.Module) -> str:
+    """A hash of all parameters, to prove at the end of a run that every rank holds the same model."""
+    flat = torch.cat([p.detach().reshape(-1).cpu() for p in module.parameters()])
+    return hashlib.sha256(flat.numpy().tobytes()).hexdigest()
 
 
 def episode_sums(returns: Iterable[float], lengths: Iterable[int]) -> torch.Tensor:
@@ -60,7 +67,9 @@ class RunLogger:
         if sys.stdout.isatty():
             from tqdm import tqdm
 
-            self.bar = tqdm(total=total_steps, unit="step", unit_scale=True, dynamic_ncols=True, file=sys.stdout)
+            self.bar = tqdm(
+                total=total_steps, unit="step", unit_scale=True, dynamic_ncols=True, file=sys.stdout
+            )
 
     def log(self, metrics: Mapping[str, float], step: int) -> None:
         if not self.enabled:

@@ -31,6 +31,7 @@ from ppo_fabric.metrics import (
     episode_means,
     episode_sums,
     final_mean_return,
+    parameters_digest,
     save_resolved_config,
     write_json,
 )
@@ -38,7 +39,9 @@ from ppo_fabric.rollout import RolloutCollector
 
 
 # ----------------------------------------------------------------------------------------------- update
-def train(fabric: Fabric, model: Any, optimizer: Any, batch: TensorDict, algo: DictConfig) -> dict[str, float]:
+def train(
+    fabric: Fabric, model: Any, optimizer: Any, batch: TensorDict, algo: DictConfig
+) -> dict[str, float]:
     """One PPO update: `update_epochs` passes over shuffled minibatches of this rank's flat batch.
 
     With `target_kl` set, the KL estimate is averaged over all training ranks before deciding to stop, so
@@ -63,7 +66,9 @@ def train(fabric: Fabric, model: Any, optimizer: Any, batch: TensorDict, algo: D
             optimizer.zero_grad(set_to_none=True)
             fabric.backward(loss)
             if algo.max_grad_norm > 0:
-                fabric.clip_gradients(model, optimizer, max_norm=float(algo.max_grad_norm), error_if_nonfinite=False)
+                fabric.clip_gradients(
+                    model, optimizer, max_norm=float(algo.max_grad_norm), error_if_nonfinite=False
+                )
             optimizer.step()
             with torch.no_grad():
                 logratio = new_logp - old_logp[sl]
@@ -83,7 +88,10 @@ def train(fabric: Fabric, model: Any, optimizer: Any, batch: TensorDict, algo: D
     var_returns = returns.var()
     explained = (1 - (returns - values).var() / var_returns).item() if var_returns > 0 else float("nan")
     names = ("loss/policy", "loss/value", "loss/entropy", "train/approx_kl", "train/clip_fraction")
-    return dict(zip(names, means, strict=True)) | {"train/explained_variance": explained, "train/epochs": epochs}
+    return dict(zip(names, means, strict=True)) | {
+        "train/explained_variance": explained,
+        "train/epochs": epochs,
+    }
 
 
 # ------------------------------------------------------------------------------------------- set-up
@@ -157,7 +165,9 @@ def main(fabric: Fabric, cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
     obs_space, action_space = envs.single_observation_space, envs.single_action_space
     resume = ckpt.load(cfg.resume) if cfg.resume is not None else None
     learner = build_learner(fabric, cfg, obs_space, action_space, resume)
-    storage = rollout_storage(int(algo.rollout_steps), int(cfg.env.num_envs), obs_space, action_space, fabric.device)
+    storage = rollout_storage(
+        int(algo.rollout_steps), int(cfg.env.num_envs), obs_space, action_space, fabric.device
+    )
     collector = RolloutCollector(envs, first_obs, storage, float(algo.gamma), float(algo.gae_lambda))
 
     steps_per_iter = int(algo.rollout_steps) * int(cfg.env.num_envs) * world
@@ -217,6 +227,7 @@ def main(fabric: Fabric, cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
     wall = watch.elapsed()
     windows = all_gather_objects(list(collector.episodes.window))
     episodes = sum(all_gather_objects(collector.episodes.count))
+    digests = all_gather_objects(parameters_digest(learner.policy))
     summary = {
         "strategy": "coupled",
         "env_id": str(cfg.env.id),
@@ -230,6 +241,7 @@ def main(fabric: Fabric, cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
         "final_mean_return": final_mean_return(windows),
         "episodes": episodes,
         "time_split": watch.totals,
+        "ranks_in_sync": len(set(digests)) == 1,
         "run_dir": str(run_dir),
         "checkpoint": str(last),
         "resumed_from": None if cfg.resume is None else str(cfg.resume),

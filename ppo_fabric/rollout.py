@@ -66,7 +66,12 @@ class RolloutCollector:
         """
         s = self.storage
         obs_buf, act_buf, logp_buf, val_buf = s["obs"], s["actions"], s["logprobs"], s["values"]
-        rew_buf, term_buf, trunc_buf, final_buf = s["rewards"], s["terminated"], s["truncated"], s["final_values"]
+        rew_buf, term_buf, trunc_buf, final_buf = (
+            s["rewards"],
+            s["terminated"],
+            s["truncated"],
+            s["final_values"],
+        )
         final_buf.zero_()
         num_steps, num_envs = s.batch_size
         obs = self.next_obs

@@ -1,0 +1,39 @@
+# The two commands of the README, plus helpers. Everything installs into .venv through constraints.txt.
+PYTHON ?= python3
+VENV   ?= .venv
+BIN    := $(VENV)/bin
+PIP    := $(BIN)/python -m pip --disable-pip-version-check -q
+STAMP  := $(VENV)/.installed
+ARGS   ?=
+
+.PHONY: train test lint bench clean
+
+$(STAMP): pyproject.toml constraints.txt
+	$(PYTHON) -m venv $(VENV)
+	$(PIP) install -c constraints.txt torch==2.13.0
+	$(PIP) install -c constraints.txt -e '.[dev]'
+	touch $(STAMP)
+
+# PPO on CartPole-v1 with the default config (add overrides with ARGS="env.id=Acrobot-v1 ...").
+train: $(STAMP)
+	$(BIN)/python -m ppo_fabric $(ARGS)
+
+# Lint, then the whole suite (unit, probe environments, real multi-process runs on CPU).
+test: $(STAMP)
+	$(BIN)/ruff check .
+	$(BIN)/python -m pytest $(ARGS)
+
+lint: $(STAMP)
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+
+$(VENV)/.bench: $(STAMP)
+	$(PIP) install -c constraints.txt -e '.[dev,bench]'
+	touch $@
+
+# Throughput and learning benchmarks; figures land in benchmarks/results/.
+bench: $(VENV)/.bench
+	$(BIN)/python benchmarks/cartpole_vs_sb3.py $(ARGS)
+
+clean:
+	rm -rf $(VENV) runs outputs .pytest_cache .ruff_cache

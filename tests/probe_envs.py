@@ -1,0 +1,144 @@
+"""Andy Jones' five probe environments ("Debugging RL, without the agonizing pain").
+
+Each probe isolates one piece of an actor-critic learner, so a failure points at the piece that is broken
+instead of at "the agent does not learn CartPole":
+
+1. `ProbeConstant-v0`: value learning at all (V = 1 for the only observation).
+2. `ProbeObsDependent-v0`: the critic uses the observation (V(obs) = obs).
+3. `ProbeDiscounting-v0`: discounting and bootstrapping across steps (V(first) = gamma, V(second) = 1).
+4. `ProbeActionDependent-v0`: the policy gradient with no observation to lean on (pick action 1).
+5. `ProbeObsAndAction-v0`: policy and critic together (act on the observation's sign; V = 1).
+
+Importing this module registers them, so `env.id=tests.probe_envs:ProbeConstant-v0` works: gymnasium (and
+ppo_fabric's env builder) imports the module named before the colon. Every episode ends with
+`terminated=True`, never `truncated`, so the learner must bootstrap with zero after the last step.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import gymnasium as gym
+import numpy as np
+
+
+class _Probe(gym.Env):
+    """Shared plumbing: a 1-D float observation in [-1, 1] and seeded randomness for the random probes."""
+
+    def __init__(self, num_actions: int) -> None:
+        self.observation_space = gym.spaces.Box(-1.0, 1.0, (1,), np.float32)
+        self.action_space = gym.spaces.Discrete(num_actions)
+
+    @staticmethod
+    def _obs(value: float) -> np.ndarray:
+        return np.array([value], dtype=np.float32)
+
+    def _random_sign(self) -> float:
+        return 1.0 if self.np_random.random() < 0.5 else -1.0
+
+
+class ProbeConstant(_Probe):
+    """One action, observation 0, one step, reward +1: the value of the observation must become 1."""
+
+    def __init__(self) -> None:
+        super().__init__(num_actions=1)
+
+    def reset(self, *, seed: int | None = None, options: dict | None = None) -> tuple[np.ndarray, dict]:
+        super().reset(seed=seed)
+        return self._obs(0.0), {}
+
+    def step(self, action: Any) -> tuple[np.ndarray, float, bool, bool, dict]:
+        return self._obs(0.0), 1.0, True, False, {}
+
+
+class ProbeObsDependent(_Probe):
+    """One action, observation ±1 at random, one step, reward = observation: V(obs) must become obs."""
+
+    def __init__(self) -> None:
+        super().__init__(num_actions=1)
+        self._sign = 1.0
+
+    def reset(self, *, seed: int | None = None, options: dict | None = None) -> tuple[np.ndarray, dict]:
+        super().reset(seed=seed)
+        self._sign = self._random_sign()
+        return self._obs(self._sign), {}
+
+    def step(self, action: Any) -> tuple[np.ndarray, float, bool, bool, dict]:
+        return self._obs(0.0), self._sign, True, False, {}
+
+
+class ProbeDiscounting(_Probe):
+    """One action, two steps: observation 0 then 1, reward +1 only at the end.
+
+    V(first) must become gamma and V(second) 1: a wrong discount, or bootstrapping from the wrong value,
+    shows up as a wrong V(first).
+    """
+
+    def __init__(self) -> None:
+        super().__init__(num_actions=1)
+        self._t = 0
+
+    def reset(self, *, seed: int | None = None, options: dict | None = None) -> tuple[np.ndarray, dict]:
+        super().reset(seed=seed)
+        self._t = 0
+        return self._obs(0.0), {}
+
+    def step(self, action: Any) -> tuple[np.ndarray, float, bool, bool, dict]:
+        self._t += 1
+        if self._t == 1:
+            return self._obs(1.0), 0.0, False, False, {}
+        return self._obs(0.0), 1.0, True, False, {}
+
+
+class ProbeActionDependent(_Probe):
+    """Two actions, observation 0, one step, reward +1 for action 1 and -1 for action 0.
+
+    The policy must learn to pick action 1, after which V = 1; there is no observation to explain the
+    reward, so only the policy gradient can get this right.
+    """
+
+    def __init__(self) -> None:
+        super().__init__(num_actions=2)
+
+    def reset(self, *, seed: int | None = None, options: dict | None = None) -> tuple[np.ndarray, dict]:
+        super().reset(seed=seed)
+        return self._obs(0.0), {}
+
+    def step(self, action: Any) -> tuple[np.ndarray, float, bool, bool, dict]:
+        reward = 1.0 if int(action) == 1 else -1.0
+        return self._obs(0.0), reward, True, False, {}
+
+
+class ProbeObsAndAction(_Probe):
+    """Two actions, observation ±1 at random, one step, reward +1 when the action matches the sign.
+
+    Action 1 matches +1 and action 0 matches -1 (otherwise the reward is -1). The policy must follow the
+    observation, after which V = 1 for both observations: actor and critic must both read the input.
+    """
+
+    def __init__(self) -> None:
+        super().__init__(num_actions=2)
+        self._sign = 1.0
+
+    def reset(self, *, seed: int | None = None, options: dict | None = None) -> tuple[np.ndarray, dict]:
+        super().reset(seed=seed)
+        self._sign = self._random_sign()
+        return self._obs(self._sign), {}
+
+    def step(self, action: Any) -> tuple[np.ndarray, float, bool, bool, dict]:
+        wanted = 1 if self._sign > 0 else 0
+        reward = 1.0 if int(action) == wanted else -1.0
+        return self._obs(0.0), reward, True, False, {}
+
+
+PROBES: dict[str, type[_Probe]] = {
+    "ProbeConstant-v0": ProbeConstant,
+    "ProbeObsDependent-v0": ProbeObsDependent,
+    "ProbeDiscounting-v0": ProbeDiscounting,
+    "ProbeActionDependent-v0": ProbeActionDependent,
+    "ProbeObsAndAction-v0": ProbeObsAndAction,
+}
+
+for _env_id, _cls in PROBES.items():
+    if _env_id not in gym.registry:  # re-importing (e.g. under another module name) must not warn
+        gym.register(id=_env_id, entry_point=f"{__name__}:{_cls.__name__}")
