@@ -32,6 +32,7 @@ from __future__ import annotations
 import argparse
 import csv
 import datetime as dt
+import hashlib
 import json
 import math
 import os
@@ -305,8 +306,15 @@ def machine() -> dict[str, Any]:
                 check=True,
             ).stdout.strip()
         )
+        # Uncommitted code is what ran: a digest of its diff tells two results from different trees apart.
+        diff = subprocess.run(
+            ["git", "-C", str(REPO), "diff", "HEAD", "--", "ppo_fabric", "conf"],
+            capture_output=True,
+            check=True,
+        ).stdout
+        diff_sha1 = hashlib.sha1(diff).hexdigest()[:12] if diff else None
     except (OSError, subprocess.CalledProcessError):
-        commit, dirty = None, None
+        commit, dirty, diff_sha1 = None, None, None
     return {
         "cpu_model": cpu,
         "cpu_count": os.cpu_count(),
@@ -321,6 +329,7 @@ def machine() -> dict[str, Any]:
         "ppo_fabric": ppo_fabric.__version__,
         "git_commit": commit,
         "git_dirty": dirty,
+        "git_diff_sha1": diff_sha1,
     }
 
 
@@ -436,7 +445,9 @@ def markdown(report: dict[str, Any]) -> str:
         f"- {m['platform']}, Python {m['python']}",
         f"- torch {m['torch']}, lightning {m['lightning']}, gymnasium {m['gymnasium']}, numpy {m['numpy']}",
         f"- stable-baselines3 {m['stable_baselines3']}, ppo-fabric {m['ppo_fabric']} "
-        f"(git {m['git_commit']}{', uncommitted changes' if m['git_dirty'] else ''})",
+        f"(git {m['git_commit']}"
+        + (f", uncommitted changes, diff sha1 {m['git_diff_sha1']}" if m["git_dirty"] else "")
+        + ")",
         f"- torch threads per run: {report['threads']} (`torch.set_num_threads` in the SB3 run, "
         "`torch_threads` in ppo-fabric); runs one at a time, each in its own process",
         "",

@@ -245,10 +245,10 @@ def _check_layout(cfg: DictConfig, world: int) -> None:
             )
     collectors, trainers, per_trainer = training_layout(cfg, world)
     per_collector = cfg.algo.rollout_steps * cfg.env.num_envs
-    if cfg.strategy == "decoupled" and (per_collector * collectors) % trainers:
+    if cfg.strategy == "decoupled" and per_collector % trainers:
         raise ConfigError(
-            f"the batch of {per_collector * collectors} samples (algo.rollout_steps*env.num_envs*algo.players) "
-            f"cannot be split evenly over {trainers} trainers; change env.num_envs or algo.rollout_steps"
+            f"each player's batch of {per_collector} samples (algo.rollout_steps*env.num_envs) cannot be "
+            f"split evenly over {trainers} trainers; change env.num_envs or algo.rollout_steps"
         )
     mb = cfg.algo.minibatch_size
     if per_trainer % mb:

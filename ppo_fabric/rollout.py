@@ -40,7 +40,14 @@ class EpisodeLog:
 
 class RolloutCollector:
     """Owns a rank's vector env and the observation it will act on next, so rollouts continue across
-    updates (and across checkpoint/resume) instead of restarting episodes."""
+    updates (and across checkpoint/resume) instead of restarting episodes.
+
+    What the env returns (observations, rewards, flags) is written into numpy arrays on the host: views of
+    the storage itself when it lives on the CPU (no copy at all), or staging arrays copied to the device
+    once per rollout when it does not, instead of one small transfer per step and key.
+    """
+
+    _HOST_KEYS = ("obs", "rewards", "terminated", "truncated")
 
     def __init__(
         self, envs: VectorEnv, first_obs: Any, storage: TensorDict, gamma: float, gae_lambda: float
@@ -50,6 +57,12 @@ class RolloutCollector:
         self.device = storage.device
         self.gamma = gamma
         self.gae_lambda = gae_lambda
+        on_cpu = self.device.type == "cpu"
+        self.host = {
+            k: storage[k].numpy() if on_cpu else np.zeros(storage[k].shape, dtype=_numpy_dtype(storage[k]))
+            for k in self._HOST_KEYS
+        }
+        self._staged = not on_cpu
         self.next_obs = self._to_tensor(first_obs)
         self.episodes = EpisodeLog()
         space = envs.single_action_space
@@ -65,18 +78,13 @@ class RolloutCollector:
         `env_step` is the global env step count at the start, used to time-stamp finished episodes.
         """
         s = self.storage
-        obs_buf, act_buf, logp_buf, val_buf = s["obs"], s["actions"], s["logprobs"], s["values"]
-        rew_buf, term_buf, trunc_buf, final_buf = (
-            s["rewards"],
-            s["terminated"],
-            s["truncated"],
-            s["final_values"],
-        )
+        act_buf, logp_buf, val_buf, final_buf = s["actions"], s["logprobs"], s["values"], s["final_values"]
+        obs_np, rew_np, term_np, trunc_np = (self.host[k] for k in self._HOST_KEYS)
         final_buf.zero_()
         num_steps, num_envs = s.batch_size
         obs = self.next_obs
+        obs_np[0] = obs.cpu().numpy()
         for t in range(num_steps):
-            obs_buf[t] = obs
             action, logprob, value = policy.act(obs)
             act_buf[t] = action
             logp_buf[t] = logprob
@@ -84,11 +92,8 @@ class RolloutCollector:
             env_action = action.cpu().numpy()
             if self._clip is not None:
                 env_action = np.clip(env_action, *self._clip)
-            next_obs, reward, terminated, truncated, info = self.envs.step(env_action)
-            rew_buf[t] = torch.from_numpy(np.asarray(reward, dtype=np.float32))
-            term_buf[t] = torch.from_numpy(terminated)
-            trunc_buf[t] = torch.from_numpy(truncated)
-            cut = truncated & ~terminated
+            next_obs, rew_np[t], term_np[t], trunc_np[t], info = self.envs.step(env_action)
+            cut = trunc_np[t] & ~term_np[t]
             if cut.any():
                 idx = np.flatnonzero(cut)
                 final_obs = self._to_tensor(np.stack(info["final_obs"][idx]))
@@ -98,7 +103,18 @@ class RolloutCollector:
                 step = env_step + (t + 1) * num_envs
                 for i in np.flatnonzero(info["_episode"]):
                     self.episodes.add(step, float(ep["r"][i]), int(ep["l"][i]))
-            obs = self._to_tensor(next_obs)
+            if t + 1 < num_steps:
+                obs_np[t + 1] = next_obs
+                obs = torch.from_numpy(obs_np[t + 1]).to(self.device)  # a view on CPU: no copy
+            else:
+                obs = self._to_tensor(next_obs)
+        if self._staged:
+            for key in self._HOST_KEYS:
+                s[key].copy_(torch.from_numpy(self.host[key]), non_blocking=True)
         self.next_obs = obs
         compute_advantages(s, policy.get_value(obs), self.gamma, self.gae_lambda)
         return num_steps * num_envs
+
+
+def _numpy_dtype(tensor: torch.Tensor) -> np.dtype:
+    return torch.empty((), dtype=tensor.dtype).numpy().dtype

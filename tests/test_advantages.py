@@ -84,13 +84,22 @@ def run_reference(r: dict[str, Tensor], gamma: float, lam: float) -> tuple[Tenso
 
 
 @pytest.mark.parametrize("shape", [(1, 1), (1, 3), (5, 1), (7, 3), (16, 4), (33, 8)])
-@pytest.mark.parametrize("gamma,lam", [(0.99, 0.95), (0.0, 0.95), (0.9, 0.0), (1.0, 1.0), (0.0, 0.0), (0.97, 1.0)])
+@pytest.mark.parametrize(
+    "gamma,lam", [(0.99, 0.95), (0.0, 0.95), (0.9, 0.0), (1.0, 1.0), (0.0, 0.0), (0.97, 1.0)]
+)
 def test_gae_matches_reference_loop(shape: tuple[int, int], gamma: float, lam: float) -> None:
     """The vectorised GAE must equal the per-env scalar definition for every flag pattern and coefficient."""
     steps, envs = shape
     r = random_rollout(steps, envs, seed=steps * 100 + envs, dtype=torch.float64)
     adv, ret = gae(
-        r["rewards"], r["values"], r["terminated"], r["truncated"], r["final_values"], r["next_value"], gamma, lam
+        r["rewards"],
+        r["values"],
+        r["terminated"],
+        r["truncated"],
+        r["final_values"],
+        r["next_value"],
+        gamma,
+        lam,
     )
     exp_adv, exp_ret = run_reference(r, gamma, lam)
     assert adv.shape == ret.shape == (steps, envs)
@@ -102,7 +111,14 @@ def test_gae_float32_matches_reference() -> None:
     """The float32 path used in training agrees with the float64 reference to float32 precision."""
     r = random_rollout(64, 4, seed=7, dtype=torch.float32)
     adv, ret = gae(
-        r["rewards"], r["values"], r["terminated"], r["truncated"], r["final_values"], r["next_value"], 0.99, 0.95
+        r["rewards"],
+        r["values"],
+        r["terminated"],
+        r["truncated"],
+        r["final_values"],
+        r["next_value"],
+        0.99,
+        0.95,
     )
     exp_adv, exp_ret = run_reference(r, 0.99, 0.95)
     assert adv.dtype == ret.dtype == torch.float32
@@ -155,7 +171,9 @@ def test_gae_by_hand(term1: bool, trunc1: bool, expected: list[float]) -> None:
 def test_compute_advantages_fills_storage_in_place() -> None:
     """The rollout storage's own `advantages`/`returns` tensors receive GAE; nothing else is touched."""
     steps, envs = 9, 3
-    storage = rollout_storage(steps, envs, gym.spaces.Box(-1, 1, (4,), np.float32), gym.spaces.Discrete(2), "cpu")
+    storage = rollout_storage(
+        steps, envs, gym.spaces.Box(-1, 1, (4,), np.float32), gym.spaces.Discrete(2), "cpu"
+    )
     r = random_rollout(steps, envs, seed=3, dtype=torch.float32)
     for key in ("rewards", "values", "terminated", "truncated", "final_values"):
         storage[key].copy_(r[key])

@@ -186,9 +186,13 @@ def test_orthogonal_init_gains() -> None:
     for layer in hidden:
         w = layer.weight.detach().double()
         gram = w.T @ w if w.shape[0] >= w.shape[1] else w @ w.T  # the smaller Gram is gain^2 * I
-        torch.testing.assert_close(gram, 2.0 * torch.eye(gram.shape[0], dtype=torch.float64), atol=1e-5, rtol=0)
+        torch.testing.assert_close(
+            gram, 2.0 * torch.eye(gram.shape[0], dtype=torch.float64), atol=1e-5, rtol=0
+        )
     policy_w = model.head.linear.weight.detach().double()  # [3, 64]
-    torch.testing.assert_close(policy_w @ policy_w.T, 1e-4 * torch.eye(3, dtype=torch.float64), atol=1e-9, rtol=0)
+    torch.testing.assert_close(
+        policy_w @ policy_w.T, 1e-4 * torch.eye(3, dtype=torch.float64), atol=1e-9, rtol=0
+    )
     value_w = model.value_out.weight.detach().double()  # [1, 64]
     assert value_w.norm().item() == pytest.approx(1.0, abs=1e-5)
     for layer in [*hidden, model.head.linear, model.value_out]:
@@ -266,10 +270,20 @@ def test_multi_dim_box_observation_is_flattened() -> None:
         (OBS, gym.spaces.MultiBinary(3), model_cfg()),
         (OBS, gym.spaces.Tuple((gym.spaces.Discrete(2), gym.spaces.Discrete(3))), model_cfg()),
     ],
-    ids=["dict-obs", "discrete-obs", "pixel-obs", "unknown-encoder", "2d-box-action", "2d-multidiscrete",
-         "multibinary", "tuple-action"],
+    ids=[
+        "dict-obs",
+        "discrete-obs",
+        "pixel-obs",
+        "unknown-encoder",
+        "2d-box-action",
+        "2d-multidiscrete",
+        "multibinary",
+        "tuple-action",
+    ],
 )
-def test_unsupported_spaces_raise_value_error(obs_space: gym.Space, action_space: gym.Space, cfg: DictConfig) -> None:
+def test_unsupported_spaces_raise_value_error(
+    obs_space: gym.Space, action_space: gym.Space, cfg: DictConfig
+) -> None:
     """Spaces the networks cannot handle fail at construction with a ValueError, not later with a shape error."""
     with pytest.raises(ValueError):
         ActorCritic(obs_space, action_space, cfg)

@@ -30,7 +30,9 @@ def t(*xs: float) -> torch.Tensor:
         ((1.0, 1.0, 1.0), (1.0, -2.0, 4.0), -1.0),
     ],
 )
-def test_policy_loss_by_hand(ratios: tuple[float, ...], advantages: tuple[float, ...], expected: float) -> None:
+def test_policy_loss_by_hand(
+    ratios: tuple[float, ...], advantages: tuple[float, ...], expected: float
+) -> None:
     """Pessimistic clipped surrogate, negated, for ratios inside and outside [0.8, 1.2] and both signs of A."""
     old = t(-0.3, -1.2, -2.0)
     new = old + t(*ratios).log()

@@ -1,0 +1,270 @@
+"""Decoupled PPO: player ranks step the environments, trainer ranks learn under DDP among themselves.
+
+`main()` builds the process groups and sends each rank to `player()` or `trainer()`. Players use the
+same rollout loop, storage and GAE as the coupled strategy; trainers use the same `train()` update.
+The messages between them live in `collectives.py`.
+
+With `algo.pipeline=true` a player collects rollout k+1 with the parameters it has while the trainers
+learn from rollout k, then loads the new parameters before sending: the policy lag is one update, which
+PPO tolerates because its ratio uses the stored behaviour log-probabilities. The lag is measured (each
+batch carries the parameter version it was collected with) and logged as `train/policy_lag`.
+
+Run as a script under `fabric run --accelerator=cpu --devices=3 ppo_fabric/ppo_decoupled.py [overrides]`.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from lightning.fabric import Fabric
+from omegaconf import DictConfig
+from torch.nn.utils import parameters_to_vector, vector_to_parameters
+
+from ppo_fabric import checkpoint as ckpt
+from ppo_fabric.agent import ActorCritic
+from ppo_fabric.buffer import rollout_storage, training_batch
+from ppo_fabric.collectives import (
+    BatchCodec,
+    Kind,
+    Topology,
+    broadcast_params,
+    gather_objects,
+    mean_over_trainers,
+    recv_batches,
+    recv_params,
+    send_batch,
+    setup_topology,
+)
+from ppo_fabric.envs import make_vector_env, probe_spaces
+from ppo_fabric.metrics import (
+    RunLogger,
+    Stopwatch,
+    episode_means,
+    episode_sums,
+    final_mean_return,
+    parameters_digest,
+    save_resolved_config,
+    write_json,
+)
+from ppo_fabric.ppo import (
+    TRAIN_METRICS,
+    build_learner,
+    collector_state,
+    learner_state,
+    restore_collector,
+    set_lr,
+    train,
+)
+from ppo_fabric.rollout import RolloutCollector
+
+# What the first trainer appends to the parameters after each update (averaged over trainers).
+METRICS = (*TRAIN_METRICS, "train/lr", "train/policy_lag", "time/trainer_sps", "time/train_s")
+
+
+def _schedule(cfg: DictConfig) -> tuple[int, int]:
+    """(env steps per update over all players, number of updates): both sides derive the same."""
+    per_update = int(cfg.algo.rollout_steps) * int(cfg.env.num_envs) * int(cfg.algo.players)
+    return per_update, int(cfg.algo.total_steps) // per_update
+
+
+def _checkpoint_due(cfg: DictConfig, version: int, updates: int) -> bool:
+    every = int(cfg.checkpoint.every)
+    return version == updates or (every > 0 and version % every == 0)
+
+
+def main(fabric: Fabric, cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
+    """Build the groups (a collective on every rank), then play or train; returns this rank's summary."""
+    topo = setup_topology(int(cfg.algo.players), float(cfg.collectives.timeout))
+    resume = ckpt.load(cfg.resume) if cfg.resume is not None else None
+    if topo.is_player:
+        return player(fabric, cfg, run_dir, topo, resume)
+    return trainer(fabric, cfg, run_dir, topo, resume)
+
+
+def _summary_and_checkpoint(
+    fabric: Fabric, cfg: DictConfig, topo: Topology, state: dict[str, Any], version: int
+) -> list[dict[str, Any]]:
+    """CHECKPOINT: every rank contributes its part, rank 0 writes one file; returns every rank's part."""
+    parts = gather_objects(topo, state)
+    if topo.rank == 0:
+        learner = parts[topo.first_trainer]["learner"]
+        per_update, _ = _schedule(cfg)
+        full = learner | {
+            "iteration": version,
+            "env_step": version * per_update,
+            "world_size": fabric.world_size,
+            "ranks": [part["rank_state"] for part in parts],
+        }
+        ckpt_dir = Path(state["run_dir"]) / "checkpoints"
+        ckpt.save(
+            full, ckpt_dir, version, numbered=int(cfg.checkpoint.every) > 0, keep=int(cfg.checkpoint.keep)
+        )
+    return parts
+
+
+# ------------------------------------------------------------------------------------------------ player
+def player(
+    fabric: Fabric, cfg: DictConfig, run_dir: Path, topo: Topology, resume: dict | None
+) -> dict[str, Any]:
+    rank, algo = topo.rank, cfg.algo
+    device = torch.device("cpu") if algo.player_device == "cpu" else fabric.device
+    envs, first_obs = make_vector_env(cfg.env, int(cfg.seed), rank)
+    obs_space, action_space = envs.single_observation_space, envs.single_action_space
+    policy = ActorCritic(obs_space, action_space, cfg.model).to(device)
+    storage = rollout_storage(int(algo.rollout_steps), int(cfg.env.num_envs), obs_space, action_space, device)
+    collector = RolloutCollector(envs, first_obs, storage, float(algo.gamma), float(algo.gae_lambda))
+    codec = BatchCodec(training_batch(storage), len(topo.trainers))
+    per_update, updates = _schedule(cfg)
+    num_params = sum(p.numel() for p in policy.parameters())
+
+    version = 0
+    if resume is not None:
+        version = int(resume["iteration"])
+        if len(resume["ranks"]) == fabric.world_size:
+            restore_collector(collector, resume["ranks"][rank])
+    if rank == 0:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        save_resolved_config(cfg, run_dir)
+    logger = RunLogger(run_dir, cfg, updates * per_update, enabled=rank == 0)
+    watch = Stopwatch()
+    start_version = version
+
+    def receive() -> int:
+        """PARAMS: load the newest parameters, log the update they came from, checkpoint when due."""
+        t0 = time.perf_counter()
+        new_version, params, metrics = recv_params(topo, num_params, len(METRICS))
+        vector_to_parameters(params.to(device), policy.parameters())
+        watch.add("wait_params", time.perf_counter() - t0)
+        if new_version > start_version:
+            _log(new_version, metrics)
+        if new_version > start_version and _checkpoint_due(cfg, new_version, updates):
+            state = {"rank_state": collector_state(collector), "run_dir": str(run_dir)}
+            _summary_and_checkpoint(fabric, cfg, topo, state, new_version)
+        return new_version
+
+    def _log(new_version: int, metrics: torch.Tensor) -> None:
+        sums = episode_sums(*collector.episodes.drain())
+        if len(topo.players) > 1:
+            dist.all_reduce(sums, group=topo.player_group)
+        if rank != 0 or (new_version % int(cfg.logger.log_every) and new_version != updates):
+            return
+        env_step = new_version * per_update
+        sps = (new_version - start_version) * per_update / watch.elapsed()
+        recent = final_mean_return([collector.episodes.window])
+        row = dict(zip(METRICS, metrics.tolist(), strict=True)) | episode_means(sums)
+        row["time/sps"] = sps
+        if recent is not None:
+            row["rollout/return_mean20"] = recent
+        logger.log(row, env_step)
+        logger.progress(env_step, sps, recent)
+
+    version = receive()  # the trainers' initial (or resumed) parameters: every player starts identical
+    for iteration in range(version, updates):
+        t0 = time.perf_counter()
+        used = version
+        collector.collect(policy, iteration * per_update)
+        watch.add("collect", time.perf_counter() - t0)
+        if algo.pipeline and iteration > start_version:
+            version = receive()  # update `iteration - 1` finished while this rollout was collected
+        t0 = time.perf_counter()
+        send_batch(topo, codec, training_batch(storage), used)
+        watch.add("send", time.perf_counter() - t0)
+        if not algo.pipeline:
+            version = receive()
+    if algo.pipeline and version < updates:
+        version = receive()
+    send_batch(topo, codec, None, version)  # STOP
+
+    parts = gather_objects(topo, {"window": list(collector.episodes.window), "episodes": collector.episodes.count,
+                                  "digest": parameters_digest(policy), "time": watch.totals})  # fmt: skip
+    logger.close()
+    collector.envs.close()
+    wall = watch.elapsed()
+    players = [parts[p] for p in topo.players]
+    summary = {
+        "strategy": "decoupled",
+        "env_id": str(cfg.env.id),
+        "world_size": fabric.world_size,
+        "players": len(topo.players),
+        "trainers": len(topo.trainers),
+        "pipeline": bool(algo.pipeline),
+        "seed": int(cfg.seed),
+        "iterations": updates,
+        "total_env_steps": version * per_update,
+        "steps_this_run": (version - start_version) * per_update,
+        "wall_seconds": wall,
+        "sps": (version - start_version) * per_update / wall if wall > 0 else 0.0,
+        "final_mean_return": final_mean_return([p["window"] for p in players]),
+        "episodes": sum(p["episodes"] for p in players),
+        "time_split": {"player": watch.totals, "trainer": parts[topo.first_trainer]["time"]},
+        "ranks_in_sync": len({part["digest"] for part in parts}) == 1,
+        "run_dir": str(run_dir),
+        "checkpoint": str(run_dir / "checkpoints" / "last.ckpt"),
+        "resumed_from": None if cfg.resume is None else str(cfg.resume),
+    }
+    if rank == 0:
+        write_json(run_dir / "summary.json", summary)
+    return summary
+
+
+# ----------------------------------------------------------------------------------------------- trainer
+def trainer(
+    fabric: Fabric, cfg: DictConfig, run_dir: Path, topo: Topology, resume: dict | None
+) -> dict[str, Any]:
+    # Fabric's DDP wraps the model over the trainers' group only: players never join it.
+    fabric.strategy._ddp_kwargs["process_group"] = topo.trainer_group
+    obs_space, action_space = probe_spaces(cfg.env)
+    learner = build_learner(fabric, cfg, obs_space, action_space, resume)
+    if resume is not None and len(resume["ranks"]) == fabric.world_size:
+        ckpt.set_rng_state(resume["ranks"][topo.rank]["rng"])
+    template = rollout_storage(
+        int(cfg.algo.rollout_steps), int(cfg.env.num_envs), obs_space, action_space, "cpu"
+    )
+    codec = BatchCodec(training_batch(template), len(topo.trainers))
+    _, updates = _schedule(cfg)
+    version = int(resume["iteration"]) if resume is not None else 0
+    first = topo.rank == topo.first_trainer
+    watch = Stopwatch()
+
+    def publish(metrics: torch.Tensor) -> None:
+        if first:
+            broadcast_params(topo, parameters_to_vector(learner.policy.parameters()), metrics, version)
+
+    def mean_across(t: torch.Tensor) -> torch.Tensor:
+        return mean_over_trainers(topo, t.to(fabric.device))
+
+    publish(torch.zeros(len(METRICS)))
+    while True:
+        t0 = time.perf_counter()
+        kind, versions, batch = recv_batches(topo, codec, fabric.device)
+        watch.add("wait_data", time.perf_counter() - t0)
+        if kind == Kind.STOP:
+            break
+        t0 = time.perf_counter()
+        lr = set_lr(learner.optimizer, cfg, version, updates)
+        stats = train(fabric, learner.model, learner.optimizer, batch, cfg.algo, mean_across)
+        elapsed = time.perf_counter() - t0
+        watch.add("train", elapsed)
+        lag = version - sum(versions) / len(versions)
+        version += 1
+        values = [*(stats[k] for k in TRAIN_METRICS), lr, lag, batch.batch_size[0] / elapsed, elapsed]
+        metrics = mean_across(torch.tensor(values, dtype=torch.float32))
+        metrics[METRICS.index("time/trainer_sps")] *= len(topo.trainers)  # samples/s of all trainers
+        publish(metrics.cpu())
+        if _checkpoint_due(cfg, version, updates):
+            state = {"rank_state": {"rng": ckpt.rng_state()}, "run_dir": str(run_dir)}
+            if first:
+                state["learner"] = learner_state(cfg, learner, obs_space, action_space)
+            _summary_and_checkpoint(fabric, cfg, topo, state, version)
+    gather_objects(topo, {"digest": parameters_digest(learner.policy), "time": watch.totals})
+    return {"strategy": "decoupled", "rank": topo.rank, "role": "trainer"}
+
+
+if __name__ == "__main__":
+    from ppo_fabric.cli import run_script
+
+    run_script("decoupled")
