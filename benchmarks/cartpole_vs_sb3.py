@@ -365,6 +365,9 @@ def run_child(impl: str, seed: int, steps: int, threads: int, tmp: Path) -> dict
     result["cpu_util"] = result["cpu_s"] / result["wall_s"]
     result["cpu_sps"] = result["env_steps"] / result["cpu_s"]
     result["loadavg_1min_before"] = load_before
+    # How close a run that never "solved" came: the best per-update mean20 and where it happened.
+    best = max(result["curve"], key=lambda point: point[1], default=None)
+    result["best_return_mean20"], result["best_step"] = (None, None) if best is None else (best[1], best[0])
     result["loadavg_1min_after"] = os.getloadavg()[0]
     return result
 
@@ -392,6 +395,7 @@ def summarize(runs: list[dict[str, Any]], impls: list[str]) -> dict[str, Any]:
             "median_solved_step": median_or_none([r["solved_step"] for r in rows]),
             "solved_runs": sum(r["solved_step"] is not None for r in rows),
             "median_final_return_mean20": median_or_none([r["final_return_mean20"] for r in rows]),
+            "median_best_return_mean20": median_or_none([r["best_return_mean20"] for r in rows]),
         }
     if all(i in out for i in IMPLS):
         out["sps_ratio_ppo_fabric_over_sb3"] = out["ppo-fabric"]["median_sps"] / out["sb3"]["median_sps"]
@@ -412,13 +416,14 @@ def table(runs: list[dict[str, Any]], summary: dict[str, Any], impls: list[str])
     """Markdown table: one row per run, then one median row per library."""
     head = (
         "| library | seed | env steps | wall s | SPS | loop SPS | CPU SPS | CPU/wall "
-        "| solved at (mean20 >= 475) | final mean20 |"
+        "| solved at (mean20 >= 475) | best mean20 (at step) | final mean20 |"
     )
-    lines = [head, "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    lines = [head, "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in runs:
         lines.append(
             f"| {r['impl']} | {r['seed']} | {r['env_steps']:,} | {r['wall_s']:.1f} | {r['sps']:,.0f} | "
             f"{r['loop_sps']:,.0f} | {r['cpu_sps']:,.0f} | {r['cpu_util']:.2f} | {_fmt(r['solved_step'])} | "
+            f"{_fmt(r['best_return_mean20'], '.1f')} ({_fmt(r['best_step'])}) | "
             f"{_fmt(r['final_return_mean20'], '.1f')} |"
         )
     for impl in impls:
@@ -427,7 +432,7 @@ def table(runs: list[dict[str, Any]], summary: dict[str, Any], impls: list[str])
             f"| **{impl} median** | {s['runs']} runs | | {s['median_wall_s']:.1f} | {s['median_sps']:,.0f} | "
             f"{s['median_loop_sps']:,.0f} | {s['median_cpu_sps']:,.0f} | min {s['min_cpu_util']:.2f} | "
             f"{_fmt(s['median_solved_step'])} ({s['solved_runs']}/{s['runs']} solved) | "
-            f"{_fmt(s['median_final_return_mean20'], '.1f')} |"
+            f"{_fmt(s['median_best_return_mean20'], '.1f')} | {_fmt(s['median_final_return_mean20'], '.1f')} |"
         )
     return "\n".join(lines)
 
@@ -488,6 +493,7 @@ def markdown(report: dict[str, Any]) -> str:
         f"- solved at: env step of the first update after which the mean return of the last {WINDOW} "
         f"finished episodes is >= {SOLVED_RETURN:g}, read once per {STEPS_PER_UPDATE}-step update for both; "
         "`never` if it did not happen. Medians count `never` as later than any step.",
+        "- best mean20: the highest per-update mean20 of the run, and the env step of that update.",
         f"- final mean20: mean return of the last {WINDOW} episodes finished in the run.",
         "",
     ]

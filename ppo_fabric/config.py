@@ -190,14 +190,37 @@ def launched_world_size(cfg: DictConfig) -> int:
     return int(cfg.fabric.devices) * int(cfg.fabric.num_nodes)
 
 
-def training_layout(cfg: DictConfig, world_size: int) -> tuple[int, int, int]:
-    """(collecting ranks, training ranks, samples each training rank learns from per update)."""
+@dataclass(frozen=True)
+class Layout:
+    """How one update's batch is made and split.
+
+    `algo.minibatch_size` is the minibatch over all training ranks (RLlib's sgd_minibatch_size): each rank
+    takes `minibatch_size / trainers` samples per step and DDP averages the gradients, so the same config
+    learns the same way on 1 or N training ranks.
+    """
+
+    collectors: int  # ranks that step envs
+    trainers: int  # ranks that compute gradients
+    batch: int  # samples per update over all ranks
+    minibatch: int  # samples per gradient step over all ranks
+
+    @property
+    def rank_batch(self) -> int:
+        return self.batch // self.trainers
+
+    @property
+    def rank_minibatch(self) -> int:
+        return self.minibatch // self.trainers
+
+
+def training_layout(cfg: DictConfig, world_size: int) -> Layout:
     per_collector = int(cfg.algo.rollout_steps) * int(cfg.env.num_envs)
     if cfg.strategy == "decoupled":
         players = int(cfg.algo.players)
-        trainers = world_size - players
-        return players, trainers, per_collector * players // max(trainers, 1)
-    return world_size, world_size, per_collector
+        collectors, trainers = players, max(world_size - players, 1)
+    else:
+        collectors = trainers = world_size
+    return Layout(collectors, trainers, per_collector * collectors, int(cfg.algo.minibatch_size))
 
 
 def validate(cfg: DictConfig) -> dict[str, Any]:
@@ -243,23 +266,34 @@ def _check_layout(cfg: DictConfig, world: int) -> None:
                 f"algo.players={cfg.algo.players} leaves no trainer among {world} processes; "
                 f"use algo.players<={world - 1} or more fabric.devices"
             )
-    collectors, trainers, per_trainer = training_layout(cfg, world)
+    layout = training_layout(cfg, world)
     per_collector = cfg.algo.rollout_steps * cfg.env.num_envs
-    if cfg.strategy == "decoupled" and per_collector % trainers:
+    if cfg.strategy == "decoupled" and per_collector % layout.trainers:
         raise ConfigError(
             f"each player's batch of {per_collector} samples (algo.rollout_steps*env.num_envs) cannot be "
-            f"split evenly over {trainers} trainers; change env.num_envs or algo.rollout_steps"
+            f"split evenly over {layout.trainers} trainers; change env.num_envs or algo.rollout_steps"
         )
-    mb = cfg.algo.minibatch_size
-    if per_trainer % mb:
-        divisors = [d for d in range(2, per_trainer + 1) if per_trainer % d == 0]
-        near = sorted(divisors, key=lambda d: abs(d - mb))[:3]
+    mb, trainers = layout.minibatch, layout.trainers
+    if mb % trainers:
         raise ConfigError(
-            f"algo.minibatch_size={mb} does not divide the per-rank batch of {per_trainer} samples "
-            f"(algo.rollout_steps*env.num_envs); use a divisor such as {', '.join(map(str, sorted(near)))}"
+            f"algo.minibatch_size={mb} is the minibatch over all {trainers} training ranks and must be "
+            f"divisible by {trainers}; use e.g. {max(trainers, mb - mb % trainers)}"
         )
-    if cfg.algo.norm_adv and mb < 2:
-        raise ConfigError("algo.minibatch_size must be >= 2 with algo.norm_adv=true (a std needs 2 samples)")
+    if layout.batch % mb:
+        divisors = [d for d in range(trainers, layout.batch + 1, trainers) if layout.batch % d == 0]
+        near = sorted(sorted(divisors, key=lambda d: abs(d - mb))[:3])
+        raise ConfigError(
+            f"algo.minibatch_size={mb} does not divide the batch of {layout.batch} samples per update "
+            f"(algo.rollout_steps*env.num_envs*{layout.collectors} collecting ranks); "
+            f"use a divisor such as {', '.join(map(str, near))}"
+        )
+    if cfg.algo.norm_adv and layout.rank_minibatch < 2:
+        raise ConfigError(
+            f"algo.minibatch_size={mb} gives {layout.rank_minibatch} sample(s) per training rank; "
+            "advantage normalisation (algo.norm_adv=true) needs at least 2"
+        )
+    global_batch = layout.batch
+    collectors = layout.collectors
     global_batch = per_collector * collectors
     if cfg.algo.total_steps < global_batch:
         raise ConfigError(

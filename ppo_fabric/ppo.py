@@ -23,6 +23,7 @@ from tensordict import TensorDict
 from ppo_fabric import checkpoint as ckpt
 from ppo_fabric.agent import ActorCritic
 from ppo_fabric.buffer import rollout_storage, training_batch
+from ppo_fabric.config import training_layout
 from ppo_fabric.envs import make_vector_env
 from ppo_fabric.loss import entropy_loss, normalize, policy_loss, value_loss
 from ppo_fabric.metrics import (
@@ -57,13 +58,16 @@ def train(
     batch: TensorDict,
     algo: DictConfig,
     mean_across_trainers: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    rank_minibatch: int | None = None,
 ) -> dict[str, float]:
     """One PPO update: `update_epochs` passes over shuffled minibatches of this rank's flat batch.
 
+    `rank_minibatch` is this rank's share of `algo.minibatch_size` (all of it on a single rank).
     With `target_kl` set, the KL estimate is averaged over all training ranks (`mean_across_trainers`)
     before deciding to stop, so every rank runs the same number of backward passes (DDP would hang).
     """
-    n, mb = batch.batch_size[0], int(algo.minibatch_size)
+    n = batch.batch_size[0]
+    mb = int(algo.minibatch_size) if rank_minibatch is None else rank_minibatch
     clip, clip_vloss = float(algo.clip_coef), bool(algo.clip_vloss)
     stats: list[torch.Tensor] = []
     epochs = 0
@@ -193,7 +197,8 @@ def main(fabric: Fabric, cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
     )
     collector = RolloutCollector(envs, first_obs, storage, float(algo.gamma), float(algo.gae_lambda))
 
-    steps_per_iter = int(algo.rollout_steps) * int(cfg.env.num_envs) * world
+    layout = training_layout(cfg, world)
+    steps_per_iter = layout.batch
     mean_across = (lambda t: fabric.all_reduce(t, reduce_op="mean")) if world > 1 else None
     iterations = int(algo.total_steps) // steps_per_iter
     start_iter, env_step = 0, 0
@@ -227,7 +232,10 @@ def main(fabric: Fabric, cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
         collector.collect(learner.policy, env_step)
         env_step += steps_per_iter
         t1 = time.perf_counter()
-        stats = train(fabric, learner.model, learner.optimizer, training_batch(storage), algo, mean_across)
+        batch = training_batch(storage)
+        stats = train(
+            fabric, learner.model, learner.optimizer, batch, algo, mean_across, layout.rank_minibatch
+        )
         t2 = time.perf_counter()
         watch.add("collect", t1 - t0)
         watch.add("train", t2 - t1)

@@ -39,6 +39,7 @@ from ppo_fabric.collectives import (
     send_batch,
     setup_topology,
 )
+from ppo_fabric.config import training_layout
 from ppo_fabric.envs import make_vector_env, probe_spaces
 from ppo_fabric.metrics import (
     RunLogger,
@@ -226,6 +227,7 @@ def trainer(
     )
     codec = BatchCodec(training_batch(template), len(topo.trainers))
     _, updates = _schedule(cfg)
+    rank_minibatch = training_layout(cfg, fabric.world_size).rank_minibatch
     version = int(resume["iteration"]) if resume is not None else 0
     first = topo.rank == topo.first_trainer
     watch = Stopwatch()
@@ -246,7 +248,7 @@ def trainer(
             break
         t0 = time.perf_counter()
         lr = set_lr(learner.optimizer, cfg, version, updates)
-        stats = train(fabric, learner.model, learner.optimizer, batch, cfg.algo, mean_across)
+        stats = train(fabric, learner.model, learner.optimizer, batch, cfg.algo, mean_across, rank_minibatch)
         elapsed = time.perf_counter() - t0
         watch.add("train", elapsed)
         lag = version - sum(versions) / len(versions)

@@ -29,6 +29,7 @@ from ppo_fabric.config import ConfigError, group_options, load
 # A run small enough to finish in well under a second: one rollout of the default CartPole, 4 envs x 128
 # steps. No env.id here: it would fill in the id that the `env=gym` case leaves missing.
 TINY = ["algo.total_steps=512", "logger=none"]
+BATCH_512 = ["algo.rollout_steps=128", "env.num_envs=4"]
 
 
 def _assert_one_line(message: str) -> None:
@@ -99,17 +100,19 @@ CASES: list[Any] = [
     pytest.param(["algo.lr=nan"], ["algo.lr=nan", "must be a finite number"], id="lr-nan"),
     pytest.param(["algo.lr=null"], ["algo.lr", "required"], id="lr-null"),
     pytest.param(["env.num_envs=2.5"], ["env.num_envs=2.5", "whole number"], id="num-envs-fraction"),
-    # batch layout (defaults: 128 rollout steps x 4 envs = 512 samples)
+    # batch layout, pinned to 128 rollout steps x 4 envs = 512 samples
     pytest.param(
-        ["algo.minibatch_size=100"],
+        [*BATCH_512, "algo.minibatch_size=100"],
         ["algo.minibatch_size=100", "does not divide", "512", "128"],
         id="minibatch-not-divisor",
     ),
     pytest.param(
-        ["algo.minibatch_size=1"], ["algo.minibatch_size", ">= 2", "algo.norm_adv"], id="minibatch-1-norm-adv"
+        ["algo.minibatch_size=1"],
+        ["algo.minibatch_size", "at least 2", "algo.norm_adv"],
+        id="minibatch-1-norm-adv",
     ),
     pytest.param(
-        ["algo.total_steps=100"],
+        [*BATCH_512, "algo.total_steps=100"],
         ["algo.total_steps=100", "smaller than one batch", "512"],
         id="total-steps-below-batch",
     ),

@@ -42,7 +42,7 @@ MIN_P_CORRECT = 0.95  # converged policies give >= 0.996 to the rewarded action
 def train_probe(tmp_path: Path, name: str, *overrides: str) -> tuple[ActorCritic, DictConfig]:
     """Train on a probe and rebuild the agent from `last.ckpt`, exactly as a user would load it."""
     summary = ppo_fabric.run(
-        [f"env.id=tests.probe_envs:{name}", *FAST, f"hydra.run.dir={tmp_path}", *overrides]
+        ["env=gym", f"env.id=tests.probe_envs:{name}", *FAST, f"hydra.run.dir={tmp_path}", *overrides]
     )
     ckpt = Path(summary["checkpoint"])
     assert ckpt == tmp_path / "checkpoints" / "last.ckpt"

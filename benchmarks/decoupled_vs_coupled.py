@@ -1,0 +1,115 @@
+"""Throughput of the strategies on one workload, measured in one run on one machine.
+
+Runs CleanRL's CartPole workload (`exp=cleanrl_cartpole`: 4 sync envs x 128 steps, 4 epochs x 4
+minibatches, 64x64 tanh MLPs) as
+  - coupled, 1 process,
+  - decoupled, 1 player + 1 trainer, pipeline on,
+  - decoupled, 1 player + 1 trainer, pipeline off,
+each `--repeats` times, interleaved so that machine drift hits every variant alike, one run at a time.
+SPS is the run's own figure (env steps / training wall time, process start-up excluded). Writes
+benchmarks/results/decoupled_vs_coupled.{json,md}.
+
+    .venv/bin/python benchmarks/decoupled_vs_coupled.py [--steps 200000] [--repeats 3] [-- extra overrides]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+RESULTS = Path(__file__).resolve().parent / "results"
+VARIANTS = {
+    "coupled (1 process)": ["strategy=coupled", "fabric.devices=1"],
+    "decoupled 1+1 pipelined": ["strategy=decoupled", "fabric.devices=2", "algo.pipeline=true"],
+    "decoupled 1+1 synchronous": ["strategy=decoupled", "fabric.devices=2", "algo.pipeline=false"],
+}
+
+
+def cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
+
+
+def run_once(overrides: list[str], steps: int, seed: int) -> dict:
+    with tempfile.TemporaryDirectory() as tmp:
+        cmd = [
+            sys.executable, "-m", "ppo_fabric", "exp=cleanrl_cartpole", f"algo.total_steps={steps}",
+            f"seed={seed}", "logger.tensorboard=false", f"hydra.run.dir={tmp}/run", *overrides,
+        ]  # fmt: skip
+        proc = subprocess.run(cmd, capture_output=True, text=True)
+        if proc.returncode != 0:
+            raise SystemExit(f"benchmark run failed: {' '.join(cmd)}\n{proc.stderr[-2000:]}")
+        return json.loads((Path(tmp) / "run" / "summary.json").read_text())
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--steps", type=int, default=200_000)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--out", type=Path, default=RESULTS)
+    parser.add_argument("extra", nargs="*", help="overrides applied to every variant")
+    args = parser.parse_args()
+
+    rows: dict[str, list[dict]] = {name: [] for name in VARIANTS}
+    for repeat in range(args.repeats):
+        for name, overrides in VARIANTS.items():
+            summary = run_once([*overrides, *args.extra], args.steps, seed=repeat + 1)
+            rows[name].append(summary)
+            print(f"{name:28s} seed {repeat + 1}: {summary['sps']:8,.0f} SPS, "
+                  f"return {summary['final_mean_return']:.1f}", flush=True)  # fmt: skip
+
+    base = statistics.median(s["sps"] for s in rows["coupled (1 process)"])
+    table = []
+    for name, runs in rows.items():
+        sps = statistics.median(s["sps"] for s in runs)
+        split = runs[-1]["time_split"]
+        table.append({"variant": name, "median_sps": sps, "ratio_vs_coupled": sps / base,
+                      "sps_each": [s["sps"] for s in runs],
+                      "final_mean_return_each": [s["final_mean_return"] for s in runs],
+                      "time_split_last": split})  # fmt: skip
+    import torch
+
+    machine = {"cpu": cpu_model(), "cores": __import__("os").cpu_count(), "torch": torch.__version__,
+               "python": platform.python_version()}  # fmt: skip
+    args.out.mkdir(parents=True, exist_ok=True)
+    report = {"workload": "exp=cleanrl_cartpole", "steps": args.steps, "repeats": args.repeats,
+              "extra_overrides": args.extra, "machine": machine, "results": table}  # fmt: skip
+    (args.out / "decoupled_vs_coupled.json").write_text(json.dumps(report, indent=2) + "\n")
+    lines = [
+        "# Coupled vs decoupled throughput (CleanRL CartPole workload)",
+        "",
+        f"Machine: {machine['cpu']}, {machine['cores']} cores, torch {machine['torch']}, "
+        f"Python {machine['python']}. {args.steps} env steps per run, {args.repeats} runs per variant "
+        "(interleaved), SPS = env steps / training wall time.",
+        "",
+        "| variant | median SPS | vs coupled | SPS per run | final mean return per run |",
+        "|---|---:|---:|---|---|",
+    ]
+    for row in table:
+        lines.append(
+            f"| {row['variant']} | {row['median_sps']:,.0f} | {row['ratio_vs_coupled']:.2f}x | "
+            + ", ".join(f"{x:,.0f}" for x in row["sps_each"]) + " | "
+            + ", ".join(f"{x:.1f}" for x in row["final_mean_return_each"]) + " |"
+        )  # fmt: skip
+    lines += ["", "Time split of the last run of each variant (seconds):", ""]
+    for row in table:
+        lines.append(f"- {row['variant']}: {json.dumps(row['time_split_last'])}")
+    command = f"{Path(sys.executable).name} benchmarks/decoupled_vs_coupled.py --steps {args.steps} --repeats {args.repeats}"
+    lines += ["", f"Command: `{command}`", ""]
+    (args.out / "decoupled_vs_coupled.md").write_text("\n".join(lines))
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()
