@@ -344,4 +344,18 @@ def load(overrides: list[str]) -> tuple[DictConfig, str, dict[str, Any]]:
     """Compose and validate: (config, run-dir template, facts)."""
     cfg, run_dir = compose(overrides)
     facts = validate(cfg)
+    check_run_dir(cfg, run_dir)
     return cfg, run_dir, facts
+
+
+def check_run_dir(cfg: DictConfig, run_dir: str) -> None:
+    """Never overwrite another run's checkpoints: a used directory is only for continuing that run."""
+    path = Path(run_dir).resolve()
+    if not ((path / "checkpoints" / "last.ckpt").exists() or (path / "summary.json").exists()):
+        return
+    if cfg.resume is not None and path in Path(str(cfg.resume)).resolve().parents:
+        return
+    raise ConfigError(
+        f"hydra.run.dir={run_dir} already holds a run; choose a new directory, or continue that run with "
+        f"resume={path / 'checkpoints' / 'last.ckpt'}"
+    )

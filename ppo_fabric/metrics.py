@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import csv
 import hashlib
 import json
 import sys
@@ -49,21 +50,56 @@ def final_mean_return(windows: list[Iterable[tuple[int, float, int]]], last: int
     return sum(ep[1] for ep in episodes) / len(episodes) if episodes else None
 
 
+class CsvMetrics:
+    """metrics.csv that a resumed run appends to (Lightning's CSV logger deletes an existing file).
+
+    Columns are the union of every key logged; a new key rewrites the file once with the wider header.
+    """
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.keys: list[str] = []
+        if path.is_file():
+            with path.open(newline="") as fh:
+                self.keys = next(csv.reader(fh), [])
+
+    def log(self, metrics: Mapping[str, float], step: int) -> None:
+        row = {"step": step, **metrics}
+        new = [k for k in row if k not in self.keys]
+        if new:
+            self._rewrite(sorted([*self.keys, *new], key=lambda k: (k != "step", k)))
+        with self.path.open("a", newline="") as fh:
+            csv.DictWriter(fh, fieldnames=self.keys).writerow(row)
+
+    def _rewrite(self, keys: list[str]) -> None:
+        rows = []
+        if self.path.is_file():
+            with self.path.open(newline="") as fh:
+                rows = list(csv.DictReader(fh))
+        tmp = self.path.with_suffix(".csv.tmp")
+        with tmp.open("w", newline="") as fh:
+            writer = csv.DictWriter(fh, fieldnames=keys)
+            writer.writeheader()
+            writer.writerows(rows)
+        tmp.replace(self.path)
+        self.keys = keys
+
+
 class RunLogger:
     """Writes metrics on rank 0 and stays silent elsewhere, so callers never branch on the rank."""
 
     def __init__(self, run_dir: Path, cfg: DictConfig, total_steps: int, enabled: bool) -> None:
         self.enabled = enabled
         self.loggers: list[Any] = []
+        self.csv: CsvMetrics | None = None
         self.bar = None
         if not enabled:
             return
-        from lightning.fabric.loggers import CSVLogger, TensorBoardLogger
-
         if cfg.logger.tensorboard:
+            from lightning.fabric.loggers import TensorBoardLogger
+
             self.loggers.append(TensorBoardLogger(root_dir=run_dir, name="", version="tensorboard"))
-        if cfg.logger.csv:
-            self.loggers.append(CSVLogger(root_dir=run_dir, name="", version="", flush_logs_every_n_steps=10))
+        self.csv = CsvMetrics(run_dir / "metrics.csv") if cfg.logger.csv else None
         if sys.stdout.isatty():
             from tqdm import tqdm
 
@@ -76,6 +112,8 @@ class RunLogger:
             return
         for logger in self.loggers:
             logger.log_metrics(dict(metrics), step=step)
+        if self.csv is not None:
+            self.csv.log(metrics, step)
 
     def progress(self, step: int, sps: float, mean_return: float | None) -> None:
         if self.bar is None:

@@ -1,0 +1,319 @@
+"""The decoupled strategy with real processes on CPU (gloo): player/trainer layouts, learning, failures,
+resume and the config checks that refuse impossible layouts before any process starts.
+
+Each process start costs a few seconds of imports on a small machine, so every run here is tiny and does
+double duty where it can: the probe run that checks learning also checks the 1 player + 2 trainers
+layout, and the first half of the resume test also covers the `fabric run` launch path.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import csv
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from omegaconf import OmegaConf
+
+import ppo_fabric
+from ppo_fabric.agent import ActorCritic
+from ppo_fabric.config import ConfigError, load
+
+REPO = Path(__file__).resolve().parent.parent
+FABRIC = Path(sys.executable).parent / "fabric"
+DECOUPLED_SCRIPT = REPO / "ppo_fabric" / "ppo_decoupled.py"
+# 4 envs x 32 steps = 128 samples per player per update; the default minibatch (128) divides the
+# per-trainer batch for 1 and 2 players with one trainer.
+SMALL = ["logger.tensorboard=false", "env.num_envs=4", "algo.rollout_steps=32"]
+TIMEOUT = 20  # collectives.timeout for the failure tests: a lost peer must end the job well within it
+
+
+def _env() -> dict[str, str]:
+    env = dict(os.environ, PYTHONPATH=str(REPO), PYTHONUNBUFFERED="1")
+    env.pop("LT_CLI_USED", None)
+    return env
+
+
+def _python_m(devices: int, *overrides: str) -> list[str]:
+    return [sys.executable, "-m", "ppo_fabric", "strategy=decoupled", f"fabric.devices={devices}", *overrides]
+
+
+def _fabric_run(devices: int, *overrides: str) -> list[str]:
+    return [str(FABRIC), "run", "--accelerator=cpu", f"--devices={devices}", str(DECOUPLED_SCRIPT), *overrides]
+
+
+def _run(cmd: list[str], cwd: Path, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+    proc = subprocess.run(cmd, cwd=cwd, env=_env(), capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.count("ppo-fabric: decoupled") == 1, "only rank 0 prints the summary line"
+    return proc
+
+
+def _single_run_dir(cwd: Path) -> Path:
+    """The default run dir is timestamped per process; rank 0's choice must be the only one used."""
+    dirs = [p for p in (cwd / "runs").glob("*/*") if p.is_dir()]
+    assert len(dirs) == 1, f"ranks wrote to several run directories: {dirs}"
+    return dirs[0]
+
+
+def _check_summary(run_dir: Path, players: int, trainers: int, pipeline: bool, total_steps: int) -> dict:
+    """The fields a user reads to know what ran; `ranks_in_sync` covers players as well as trainers."""
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["strategy"] == "decoupled"
+    assert (summary["players"], summary["trainers"]) == (players, trainers)
+    assert summary["world_size"] == players + trainers
+    assert summary["pipeline"] is pipeline
+    assert summary["total_env_steps"] == total_steps
+    assert summary["ranks_in_sync"] is True, "players and trainers ended with different parameters"
+    assert summary["episodes"] > 0 and summary["final_mean_return"] is not None
+    assert set(summary["time_split"]) == {"player", "trainer"}
+    assert (run_dir / "checkpoints" / "last.ckpt").is_file() and (run_dir / "config.yaml").is_file()
+    return summary
+
+
+def _metrics(run_dir: Path) -> list[dict[str, str]]:
+    """metrics.csv rows that carry training metrics, in step order."""
+    with (run_dir / "metrics.csv").open(newline="") as fh:
+        rows = [row for row in csv.DictReader(fh) if row.get("train/policy_lag")]
+    return sorted(rows, key=lambda row: int(row["step"]))
+
+
+def _check_policy_lag(run_dir: Path, pipeline: bool, updates: int) -> None:
+    """With the pipeline every update after the first learns from data one version old; without, none."""
+    rows = _metrics(run_dir)
+    assert len(rows) == updates, f"expected one metrics row per update, got {len(rows)}"
+    lags = [float(row["train/policy_lag"]) for row in rows]
+    assert lags[0] == 0.0, "the first rollout is collected with the trainers' initial parameters"
+    assert lags[1:] == [1.0 if pipeline else 0.0] * (updates - 1)
+
+
+def _agent(path: Path) -> ActorCritic:
+    """Rebuild the policy from a checkpoint the way a user would."""
+    state = torch.load(path, map_location="cpu", weights_only=False)
+    model = ActorCritic(state["observation_space"], state["action_space"], OmegaConf.create(state["config"]).model)
+    model.load_state_dict(state["agent"])
+    return model.eval()
+
+
+# ---------------------------------------------------------------------------------------------- layouts
+@pytest.mark.parametrize(
+    ("players", "devices", "pipeline"),
+    [(1, 2, True), (2, 3, False)],
+    ids=["1player-1trainer-pipeline", "2players-1trainer-no-pipeline"],
+)
+def test_layout_runs_to_the_end(tmp_path: Path, players: int, devices: int, pipeline: bool) -> None:
+    total = 4096
+    overrides = [*SMALL, f"algo.total_steps={total}", f"algo.players={players}", f"algo.pipeline={pipeline}"]
+    _run(_python_m(devices, *overrides), tmp_path)
+    run_dir = _single_run_dir(tmp_path)
+    _check_summary(run_dir, players, devices - players, pipeline, total)
+    _check_policy_lag(run_dir, pipeline, total // (128 * players))
+
+
+def test_probe_learned_with_two_ddp_trainers(tmp_path: Path) -> None:
+    """1 player + 2 trainers with the pipeline: DDP among the trainers and the lagged data still learn.
+
+    ProbeObsAndAction needs both actor and critic to read the observation. Each trainer gets 64 of the
+    player's 128 samples; minibatch 32 per trainer matches the coupled probe test's 64 per step.
+    """
+    overrides = [
+        "env.id=tests.probe_envs:ProbeObsAndAction-v0", "env.num_envs=8", "algo.rollout_steps=16",
+        "algo.minibatch_size=32", "algo.total_steps=4096", "algo.lr=2e-3", "seed=0", "logger.tensorboard=false",
+    ]  # fmt: skip
+    _run(_python_m(3, *overrides), tmp_path)
+    run_dir = _single_run_dir(tmp_path)
+    summary = _check_summary(run_dir, players=1, trainers=2, pipeline=True, total_steps=4096)
+    assert summary["episodes"] == 4096, "every probe episode is one step: one episode per env step"
+    _check_policy_lag(run_dir, pipeline=True, updates=32)
+
+    model = _agent(run_dir / "checkpoints" / "last.ckpt")
+    observations = torch.tensor([[-1.0], [1.0]])
+    with torch.no_grad():
+        features = model.actor_body(model.encoder(observations))
+        p_right = [model.head.log_prob_entropy(features[i : i + 1], torch.tensor([i]))[0].exp().item()
+                   for i in (0, 1)]  # fmt: skip  # action 0 for obs -1, action 1 for obs +1
+        value = model.get_value(observations).tolist()
+    assert min(p_right) > 0.9, f"P(right action) = {p_right}"
+    assert value == pytest.approx([1.0, 1.0], abs=0.1)
+
+
+# ----------------------------------------------------------------------------------------------- resume
+def test_fabric_run_then_exact_resume(tmp_path: Path) -> None:
+    """`fabric run` launch path, 1+1 without pipeline; then resume from a numbered checkpoint.
+
+    Without the pipeline, a checkpoint is taken exactly between two updates, so a resumed run must
+    retrace the original one: its update-8 parameters equal the original's (the lr is constant so the
+    schedule does not depend on total_steps).
+    """
+    common = [*SMALL, "algo.pipeline=false", "algo.anneal_lr=false", "checkpoint.every=2", "checkpoint.keep=0"]
+    _run(_fabric_run(2, *common, "algo.total_steps=1024"), tmp_path)
+    first = _single_run_dir(tmp_path)
+    _check_summary(first, players=1, trainers=1, pipeline=False, total_steps=1024)
+    _check_policy_lag(first, pipeline=False, updates=8)
+    numbered = sorted(p.name for p in (first / "checkpoints").glob("iter_*.ckpt"))
+    assert numbered == [f"iter_{i:06d}.ckpt" for i in (2, 4, 6, 8)]
+
+    resumed = tmp_path / "resumed"
+    source = first / "checkpoints" / "iter_000004.ckpt"
+    _run(_python_m(2, *common, "algo.total_steps=2048", f"resume={source}", f"hydra.run.dir={resumed}"), tmp_path)
+    summary = _check_summary(resumed, players=1, trainers=1, pipeline=False, total_steps=2048)
+    assert summary["steps_this_run"] == 2048 - 4 * 128
+    assert summary["resumed_from"] == str(source)
+    assert [int(row["step"]) for row in _metrics(resumed)] == list(range(5 * 128, 2048 + 1, 128))
+    original = _agent(first / "checkpoints" / "iter_000008.ckpt").state_dict()
+    again = _agent(resumed / "checkpoints" / "iter_000008.ckpt").state_dict()
+    for key, value in original.items():
+        torch.testing.assert_close(again[key], value, rtol=0, atol=0, msg=f"{key} differs after resume")
+
+    # A decoupled checkpoint cannot continue as coupled (its learner/collector state is split differently).
+    with pytest.raises(ConfigError, match="strategy") as info:
+        load(["strategy=coupled", f"resume={source}", "algo.total_steps=4096", *SMALL])
+    assert "\n" not in str(info.value)
+
+
+def test_coupled_checkpoint_refused_by_decoupled(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A coupled checkpoint has one learner per rank and no player/trainer split: refuse it up front."""
+    monkeypatch.delenv("LT_CLI_USED", raising=False)
+    summary = ppo_fabric.run(
+        ["algo.total_steps=256", *SMALL, "logger=none", "algo.update_epochs=1", f"hydra.run.dir={tmp_path}"]
+    )
+    assert summary["strategy"] == "coupled"
+    with pytest.raises(ConfigError, match="strategy") as info:
+        load(["strategy=decoupled", "fabric.devices=2", f"resume={summary['checkpoint']}",
+              "algo.total_steps=4096", *SMALL])  # fmt: skip
+    assert "\n" not in str(info.value)
+
+
+# --------------------------------------------------------------------------------------------- failures
+def _children(pid: int) -> list[int]:
+    """Direct children of `pid` (Linux /proc): the ranks the launcher started."""
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        with contextlib.suppress(OSError, ValueError, IndexError):
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+            if int(fields[1]) == pid:
+                found.append(int(stat.parent.name))
+    return found
+
+
+def _rank_of(pid: int) -> int | None:
+    with contextlib.suppress(OSError):
+        for item in Path(f"/proc/{pid}/environ").read_bytes().split(b"\0"):
+            if item.startswith(b"LOCAL_RANK="):
+                return int(item.split(b"=", 1)[1])
+    return None
+
+
+def _assert_job_gone(pgid: int, within: float) -> None:
+    """No process of the job's session may outlive it (a rank stuck in a collective would)."""
+    deadline = time.monotonic() + within
+    while True:
+        try:
+            os.killpg(pgid, 0)
+        except ProcessLookupError:
+            return
+        if time.monotonic() > deadline:
+            pytest.fail(f"a process of the job was still alive {within:.0f} s after the job ended")
+        time.sleep(0.2)
+
+
+@pytest.mark.parametrize(
+    ("players", "devices"), [(1, 2), (2, 3)], ids=["kill-trainer-of-1+1", "kill-player-1-of-2+1"]
+)
+def test_killed_rank_ends_the_job(tmp_path: Path, players: int, devices: int) -> None:
+    """SIGKILL on rank 1 (the trainer in 1+1, the second player in 2+1): every peer must notice and exit
+    non-zero within the collectives timeout, instead of waiting forever for its next message."""
+    run_dir = tmp_path / "run"
+    cmd = _python_m(devices, f"algo.players={players}", "algo.total_steps=100000000", "logger=none",
+                    f"collectives.timeout={TIMEOUT}", f"hydra.run.dir={run_dir}")  # fmt: skip
+    proc = subprocess.Popen(cmd, cwd=tmp_path, env=_env(), start_new_session=True,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)  # fmt: skip
+    try:
+        deadline = time.monotonic() + 90
+        while not (run_dir / "config.yaml").exists():  # rank 0 got past set-up: every rank is running
+            assert proc.poll() is None, proc.stderr.read() if proc.stderr else ""
+            assert time.monotonic() < deadline, "the run never started"
+            time.sleep(0.2)
+        time.sleep(0.5)
+        victims = [pid for pid in _children(proc.pid) if _rank_of(pid) == 1]
+        assert len(victims) == 1, f"rank 1 not found among the launcher's children {_children(proc.pid)}"
+        killed = time.monotonic()
+        os.kill(victims[0], signal.SIGKILL)
+        try:
+            _, stderr = proc.communicate(timeout=TIMEOUT + 10)
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"the job outlived its killed rank 1 by more than {TIMEOUT + 10} s")
+        assert proc.returncode != 0, stderr[-2000:]
+        assert time.monotonic() - killed < TIMEOUT + 10
+        _assert_job_gone(proc.pid, within=10)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+
+
+def test_failing_player_ends_the_job(tmp_path: Path) -> None:
+    """A player raising in env.step: its rank is named, and the trainer waiting for data exits too."""
+    cmd = _python_m(2, "env.id=tests.failing_env:FailingCartPole-v0", "+env.kwargs.fail_rank=0",
+                    "+env.kwargs.fail_after=50", "algo.total_steps=100000000", "logger=none",
+                    f"collectives.timeout={TIMEOUT}", f"hydra.run.dir={tmp_path / 'run'}")  # fmt: skip
+    proc = subprocess.Popen(cmd, cwd=tmp_path, env=_env(), start_new_session=True,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)  # fmt: skip
+    try:
+        try:
+            _, stderr = proc.communicate(timeout=60 + TIMEOUT)
+        except subprocess.TimeoutExpired:
+            pytest.fail("the job did not end after its player failed")
+        assert proc.returncode != 0
+        assert "error on rank 0: RuntimeError: probe failure injected" in stderr, stderr[-2000:]
+        _assert_job_gone(proc.pid, within=TIMEOUT + 10)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+
+
+# ------------------------------------------------------------------------------------------- bad input
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (["fabric.devices=1"], "strategy=decoupled needs at least 2 processes"),
+        (["fabric.devices=2", "algo.players=2"], "algo.players=2 leaves no trainer among 2 processes"),
+        (["fabric.devices=3", "env.num_envs=3", "algo.rollout_steps=5", "algo.minibatch_size=5"],
+         "batch of 15 samples .* cannot be split evenly over 2 trainers"),
+        (["fabric.devices=3", "env.num_envs=4", "algo.rollout_steps=32", "algo.minibatch_size=48"],
+         "algo.minibatch_size=48 does not divide the per-rank batch of 64 samples"),
+    ],  # fmt: skip
+    ids=["one-process", "no-trainer", "batch-not-splittable", "minibatch-not-dividing-trainer-batch"],
+)
+def test_impossible_layouts_are_refused(
+    overrides: list[str], message: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Refused before any process starts, with one line naming the fix, not a hang or a shape error."""
+    monkeypatch.delenv("LT_CLI_USED", raising=False)
+    with pytest.raises(ConfigError, match=message) as info:
+        load(["strategy=decoupled", *overrides])
+    assert "\n" not in str(info.value)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "per_trainer"),
+    [(["fabric.devices=3", "algo.minibatch_size=64"], 64), (["fabric.devices=3", "algo.players=2"], 256)],
+    ids=["1+2", "2+1"],
+)
+def test_minibatch_checked_against_the_trainer_batch(
+    overrides: list[str], per_trainer: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The minibatch divides what one trainer learns from (players' samples / trainers), not a player's."""
+    monkeypatch.delenv("LT_CLI_USED", raising=False)
+    load(["strategy=decoupled", "env.num_envs=4", "algo.rollout_steps=32", *overrides])
+    mb = {"1+2": 64, "2+1": 256}
+    bad = per_trainer * 3 // 2 if per_trainer in mb.values() else per_trainer
+    with pytest.raises(ConfigError, match=f"per-rank batch of {per_trainer} samples"):
+        load(["strategy=decoupled", "env.num_envs=4", "algo.rollout_steps=32", *overrides,
+              f"algo.minibatch_size={bad}"])  # fmt: skip
