@@ -1,11 +1,16 @@
 """ppo-fabric vs Stable-Baselines3 PPO on CleanRL's CartPole workload: speed and sample efficiency.
 
 Both libraries train the same workload (CleanRL `ppo.py` defaults): 4 sync CartPole-v1 envs x 128 steps,
-4 epochs x 4 minibatches of 128, Adam lr 2.5e-4 (eps 1e-5) annealed linearly to 0, gamma 0.99, GAE
-lambda 0.95, clip 0.2 (value clipped too), ent_coef 0.01, vf_coef 0.5, max_grad_norm 0.5, separate
-64x64 tanh actor and critic MLPs with orthogonal init, 200k env steps, CPU, one torch thread.
+4 epochs x 4 minibatches of 128, Adam lr 2.5e-4 annealed linearly to 0, gamma 0.99, GAE lambda 0.95,
+clip 0.2, ent_coef 0.01, vf_coef 0.5, max_grad_norm 0.5, separate 64x64 tanh actor and critic MLPs with
+orthogonal init, 200k env steps, CPU, one torch thread.
 
 Why it is built this way:
+
+* SB3 is configured from ppo-fabric's composed `exp=cleanrl_cartpole` config, not from a second copy of
+  the numbers: if the experiment changes (value clipping, Adam eps, ...), SB3 follows, so the two never
+  silently train different workloads. The composed values are checked against CleanRL's defaults above,
+  and any difference is printed and written into the report.
 
 * Every (library, seed) run is its own child process, started one after the other, never two at once:
   a run then owns the CPU it is timed on, and neither library inherits the other's imports, caches or
@@ -50,36 +55,61 @@ IMPLS = ("ppo-fabric", "sb3")
 SOLVED_RETURN = 475.0
 WINDOW = 20
 BUSY_UTIL = 0.9  # CPU/wall below this: something else took the core; the report says so
-NUM_ENVS = 4
-ROLLOUT_STEPS = 128
-STEPS_PER_UPDATE = NUM_ENVS * ROLLOUT_STEPS
-ENV_ID = "CartPole-v1"
 REPO = Path(__file__).resolve().parent.parent
+EXPERIMENT = "cleanrl_cartpole"
 
-# The workload, written once so the report can show what both libraries were given.
-WORKLOAD: dict[str, Any] = {
-    "env_id": ENV_ID,
-    "num_envs": NUM_ENVS,
-    "vector_env": "sync (gymnasium SyncVectorEnv / SB3 DummyVecEnv)",
-    "rollout_steps": ROLLOUT_STEPS,
-    "update_epochs": 4,
-    "minibatch_size": 128,
-    "lr": 2.5e-4,
-    "lr_schedule": "linear to 0",
-    "adam_eps": 1e-5,
-    "gamma": 0.99,
-    "gae_lambda": 0.95,
-    "clip_coef": 0.2,
-    "value_clip": 0.2,
-    "ent_coef": 0.01,
-    "vf_coef": 0.5,
-    "max_grad_norm": 0.5,
-    "norm_adv": "per minibatch",
-    "actor": "64x64 tanh MLP",
-    "critic": "64x64 tanh MLP (separate)",
-    "init": "orthogonal (sqrt 2 hidden, 0.01 policy head, 1 value head)",
-    "device": "cpu",
+# CleanRL's ppo.py defaults for CartPole: the composed experiment is checked against these.
+CLEANRL: dict[str, Any] = {
+    "env.id": "CartPole-v1",
+    "env.num_envs": 4,
+    "env.vector": "sync",
+    "env.action_repeat": 1,
+    "algo.rollout_steps": 128,
+    "algo.minibatch_size": 128,
+    "algo.update_epochs": 4,
+    "algo.lr": 2.5e-4,
+    "algo.anneal_lr": True,
+    "algo.gamma": 0.99,
+    "algo.gae_lambda": 0.95,
+    "algo.norm_adv": True,
+    "algo.clip_coef": 0.2,
+    "algo.ent_coef": 0.01,
+    "algo.vf_coef": 0.5,
+    "algo.max_grad_norm": 0.5,
+    "algo.target_kl": None,
+    "model.actor_hidden": [64, 64],
+    "model.critic_hidden": [64, 64],
+    "model.activation": "tanh",
 }
+# Also given to SB3, though not in the list above (CleanRL: Adam eps 1e-5, value clipping on).
+EXTRA_KEYS = ("algo.adam_eps", "algo.clip_vloss", "env.max_episode_steps", "env.kwargs")
+
+
+def resolved_workload(steps: int) -> dict[str, Any]:
+    """The workload as ppo-fabric composes `exp=cleanrl_cartpole`: flat `group.key` -> value."""
+    from omegaconf import OmegaConf
+
+    from ppo_fabric.config import compose
+
+    cfg, _ = compose([f"exp={EXPERIMENT}", f"algo.total_steps={steps}"])
+    out: dict[str, Any] = {}
+    for key in (*CLEANRL, *EXTRA_KEYS):
+        value = OmegaConf.select(cfg, key)
+        out[key] = OmegaConf.to_container(value, resolve=True) if OmegaConf.is_config(value) else value
+    return out
+
+
+def deviations(workload: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """Keys where the composed experiment differs from CleanRL's defaults."""
+    return {
+        key: {"cleanrl": want, "experiment": workload[key]}
+        for key, want in CLEANRL.items()
+        if workload[key] != want
+    }
+
+
+def steps_per_update(workload: dict[str, Any]) -> int:
+    return int(workload["env.num_envs"]) * int(workload["algo.rollout_steps"])
 
 
 # ============================================================================================ children
@@ -269,6 +299,31 @@ def child_main(args: argparse.Namespace) -> None:
 
 
 # ============================================================================================== parent
+def _git(*args: str) -> bytes:
+    return subprocess.run(["git", "-C", str(REPO), *args], capture_output=True, check=True).stdout
+
+
+def code_version() -> dict[str, Any]:
+    """The code that runs: HEAD, plus a digest of the uncommitted diff of ppo_fabric/ and conf/.
+
+    The working tree may change while a long benchmark runs (others edit it); recording this for every
+    run shows whether all runs trained the same code.
+    """
+    try:
+        commit = _git("rev-parse", "--short", "HEAD").decode().strip()
+        dirty = bool(_git("status", "--porcelain", "--untracked-files=no").strip())
+        diff = _git("diff", "HEAD", "--", "ppo_fabric", "conf")
+    except (OSError, subprocess.CalledProcessError):
+        return {"commit": None, "dirty": None, "diff_sha1": None, "id": None}
+    diff_sha1 = hashlib.sha1(diff).hexdigest()[:12] if diff else None
+    return {
+        "commit": commit,
+        "dirty": dirty,
+        "diff_sha1": diff_sha1,
+        "id": commit + (f"+{diff_sha1}" if diff_sha1 else ""),
+    }
+
+
 def machine() -> dict[str, Any]:
     """What the figures were measured on; SPS means little without it."""
     import gymnasium
@@ -291,30 +346,7 @@ def machine() -> dict[str, Any]:
         usable = len(os.sched_getaffinity(0))
     except AttributeError:
         usable = os.cpu_count()
-    try:
-        commit = subprocess.run(
-            ["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"],
-            capture_output=True,
-            text=True,
-            check=True,
-        ).stdout.strip()
-        dirty = bool(
-            subprocess.run(
-                ["git", "-C", str(REPO), "status", "--porcelain", "--untracked-files=no"],
-                capture_output=True,
-                text=True,
-                check=True,
-            ).stdout.strip()
-        )
-        # Uncommitted code is what ran: a digest of its diff tells two results from different trees apart.
-        diff = subprocess.run(
-            ["git", "-C", str(REPO), "diff", "HEAD", "--", "ppo_fabric", "conf"],
-            capture_output=True,
-            check=True,
-        ).stdout
-        diff_sha1 = hashlib.sha1(diff).hexdigest()[:12] if diff else None
-    except (OSError, subprocess.CalledProcessError):
-        commit, dirty, diff_sha1 = None, None, None
+    code = code_version()
     return {
         "cpu_model": cpu,
         "cpu_count": os.cpu_count(),
@@ -327,9 +359,9 @@ def machine() -> dict[str, Any]:
         "numpy": numpy.__version__,
         "stable_baselines3": stable_baselines3.__version__,
         "ppo_fabric": ppo_fabric.__version__,
-        "git_commit": commit,
-        "git_dirty": dirty,
-        "git_diff_sha1": diff_sha1,
+        "git_commit": code["commit"],
+        "git_dirty": code["dirty"],
+        "git_diff_sha1": code["diff_sha1"],
     }
 
 
@@ -354,6 +386,7 @@ def run_child(impl: str, seed: int, steps: int, threads: int, tmp: Path) -> dict
         str(tmp / f"{impl}-seed{seed}"),
     ]
     load_before = os.getloadavg()[0]
+    code = code_version()["id"]
     with log_path.open("w") as log:
         proc = subprocess.run(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, check=False)
     if proc.returncode != 0 or not result_path.is_file():
@@ -365,6 +398,7 @@ def run_child(impl: str, seed: int, steps: int, threads: int, tmp: Path) -> dict
     result["cpu_util"] = result["cpu_s"] / result["wall_s"]
     result["cpu_sps"] = result["env_steps"] / result["cpu_s"]
     result["loadavg_1min_before"] = load_before
+    result["code"] = code
     # How close a run that never "solved" came: the best per-update mean20 and where it happened.
     best = max(result["curve"], key=lambda point: point[1], default=None)
     result["best_return_mean20"], result["best_step"] = (None, None) if best is None else (best[1], best[0])
@@ -451,7 +485,8 @@ def markdown(report: dict[str, Any]) -> str:
         f"- torch {m['torch']}, lightning {m['lightning']}, gymnasium {m['gymnasium']}, numpy {m['numpy']}",
         f"- stable-baselines3 {m['stable_baselines3']}, ppo-fabric {m['ppo_fabric']} "
         f"(git {m['git_commit']}"
-        + (f", uncommitted changes, diff sha1 {m['git_diff_sha1']}" if m["git_dirty"] else "")
+        + (", uncommitted changes" if m["git_dirty"] else "")
+        + (f"; diff of ppo_fabric/ and conf/ sha1 {m['git_diff_sha1']}" if m["git_diff_sha1"] else "")
         + ")",
         f"- torch threads per run: {report['threads']} (`torch.set_num_threads` in the SB3 run, "
         "`torch_threads` in ppo-fabric); runs one at a time, each in its own process",
@@ -474,6 +509,13 @@ def markdown(report: dict[str, Any]) -> str:
             f"**SPS ratio ppo-fabric / SB3 (medians): {s['sps_ratio_ppo_fabric_over_sb3']:.2f}x** "
             f"(training loop only: {s['loop_sps_ratio_ppo_fabric_over_sb3']:.2f}x; "
             f"per CPU second: {s['cpu_sps_ratio_ppo_fabric_over_sb3']:.2f}x)",
+            "",
+        ]
+    codes = sorted({str(r["code"]) for r in report["runs"]})
+    if len(codes) > 1:
+        lines += [
+            f"**Warning: the code changed during the benchmark** (runs saw {', '.join(codes)}; see each run's "
+            "`code` in the JSON). Compare only runs of the same code.",
             "",
         ]
     starved = [r for r in report["runs"] if r["cpu_util"] < BUSY_UTIL]
