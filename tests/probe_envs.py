@@ -37,6 +37,17 @@ class _Probe(gym.Env):
         return 1.0 if self.np_random.random() < 0.5 else -1.0
 
 
+class _SignProbe(_Probe):
+    """Episodes start from a random observation of +1 or -1, kept in `_sign`."""
+
+    _sign = 1.0
+
+    def reset(self, *, seed: int | None = None, options: dict | None = None) -> tuple[np.ndarray, dict]:
+        super().reset(seed=seed)
+        self._sign = self._random_sign()
+        return self._obs(self._sign), {}
+
+
 class ProbeConstant(_Probe):
     """One action, observation 0, one step, reward +1: the value of the observation must become 1."""
 
@@ -51,17 +62,11 @@ class ProbeConstant(_Probe):
         return self._obs(0.0), 1.0, True, False, {}
 
 
-class ProbeObsDependent(_Probe):
+class ProbeObsDependent(_SignProbe):
     """One action, observation ±1 at random, one step, reward = observation: V(obs) must become obs."""
 
     def __init__(self) -> None:
         super().__init__(num_actions=1)
-        self._sign = 1.0
-
-    def reset(self, *, seed: int | None = None, options: dict | None = None) -> tuple[np.ndarray, dict]:
-        super().reset(seed=seed)
-        self._sign = self._random_sign()
-        return self._obs(self._sign), {}
 
     def step(self, action: Any) -> tuple[np.ndarray, float, bool, bool, dict]:
         return self._obs(0.0), self._sign, True, False, {}
@@ -109,7 +114,7 @@ class ProbeActionDependent(_Probe):
         return self._obs(0.0), reward, True, False, {}
 
 
-class ProbeObsAndAction(_Probe):
+class ProbeObsAndAction(_SignProbe):
     """Two actions, observation ±1 at random, one step, reward +1 when the action matches the sign.
 
     Action 1 matches +1 and action 0 matches -1 (otherwise the reward is -1). The policy must follow the
@@ -118,12 +123,6 @@ class ProbeObsAndAction(_Probe):
 
     def __init__(self) -> None:
         super().__init__(num_actions=2)
-        self._sign = 1.0
-
-    def reset(self, *, seed: int | None = None, options: dict | None = None) -> tuple[np.ndarray, dict]:
-        super().reset(seed=seed)
-        self._sign = self._random_sign()
-        return self._obs(self._sign), {}
 
     def step(self, action: Any) -> tuple[np.ndarray, float, bool, bool, dict]:
         wanted = 1 if self._sign > 0 else 0
