@@ -31,9 +31,11 @@ $(VENV)/.bench: $(STAMP)
 	$(PIP) install -c constraints.txt -e '.[dev,bench]'
 	touch $@
 
-# Throughput and learning benchmarks; figures land in benchmarks/results/.
+# Throughput and learning benchmarks (~15 min on 2 cores); figures land in benchmarks/results/.
 bench: $(VENV)/.bench
-	$(BIN)/python benchmarks/cartpole_vs_sb3.py $(ARGS)
+	$(BIN)/python benchmarks/cartpole_vs_sb3.py
+	$(BIN)/python benchmarks/cartpole_vs_sb3.py --sb3-threads 0 --name cartpole_vs_sb3_default_threads
+	$(BIN)/python benchmarks/decoupled_vs_coupled.py
 
 clean:
 	rm -rf $(VENV) runs outputs .pytest_cache .ruff_cache

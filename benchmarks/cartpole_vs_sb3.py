@@ -42,6 +42,7 @@ import json
 import math
 import os
 import platform
+import re
 import statistics
 import subprocess
 import sys
@@ -135,7 +136,9 @@ def warm_up_torch() -> None:
     optimizer.step()
 
 
-def child_ppo_fabric(seed: int, steps: int, threads: int, run_dir: Path) -> dict[str, Any]:
+def child_ppo_fabric(
+    seed: int, steps: int, threads: int, run_dir: Path, workload: dict[str, Any]
+) -> dict[str, Any]:
     """Train ppo-fabric in this process; the solve step comes from the per-update rows of metrics.csv."""
     # Imports first: `ppo_fabric.run` imports these lazily, and they must not count as training time.
     import gymnasium  # noqa: F401
@@ -154,6 +157,8 @@ def child_ppo_fabric(seed: int, steps: int, threads: int, run_dir: Path) -> dict
     if threads > 0:
         torch.set_num_threads(threads)  # before the warm-up; run() sets it again from torch_threads
     warm_up_torch()
+    # The SB3 run was given the parent's composition; this one composes again: they must agree.
+    same_workload = resolved_workload(steps) == workload
     overrides = [
         "exp=cleanrl_cartpole",
         f"algo.total_steps={steps}",
@@ -180,7 +185,7 @@ def child_ppo_fabric(seed: int, steps: int, threads: int, run_dir: Path) -> dict
             if not value:
                 continue
             step, ret = int(float(row["step"])), float(value)
-            curve.append((step, ret))
+            curve.append((step, round(ret, 2)))
             if solved_at is None and ret >= SOLVED_RETURN:
                 solved_at = step
     total = int(summary["total_env_steps"])
@@ -196,10 +201,44 @@ def child_ppo_fabric(seed: int, steps: int, threads: int, run_dir: Path) -> dict
         "episodes": int(summary["episodes"]),
         "torch_threads": torch.get_num_threads(),
         "curve": curve,
+        "same_workload_as_sb3": same_workload,
     }
 
 
-def child_sb3(seed: int, steps: int, threads: int) -> dict[str, Any]:
+def sb3_settings(w: dict[str, Any], nn: Any, schedule: Any) -> dict[str, Any]:
+    """SB3 `PPO(...)` keyword arguments for ppo-fabric's workload `w` (flat keys, see resolved_workload).
+
+    Equivalences: ppo-fabric's value loss is vf_coef * MSE, clamped around the rollout's value when
+    `clip_vloss`, which is SB3's `F.mse_loss` with `clip_range_vf`; `norm_adv` is per minibatch in both;
+    both init orthogonally (sqrt 2 hidden, 0.01 policy head, 1 value head) and bootstrap truncated
+    episodes from the final observation's value.
+    """
+    lr = float(w["algo.lr"])
+    activations = {"tanh": nn.Tanh, "relu": nn.ReLU, "elu": nn.ELU, "gelu": nn.GELU}
+    return {
+        "learning_rate": schedule(lr, 0.0, 1.0) if w["algo.anneal_lr"] else lr,
+        "n_steps": int(w["algo.rollout_steps"]),
+        "batch_size": int(w["algo.minibatch_size"]),
+        "n_epochs": int(w["algo.update_epochs"]),
+        "gamma": float(w["algo.gamma"]),
+        "gae_lambda": float(w["algo.gae_lambda"]),
+        "clip_range": float(w["algo.clip_coef"]),
+        "clip_range_vf": float(w["algo.clip_coef"]) if w["algo.clip_vloss"] else None,
+        "normalize_advantage": bool(w["algo.norm_adv"]),
+        "ent_coef": float(w["algo.ent_coef"]),
+        "vf_coef": float(w["algo.vf_coef"]),
+        "max_grad_norm": float(w["algo.max_grad_norm"]) if w["algo.max_grad_norm"] else float("inf"),
+        "target_kl": w["algo.target_kl"],
+        "policy_kwargs": {
+            "net_arch": {"pi": list(w["model.actor_hidden"]), "vf": list(w["model.critic_hidden"])},
+            "activation_fn": activations[w["model.activation"]],
+            "ortho_init": True,
+            "optimizer_kwargs": {"eps": float(w["algo.adam_eps"])},  # SB3's default is 1e-8
+        },
+    }
+
+
+def child_sb3(seed: int, steps: int, threads: int, workload: dict[str, Any]) -> dict[str, Any]:
     """Train SB3 PPO in this process, configured to the same workload, with a 20-episode return window."""
     import gymnasium  # noqa: F401
     import torch
@@ -237,38 +276,24 @@ def child_sb3(seed: int, steps: int, threads: int) -> dict[str, Any]:
             mean = _window_mean(self.window)
             if mean is None:
                 return
-            self.curve.append((self.num_timesteps, mean))
+            self.curve.append((self.num_timesteps, round(mean, 2)))
             if self.solved_at is None and mean >= SOLVED_RETURN:
                 self.solved_at = self.num_timesteps
 
     callback = Return20()
     c0, t0 = time.process_time(), time.perf_counter()
-    env = make_vec_env(ENV_ID, n_envs=NUM_ENVS, seed=seed, vec_env_cls=DummyVecEnv)  # Monitor on each env
-    model = PPO(
-        "MlpPolicy",
-        env,
-        learning_rate=LinearSchedule(2.5e-4, 0.0, 1.0),
-        n_steps=ROLLOUT_STEPS,
-        batch_size=128,
-        n_epochs=4,
-        gamma=0.99,
-        gae_lambda=0.95,
-        clip_range=0.2,
-        clip_range_vf=0.2,  # = ppo-fabric's clip_vloss=true (CleanRL's default): clamp around the old value
-        normalize_advantage=True,
-        ent_coef=0.01,
-        vf_coef=0.5,
-        max_grad_norm=0.5,
-        policy_kwargs={
-            "net_arch": {"pi": [64, 64], "vf": [64, 64]},
-            "activation_fn": nn.Tanh,
-            "ortho_init": True,
-            "optimizer_kwargs": {"eps": 1e-5},  # CleanRL's and ppo-fabric's Adam eps (SB3 default 1e-8)
-        },
+    env_kwargs = dict(workload["env.kwargs"] or {})
+    if workload["env.max_episode_steps"] is not None:
+        env_kwargs["max_episode_steps"] = int(workload["env.max_episode_steps"])
+    env = make_vec_env(  # Monitor on each env, then DummyVecEnv: SB3's sync vector env
+        workload["env.id"],
+        n_envs=int(workload["env.num_envs"]),
         seed=seed,
-        device="cpu",
-        verbose=0,
+        vec_env_cls=DummyVecEnv,
+        env_kwargs=env_kwargs,
     )
+    settings = sb3_settings(workload, nn, LinearSchedule)
+    model = PPO("MlpPolicy", env, **settings, seed=seed, device="cpu", verbose=0)
     t1 = time.perf_counter()
     model.learn(total_timesteps=steps, callback=callback)
     t2, cpu = time.perf_counter(), time.process_time() - c0
@@ -286,15 +311,17 @@ def child_sb3(seed: int, steps: int, threads: int) -> dict[str, Any]:
         "episodes": callback.episodes,
         "torch_threads": torch.get_num_threads(),
         "curve": callback.curve,
+        "sb3_settings": {k: repr(v) for k, v in settings.items()},
     }
 
 
 def child_main(args: argparse.Namespace) -> None:
     """Entry point of a child process: one run, its result written as JSON to --result."""
+    workload = json.loads(Path(args.workload).read_text())
     if args.child == "ppo-fabric":
-        result = child_ppo_fabric(args.seed, args.steps, args.threads, Path(args.run_dir))
+        result = child_ppo_fabric(args.seed, args.steps, args.threads, Path(args.run_dir), workload)
     else:
-        result = child_sb3(args.seed, args.steps, args.threads)
+        result = child_sb3(args.seed, args.steps, args.threads, workload)
     Path(args.result).write_text(json.dumps(result))
 
 
@@ -365,7 +392,9 @@ def machine() -> dict[str, Any]:
     }
 
 
-def run_child(impl: str, seed: int, steps: int, threads: int, tmp: Path) -> dict[str, Any]:
+def run_child(
+    impl: str, seed: int, steps: int, threads: int, tmp: Path, workload_path: Path
+) -> dict[str, Any]:
     """Run one (library, seed) in a fresh interpreter and wait for it; returns its result."""
     result_path = tmp / f"{impl}-seed{seed}.json"
     log_path = tmp / f"{impl}-seed{seed}.log"
@@ -384,6 +413,8 @@ def run_child(impl: str, seed: int, steps: int, threads: int, tmp: Path) -> dict
         str(result_path),
         "--run-dir",
         str(tmp / f"{impl}-seed{seed}"),
+        "--workload",
+        str(workload_path),
     ]
     load_before = os.getloadavg()[0]
     code = code_version()["id"]
@@ -473,6 +504,7 @@ def table(runs: list[dict[str, Any]], summary: dict[str, Any], impls: list[str])
 
 def markdown(report: dict[str, Any]) -> str:
     m, s, impls = report["machine"], report["summary"], report["impls"]
+    per_update = report["steps_per_update"]
     lines = [
         "# ppo-fabric vs Stable-Baselines3: CleanRL CartPole workload",
         "",
@@ -488,17 +520,42 @@ def markdown(report: dict[str, Any]) -> str:
         + (", uncommitted changes" if m["git_dirty"] else "")
         + (f"; diff of ppo_fabric/ and conf/ sha1 {m['git_diff_sha1']}" if m["git_diff_sha1"] else "")
         + ")",
-        f"- torch threads per run: {report['threads']} (`torch.set_num_threads` in the SB3 run, "
-        "`torch_threads` in ppo-fabric); runs one at a time, each in its own process",
+        f"- torch threads per run: ppo-fabric {report['threads']} (its `torch_threads`), SB3 "
+        + (f"{report['sb3_threads']}" if report["sb3_threads"] else "torch's default (SB3 as users run it)")
+        + " (`torch.set_num_threads`); runs one at a time, each in its own process",
         "",
         "## Workload",
         "",
-        ", ".join(f"{k}={v}" for k, v in report["workload"].items()),
+        f"ppo-fabric's `exp={report['experiment']}` as composed; SB3 is configured from the same values "
+        "(`clip_vloss` -> `clip_range_vf`, `adam_eps` -> Adam `eps`, `anneal_lr` -> linear schedule):",
+        "",
+        ", ".join(f"`{k}={v}`" for k, v in report["workload"].items()),
         "",
         f"{report['env_steps']:,} env steps per run (`--steps {report['requested_steps']}` rounded down to "
-        f"whole {STEPS_PER_UPDATE}-step updates). ppo-fabric: `exp=cleanrl_cartpole` "
+        f"whole {per_update}-step updates). ppo-fabric runs `exp={report['experiment']}` "
         f"`algo.total_steps={report['env_steps']}` `logger.tensorboard=false`.",
         "",
+    ]
+    differs = report["deviations_from_cleanrl"]
+    lines += [
+        "Differences from CleanRL's `ppo.py` defaults: "
+        + (
+            ", ".join(f"`{k}` {d['experiment']!r} (CleanRL {d['cleanrl']!r})" for k, d in differs.items())
+            if differs
+            else "none in the keys checked"
+        )
+        + ". Not checked (not settings of the experiment): CleanRL clips the value loss with max(clipped, "
+        "unclipped) and halves the MSE; it does not bootstrap truncated episodes, both libraries here do.",
+        "",
+    ]
+    mismatched = [r for r in report["runs"] if r.get("same_workload_as_sb3") is False]
+    if mismatched:
+        lines += [
+            "**Warning: some ppo-fabric runs composed a different workload from the one SB3 was given** "
+            f"(the config changed during the benchmark): seeds {', '.join(str(r['seed']) for r in mismatched)}.",
+            "",
+        ]
+    lines += [
         "## Results",
         "",
         table(report["runs"], s, impls),
@@ -533,13 +590,19 @@ def markdown(report: dict[str, Any]) -> str:
         "- CPU SPS: env steps per CPU second of the run's process over the same scope as SPS; CPU/wall "
         "near 1.0 means the run had its core to itself (one torch thread, sync envs).",
         f"- solved at: env step of the first update after which the mean return of the last {WINDOW} "
-        f"finished episodes is >= {SOLVED_RETURN:g}, read once per {STEPS_PER_UPDATE}-step update for both; "
+        f"finished episodes is >= {SOLVED_RETURN:g}, read once per {per_update}-step update for both; "
         "`never` if it did not happen. Medians count `never` as later than any step.",
         "- best mean20: the highest per-update mean20 of the run, and the env step of that update.",
         f"- final mean20: mean return of the last {WINDOW} episodes finished in the run.",
         "",
     ]
     return "\n".join(lines)
+
+
+def to_json(report: dict[str, Any]) -> str:
+    """Indented JSON with each `[step, mean20]` curve point on one line: readable, a third of the size."""
+    text = json.dumps(report, indent=2)
+    return re.sub(r"\[\s+(-?[\d.]+),\s+(-?[\d.]+)\s+\]", r"[\1, \2]", text) + "\n"
 
 
 def write_atomic(path: Path, text: str) -> None:
@@ -556,21 +619,34 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--threads", type=int, default=1, help="torch threads per run (default 1; 0: torch decides)"
     )
+    p.add_argument(
+        "--sb3-threads",
+        type=int,
+        default=-1,
+        help="torch threads for SB3 only (default: as --threads; 0: torch decides, as SB3 users get it)",
+    )
+    p.add_argument("--name", default="cartpole_vs_sb3", help="basename of the result files")
     p.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results", help="where results go")
     # Internal: a child process runs one (library, seed).
     p.add_argument("--child", choices=IMPLS, help=argparse.SUPPRESS)
     p.add_argument("--seed", type=int, help=argparse.SUPPRESS)
     p.add_argument("--result", help=argparse.SUPPRESS)
     p.add_argument("--run-dir", help=argparse.SUPPRESS)
+    p.add_argument("--workload", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.child is None:
         if args.seeds < 1:
             p.error("--seeds must be at least 1")
-        if args.steps < STEPS_PER_UPDATE:
-            p.error(f"--steps must be at least one update ({STEPS_PER_UPDATE})")
+        if args.steps < 1:
+            p.error("--steps must be positive")
         if args.threads < 0:
             p.error("--threads must be >= 0")
     return args
+
+
+def threads_for(impl: str, args: argparse.Namespace) -> int:
+    """SB3 may run with other thread settings (its users get torch's default, one thread per core)."""
+    return args.sb3_threads if impl == "sb3" and args.sb3_threads >= 0 else args.threads
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -579,7 +655,14 @@ def main(argv: list[str] | None = None) -> None:
         child_main(args)
         return
     impls = list(IMPLS) if args.only == "both" else [args.only]
-    steps = (args.steps // STEPS_PER_UPDATE) * STEPS_PER_UPDATE
+    workload = resolved_workload(args.steps)
+    per_update = steps_per_update(workload)
+    steps = (args.steps // per_update) * per_update
+    if steps == 0:
+        raise SystemExit(f"--steps {args.steps} is less than one update ({per_update} env steps)")
+    differs = deviations(workload)
+    for key, d in differs.items():
+        print(f"note: exp={EXPERIMENT} sets {key}={d['experiment']!r} (CleanRL: {d['cleanrl']!r})")
     info = machine()
     print(
         f"{info['cpu_model']} ({info['usable_cores']} usable cores), torch {info['torch']}, "
@@ -591,11 +674,13 @@ def main(argv: list[str] | None = None) -> None:
     started = time.time()
     with tempfile.TemporaryDirectory(prefix="cartpole_vs_sb3-") as tmp_name:
         tmp = Path(tmp_name)
+        workload_path = tmp / "workload.json"
+        workload_path.write_text(json.dumps(workload))
         for index, seed in enumerate(range(1, args.seeds + 1)):
             order = impls if index % 2 == 0 else impls[::-1]  # alternate who goes first
             for impl in order:
                 print(f"  {impl:<10} seed {seed} ...", end="", flush=True)
-                result = run_child(impl, seed, steps, args.threads, tmp)
+                result = run_child(impl, seed, steps, threads_for(impl, args), tmp, workload_path)
                 result |= {"impl": impl, "seed": seed}
                 runs.append(result)
                 print(
@@ -612,11 +697,15 @@ def main(argv: list[str] | None = None) -> None:
         "total_wall_s": time.time() - started,
         "machine": info,
         "threads": args.threads,
+        "sb3_threads": threads_for("sb3", args),
         "requested_steps": args.steps,
         "env_steps": steps,
         "solved_return": SOLVED_RETURN,
         "window": WINDOW,
-        "workload": WORKLOAD,
+        "experiment": EXPERIMENT,
+        "workload": workload,
+        "deviations_from_cleanrl": differs,
+        "steps_per_update": per_update,
         "impls": impls,
         "runs": runs,
         "summary": summary,
@@ -630,9 +719,9 @@ def main(argv: list[str] | None = None) -> None:
             f"per CPU second {summary['cpu_sps_ratio_ppo_fabric_over_sb3']:.2f}x)"
         )
     args.out.mkdir(parents=True, exist_ok=True)
-    write_atomic(args.out / "cartpole_vs_sb3.json", json.dumps(report, indent=2) + "\n")
-    write_atomic(args.out / "cartpole_vs_sb3.md", markdown(report))
-    print(f"wrote {args.out / 'cartpole_vs_sb3.json'} and {args.out / 'cartpole_vs_sb3.md'}")
+    write_atomic(args.out / f"{args.name}.json", to_json(report))
+    write_atomic(args.out / f"{args.name}.md", markdown(report))
+    print(f"wrote {args.out / (args.name + '.json')} and {args.out / (args.name + '.md')}")
 
 
 if __name__ == "__main__":

@@ -78,26 +78,28 @@ class RolloutCollector:
         `env_step` is the global env step count at the start, used to time-stamp finished episodes.
         """
         s = self.storage
-        act_buf, logp_buf, val_buf, final_buf = s["actions"], s["logprobs"], s["values"], s["final_values"]
         obs_np, rew_np, term_np, trunc_np = (self.host[k] for k in self._HOST_KEYS)
-        final_buf.zero_()
+        final_values = s["final_values"]
+        final_values.zero_()
         num_steps, num_envs = s.batch_size
+        # Policy outputs are kept per step and written with one stack per key: cheaper than T indexed writes.
+        actions, logprobs, values = [], [], []
         obs = self.next_obs
         obs_np[0] = obs.cpu().numpy()
         for t in range(num_steps):
             action, logprob, value = policy.act(obs)
-            act_buf[t] = action
-            logp_buf[t] = logprob
-            val_buf[t] = value
+            actions.append(action)
+            logprobs.append(logprob)
+            values.append(value)
             env_action = action.cpu().numpy()
             if self._clip is not None:
                 env_action = np.clip(env_action, *self._clip)
             next_obs, rew_np[t], term_np[t], trunc_np[t], info = self.envs.step(env_action)
-            cut = trunc_np[t] & ~term_np[t]
-            if cut.any():
-                idx = np.flatnonzero(cut)
-                final_obs = self._to_tensor(np.stack(info["final_obs"][idx]))
-                final_buf[t, torch.from_numpy(idx).to(self.device)] = policy.get_value(final_obs)
+            if trunc_np[t].any():
+                cut = np.flatnonzero(trunc_np[t] & ~term_np[t])
+                if cut.size:
+                    final_obs = self._to_tensor(np.stack(info["final_obs"][cut]))
+                    final_values[t, torch.from_numpy(cut).to(self.device)] = policy.get_value(final_obs)
             if "_episode" in info:
                 ep = info["episode"]
                 step = env_step + (t + 1) * num_envs
@@ -108,6 +110,9 @@ class RolloutCollector:
                 obs = torch.from_numpy(obs_np[t + 1]).to(self.device)  # a view on CPU: no copy
             else:
                 obs = self._to_tensor(next_obs)
+        torch.stack(actions, out=s["actions"])
+        torch.stack(logprobs, out=s["logprobs"])
+        torch.stack(values, out=s["values"])
         if self._staged:
             for key in self._HOST_KEYS:
                 s[key].copy_(torch.from_numpy(self.host[key]), non_blocking=True)

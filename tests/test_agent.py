@@ -181,7 +181,7 @@ def test_orthogonal_init_gains() -> None:
     """Hidden layers gain sqrt(2), the policy output gain 0.01, the value output gain 1; biases zero."""
     torch.manual_seed(0)
     model = ActorCritic(OBS, gym.spaces.Discrete(3), model_cfg())
-    hidden = [m for body in (model.actor_body, model.critic_body) for m in body if isinstance(m, nn.Linear)]
+    hidden = [m for body in (model.actor_body, model.critic_body) for m in body.layers]
     assert len(hidden) == 4
     for layer in hidden:
         w = layer.weight.detach().double()
