@@ -48,7 +48,7 @@ def describe_failure(exc: BaseException) -> str:
     text = f"{type(exc).__name__}: {exc}".strip().splitlines()[0]
     lost = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "timed out", "Timeout")
     if any(marker in text for marker in lost) or type(exc).__name__ == "DistBackendError":
-        return f"lost contact with another rank (it failed, was killed, or is stuck): {text[:160]}"
+        return f"lost contact with another rank (it failed, was killed, or is stuck): {text}"
     return text
 
 
@@ -99,8 +99,8 @@ def launch(cfg: Any, run_dir_template: str, facts: dict[str, Any]) -> dict[str, 
         rank = fabric.global_rank
         if os.environ.get("PPO_FABRIC_TRACEBACK"):
             traceback.print_exc()
-        print(f"ppo-fabric: error on rank {rank}: {describe_failure(exc)}", file=sys.stderr)
-        sys.stderr.flush()
+        # one write per line: ranks failing together must not interleave their messages
+        os.write(2, f"ppo-fabric: error on rank {rank}: {describe_failure(exc)}\n".encode())
         os._exit(1)  # do not wait in atexit hooks for peers that may be stuck in a collective
     if fabric.global_rank == 0:
         ret = summary.get("final_mean_return")

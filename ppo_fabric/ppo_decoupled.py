@@ -123,10 +123,15 @@ def player(
     num_params = sum(p.numel() for p in policy.parameters())
 
     version = 0
+    in_flight: dict[str, Any] | None = (
+        None  # pipeline resume: the parameters the next rollout was collected with
+    )
     if resume is not None:
         version = int(resume["iteration"])
         if len(resume["ranks"]) == fabric.world_size:
             restore_collector(collector, resume["ranks"][rank])
+            if algo.pipeline and "policy" in resume["ranks"][rank]:
+                in_flight = resume["ranks"][rank]
     if rank == 0:
         run_dir.mkdir(parents=True, exist_ok=True)
         save_resolved_config(cfg, run_dir)
@@ -134,8 +139,12 @@ def player(
     watch = Stopwatch()
     start_version = version
 
-    def receive() -> int:
-        """PARAMS: load the newest parameters, log the update they came from, checkpoint when due."""
+    def receive(snapshot: dict[str, Any] | None = None) -> int:
+        """PARAMS: load the newest parameters, log the update they came from, checkpoint when due.
+
+        `snapshot` is this player's state from before the rollout now in flight (pipeline), which is what
+        a checkpoint of the new version must hold for an exact resume.
+        """
         t0 = time.perf_counter()
         new_version, params, metrics = recv_params(topo, num_params, len(METRICS))
         vector_to_parameters(params.to(device), policy.parameters())
@@ -143,8 +152,10 @@ def player(
         if new_version > start_version:
             _log(new_version, metrics)
         if new_version > start_version and _checkpoint_due(cfg, new_version, updates):
-            state = {"rank_state": collector_state(collector), "run_dir": str(run_dir)}
-            _summary_and_checkpoint(fabric, cfg, topo, state, new_version)
+            rank_state = snapshot if snapshot is not None else collector_state(collector)
+            _summary_and_checkpoint(
+                fabric, cfg, topo, {"rank_state": rank_state, "run_dir": str(run_dir)}, new_version
+            )
         return new_version
 
     def _log(new_version: int, metrics: torch.Tensor) -> None:
@@ -164,18 +175,32 @@ def player(
         logger.progress(env_step, sps, recent)
 
     version = receive()  # the trainers' initial (or resumed) parameters: every player starts identical
+    behaviour = version  # the version of the parameters the policy holds (stamped on each batch)
+    resumed_params = None
+    if in_flight is not None:  # as in the original run, the first rollout uses the previous parameters
+        resumed_params = parameters_to_vector(policy.parameters()).clone()
+        vector_to_parameters(in_flight["policy"].to(device), policy.parameters())
+        behaviour = int(in_flight["policy_version"])
     for iteration in range(version, updates):
+        pipelined = bool(algo.pipeline) and iteration > start_version
+        snapshot = None
+        if pipelined and _checkpoint_due(cfg, iteration, updates):
+            policy_now = parameters_to_vector(policy.parameters()).detach().cpu().clone()
+            snapshot = collector_state(collector) | {"policy": policy_now, "policy_version": behaviour}
         t0 = time.perf_counter()
-        used = version
         collector.collect(policy, iteration * per_update)
         watch.add("collect", time.perf_counter() - t0)
-        if algo.pipeline and iteration > start_version:
-            version = receive()  # update `iteration - 1` finished while this rollout was collected
+        used = behaviour
+        if pipelined:
+            version = behaviour = receive(snapshot)  # update `iteration - 1` finished during this rollout
+        elif resumed_params is not None:
+            vector_to_parameters(resumed_params, policy.parameters())
+            behaviour, resumed_params = version, None
         t0 = time.perf_counter()
         send_batch(topo, codec, training_batch(storage), used)
         watch.add("send", time.perf_counter() - t0)
         if not algo.pipeline:
-            version = receive()
+            version = behaviour = receive()
     if algo.pipeline and version < updates:
         version = receive()
     send_batch(topo, codec, None, version)  # STOP

@@ -207,6 +207,29 @@ def test_fabric_run_then_exact_resume(tmp_path: Path) -> None:
     assert "\n" not in str(info.value)
 
 
+def test_pipelined_resume_is_exact(tmp_path: Path) -> None:
+    """With the pipeline a checkpoint falls while the next rollout is in flight: it must hold the player's
+    state from before that rollout and the parameters it was collected with, so the resumed run retraces
+    the original one (same parameters at later checkpoints, same number of episodes)."""
+    common = [
+        *SMALL,
+        "algo.pipeline=true",
+        "checkpoint.every=2",
+        "checkpoint.keep=0",
+        "algo.total_steps=1024",
+    ]
+    _run(_python_m(2, *common, f"hydra.run.dir={tmp_path / 'a'}"), tmp_path)
+    source = tmp_path / "a" / "checkpoints" / "iter_000004.ckpt"
+    _run(_python_m(2, *common, f"hydra.run.dir={tmp_path / 'b'}", f"resume={source}"), tmp_path)
+    for name in ("iter_000006.ckpt", "iter_000008.ckpt"):
+        original = _agent(tmp_path / "a" / "checkpoints" / name).state_dict()
+        again = _agent(tmp_path / "b" / "checkpoints" / name).state_dict()
+        for key, value in original.items():
+            torch.testing.assert_close(again[key], value, rtol=0, atol=0, msg=f"{name}: {key} differs")
+    episodes = [json.loads((tmp_path / d / "summary.json").read_text())["episodes"] for d in ("a", "b")]
+    assert episodes[0] == episodes[1]
+
+
 def test_coupled_checkpoint_refused_by_decoupled(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A coupled checkpoint has one learner per rank and no player/trainer split: refuse it up front."""
     monkeypatch.delenv("LT_CLI_USED", raising=False)
