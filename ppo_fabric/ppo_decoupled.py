@@ -255,6 +255,7 @@ def trainer(
     rank_minibatch = training_layout(cfg, fabric.world_size).rank_minibatch
     version = int(resume["iteration"]) if resume is not None else 0
     first = topo.rank == topo.first_trainer
+    sync = len(topo.trainers) > 1  # a lone trainer's DDP all-reduce only costs time
     watch = Stopwatch()
 
     def publish(metrics: torch.Tensor) -> None:
@@ -273,7 +274,9 @@ def trainer(
             break
         t0 = time.perf_counter()
         lr = set_lr(learner.optimizer, cfg, version, updates)
-        stats = train(fabric, learner.model, learner.optimizer, batch, cfg.algo, mean_across, rank_minibatch)
+        stats = train(
+            fabric, learner.model, learner.optimizer, batch, cfg.algo, mean_across, rank_minibatch, sync
+        )
         elapsed = time.perf_counter() - t0
         watch.add("train", elapsed)
         lag = version - sum(versions) / len(versions)
