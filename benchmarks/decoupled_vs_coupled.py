@@ -16,41 +16,19 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import statistics
-import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
-RESULTS = Path(__file__).resolve().parent / "results"
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import common  # noqa: E402
+from common import RESULTS, run_once  # noqa: E402
+
 VARIANTS = {
     "coupled (1 process)": ["strategy=coupled", "fabric.devices=1"],
     "decoupled 1+1 pipelined": ["strategy=decoupled", "fabric.devices=2", "algo.pipeline=true"],
     "decoupled 1+1 synchronous": ["strategy=decoupled", "fabric.devices=2", "algo.pipeline=false"],
 }
-
-
-def cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
-
-
-def run_once(overrides: list[str], steps: int, seed: int) -> dict:
-    with tempfile.TemporaryDirectory() as tmp:
-        cmd = [
-            sys.executable, "-m", "ppo_fabric", "exp=cleanrl_cartpole", f"algo.total_steps={steps}",
-            f"seed={seed}", "logger.tensorboard=false", f"hydra.run.dir={tmp}/run", *overrides,
-        ]  # fmt: skip
-        proc = subprocess.run(cmd, capture_output=True, text=True)
-        if proc.returncode != 0:
-            raise SystemExit(f"benchmark run failed: {' '.join(cmd)}\n{proc.stderr[-2000:]}")
-        return json.loads((Path(tmp) / "run" / "summary.json").read_text())
 
 
 def main() -> None:
@@ -66,7 +44,8 @@ def main() -> None:
     rows: dict[str, list[dict]] = {name: [] for name in VARIANTS}
     for repeat in range(args.repeats):
         for name, overrides in VARIANTS.items():
-            summary = run_once([*overrides, *args.extra], args.steps, seed=repeat + 1)
+            workload = ["exp=cleanrl_cartpole", f"algo.total_steps={args.steps}", f"seed={repeat + 1}"]
+            summary = run_once([*workload, *overrides, *args.extra])
             rows[name].append(summary)
             print(f"{name:28s} seed {repeat + 1}: {summary['sps']:8,.0f} SPS, "
                   f"return {summary['final_mean_return']:.1f}", flush=True)  # fmt: skip
@@ -80,10 +59,7 @@ def main() -> None:
                       "sps_each": [s["sps"] for s in runs],
                       "final_mean_return_each": [s["final_mean_return"] for s in runs],
                       "time_split_last": split})  # fmt: skip
-    import torch
-
-    machine = {"cpu": cpu_model(), "cores": __import__("os").cpu_count(), "torch": torch.__version__,
-               "python": platform.python_version()}  # fmt: skip
+    machine = common.machine()
     args.out.mkdir(parents=True, exist_ok=True)
     report = {"workload": "exp=cleanrl_cartpole", "steps": args.steps, "repeats": args.repeats,
               "extra_overrides": args.extra, "machine": machine, "results": table}  # fmt: skip

@@ -1,0 +1,64 @@
+"""What the strategy benchmarks share: one training run in a subprocess, and a description of the machine."""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+def cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
+
+
+def machine() -> dict[str, Any]:
+    import torch
+
+    return {"cpu": cpu_model(), "cores": os.cpu_count(), "torch": torch.__version__,
+            "python": platform.python_version()}  # fmt: skip
+
+
+def first_step_at(metrics_csv: Path, key: str, threshold: float) -> int | None:
+    """Env step of the first logged update whose `key` reached `threshold` (None if never)."""
+    with metrics_csv.open(newline="") as fh:
+        for row in csv.DictReader(fh):
+            if row.get(key) and float(row[key]) >= threshold:
+                return int(row["step"])
+    return None
+
+
+def run_once(overrides: list[str], solved_return: float = 475.0) -> dict[str, Any]:
+    """Train in a fresh process (as a user would launch it) and return its summary.json, plus the env
+    step at which the mean of the last 20 episodes first reached `solved_return`."""
+    with tempfile.TemporaryDirectory() as tmp:
+        run_dir = Path(tmp) / "run"
+        cmd = [
+            sys.executable,
+            "-m",
+            "ppo_fabric",
+            "logger.tensorboard=false",
+            f"hydra.run.dir={run_dir}",
+            *overrides,
+        ]
+        proc = subprocess.run(cmd, capture_output=True, text=True)
+        if proc.returncode != 0:
+            raise SystemExit(f"benchmark run failed: {' '.join(cmd)}\n{proc.stderr[-2000:]}")
+        summary = json.loads((run_dir / "summary.json").read_text())
+        summary["solved_step"] = first_step_at(
+            run_dir / "metrics.csv", "rollout/return_mean20", solved_return
+        )
+        return summary
