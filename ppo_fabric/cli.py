@@ -93,6 +93,12 @@ def launch(cfg: Any, run_dir_template: str, facts: dict[str, Any]) -> dict[str, 
         from ppo_fabric import ppo as strategy
     try:
         summary = strategy.main(fabric, cfg, run_dir)
+    except KeyboardInterrupt:
+        if fabric.global_rank == 0:
+            last = run_dir / "checkpoints" / "last.ckpt"
+            hint = f"; continue with resume={last}" if last.exists() else ""
+            os.write(2, f"ppo-fabric: interrupted{hint}\n".encode())
+        os._exit(130)
     except Exception as exc:
         if fabric.world_size == 1:
             raise

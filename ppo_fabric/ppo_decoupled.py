@@ -86,7 +86,7 @@ def main(fabric: Fabric, cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
     return trainer(fabric, cfg, run_dir, topo, resume)
 
 
-def _summary_and_checkpoint(
+def _checkpoint(
     fabric: Fabric, cfg: DictConfig, topo: Topology, state: dict[str, Any], version: int
 ) -> list[dict[str, Any]]:
     """CHECKPOINT: every rank contributes its part, rank 0 writes one file; returns every rank's part."""
@@ -123,9 +123,7 @@ def player(
     num_params = sum(p.numel() for p in policy.parameters())
 
     version = 0
-    in_flight: dict[str, Any] | None = (
-        None  # pipeline resume: the parameters the next rollout was collected with
-    )
+    in_flight: dict[str, Any] | None = None  # pipeline resume: parameters the first rollout is collected with
     if resume is not None:
         version = int(resume["iteration"])
         if len(resume["ranks"]) == fabric.world_size:
@@ -153,9 +151,7 @@ def player(
             _log(new_version, metrics)
         if new_version > start_version and _checkpoint_due(cfg, new_version, updates):
             rank_state = snapshot if snapshot is not None else collector_state(collector)
-            _summary_and_checkpoint(
-                fabric, cfg, topo, {"rank_state": rank_state, "run_dir": str(run_dir)}, new_version
-            )
+            _checkpoint(fabric, cfg, topo, {"rank_state": rank_state, "run_dir": str(run_dir)}, new_version)
         return new_version
 
     def _log(new_version: int, metrics: torch.Tensor) -> None:
@@ -289,7 +285,7 @@ def trainer(
             state = {"rank_state": {"rng": ckpt.rng_state()}, "run_dir": str(run_dir)}
             if first:
                 state["learner"] = learner_state(cfg, learner, obs_space, action_space)
-            _summary_and_checkpoint(fabric, cfg, topo, state, version)
+            _checkpoint(fabric, cfg, topo, state, version)
     gather_objects(topo, {"digest": parameters_digest(learner.policy), "time": watch.totals})
     return {"strategy": "decoupled", "rank": topo.rank, "role": "trainer"}
 
