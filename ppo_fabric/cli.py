@@ -56,6 +56,8 @@ def build_fabric(cfg: Any, world_size: int) -> Any:
     from lightning.fabric import Fabric
     from lightning.fabric.strategies import DDPStrategy
 
+    from ppo_fabric.collectives import GroupDDPStrategy
+
     timeout = datetime.timedelta(seconds=float(cfg.collectives.timeout))
     under_cli = bool(os.environ.get("LT_CLI_USED"))
     kwargs: dict[str, Any] = {}
@@ -66,8 +68,9 @@ def build_fabric(cfg: Any, world_size: int) -> Any:
             "num_nodes": int(cfg.fabric.num_nodes),
             "precision": cfg.fabric.precision,
         }
-    if world_size > 1 and cfg.fabric.strategy == "auto" and not os.environ.get("LT_STRATEGY"):
-        kwargs["strategy"] = DDPStrategy(timeout=timeout, start_method="popen")
+    if world_size > 1 and cfg.fabric.strategy in ("auto", "ddp") and not os.environ.get("LT_STRATEGY"):
+        ddp = GroupDDPStrategy if cfg.strategy == "decoupled" else DDPStrategy
+        kwargs["strategy"] = ddp(timeout=timeout, start_method="popen")
     elif not under_cli:
         kwargs["strategy"] = cfg.fabric.strategy
     return Fabric(**kwargs)

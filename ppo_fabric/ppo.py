@@ -59,12 +59,10 @@ def train(
     algo: DictConfig,
     mean_across_trainers: Callable[[torch.Tensor], torch.Tensor] | None = None,
     rank_minibatch: int | None = None,
-    sync_gradients: bool = True,
 ) -> dict[str, float]:
     """One PPO update: `update_epochs` passes over shuffled minibatches of this rank's flat batch.
 
     `rank_minibatch` is this rank's share of `algo.minibatch_size` (all of it on a single rank).
-    `sync_gradients=False` skips DDP's all-reduce, for a DDP group of one trainer where it only costs time.
     With `target_kl` set, the KL estimate is averaged over all training ranks (`mean_across_trainers`)
     before deciding to stop, so every rank runs the same number of backward passes (DDP would hang).
     """
@@ -76,37 +74,36 @@ def train(
     target_kl = None if algo.target_kl is None else float(algo.target_kl)
     stats: list[torch.Tensor] = []
     epochs = 0
-    with fabric.no_backward_sync(model, enabled=not sync_gradients):
-        for _ in range(int(algo.update_epochs)):
-            shuffled = batch[torch.randperm(n, device=batch.device)]
-            obs, actions, old_logp = shuffled["obs"], shuffled["actions"], shuffled["logprobs"]
-            old_values, advantages, returns = shuffled["values"], shuffled["advantages"], shuffled["returns"]
-            for start in range(0, n, mb):
-                sl = slice(start, start + mb)
-                new_logp, entropy, new_values = model(obs[sl], actions[sl])
-                adv = normalize(advantages[sl]) if norm_adv else advantages[sl]
-                pg = policy_loss(new_logp, old_logp[sl], adv, clip)
-                vl = value_loss(new_values, old_values[sl], returns[sl], clip, clip_vloss)
-                el = entropy_loss(entropy)
-                loss = pg + vf_coef * vl + ent_coef * el
-                optimizer.zero_grad(set_to_none=True)
-                fabric.backward(loss)
-                if max_norm > 0:
-                    fabric.clip_gradients(model, optimizer, max_norm=max_norm, error_if_nonfinite=False)
-                optimizer.step()
-                with torch.no_grad():
-                    logratio = new_logp - old_logp[sl]
-                    ratio = logratio.exp()
-                    approx_kl = ((ratio - 1) - logratio).mean()
-                    clipfrac = ((ratio - 1).abs() > clip).float().mean()
-                    stats.append(torch.stack((pg, vl, -el, approx_kl, clipfrac)).detach())
-            epochs += 1
-            if target_kl is not None:
-                kl = torch.stack(stats[-(n // mb) :])[:, 3].mean()
-                if mean_across_trainers is not None:
-                    kl = mean_across_trainers(kl)
-                if kl.item() > target_kl:
-                    break
+    for _ in range(int(algo.update_epochs)):
+        shuffled = batch[torch.randperm(n, device=batch.device)]
+        obs, actions, old_logp = shuffled["obs"], shuffled["actions"], shuffled["logprobs"]
+        old_values, advantages, returns = shuffled["values"], shuffled["advantages"], shuffled["returns"]
+        for start in range(0, n, mb):
+            sl = slice(start, start + mb)
+            new_logp, entropy, new_values = model(obs[sl], actions[sl])
+            adv = normalize(advantages[sl]) if norm_adv else advantages[sl]
+            pg = policy_loss(new_logp, old_logp[sl], adv, clip)
+            vl = value_loss(new_values, old_values[sl], returns[sl], clip, clip_vloss)
+            el = entropy_loss(entropy)
+            loss = pg + vf_coef * vl + ent_coef * el
+            optimizer.zero_grad(set_to_none=True)
+            fabric.backward(loss)
+            if max_norm > 0:
+                fabric.clip_gradients(model, optimizer, max_norm=max_norm, error_if_nonfinite=False)
+            optimizer.step()
+            with torch.no_grad():
+                logratio = new_logp - old_logp[sl]
+                ratio = logratio.exp()
+                approx_kl = ((ratio - 1) - logratio).mean()
+                clipfrac = ((ratio - 1).abs() > clip).float().mean()
+                stats.append(torch.stack((pg, vl, -el, approx_kl, clipfrac)).detach())
+        epochs += 1
+        if target_kl is not None:
+            kl = torch.stack(stats[-(n // mb) :])[:, 3].mean()
+            if mean_across_trainers is not None:
+                kl = mean_across_trainers(kl)
+            if kl.item() > target_kl:
+                break
     means = torch.stack(stats).mean(0).tolist()
     values, returns = batch["values"], batch["returns"]
     var_returns = returns.var()

@@ -29,6 +29,7 @@ from ppo_fabric.agent import ActorCritic
 from ppo_fabric.buffer import rollout_storage, training_batch
 from ppo_fabric.collectives import (
     BatchCodec,
+    GroupDDPStrategy,
     Kind,
     Topology,
     broadcast_params,
@@ -79,6 +80,11 @@ def _checkpoint_due(cfg: DictConfig, version: int, updates: int) -> bool:
 
 def main(fabric: Fabric, cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
     """Build the groups (a collective on every rank), then play or train; returns this rank's summary."""
+    if not isinstance(fabric.strategy, GroupDDPStrategy):
+        raise ValueError(
+            "strategy=decoupled brings its own DDP strategy; do not pass --strategy to `fabric run` "
+            "(or fabric.strategy other than auto)"
+        )
     topo = setup_topology(int(cfg.algo.players), float(cfg.collectives.timeout))
     resume = ckpt.load(cfg.resume) if cfg.resume is not None else None
     if topo.is_player:
@@ -177,6 +183,7 @@ def player(
         resumed_params = parameters_to_vector(policy.parameters()).clone()
         vector_to_parameters(in_flight["policy"].to(device), policy.parameters())
         behaviour = int(in_flight["policy_version"])
+    in_transit = None  # the previous DATA message, still being sent (pipeline)
     for iteration in range(version, updates):
         pipelined = bool(algo.pipeline) and iteration > start_version
         snapshot = None
@@ -186,19 +193,22 @@ def player(
         t0 = time.perf_counter()
         collector.collect(policy, iteration * per_update)
         watch.add("collect", time.perf_counter() - t0)
-        used = behaviour
+        t0 = time.perf_counter()
+        if in_transit is not None:
+            in_transit.wait()
+        in_transit = send_batch(topo, codec, training_batch(storage), behaviour, async_op=bool(algo.pipeline))
+        watch.add("send", time.perf_counter() - t0)
         if pipelined:
             version = behaviour = receive(snapshot)  # update `iteration - 1` finished during this rollout
         elif resumed_params is not None:
             vector_to_parameters(resumed_params, policy.parameters())
             behaviour, resumed_params = version, None
-        t0 = time.perf_counter()
-        send_batch(topo, codec, training_batch(storage), used)
-        watch.add("send", time.perf_counter() - t0)
         if not algo.pipeline:
             version = behaviour = receive()
     if algo.pipeline and version < updates:
         version = receive()
+    if in_transit is not None:
+        in_transit.wait()
     send_batch(topo, codec, None, version)  # STOP
 
     parts = gather_objects(topo, {"window": list(collector.episodes.window), "episodes": collector.episodes.count,
@@ -238,7 +248,7 @@ def trainer(
     fabric: Fabric, cfg: DictConfig, run_dir: Path, topo: Topology, resume: dict | None
 ) -> dict[str, Any]:
     # Fabric's DDP wraps the model over the trainers' group only: players never join it.
-    fabric.strategy._ddp_kwargs["process_group"] = topo.trainer_group
+    fabric.strategy.use_group(topo.trainer_group, len(topo.trainers))
     obs_space, action_space = probe_spaces(cfg.env)
     learner = build_learner(fabric, cfg, obs_space, action_space, resume)
     if resume is not None and len(resume["ranks"]) == fabric.world_size:
@@ -251,7 +261,6 @@ def trainer(
     rank_minibatch = training_layout(cfg, fabric.world_size).rank_minibatch
     version = int(resume["iteration"]) if resume is not None else 0
     first = topo.rank == topo.first_trainer
-    sync = len(topo.trainers) > 1  # a lone trainer's DDP all-reduce only costs time
     watch = Stopwatch()
 
     def publish(metrics: torch.Tensor) -> None:
@@ -270,9 +279,7 @@ def trainer(
             break
         t0 = time.perf_counter()
         lr = set_lr(learner.optimizer, cfg, version, updates)
-        stats = train(
-            fabric, learner.model, learner.optimizer, batch, cfg.algo, mean_across, rank_minibatch, sync
-        )
+        stats = train(fabric, learner.model, learner.optimizer, batch, cfg.algo, mean_across, rank_minibatch)
         elapsed = time.perf_counter() - t0
         watch.add("train", elapsed)
         lag = version - sum(versions) / len(versions)
