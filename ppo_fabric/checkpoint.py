@@ -60,7 +60,7 @@ def atomic_write(data: bytes, path: Path) -> None:
 
 
 def save(state: dict[str, Any], ckpt_dir: Path, iteration: int, numbered: bool, keep: int) -> Path:
-    """Write `last.ckpt` and, when asked, `iter_XXXXXX.ckpt`, pruning numbered ones beyond `keep`."""
+    """Write `last.ckpt` and, when asked, `iter_NNNNNN.ckpt` (the update number), pruning numbered ones beyond `keep`."""
     buffer = io.BytesIO()
     torch.save({"format": FORMAT_VERSION, **state}, buffer)
     data = buffer.getvalue()
@@ -74,22 +74,26 @@ def save(state: dict[str, Any], ckpt_dir: Path, iteration: int, numbered: bool, 
     return last
 
 
-def load(path: str | Path) -> dict[str, Any]:
-    """Load a checkpoint written by `save`; raises ValueError with a one-line reason."""
+def load(path: str | Path, key: str = "resume") -> dict[str, Any]:
+    """Load a checkpoint written by `save`; raises ValueError with a one-line reason.
+
+    `key` is the argument the user gave the path as (`resume` for training, `checkpoint` for the
+    evaluate/export tools), so the message names what they typed.
+    """
     path = Path(path)
     if path.is_dir():
         raise ValueError(
-            f"resume={str(path)!r} is a directory; point resume at a .ckpt file such as "
+            f"{key}={str(path)!r} is a directory; point {key} at a .ckpt file such as "
             f"{path / 'checkpoints' / 'last.ckpt'}"
         )
     if not path.is_file():
-        raise ValueError(f"resume={str(path)!r}: no such checkpoint file")
+        raise ValueError(f"{key}={str(path)!r}: no such checkpoint file")
     try:
         state = torch.load(path, map_location="cpu", weights_only=False)
     except Exception as exc:
-        raise ValueError(f"resume={str(path)!r}: not a readable checkpoint ({type(exc).__name__})") from exc
+        raise ValueError(f"{key}={str(path)!r}: not a readable checkpoint ({type(exc).__name__})") from exc
     if not isinstance(state, dict) or state.get("format") != FORMAT_VERSION:
-        raise ValueError(f"resume={str(path)!r}: not a ppo-fabric checkpoint (format {FORMAT_VERSION})")
+        raise ValueError(f"{key}={str(path)!r}: not a ppo-fabric checkpoint (format {FORMAT_VERSION})")
     return state
 
 
@@ -139,3 +143,29 @@ def restore_envs(blob: bytes | None, fallback: Any) -> Any:
         return fallback
     fallback.close()
     return pickle.loads(blob)
+
+
+def resolve(path: str | Path) -> Path:
+    """A checkpoint file, or a run directory standing for its `checkpoints/last.ckpt` (what users type)."""
+    path = Path(path)
+    last = path / "checkpoints" / "last.ckpt"
+    return last if path.is_dir() and last.is_file() else path
+
+
+def load_policy(path: str | Path, key: str = "checkpoint") -> tuple[dict[str, Any], Any]:
+    """(checkpoint, ActorCritic in eval mode on the CPU) rebuilt from the checkpoint's own model config,
+    so evaluation and export need nothing from the run that wrote it; raises ValueError (one line)."""
+    from ppo_fabric.agent import ActorCritic
+
+    state = load(resolve(path), key=key)
+    model_cfg = OmegaConf.create(state["config"]["model"])
+    agent = ActorCritic(state["observation_space"], state["action_space"], model_cfg)
+    agent.load_state_dict(state["agent"])
+    return state, agent.eval()
+
+
+def run_dir_of(checkpoint: str | Path) -> Path:
+    """The run directory a checkpoint belongs to: `<run>/checkpoints/x.ckpt` -> `<run>`; a checkpoint kept
+    anywhere else counts its own directory as the run directory."""
+    path = resolve(checkpoint).resolve()
+    return path.parent.parent if path.parent.name == "checkpoints" else path.parent

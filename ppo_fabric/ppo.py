@@ -37,6 +37,7 @@ from ppo_fabric.metrics import (
     save_resolved_config,
     write_json,
 )
+from ppo_fabric.plots import save_learning_curve
 from ppo_fabric.rollout import RolloutCollector
 
 # ----------------------------------------------------------------------------------------------- update
@@ -283,6 +284,7 @@ def main(fabric: Fabric, cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
     collector.envs.close()
     if rank == 0:
         write_json(run_dir / "summary.json", summary)
+        save_learning_curve(run_dir, title=str(cfg.env.id))
     return summary
 
 

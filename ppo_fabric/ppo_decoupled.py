@@ -52,6 +52,7 @@ from ppo_fabric.metrics import (
     save_resolved_config,
     write_json,
 )
+from ppo_fabric.plots import save_learning_curve
 from ppo_fabric.ppo import (
     TRAIN_METRICS,
     build_learner,
@@ -240,6 +241,7 @@ def player(
     }
     if rank == 0:
         write_json(run_dir / "summary.json", summary)
+        save_learning_curve(run_dir, title=str(cfg.env.id))
     return summary
 
 
