@@ -11,7 +11,7 @@ ARGS   ?=
 $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
 	$(PIP) install -c constraints.txt torch==2.13.0
-	$(PIP) install -c constraints.txt -e '.[dev]'
+	$(PIP) install -c constraints.txt -e '.[dev,video,onnx]'
 	touch $(STAMP)
 
 # PPO on CartPole-v1 with the default config (add overrides with ARGS="env.id=Acrobot-v1 ...").
@@ -31,11 +31,12 @@ $(VENV)/.bench: $(STAMP)
 	$(PIP) install -c constraints.txt -e '.[dev,bench]'
 	touch $@
 
-# Throughput and learning benchmarks (~15 min on 2 cores); figures land in benchmarks/results/.
+# Throughput and learning benchmarks (~25 min on 2 cores); figures land in benchmarks/results/.
 bench: $(VENV)/.bench
 	$(BIN)/python benchmarks/cartpole_vs_sb3.py
 	$(BIN)/python benchmarks/cartpole_vs_sb3.py --sb3-threads 0 --name cartpole_vs_sb3_default_threads
 	$(BIN)/python benchmarks/decoupled_vs_coupled.py
+	$(BIN)/python benchmarks/scaling.py
 
 clean:
 	rm -rf $(VENV) runs outputs .pytest_cache .ruff_cache

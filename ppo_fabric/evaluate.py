@@ -1,0 +1,216 @@
+"""Play a checkpoint's policy on its own env: `python -m ppo_fabric.evaluate checkpoint=PATH [key=value ...]`.
+
+The env is rebuilt from the config stored in the checkpoint (id, kwargs, time limit, action repeat), so the
+returns are the ones training logged, and the model from the checkpoint's model config, so nothing about
+the run has to be repeated on the command line. Results go to `eval.json` in the run directory (the
+checkpoint's `<run>/checkpoints/..` parent) or `out=DIR`; `video=true` also records the first episode.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+USAGE = """usage: python -m ppo_fabric.evaluate checkpoint=PATH [key=value ...]
+
+  checkpoint=PATH       a .ckpt file, or a run directory (its checkpoints/last.ckpt)   (required)
+  episodes=10           episodes to play
+  deterministic=true    greedy/mean actions (false: sample from the policy)
+  seed=0                episode i is reset with seed+i
+  video=false           record the first episode as eval.mp4 (needs: pip install 'ppo-fabric[video]')
+  out=DIR               where eval.json (and eval.mp4) go; default: the checkpoint's run directory
+"""
+
+SPEC: dict[str, tuple[type, Any]] = {
+    "checkpoint": (str, ...),
+    "episodes": (int, 10),
+    "deterministic": (bool, True),
+    "seed": (int, 0),
+    "video": (bool, False),
+    "out": (str, None),
+}
+VIDEO_HINT = "video=true needs a video encoder: pip install 'ppo-fabric[video]'"
+
+
+class EvalError(ValueError):
+    """Input the evaluation cannot run with; `str()` is one line for the user."""
+
+
+def _video_writer() -> Any:
+    """PyAV, imported up front so a missing extra fails before any episode is played."""
+    try:
+        import av
+    except ImportError as exc:
+        raise EvalError(VIDEO_HINT) from exc
+    return av
+
+
+def write_mp4(frames: list[np.ndarray], path: Path, fps: float) -> Path:
+    """Encode RGB frames (H, W, 3 uint8) as H.264 mp4 with PyAV.
+
+    PyAV is one self-contained wheel (FFmpeg inside), far lighter than moviepy plus imageio-ffmpeg which
+    gymnasium's RecordVideo needs. yuv420p (what every player decodes) needs even sides: odd ones are padded.
+    """
+    av = _video_writer()
+    height, width = frames[0].shape[:2]
+    even_h, even_w = height + height % 2, width + width % 2
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with av.open(str(path), mode="w") as container:
+        stream = container.add_stream("libx264", rate=max(1, round(fps)))
+        stream.width, stream.height, stream.pix_fmt = even_w, even_h, "yuv420p"
+        for frame in frames:
+            if frame.shape[:2] != (even_h, even_w):
+                frame = np.pad(frame, ((0, even_h - height), (0, even_w - width), (0, 0)), mode="edge")
+            container.mux(
+                stream.encode(av.VideoFrame.from_ndarray(np.ascontiguousarray(frame), format="rgb24"))
+            )
+        container.mux(stream.encode())  # flush the encoder
+    return path
+
+
+def play(
+    agent: Any,
+    env: Any,
+    episodes: int,
+    deterministic: bool,
+    seed: int,
+    record_first: bool = False,
+) -> tuple[list[float], list[int], list[np.ndarray]]:
+    """Run whole episodes; returns (returns, lengths, frames of the first episode when recording).
+
+    Box actions are clipped to the action space, as the training rollout does before `env.step`.
+    """
+    import gymnasium as gym
+    import torch
+
+    space = env.action_space
+    clip = (space.low, space.high) if isinstance(space, gym.spaces.Box) else None
+    returns: list[float] = []
+    lengths: list[int] = []
+    frames: list[np.ndarray] = []
+    for episode in range(episodes):
+        obs, _ = env.reset(seed=seed + episode)
+        recording = record_first and episode == 0
+        if recording:
+            frames.append(np.asarray(env.render()))
+        total, length, done = 0.0, 0, False
+        while not done:
+            with torch.inference_mode():
+                action, _, _ = agent.act(
+                    torch.as_tensor(obs, dtype=torch.float32).unsqueeze(0), deterministic=deterministic
+                )
+            env_action = action[0].numpy()
+            if clip is not None:
+                env_action = np.clip(env_action, *clip)
+            elif env_action.ndim == 0:
+                env_action = int(env_action)
+            obs, reward, terminated, truncated, _ = env.step(env_action)
+            total += float(reward)
+            length += 1
+            done = bool(terminated or truncated)
+            if recording:
+                frames.append(np.asarray(env.render()))
+        returns.append(total)
+        lengths.append(length)
+    return returns, lengths, frames
+
+
+def evaluate(
+    checkpoint: str | Path,
+    episodes: int = 10,
+    deterministic: bool = True,
+    seed: int = 0,
+    video: bool = False,
+    out: str | Path | None = None,
+) -> dict[str, Any]:
+    """Evaluate a checkpoint, write `eval.json` (and `eval.mp4`), and return the results.
+
+    Raises EvalError with a one-line message for input that cannot be evaluated.
+    """
+    from omegaconf import OmegaConf
+
+    from ppo_fabric import checkpoint as ckpt
+    from ppo_fabric.envs import EnvError, make_env
+
+    if episodes <= 0:
+        raise EvalError(f"episodes={episodes} must be > 0")
+    if video:
+        _video_writer()
+    try:
+        state, agent = ckpt.load_policy(checkpoint)
+    except ValueError as exc:
+        raise EvalError(str(exc)) from exc
+    out_dir = Path(out) if out is not None else ckpt.run_dir_of(checkpoint)
+    env_cfg = OmegaConf.create(state["config"]["env"])
+    if video:  # frames are drawn off-screen: keep SDL (pygame envs) from probing for a display or sound
+        os.environ.setdefault("SDL_VIDEODRIVER", "dummy")
+        os.environ.setdefault("SDL_AUDIODRIVER", "dummy")
+    try:
+        env = make_env(env_cfg, render_mode="rgb_array" if video else None)
+    except EnvError as exc:
+        raise EvalError(str(exc)) from exc
+    if video and "rgb_array" not in env.metadata.get("render_modes", []):
+        env.close()
+        raise EvalError(f"env.id={env_cfg.id!r} cannot render rgb_array frames; evaluate with video=false")
+    start = time.perf_counter()
+    try:
+        returns, lengths, frames = play(agent, env, episodes, deterministic, seed, record_first=video)
+        fps = float(env.metadata.get("render_fps") or 30)
+    finally:
+        env.close()
+    out_dir.mkdir(parents=True, exist_ok=True)
+    video_path = write_mp4(frames, out_dir / "eval.mp4", fps) if video else None
+    result = {
+        "checkpoint": str(ckpt.resolve(checkpoint).resolve()),
+        "env_id": str(env_cfg.id),
+        "env_step": state.get("env_step"),
+        "episodes": episodes,
+        "deterministic": deterministic,
+        "seed": seed,
+        "mean_return": float(np.mean(returns)),
+        "std_return": float(np.std(returns)),  # population std (ddof=0), as SB3's evaluate_policy
+        "min_return": float(np.min(returns)),
+        "max_return": float(np.max(returns)),
+        "mean_length": float(np.mean(lengths)),
+        "returns": returns,
+        "lengths": lengths,
+        "wall_seconds": time.perf_counter() - start,
+        "video": None if video_path is None else str(video_path),
+    }
+    from ppo_fabric.metrics import write_json
+
+    write_json(out_dir / "eval.json", result)
+    result["eval_json"] = str(out_dir / "eval.json")
+    return result
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any] | None:
+    """Entry point; exits with status 2 and one line on stderr for bad input."""
+    from ppo_fabric.cli import ArgError, _fail, parse_key_values
+
+    args = list(sys.argv[1:] if argv is None else argv)
+    if any(a in ("-h", "--help") for a in args):
+        print(USAGE)
+        return None
+    try:
+        result = evaluate(**parse_key_values(args, SPEC))
+    except (ArgError, EvalError) as exc:
+        _fail(str(exc))
+        return None  # unreachable: _fail exits
+    mode = "deterministic" if result["deterministic"] else "stochastic"
+    print(
+        f"ppo-fabric: eval {result['env_id']}: mean return {result['mean_return']:.2f} "
+        f"+/- {result['std_return']:.2f} over {result['episodes']} episodes ({mode}); "
+        f"wrote {result['eval_json']}" + (f" and {result['video']}" if result["video"] else ""),
+        flush=True,
+    )
+    return result
+
+
+if __name__ == "__main__":
+    main()
