@@ -1,0 +1,193 @@
+"""Throughput as a function of env.num_envs and fabric.devices (coupled strategy), on two environments.
+
+For CartPole-v1 (cheap env steps: the policy and the update dominate) and LunarLander-v3 (Box2D physics:
+the env step weighs more), runs every combination of env.num_envs in (4, 8, 16, 32, 64) per rank and
+fabric.devices in (1, 2), coupled strategy on CPU, one run at a time. Only the layout changes: every run
+uses rollout_steps=128, update_epochs=4 and a minibatch of a quarter of the batch, so each update makes 16
+gradient steps whatever the batch, and the rest of the env's config is left as it is. The budget is a
+per-environment number of env steps at num_envs=4, grown with sqrt(num_envs / 4) (SPS grows about
+that fast, so every run takes roughly the same 10-20 s), rounded up to whole updates with a floor of
+`--min-updates`: a small layout runs long enough to hide the first update's warm-up, a large one still
+runs several updates. SPS is the run's own figure (env steps over all ranks / training wall time, process start-up
+excluded); the collect/train split is rank 0's. Writes benchmarks/results/scaling.{json,md,png}.
+
+    .venv/bin/python benchmarks/scaling.py [--quick] [--envs 4 8 16] [--devices 1 2] [-- extra overrides]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import common  # noqa: E402
+from common import RESULTS, run_once  # noqa: E402
+
+# env config group -> (gymnasium id, env-step budget of a run with num_envs=4). The budgets give ~10-20 s
+# runs on two cores: LunarLander's Box2D step costs several times CartPole's, so it gets fewer steps.
+ENVS: dict[str, tuple[str, int]] = {
+    "cartpole": ("CartPole-v1", 150_000),
+    "lunarlander": ("LunarLander-v3", 60_000),
+}
+NUM_ENVS = (4, 8, 16, 32, 64)
+DEVICES = (1, 2)
+ROLLOUT_STEPS = 128
+UPDATE_EPOCHS = 4
+MINIBATCHES = 4
+
+
+def layout(num_envs: int, devices: int, budget: int, min_updates: int) -> dict[str, int]:
+    """Batch, minibatch and total_steps of one run. `budget` is for num_envs=4 and grows with
+    sqrt(num_envs / 4), then is rounded up to whole updates so that every run does the work it reports
+    (ppo-fabric drops a partial last update)."""
+    batch = ROLLOUT_STEPS * num_envs * devices
+    updates = max(min_updates, math.ceil(budget * math.sqrt(num_envs / 4) / batch))
+    return {
+        "batch": batch,
+        "minibatch": batch // MINIBATCHES,
+        "updates": updates,
+        "total_steps": updates * batch,
+    }
+
+
+def git_commit() -> str:
+    """HEAD, flagged when the tree has uncommitted changes (the figures then belong to no commit)."""
+    root = Path(__file__).resolve().parent.parent
+
+    def git(*args: str) -> str:
+        return subprocess.run(["git", *args], cwd=root, capture_output=True, text=True).stdout.strip()
+
+    head = git("rev-parse", "--short", "HEAD") or "unknown"
+    return head + ("+dirty" if git("status", "--porcelain", "--", "ppo_fabric", "conf") else "")
+
+
+def plot(results: list[dict[str, Any]], env_groups: list[str], out: Path) -> None:
+    """Two panels (one per env): SPS against num_envs on a log2 axis, one line per devices value.
+    Drawn through the object API on an Agg canvas, as ppo_fabric/plots.py does, so no GUI backend is
+    ever picked on a headless machine."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(5 * len(env_groups), 4), dpi=100, layout="constrained")
+    FigureCanvasAgg(fig)
+    axes = fig.subplots(1, len(env_groups), squeeze=False)[0]
+    for ax, group in zip(axes, env_groups, strict=True):
+        for devices in sorted({r["devices"] for r in results}):
+            points = sorted((r["num_envs"], r["sps"]) for r in results
+                            if r["env"] == group and r["devices"] == devices)  # fmt: skip
+            if points:
+                xs, ys = zip(*points, strict=True)
+                ax.plot(xs, ys, marker="o", label=f"devices={devices}")
+        ax.set_xscale("log", base=2)
+        xticks = sorted({r["num_envs"] for r in results})
+        ax.set_xticks(xticks, [str(x) for x in xticks])
+        ax.set_xlabel("env.num_envs (per rank)")
+        ax.set_ylabel("env steps / s")
+        ax.set_ylim(bottom=0)
+        ax.set_title(ENVS[group][0])
+        ax.grid(alpha=0.3)
+        ax.legend(loc="upper left", fontsize="small")
+    fig.savefig(out)
+
+
+def markdown(report: dict[str, Any], command: str) -> str:
+    """The report as a table, one row per run, in the order the runs were made."""
+    m = report["machine"]
+    lines = [
+        "# Throughput vs env.num_envs and fabric.devices (coupled strategy, CPU)",
+        "",
+        f"Machine: {m['cpu']}, {m['cores']} cores, torch {m['torch']}, Python {m['python']}; "
+        f"code {report['commit']}. Every run: rollout_steps={ROLLOUT_STEPS}, update_epochs={UPDATE_EPOCHS}, "
+        f"minibatch = batch / {MINIBATCHES}, torch_threads=1 per process, sync vector envs; the budget is "
+        + ", ".join(f"{report['budgets'][g]:,} env steps for {ENVS[g][0]}" for g in report["budgets"])
+        + f" at num_envs=4, times sqrt(num_envs / 4), rounded up to whole updates (at least {report['min_updates']}). SPS = env steps over all "
+        "ranks / training wall time; collect and train are rank 0's seconds. Load = 1-minute load "
+        "average before the run (above the process count, another program shared the CPU).",
+        "",
+        "| env | num_envs | devices | batch | updates | env steps | SPS | collect s | train s | "
+        "collect % | load |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in report["results"]:
+        split = r["time_split"]
+        collect, train = split.get("collect", 0.0), split.get("train", 0.0)
+        share = 100 * collect / (collect + train) if collect + train else float("nan")
+        lines.append(
+            f"| {ENVS[r['env']][0]} | {r['num_envs']} | {r['devices']} | {r['batch']:,} | {r['updates']} | "
+            f"{r['total_env_steps']:,} | {r['sps']:,.0f} | {collect:.2f} | {train:.2f} | {share:.0f} | "
+            f"{r['load_before']:.2f} |"
+        )
+    lines += ["", "![SPS vs num_envs](scaling.png)", "", f"Command: `{command}`", ""]
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--envs", type=int, nargs="+", default=list(NUM_ENVS), help="env.num_envs values")
+    parser.add_argument("--devices", type=int, nargs="+", default=list(DEVICES), help="fabric.devices values")
+    parser.add_argument("--only", choices=sorted(ENVS), help="one environment only")
+    parser.add_argument("--steps-scale", type=float, default=1.0, help="multiplies every env's budget")
+    parser.add_argument("--min-updates", type=int, default=8, help="floor on updates per run")
+    parser.add_argument("--quick", action="store_true",
+                        help="smoke test: num_envs 4 and 64, a quarter of the budget, floor of 4 updates")  # fmt: skip
+    parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument("--out", type=Path, default=RESULTS)
+    parser.add_argument("extra", nargs="*", help="overrides applied to every run")
+    args = parser.parse_args()
+    if args.quick:
+        args.envs, args.steps_scale, args.min_updates = [4, 64], args.steps_scale / 4, 4
+
+    groups = [args.only] if args.only else list(ENVS)
+    budgets = {g: int(ENVS[g][1] * args.steps_scale) for g in groups}
+    results: list[dict[str, Any]] = []
+    for group in groups:
+        for devices in args.devices:
+            for num_envs in args.envs:
+                lay = layout(num_envs, devices, budgets[group], args.min_updates)
+                overrides = [
+                    f"env={group}", f"env.num_envs={num_envs}", "env.vector=sync",
+                    "strategy=coupled", "fabric=cpu", f"fabric.devices={devices}", f"seed={args.seed}",
+                    f"algo.rollout_steps={ROLLOUT_STEPS}", f"algo.update_epochs={UPDATE_EPOCHS}",
+                    f"algo.minibatch_size={lay['minibatch']}", f"algo.total_steps={lay['total_steps']}",
+                    *args.extra,
+                ]  # fmt: skip
+                load_before = os.getloadavg()[0]
+                started = time.perf_counter()
+                summary = run_once(overrides, solved_return=math.inf)
+                row = {"env": group, "env_id": ENVS[group][0], "num_envs": num_envs, "devices": devices,
+                       **lay, "total_env_steps": summary["total_env_steps"], "sps": summary["sps"],
+                       "wall_seconds": summary["wall_seconds"], "time_split": summary["time_split"],
+                       "process_seconds": time.perf_counter() - started,
+                       "final_mean_return": summary["final_mean_return"],
+                       "ranks_in_sync": summary.get("ranks_in_sync"), "load_before": load_before,
+                       "load_after": os.getloadavg()[0], "overrides": overrides}  # fmt: skip
+                results.append(row)
+                print(f"{ENVS[group][0]:15s} num_envs {num_envs:3d} devices {devices}: {row['sps']:9,.0f} SPS "
+                      f"in {row['wall_seconds']:5.1f} s, split {json.dumps({k: round(v, 2) for k, v in row['time_split'].items()})}",
+                      flush=True)  # fmt: skip
+
+    command = " ".join([f"{Path(sys.executable).name} benchmarks/scaling.py", *sys.argv[1:]])
+    report = {"settings": {"rollout_steps": ROLLOUT_STEPS, "update_epochs": UPDATE_EPOCHS,
+                           "minibatches": MINIBATCHES, "strategy": "coupled", "vector": "sync"},
+              "budgets": budgets, "min_updates": args.min_updates, "quick": args.quick, "seed": args.seed,
+              "extra_overrides": args.extra, "machine": common.machine(), "commit": git_commit(),
+              "command": command, "results": results}  # fmt: skip
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "scaling.json").write_text(json.dumps(report, indent=2) + "\n")
+    plot(results, groups, args.out / "scaling.png")
+    text = markdown(report, command)
+    (args.out / "scaling.md").write_text(text)
+    print(text)
+
+
+if __name__ == "__main__":
+    main()
