@@ -9,12 +9,14 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import gymnasium as gym
 import numpy as np
 import torch
 import torch.nn.functional as F
 from omegaconf import DictConfig
+from tensordict import TensorDict
 from torch import Tensor, nn
 
 ACTIVATIONS: dict[str, Callable[[Tensor], Tensor]] = {
@@ -56,6 +58,30 @@ class MLP(nn.Module):
 
 
 # --------------------------------------------------------------------------------------------- encoders
+Obs = Tensor | TensorDict  # a Box observation batch, or a TensorDict of them for Dict observation spaces
+
+
+def is_image_space(space: gym.Space) -> bool:
+    """uint8 Boxes of 2 (H, W) or 3 dimensions ([C, H, W] or [H, W, C]) are pixels; float arrays of the
+    same rank may be anything (grids, stacked vectors), so they keep the flattening encoder unless asked."""
+    return isinstance(space, gym.spaces.Box) and space.dtype == np.uint8 and len(space.shape) in (2, 3)
+
+
+def obs_storage_dtype(space: gym.Space) -> torch.dtype:
+    """How one observation is stored in the rollout: pixels stay uint8 (a quarter of float32's memory and
+    of the bytes the decoupled strategy sends); the encoder converts them. Everything else is float32."""
+    return torch.uint8 if is_image_space(space) else torch.float32
+
+
+def single_obs_batch(obs: Any) -> Obs:
+    """One env's observation (array, or dict of arrays) as a batch of one, for evaluation outside the
+    rollout. Pixels may arrive as float32: the CNN scales by its space's dtype, not the batch's."""
+    if isinstance(obs, dict):
+        parts = {k: single_obs_batch(v) for k, v in obs.items()}
+        return TensorDict(parts, batch_size=[1])
+    return torch.as_tensor(np.asarray(obs), dtype=torch.float32).unsqueeze(0)
+
+
 class FlattenEncoder(nn.Module):
     """Flat vector observations: the actor and critic MLPs do the work, so the encoder only flattens."""
 
@@ -64,29 +90,127 @@ class FlattenEncoder(nn.Module):
         self.out_dim = int(np.prod(space.shape))
 
     def forward(self, obs: Tensor) -> Tensor:
+        if obs.dtype != torch.float32:  # pixels flattened on request (model.encoder=mlp) arrive as uint8
+            obs = obs.float()
         return obs.flatten(1) if obs.dim() > 2 else obs
 
 
+def _conv_init(layer: nn.Conv2d, gain: float = math.sqrt(2)) -> nn.Conv2d:
+    nn.init.orthogonal_(layer.weight, gain)
+    nn.init.constant_(layer.bias, 0.0)
+    return layer
+
+
+class NatureCNN(nn.Module):
+    """The DQN Nature network (Mnih et al. 2015) that CleanRL's and SB3's Atari PPO use: conv 32x8x8/4,
+    64x4x4/2, 64x3x3/1, flatten, linear 512, ReLU; orthogonal init with gain sqrt(2).
+
+    Images are channels first ([C, H, W], as a frame stack gives [4, 84, 84]); an [H, W, C] space (a small
+    last and a large first dimension, as raw RGB frames are) is transposed here, and a 2-D [H, W] space
+    gets one channel. A uint8 space is scaled by 1/255 here whatever dtype the batch arrives in (uint8 from
+    the rollout storage, float32 from evaluate/export), so the rollout can store raw pixels.
+    """
+
+    def __init__(self, space: gym.spaces.Box, features: int = 512) -> None:
+        super().__init__()
+        if not isinstance(space, gym.spaces.Box) or len(space.shape) not in (2, 3):
+            raise ValueError(
+                f"model.encoder=cnn needs an image observation space ([C, H, W], [H, W, C] or [H, W]), "
+                f"got {space}; use model.encoder=auto"
+            )
+        shape = tuple(int(d) for d in space.shape)
+        self.add_channel = len(shape) == 2
+        self.channels_last = len(shape) == 3 and shape[-1] in (1, 3, 4) and shape[0] not in (1, 3, 4)
+        if self.add_channel:
+            shape = (1, *shape)
+        elif self.channels_last:
+            shape = (shape[2], shape[0], shape[1])
+        self.scale = 1.0 / 255.0 if space.dtype == np.uint8 else 1.0
+        self.convs = nn.ModuleList(
+            [
+                _conv_init(nn.Conv2d(shape[0], 32, 8, stride=4)),
+                _conv_init(nn.Conv2d(32, 64, 4, stride=2)),
+                _conv_init(nn.Conv2d(64, 64, 3, stride=1)),
+            ]
+        )
+        with torch.no_grad():
+            try:
+                flat = self._conv(torch.zeros(1, *shape)).shape[1]
+            except RuntimeError as exc:  # the kernels do not fit: say what does
+                raise ValueError(
+                    f"observation {tuple(space.shape)} is too small for the Nature CNN (needs at least "
+                    "36x36 pixels); resize the frames or use model.encoder=mlp"
+                ) from exc
+        self.linear = layer_init(nn.Linear(flat, features))
+        self.out_dim = features
+
+    def _conv(self, x: Tensor) -> Tensor:
+        for conv in self.convs:
+            x = torch.relu(conv(x))
+        return x.flatten(1)
+
+    def forward(self, obs: Tensor) -> Tensor:
+        x = obs.float() * self.scale if self.scale != 1.0 else obs.float()
+        if self.add_channel:
+            x = x.unsqueeze(1)
+        elif self.channels_last:
+            x = x.permute(0, 3, 1, 2)
+        return torch.relu(self.linear(self._conv(x)))
+
+
+class MultiEncoder(nn.Module):
+    """Dict observations: a Nature CNN per image key, the other (Box) keys flattened; features concatenated
+    in the space's key order. Vector keys get no layers of their own: the actor and critic MLPs (or, with
+    model=cnn, the heads) mix them with the image features."""
+
+    def __init__(self, space: gym.spaces.Dict) -> None:
+        super().__init__()
+        self.keys = list(space.spaces)
+        self.encoders = nn.ModuleDict()
+        for key, sub in space.spaces.items():
+            if is_image_space(sub):
+                self.encoders[key] = NatureCNN(sub)
+            elif isinstance(sub, gym.spaces.Box):
+                self.encoders[key] = FlattenEncoder(sub)
+            else:
+                raise ValueError(
+                    f"observation key {key!r} has space {sub}; Dict observations support image (uint8) and "
+                    "Box keys only"
+                )
+        self.out_dim = sum(enc.out_dim for enc in self.encoders.values())
+
+    def forward(self, obs: TensorDict) -> Tensor:
+        return torch.cat([self.encoders[k](obs[k]) for k in self.keys], dim=-1)
+
+
 EncoderFactory = Callable[[gym.Space, DictConfig], nn.Module]
-ENCODERS: dict[str, EncoderFactory] = {"mlp": lambda space, cfg: FlattenEncoder(space)}
+ENCODERS: dict[str, EncoderFactory] = {
+    "mlp": lambda space, cfg: FlattenEncoder(space),
+    "cnn": lambda space, cfg: NatureCNN(space),
+    "multi": lambda space, cfg: MultiEncoder(space),
+}
 
 
 def select_encoder(space: gym.Space, name: str) -> str:
-    """Resolve `model.encoder=auto` from the observation space; explain what is not supported."""
+    """Resolve `model.encoder=auto` from the observation space; explain what is not supported.
+
+    auto: `cnn` for image Boxes (uint8, 2-D or 3-D), `mlp` for other Boxes, `multi` for Dict spaces.
+    """
+    if name != "auto" and name not in ENCODERS:
+        raise ValueError(f"model.encoder={name!r} is unknown; choose one of auto, {', '.join(ENCODERS)}")
+    if isinstance(space, gym.spaces.Dict):
+        if name not in ("auto", "multi"):
+            raise ValueError(f"model.encoder={name} cannot read Dict observations; use auto or multi")
+        return "multi"
     if not isinstance(space, gym.spaces.Box):
         raise ValueError(
             f"observation space {type(space).__name__} is not supported yet; wrap the env to return a Box "
-            "(gymnasium.wrappers.FlattenObservation)"
+            "(gymnasium.wrappers.FlattenObservation) or a Dict of Boxes"
         )
     if name == "auto":
-        if len(space.shape) >= 3 and space.dtype == np.uint8:
-            raise ValueError(
-                f"pixel observations {space.shape} need a CNN encoder, which this version does not ship; "
-                "use a vector-observation env"
-            )
-        return "mlp"
-    if name not in ENCODERS:
-        raise ValueError(f"model.encoder={name!r} is unknown; choose one of auto, {', '.join(ENCODERS)}")
+        return "cnn" if is_image_space(space) else "mlp"
+    if name == "multi":
+        raise ValueError("model.encoder=multi is for Dict observations; use auto")
     return name
 
 
@@ -192,16 +316,16 @@ class ActorCritic(nn.Module):
         out = self.value_out
         return F.linear(self.critic_body(features), out.weight, out.bias).squeeze(-1)
 
-    def get_value(self, obs: Tensor) -> Tensor:
+    def get_value(self, obs: Obs) -> Tensor:
         return self._value(self.encoder(obs))
 
-    def act(self, obs: Tensor, deterministic: bool = False) -> tuple[Tensor, Tensor, Tensor]:
+    def act(self, obs: Obs, deterministic: bool = False) -> tuple[Tensor, Tensor, Tensor]:
         """Sample an action; returns (action, log-prob, value)."""
         features = self.encoder(obs)
         action, logprob = self.head.sample(self.actor_body(features), deterministic)
         return action, logprob, self._value(features)
 
-    def forward(self, obs: Tensor, actions: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    def forward(self, obs: Obs, actions: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """Re-evaluate stored actions; returns (log-prob, entropy, value)."""
         features = self.encoder(obs)
         logprob, entropy = self.head.log_prob_entropy(self.actor_body(features), actions)

@@ -6,7 +6,7 @@ import gymnasium as gym
 import torch
 from tensordict import TensorDict
 
-from ppo_fabric.agent import action_shape_dtype
+from ppo_fabric.agent import action_shape_dtype, obs_storage_dtype
 
 ROLLOUT_KEYS = ("obs", "actions", "logprobs", "values", "rewards", "terminated", "truncated", "final_values")
 TRAIN_KEYS = ("obs", "actions", "logprobs", "values", "advantages", "returns")
@@ -26,7 +26,7 @@ def rollout_storage(
     floats |= {k: torch.zeros(te, device=device) for k in ("advantages", "returns")}
     return TensorDict(
         {
-            "obs": torch.zeros(te + tuple(obs_space.shape), dtype=torch.float32, device=device),
+            "obs": obs_storage(te, obs_space, device),
             "actions": torch.zeros(te + action_shape, dtype=action_dtype, device=device),
             "terminated": torch.zeros(te, dtype=torch.bool, device=device),
             "truncated": torch.zeros(te, dtype=torch.bool, device=device),
@@ -35,6 +35,17 @@ def rollout_storage(
         batch_size=te,
         device=device,
     )
+
+
+def obs_storage(
+    batch: tuple[int, ...], space: gym.Space, device: torch.device | str
+) -> torch.Tensor | TensorDict:
+    """Zeros for a batch of observations: pixels as uint8, other Boxes as float32, and a Dict space as a
+    nested TensorDict with one entry per key (indexing, reshaping and shuffling treat it as one tensor)."""
+    if isinstance(space, gym.spaces.Dict):
+        parts = {k: obs_storage(batch, sub, device) for k, sub in space.spaces.items()}
+        return TensorDict(parts, batch_size=batch, device=device)
+    return torch.zeros(batch + tuple(space.shape), dtype=obs_storage_dtype(space), device=device)
 
 
 def training_batch(storage: TensorDict) -> TensorDict:

@@ -164,6 +164,12 @@ def load_policy(path: str | Path, key: str = "checkpoint") -> tuple[dict[str, An
     return state, agent.eval()
 
 
+def observation_normalization(state: dict[str, Any]) -> dict[str, Any] | None:
+    """The observation statistics a run normalised with (identical on every collecting rank), or None."""
+    ranks = state.get("ranks") or [{}]
+    return (ranks[0].get("normalizers") or {}).get("NormalizeObservation")
+
+
 def run_dir_of(checkpoint: str | Path) -> Path:
     """The run directory a checkpoint belongs to: `<run>/checkpoints/x.ckpt` -> `<run>`; a checkpoint kept
     anywhere else counts its own directory as the run directory."""

@@ -127,7 +127,9 @@ class BatchCodec:
     """
 
     def __init__(self, template: TensorDict, num_trainers: int) -> None:
-        self.layout = [(k, v.shape[1:], v.dtype) for k, v in sorted(template.items())]
+        # Leaves, so a nested entry (Dict observations: ("obs", key)) is packed like any other tensor.
+        leaves = template.items(include_nested=True, leaves_only=True)
+        self.layout = [(k, v.shape[1:], v.dtype) for k, v in sorted(leaves, key=lambda kv: str(kv[0]))]
         self.row_bytes = [int(torch.empty(s, dtype=d).numel() * d.itemsize) for _, s, d in self.layout]
         self.samples = template.batch_size[0]
         self.trainers = num_trainers
@@ -150,11 +152,13 @@ class BatchCodec:
     def unpack(self, buf: torch.Tensor, device: torch.device) -> tuple[Kind, int, TensorDict]:
         kind, version = _read_header(buf)
         rows = buf[_HEADER_BYTES:].view(self.shard_samples, -1)
-        out, col = {}, 0
+        out, col = TensorDict(batch_size=[self.shard_samples]), 0
         for (key, shape, dtype), width in zip(self.layout, self.row_bytes, strict=True):
-            out[key] = rows[:, col : col + width].contiguous().view(dtype).reshape(self.shard_samples, *shape)
+            out.set(
+                key, rows[:, col : col + width].contiguous().view(dtype).reshape(self.shard_samples, *shape)
+            )
             col += width
-        return kind, version, TensorDict(out, batch_size=[self.shard_samples]).to(device)
+        return kind, version, out.to(device)
 
 
 class InFlight:

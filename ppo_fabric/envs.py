@@ -13,6 +13,9 @@ import numpy as np
 from gymnasium.vector import AsyncVectorEnv, AutoresetMode, SyncVectorEnv, VectorEnv
 from omegaconf import DictConfig, OmegaConf
 
+from ppo_fabric import atari
+from ppo_fabric.normalize import NormalizeObservation, NormalizeReward, Reduce, first_observations
+
 # Which pip extra provides the simulator behind an env id, so a missing one is named in the error.
 _EXTRA_BY_PREFIX = {
     "ALE/": "atari",
@@ -77,8 +80,11 @@ def _import_env_module(env_id: str) -> None:
 def make_env(env_cfg: DictConfig, render_mode: str | None = None) -> gym.Env:
     """One environment with the configured wrappers; raises EnvError with a one-line reason."""
     env_id = str(env_cfg.id)
+    preprocess = _preprocess(env_cfg)
     _import_env_module(env_id)
     kwargs: dict[str, Any] = dict(OmegaConf.to_container(env_cfg.kwargs, resolve=True) or {})
+    if preprocess == "atari":
+        kwargs = atari.gym_make_kwargs(kwargs)
     if env_cfg.max_episode_steps is not None:
         kwargs["max_episode_steps"] = int(env_cfg.max_episode_steps)
     if render_mode is not None:
@@ -97,9 +103,25 @@ def make_env(env_cfg: DictConfig, render_mode: str | None = None) -> gym.Env:
         raise EnvError(f"env.id={env_id!r}: {str(exc).splitlines()[0]}") from exc
     except TypeError as exc:
         raise EnvError(f"env.id={env_id!r} rejected env.kwargs: {str(exc)[:120]}") from exc
+    if preprocess == "atari":
+        try:
+            env = atari.wrap_atari(env)
+        except (ValueError, gym.error.DependencyNotInstalled) as exc:
+            env.close()
+            raise EnvError(
+                f"env.id={env_id!r} with env.preprocess=atari: {str(exc).splitlines()[0]}"
+            ) from exc
     if int(env_cfg.action_repeat) > 1:
         env = ActionRepeat(env, int(env_cfg.action_repeat))
     return env
+
+
+def _preprocess(env_cfg: DictConfig) -> str:
+    """`env.preprocess` (absent in hand-built configs: none), checked here so a typo fails at validation."""
+    preprocess = str(env_cfg.get("preprocess", "none") or "none")
+    if preprocess not in atari.PREPROCESSORS:
+        raise EnvError(f"env.preprocess={preprocess!r} is not one of {', '.join(atari.PREPROCESSORS)}")
+    return preprocess
 
 
 def env_seeds(seed: int, rank: int, num_envs: int) -> list[int]:
@@ -108,8 +130,14 @@ def env_seeds(seed: int, rank: int, num_envs: int) -> list[int]:
     return [int(s) for s in seq.generate_state(num_envs, dtype=np.uint32)]
 
 
-def make_vector_env(env_cfg: DictConfig, seed: int, rank: int) -> tuple[VectorEnv, Any]:
+def make_vector_env(
+    env_cfg: DictConfig, seed: int, rank: int, gamma: float = 0.99, reduce: Reduce | None = None
+) -> tuple[VectorEnv, Any]:
     """The rank's vector env, already reset; returns (envs, first observation).
+
+    With `env.normalize_obs` / `env.normalize_reward`, normalisation wraps the episode statistics (which
+    therefore report raw returns); `reduce` sums their statistics over the collecting ranks and `gamma`
+    discounts the returns whose spread scales the rewards.
 
     Autoreset is SAME_STEP so that the final observation of a truncated episode arrives with the step that
     ended it: the rollout bootstraps from its value, which NEXT_STEP autoreset would hide one step later.
@@ -119,11 +147,15 @@ def make_vector_env(env_cfg: DictConfig, seed: int, rank: int) -> tuple[VectorEn
     fns: list[Callable[[], gym.Env]] = [partial(make_env, env_cfg) for _ in range(int(env_cfg.num_envs))]
     cls = AsyncVectorEnv if env_cfg.vector == "async" else SyncVectorEnv
     envs = cls(fns, autoreset_mode=AutoresetMode.SAME_STEP)
-    envs = gym.wrappers.vector.RecordEpisodeStatistics(envs, buffer_length=1)
+    envs = atari.wrap_vector(envs, _preprocess(env_cfg))  # episode statistics (Atari: whole games)
+    if env_cfg.get("normalize_obs", False):
+        envs = NormalizeObservation(envs)
+    if env_cfg.get("normalize_reward", False):
+        envs = NormalizeReward(envs, gamma)
     seeds = env_seeds(seed, rank, int(env_cfg.num_envs))
     obs, _ = envs.reset(seed=seeds)
     envs.action_space.seed(seeds[0])
-    return envs, obs
+    return envs, first_observations(envs, obs, reduce)
 
 
 def probe_spaces(env_cfg: DictConfig) -> tuple[gym.Space, gym.Space]:

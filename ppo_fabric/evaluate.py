@@ -83,10 +83,17 @@ def play(
 ) -> tuple[list[float], list[int], list[np.ndarray]]:
     """Run whole episodes; returns (returns, lengths, frames of the first episode when recording).
 
-    Box actions are clipped to the action space, as the training rollout does before `env.step`.
+    Box actions are clipped to the action space, as the training rollout does before `env.step`. With
+    the Atari preprocessing an episode is a whole game with its raw score: a lost life ends the learner's
+    episode (and the step's clipped reward is what the policy saw), but the game plays on here.
     """
     import gymnasium as gym
     import torch
+
+    from ppo_fabric.agent import single_obs_batch
+    from ppo_fabric.atari import records_games
+
+    games = records_games(env)
 
     space = env.action_space
     clip = (space.low, space.high) if isinstance(space, gym.spaces.Box) else None
@@ -101,18 +108,22 @@ def play(
         total, length, done = 0.0, 0, False
         while not done:
             with torch.inference_mode():
-                action, _, _ = agent.act(
-                    torch.as_tensor(obs, dtype=torch.float32).unsqueeze(0), deterministic=deterministic
-                )
+                action, _, _ = agent.act(single_obs_batch(obs), deterministic=deterministic)
             env_action = action[0].numpy()
             if clip is not None:
                 env_action = np.clip(env_action, *clip)
             elif env_action.ndim == 0:
                 env_action = int(env_action)
-            obs, reward, terminated, truncated, _ = env.step(env_action)
+            obs, reward, terminated, truncated, info = env.step(env_action)
             total += float(reward)
             length += 1
             done = bool(terminated or truncated)
+            if games and done:
+                if "episode" in info:  # game over: the game's own return and length
+                    total, length = float(info["episode"]["r"]), int(info["episode"]["l"])
+                else:  # a lost life: the game goes on
+                    obs, _ = env.reset()
+                    done = False
             if recording:
                 frames.append(np.asarray(env.render()))
         returns.append(total)
@@ -136,6 +147,7 @@ def evaluate(
 
     from ppo_fabric import checkpoint as ckpt
     from ppo_fabric.envs import EnvError, make_env
+    from ppo_fabric.normalize import FrozenObservationNormalizer
 
     if episodes <= 0:
         raise EvalError(f"episodes={episodes} must be > 0")
@@ -154,6 +166,9 @@ def evaluate(
         env = make_env(env_cfg, render_mode="rgb_array" if video else None)
     except EnvError as exc:
         raise EvalError(str(exc)) from exc
+    norm = ckpt.observation_normalization(state)
+    if norm is not None:  # the policy was trained on normalised observations: use the run's statistics
+        env = FrozenObservationNormalizer(env, norm)
     if video and "rgb_array" not in env.metadata.get("render_modes", []):
         env.close()
         raise EvalError(f"env.id={env_cfg.id!r} cannot render rgb_array frames; evaluate with video=false")

@@ -21,6 +21,9 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
+from ppo_fabric.normalize import CLIP as NORM_CLIP
+from ppo_fabric.normalize import EPS as NORM_EPS
+
 USAGE = """usage: python -m ppo_fabric.export checkpoint=PATH [key=value ...]
 
   checkpoint=PATH       a .ckpt file, or a run directory (its checkpoints/last.ckpt)   (required)
@@ -48,8 +51,21 @@ class DeterministicPolicy(nn.Module):
     """The checkpoint's ActorCritic reduced to obs -> deterministic action (-> value), the one graph an
     exported file needs: no sampling, no log-probs, and the env-side clipping of Box actions built in."""
 
-    def __init__(self, agent: nn.Module, action_space: gym.Space, with_value: bool = False) -> None:
+    def __init__(
+        self,
+        agent: nn.Module,
+        action_space: gym.Space,
+        with_value: bool = False,
+        obs_norm: dict[str, Any] | None = None,
+    ) -> None:
         super().__init__()
+        # A run trained on normalised observations: the exported file takes raw ones and normalises them
+        # with the run's final statistics, exactly as the rollout did.
+        self.normalize = obs_norm is not None
+        if obs_norm is not None:
+            std = np.sqrt(np.asarray(obs_norm["var"]) + NORM_EPS)
+            self.register_buffer("obs_mean", torch.as_tensor(obs_norm["mean"], dtype=torch.float32))
+            self.register_buffer("obs_std", torch.as_tensor(std, dtype=torch.float32))
         # Frozen: a traced graph of parameters that require grad hands consumers outputs that do too
         # (so `.numpy()` fails); an exported policy is for inference only.
         self.agent = agent.requires_grad_(False)
@@ -60,7 +76,10 @@ class DeterministicPolicy(nn.Module):
             self.register_buffer("high", torch.as_tensor(action_space.high, dtype=torch.float32))
 
     def forward(self, obs: Tensor) -> Tensor | tuple[Tensor, Tensor]:
-        action, _, value = self.agent.act(obs.to(torch.float32), deterministic=True)
+        obs = obs.to(torch.float32)
+        if self.normalize:
+            obs = torch.clamp((obs - self.obs_mean) / self.obs_std, -NORM_CLIP, NORM_CLIP)
+        action, _, value = self.agent.act(obs, deterministic=True)
         if self.clip:  # minimum/maximum rather than clamp(tensor, tensor): every ONNX opset has them
             action = torch.maximum(torch.minimum(action, self.high), self.low)
         return (action, value) if self.with_value else action
@@ -156,9 +175,14 @@ def export(
         state, agent = ckpt.load_policy(checkpoint)
     except ValueError as exc:
         raise ExportError(str(exc)) from exc
+    if not isinstance(state["observation_space"], gym.spaces.Box):  # one input tensor named "obs"
+        raise ExportError(
+            f"export supports Box observations; this policy reads {type(state['observation_space']).__name__}"
+        )
     path = Path(out) if out is not None else ckpt.run_dir_of(checkpoint) / f"policy{FORMATS[format]}"
     path.parent.mkdir(parents=True, exist_ok=True)
-    policy = DeterministicPolicy(agent, state["action_space"], value).eval()
+    norm = ckpt.observation_normalization(state)
+    policy = DeterministicPolicy(agent, state["action_space"], value, norm).eval()
     meta = _metadata(state, value)
     example = _example_obs(state["observation_space"], batch=2)
     (export_torchscript if format == "torchscript" else export_onnx)(policy, example, path, meta)

@@ -37,6 +37,7 @@ from ppo_fabric.metrics import (
     save_resolved_config,
     write_json,
 )
+from ppo_fabric.normalize import load_normalizer_state, make_reduce, normalizer_state
 from ppo_fabric.plots import save_learning_curve
 from ppo_fabric.rollout import RolloutCollector
 
@@ -170,6 +171,7 @@ def collector_state(collector: RolloutCollector) -> dict[str, Any]:
     return {
         "rng": ckpt.rng_state(),
         "envs": ckpt.pickle_envs(collector.envs),
+        "normalizers": normalizer_state(collector.envs),  # also for async envs and for evaluation
         "next_obs": collector.next_obs.cpu(),
         "episodes": list(collector.episodes.window),
         "episode_count": collector.episodes.count,
@@ -180,6 +182,8 @@ def restore_collector(collector: RolloutCollector, state: dict[str, Any]) -> Non
     collector.envs = ckpt.restore_envs(state["envs"], collector.envs)
     if state["envs"] is not None:
         collector.next_obs = state["next_obs"].to(collector.device)
+    else:
+        load_normalizer_state(collector.envs, state.get("normalizers", {}))
     collector.episodes.window.extend(state["episodes"])
     collector.episodes.count = state["episode_count"]
     ckpt.set_rng_state(state["rng"])
@@ -190,14 +194,15 @@ def main(fabric: Fabric, cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
     """Collect with every rank, update with every rank; returns the run summary (on every rank)."""
     rank, world = fabric.global_rank, fabric.world_size
     algo = cfg.algo
-    envs, first_obs = make_vector_env(cfg.env, int(cfg.seed), rank)
+    reduce = make_reduce(None, fabric.device)  # every coupled rank collects
+    envs, first_obs = make_vector_env(cfg.env, int(cfg.seed), rank, float(algo.gamma), reduce)
     obs_space, action_space = envs.single_observation_space, envs.single_action_space
     resume = ckpt.load(cfg.resume) if cfg.resume is not None else None
     learner = build_learner(fabric, cfg, obs_space, action_space, resume)
     storage = rollout_storage(
         int(algo.rollout_steps), int(cfg.env.num_envs), obs_space, action_space, fabric.device
     )
-    collector = RolloutCollector(envs, first_obs, storage, float(algo.gamma), float(algo.gae_lambda))
+    collector = RolloutCollector(envs, first_obs, storage, float(algo.gamma), float(algo.gae_lambda), reduce)
 
     layout = training_layout(cfg, world)
     steps_per_iter = layout.batch

@@ -52,6 +52,7 @@ from ppo_fabric.metrics import (
     save_resolved_config,
     write_json,
 )
+from ppo_fabric.normalize import make_reduce
 from ppo_fabric.plots import save_learning_curve
 from ppo_fabric.ppo import (
     TRAIN_METRICS,
@@ -120,11 +121,12 @@ def player(
 ) -> dict[str, Any]:
     rank, algo = topo.rank, cfg.algo
     device = torch.device("cpu") if algo.player_device == "cpu" else fabric.device
-    envs, first_obs = make_vector_env(cfg.env, int(cfg.seed), rank)
+    reduce = make_reduce(topo.player_group, "cpu")  # normalisation statistics are merged over players
+    envs, first_obs = make_vector_env(cfg.env, int(cfg.seed), rank, float(algo.gamma), reduce)
     obs_space, action_space = envs.single_observation_space, envs.single_action_space
     policy = ActorCritic(obs_space, action_space, cfg.model).to(device)
     storage = rollout_storage(int(algo.rollout_steps), int(cfg.env.num_envs), obs_space, action_space, device)
-    collector = RolloutCollector(envs, first_obs, storage, float(algo.gamma), float(algo.gae_lambda))
+    collector = RolloutCollector(envs, first_obs, storage, float(algo.gamma), float(algo.gae_lambda), reduce)
     codec = BatchCodec(training_batch(storage), len(topo.trainers))
     per_update, updates = _schedule(cfg)
     num_params = sum(p.numel() for p in policy.parameters())

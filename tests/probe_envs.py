@@ -9,6 +9,12 @@ instead of at "the agent does not learn CartPole":
 4. `ProbeActionDependent-v0`: the policy gradient with no observation to lean on (pick action 1).
 5. `ProbeObsAndAction-v0`: policy and critic together (act on the observation's sign; V = 1).
 
+One continuous-action probe follows them, for the Gaussian head (Box actions):
+
+6. `ProbeContinuousAction-v0`: a uniform observation in [-1, 1], reward -|action - obs / 2|: the policy
+   mean must follow a target that depends on the observation, and the critic must learn the (negative)
+   value of the remaining exploration noise.
+
 Importing this module registers them, so `env.id=tests.probe_envs:ProbeConstant-v0` works: gymnasium (and
 ppo_fabric's env builder) imports the module named before the colon. Every episode ends with
 `terminated=True`, never `truncated`, so the learner must bootstrap with zero after the last step.
@@ -130,6 +136,41 @@ class ProbeObsAndAction(_SignProbe):
         return self._obs(0.0), reward, True, False, {}
 
 
+class ProbeContinuousAction(gym.Env):
+    """Box(-1, 1, (1,)) action, observation uniform in [-1, 1], one step, reward -|action - obs / 2|.
+
+    Continuous actions need their own probe: the discrete probes never touch the Gaussian head (its mean,
+    its state-independent log-std, the clipping at the env). The target `TARGET_SCALE * obs` lies in
+    [-0.5, 0.5], inside the action bounds, so clipping cannot hide a wrong mean, and it depends on the
+    observation, so a constant action cannot score well. The best deterministic action earns 0; a
+    Gaussian policy with std s earns -s * sqrt(2 / pi) in expectation (clipping aside), which is what the
+    critic must predict for every observation.
+    """
+
+    TARGET_SCALE = 0.5
+
+    def __init__(self) -> None:
+        self.observation_space = gym.spaces.Box(-1.0, 1.0, (1,), np.float32)
+        self.action_space = gym.spaces.Box(-1.0, 1.0, (1,), np.float32)
+        self._obs = np.zeros(1, dtype=np.float32)
+
+    @classmethod
+    def target(cls, observation: float) -> float:
+        """The action that earns the best reward (0) for `observation`."""
+        return cls.TARGET_SCALE * observation
+
+    def reset(self, *, seed: int | None = None, options: dict | None = None) -> tuple[np.ndarray, dict]:
+        super().reset(seed=seed)
+        self._obs = np.array([self.np_random.uniform(-1.0, 1.0)], dtype=np.float32)
+        return self._obs.copy(), {}
+
+    def step(self, action: Any) -> tuple[np.ndarray, float, bool, bool, dict]:
+        # The rollout clips to the bounds already; clipping here too keeps the probe right for any caller.
+        a = float(np.clip(np.asarray(action, dtype=np.float64).reshape(-1)[0], -1.0, 1.0))
+        reward = -abs(a - self.target(float(self._obs[0])))
+        return np.zeros(1, dtype=np.float32), reward, True, False, {}
+
+
 PROBES: dict[str, type[_Probe]] = {
     "ProbeConstant-v0": ProbeConstant,
     "ProbeObsDependent-v0": ProbeObsDependent,
@@ -138,6 +179,9 @@ PROBES: dict[str, type[_Probe]] = {
     "ProbeObsAndAction-v0": ProbeObsAndAction,
 }
 
-for _env_id, _cls in PROBES.items():
+# Kept apart from PROBES: those are Andy Jones' five discrete probes, tested together over one API test.
+CONTINUOUS_PROBES: dict[str, type[gym.Env]] = {"ProbeContinuousAction-v0": ProbeContinuousAction}
+
+for _env_id, _cls in {**PROBES, **CONTINUOUS_PROBES}.items():
     if _env_id not in gym.registry:  # re-importing (e.g. under another module name) must not warn
         gym.register(id=_env_id, entry_point=f"{__name__}:{_cls.__name__}")

@@ -261,9 +261,9 @@ def test_multi_dim_box_observation_is_flattened() -> None:
 @pytest.mark.parametrize(
     "obs_space,action_space,cfg",
     [
-        (gym.spaces.Dict({"x": OBS}), gym.spaces.Discrete(2), model_cfg()),
+        (gym.spaces.Dict({"x": gym.spaces.Discrete(3)}), gym.spaces.Discrete(2), model_cfg()),
         (gym.spaces.Discrete(5), gym.spaces.Discrete(2), model_cfg()),
-        (gym.spaces.Box(0, 255, (64, 64, 3), np.uint8), gym.spaces.Discrete(2), model_cfg()),
+        (gym.spaces.Box(0, 255, (16, 16, 3), np.uint8), gym.spaces.Discrete(2), model_cfg()),
         (OBS, gym.spaces.Discrete(2), model_cfg(encoder="transformer")),
         (OBS, gym.spaces.Box(-1.0, 1.0, (2, 2), np.float32), model_cfg()),
         (OBS, gym.spaces.MultiDiscrete([[2, 3], [4, 5]]), model_cfg()),
@@ -271,9 +271,9 @@ def test_multi_dim_box_observation_is_flattened() -> None:
         (OBS, gym.spaces.Tuple((gym.spaces.Discrete(2), gym.spaces.Discrete(3))), model_cfg()),
     ],
     ids=[
-        "dict-obs",
+        "dict-obs-discrete-key",
         "discrete-obs",
-        "pixel-obs",
+        "pixel-obs-too-small-for-cnn",
         "unknown-encoder",
         "2d-box-action",
         "2d-multidiscrete",

@@ -13,6 +13,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import gymnasium as gym
+import numpy as np
 import pytest
 import torch
 from gymnasium.utils.env_checker import check_env
@@ -132,3 +133,68 @@ def test_probe5_observation_and_action(tmp_path: Path) -> None:
     actions, _, _ = model.act(obs(-1.0, 1.0), deterministic=True)
     assert actions.tolist() == [0, 1]
     assert values(model, -1.0, 1.0) == pytest.approx([1.0, 1.0], abs=VALUE_TOL)
+
+
+# ------------------------------------------------------------------------------ continuous-action probe
+CONTINUOUS = "ProbeContinuousAction-v0"
+# On top of FAST (later overrides win): no entropy bonus, so only the policy gradient moves the log-std;
+# 4x the steps and lr 5e-3, because the state-independent log-std moves by about lr per Adam step and
+# must fall from 0 (std 1) to well below. 128 updates, ~2 s. Seeds 0-5 all pass at half the steps; at
+# the full budget the mean is within 0.042 of the target, the std ~0.105 and V within 0.014.
+CONTINUOUS_OVERRIDES = ["algo.ent_coef=0.0", "algo.total_steps=16384", "algo.lr=5e-3"]
+GRID = [-1.0, -0.75, -0.5, -0.25, 0.0, 0.25, 0.5, 0.75, 1.0]
+ACTION_TOL = 0.1  # the mean action's distance to the target at every grid point
+MAX_STD = 0.3  # the policy's std after training (it starts at 1; ~0.28 at half the steps)
+CONTINUOUS_VALUE_TOL = 0.03  # a critic blind to the noise predicts 0, about 0.085 off
+
+
+def test_continuous_probe_follows_the_gymnasium_api() -> None:
+    """Box action, uniform observation, one terminated step, reward 0 exactly at the target."""
+    env = gym.make(f"tests.probe_envs:{CONTINUOUS}")
+    check_env(env.unwrapped, skip_render_check=True)
+    assert env.action_space == gym.spaces.Box(-1.0, 1.0, (1,), "float32")
+    seen = []
+    for seed in range(50):
+        first, _ = env.reset(seed=seed)
+        seen.append(float(first[0]))
+        target = probe_envs.ProbeContinuousAction.target(float(first[0]))
+        _, reward, terminated, truncated, _ = env.step(np.array([target], dtype=np.float32))
+        assert terminated and not truncated
+        assert reward == pytest.approx(0.0, abs=1e-6)
+    assert min(seen) < -0.5 and max(seen) > 0.5  # observations cover the range, not one point
+    env.reset(seed=0)  # an out-of-bounds action is clipped to 1, then scored: at least 0.5 from any target
+    assert env.step(np.array([2.0], dtype=np.float32))[1] <= -0.5
+
+
+@torch.no_grad()
+def expected_reward(mean: torch.Tensor, std: float, targets: torch.Tensor) -> torch.Tensor:
+    """E[-|clip(mean + std * eps, -1, 1) - target|] for eps ~ N(0, 1), by quadrature on a fine grid.
+
+    This is what the critic must predict for the policy as it is: about -std * sqrt(2/pi) once the mean
+    is on target, less negative where clipping at the bounds cuts the noise short.
+    """
+    eps = torch.linspace(-6.0, 6.0, 4001)
+    weights = torch.exp(-0.5 * eps**2)
+    weights = weights / weights.sum()
+    actions = (mean.unsqueeze(-1) + std * eps).clamp(-1.0, 1.0)
+    return -((actions - targets.unsqueeze(-1)).abs() * weights).sum(-1)
+
+
+def test_probe6_continuous_action(tmp_path: Path) -> None:
+    """Reward -|a - obs/2| for a uniform obs: the Gaussian head's mean must follow the observation.
+
+    Checks the deterministic action (the mean) on a grid of observations, that the exploration noise
+    shrank (once the mean is right, only a smaller std improves the return), and that the critic predicts
+    the return the stochastic policy earns at each observation: a critic that ignored the noise would say
+    0, one that ignored the observation would be off where clipping differs.
+    """
+    model, _ = train_probe(tmp_path, CONTINUOUS, *CONTINUOUS_OVERRIDES)
+    with torch.no_grad():
+        actions, _, _ = model.act(obs(*GRID), deterministic=True)
+        std = model.head.log_std.exp().item()
+    means = actions.squeeze(-1)
+    targets = torch.tensor([probe_envs.ProbeContinuousAction.target(o) for o in GRID])
+    assert means.tolist() == pytest.approx(targets.tolist(), abs=ACTION_TOL)
+    assert std < MAX_STD  # started at 1.0
+    expected = expected_reward(means, std, targets).tolist()
+    assert values(model, *GRID) == pytest.approx(expected, abs=CONTINUOUS_VALUE_TOL)

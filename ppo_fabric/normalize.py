@@ -1,0 +1,178 @@
+"""Observation and reward normalisation with statistics that are identical on every collecting rank.
+
+Each vector-env wrapper normalises with *global* running statistics and adds what it sees to *pending*
+sums (sum, sum of squares, count). At every rollout boundary `sync_normalizers` all-reduces the pending
+sums over the collecting ranks and merges them into the global statistics the same way on every rank,
+so all ranks always normalise alike and no data is counted twice. Values are clipped to +-10 after
+normalising (as Stable-Baselines3's VecNormalize and CleanRL do).
+
+The observation wrapper also normalises `info["final_obs"]` (same-step autoreset), so a truncated
+episode bootstraps from the value of a normalised final observation like every other step.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import gymnasium as gym
+import numpy as np
+from gymnasium.vector import VectorEnv, VectorWrapper
+
+CLIP = 10.0
+EPS = 1e-8
+Reduce = Callable[[np.ndarray], np.ndarray]  # sums a float64 vector over the collecting ranks
+
+
+class RunningMoments:
+    """Global mean/var/count plus the pending sums of data not yet merged."""
+
+    def __init__(self, shape: tuple[int, ...]) -> None:
+        self.mean = np.zeros(shape, np.float64)
+        self.var = np.ones(shape, np.float64)
+        self.count = 0.0
+        self._reset_pending()
+
+    def _reset_pending(self) -> None:
+        self.p_sum = np.zeros_like(self.mean)
+        self.p_sumsq = np.zeros_like(self.mean)
+        self.p_count = 0.0
+
+    def observe(self, batch: np.ndarray) -> None:
+        batch = np.asarray(batch, np.float64).reshape(-1, *self.mean.shape)
+        self.p_sum += batch.sum(0)
+        self.p_sumsq += np.square(batch).sum(0)
+        self.p_count += batch.shape[0]
+
+    def commit(self, reduce: Reduce | None) -> None:
+        """Merge every rank's pending data into the global statistics (Chan et al.'s parallel update)."""
+        flat = np.concatenate((self.p_sum.ravel(), self.p_sumsq.ravel(), [self.p_count]))
+        if reduce is not None:
+            flat = reduce(flat)
+        n = flat[-1]
+        self._reset_pending()
+        if n <= 0:
+            return
+        size = self.mean.size
+        b_mean = (flat[:size] / n).reshape(self.mean.shape)
+        b_var = np.maximum((flat[size : 2 * size] / n).reshape(self.mean.shape) - np.square(b_mean), 0.0)
+        total = self.count + n
+        delta = b_mean - self.mean
+        m2 = self.var * self.count + b_var * n + np.square(delta) * self.count * n / total
+        self.mean = self.mean + delta * n / total
+        self.var = m2 / total
+        self.count = total
+
+    def normalize(self, x: np.ndarray) -> np.ndarray:
+        return np.clip((x - self.mean) / np.sqrt(self.var + EPS), -CLIP, CLIP).astype(np.float32)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"mean": self.mean.copy(), "var": self.var.copy(), "count": self.count}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.mean, self.var, self.count = state["mean"].copy(), state["var"].copy(), float(state["count"])
+        self._reset_pending()
+
+
+class NormalizeObservation(VectorWrapper):
+    def __init__(self, env: VectorEnv) -> None:
+        super().__init__(env)
+        # The observation space stays the env's own: checkpoints and exported policies describe raw inputs.
+        self.moments = RunningMoments(env.single_observation_space.shape)
+
+    def reset(self, **kwargs: Any) -> tuple[np.ndarray, dict[str, Any]]:
+        obs, info = self.env.reset(**kwargs)
+        self.moments.observe(obs)
+        self.last_reset = obs  # raw, so the first observations can be normalised again once synced
+        return self.moments.normalize(obs), info
+
+    def step(self, actions: Any) -> tuple[np.ndarray, Any, Any, Any, dict[str, Any]]:
+        obs, reward, terminated, truncated, info = self.env.step(actions)
+        self.moments.observe(obs)
+        if "final_obs" in info:
+            final = info["final_obs"].copy()
+            for i in np.flatnonzero(info["_final_obs"]):
+                final[i] = self.moments.normalize(final[i])
+            info = {**info, "final_obs": final}
+        return self.moments.normalize(obs), reward, terminated, truncated, info
+
+
+class NormalizeReward(VectorWrapper):
+    """Scales rewards by the running std of the discounted return (the reward, not its mean, is scaled)."""
+
+    def __init__(self, env: VectorEnv, gamma: float) -> None:
+        super().__init__(env)
+        self.gamma = gamma
+        self.moments = RunningMoments(())
+        self.returns = np.zeros(env.num_envs, np.float64)
+
+    def step(self, actions: Any) -> tuple[Any, np.ndarray, Any, Any, dict[str, Any]]:
+        obs, reward, terminated, truncated, info = self.env.step(actions)
+        self.returns = self.returns * self.gamma + reward
+        self.moments.observe(self.returns)
+        self.returns[terminated | truncated] = (
+            0.0  # same-step autoreset: the next reward starts a new episode
+        )
+        scaled = np.clip(reward / np.sqrt(self.moments.var + EPS), -CLIP, CLIP)
+        return obs, scaled.astype(np.float32), terminated, truncated, info
+
+
+def normalizers(envs: Any) -> list[NormalizeObservation | NormalizeReward]:
+    """The normalisation wrappers in a vector env's wrapper chain, outermost first."""
+    found = []
+    while isinstance(envs, VectorWrapper):
+        if isinstance(envs, (NormalizeObservation, NormalizeReward)):
+            found.append(envs)
+        envs = envs.env
+    return found
+
+
+def sync_normalizers(envs: Any, reduce: Reduce | None) -> None:
+    """Merge the pending statistics of every collecting rank (call on all of them at the same point)."""
+    for wrapper in normalizers(envs):
+        wrapper.moments.commit(reduce)
+
+
+def make_reduce(group: Any, device: Any) -> Reduce | None:
+    """Sum over a process group (None when there is nothing to sum with)."""
+    import torch
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size(group) == 1:
+        return None
+
+    def reduce(values: np.ndarray) -> np.ndarray:
+        tensor = torch.from_numpy(values).to(device)
+        dist.all_reduce(tensor, group=group)
+        return tensor.cpu().numpy()
+
+    return reduce
+
+
+def first_observations(envs: Any, obs: np.ndarray, reduce: Reduce | None) -> np.ndarray:
+    """After the first reset: merge every rank's initial observations, then normalise them with that."""
+    sync_normalizers(envs, reduce)
+    obs_norm = next((w for w in normalizers(envs) if isinstance(w, NormalizeObservation)), None)
+    return obs if obs_norm is None else obs_norm.moments.normalize(obs_norm.last_reset)
+
+
+def normalizer_state(envs: Any) -> dict[str, Any]:
+    return {type(w).__name__: w.moments.state_dict() for w in normalizers(envs)}
+
+
+def load_normalizer_state(envs: Any, state: dict[str, Any]) -> None:
+    for wrapper in normalizers(envs):
+        if type(wrapper).__name__ in state:
+            wrapper.moments.load_state_dict(state[type(wrapper).__name__])
+
+
+class FrozenObservationNormalizer(gym.ObservationWrapper):
+    """A single env normalised with a checkpoint's statistics, for evaluation (never updated)."""
+
+    def __init__(self, env: gym.Env, state: dict[str, Any]) -> None:
+        super().__init__(env)
+        self.moments = RunningMoments(env.observation_space.shape)
+        self.moments.load_state_dict(state)
+
+    def observation(self, observation: np.ndarray) -> np.ndarray:
+        return self.moments.normalize(observation)

@@ -1,0 +1,132 @@
+"""Observation/reward normalisation: exact merged statistics, final observations, ranks in agreement,
+checkpoints, evaluation and export."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from omegaconf import OmegaConf
+
+import ppo_fabric
+from ppo_fabric import checkpoint as ckpt
+from ppo_fabric.envs import make_vector_env
+from ppo_fabric.normalize import RunningMoments, normalizers
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def _env_cfg(**extra: object) -> OmegaConf:
+    base = {"id": "CartPole-v1", "num_envs": 3, "vector": "sync", "action_repeat": 1, "max_episode_steps": None,
+            "kwargs": {}, "normalize_obs": True, "normalize_reward": False}  # fmt: skip
+    return OmegaConf.create(base | extra)
+
+
+def test_moments_merge_equals_statistics_of_all_data() -> None:
+    """Two ranks' pending sums, merged over two commits, give the mean/var of everything seen."""
+    rng = np.random.default_rng(0)
+    data = [rng.normal(3.0, 2.0, size=(n, 2)) for n in (5, 7, 11, 13)]
+    ranks = [RunningMoments((2,)), RunningMoments((2,))]
+
+    def commit_all() -> None:
+        total = sum(np.concatenate((m.p_sum.ravel(), m.p_sumsq.ravel(), [m.p_count])) for m in ranks)
+        for m in ranks:
+            m.commit(lambda _flat: total)  # what an all-reduce SUM over the two ranks returns
+
+    ranks[0].observe(data[0])
+    ranks[1].observe(data[1])
+    commit_all()
+    ranks[0].observe(data[2])
+    ranks[1].observe(data[3])
+    commit_all()
+    everything = np.concatenate(data)
+    for m in ranks:
+        np.testing.assert_allclose(m.mean, everything.mean(0), rtol=1e-12)
+        np.testing.assert_allclose(m.var, everything.var(0), rtol=1e-10)
+        assert m.count == len(everything)
+
+
+def test_final_observation_is_normalised_like_the_others() -> None:
+    """With same-step autoreset the final observation of a truncated episode comes in `info`: it must be
+    normalised with the same statistics, or the bootstrap value would see raw inputs."""
+    raw_envs, _ = make_vector_env(_env_cfg(normalize_obs=False, max_episode_steps=5), seed=1, rank=0)
+    envs, _ = make_vector_env(_env_cfg(max_episode_steps=5), seed=1, rank=0)
+    moments = normalizers(envs)[0].moments
+    actions = np.zeros(3, dtype=np.int64)
+    for _ in range(5):
+        raw = raw_envs.step(actions)
+        normed = envs.step(actions)
+    assert normed[3].all(), "the 5-step time limit must truncate every env"
+    for i in range(3):
+        np.testing.assert_allclose(
+            normed[4]["final_obs"][i], moments.normalize(raw[4]["final_obs"][i]), atol=1e-6
+        )
+
+
+def test_reward_scaling_uses_the_return_spread() -> None:
+    envs, _ = make_vector_env(_env_cfg(normalize_obs=False, normalize_reward=True), seed=1, rank=0, gamma=0.9)
+    wrapper = normalizers(envs)[0]
+    _, reward, *_ = envs.step(np.zeros(3, dtype=np.int64))
+    np.testing.assert_allclose(reward, 1.0 / np.sqrt(1.0 + 1e-8), rtol=1e-6)  # var starts at 1
+    np.testing.assert_allclose(wrapper.returns, 1.0)
+    wrapper.moments.commit(None)
+    _, reward, *_ = envs.step(np.zeros(3, dtype=np.int64))
+    # Every return seen so far was 1.0: the spread is ~0, so a reward of 1 is huge and clipped to 10.
+    np.testing.assert_array_equal(reward, 10.0)
+
+
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")  # torch.jit.load in torch 2.13
+def test_two_ranks_normalise_alike_and_resume_evaluate_export_use_it(tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    cmd = [sys.executable, "-m", "ppo_fabric", "fabric.devices=2", "env.normalize_obs=true", "env.normalize_reward=true",
+           "algo.total_steps=4096", "logger.tensorboard=false", f"hydra.run.dir={run}"]  # fmt: skip
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=180)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert json.loads((run / "summary.json").read_text())["ranks_in_sync"]
+    state = ckpt.load(run / "checkpoints" / "last.ckpt")
+    first, second = (r["normalizers"] for r in state["ranks"])
+    assert set(first) == {"NormalizeObservation", "NormalizeReward"}
+    for key in first:
+        np.testing.assert_array_equal(first[key]["mean"], second[key]["mean"])
+        np.testing.assert_array_equal(first[key]["var"], second[key]["var"])
+        assert first[key]["count"] == second[key]["count"] > 0
+    norm = ckpt.observation_normalization(state)
+    assert norm is not None and not np.allclose(norm["var"], 1.0)
+
+    from ppo_fabric.evaluate import main as evaluate_main
+    from ppo_fabric.export import main as export_main
+
+    result = evaluate_main([f"checkpoint={run}", "episodes=2"])
+    assert result is not None and len(result["returns"]) == 2
+    path = export_main([f"checkpoint={run}", "format=torchscript"])
+    exported = torch.jit.load(str(path))
+    _, agent = ckpt.load_policy(run)
+    raw = torch.randn(16, 4)
+    normed = torch.clamp((raw - torch.as_tensor(norm["mean"]).float()) / torch.as_tensor(np.sqrt(norm["var"] + 1e-8)).float(),
+                         -10, 10)  # fmt: skip
+    with torch.no_grad():
+        expected = agent.act(normed, deterministic=True)[0]
+    assert torch.equal(exported(raw), expected), "the exported policy must normalise raw observations itself"
+
+
+def test_resume_is_exact_with_normalisation(tmp_path: Path) -> None:
+    base = ["logger.tensorboard=false", "algo.total_steps=3072", "seed=3", "env.num_envs=4", "algo.rollout_steps=64",
+            "env.normalize_obs=true", "env.normalize_reward=true"]  # fmt: skip
+    ppo_fabric.run([*base, f"hydra.run.dir={tmp_path / 'full'}"])
+    ppo_fabric.run([*base, f"hydra.run.dir={tmp_path / 'part'}", "checkpoint.every=6"])
+    middle = tmp_path / "part" / "checkpoints" / "iter_000006.ckpt"
+    ppo_fabric.run([*base, f"hydra.run.dir={tmp_path / 'resumed'}", f"resume={middle}"])
+    full = ckpt.load(tmp_path / "full" / "checkpoints" / "last.ckpt")
+    resumed = ckpt.load(tmp_path / "resumed" / "checkpoints" / "last.ckpt")
+    for key, value in full["agent"].items():
+        assert torch.equal(value, resumed["agent"][key]), key
+    assert full["ranks"][0]["normalizers"]["NormalizeObservation"]["count"] == pytest.approx(
+        resumed["ranks"][0]["normalizers"]["NormalizeObservation"]["count"]
+    )
