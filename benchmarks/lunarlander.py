@@ -6,7 +6,7 @@ against the env's target, the env step at which the mean of the last 20 episodes
 SPS and wall time. Writes benchmarks/results/<name>.{json,md}.
 
     .venv/bin/python benchmarks/lunarlander.py                       # LunarLander-v3, 1M steps (target 200)
-    .venv/bin/python benchmarks/lunarlander.py --env pendulum        # Pendulum-v1, 1M steps (target -200)
+    .venv/bin/python benchmarks/lunarlander.py --env pendulum        # Pendulum-v1, its config's 100k steps (target -200)
     .venv/bin/python benchmarks/lunarlander.py --steps 50000 --out /tmp/ll   # smoke test
     .venv/bin/python benchmarks/lunarlander.py --seeds 3 -- env.num_envs=8   # extra overrides after --
 
