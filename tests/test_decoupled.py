@@ -16,6 +16,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -313,9 +314,11 @@ def test_killed_rank_ends_the_job(tmp_path: Path, players: int, devices: int, vi
             os.killpg(proc.pid, signal.SIGKILL)
 
 
-def test_failing_player_ends_the_job(tmp_path: Path) -> None:
-    """A player raising in env.step: its rank is named, and the trainer waiting for data exits too."""
-    cmd = _python_m(2, "env.id=tests.failing_env:FailingCartPole-v0", "+env.kwargs.fail_rank=0",
+@pytest.mark.parametrize("launcher", [_python_m, _fabric_run], ids=["python-m", "fabric-run"])
+def test_failing_player_ends_the_job(tmp_path: Path, launcher: Callable[..., list[str]]) -> None:
+    """A player raising in env.step: its rank is named, and the trainer waiting for data exits too,
+    whether Fabric launched the processes or `fabric run` (torchrun) did."""
+    cmd = launcher(2, "env.id=tests.failing_env:FailingCartPole-v0", "+env.kwargs.fail_rank=0",
                     "+env.kwargs.fail_after=50", "algo.total_steps=100000000", "logger=none",
                     f"collectives.timeout={TIMEOUT}", f"hydra.run.dir={tmp_path / 'run'}")  # fmt: skip
     proc = subprocess.Popen(cmd, cwd=tmp_path, env=_env(), start_new_session=True,
