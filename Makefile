@@ -31,12 +31,16 @@ $(VENV)/.bench: $(STAMP)
 	$(PIP) install -c constraints.txt -e '.[dev,bench]'
 	touch $@
 
-# Throughput and learning benchmarks (~25 min on 2 cores); figures land in benchmarks/results/.
+# Throughput and learning benchmarks (~40 min on 2 cores); figures land in benchmarks/results/.
 bench: $(VENV)/.bench
 	$(BIN)/python benchmarks/cartpole_vs_sb3.py
 	$(BIN)/python benchmarks/cartpole_vs_sb3.py --sb3-threads 0 --name cartpole_vs_sb3_default_threads
 	$(BIN)/python benchmarks/decoupled_vs_coupled.py
 	$(BIN)/python benchmarks/scaling.py
+	$(BIN)/python benchmarks/tensordict_overhead.py
+	$(BIN)/python benchmarks/cartpole_solve.py
+	$(BIN)/python benchmarks/lunarlander.py
+	$(BIN)/python benchmarks/lunarlander.py --env pendulum --seeds 2
 
 clean:
 	rm -rf $(VENV) runs outputs .pytest_cache .ruff_cache
