@@ -8,7 +8,6 @@ from tensordict import TensorDict
 
 from ppo_fabric.agent import action_shape_dtype, obs_storage_dtype
 
-ROLLOUT_KEYS = ("obs", "actions", "logprobs", "values", "rewards", "terminated", "truncated", "final_values")
 TRAIN_KEYS = ("obs", "actions", "logprobs", "values", "advantages", "returns")
 
 

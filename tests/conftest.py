@@ -1,8 +1,10 @@
-"""Shared fixtures: one tiny trained run that the evaluate and export tests read (never modify)."""
+"""Shared by the evaluate and export tests: one tiny trained run (never modified) and the bad-input check."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -18,3 +20,15 @@ def tiny_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
     run_dir = tmp_path_factory.mktemp("tiny_run")
     ppo_fabric.run(["algo.total_steps=512", "logger.tensorboard=false", f"hydra.run.dir={run_dir}"])
     return run_dir
+
+
+def assert_cli_failure(
+    capsys: pytest.CaptureFixture[str], main: Callable[[list[str]], Any], argv: list[str], fragment: str
+) -> None:
+    """Bad input exits 2 with exactly one `ppo-fabric: error:` line naming the problem."""
+    with pytest.raises(SystemExit) as exc:
+        main(argv)
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("ppo-fabric: error: "), err
+    assert fragment in err, err

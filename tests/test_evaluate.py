@@ -18,22 +18,13 @@ import numpy as np
 import pytest
 
 from ppo_fabric import evaluate, plots
+from tests.conftest import assert_cli_failure
 
 HAS_AV = importlib.util.find_spec("av") is not None
 
 
 def _ckpt(run_dir: Path) -> str:
     return str(run_dir / "checkpoints" / "last.ckpt")
-
-
-def _assert_failure(capsys: pytest.CaptureFixture[str], argv: list[str], fragment: str) -> None:
-    """Bad input exits 2 with exactly one `ppo-fabric: error:` line naming the problem."""
-    with pytest.raises(SystemExit) as exc:
-        evaluate.main(argv)
-    assert exc.value.code == 2
-    err = capsys.readouterr().err
-    assert err.count("\n") == 1 and err.startswith("ppo-fabric: error: "), err
-    assert fragment in err, err
 
 
 # ----------------------------------------------------------------------------------------- learning curve
@@ -112,8 +103,11 @@ def test_video_without_the_extra_names_it(
     tiny_run: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setitem(sys.modules, "av", None)  # makes `import av` fail
-    _assert_failure(
-        capsys, [f"checkpoint={_ckpt(tiny_run)}", "video=true"], "pip install 'ppo-fabric[video]'"
+    assert_cli_failure(
+        capsys,
+        evaluate.main,
+        [f"checkpoint={_ckpt(tiny_run)}", "video=true"],
+        "pip install 'ppo-fabric[video]'",
     )
 
 
@@ -135,4 +129,4 @@ def test_bad_input(
     tiny_run: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], args: list[str], fragment: str
 ) -> None:
     paths = {"missing": tmp_path / "nope.ckpt", "config": tiny_run / "config.yaml", "ckpt": _ckpt(tiny_run)}
-    _assert_failure(capsys, [a.format(**paths) for a in args], fragment)
+    assert_cli_failure(capsys, evaluate.main, [a.format(**paths) for a in args], fragment)

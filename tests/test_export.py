@@ -21,6 +21,7 @@ from omegaconf import OmegaConf
 from ppo_fabric import checkpoint as ckpt
 from ppo_fabric import export
 from ppo_fabric.agent import ActorCritic
+from tests.conftest import assert_cli_failure
 
 # TorchScript is deprecated in recent PyTorch, but it is the format a bare `torch.jit.load` reads.
 pytestmark = pytest.mark.filterwarnings("ignore:.*torch.jit.*deprecated:DeprecationWarning")
@@ -144,8 +145,4 @@ def test_bad_input(
     tiny_run: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], args: list[str], fragment: str
 ) -> None:
     paths = {"missing": tmp_path / "nope.ckpt", "ckpt": _ckpt(tiny_run)}
-    with pytest.raises(SystemExit) as exc:
-        export.main([a.format(**paths) for a in args])
-    assert exc.value.code == 2
-    err = capsys.readouterr().err
-    assert err.count("\n") == 1 and err.startswith("ppo-fabric: error: ") and fragment in err, err
+    assert_cli_failure(capsys, export.main, [a.format(**paths) for a in args], fragment)
