@@ -298,35 +298,141 @@ def action_shape_dtype(space: gym.Space) -> tuple[tuple[int, ...], torch.dtype]:
     return tuple(space.shape), torch.float32
 
 
+# ------------------------------------------------------------------------------------------- recurrence
+class RecurrentCore(nn.Module):
+    """An LSTM between the encoder and the heads. Its state is one tensor [B, 2, layers, hidden] (h and c
+    stacked), so the rollout stores it as a single extra per step and checkpoints hold it as one tensor.
+
+    Sequences arrive batch-first with `starts` [B, S], True where a step begins a new episode: the state is
+    zeroed there. The LSTM runs once per stretch between such steps instead of once per step.
+    """
+
+    def __init__(self, in_dim: int, hidden_size: int, num_layers: int) -> None:
+        super().__init__()
+        self.lstm = nn.LSTM(in_dim, hidden_size, num_layers, batch_first=True)
+        for name, param in self.lstm.named_parameters():
+            if "weight" in name:
+                nn.init.orthogonal_(param, 1.0)
+            else:
+                nn.init.constant_(param, 0.0)
+        self.state_shape = (2, num_layers, hidden_size)
+        self.out_dim = hidden_size
+
+    def initial_state(self, batch: int, device: torch.device | str) -> Tensor:
+        return torch.zeros((batch, *self.state_shape), device=device)
+
+    def _run(self, x: Tensor, state: Tensor) -> tuple[Tensor, Tensor]:
+        hc = state.permute(1, 2, 0, 3)  # [2, layers, B, H]
+        out, (h, c) = self.lstm(x, (hc[0].contiguous(), hc[1].contiguous()))
+        return out, torch.stack((h, c)).permute(2, 0, 1, 3)
+
+    def step(self, features: Tensor, state: Tensor) -> tuple[Tensor, Tensor]:
+        """One step for a batch: features [B, F], state [B, 2, layers, H] -> (output [B, H], next state)."""
+        out, state = self._run(features.unsqueeze(1), state)
+        return out.squeeze(1), state
+
+    def sequence(self, features: Tensor, state: Tensor, starts: Tensor) -> Tensor:
+        """Outputs [B, S, H] for features [B, S, F] from the initial `state`, reset where `starts`."""
+        cuts = [0, *(t for t in range(1, starts.shape[1]) if bool(starts[:, t].any())), starts.shape[1]]
+        outputs = []
+        for a, b in zip(cuts[:-1], cuts[1:], strict=True):
+            if a > 0:
+                state = state * (~starts[:, a]).to(state.dtype).view(-1, 1, 1, 1)
+            out, state = self._run(features[:, a:b], state)
+            outputs.append(out)
+        return torch.cat(outputs, 1) if len(outputs) > 1 else outputs[0]
+
+
+def sequence_length(model_cfg: DictConfig) -> int:
+    """Steps per training unit: `model.lstm.seq_len` for recurrent models, 1 (single steps) otherwise."""
+    lstm = model_cfg.get("lstm")
+    return int(lstm.seq_len) if lstm is not None and int(lstm.hidden_size) > 0 else 1
+
+
 # ---------------------------------------------------------------------------------------- actor-critic
 class ActorCritic(nn.Module):
     """`act` serves the rollout (no autograd); `forward` serves the update, so DDP sees one forward pass
-    that touches every parameter (actor and critic) per minibatch."""
+    that touches every parameter (actor and critic) per minibatch.
+
+    With `model.lstm.hidden_size > 0` an LSTM core sits between the encoder and both heads (`recurrent`):
+    the rollout then carries a state per env (`act_with_state`), and `forward` takes whole sequences with
+    the state each one started from.
+    """
 
     def __init__(self, obs_space: gym.Space, action_space: gym.Space, cfg: DictConfig) -> None:
         super().__init__()
         self.encoder = ENCODERS[select_encoder(obs_space, cfg.encoder)](obs_space, cfg)
         feat = self.encoder.out_dim
+        lstm = cfg.get("lstm")
+        self.core = None
+        if lstm is not None and int(lstm.hidden_size) > 0:
+            self.core = RecurrentCore(feat, int(lstm.hidden_size), int(lstm.num_layers))
+            feat = self.core.out_dim
         self.actor_body = MLP(feat, cfg.actor_hidden, cfg.activation)
         self.critic_body = MLP(feat, cfg.critic_hidden, cfg.activation)
         self.head = build_head(self.actor_body.out_dim, action_space)
         self.value_out = layer_init(nn.Linear(self.critic_body.out_dim, 1), gain=1.0)
 
+    @property
+    def recurrent(self) -> bool:
+        return self.core is not None
+
+    @property
+    def state_shape(self) -> tuple[int, ...] | None:
+        """One row's recurrent state, as the rollout stores it per step (None for feed-forward)."""
+        return None if self.core is None else self.core.state_shape
+
+    def initial_state(self, batch: int, device: torch.device | str = "cpu") -> Tensor | None:
+        """The state a fresh episode starts from (None for feed-forward policies)."""
+        return None if self.core is None else self.core.initial_state(batch, device)
+
+    def _features(self, obs: Obs, state: Tensor | None) -> tuple[Tensor, Tensor | None]:
+        features = self.encoder(obs)
+        if self.core is None:
+            return features, None
+        if state is None:
+            state = self.core.initial_state(features.shape[0], features.device)
+        return self.core.step(features, state)
+
     def _value(self, features: Tensor) -> Tensor:
         out = self.value_out
         return F.linear(self.critic_body(features), out.weight, out.bias).squeeze(-1)
 
-    def get_value(self, obs: Obs) -> Tensor:
-        return self._value(self.encoder(obs))
+    def get_value(self, obs: Obs, state: Tensor | None = None) -> Tensor:
+        return self._value(self._features(obs, state)[0])
 
     def act(self, obs: Obs, deterministic: bool = False) -> tuple[Tensor, Tensor, Tensor]:
-        """Sample an action; returns (action, log-prob, value)."""
-        features = self.encoder(obs)
-        action, logprob = self.head.sample(self.actor_body(features), deterministic)
-        return action, logprob, self._value(features)
+        """Sample an action; returns (action, log-prob, value). A recurrent policy starts from zero state:
+        use `act_with_state` to carry it across steps."""
+        return self.act_with_state(obs, None, deterministic)[:3]
 
-    def forward(self, obs: Obs, actions: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-        """Re-evaluate stored actions; returns (log-prob, entropy, value)."""
-        features = self.encoder(obs)
+    def act_with_state(
+        self, obs: Obs, state: Tensor | None, deterministic: bool = False
+    ) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
+        """Sample an action from `state`; returns (action, log-prob, value, state after this step)."""
+        features, state = self._features(obs, state)
+        action, logprob = self.head.sample(self.actor_body(features), deterministic)
+        return action, logprob, self._value(features), state
+
+    def forward(
+        self, obs: Obs, actions: Tensor, state: Tensor | None = None, starts: Tensor | None = None
+    ) -> tuple[Tensor, Tensor, Tensor]:
+        """Re-evaluate stored actions; returns (log-prob, entropy, value).
+
+        Feed-forward: a batch of steps. Recurrent: sequences [B, S] starting from `state` [B, 2, layers, H],
+        reset where `starts`; outputs are [B, S].
+        """
+        features = self.encoder(obs if self.core is None else obs.flatten(0, 1))
+        if self.core is not None:
+            batch, steps = actions.shape[:2]
+            features = self.core.sequence(features.unflatten(0, (batch, steps)), state, starts).flatten(0, 1)
+            actions = actions.flatten(0, 1)
         logprob, entropy = self.head.log_prob_entropy(self.actor_body(features), actions)
-        return logprob, entropy, self._value(features)
+        values = self._value(features)
+        if self.core is not None:
+            return (
+                logprob.unflatten(0, (batch, steps)),
+                entropy.unflatten(0, (batch, steps)),
+                values.unflatten(0, (batch, steps)),
+            )
+        return logprob, entropy, values

@@ -139,6 +139,9 @@ _RULES = (
     _Rule("checkpoint.keep", int, 0),
     _Rule("logger.log_every", int, 0, strict_low=True),
     _Rule("collectives.timeout", float, 0, strict_low=True),
+    _Rule("model.lstm.hidden_size", int, 0, optional=True),  # model=lstm only
+    _Rule("model.lstm.num_layers", int, 1, optional=True),
+    _Rule("model.lstm.seq_len", int, 1, optional=True),
 )
 
 _CHOICES = {
@@ -292,13 +295,38 @@ def _check_layout(cfg: DictConfig, world: int) -> None:
             f"algo.minibatch_size={mb} gives {layout.rank_minibatch} sample(s) per training rank; "
             "advantage normalisation (algo.norm_adv=true) needs at least 2"
         )
+    _check_sequences(cfg, layout)
     global_batch = layout.batch
-    collectors = layout.collectors
-    global_batch = per_collector * collectors
     if cfg.algo.total_steps < global_batch:
         raise ConfigError(
             f"algo.total_steps={cfg.algo.total_steps} is smaller than one batch of {global_batch} env steps "
             f"(algo.rollout_steps*env.num_envs*collecting ranks); raise algo.total_steps"
+        )
+
+
+def _check_sequences(cfg: DictConfig, layout: Layout) -> None:
+    """Recurrent models train on whole sequences: rollouts, minibatches and shards hold whole ones."""
+    from ppo_fabric.agent import sequence_length
+
+    seq = sequence_length(cfg.model)
+    if seq == 1:
+        return
+    steps = int(cfg.algo.rollout_steps)
+    if steps % seq:
+        raise ConfigError(
+            f"model.lstm.seq_len={seq} does not divide algo.rollout_steps={steps}; training sequences are "
+            "cut from each rollout, so use a divisor"
+        )
+    if layout.rank_minibatch % seq:
+        raise ConfigError(
+            f"algo.minibatch_size={layout.minibatch} gives {layout.rank_minibatch} steps per training rank, "
+            f"not whole sequences of model.lstm.seq_len={seq}; use a multiple of {seq * layout.trainers}"
+        )
+    sequences = steps // seq * int(cfg.env.num_envs)
+    if cfg.strategy == "decoupled" and sequences % layout.trainers:
+        raise ConfigError(
+            f"each player's {sequences} sequences cannot be split evenly over {layout.trainers} trainers; "
+            "change env.num_envs or model.lstm.seq_len"
         )
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import difflib
 import importlib
+import re
 from collections.abc import Callable
 from functools import partial
 from typing import Any
@@ -56,6 +57,48 @@ class ActionRepeat(gym.Wrapper):
         return obs, total, terminated, truncated, info
 
 
+# `env.mask_velocity`: the observation indices kept per env name (the id without "module:" or "-vN"). What
+# is dropped is every velocity, so the policy must infer them from consecutive observations: a memory task.
+VELOCITY_FREE_INDICES: dict[str, tuple[int, ...]] = {
+    "CartPole": (0, 2),  # cart position, pole angle (drops cart velocity, pole angular velocity)
+    "Pendulum": (0, 1),  # cos and sin of the angle (drops the angular velocity)
+    "MountainCar": (0,),  # position (drops the velocity)
+    "MountainCarContinuous": (0,),
+    "LunarLander": (0, 1, 4, 6, 7),  # x, y, angle, leg contacts (drops x/y velocity, angular velocity)
+}
+
+
+def env_name(env_id: str) -> str:
+    """`CartPole` for `CartPole-v1`, `my.module:CartPole-v1` or `CartPole`: the id without module or version."""
+    return re.sub(r"-v\d+$", "", env_id.split(":")[-1])
+
+
+class MaskVelocity(gym.ObservationWrapper):
+    """Keep only the position-like entries of a known env's observation (`VELOCITY_FREE_INDICES`).
+
+    The observation space becomes a Box of the kept entries' bounds, so the model is built for them.
+    Raises EnvError for an env that is not in the table.
+    """
+
+    def __init__(self, env: gym.Env, env_id: str | None = None) -> None:
+        super().__init__(env)
+        env_id = env_id if env_id is not None else (env.spec.id if env.spec is not None else "")
+        indices = VELOCITY_FREE_INDICES.get(env_name(env_id))
+        space = env.observation_space
+        if indices is None:
+            supported = ", ".join(VELOCITY_FREE_INDICES)
+            raise EnvError(f"env.mask_velocity=true supports only {supported}, not env.id={env_id!r}")
+        if not isinstance(space, gym.spaces.Box) or len(space.shape) != 1 or max(indices) >= space.shape[0]:
+            raise EnvError(f"env.mask_velocity=true: env.id={env_id!r} has an unexpected observation space")
+        self.indices = np.asarray(indices, dtype=np.int64)
+        self.observation_space = gym.spaces.Box(
+            space.low[self.indices], space.high[self.indices], (len(indices),), space.dtype
+        )
+
+    def observation(self, observation: np.ndarray) -> np.ndarray:
+        return np.asarray(observation)[self.indices]
+
+
 def extra_for(env_id: str) -> str | None:
     name = env_id.split(":")[-1]
     return next((extra for prefix, extra in _EXTRA_BY_PREFIX.items() if name.startswith(prefix)), None)
@@ -103,6 +146,12 @@ def make_env(env_cfg: DictConfig, render_mode: str | None = None) -> gym.Env:
         raise EnvError(f"env.id={env_id!r}: {str(exc).splitlines()[0]}") from exc
     except TypeError as exc:
         raise EnvError(f"env.id={env_id!r} rejected env.kwargs: {str(exc)[:120]}") from exc
+    if env_cfg.get("mask_velocity", False):
+        try:
+            env = MaskVelocity(env, env_id)
+        except EnvError:
+            env.close()
+            raise
     if preprocess == "atari":
         try:
             env = atari.wrap_atari(env)

@@ -1,4 +1,8 @@
-"""PPO losses (seed 002), written as tensors in, scalar loss out, so they can be checked by hand."""
+"""PPO losses (seed 002), written as tensors in, scalar loss out, so they can be checked by hand.
+
+Each takes an optional boolean `mask` of the steps that hold a transition (multi-agent rollouts keep a
+row for an agent after it has left its episode); means run over those steps only.
+"""
 
 from __future__ import annotations
 
@@ -6,27 +10,52 @@ import torch
 from torch import Tensor
 
 
-def policy_loss(new_logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, clip_coef: float) -> Tensor:
+def masked_mean(x: Tensor, mask: Tensor | None) -> Tensor:
+    """Mean over the masked steps; an empty mask gives 0 (still connected to the graph, so DDP's
+    backward runs on every rank)."""
+    if mask is None:
+        return x.mean()
+    weights = mask.to(x.dtype)
+    return (x * weights).sum() / weights.sum().clamp(min=1.0)
+
+
+def policy_loss(
+    new_logprobs: Tensor,
+    old_logprobs: Tensor,
+    advantages: Tensor,
+    clip_coef: float,
+    mask: Tensor | None = None,
+) -> Tensor:
     """Clipped surrogate objective, negated so that it is minimised."""
     ratio = (new_logprobs - old_logprobs).exp()
     surrogate = advantages * ratio
     clipped = advantages * torch.clamp(ratio, 1 - clip_coef, 1 + clip_coef)
-    return -torch.min(surrogate, clipped).mean()
+    return -masked_mean(torch.min(surrogate, clipped), mask)
 
 
 def value_loss(
-    new_values: Tensor, old_values: Tensor, returns: Tensor, clip_coef: float, clip_vloss: bool
+    new_values: Tensor,
+    old_values: Tensor,
+    returns: Tensor,
+    clip_coef: float,
+    clip_vloss: bool,
+    mask: Tensor | None = None,
 ) -> Tensor:
     """MSE to the returns; with `clip_vloss`, the prediction may move at most `clip_coef` from the rollout's."""
     if clip_vloss:
         new_values = old_values + torch.clamp(new_values - old_values, -clip_coef, clip_coef)
-    return (new_values - returns).pow(2).mean()
+    return masked_mean((new_values - returns).pow(2), mask)
 
 
-def entropy_loss(entropy: Tensor) -> Tensor:
+def entropy_loss(entropy: Tensor, mask: Tensor | None = None) -> Tensor:
     """Minimising this maximises entropy."""
-    return -entropy.mean()
+    return -masked_mean(entropy, mask)
 
 
-def normalize(advantages: Tensor, eps: float = 1e-8) -> Tensor:
-    return (advantages - advantages.mean()) / (advantages.std() + eps)
+def normalize(advantages: Tensor, eps: float = 1e-8, mask: Tensor | None = None) -> Tensor:
+    if mask is None:
+        return (advantages - advantages.mean()) / (advantages.std() + eps)
+    mean = masked_mean(advantages, mask)
+    count = mask.sum().clamp(min=2)
+    std = (((advantages - mean) * mask).pow(2).sum() / (count - 1)).sqrt()
+    return (advantages - mean) / (std + eps)

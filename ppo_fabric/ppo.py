@@ -8,6 +8,7 @@ Run as a script under `fabric run --accelerator=cpu --devices=2 ppo_fabric/ppo.p
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -21,11 +22,11 @@ from omegaconf import DictConfig, OmegaConf
 from tensordict import TensorDict
 
 from ppo_fabric import checkpoint as ckpt
-from ppo_fabric.agent import ActorCritic
+from ppo_fabric.agent import ActorCritic, sequence_length
 from ppo_fabric.buffer import rollout_storage, training_batch
 from ppo_fabric.config import training_layout
 from ppo_fabric.envs import make_vector_env
-from ppo_fabric.loss import entropy_loss, normalize, policy_loss, value_loss
+from ppo_fabric.loss import entropy_loss, masked_mean, normalize, policy_loss, value_loss
 from ppo_fabric.metrics import (
     RunLogger,
     Stopwatch,
@@ -62,31 +63,44 @@ def train(
     mean_across_trainers: Callable[[torch.Tensor], torch.Tensor] | None = None,
     rank_minibatch: int | None = None,
 ) -> dict[str, float]:
-    """One PPO update: `update_epochs` passes over shuffled minibatches of this rank's flat batch.
+    """One PPO update: `update_epochs` passes over shuffled minibatches of this rank's batch.
 
-    `rank_minibatch` is this rank's share of `algo.minibatch_size` (all of it on a single rank).
+    `rank_minibatch` is this rank's share of `algo.minibatch_size` (all of it on a single rank), in steps.
+    The batch's units are single steps, or for recurrent policies whole sequences (`initial_state`,
+    `starts`), so a minibatch then holds `rank_minibatch / seq_len` sequences. A `mask` (multi-agent rows of
+    agents that had left) keeps absent steps out of every mean.
     With `target_kl` set, the KL estimate is averaged over all training ranks (`mean_across_trainers`)
     before deciding to stop, so every rank runs the same number of backward passes (DDP would hang).
     """
     n = batch.batch_size[0]
-    mb = int(algo.minibatch_size) if rank_minibatch is None else rank_minibatch
+    keys = batch.keys()
+    recurrent, masked = "initial_state" in keys, "mask" in keys
+    seq_len = batch["starts"].shape[1] if recurrent else 1
+    mb = (int(algo.minibatch_size) if rank_minibatch is None else rank_minibatch) // seq_len
     # Plain Python values: a DictConfig attribute read costs ~50 us, and the loop below runs thousands of times.
     clip, clip_vloss, norm_adv = float(algo.clip_coef), bool(algo.clip_vloss), bool(algo.norm_adv)
     vf_coef, ent_coef, max_norm = float(algo.vf_coef), float(algo.ent_coef), float(algo.max_grad_norm)
     target_kl = None if algo.target_kl is None else float(algo.target_kl)
     stats: list[torch.Tensor] = []
-    epochs = 0
+    epochs, mask = 0, None
     for _ in range(int(algo.update_epochs)):
         shuffled = batch[torch.randperm(n, device=batch.device)]
         obs, actions, old_logp = shuffled["obs"], shuffled["actions"], shuffled["logprobs"]
         old_values, advantages, returns = shuffled["values"], shuffled["advantages"], shuffled["returns"]
+        masks = shuffled["mask"] if masked else None
+        states, starts = (shuffled["initial_state"], shuffled["starts"]) if recurrent else (None, None)
         for start in range(0, n, mb):
             sl = slice(start, start + mb)
-            new_logp, entropy, new_values = model(obs[sl], actions[sl])
-            adv = normalize(advantages[sl]) if norm_adv else advantages[sl]
-            pg = policy_loss(new_logp, old_logp[sl], adv, clip)
-            vl = value_loss(new_values, old_values[sl], returns[sl], clip, clip_vloss)
-            el = entropy_loss(entropy)
+            if recurrent:
+                new_logp, entropy, new_values = model(obs[sl], actions[sl], states[sl], starts[sl])
+            else:
+                new_logp, entropy, new_values = model(obs[sl], actions[sl])
+            if masked:
+                mask = masks[sl]
+            adv = normalize(advantages[sl], mask=mask) if norm_adv else advantages[sl]
+            pg = policy_loss(new_logp, old_logp[sl], adv, clip, mask)
+            vl = value_loss(new_values, old_values[sl], returns[sl], clip, clip_vloss, mask)
+            el = entropy_loss(entropy, mask)
             loss = pg + vf_coef * vl + ent_coef * el
             optimizer.zero_grad(set_to_none=True)
             fabric.backward(loss)
@@ -96,19 +110,21 @@ def train(
             with torch.no_grad():
                 logratio = new_logp - old_logp[sl]
                 ratio = logratio.exp()
-                approx_kl = ((ratio - 1) - logratio).mean()
-                clipfrac = ((ratio - 1).abs() > clip).float().mean()
+                approx_kl = masked_mean((ratio - 1) - logratio, mask)
+                clipfrac = masked_mean(((ratio - 1).abs() > clip).float(), mask)
                 stats.append(torch.stack((pg, vl, -el, approx_kl, clipfrac)).detach())
         epochs += 1
         if target_kl is not None:
-            kl = torch.stack(stats[-(n // mb) :])[:, 3].mean()
+            kl = torch.stack(stats[-math.ceil(n / mb) :])[:, 3].mean()
             if mean_across_trainers is not None:
                 kl = mean_across_trainers(kl)
             if kl.item() > target_kl:
                 break
     means = torch.stack(stats).mean(0).tolist()
     values, returns = batch["values"], batch["returns"]
-    var_returns = returns.var()
+    if masked:
+        values, returns = values[batch["mask"]], returns[batch["mask"]]
+    var_returns = returns.var() if returns.numel() > 1 else returns.new_zeros(())
     explained = (1 - (returns - values).var() / var_returns).item() if var_returns > 0 else float("nan")
     return dict(zip(TRAIN_METRICS, [*means, explained, epochs], strict=True))
 
@@ -172,7 +188,7 @@ def collector_state(collector: RolloutCollector) -> dict[str, Any]:
         "rng": ckpt.rng_state(),
         "envs": ckpt.pickle_envs(collector.envs),
         "normalizers": normalizer_state(collector.envs),  # also for async envs and for evaluation
-        "next_obs": collector.next_obs.cpu(),
+        "carry": collector.carry(),  # next observations, recurrent states
         "episodes": list(collector.episodes.window),
         "episode_count": collector.episodes.count,
     }
@@ -181,7 +197,7 @@ def collector_state(collector: RolloutCollector) -> dict[str, Any]:
 def restore_collector(collector: RolloutCollector, state: dict[str, Any]) -> None:
     collector.envs = ckpt.restore_envs(state["envs"], collector.envs)
     if state["envs"] is not None:
-        collector.next_obs = state["next_obs"].to(collector.device)
+        collector.restore_carry(state["carry"])
     else:
         load_normalizer_state(collector.envs, state.get("normalizers", {}))
     collector.episodes.window.extend(state["episodes"])
@@ -200,7 +216,12 @@ def main(fabric: Fabric, cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
     resume = ckpt.load(cfg.resume) if cfg.resume is not None else None
     learner = build_learner(fabric, cfg, obs_space, action_space, resume)
     storage = rollout_storage(
-        int(algo.rollout_steps), int(cfg.env.num_envs), obs_space, action_space, fabric.device
+        int(algo.rollout_steps),
+        int(cfg.env.num_envs),
+        obs_space,
+        action_space,
+        fabric.device,
+        state_shape=learner.policy.state_shape,
     )
     collector = RolloutCollector(envs, first_obs, storage, float(algo.gamma), float(algo.gae_lambda), reduce)
 
@@ -239,7 +260,7 @@ def main(fabric: Fabric, cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
         collector.collect(learner.policy, env_step)
         env_step += steps_per_iter
         t1 = time.perf_counter()
-        batch = training_batch(storage)
+        batch = training_batch(storage, sequence_length(cfg.model))
         stats = train(
             fabric, learner.model, learner.optimizer, batch, algo, mean_across, layout.rank_minibatch
         )

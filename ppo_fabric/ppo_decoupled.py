@@ -25,7 +25,7 @@ from omegaconf import DictConfig
 from torch.nn.utils import parameters_to_vector, vector_to_parameters
 
 from ppo_fabric import checkpoint as ckpt
-from ppo_fabric.agent import ActorCritic
+from ppo_fabric.agent import ActorCritic, sequence_length
 from ppo_fabric.buffer import rollout_storage, training_batch
 from ppo_fabric.collectives import (
     BatchCodec,
@@ -125,9 +125,12 @@ def player(
     envs, first_obs = make_vector_env(cfg.env, int(cfg.seed), rank, float(algo.gamma), reduce)
     obs_space, action_space = envs.single_observation_space, envs.single_action_space
     policy = ActorCritic(obs_space, action_space, cfg.model).to(device)
-    storage = rollout_storage(int(algo.rollout_steps), int(cfg.env.num_envs), obs_space, action_space, device)
+    storage = rollout_storage(
+        int(algo.rollout_steps), int(cfg.env.num_envs), obs_space, action_space, device, policy.state_shape
+    )
+    seq_len = sequence_length(cfg.model)
     collector = RolloutCollector(envs, first_obs, storage, float(algo.gamma), float(algo.gae_lambda), reduce)
-    codec = BatchCodec(training_batch(storage), len(topo.trainers))
+    codec = BatchCodec(training_batch(storage, seq_len), len(topo.trainers))
     per_update, updates = _schedule(cfg)
     num_params = sum(p.numel() for p in policy.parameters())
 
@@ -199,7 +202,7 @@ def player(
         t0 = time.perf_counter()
         if in_transit is not None:
             in_transit.wait()
-        in_transit = send_batch(topo, codec, training_batch(storage), behaviour, async_op=bool(algo.pipeline))
+        in_transit = send_batch(topo, codec, training_batch(storage, seq_len), behaviour, async_op=bool(algo.pipeline))
         watch.add("send", time.perf_counter() - t0)
         if pipelined:
             version = behaviour = receive(snapshot)  # update `iteration - 1` finished during this rollout
@@ -258,9 +261,14 @@ def trainer(
     if resume is not None and len(resume["ranks"]) == fabric.world_size:
         ckpt.set_rng_state(resume["ranks"][topo.rank]["rng"])
     template = rollout_storage(
-        int(cfg.algo.rollout_steps), int(cfg.env.num_envs), obs_space, action_space, "cpu"
+        int(cfg.algo.rollout_steps),
+        int(cfg.env.num_envs),
+        obs_space,
+        action_space,
+        "cpu",
+        learner.policy.state_shape,
     )
-    codec = BatchCodec(training_batch(template), len(topo.trainers))
+    codec = BatchCodec(training_batch(template, sequence_length(cfg.model)), len(topo.trainers))
     _, updates = _schedule(cfg)
     rank_minibatch = training_layout(cfg, fabric.world_size).rank_minibatch
     version = int(resume["iteration"]) if resume is not None else 0

@@ -3,17 +3,18 @@
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 import gymnasium as gym
 import numpy as np
 import torch
-from gymnasium.vector import VectorEnv
 from tensordict import TensorDict
 
 from ppo_fabric.advantages import compute_advantages
 from ppo_fabric.agent import ActorCritic, Obs
+from ppo_fabric.buffer import STATE_KEY
 from ppo_fabric.normalize import Reduce, sync_normalizers
 
 
@@ -39,9 +40,42 @@ class EpisodeLog:
         return out
 
 
+HostArrays = np.ndarray | dict[str, "HostArrays"]
+
+
+@dataclass
+class Group:
+    """The rows one policy acts for: every env copy (single agent), or every agent of every env copy that
+    maps to the policy (multi-agent), with their storage, host arrays, next observation and state."""
+
+    name: str
+    storage: TensorDict
+    host: dict[str, HostArrays]
+    next_obs: Any
+    obs_dtype: torch.dtype | None
+    clip: tuple[np.ndarray, np.ndarray] | None
+    episodes: EpisodeLog
+    state: torch.Tensor | None = None  # recurrent policies: the state the next step starts from [R, ...]
+    alive: np.ndarray | None = None  # multi-agent: rows whose agent is in the episode at the next step
+
+    def to_tensor(self, obs: Any, device: torch.device) -> Obs:
+        if isinstance(obs, dict):  # Dict observations: one tensor per key, with the storage's dtypes
+            template = self.storage["obs"]
+            parts = {k: torch.as_tensor(v, dtype=template[k].dtype, device=device) for k, v in obs.items()}
+            return TensorDict(parts, batch_size=template.batch_size[1:], device=device)
+        return torch.as_tensor(obs, dtype=self.obs_dtype, device=device)
+
+
+SINGLE = "main"  # the one group of a single-agent env
+
+
 class RolloutCollector:
     """Owns a rank's vector env and the observation it will act on next, so rollouts continue across
     updates (and across checkpoint/resume) instead of restarting episodes.
+
+    Single-agent envs have one group of rows (the env copies); multi-agent envs (`multiagent.py`) have one
+    per policy, each with its own storage, and every step acts with each group's policy before stepping
+    all env copies once. The same loop serves both, feed-forward and recurrent policies alike.
 
     What the env returns (observations, rewards, flags) is written into numpy arrays on the host: views of
     the storage itself when it lives on the CPU (no copy at all), or staging arrays copied to the device
@@ -52,87 +86,165 @@ class RolloutCollector:
 
     def __init__(
         self,
-        envs: VectorEnv,
+        envs: Any,
         first_obs: Any,
-        storage: TensorDict,
+        storage: TensorDict | dict[str, TensorDict],
         gamma: float,
         gae_lambda: float,
         reduce: Reduce | None = None,
     ) -> None:
         self.envs = envs
         self.reduce = reduce  # merges normalisation statistics over the collecting ranks
-        self.storage = storage
-        self.device = storage.device
+        self.multiagent = isinstance(storage, dict)
+        storages = storage if self.multiagent else {SINGLE: storage}
+        firsts = first_obs if self.multiagent else {SINGLE: first_obs}
+        self.device = next(iter(storages.values())).device
         self.gamma = gamma
         self.gae_lambda = gae_lambda
-        on_cpu = self.device.type == "cpu"
-        self.host = {k: _host_arrays(storage[k], on_cpu) for k in self._HOST_KEYS}
-        stored_obs = storage["obs"]  # a nested TensorDict for Dict observations
-        self._obs_dtype = stored_obs.dtype if isinstance(stored_obs, torch.Tensor) else None  # uint8 pixels
-        self._staged = not on_cpu
-        self.next_obs = self._to_tensor(first_obs)
-        self.episodes = EpisodeLog()
-        space = envs.single_action_space
-        self._clip = (space.low, space.high) if isinstance(space, gym.spaces.Box) else None
+        self._staged = self.device.type != "cpu"
+        self.groups: list[Group] = []
+        for name, stored in storages.items():
+            keys = [*self._HOST_KEYS, "mask"] if "mask" in stored.keys() else list(self._HOST_KEYS)  # noqa: SIM118
+            space = envs.single_action_space if not self.multiagent else envs.action_spaces[name]
+            stored_obs = stored["obs"]  # a nested TensorDict for Dict observations
+            group = Group(
+                name=name,
+                storage=stored,
+                host={k: _host_arrays(stored[k], not self._staged) for k in keys},
+                next_obs=None,
+                obs_dtype=stored_obs.dtype if isinstance(stored_obs, torch.Tensor) else None,  # uint8 pixels
+                clip=(space.low, space.high) if isinstance(space, gym.spaces.Box) else None,
+                episodes=EpisodeLog(),
+            )
+            group.next_obs = group.to_tensor(firsts[name], self.device)
+            if self.multiagent:
+                group.alive = np.ones(stored.batch_size[1], dtype=bool)
+            self.groups.append(group)
+        # All episodes (every agent's, in multi-agent envs): what `final_mean_return` reports overall.
+        self.episodes = self.groups[0].episodes if not self.multiagent else EpisodeLog()
+        self.num_envs = int(envs.num_envs)
 
-    def _to_tensor(self, obs: Any) -> Obs:
-        if isinstance(obs, dict):  # Dict observations: one tensor per key, with the storage's dtypes
-            template = self.storage["obs"]
-            parts = {
-                k: torch.as_tensor(v, dtype=template[k].dtype, device=self.device) for k, v in obs.items()
-            }
-            return TensorDict(parts, batch_size=template.batch_size[1:], device=self.device)
-        return torch.as_tensor(obs, dtype=self._obs_dtype, device=self.device)
+    @property
+    def storage(self) -> TensorDict:
+        """The single-agent storage (multi-agent: `storages`)."""
+        return self.groups[0].storage
+
+    @property
+    def storages(self) -> dict[str, TensorDict]:
+        return {g.name: g.storage for g in self.groups}
+
+    @property
+    def next_obs(self) -> Obs:
+        return self.groups[0].next_obs
+
+    def _step(self, actions: list[np.ndarray]) -> list[tuple[Any, ...]]:
+        if self.multiagent:
+            return self.envs.step(actions)
+        return [self.envs.step(actions[0])]
 
     @torch.inference_mode()
-    def collect(self, policy: ActorCritic, env_step: int) -> int:
+    def collect(self, policies: ActorCritic | Mapping[str, ActorCritic], env_step: int) -> int:
         """Fill the storage with T steps of every env, then compute GAE in it; returns env steps taken.
 
+        `policies` maps each group to the policy acting for it (a single policy for single-agent envs).
         `env_step` is the global env step count at the start, used to time-stamp finished episodes.
         """
-        s = self.storage
-        obs_np, rew_np, term_np, trunc_np = (self.host[k] for k in self._HOST_KEYS)
-        final_values = s["final_values"]
-        final_values.zero_()
-        num_steps, num_envs = s.batch_size
+        if not isinstance(policies, Mapping):
+            policies = {SINGLE: policies}
+        groups = self.groups
+        acting = [policies[g.name] for g in groups]
+        for g, policy in zip(groups, acting, strict=True):
+            g.storage["final_values"].zero_()
+            if g.state is None and policy.recurrent:
+                g.state = policy.initial_state(g.storage.batch_size[1], self.device)
+        num_steps = groups[0].storage.batch_size[0]
         # Policy outputs are kept per step and written with one stack per key: cheaper than T indexed writes.
-        actions, logprobs, values = [], [], []
-        obs = self.next_obs
-        _put(obs_np, 0, obs.cpu())
+        outputs: list[tuple[list, ...]] = [([], [], [], []) for _ in groups]
+        for g in groups:
+            _put(g.host["obs"], 0, g.next_obs.cpu())
+        obs = [g.next_obs for g in groups]
         for t in range(num_steps):
-            action, logprob, value = policy.act(obs)
-            actions.append(action)
-            logprobs.append(logprob)
-            values.append(value)
-            env_action = action.cpu().numpy()
-            if self._clip is not None:
-                env_action = np.clip(env_action, *self._clip)
-            next_obs, rew_np[t], term_np[t], trunc_np[t], info = self.envs.step(env_action)
-            if trunc_np[t].any():
-                cut = np.flatnonzero(trunc_np[t] & ~term_np[t])
-                if cut.size:
-                    final_obs = self._to_tensor(_stack(info["final_obs"][cut]))
-                    final_values[t, torch.from_numpy(cut).to(self.device)] = policy.get_value(final_obs)
-            if "_episode" in info:
-                ep = info["episode"]
-                step = env_step + (t + 1) * num_envs
-                for i in np.flatnonzero(info["_episode"]):
-                    self.episodes.add(step, float(ep["r"][i]), int(ep["l"][i]))
-            if t + 1 < num_steps:
-                _put(obs_np, t + 1, next_obs)
-                obs = _row(obs_np, t + 1, self.device)  # a view on CPU: no copy
-            else:
-                obs = self._to_tensor(next_obs)
-        torch.stack(actions, out=s["actions"])
-        torch.stack(logprobs, out=s["logprobs"])
-        torch.stack(values, out=s["values"])
-        if self._staged:
-            for key in self._HOST_KEYS:
-                _copy_in(s[key], self.host[key])
-        self.next_obs = obs
-        compute_advantages(s, policy.get_value(obs), self.gamma, self.gae_lambda)
+            env_actions, next_states = [], []
+            for i, (g, policy) in enumerate(zip(groups, acting, strict=True)):
+                action, logprob, value, next_state = policy.act_with_state(obs[i], g.state)
+                actions, logprobs, values, states = outputs[i]
+                actions.append(action)
+                logprobs.append(logprob)
+                values.append(value)
+                if g.state is not None:
+                    states.append(g.state)
+                next_states.append(next_state)
+                env_action = action.cpu().numpy()
+                if g.clip is not None:
+                    env_action = np.clip(env_action, *g.clip)
+                env_actions.append(env_action)
+                if g.alive is not None:
+                    g.host["mask"][t] = g.alive
+            results = self._step(env_actions)
+            for i, (g, policy, result) in enumerate(zip(groups, acting, results, strict=True)):
+                h = g.host
+                next_obs, h["rewards"][t], h["terminated"][t], h["truncated"][t], info = result
+                term, trunc = h["terminated"][t], h["truncated"][t]
+                next_state = next_states[i]
+                if trunc.any():
+                    cut = np.flatnonzero(trunc & ~term)
+                    if cut.size:
+                        final_obs = g.to_tensor(_stack(info["final_obs"][cut]), self.device)
+                        rows = torch.from_numpy(cut).to(self.device)
+                        state = None if next_state is None else next_state[rows]
+                        g.storage["final_values"][t, rows] = policy.get_value(final_obs, state)
+                if next_state is not None:  # episodes that ended start the next one from zero state
+                    keep = torch.from_numpy(~(term | trunc)).to(self.device, next_state.dtype)
+                    g.state = next_state * keep.view(-1, *([1] * (next_state.dim() - 1)))
+                if g.alive is not None:
+                    g.alive = info["alive"]
+                if "_episode" in info:
+                    ep = info["episode"]
+                    step = env_step + (t + 1) * self.num_envs
+                    for j in np.flatnonzero(info["_episode"]):
+                        g.episodes.add(step, float(ep["r"][j]), int(ep["l"][j]))
+                        if self.multiagent:
+                            self.episodes.add(step, float(ep["r"][j]), int(ep["l"][j]))
+                if t + 1 < num_steps:
+                    _put(h["obs"], t + 1, next_obs)
+                    obs[i] = _row(h["obs"], t + 1, self.device)  # a view on CPU: no copy
+                else:
+                    obs[i] = g.to_tensor(next_obs, self.device)
+        for g, policy, (actions, logprobs, values, states), last in zip(
+            groups, acting, outputs, obs, strict=True
+        ):
+            s = g.storage
+            torch.stack(actions, out=s["actions"])
+            torch.stack(logprobs, out=s["logprobs"])
+            torch.stack(values, out=s["values"])
+            if states:
+                torch.stack(states, out=s[STATE_KEY])
+            if self._staged:
+                for key, host in g.host.items():
+                    _copy_in(s[key], host)
+            g.next_obs = last
+            compute_advantages(s, policy.get_value(last, g.state), self.gamma, self.gae_lambda)
         sync_normalizers(self.envs, self.reduce)
-        return num_steps * num_envs
+        return num_steps * self.num_envs
+
+    def carry(self) -> dict[str, Any]:
+        """What continues from one rollout to the next besides the envs: each group's next observation, its
+        recurrent state and (multi-agent) which rows are in an episode; on the CPU, for checkpoints."""
+        return {
+            g.name: {
+                "next_obs": g.next_obs.cpu(),
+                "state": None if g.state is None else g.state.cpu(),
+                "alive": None if g.alive is None else g.alive.copy(),
+            }
+            for g in self.groups
+        }
+
+    def restore_carry(self, carry: dict[str, Any]) -> None:
+        for g in self.groups:
+            saved = carry[g.name]
+            g.next_obs = saved["next_obs"].to(self.device)
+            g.state = None if saved["state"] is None else saved["state"].to(self.device)
+            g.alive = saved["alive"]
 
 
 def _numpy_dtype(tensor: torch.Tensor) -> np.dtype:
@@ -141,7 +253,6 @@ def _numpy_dtype(tensor: torch.Tensor) -> np.dtype:
 
 # Observations are an array per step, or (Dict spaces) a dict of arrays mirrored by a nested TensorDict in
 # the storage; these helpers treat both alike so the loop above reads the same for either.
-HostArrays = np.ndarray | dict[str, "HostArrays"]
 
 
 def _host_arrays(stored: torch.Tensor | TensorDict, on_cpu: bool) -> HostArrays:

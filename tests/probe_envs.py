@@ -15,6 +15,13 @@ One continuous-action probe follows them, for the Gaussian head (Box actions):
    mean must follow a target that depends on the observation, and the critic must learn the (negative)
    value of the remaining exploration noise.
 
+One memory probe follows, for recurrent policies (model=lstm):
+
+7. `ProbeMemory-v0`: memory: only a recurrent policy can carry the cue to the last step. The first
+   observation is a random cue of +1 or -1, every later one is 0; after three steps the reward is +1 when
+   the last action matches the cue (action 1 for +1, action 0 for -1) and -1 otherwise. A memoryless
+   policy sees only 0 when it matters and earns 0 in expectation; a recurrent one can earn 1.
+
 Importing this module registers them, so `env.id=tests.probe_envs:ProbeConstant-v0` works: gymnasium (and
 ppo_fabric's env builder) imports the module named before the colon. Every episode ends with
 `terminated=True`, never `truncated`, so the learner must bootstrap with zero after the last step.
@@ -171,6 +178,34 @@ class ProbeContinuousAction(gym.Env):
         return np.zeros(1, dtype=np.float32), reward, True, False, {}
 
 
+class ProbeMemory(_SignProbe):
+    """Two actions, a cue of ±1 at the first step and 0 after it, reward at the last of `LENGTH` steps.
+
+    Rewards are 0 until the last step, which ends the episode (terminated) with +1 when its action matches
+    the cue (action 1 for +1, action 0 for -1) and -1 otherwise. The last action sees observation 0, so a
+    memoryless policy earns 0 in expectation whatever it does; only a policy that carries the cue in its
+    state (an LSTM) can earn 1, and its critic then predicts the discounted +1 at every step.
+    """
+
+    LENGTH = 3
+
+    def __init__(self) -> None:
+        super().__init__(num_actions=2)
+        self._t = 0
+
+    def reset(self, *, seed: int | None = None, options: dict | None = None) -> tuple[np.ndarray, dict]:
+        self._t = 0
+        return super().reset(seed=seed, options=options)
+
+    def step(self, action: Any) -> tuple[np.ndarray, float, bool, bool, dict]:
+        self._t += 1
+        if self._t < self.LENGTH:
+            return self._obs(0.0), 0.0, False, False, {}
+        wanted = 1 if self._sign > 0 else 0
+        reward = 1.0 if int(action) == wanted else -1.0
+        return self._obs(0.0), reward, True, False, {}
+
+
 PROBES: dict[str, type[_Probe]] = {
     "ProbeConstant-v0": ProbeConstant,
     "ProbeObsDependent-v0": ProbeObsDependent,
@@ -181,7 +216,9 @@ PROBES: dict[str, type[_Probe]] = {
 
 # Kept apart from PROBES: those are Andy Jones' five discrete probes, tested together over one API test.
 CONTINUOUS_PROBES: dict[str, type[gym.Env]] = {"ProbeContinuousAction-v0": ProbeContinuousAction}
+# Also apart: its episodes last ProbeMemory.LENGTH steps, and only a recurrent policy can solve it.
+MEMORY_PROBES: dict[str, type[gym.Env]] = {"ProbeMemory-v0": ProbeMemory}
 
-for _env_id, _cls in {**PROBES, **CONTINUOUS_PROBES}.items():
+for _env_id, _cls in {**PROBES, **CONTINUOUS_PROBES, **MEMORY_PROBES}.items():
     if _env_id not in gym.registry:  # re-importing (e.g. under another module name) must not warn
         gym.register(id=_env_id, entry_point=f"{__name__}:{_cls.__name__}")
