@@ -332,7 +332,8 @@ def _check_sequences(cfg: DictConfig, layout: Layout) -> None:
 
 def _check_env_and_model(cfg: DictConfig) -> tuple[Any, Any]:
     from ppo_fabric.agent import ActorCritic
-    from ppo_fabric.envs import EnvError, probe_spaces
+    from ppo_fabric.envs import EnvError
+    from ppo_fabric.policies import policy_specs, spaces_of
 
     if OmegaConf.is_missing(cfg.env, "id") or cfg.env.id is None:
         raise ConfigError("env.id is required; set env.id=CartPole-v1 (or any gymnasium id)")
@@ -340,15 +341,48 @@ def _check_env_and_model(cfg: DictConfig) -> tuple[Any, Any]:
         raise ConfigError(
             f"env.kwargs={cfg.env.kwargs} must be a mapping; add keys with +env.kwargs.NAME=VALUE"
         )
+    _check_multiagent(cfg)
     try:
-        obs_space, action_space = probe_spaces(cfg.env)
+        specs = policy_specs(cfg)
     except EnvError as exc:
         raise ConfigError(str(exc)) from exc
+    for spec in specs.values():
+        try:
+            ActorCritic(spec.obs_space, spec.action_space, spec.model)
+        except ValueError as exc:  # the model cannot serve these spaces, or a model key is wrong
+            prefix = "" if len(specs) == 1 and spec.name == "main" else f"policy {spec.name!r}: "
+            raise ConfigError(prefix + str(exc)) from exc
+    return spaces_of(specs)
+
+
+def _check_multiagent(cfg: DictConfig) -> None:
+    """What building the policies cannot see: sequence lengths of per-policy recurrent models."""
+    from ppo_fabric.agent import sequence_length
+    from ppo_fabric.envs import EnvError
+    from ppo_fabric.multiagent import is_multiagent, policy_settings
+
+    if not is_multiagent(cfg.env):
+        return
+    if cfg.env.vector != "sync" or int(cfg.env.action_repeat) != 1 or cfg.env.max_episode_steps is not None:
+        raise ConfigError(
+            "PettingZoo envs run with env.vector=sync, env.action_repeat=1 and env.max_episode_steps=null "
+            "(set episode limits through the env's own kwargs, e.g. +env.kwargs.max_cycles=50)"
+        )
     try:
-        ActorCritic(obs_space, action_space, cfg.model)
-    except ValueError as exc:  # the model cannot serve these spaces, or a model key is wrong
+        settings = policy_settings(cfg.multiagent)
+    except EnvError as exc:
         raise ConfigError(str(exc)) from exc
-    return obs_space, action_space
+    for name, own in settings.items():
+        try:
+            model = OmegaConf.merge(cfg.model, (own or {}).get("model") or {})
+        except Exception as exc:  # a key the model config does not have
+            raise ConfigError(f"multiagent.policies.{name}.model: {exc}".splitlines()[0]) from exc
+        seq = sequence_length(model)
+        if cfg.algo.rollout_steps % seq:
+            raise ConfigError(
+                f"multiagent.policies.{name}: model.lstm.seq_len={seq} does not divide "
+                f"algo.rollout_steps={cfg.algo.rollout_steps}"
+            )
 
 
 def _check_accelerator(cfg: DictConfig, world: int) -> None:

@@ -106,9 +106,14 @@ def play(
         if recording:
             frames.append(np.asarray(env.render()))
         total, length, done = 0.0, 0, False
+        recurrent = getattr(agent, "recurrent", False)  # its state is carried across steps, as in training
+        state = agent.initial_state(1) if recurrent else None
         while not done:
             with torch.inference_mode():
-                action, _, _ = agent.act(single_obs_batch(obs), deterministic=deterministic)
+                if recurrent:
+                    action, _, _, state = agent.act_with_state(single_obs_batch(obs), state, deterministic)
+                else:
+                    action, _, _ = agent.act(single_obs_batch(obs), deterministic=deterministic)
             env_action = action[0].numpy()
             if clip is not None:
                 env_action = np.clip(env_action, *clip)
@@ -121,8 +126,9 @@ def play(
             if games and done:
                 if "episode" in info:  # game over: the game's own return and length
                     total, length = float(info["episode"]["r"]), int(info["episode"]["l"])
-                else:  # a lost life: the game goes on
+                else:  # a lost life: the game goes on (a new episode for the learner, so a fresh state)
                     obs, _ = env.reset()
+                    state = agent.initial_state(1) if recurrent else None
                     done = False
             if recording:
                 frames.append(np.asarray(env.render()))

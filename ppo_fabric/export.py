@@ -179,6 +179,11 @@ def export(
         raise ExportError(
             f"export supports Box observations; this policy reads {type(state['observation_space']).__name__}"
         )
+    if agent.recurrent:  # a stateless file would silently act without memory
+        raise ExportError(
+            "export supports feed-forward policies; this one is recurrent (model=lstm), whose state the "
+            "exported file would have to take and return: run it with ppo_fabric.evaluate instead"
+        )
     path = Path(out) if out is not None else ckpt.run_dir_of(checkpoint) / f"policy{FORMATS[format]}"
     path.parent.mkdir(parents=True, exist_ok=True)
     norm = ckpt.observation_normalization(state)

@@ -25,9 +25,9 @@ def all_gather_objects(obj: Any, group: Any = None) -> list[Any]:
     return out
 
 
-def parameters_digest(module: torch.nn.Module) -> str:
-    """A hash of all parameters, to prove at the end of a run that every rank holds the same model."""
-    flat = torch.cat([p.detach().reshape(-1).cpu() for p in module.parameters()])
+def parameters_digest(*modules: torch.nn.Module) -> str:
+    """A hash of all parameters, to prove at the end of a run that every rank holds the same models."""
+    flat = torch.cat([p.detach().reshape(-1).cpu() for m in modules for p in m.parameters()])
     return hashlib.sha256(flat.numpy().tobytes()).hexdigest()
 
 

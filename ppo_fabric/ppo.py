@@ -1,7 +1,8 @@
 """Coupled PPO: every rank collects with its own envs and trains; Fabric DDP all-reduces the gradients.
 
-`main()` runs the collect/update loop, `train()` is one PPO update on a rank's batch. The decoupled
-strategy reuses `train()`, `build_learner()` and the rollout loop from here and its neighbours unchanged.
+`main()` runs the collect/update loop, `train()` is one PPO update on a rank's batch of one policy. The
+decoupled strategy reuses `train_policies()`, the policy set-up (`policies.py`) and the rollout loop
+unchanged.
 
 Run as a script under `fabric run --accelerator=cpu --devices=2 ppo_fabric/ppo.py [overrides]`.
 """
@@ -11,21 +12,17 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import gymnasium as gym
 import torch
 from lightning.fabric import Fabric
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 from tensordict import TensorDict
 
 from ppo_fabric import checkpoint as ckpt
-from ppo_fabric.agent import ActorCritic, sequence_length
-from ppo_fabric.buffer import rollout_storage, training_batch
 from ppo_fabric.config import training_layout
-from ppo_fabric.envs import make_vector_env
 from ppo_fabric.loss import entropy_loss, masked_mean, normalize, policy_loss, value_loss
 from ppo_fabric.metrics import (
     RunLogger,
@@ -40,7 +37,20 @@ from ppo_fabric.metrics import (
 )
 from ppo_fabric.normalize import load_normalizer_state, make_reduce, normalizer_state
 from ppo_fabric.plots import save_learning_curve
-from ppo_fabric.rollout import RolloutCollector
+from ppo_fabric.policies import (
+    Learner,
+    PolicySpec,
+    build_collector,
+    build_learners,
+    learners_state,
+    metric_name,
+    policies_of,
+    policy_specs,
+    set_lr,
+    trained,
+    training_batches,
+)
+from ppo_fabric.rollout import SINGLE, RolloutCollector
 
 # ----------------------------------------------------------------------------------------------- update
 TRAIN_METRICS = (
@@ -130,56 +140,12 @@ def train(
 
 
 # ------------------------------------------------------------------------------------------- set-up
-@dataclass
-class Learner:
-    """The model as the update sees it (Fabric-wrapped, DDP when several ranks) and as rollouts see it."""
-
-    model: Any
-    optimizer: Any
-    policy: ActorCritic
-
-
 def build_learner(
     fabric: Fabric, cfg: DictConfig, obs_space: gym.Space, action_space: gym.Space, resume: dict | None
 ) -> Learner:
-    agent = ActorCritic(obs_space, action_space, cfg.model)
-    # fused: one kernel for all parameters instead of ~10 ops per tensor (2.6x faster update step on CPU)
-    optimizer = torch.optim.Adam(
-        agent.parameters(), lr=float(cfg.algo.lr), eps=float(cfg.algo.adam_eps), fused=fused_adam_ok(fabric)
-    )
-    if resume is not None:
-        agent.load_state_dict(resume["agent"])
-        optimizer.load_state_dict(resume["optimizer"])
-    model, optimizer = fabric.setup(agent, optimizer)
-    return Learner(model, optimizer, model.module)
-
-
-def fused_adam_ok(fabric: Fabric) -> bool:
-    """Fused Adam supports float32/bf16 parameters on CPU and CUDA; other set-ups keep the default."""
-    return fabric.device.type in ("cpu", "cuda") and str(fabric.strategy.precision.precision) in (
-        "32-true",
-        "bf16-mixed",
-    )
-
-
-def set_lr(optimizer: Any, cfg: DictConfig, iteration: int, iterations: int) -> float:
-    """Linear annealing to zero over the run (a pure function of the iteration, so resume needs no state)."""
-    lr = float(cfg.algo.lr)
-    if cfg.algo.anneal_lr:
-        lr *= 1.0 - iteration / iterations
-    for group in optimizer.param_groups:
-        group["lr"] = lr
-    return lr
-
-
-def learner_state(cfg: DictConfig, learner: Learner, obs_space: gym.Space, action_space: gym.Space) -> dict:
-    return {
-        "config": OmegaConf.to_container(cfg, resolve=True),
-        "observation_space": obs_space,
-        "action_space": action_space,
-        "agent": learner.policy.state_dict(),
-        "optimizer": learner.optimizer.state_dict(),
-    }
+    """The one learner of a single-agent run (`build_learners` for any number of policies)."""
+    spec = PolicySpec(SINGLE, obs_space, action_space, cfg.model, float(cfg.algo.lr), True, 1)
+    return build_learners(fabric, cfg, {SINGLE: spec}, resume)[SINGLE]
 
 
 def collector_state(collector: RolloutCollector) -> dict[str, Any]:
@@ -191,6 +157,7 @@ def collector_state(collector: RolloutCollector) -> dict[str, Any]:
         "carry": collector.carry(),  # next observations, recurrent states
         "episodes": list(collector.episodes.window),
         "episode_count": collector.episodes.count,
+        "policy_episodes": {g.name: (list(g.episodes.window), g.episodes.count) for g in collector.groups},
     }
 
 
@@ -202,7 +169,69 @@ def restore_collector(collector: RolloutCollector, state: dict[str, Any]) -> Non
         load_normalizer_state(collector.envs, state.get("normalizers", {}))
     collector.episodes.window.extend(state["episodes"])
     collector.episodes.count = state["episode_count"]
+    if collector.multiagent:
+        for g in collector.groups:
+            window, count = state["policy_episodes"][g.name]
+            g.episodes.window.extend(window)
+            g.episodes.count = count
     ckpt.set_rng_state(state["rng"])
+
+
+def episode_metrics(
+    collector: RolloutCollector, sum_over_ranks: Callable[[torch.Tensor], torch.Tensor] | None
+) -> dict[str, float]:
+    """Mean return and length of the episodes finished since the last call, over every collecting rank;
+    per policy too in multi-agent runs (an episode there is one agent's)."""
+    logs = [(SINGLE, collector.episodes)]
+    if collector.multiagent:
+        logs += [(g.name, g.episodes) for g in collector.groups]
+    sums = torch.stack([episode_sums(*log.drain()) for _, log in logs])
+    if sum_over_ranks is not None:
+        sums = sum_over_ranks(sums)
+    out: dict[str, float] = {}
+    for (name, _), row in zip(logs, sums, strict=True):
+        out |= {metric_name(name, k): v for k, v in episode_means(row).items()}
+    return out
+
+
+def policy_returns(windows: list[dict[str, list]]) -> dict[str, float | None]:
+    """Per policy `final_mean_return` from every collecting rank's `policy_windows`."""
+    names = windows[0].keys() if windows else []
+    return {n: final_mean_return([w[n] for w in windows]) for n in names}
+
+
+def policy_windows(collector: RolloutCollector) -> dict[str, list]:
+    return {g.name: list(g.episodes.window) for g in collector.groups} if collector.multiagent else {}
+
+
+def train_policies(
+    fabric: Fabric,
+    learners: dict[str, Learner],
+    batches: dict[str, TensorDict],
+    cfg: DictConfig,
+    iteration: int,
+    iterations: int,
+    mean_across: Callable[[torch.Tensor], torch.Tensor] | None,
+    rank_minibatch: int,
+) -> dict[str, float]:
+    """One update of every trained policy on its batch. `rank_minibatch` counts env steps: a policy acting
+    for k agents per env copy takes k times as many samples per minibatch, so every policy makes the same
+    number of gradient steps per update (and every rank too: DDP needs it)."""
+    metrics: dict[str, float] = {}
+    for name in trained({n: learner.spec for n, learner in learners.items()}):
+        learner = learners[name]
+        lr = set_lr(learner.optimizer, cfg, iteration, iterations, learner.spec.lr)
+        stats = train(
+            fabric,
+            learner.model,
+            learner.optimizer,
+            batches[name],
+            cfg.algo,
+            mean_across,
+            rank_minibatch * learner.spec.agents,
+        )
+        metrics |= {metric_name(name, k): v for k, v in (stats | {"train/lr": lr}).items()}
+    return metrics
 
 
 # ------------------------------------------------------------------------------------------------ loop
@@ -211,23 +240,18 @@ def main(fabric: Fabric, cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
     rank, world = fabric.global_rank, fabric.world_size
     algo = cfg.algo
     reduce = make_reduce(None, fabric.device)  # every coupled rank collects
-    envs, first_obs = make_vector_env(cfg.env, int(cfg.seed), rank, float(algo.gamma), reduce)
-    obs_space, action_space = envs.single_observation_space, envs.single_action_space
+    specs = policy_specs(cfg)
     resume = ckpt.load(cfg.resume) if cfg.resume is not None else None
-    learner = build_learner(fabric, cfg, obs_space, action_space, resume)
-    storage = rollout_storage(
-        int(algo.rollout_steps),
-        int(cfg.env.num_envs),
-        obs_space,
-        action_space,
-        fabric.device,
-        state_shape=learner.policy.state_shape,
-    )
-    collector = RolloutCollector(envs, first_obs, storage, float(algo.gamma), float(algo.gae_lambda), reduce)
+    learners = build_learners(fabric, cfg, specs, resume)
+    collector = build_collector(cfg, specs, rank, fabric.device, reduce)
+    policies = policies_of(learners)
 
     layout = training_layout(cfg, world)
     steps_per_iter = layout.batch
     mean_across = (lambda t: fabric.all_reduce(t, reduce_op="mean")) if world > 1 else None
+    sum_across = (
+        (lambda t: fabric.all_reduce(t.to(fabric.device), reduce_op="sum").cpu()) if world > 1 else None
+    )
     iterations = int(algo.total_steps) // steps_per_iter
     start_iter, env_step = 0, 0
     if resume is not None:
@@ -248,33 +272,30 @@ def main(fabric: Fabric, cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
 
     def save_checkpoint(iteration: int, numbered: bool) -> Path:
         ranks = all_gather_objects(collector_state(collector))
-        state = learner_state(cfg, learner, obs_space, action_space)
+        state = learners_state(cfg, learners)
         state |= {"iteration": iteration, "env_step": env_step, "world_size": world, "ranks": ranks}
         if rank == 0:
             ckpt.save(state, ckpt_dir, iteration, numbered, int(cfg.checkpoint.keep))
         return ckpt_dir / "last.ckpt"
 
     for iteration in range(start_iter, iterations):
-        lr = set_lr(learner.optimizer, cfg, iteration, iterations)
         t0 = time.perf_counter()
-        collector.collect(learner.policy, env_step)
+        collector.collect(policies, env_step)
         env_step += steps_per_iter
         t1 = time.perf_counter()
-        batch = training_batch(storage, sequence_length(cfg.model))
-        stats = train(
-            fabric, learner.model, learner.optimizer, batch, algo, mean_across, layout.rank_minibatch
+        batches = training_batches(collector, specs)
+        stats = train_policies(
+            fabric, learners, batches, cfg, iteration, iterations, mean_across, layout.rank_minibatch
         )
         t2 = time.perf_counter()
         watch.add("collect", t1 - t0)
         watch.add("train", t2 - t1)
         done = iteration + 1
         if done % int(cfg.logger.log_every) == 0 or done == iterations:
-            sums = episode_sums(*collector.episodes.drain())
-            if world > 1:
-                sums = fabric.all_reduce(sums.to(fabric.device), reduce_op="sum").cpu()
+            episodes = episode_metrics(collector, sum_across)
             recent = final_mean_return([collector.episodes.window])
             sps = (env_step - start_step) / watch.elapsed()
-            metrics = stats | episode_means(sums) | {"train/lr": lr, "time/sps": sps}
+            metrics = stats | episodes | {"time/sps": sps}
             metrics |= {"time/collect_s": t1 - t0, "time/train_s": t2 - t1}
             if recent is not None:
                 metrics["rollout/return_mean20"] = recent
@@ -286,8 +307,9 @@ def main(fabric: Fabric, cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
     last = save_checkpoint(iterations, numbered=bool(int(cfg.checkpoint.every)))
     wall = watch.elapsed()
     windows = all_gather_objects(list(collector.episodes.window))
+    per_policy = policy_returns(all_gather_objects(policy_windows(collector)))
     episodes = sum(all_gather_objects(collector.episodes.count))
-    digests = all_gather_objects(parameters_digest(learner.policy))
+    digests = all_gather_objects(parameters_digest(*policies.values()))
     summary = {
         "strategy": "coupled",
         "env_id": str(cfg.env.id),
@@ -306,6 +328,11 @@ def main(fabric: Fabric, cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
         "checkpoint": str(last),
         "resumed_from": None if cfg.resume is None else str(cfg.resume),
     }
+    if collector.multiagent:
+        summary["policies"] = {
+            n: {"final_mean_return": per_policy.get(n), "agents_per_env": s.agents, "trained": s.trained}
+            for n, s in specs.items()
+        }
     logger.close()
     collector.envs.close()
     if rank == 0:

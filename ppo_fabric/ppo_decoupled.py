@@ -25,8 +25,8 @@ from omegaconf import DictConfig
 from torch.nn.utils import parameters_to_vector, vector_to_parameters
 
 from ppo_fabric import checkpoint as ckpt
-from ppo_fabric.agent import ActorCritic, sequence_length
-from ppo_fabric.buffer import rollout_storage, training_batch
+from ppo_fabric.agent import ActorCritic
+from ppo_fabric.buffer import training_batch
 from ppo_fabric.collectives import (
     BatchCodec,
     GroupDDPStrategy,
@@ -41,12 +41,9 @@ from ppo_fabric.collectives import (
     setup_topology,
 )
 from ppo_fabric.config import training_layout
-from ppo_fabric.envs import make_vector_env, probe_spaces
 from ppo_fabric.metrics import (
     RunLogger,
     Stopwatch,
-    episode_means,
-    episode_sums,
     final_mean_return,
     parameters_digest,
     save_resolved_config,
@@ -54,19 +51,33 @@ from ppo_fabric.metrics import (
 )
 from ppo_fabric.normalize import make_reduce
 from ppo_fabric.plots import save_learning_curve
+from ppo_fabric.policies import (
+    PolicySpec,
+    all_parameters,
+    build_collector,
+    build_learners,
+    learners_state,
+    metric_name,
+    policies_of,
+    policy_specs,
+    policy_storage,
+    trained,
+)
 from ppo_fabric.ppo import (
     TRAIN_METRICS,
-    build_learner,
     collector_state,
-    learner_state,
+    episode_metrics,
+    policy_returns,
+    policy_windows,
     restore_collector,
-    set_lr,
-    train,
+    train_policies,
 )
-from ppo_fabric.rollout import RolloutCollector
 
-# What the first trainer appends to the parameters after each update (averaged over trainers).
-METRICS = (*TRAIN_METRICS, "train/lr", "train/policy_lag", "time/trainer_sps", "time/train_s")
+
+def metric_names(specs: dict[str, PolicySpec]) -> list[str]:
+    """What the first trainer appends to the parameters after each update (averaged over trainers)."""
+    names = [metric_name(n, k) for n in trained(specs) for k in (*TRAIN_METRICS, "train/lr")]
+    return [*names, "train/policy_lag", "time/trainer_sps", "time/train_s"]
 
 
 def _schedule(cfg: DictConfig) -> tuple[int, int]:
@@ -122,17 +133,19 @@ def player(
     rank, algo = topo.rank, cfg.algo
     device = torch.device("cpu") if algo.player_device == "cpu" else fabric.device
     reduce = make_reduce(topo.player_group, "cpu")  # normalisation statistics are merged over players
-    envs, first_obs = make_vector_env(cfg.env, int(cfg.seed), rank, float(algo.gamma), reduce)
-    obs_space, action_space = envs.single_observation_space, envs.single_action_space
-    policy = ActorCritic(obs_space, action_space, cfg.model).to(device)
-    storage = rollout_storage(
-        int(algo.rollout_steps), int(cfg.env.num_envs), obs_space, action_space, device, policy.state_shape
-    )
-    seq_len = sequence_length(cfg.model)
-    collector = RolloutCollector(envs, first_obs, storage, float(algo.gamma), float(algo.gae_lambda), reduce)
-    codec = BatchCodec(training_batch(storage, seq_len), len(topo.trainers))
+    specs = policy_specs(cfg)
+    policies = {n: ActorCritic(s.obs_space, s.action_space, s.model).to(device) for n, s in specs.items()}
+    params = all_parameters(policies)
+    collector = build_collector(cfg, specs, rank, device, reduce)
+    storages = collector.storages
+    # One DATA message per trained policy, in this order; STOP goes with the first one's codec.
+    codecs = {
+        n: BatchCodec(training_batch(storages[n], specs[n].seq_len), len(topo.trainers))
+        for n in trained(specs)
+    }
+    names = metric_names(specs)
     per_update, updates = _schedule(cfg)
-    num_params = sum(p.numel() for p in policy.parameters())
+    num_params = sum(p.numel() for p in params)
 
     version = 0
     in_flight: dict[str, Any] | None = None  # pipeline resume: parameters the first rollout is collected with
@@ -156,8 +169,8 @@ def player(
         a checkpoint of the new version must hold for an exact resume.
         """
         t0 = time.perf_counter()
-        new_version, params, metrics = recv_params(topo, num_params, len(METRICS))
-        vector_to_parameters(params.to(device), policy.parameters())
+        new_version, flat, metrics = recv_params(topo, num_params, len(names))
+        vector_to_parameters(flat.to(device), params)
         watch.add("wait_params", time.perf_counter() - t0)
         if new_version > start_version:
             _log(new_version, metrics)
@@ -166,16 +179,18 @@ def player(
             _checkpoint(fabric, cfg, topo, {"rank_state": rank_state, "run_dir": str(run_dir)}, new_version)
         return new_version
 
+    def sum_over_players(t: torch.Tensor) -> torch.Tensor:
+        dist.all_reduce(t, group=topo.player_group)
+        return t
+
     def _log(new_version: int, metrics: torch.Tensor) -> None:
-        sums = episode_sums(*collector.episodes.drain())
-        if len(topo.players) > 1:
-            dist.all_reduce(sums, group=topo.player_group)
+        episodes = episode_metrics(collector, sum_over_players if len(topo.players) > 1 else None)
         if rank != 0 or (new_version % int(cfg.logger.log_every) and new_version != updates):
             return
         env_step = new_version * per_update
         sps = (new_version - start_version) * per_update / watch.elapsed()
         recent = final_mean_return([collector.episodes.window])
-        row = dict(zip(METRICS, metrics.tolist(), strict=True)) | episode_means(sums)
+        row = dict(zip(names, metrics.tolist(), strict=True)) | episodes
         row["time/sps"] = sps
         if recent is not None:
             row["rollout/return_mean20"] = recent
@@ -186,39 +201,47 @@ def player(
     behaviour = version  # the version of the parameters the policy holds (stamped on each batch)
     resumed_params = None
     if in_flight is not None:  # as in the original run, the first rollout uses the previous parameters
-        resumed_params = parameters_to_vector(policy.parameters()).clone()
-        vector_to_parameters(in_flight["policy"].to(device), policy.parameters())
+        resumed_params = parameters_to_vector(params).clone()
+        vector_to_parameters(in_flight["policy"].to(device), params)
         behaviour = int(in_flight["policy_version"])
-    in_transit = None  # the previous DATA message, still being sent (pipeline)
+    in_transit: list[Any] = []  # the previous DATA messages, still being sent (pipeline)
     for iteration in range(version, updates):
         pipelined = bool(algo.pipeline) and iteration > start_version
         snapshot = None
         if pipelined and _checkpoint_due(cfg, iteration, updates):
-            policy_now = parameters_to_vector(policy.parameters()).detach().cpu().clone()
+            policy_now = parameters_to_vector(params).detach().cpu().clone()
             snapshot = collector_state(collector) | {"policy": policy_now, "policy_version": behaviour}
         t0 = time.perf_counter()
-        collector.collect(policy, iteration * per_update)
+        collector.collect(policies, iteration * per_update)
         watch.add("collect", time.perf_counter() - t0)
         t0 = time.perf_counter()
-        if in_transit is not None:
-            in_transit.wait()
-        in_transit = send_batch(topo, codec, training_batch(storage, seq_len), behaviour, async_op=bool(algo.pipeline))
+        for message in in_transit:
+            if message is not None:
+                message.wait()
+        in_transit = [
+            send_batch(
+                topo, codec, training_batch(storages[n], specs[n].seq_len), behaviour, bool(algo.pipeline)
+            )
+            for n, codec in codecs.items()
+        ]
         watch.add("send", time.perf_counter() - t0)
         if pipelined:
             version = behaviour = receive(snapshot)  # update `iteration - 1` finished during this rollout
         elif resumed_params is not None:
-            vector_to_parameters(resumed_params, policy.parameters())
+            vector_to_parameters(resumed_params, params)
             behaviour, resumed_params = version, None
         if not algo.pipeline:
             version = behaviour = receive()
     if algo.pipeline and version < updates:
         version = receive()
-    if in_transit is not None:
-        in_transit.wait()
-    send_batch(topo, codec, None, version)  # STOP
+    for message in in_transit:
+        if message is not None:
+            message.wait()
+    send_batch(topo, next(iter(codecs.values())), None, version)  # STOP
 
     parts = gather_objects(topo, {"window": list(collector.episodes.window), "episodes": collector.episodes.count,
-                                  "digest": parameters_digest(policy), "time": watch.totals})  # fmt: skip
+                                  "policy_windows": policy_windows(collector),
+                                  "digest": parameters_digest(*policies.values()), "time": watch.totals})  # fmt: skip
     logger.close()
     collector.envs.close()
     wall = watch.elapsed()
@@ -244,6 +267,12 @@ def player(
         "checkpoint": str(run_dir / "checkpoints" / "last.ckpt"),
         "resumed_from": None if cfg.resume is None else str(cfg.resume),
     }
+    if collector.multiagent:
+        per_policy = policy_returns([p["policy_windows"] for p in players])
+        summary["policies"] = {
+            n: {"final_mean_return": per_policy.get(n), "agents_per_env": s.agents, "trained": s.trained}
+            for n, s in specs.items()
+        }
     if rank == 0:
         write_json(run_dir / "summary.json", summary)
         save_learning_curve(run_dir, title=str(cfg.env.id))
@@ -256,19 +285,18 @@ def trainer(
 ) -> dict[str, Any]:
     # Fabric's DDP wraps the model over the trainers' group only: players never join it.
     fabric.strategy.use_group(topo.trainer_group, len(topo.trainers))
-    obs_space, action_space = probe_spaces(cfg.env)
-    learner = build_learner(fabric, cfg, obs_space, action_space, resume)
+    specs = policy_specs(cfg)
+    learners = build_learners(fabric, cfg, specs, resume)
+    params = all_parameters(policies_of(learners))
     if resume is not None and len(resume["ranks"]) == fabric.world_size:
         ckpt.set_rng_state(resume["ranks"][topo.rank]["rng"])
-    template = rollout_storage(
-        int(cfg.algo.rollout_steps),
-        int(cfg.env.num_envs),
-        obs_space,
-        action_space,
-        "cpu",
-        learner.policy.state_shape,
-    )
-    codec = BatchCodec(training_batch(template, sequence_length(cfg.model)), len(topo.trainers))
+    codecs = {
+        n: BatchCodec(
+            training_batch(policy_storage(cfg, specs[n], "cpu"), specs[n].seq_len), len(topo.trainers)
+        )
+        for n in trained(specs)
+    }
+    names = metric_names(specs)
     _, updates = _schedule(cfg)
     rank_minibatch = training_layout(cfg, fabric.world_size).rank_minibatch
     version = int(resume["iteration"]) if resume is not None else 0
@@ -277,35 +305,39 @@ def trainer(
 
     def publish(metrics: torch.Tensor) -> None:
         if first:
-            broadcast_params(topo, parameters_to_vector(learner.policy.parameters()), metrics, version)
+            broadcast_params(topo, parameters_to_vector(params), metrics, version)
 
     def mean_across(t: torch.Tensor) -> torch.Tensor:
         return mean_over_trainers(topo, t.to(fabric.device))
 
-    publish(torch.zeros(len(METRICS)))
+    publish(torch.zeros(len(names)))
     while True:
         t0 = time.perf_counter()
-        kind, versions, batch = recv_batches(topo, codec, fabric.device)
+        batches, kind, versions = {}, Kind.DATA, []
+        for n, codec in codecs.items():
+            kind, versions, batches[n] = recv_batches(topo, codec, fabric.device)
+            if kind == Kind.STOP:
+                break
         watch.add("wait_data", time.perf_counter() - t0)
         if kind == Kind.STOP:
             break
         t0 = time.perf_counter()
-        lr = set_lr(learner.optimizer, cfg, version, updates)
-        stats = train(fabric, learner.model, learner.optimizer, batch, cfg.algo, mean_across, rank_minibatch)
+        stats = train_policies(fabric, learners, batches, cfg, version, updates, mean_across, rank_minibatch)
         elapsed = time.perf_counter() - t0
         watch.add("train", elapsed)
         lag = version - sum(versions) / len(versions)
         version += 1
-        values = [*(stats[k] for k in TRAIN_METRICS), lr, lag, batch.batch_size[0] / elapsed, elapsed]
-        metrics = mean_across(torch.tensor(values, dtype=torch.float32))
-        metrics[METRICS.index("time/trainer_sps")] *= len(topo.trainers)  # samples/s of all trainers
+        samples = sum(b["logprobs"].numel() for b in batches.values())  # steps, also inside sequences
+        stats |= {"train/policy_lag": lag, "time/trainer_sps": samples / elapsed, "time/train_s": elapsed}
+        metrics = mean_across(torch.tensor([stats[k] for k in names], dtype=torch.float32))
+        metrics[names.index("time/trainer_sps")] *= len(topo.trainers)  # samples/s of all trainers
         publish(metrics.cpu())
         if _checkpoint_due(cfg, version, updates):
             state = {"rank_state": {"rng": ckpt.rng_state()}, "run_dir": str(run_dir)}
             if first:
-                state["learner"] = learner_state(cfg, learner, obs_space, action_space)
+                state["learner"] = learners_state(cfg, learners)
             _checkpoint(fabric, cfg, topo, state, version)
-    gather_objects(topo, {"digest": parameters_digest(learner.policy), "time": watch.totals})
+    gather_objects(topo, {"digest": parameters_digest(*policies_of(learners).values()), "time": watch.totals})
     return {"strategy": "decoupled", "rank": topo.rank, "role": "trainer"}
 
 

@@ -123,6 +123,7 @@ class RolloutCollector:
         # All episodes (every agent's, in multi-agent envs): what `final_mean_return` reports overall.
         self.episodes = self.groups[0].episodes if not self.multiagent else EpisodeLog()
         self.num_envs = int(envs.num_envs)
+        self.buffer: Any = None  # multi-agent: the per-agent MultiAgentRolloutBuffer view of the storages
 
     @property
     def storage(self) -> TensorDict:
@@ -225,6 +226,8 @@ class RolloutCollector:
             g.next_obs = last
             compute_advantages(s, policy.get_value(last, g.state), self.gamma, self.gae_lambda)
         sync_normalizers(self.envs, self.reduce)
+        if self.buffer is not None:
+            self.buffer.mark_collected(num_steps)
         return num_steps * self.num_envs
 
     def carry(self) -> dict[str, Any]:

@@ -1,0 +1,229 @@
+"""The policies a run learns, for both strategies: one (`main`) for a gymnasium env, one per entry of
+`multiagent.policies` for a PettingZoo env. Each has its own spaces, model config, optimiser and learning
+rate, and acts for every agent mapped to it; policies outside `multiagent.policies_to_train` act but
+never change. Single-agent runs are the one-policy case of the same code, not a separate path.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import gymnasium as gym
+import torch
+from lightning.fabric import Fabric
+from omegaconf import DictConfig, OmegaConf
+from tensordict import TensorDict
+
+from ppo_fabric.agent import ActorCritic, sequence_length
+from ppo_fabric.buffer import MultiAgentRolloutBuffer, rollout_storage, training_batch
+from ppo_fabric.envs import EnvError, make_vector_env, probe_spaces
+from ppo_fabric.multiagent import (
+    group_spaces,
+    is_multiagent,
+    make_multiagent_vector_env,
+    make_parallel_env,
+    policy_mapping,
+    policy_settings,
+    trained_policies,
+)
+from ppo_fabric.normalize import Reduce
+from ppo_fabric.rollout import SINGLE, RolloutCollector
+
+
+@dataclass
+class PolicySpec:
+    name: str
+    obs_space: gym.Space
+    action_space: gym.Space
+    model: DictConfig
+    lr: float
+    trained: bool
+    agents: int  # agents per env copy that act with it (1 for gymnasium envs)
+
+    @property
+    def seq_len(self) -> int:
+        return sequence_length(self.model)
+
+    @property
+    def state_shape(self) -> tuple[int, ...] | None:
+        """What `ActorCritic.state_shape` will be, without building the model."""
+        lstm = self.model.get("lstm")
+        if lstm is None or int(lstm.hidden_size) == 0:
+            return None
+        return (2, int(lstm.num_layers), int(lstm.hidden_size))
+
+
+def policy_specs(cfg: DictConfig) -> dict[str, PolicySpec]:
+    """Build one env to read the spaces (and, multi-agent, the agent -> policy mapping)."""
+    if not is_multiagent(cfg.env):
+        obs_space, action_space = probe_spaces(cfg.env)
+        return {SINGLE: PolicySpec(SINGLE, obs_space, action_space, cfg.model, float(cfg.algo.lr), True, 1)}
+    ma = cfg.multiagent
+    env = make_parallel_env(cfg.env)
+    try:
+        groups = policy_mapping(list(env.possible_agents), ma)
+        spaces = group_spaces(env, groups)
+    finally:
+        env.close()
+    trained = trained_policies(ma)
+    specs = {}
+    settings = policy_settings(ma)
+    for name, agents in groups.items():
+        own = settings[name]
+        unknown = set(own) - {"model", "lr"}
+        if unknown:
+            raise EnvError(f"multiagent.policies.{name} has unknown keys {sorted(unknown)}; use model and lr")
+        lr = own.get("lr")
+        if lr is not None and (isinstance(lr, bool) or not isinstance(lr, (int, float)) or not lr > 0):
+            raise EnvError(f"multiagent.policies.{name}.lr={lr} must be a positive number")
+        model = OmegaConf.merge(cfg.model, own.get("model") or {})
+        lr = float(lr if lr is not None else cfg.algo.lr)
+        specs[name] = PolicySpec(name, *spaces[name], model, lr, name in trained, len(agents))
+    return specs
+
+
+def spaces_of(specs: dict[str, PolicySpec]) -> tuple[Any, Any]:
+    """(observation, action) space as checkpoints record them: the spaces of a single-agent run, dicts of
+    them per policy for a multi-agent one."""
+    if list(specs) == [SINGLE]:
+        return specs[SINGLE].obs_space, specs[SINGLE].action_space
+    return {n: s.obs_space for n, s in specs.items()}, {n: s.action_space for n, s in specs.items()}
+
+
+# ------------------------------------------------------------------------------------------- learners
+@dataclass
+class Learner:
+    """The model as the update sees it (Fabric-wrapped, DDP when several ranks) and as rollouts see it."""
+
+    model: Any
+    optimizer: Any
+    policy: ActorCritic
+    spec: PolicySpec
+
+
+def fused_adam_ok(fabric: Fabric) -> bool:
+    """Fused Adam supports float32/bf16 parameters on CPU and CUDA; other set-ups keep the default."""
+    return fabric.device.type in ("cpu", "cuda") and str(fabric.strategy.precision.precision) in (
+        "32-true",
+        "bf16-mixed",
+    )
+
+
+def build_learners(
+    fabric: Fabric, cfg: DictConfig, specs: dict[str, PolicySpec], resume: dict | None
+) -> dict[str, Learner]:
+    multi = list(specs) != [SINGLE]
+    learners = {}
+    for name, spec in specs.items():
+        agent = ActorCritic(spec.obs_space, spec.action_space, spec.model)
+        saved = None if resume is None else (resume["agent"][name] if multi else resume["agent"])
+        if saved is not None:
+            agent.load_state_dict(saved)
+        if not spec.trained:  # acts only: no optimiser, no DDP
+            agent = fabric.to_device(agent)
+            learners[name] = Learner(agent, None, agent, spec)
+            continue
+        # fused: one kernel for all parameters instead of ~10 ops per tensor (2.6x faster update step on CPU)
+        optimizer = torch.optim.Adam(
+            agent.parameters(), lr=spec.lr, eps=float(cfg.algo.adam_eps), fused=fused_adam_ok(fabric)
+        )
+        if resume is not None:
+            optimizer.load_state_dict(resume["optimizer"][name] if multi else resume["optimizer"])
+        model, optimizer = fabric.setup(agent, optimizer)
+        learners[name] = Learner(model, optimizer, model.module, spec)
+    return learners
+
+
+def learners_state(cfg: DictConfig, learners: dict[str, Learner]) -> dict[str, Any]:
+    """The learning side of a checkpoint: config, spaces, parameters and optimiser states."""
+    specs = {n: lr.spec for n, lr in learners.items()}
+    obs_space, action_space = spaces_of(specs)
+    state = {
+        "config": OmegaConf.to_container(cfg, resolve=True),
+        "observation_space": obs_space,
+        "action_space": action_space,
+    }
+    if list(learners) == [SINGLE]:
+        only = learners[SINGLE]
+        return state | {"agent": only.policy.state_dict(), "optimizer": only.optimizer.state_dict()}
+    return state | {
+        "multiagent": True,
+        "agent": {n: lr.policy.state_dict() for n, lr in learners.items()},
+        "optimizer": {
+            n: None if lr.optimizer is None else lr.optimizer.state_dict() for n, lr in learners.items()
+        },
+    }
+
+
+def policies_of(learners: dict[str, Learner]) -> dict[str, ActorCritic]:
+    return {n: lr.policy for n, lr in learners.items()}
+
+
+def trained(specs: dict[str, PolicySpec]) -> list[str]:
+    return [n for n, spec in specs.items() if spec.trained]
+
+
+def set_lr(
+    optimizer: Any, cfg: DictConfig, iteration: int, iterations: int, lr: float | None = None
+) -> float:
+    """Linear annealing to zero over the run (a pure function of the iteration, so resume needs no state)."""
+    lr = float(cfg.algo.lr) if lr is None else lr
+    if cfg.algo.anneal_lr:
+        lr *= 1.0 - iteration / iterations
+    for group in optimizer.param_groups:
+        group["lr"] = lr
+    return lr
+
+
+# ------------------------------------------------------------------------------------------ collection
+def build_collector(
+    cfg: DictConfig,
+    specs: dict[str, PolicySpec],
+    rank: int,
+    device: torch.device | str,
+    reduce: Reduce | None,
+) -> RolloutCollector:
+    """The rank's envs and rollout storage: [T, E] for a gymnasium env; for a PettingZoo env one storage
+    per policy, [T, E * its agents per copy], with the `mask` of steps that hold a transition."""
+    algo = cfg.algo
+    if list(specs) == [SINGLE]:
+        envs, first = make_vector_env(cfg.env, int(cfg.seed), rank, float(algo.gamma), reduce)
+        storage: Any = policy_storage(cfg, specs[SINGLE], device)
+    else:
+        envs, first = make_multiagent_vector_env(cfg.env, cfg.multiagent, int(cfg.seed), rank)
+        storage = {name: policy_storage(cfg, spec, device) for name, spec in specs.items()}
+    collector = RolloutCollector(envs, first, storage, float(algo.gamma), float(algo.gae_lambda), reduce)
+    if collector.multiagent:
+        collector.buffer = MultiAgentRolloutBuffer.from_storages(storage, envs.groups, envs.num_envs)
+    return collector
+
+
+def policy_storage(cfg: DictConfig, spec: PolicySpec, device: torch.device | str) -> TensorDict:
+    """One policy's rollout storage on one collecting rank (trainers build it too, as the template of
+    what players send)."""
+    return rollout_storage(
+        int(cfg.algo.rollout_steps),
+        int(cfg.env.num_envs) * spec.agents,
+        spec.obs_space,
+        spec.action_space,
+        device,
+        spec.state_shape,
+        masked=spec.name != SINGLE,
+    )
+
+
+def all_parameters(policies: dict[str, ActorCritic]) -> list[torch.nn.Parameter]:
+    """Every policy's parameters in one fixed order (players receive them as one flat vector)."""
+    return [p for name in sorted(policies) for p in policies[name].parameters()]
+
+
+def training_batches(collector: RolloutCollector, specs: dict[str, PolicySpec]) -> dict[str, TensorDict]:
+    """Each trained policy's batch from this rank's rollout (sequences for recurrent models)."""
+    storages = collector.storages
+    return {n: training_batch(storages[n], s.seq_len) for n, s in specs.items() if s.trained}
+
+
+def metric_name(policy: str, key: str) -> str:
+    """Single-agent runs keep plain names; each policy of a multi-agent run gets its own prefix."""
+    return key if policy == SINGLE else f"{policy}/{key}"
