@@ -235,6 +235,6 @@ class MultiAgentRolloutBuffer:
 def _extras(steps: TensorDict) -> dict[str, torch.Tensor]:
     """Controller state per step under the seed's names (LSTM: previous hidden and cell states)."""
     if STATE_KEY in steps.keys(include_nested=True):
-        state = steps[STATE_KEY]  # [steps, 2, layers, hidden]
-        return {"prev_hidden_states": state[:, 0], "prev_cell_states": state[:, 1]}
+        state = steps[STATE_KEY]  # [steps, 2 * cores, layers, hidden]: (h, c) of each LSTM in turn
+        return {"prev_hidden_states": state[:, 0::2], "prev_cell_states": state[:, 1::2]}
     return {k.removeprefix("extras."): v for k, v in steps.items() if k.startswith("extras.")}

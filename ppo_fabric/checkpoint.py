@@ -23,7 +23,7 @@ from omegaconf import DictConfig, OmegaConf
 
 FORMAT_VERSION = 1
 # Keys whose change makes a checkpoint meaningless for a new run.
-_MODEL_KEYS = ("model",)
+_MODEL_KEYS = ("model", "multiagent")  # what shapes the saved parameters
 
 
 def rng_state() -> dict[str, Any]:
@@ -112,12 +112,13 @@ def check_resume(cfg: DictConfig, path: str, obs_space: gym.Space, action_space:
             "set env.id to match or start a new run"
         )
     for group in _MODEL_KEYS:
-        now = OmegaConf.to_container(cfg[group], resolve=True)
-        for key in sorted(set(now) | set(saved[group])):
-            if now.get(key) != saved[group].get(key):
+        now = OmegaConf.to_container(cfg[group], resolve=True) if cfg.get(group) is not None else {}
+        before = saved.get(group) or {}
+        for key in sorted(set(now) | set(before)):
+            if now.get(key) != before.get(key):
                 raise ConfigError(
                     f"resume={path!r}: {group}.{key}={now.get(key)} differs from the checkpoint's "
-                    f"{saved[group].get(key)}; use the same {group} settings"
+                    f"{before.get(key)}; use the same {group} settings"
                 )
     if state["observation_space"] != obs_space or state["action_space"] != action_space:
         raise ConfigError(
@@ -158,6 +159,11 @@ def load_policy(path: str | Path, key: str = "checkpoint") -> tuple[dict[str, An
     from ppo_fabric.agent import ActorCritic
 
     state = load(resolve(path), key=key)
+    if state.get("multiagent"):
+        raise ValueError(
+            f"{key}={path} holds the policies of a multi-agent run ({', '.join(state['agent'])}); evaluate and "
+            "export take single-agent checkpoints"
+        )
     model_cfg = OmegaConf.create(state["config"]["model"])
     agent = ActorCritic(state["observation_space"], state["action_space"], model_cfg)
     agent.load_state_dict(state["agent"])

@@ -15,8 +15,8 @@ def masked_mean(x: Tensor, mask: Tensor | None) -> Tensor:
     backward runs on every rank)."""
     if mask is None:
         return x.mean()
-    weights = mask.to(x.dtype)
-    return (x * weights).sum() / weights.sum().clamp(min=1.0)
+    count = mask.sum().to(x.dtype).clamp(min=1.0)
+    return torch.where(mask, x, torch.zeros_like(x)).sum() / count  # where, not *: absent steps may hold inf
 
 
 def policy_loss(
@@ -57,5 +57,7 @@ def normalize(advantages: Tensor, eps: float = 1e-8, mask: Tensor | None = None)
         return (advantages - advantages.mean()) / (advantages.std() + eps)
     mean = masked_mean(advantages, mask)
     count = mask.sum().clamp(min=2)
-    std = (((advantages - mean) * mask).pow(2).sum() / (count - 1)).sqrt()
+    std = (
+        torch.where(mask, advantages - mean, torch.zeros_like(advantages)).pow(2).sum() / (count - 1)
+    ).sqrt()
     return (advantages - mean) / (std + eps)

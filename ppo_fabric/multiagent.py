@@ -187,8 +187,12 @@ class MultiAgentVectorEnv:
 
     def reset(self, seed: list[int] | None = None) -> dict[str, np.ndarray]:
         obs = {p: self._zeros(p) for p in self.groups}
+        self.alive = {p: np.zeros(len(obs[p]), dtype=bool) for p in self.groups}  # present after reset
         for e, env in enumerate(self.envs):
             self._write_obs(obs, e, env.reset(seed=None if seed is None else seed[e])[0])
+            for agent in env.agents:
+                p, row = self._rows[e][agent]
+                self.alive[p][row] = True
         for p in self.groups:
             self._returns[p][:] = 0
             self._lengths[p][:] = 0

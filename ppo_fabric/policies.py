@@ -51,7 +51,8 @@ class PolicySpec:
         lstm = self.model.get("lstm")
         if lstm is None or int(lstm.hidden_size) == 0:
             return None
-        return (2, int(lstm.num_layers), int(lstm.hidden_size))
+        cores = 1 if lstm.get("shared", False) else 2
+        return (2 * cores, int(lstm.num_layers), int(lstm.hidden_size))
 
 
 def policy_specs(cfg: DictConfig) -> dict[str, PolicySpec]:

@@ -118,7 +118,7 @@ class RolloutCollector:
             )
             group.next_obs = group.to_tensor(firsts[name], self.device)
             if self.multiagent:
-                group.alive = np.ones(stored.batch_size[1], dtype=bool)
+                group.alive = envs.alive[name].copy()  # rows whose agent is in the episode after reset
             self.groups.append(group)
         # All episodes (every agent's, in multi-agent envs): what `final_mean_return` reports overall.
         self.episodes = self.groups[0].episodes if not self.multiagent else EpisodeLog()
