@@ -31,7 +31,7 @@ $(VENV)/.bench: $(STAMP)
 	$(PIP) install -c constraints.txt -e '.[dev,bench]'
 	touch $@
 
-# Throughput and learning benchmarks (~40 min on 2 cores); figures land in benchmarks/results/.
+# Throughput and learning benchmarks (~70 min on 2 cores); figures land in benchmarks/results/.
 bench: $(VENV)/.bench
 	$(BIN)/python benchmarks/cartpole_vs_sb3.py
 	$(BIN)/python benchmarks/cartpole_vs_sb3.py --sb3-threads 0 --name cartpole_vs_sb3_default_threads
@@ -41,6 +41,8 @@ bench: $(VENV)/.bench
 	$(BIN)/python benchmarks/cartpole_solve.py
 	$(BIN)/python benchmarks/lunarlander.py
 	$(BIN)/python benchmarks/lunarlander.py --env pendulum --seeds 2
+	$(BIN)/python benchmarks/cartpole_lstm.py --seeds 2
+	$(BIN)/python benchmarks/multiagent.py
 
 clean:
 	rm -rf $(VENV) runs outputs .pytest_cache .ruff_cache
