@@ -341,6 +341,13 @@ def _check_env_and_model(cfg: DictConfig) -> tuple[Any, Any]:
         raise ConfigError(
             f"env.kwargs={cfg.env.kwargs} must be a mapping; add keys with +env.kwargs.NAME=VALUE"
         )
+    lstm = cfg.model.get("lstm")
+    missing = [k for k in ("hidden_size", "num_layers", "seq_len") if lstm is not None and k not in lstm]
+    if missing:
+        raise ConfigError(
+            f"model.lstm lacks {', '.join(missing)}; model.lstm settings belong to model=lstm (drop them with "
+            "~model.lstm to use another model)"
+        )
     _check_multiagent(cfg)
     try:
         specs = policy_specs(cfg)
