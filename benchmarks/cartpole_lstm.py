@@ -45,17 +45,6 @@ MEAN20 = "rollout/return_mean20"
 MODELS: dict[str, list[str]] = {"lstm": [], "mlp": ["model=mlp"]}
 
 
-def git_commit() -> str:
-    """HEAD, flagged when ppo_fabric/ or conf/ have uncommitted changes."""
-    root = Path(__file__).resolve().parent.parent
-
-    def git(*args: str) -> str:
-        return subprocess.run(["git", *args], cwd=root, capture_output=True, text=True).stdout.strip()
-
-    head = git("rev-parse", "--short", "HEAD") or "unknown"
-    return head + ("+dirty" if git("status", "--porcelain", "--", "ppo_fabric", "conf") else "")
-
-
 def read_curve(metrics_csv: Path) -> list[tuple[int, float]]:
     """(env step, mean of the last 20 episodes) for every logged update that had finished episodes."""
     curve = []
@@ -205,7 +194,7 @@ def main() -> None:
     png = args.out / "cartpole_lstm.png"
     plot(runs, png)
     report = {"experiment": "cartpole_lstm", "steps": args.steps, "extra_overrides": args.extra,
-              "machine": common.machine(), "commit": git_commit(), "png": png.name, "runs": runs}  # fmt: skip
+              "machine": common.machine(), "commit": common.git_commit(), "png": png.name, "runs": runs}  # fmt: skip
     command = " ".join([".venv/bin/python benchmarks/cartpole_lstm.py", *map(shlex.quote, sys.argv[1:])])
     (args.out / "cartpole_lstm.json").write_text(json.dumps(report, indent=2) + "\n")
     text = markdown(report, command)

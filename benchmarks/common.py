@@ -15,6 +15,17 @@ from typing import Any
 RESULTS = Path(__file__).resolve().parent / "results"
 
 
+def git_commit() -> str:
+    """HEAD, flagged when ppo_fabric/ or conf/ have uncommitted changes (the figures then belong to no commit)."""
+    root = Path(__file__).resolve().parent.parent
+
+    def git(*args: str) -> str:
+        return subprocess.run(["git", *args], cwd=root, capture_output=True, text=True).stdout.strip()
+
+    head = git("rev-parse", "--short", "HEAD") or "unknown"
+    return head + ("+dirty" if git("status", "--porcelain", "--", "ppo_fabric", "conf") else "")
+
+
 def cpu_model() -> str:
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():

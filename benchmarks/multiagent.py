@@ -64,17 +64,6 @@ TEAMS_RUNS: dict[str, list[str]] = {
 REFERENCE_EPISODES = 200
 
 
-def git_commit() -> str:
-    """HEAD, flagged when ppo_fabric/ or conf/ have uncommitted changes."""
-    root = Path(__file__).resolve().parent.parent
-
-    def git(*args: str) -> str:
-        return subprocess.run(["git", *args], cwd=root, capture_output=True, text=True).stdout.strip()
-
-    head = git("rev-parse", "--short", "HEAD") or "unknown"
-    return head + ("+dirty" if git("status", "--porcelain", "--", "ppo_fabric", "conf") else "")
-
-
 # ------------------------------------------------------------------------------------ references
 def make_env(env_id: str, kwargs: dict[str, Any]) -> Any:
     module, _, attr = env_id.partition(":")
@@ -386,7 +375,7 @@ def main() -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     png = args.out / "multiagent.png"
     report = {"steps": args.steps, "teams_steps": args.teams_steps, "extra_overrides": args.extra,
-              "machine": common.machine(), "commit": git_commit(), "png": png.name,
+              "machine": common.machine(), "commit": common.git_commit(), "png": png.name,
               "references": refs, "runs": runs}  # fmt: skip
     plot(report, png)
     command = " ".join([".venv/bin/python benchmarks/multiagent.py", *map(shlex.quote, sys.argv[1:])])

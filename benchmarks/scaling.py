@@ -20,7 +20,6 @@ import argparse
 import json
 import math
 import os
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -55,17 +54,6 @@ def layout(num_envs: int, devices: int, budget: int, min_updates: int) -> dict[s
         "updates": updates,
         "total_steps": updates * batch,
     }
-
-
-def git_commit() -> str:
-    """HEAD, flagged when the tree has uncommitted changes (the figures then belong to no commit)."""
-    root = Path(__file__).resolve().parent.parent
-
-    def git(*args: str) -> str:
-        return subprocess.run(["git", *args], cwd=root, capture_output=True, text=True).stdout.strip()
-
-    head = git("rev-parse", "--short", "HEAD") or "unknown"
-    return head + ("+dirty" if git("status", "--porcelain", "--", "ppo_fabric", "conf") else "")
 
 
 def plot(results: list[dict[str, Any]], env_groups: list[str], out: Path) -> None:
@@ -179,7 +167,7 @@ def main() -> None:
     report = {"settings": {"rollout_steps": ROLLOUT_STEPS, "update_epochs": UPDATE_EPOCHS,
                            "minibatches": MINIBATCHES, "strategy": "coupled", "vector": "sync"},
               "budgets": budgets, "min_updates": args.min_updates, "quick": args.quick, "seed": args.seed,
-              "extra_overrides": args.extra, "machine": common.machine(), "commit": git_commit(),
+              "extra_overrides": args.extra, "machine": common.machine(), "commit": common.git_commit(),
               "command": command, "results": results}  # fmt: skip
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "scaling.json").write_text(json.dumps(report, indent=2) + "\n")
