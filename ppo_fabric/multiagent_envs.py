@@ -16,6 +16,7 @@ the value of every state is known in closed form.
 
 from __future__ import annotations
 
+import abc
 from typing import Any
 
 import gymnasium as gym
@@ -32,7 +33,7 @@ StepResult = tuple[
 ]
 
 
-class _CueGame(ParallelEnv[AgentID, np.ndarray, int]):
+class _CueGame(ParallelEnv[AgentID, np.ndarray, int], abc.ABC):
     """Shared plumbing: the cue, the step counter, seeding, cached spaces and the end-of-episode flags.
 
     Subclasses fill `possible_agents`, the two space dicts, `_observe`, `_rewards` and optionally
@@ -118,11 +119,13 @@ class _CueGame(ParallelEnv[AgentID, np.ndarray, int]):
     def _finish_step(self, agent: AgentID) -> int:
         return self.episode_length
 
+    @abc.abstractmethod
     def _observe(self, agent: AgentID) -> np.ndarray:
-        raise NotImplementedError
+        """What `agent` sees of the current cue (each game decides)."""
 
+    @abc.abstractmethod
     def _rewards(self, actions: dict[AgentID, int]) -> dict[AgentID, float]:
-        raise NotImplementedError
+        """Each present agent's reward for the actions taken on the current cue."""
 
 
 class MatchingGame(_CueGame):
