@@ -52,9 +52,17 @@ class MLP(nn.Module):
         self.out_dim = in_dim
 
     def forward(self, x: Tensor) -> Tensor:
+        activation = self.activation
         for layer in self.layers:
-            x = self.activation(F.linear(x, layer.weight, layer.bias))
+            x = activation(F.linear(x, *_weight_bias(layer)))
         return x
+
+
+def _weight_bias(layer: nn.Module) -> tuple[Tensor, Tensor]:
+    """A Linear's parameters read from its `_parameters` dict: `layer.weight` goes through the Python-level
+    `nn.Module.__getattr__` (~0.5 us each), which the rollout pays several times per env step."""
+    params = layer._parameters
+    return params["weight"], params["bias"]  # type: ignore[return-value]
 
 
 # --------------------------------------------------------------------------------------------- encoders
@@ -228,27 +236,37 @@ class CategoricalHead(nn.Module):
         return list(logits.split(self.nvec, dim=-1)) if self.multi else [logits]
 
     def sample(self, features: Tensor, deterministic: bool = False) -> tuple[Tensor, Tensor]:
-        actions, logps = [], []
-        for logits in self._split(F.linear(features, self.linear.weight, self.linear.bias)):
-            logp_all = logits.log_softmax(-1)
-            if deterministic:
-                a = logp_all.argmax(-1)
-            else:  # Gumbel-max: one fused sample without building a distribution object
-                a = (logp_all - torch.empty_like(logp_all).exponential_().log()).argmax(-1)
-            actions.append(a)
-            logps.append(logp_all.gather(-1, a.unsqueeze(-1)).squeeze(-1))
+        logits = F.linear(features, *_weight_bias(self.linear))
         if not self.multi:
-            return actions[0], logps[0]
+            return self._sample(logits, deterministic)
+        actions, logps = zip(
+            *(self._sample(part, deterministic) for part in self._split(logits)), strict=True
+        )
         return torch.stack(actions, -1), torch.stack(logps, -1).sum(-1)
 
+    @staticmethod
+    def _sample(logits: Tensor, deterministic: bool) -> tuple[Tensor, Tensor]:
+        logp_all = logits.log_softmax(-1)
+        if deterministic:
+            a = logp_all.argmax(-1)
+        else:  # Gumbel-max: one fused sample without building a distribution object
+            a = (logp_all - torch.empty_like(logp_all).exponential_().log()).argmax(-1)
+        return a, logp_all.gather(-1, a.unsqueeze(-1)).squeeze(-1)
+
     def log_prob_entropy(self, features: Tensor, actions: Tensor) -> tuple[Tensor, Tensor]:
-        logp, ent = 0.0, 0.0
-        cols = actions.long().unsqueeze(-1) if not self.multi else actions.long()
-        for i, logits in enumerate(self._split(F.linear(features, self.linear.weight, self.linear.bias))):
-            logp_all = logits.log_softmax(-1)
-            logp = logp + logp_all.gather(-1, cols[..., i : i + 1]).squeeze(-1)
-            ent = ent - (logp_all.exp() * logp_all).sum(-1)
-        return logp, ent  # type: ignore[return-value]
+        logits = F.linear(features, *_weight_bias(self.linear))
+        if not self.multi:
+            return self._log_prob_entropy(logits, actions.long())
+        cols = actions.long()
+        parts = [self._log_prob_entropy(part, cols[..., i]) for i, part in enumerate(self._split(logits))]
+        logps, entropies = zip(*parts, strict=True)
+        return torch.stack(logps, -1).sum(-1), torch.stack(entropies, -1).sum(-1)
+
+    @staticmethod
+    def _log_prob_entropy(logits: Tensor, actions: Tensor) -> tuple[Tensor, Tensor]:
+        logp_all = logits.log_softmax(-1)
+        logp = logp_all.gather(-1, actions.unsqueeze(-1)).squeeze(-1)
+        return logp, -(logp_all.exp() * logp_all).sum(-1)
 
 
 class GaussianHead(nn.Module):
@@ -260,7 +278,7 @@ class GaussianHead(nn.Module):
         self.log_std = nn.Parameter(torch.zeros(action_dim))
 
     def sample(self, features: Tensor, deterministic: bool = False) -> tuple[Tensor, Tensor]:
-        mean = self.mean(features)
+        mean = F.linear(features, *_weight_bias(self.mean))
         if deterministic:
             action = mean
         else:
@@ -272,7 +290,7 @@ class GaussianHead(nn.Module):
         return (-0.5 * z.pow(2) - self.log_std - _LOG_SQRT_2PI).sum(-1)
 
     def log_prob_entropy(self, features: Tensor, actions: Tensor) -> tuple[Tensor, Tensor]:
-        mean = self.mean(features)
+        mean = F.linear(features, *_weight_bias(self.mean))
         entropy = (0.5 + _LOG_SQRT_2PI + self.log_std).sum().expand(mean.shape[0])
         return self._log_prob(mean, actions), entropy
 
@@ -431,8 +449,7 @@ class ActorCritic(nn.Module):
         return self.core.step(features, state)
 
     def _value(self, features: Tensor) -> Tensor:
-        out = self.value_out
-        return F.linear(self.critic_body(features), out.weight, out.bias).squeeze(-1)
+        return F.linear(self.critic_body(features), *_weight_bias(self.value_out)).squeeze(-1)
 
     def get_value(self, obs: Obs, state: Tensor | None = None) -> Tensor:
         return self._value(self._features(obs, state)[1])

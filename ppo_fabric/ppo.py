@@ -9,7 +9,6 @@ Run as a script under `fabric run --accelerator=cpu --devices=2 ppo_fabric/ppo.p
 
 from __future__ import annotations
 
-import math
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -91,7 +90,8 @@ def train(
     clip, clip_vloss, norm_adv = float(algo.clip_coef), bool(algo.clip_vloss), bool(algo.norm_adv)
     vf_coef, ent_coef, max_norm = float(algo.vf_coef), float(algo.ent_coef), float(algo.max_grad_norm)
     target_kl = None if algo.target_kl is None else float(algo.target_kl)
-    stats: list[torch.Tensor] = []
+    losses: list[torch.Tensor] = []  # (policy, value, entropy) per minibatch
+    ratio_stats: list[torch.Tensor] = []  # (approx KL, clip fraction) per epoch
     epochs, mask = 0, None
     for _ in range(int(algo.update_epochs)):
         shuffled = batch[torch.randperm(n, device=batch.device)]
@@ -99,6 +99,7 @@ def train(
         old_values, advantages, returns = shuffled["values"], shuffled["advantages"], shuffled["returns"]
         masks = shuffled["mask"] if masked else None
         states, starts = (shuffled["initial_state"], shuffled["starts"]) if recurrent else (None, None)
+        new_logps = []
         for start in range(0, n, mb):
             sl = slice(start, start + mb)
             if recurrent:
@@ -111,26 +112,31 @@ def train(
             pg = policy_loss(new_logp, old_logp[sl], adv, clip, mask)
             vl = value_loss(new_values, old_values[sl], returns[sl], clip, clip_vloss, mask)
             el = entropy_loss(entropy, mask)
-            loss = pg + vf_coef * vl + ent_coef * el
+            loss = pg.add(vl, alpha=vf_coef).add(el, alpha=ent_coef)  # 2 autograd nodes instead of 4
             optimizer.zero_grad(set_to_none=True)
             fabric.backward(loss)
             if max_norm > 0:
                 fabric.clip_gradients(model, optimizer, max_norm=max_norm, error_if_nonfinite=False)
             optimizer.step()
-            with torch.no_grad():
-                logratio = new_logp - old_logp[sl]
-                ratio = logratio.exp()
-                approx_kl = masked_mean((ratio - 1) - logratio, mask)
-                clipfrac = masked_mean(((ratio - 1).abs() > clip).float(), mask)
-                stats.append(torch.stack((pg, vl, -el, approx_kl, clipfrac)).detach())
+            new_logps.append(new_logp.detach())
+            losses.append(torch.stack((pg, vl, el)).detach())
         epochs += 1
+        # The ratio statistics of the whole epoch at once: a dozen small ops per epoch, not per minibatch.
+        with torch.no_grad():
+            logratio = torch.cat(new_logps) - old_logp
+            ratio = logratio.exp()
+            approx_kl = masked_mean((ratio - 1) - logratio, masks)
+            clipfrac = masked_mean(((ratio - 1).abs() > clip).float(), masks)
+            ratio_stats.append(torch.stack((approx_kl, clipfrac)))
         if target_kl is not None:
-            kl = torch.stack(stats[-math.ceil(n / mb) :])[:, 3].mean()
+            kl = approx_kl
             if mean_across_trainers is not None:
                 kl = mean_across_trainers(kl)
             if kl.item() > target_kl:
                 break
-    means = torch.stack(stats).mean(0).tolist()
+    pg_mean, vl_mean, el_mean = torch.stack(losses).mean(0).tolist()
+    kl_mean, clipfrac_mean = torch.stack(ratio_stats).mean(0).tolist()
+    means = [pg_mean, vl_mean, -el_mean, kl_mean, clipfrac_mean]
     values, returns = batch["values"], batch["returns"]
     if masked:
         values, returns = values[batch["mask"]], returns[batch["mask"]]
