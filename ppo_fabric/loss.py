@@ -54,8 +54,7 @@ def entropy_loss(entropy: Tensor, mask: Tensor | None = None) -> Tensor:
 
 def normalize(advantages: Tensor, eps: float = 1e-8, mask: Tensor | None = None) -> Tensor:
     if mask is None:
-        std, mean = torch.std_mean(advantages)  # one reduction op for both: this runs every minibatch
-        return (advantages - mean) / (std + eps)
+        return (advantages - advantages.mean()) / (advantages.std() + eps)
     mean = masked_mean(advantages, mask)
     count = mask.sum().clamp(min=2)
     std = (
