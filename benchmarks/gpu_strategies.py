@@ -1,13 +1,19 @@
-"""Coupled and decoupled on a CUDA machine: SPS and the collect / transfer / train time split.
+"""Coupled and decoupled on a CUDA machine: SPS, GPU utilisation and the collect / transfer / train time split.
 
-For each workload it runs
+Workloads: CartPole-v1 with 64 envs, LunarLander-v3 (its config's 16 envs) and Atari Pong (`exp=atari`
+with 16 async envs, one process per env for a 16-core machine). For each it runs, one run at a time, each
+in a fresh process:
   - coupled on the GPU (`fabric=gpu`, 1 process),
-  - decoupled with the player on the CPU and the trainer on the GPU (`fabric=gpu fabric.devices=2
-    algo.player_device=cpu`; needs 2 GPUs for 2 processes unless `--share-gpu`),
-and writes benchmarks/results/gpu-strategies.{json,md}. Workloads whose extra is not installed
-(LunarLander: box2d) are skipped with a note. Needs a CUDA device; exits with a message otherwise.
+  - decoupled with the player on the CPU and the trainer on the GPU (`strategy=decoupled fabric=gpu
+    fabric.devices=2 algo.player_device=cpu`), only with 2 or more GPUs: Fabric gives every process a
+    device of its own, so 2 processes need 2 GPUs (on one GPU the row is skipped with a note),
+  - coupled and decoupled (1 player + 1 trainer) on the CPU (`fabric=cpu`), the same machine's reference.
+While a run executes, `nvidia-smi` samples every GPU's utilisation and memory every 500 ms ("n/a" without
+nvidia-smi). Workloads whose extra is not installed (LunarLander: box2d; Atari: atari) are skipped with a
+note. Writes benchmarks/results/gpu-strategies.{json,md}, after every run (a killed job keeps its rows).
+Needs a CUDA device; exits with a message otherwise.
 
-    .venv/bin/python benchmarks/gpu_strategies.py [--steps 500000]
+    .venv/bin/python benchmarks/gpu_strategies.py [--steps 500000] [--atari-steps 200000] [--only atari]
 """
 
 from __future__ import annotations
@@ -15,64 +21,301 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
+import math
+import shutil
+import signal
+import subprocess
 import sys
+import tempfile
+import time
+from datetime import datetime
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402
 from common import RESULTS, run_once  # noqa: E402
 
-WORKLOADS = {
-    "CartPole-v1, 64 envs": (["env=cartpole", "env.num_envs=64", "algo.minibatch_size=512"], None),
-    "LunarLander-v3, 16 envs": (["env=lunarlander"], "Box2D"),
-}
+# key -> (label, overrides, modules the env needs, the option that sets its env-step budget)
+WORKLOADS: dict[str, tuple[str, list[str], tuple[str, ...], str]] = {
+    "cartpole": ("CartPole-v1, 64 envs", ["env=cartpole", "env.num_envs=64", "algo.minibatch_size=512"],
+                 (), "steps"),
+    "lunarlander": ("LunarLander-v3, 16 envs", ["env=lunarlander"], ("Box2D",), "steps"),
+    "atari": ("Pong-v5, 16 async envs", ["exp=atari", "env.num_envs=16", "env.vector=async"],
+              ("ale_py", "cv2"), "atari_steps"),
+}  # fmt: skip
+SMI_QUERY = "timestamp,index,utilization.gpu,memory.used"
+
+
+def variants(gpus: int) -> dict[str, tuple[list[str], bool]]:
+    """Variant name -> (overrides, runs on the CPU only). The CPU rows are there so that each GPU figure has
+    a reference taken on the same machine."""
+    out = {"coupled, GPU": (["strategy=coupled", "fabric=gpu"], False)}
+    if gpus >= 2:
+        out["decoupled, player CPU + trainer GPU"] = (
+            ["strategy=decoupled", "fabric=gpu", "fabric.devices=2", "algo.player_device=cpu"], False)  # fmt: skip
+    out["coupled, CPU"] = (["strategy=coupled", "fabric=cpu"], True)
+    out["decoupled, CPU (1 player + 1 trainer)"] = (
+        ["strategy=decoupled", "fabric=cpu", "fabric.devices=2"], True)  # fmt: skip
+    return out
+
+
+class GpuSampler:
+    """`nvidia-smi ... -lms 500` in the background while a run executes, its output in a temp file.
+
+    Samples carry nvidia-smi's own timestamp, so the loop window can be cut out afterwards however the
+    output was buffered; `stdbuf -oL` (when present) makes it flush every line, and it is stopped with
+    SIGINT, as Ctrl+C would, before anything harder. Without nvidia-smi it records nothing (reported n/a).
+    """
+
+    def __init__(self, interval_ms: int = 500) -> None:
+        self.interval_ms = interval_ms
+        self.available = shutil.which("nvidia-smi") is not None
+        self.samples: list[tuple[float | None, str, float | None, float | None]] = []  # (t, gpu, util, MiB)
+        self.proc: subprocess.Popen[str] | None = None
+
+    def __enter__(self) -> GpuSampler:
+        if self.available:
+            self.file = tempfile.TemporaryFile(mode="w+")
+            cmd = ["nvidia-smi", f"--query-gpu={SMI_QUERY}", "--format=csv,noheader,nounits",
+                   "-lms", str(self.interval_ms)]  # fmt: skip
+            if shutil.which("stdbuf"):
+                cmd = ["stdbuf", "-oL", *cmd]
+            self.proc = subprocess.Popen(cmd, stdout=self.file, stderr=subprocess.DEVNULL, text=True)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self.proc is None:
+            return
+        self.proc.send_signal(signal.SIGINT)
+        try:
+            self.proc.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+        self.file.seek(0)
+        for line in self.file.read().splitlines():
+            parts = [p.strip() for p in line.split(",")]
+            if len(parts) == 4:
+                self.samples.append((_stamp(parts[0]), parts[1], _number(parts[2]), _number(parts[3])))
+        self.file.close()
+
+    def stats(self, loop_start: float, loop_end: float) -> dict[str, Any] | None:
+        """Per GPU (nvidia-smi's index): mean utilisation % over the whole process and over the training
+        loop's window, max utilisation % and max memory used (MiB, every process on that GPU)."""
+        if not self.available:
+            return None
+        per_gpu: dict[str, dict[str, Any]] = {}
+        for gpu in sorted({s[1] for s in self.samples}):
+            mine = [s for s in self.samples if s[1] == gpu]
+            util = [s[2] for s in mine if s[2] is not None]
+            loop = [
+                s[2] for s in mine if s[2] is not None and s[0] is not None and loop_start <= s[0] <= loop_end
+            ]
+            mem = [s[3] for s in mine if s[3] is not None]
+            per_gpu[gpu] = {"samples": len(mine), "loop_samples": len(loop),
+                            "util_mean": _mean(util), "util_mean_loop": _mean(loop),
+                            "util_max": max(util) if util else None, "mem_max_mib": max(mem) if mem else None}  # fmt: skip
+        return per_gpu
+
+
+def _stamp(text: str) -> float | None:
+    """nvidia-smi's timestamp ('YYYY/MM/DD HH:MM:SS.mmm', local time) as a POSIX time."""
+    try:
+        return datetime.strptime(text, "%Y/%m/%d %H:%M:%S.%f").timestamp()
+    except ValueError:
+        return None
+
+
+def _number(text: str) -> float | None:
+    try:
+        return float(text)
+    except ValueError:  # "[N/A]", "[Not Supported]"
+        return None
+
+
+def _mean(values: list[float]) -> float | None:
+    return sum(values) / len(values) if values else None
+
+
+def split(summary: dict[str, Any]) -> dict[str, float | None]:
+    """Seconds of collect / transfer / train and each as a fraction of the run's wall time.
+
+    Coupled (rank 0): collect (env steps, policy forward, host-device copies) and train; no transfer.
+    Decoupled: the player's collect, the player's send + wait_params as the transfer (sending the batch and
+    waiting for the new parameters: the transfer itself plus any wait for the trainer) and the trainer's
+    train. With the pipeline on, the player and the trainer overlap, so the fractions need not sum to 1.
+    """
+    t = summary["time_split"]
+    if "player" in t:
+        player, trainer = t["player"], t["trainer"]
+        seconds = {"collect": player.get("collect", 0.0),
+                   "transfer": player.get("send", 0.0) + player.get("wait_params", 0.0),
+                   "train": trainer.get("train", 0.0)}  # fmt: skip
+    else:
+        seconds = {"collect": t.get("collect", 0.0), "transfer": None, "train": t.get("train", 0.0)}
+    wall = summary["wall_seconds"]
+    out: dict[str, float | None] = {f"{k}_s": v for k, v in seconds.items()}
+    out |= {k: (v / wall if v is not None and wall > 0 else None) for k, v in seconds.items()}
+    return out
+
+
+def gpu_info() -> list[dict[str, str]]:
+    """Name, memory and driver of every GPU, from nvidia-smi (empty without it)."""
+    if shutil.which("nvidia-smi") is None:
+        return []
+    query = "index,name,memory.total,driver_version"
+    proc = subprocess.run(["nvidia-smi", f"--query-gpu={query}", "--format=csv,noheader,nounits"],
+                          capture_output=True, text=True)  # fmt: skip
+    rows = [[p.strip() for p in line.split(",")] for line in proc.stdout.splitlines() if line.strip()]
+    return [dict(zip(query.split(","), r, strict=False)) for r in rows]
+
+
+def _fmt(value: float | None, spec: str = ".0f") -> str:
+    return "n/a" if value is None else format(value, spec)
+
+
+def _rounded(tree: dict[str, Any]) -> dict[str, Any]:
+    return {k: _rounded(v) if isinstance(v, dict) else round(v, 2) for k, v in tree.items()}
+
+
+def _per_gpu(row: dict[str, Any], key: str) -> str:
+    """One figure per GPU; with several GPUs each is prefixed by its nvidia-smi index."""
+    gpu = row["gpu"]
+    if not gpu:
+        return "n/a"
+    if len(gpu) == 1:
+        return _fmt(next(iter(gpu.values()))[key])
+    return ", ".join(f"{i}: {_fmt(s[key])}" for i, s in gpu.items())
+
+
+def markdown(report: dict[str, Any]) -> str:
+    m = report["machine"]
+    gpus = ", ".join(f"{g.get('name')} ({g.get('memory.total')} MiB, driver {g.get('driver_version')})"
+                     for g in m["gpu_info"]) or m["gpu"]  # fmt: skip
+    lines = [
+        "# Strategies on the GPU",
+        "",
+        f"Machine: {m['gpus']} GPU(s): {gpus}; {m['cpu']}, {m['cores']} cores; torch {m['torch']}, "
+        f"Python {m['python']}; code {m['commit']}.",
+        "",
+        "One run at a time, each `python -m ppo_fabric` in a fresh process. SPS = env steps / training wall "
+        "time (process start-up excluded). GPU: nvidia-smi every 500 ms; util % is the mean over the "
+        "training loop (the last `wall_seconds` before the process exited: it includes the second or so of "
+        "shutdown and misses as much of the loop's start) / over the whole process (start-up included); max "
+        "util and max memory (MiB, every process on the GPU) over the whole process. Time split as fractions "
+        "of the wall time: coupled, rank 0's collect and train (no transfer: host-device copies are in "
+        "collect); decoupled, the player's collect, its send + wait for parameters (transfer, and any wait "
+        "for the trainer) and the trainer's train, which overlap with the pipeline on.",
+        "",
+        "| workload | variant | env steps | SPS | GPU util % loop / all | GPU util max % | GPU mem max MiB | "
+        "collect | send+wait | train | final mean return |",
+        "|---|---|---:|---:|---|---|---|---:|---:|---:|---:|",
+    ]
+    for r in report["rows"]:
+        s = r["split"]
+        util = "n/a" if not r["gpu"] else f"{_per_gpu(r, 'util_mean_loop')} / {_per_gpu(r, 'util_mean')}"
+        lines.append(
+            f"| {r['workload']} | {r['variant']} | {r['steps']:,} | {r['sps']:,.0f} | {util} | "
+            f"{_per_gpu(r, 'util_max')} | {_per_gpu(r, 'mem_max_mib')} | {_fmt(s['collect'], '.2f')} | "
+            f"{'-' if s['transfer'] is None else _fmt(s['transfer'], '.2f')} | {_fmt(s['train'], '.2f')} | "
+            f"{_fmt(r['final_mean_return'], '.1f')} |"
+        )
+    lines += ["", "Overrides of each row (`run_once` adds `logger.tensorboard=false hydra.run.dir=<tmp>`) and its "
+              "time split in seconds:", ""]  # fmt: skip
+    for r in report["rows"]:
+        raw = json.dumps(_rounded(r["time_split"]))
+        lines.append(f"- {r['workload']}, {r['variant']}: `{' '.join(r['overrides'])}`; {raw}")
+    lines += ["", *(f"- {n}" for n in report["notes"]), "", f"Command: `{report['command']}`", ""]
+    return "\n".join(lines)
+
+
+def write(out: Path, report: dict[str, Any]) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "gpu-strategies.json").write_text(json.dumps(report, indent=2) + "\n")
+    (out / "gpu-strategies.md").write_text(markdown(report))
+
+
+def kept_rows(out: Path, machine: dict[str, Any], selected: list[str]) -> list[dict[str, Any]]:
+    """With --only: the earlier report's rows of the other workloads, if it was made on this machine, so a
+    benchmark can be split over several jobs (each row keeps its own commit)."""
+    path = out / "gpu-strategies.json"
+    if not path.exists():
+        return []
+    old = json.loads(path.read_text())
+    same = all(old.get("machine", {}).get(k) == machine[k] for k in ("gpu", "gpus", "cpu", "cores"))
+    return [r for r in old.get("rows", []) if r.get("key") not in selected] if same else []
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--steps", type=int, default=500_000)
+    parser.add_argument("--steps", type=int, default=500_000, help="env steps of CartPole and LunarLander")
+    parser.add_argument("--atari-steps", type=int, default=200_000, help="env steps of Pong (slower)")
+    parser.add_argument("--cpu-steps-frac", type=float, default=1.0,
+                        help="the CPU reference rows run this fraction of the steps (their SPS stays "
+                        "comparable, their final return does not)")  # fmt: skip
+    parser.add_argument("--cpu-threads", type=int, default=None,
+                        help="torch_threads of the CPU rows (default: the config's 1; 0 lets torch decide)")  # fmt: skip
+    parser.add_argument("--only", nargs="+", choices=list(WORKLOADS),
+                        help="these workloads only; the output's rows of the others are kept")  # fmt: skip
     parser.add_argument("--out", type=Path, default=RESULTS)
+    parser.add_argument("extra", nargs="*", help="overrides applied to every run (after --)")
     args = parser.parse_args()
     import torch
 
     if not torch.cuda.is_available():
         raise SystemExit("gpu_strategies.py needs a CUDA device (torch.cuda.is_available() is False)")
     gpus = torch.cuda.device_count()
-    variants = {"coupled, GPU": ["strategy=coupled", "fabric=gpu"]}
-    if gpus >= 2:
-        variants["decoupled, player CPU + trainer GPU"] = [
-            "strategy=decoupled", "fabric=gpu", "fabric.devices=2", "algo.player_device=cpu"]  # fmt: skip
-    rows, notes = [], []
-    for workload, (overrides, module) in WORKLOADS.items():
-        if module and importlib.util.find_spec(module) is None:
-            notes.append(f"{workload}: skipped, {module} not installed")
-            continue
-        for variant, extra in variants.items():
-            s = run_once([*overrides, *extra, f"algo.total_steps={args.steps}"])
-            rows.append({"workload": workload, "variant": variant, "sps": s["sps"], "time_split": s["time_split"],
-                         "final_mean_return": s["final_mean_return"]})  # fmt: skip
-            print(
-                f"{workload:26s} {variant:38s} {s['sps']:10,.0f} SPS {json.dumps(s['time_split'])}",
-                flush=True,
-            )
+    info = gpu_info()
+    m = common.machine() | {"gpu": info[0]["name"] if info else torch.cuda.get_device_name(0), "gpus": gpus,
+                            "gpu_info": info, "commit": common.git_commit()}  # fmt: skip
+    selected = args.only or list(WORKLOADS)
+    rows = kept_rows(args.out, m, selected) if args.only else []
+    notes = []
+    if rows:
+        notes.append("rows of " + ", ".join(sorted({r["workload"] for r in rows})) + " come from an earlier "
+                     "run of this script on the same machine (commit " + ", ".join(sorted({r["commit"] for r in rows})) + ")")  # fmt: skip
     if gpus < 2:
-        notes.append(
-            "decoupled skipped: one GPU (a player on CPU and a trainer on GPU need 2 processes with a GPU each)"
-        )
-    m = common.machine() | {"gpu": torch.cuda.get_device_name(0), "gpus": gpus}
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "gpu-strategies.json").write_text(
-        json.dumps({"machine": m, "rows": rows, "notes": notes}, indent=2)
-    )
-    lines = ["# Strategies on the GPU", "", f"Machine: {m['gpu']} x{gpus}, {m['cpu']}, {m['cores']} cores.", "",
-             "| workload | variant | SPS | time split (s) | final mean return |", "|---|---|---:|---|---:|"]  # fmt: skip
-    lines += [f"| {r['workload']} | {r['variant']} | {r['sps']:,.0f} | {json.dumps(r['time_split'])} | "
-              f"{r['final_mean_return']} |" for r in rows]  # fmt: skip
-    lines += ["", *(f"- {n}" for n in notes), ""]
-    (args.out / "gpu-strategies.md").write_text("\n".join(lines))
-    print("\n".join(lines))
+        notes.append("decoupled with the trainer on the GPU skipped: one GPU, and Fabric gives each of the "
+                     "2 processes (player, trainer) its own device, so it needs 2 GPUs")  # fmt: skip
+    if not shutil.which("nvidia-smi"):
+        notes.append("GPU utilisation and memory n/a: nvidia-smi not found")
+    if args.cpu_steps_frac != 1.0:
+        notes.append(f"CPU rows ran {args.cpu_steps_frac:g} of the GPU rows' env steps: compare their SPS, "
+                     "not their final return")  # fmt: skip
+    command = " ".join([f"{Path(sys.executable).name} benchmarks/gpu_strategies.py", *sys.argv[1:]])
+    report = {"machine": m, "command": command, "rows": rows, "notes": notes}
+    for key in selected:
+        workload, overrides, modules, budget = WORKLOADS[key]
+        missing = [mod for mod in modules if importlib.util.find_spec(mod) is None]
+        if missing:
+            notes.append(f"{workload}: skipped, {', '.join(missing)} not installed")
+            continue
+        for variant, (extra, on_cpu) in variants(gpus).items():
+            steps = getattr(args, budget)
+            if on_cpu:
+                steps = max(1, round(steps * args.cpu_steps_frac))
+            threads = [f"torch_threads={args.cpu_threads}"] if on_cpu and args.cpu_threads is not None else []
+            run = [*overrides, *extra, *threads, f"algo.total_steps={steps}", *args.extra]
+            with GpuSampler() as sampler:
+                s = run_once(run, solved_return=math.inf)
+                exited = time.time()  # before the sampler stops (which may take a few seconds)
+            row = {"key": key, "workload": workload, "variant": variant, "overrides": run, "commit": m["commit"],
+                   "steps": s["steps_this_run"], "sps": s["sps"], "wall_seconds": s["wall_seconds"],
+                   "time_split": s["time_split"], "split": split(s),
+                   "gpu": sampler.stats(exited - s["wall_seconds"], exited),
+                   "final_mean_return": s["final_mean_return"], "ranks_in_sync": s.get("ranks_in_sync")}  # fmt: skip
+            report["rows"].append(row)
+            write(args.out, report)
+            sp = row["split"]
+            print(f"{workload:24s} {variant:38s} {s['sps']:10,.0f} SPS  GPU util {_per_gpu(row, 'util_mean_loop')} % "
+                  f"(max {_per_gpu(row, 'util_max')}), mem {_per_gpu(row, 'mem_max_mib')} MiB  collect "
+                  f"{_fmt(sp['collect'], '.2f')} send+wait {_fmt(sp['transfer'], '.2f')} train {_fmt(sp['train'], '.2f')}",
+                  flush=True)  # fmt: skip
+    write(args.out, report)
+    print(markdown(report))
 
 
 if __name__ == "__main__":
