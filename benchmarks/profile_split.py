@@ -168,9 +168,10 @@ def main() -> None:
     per_env_step = {
         "env step": env_us / num_envs,
         "policy act (forward + sample)": act_us / num_envs,
-        "rollout bookkeeping (storage writes, episode stats, GAE)": other_collect_us / num_envs,
+        "rest of collection (storage writes, episode stats, GAE; env and policy run slower in the loop than alone)": other_collect_us
+        / num_envs,
         "minibatch steps": minibatches * minibatch_total / steps_per_iter,
-        "update bookkeeping (shuffles, statistics, lr)": update_other_us / steps_per_iter,
+        "rest of the update (shuffles, ratio statistics, lr)": update_other_us / steps_per_iter,
     }
     total = per_step_collect + per_step_train
     result = {
