@@ -38,6 +38,7 @@ bench: $(VENV)/.bench
 	$(BIN)/python benchmarks/cartpole_vs_sb3.py --sb3-threads 0 --name cartpole_vs_sb3_default_threads
 	$(BIN)/python benchmarks/decoupled_vs_coupled.py
 	$(BIN)/python benchmarks/scaling.py
+	$(BIN)/python benchmarks/fast_recipe.py
 	$(BIN)/python benchmarks/tensordict_overhead.py
 	$(BIN)/python benchmarks/cartpole_solve.py
 	$(BIN)/python benchmarks/lunarlander.py
