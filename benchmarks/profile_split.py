@@ -1,8 +1,10 @@
 """Where the time of CleanRL's CartPole workload goes, measured with the package's own objects.
 
 Builds the experiment's Fabric learner and rollout collector in this process (one torch thread), then
-times: whole iterations (collect vs update, as `ppo.main` runs them); inside collection, one vector-env
-step and one policy step (`act_with_state`) on the rollout's own batch; inside the update, each phase of
+times: whole iterations (collect vs update, as `ppo.main` runs them), with the vector-env steps and the
+policy steps (`act_with_state`) inside them timed by wrappers on those two calls; the same two calls
+alone, in a tight loop (they run faster there: the loop around them evicts their caches); inside the
+update, each phase of
 one minibatch step (forward, losses, zero_grad, backward, gradient clipping, optimizer step) on a real
 batch. It ends with single torch ops of the minibatch's sizes, which show that the update is bound by
 per-op overhead, not arithmetic. Writes benchmarks/results/profile_split.{json,md}.
@@ -53,6 +55,19 @@ def per_call_us(fn: Callable[[], Any], repeats: int) -> float:
             fn()
         times.append((time.perf_counter() - t) / block * 1e6)
     return float(np.median(times))
+
+
+def timed(fn: Callable[..., Any], totals: dict[str, float], key: str) -> Callable[..., Any]:
+    """`fn`, adding its wall time to `totals[key]` on every call."""
+
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        t = time.perf_counter()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            totals[key] += time.perf_counter() - t
+
+    return wrapper
 
 
 def minibatch_phases(fabric: Any, learner: Any, batch: Any, algo: Any, repeats: int) -> dict[str, float]:
@@ -116,10 +131,16 @@ def main() -> None:
     steps_per_iter = layout.batch
     num_envs, rollout = int(cfg.env.num_envs), int(algo.rollout_steps)
 
-    # whole iterations, as ppo.main runs them
+    # whole iterations, as ppo.main runs them, with the env and policy steps inside them timed
+    in_loop = {"env": 0.0, "act": 0.0}
+    envs, policy = collector.envs, policies[SINGLE]
+    envs.step = timed(envs.step, in_loop, "env")  # instance attributes: this process's objects only
+    policy.act_with_state = timed(policy.act_with_state, in_loop, "act")
     collect_s = train_s = 0.0
     warmup = 3
     for it in range(warmup + args.iterations):
+        if it == warmup:
+            in_loop.update(env=0.0, act=0.0)
         t0 = time.perf_counter()
         collector.collect(policies, it * steps_per_iter)
         t1 = time.perf_counter()
@@ -133,17 +154,18 @@ def main() -> None:
     per_step_collect = collect_s / (iters * steps_per_iter) * 1e6
     per_step_train = train_s / (iters * steps_per_iter) * 1e6
 
-    # inside collection: one vector-env step, one policy step on a real observation batch
-    envs = collector.envs
+    del envs.step, policy.act_with_state  # back to the classes' methods
+    vector_steps = iters * rollout
+    env_loop_us, act_loop_us = (in_loop[k] / vector_steps * 1e6 for k in ("env", "act"))
+
+    # the same calls alone: one vector-env step, one policy step on a real observation batch
     rng = np.random.default_rng(0)
     actions = iter(rng.integers(0, envs.single_action_space.n, size=(args.repeats * 2 + 400, num_envs)))
     env_us = per_call_us(lambda: envs.step(next(actions)), args.repeats)
-    policy = policies[SINGLE]
     obs = collector.storage["obs"][0].clone()
     with torch.inference_mode():
         act_us = per_call_us(lambda: policy.act_with_state(obs, None), args.repeats)
-    vector_steps = iters * rollout
-    other_collect_us = collect_s / vector_steps * 1e6 - env_us - act_us
+    other_collect_us = collect_s / vector_steps * 1e6 - env_loop_us - act_loop_us
 
     # inside the update: one minibatch step, phase by phase
     learner = learners[SINGLE]
@@ -166,10 +188,9 @@ def main() -> None:
     collector.envs.close()
 
     per_env_step = {
-        "env step": env_us / num_envs,
-        "policy act (forward + sample)": act_us / num_envs,
-        "rest of collection (storage writes, episode stats, GAE; env and policy run slower in the loop than alone)": other_collect_us
-        / num_envs,
+        "env step": env_loop_us / num_envs,
+        "policy act (forward + sample)": act_loop_us / num_envs,
+        "rest of collection (storage writes, episode statistics, GAE)": other_collect_us / num_envs,
         "minibatch steps": minibatches * minibatch_total / steps_per_iter,
         "rest of the update (shuffles, ratio statistics, lr)": update_other_us / steps_per_iter,
     }
@@ -183,8 +204,8 @@ def main() -> None:
         "sps": 1e6 / total,
         "collect_us_per_env_step": per_step_collect,
         "update_us_per_env_step": per_step_train,
-        "env_step_us_per_vector_step": env_us,
-        "act_us_per_vector_step": act_us,
+        "env_step_us_per_vector_step": {"in_loop": env_loop_us, "alone": env_us},
+        "act_us_per_vector_step": {"in_loop": act_loop_us, "alone": act_us},
         "minibatch_phase_us": phases,
         "minibatches_per_update": minibatches,
         "per_env_step_us": per_env_step,
@@ -198,7 +219,7 @@ def main() -> None:
 
 
 def report(r: dict[str, Any]) -> str:
-    m = r["machine"]
+    m, env, act = r["machine"], r["env_step_us_per_vector_step"], r["act_us_per_vector_step"]
     total = r["collect_us_per_env_step"] + r["update_us_per_env_step"]
     lines = [
         "# Where the time goes: CleanRL CartPole workload, coupled, 1 process",
@@ -219,8 +240,10 @@ def report(r: dict[str, Any]) -> str:
         lines.append(f"| {name} | {us:.1f} | {us / total:.0%} |")
     lines += [
         "",
-        f"One vector-env step: {r['env_step_us_per_vector_step']:.1f} us; one policy step (actor and critic "
-        f"forward, sampling, all envs at once): {r['act_us_per_vector_step']:.1f} us.",
+        f"One vector-env step: {env['in_loop']:.1f} us in the loop, {env['alone']:.1f} us alone; one policy "
+        f"step (actor and critic forward, sampling, all envs at once): {act['in_loop']:.1f} us in the loop, "
+        f"{act['alone']:.1f} us alone. Alone they run in a tight loop on warm caches; in the rollout the "
+        "other calls between them evict those.",
         "",
         f"## One minibatch step ({r['minibatches_per_update']} per update)",
         "",
