@@ -467,6 +467,16 @@ class ActorCritic(nn.Module):
         action, logprob = self.head.sample(self.actor_body(actor), deterministic)
         return action, logprob, self._value(critic), state
 
+    def sample(
+        self, obs: Obs, state: Tensor | None, deterministic: bool = False
+    ) -> tuple[Tensor, Tensor, Tensor | None]:
+        """What the rollout needs at every step: (action, log-prob, state after this step). The critic's
+        MLP is left out: the rollout evaluates it once over all its steps afterwards (`get_value` on the
+        stored observations and states), one batched forward instead of one per step."""
+        actor, _, state = self._features(obs, state)
+        action, logprob = self.head.sample(self.actor_body(actor), deterministic)
+        return action, logprob, state
+
     def forward(
         self, obs: Obs, actions: Tensor, state: Tensor | None = None, starts: Tensor | None = None
     ) -> tuple[Tensor, Tensor, Tensor]:

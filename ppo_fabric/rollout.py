@@ -83,6 +83,7 @@ class RolloutCollector:
     """
 
     _HOST_KEYS = ("obs", "rewards", "terminated", "truncated")
+    VALUE_CHUNK = 4096  # rows per batched value forward after a rollout (bounds a CNN's activations)
 
     def __init__(
         self,
@@ -160,18 +161,17 @@ class RolloutCollector:
                 g.state = policy.initial_state(g.storage.batch_size[1], self.device)
         num_steps = groups[0].storage.batch_size[0]
         # Policy outputs are kept per step and written with one stack per key: cheaper than T indexed writes.
-        outputs: list[tuple[list, ...]] = [([], [], [], []) for _ in groups]
+        outputs: list[tuple[list, ...]] = [([], [], []) for _ in groups]
         for g in groups:
             _put(g.host["obs"], 0, g.next_obs.cpu())
         obs = [g.next_obs for g in groups]
         for t in range(num_steps):
             env_actions, next_states = [], []
             for i, (g, policy) in enumerate(zip(groups, acting, strict=True)):
-                action, logprob, value, next_state = policy.act_with_state(obs[i], g.state)
-                actions, logprobs, values, states = outputs[i]
+                action, logprob, next_state = policy.sample(obs[i], g.state)
+                actions, logprobs, states = outputs[i]
                 actions.append(action)
                 logprobs.append(logprob)
-                values.append(value)
                 if g.state is not None:
                     states.append(g.state)
                 next_states.append(next_state)
@@ -211,18 +211,16 @@ class RolloutCollector:
                     obs[i] = _row(h["obs"], t + 1, self.device)  # a view on CPU: no copy
                 else:
                     obs[i] = g.to_tensor(next_obs, self.device)
-        for g, policy, (actions, logprobs, values, states), last in zip(
-            groups, acting, outputs, obs, strict=True
-        ):
+        for g, policy, (actions, logprobs, states), last in zip(groups, acting, outputs, obs, strict=True):
             s = g.storage
             torch.stack(actions, out=s["actions"])
             torch.stack(logprobs, out=s["logprobs"])
-            torch.stack(values, out=s["values"])
             if states:
                 torch.stack(states, out=s[STATE_KEY])
             if self._staged:
                 for key, host in g.host.items():
                     _copy_in(s[key], host)
+            s["values"].copy_(_values(policy, s, self.VALUE_CHUNK))
             g.next_obs = last
             compute_advantages(s, policy.get_value(last, g.state), self.gamma, self.gae_lambda)
         sync_normalizers(self.envs, self.reduce)
@@ -248,6 +246,18 @@ class RolloutCollector:
             g.next_obs = saved["next_obs"].to(self.device)
             g.state = None if saved["state"] is None else saved["state"].to(self.device)
             g.alive = saved["alive"]
+
+
+def _values(policy: ActorCritic, storage: TensorDict, chunk: int) -> torch.Tensor:
+    """V(obs_t) for every stored step [T, E], from the state each step started with (recurrent), in
+    batches of `chunk` rows: the same computation as the per-step critic, done once per rollout."""
+    steps = storage.select("obs", *([STATE_KEY] if STATE_KEY in storage.keys(True) else [])).reshape(-1)
+    state = steps.get(STATE_KEY, None)
+    parts = [
+        policy.get_value(steps["obs"][i : i + chunk], None if state is None else state[i : i + chunk])
+        for i in range(0, steps.batch_size[0], chunk)
+    ]
+    return torch.cat(parts).view(storage.batch_size)
 
 
 def _numpy_dtype(tensor: torch.Tensor) -> np.dtype:

@@ -130,7 +130,9 @@ def test_first_minibatch_ratio_is_one(rollout: tuple[ActorCritic, TensorDict], m
 
 
 def test_per_step_reevaluation_is_bit_exact(rollout: tuple[ActorCritic, TensorDict]) -> None:
-    """Unshuffled, per-step [ENVS] evaluation is the same computation as `act`'s, so it is bit-exact."""
+    """Unshuffled, per-step [ENVS] evaluation is the same computation as the rollout's `sample`, so the
+    log-probs are bit-exact; the values, which the rollout computes once over all its steps, come out
+    bit-exact on this BLAS too (each row's dot products do not depend on the batch here)."""
     model, storage = rollout
     with torch.no_grad():
         for t in range(STEPS):
@@ -220,3 +222,23 @@ def test_train_epochs_and_target_kl(target_kl: float | None, expected_epochs: in
     assert stats["train/epochs"] == expected_epochs
     assert set(stats) == KEYS and all(math.isfinite(v) for v in stats.values())
     assert any(not torch.equal(a, b) for a, b in zip(before, params(agent), strict=True))
+
+
+def test_values_are_the_critic_of_each_stored_step_in_any_chunking(
+    rollout: tuple[ActorCritic, TensorDict], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The rollout evaluates the critic after the loop, over the stored observations, in chunks of
+    `VALUE_CHUNK` rows: chunks that split the [T, E] grid mid-row must give the same values in the same
+    places, and those are V(obs) of each stored step."""
+    model, _ = rollout
+    torch.manual_seed(1)
+    storage = collect(model)
+    monkeypatch.setattr(RolloutCollector, "VALUE_CHUNK", 7)  # 128 rows: 18 full chunks and a ragged one
+    torch.manual_seed(1)  # the same actions, so the same observations
+    chunked = collect(model)
+    assert torch.equal(chunked["obs"], storage["obs"])
+    torch.testing.assert_close(chunked["values"], storage["values"], rtol=0, atol=1e-6)
+    with torch.no_grad():
+        expected = model.get_value(storage["obs"].reshape(N, -1)).view(STEPS, ENVS)
+    torch.testing.assert_close(storage["values"], expected, rtol=0, atol=1e-6)
+    assert storage["values"].std() > 0  # not a constant that any layout would reproduce
