@@ -1,6 +1,6 @@
 """`python -m ppo_fabric [overrides]`."""
 
-from ppo_fabric.cli import main
+from ppo_fabric.cli import console_main
 
 if __name__ == "__main__":
-    main()
+    console_main()

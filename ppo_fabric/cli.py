@@ -7,13 +7,15 @@ reads accelerator/devices/strategy from the `fabric run` flags and must not laun
 
 from __future__ import annotations
 
+import contextlib
 import datetime
+import logging
 import os
 import sys
 import traceback
 import warnings
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 USAGE = """usage: python -m ppo_fabric [KEY=VALUE ...]   (also: ppo-fabric, fabric run ppo_fabric/ppo.py)
 
@@ -197,9 +199,32 @@ def main(argv: list[str] | None = None, strategy: str | None = None) -> None:
         _fail(str(exc))
 
 
-def run_script(strategy: str) -> None:
+def end_process(code: int = 0) -> NoReturn:
+    """Leave the process without the interpreter's shutdown.
+
+    A finished 2-process LunarLander run left its second rank stuck at exit for good: an exit hook of
+    pygame (which gymnasium's Box2D module imports) was loading a C extension during finalisation, and the
+    orphaned rank held its parent's output pipes open, so the launching command never returned. Everything
+    a run owns (envs, logger, process group, checkpoints) is closed or written before this is called.
+    """
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(OSError, ValueError):  # a closed pipe or stream: nothing left to say there
+            stream.flush()
+    os._exit(code)
+
+
+def console_main() -> NoReturn:
+    """`ppo-fabric` and `python -m ppo_fabric`: `main()`, then `end_process()` (a process of its own, unlike
+    `main()`, which tests and notebooks may call in-process)."""
+    main()
+    end_process(0)
+
+
+def run_script(strategy: str) -> NoReturn:
     """`fabric run ppo_fabric/<strategy file>.py [overrides]`: the file fixes the strategy."""
     given = [a.split("=", 1)[1] for a in sys.argv[1:] if a.startswith("strategy=")]
     if given and given[-1] != strategy:
         _fail(f"strategy={given[-1]} conflicts with the launched file, which runs strategy={strategy}")
     main(strategy=strategy)
+    end_process(0)

@@ -116,3 +116,19 @@ def test_killed_rank_zero_leaves_no_orphans(tmp_path: Path) -> None:
     finally:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGKILL)
+
+
+def test_cli_process_ends_without_waiting_for_exit_hooks(tmp_path: Path) -> None:
+    """A finished run leaves its process at once, whatever exit hooks libraries registered (one of pygame's,
+    imported by gymnasium's Box2D envs, once hung a finished rank at interpreter shutdown for good). The
+    hook here would sleep for 10 minutes; the run must end well within the timeout, with its output."""
+    hook = (
+        "import atexit, runpy, time; atexit.register(time.sleep, 600); "
+        "runpy.run_module('ppo_fabric', run_name='__main__')"
+    )
+    started = time.monotonic()
+    proc = _run([sys.executable, "-c", hook, *SMALL], tmp_path, timeout=90)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "ppo-fabric: coupled" in proc.stdout, "the summary line was flushed before the process ended"
+    assert time.monotonic() - started < 90
+    _check_summary(_single_run_dir(tmp_path), 1)
