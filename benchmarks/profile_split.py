@@ -2,7 +2,7 @@
 
 Builds the experiment's Fabric learner and rollout collector in this process (one torch thread), then
 times: whole iterations (collect vs update, as `ppo.main` runs them), with the vector-env steps and the
-policy steps (`act_with_state`) inside them timed by wrappers on those two calls; the same two calls
+policy steps (`ActorCritic.sample`) inside them timed by wrappers on those two calls; the same two calls
 alone, in a tight loop (they run faster there: the loop around them evicts their caches); inside the
 update, each phase of
 one minibatch step (forward, losses, zero_grad, backward, gradient clipping, optimizer step) on a real
@@ -135,7 +135,7 @@ def main() -> None:
     in_loop = {"env": 0.0, "act": 0.0}
     envs, policy = collector.envs, policies[SINGLE]
     envs.step = timed(envs.step, in_loop, "env")  # instance attributes: this process's objects only
-    policy.act_with_state = timed(policy.act_with_state, in_loop, "act")
+    policy.sample = timed(policy.sample, in_loop, "act")
     collect_s = train_s = 0.0
     warmup = 3
     for it in range(warmup + args.iterations):
@@ -154,7 +154,7 @@ def main() -> None:
     per_step_collect = collect_s / (iters * steps_per_iter) * 1e6
     per_step_train = train_s / (iters * steps_per_iter) * 1e6
 
-    del envs.step, policy.act_with_state  # back to the classes' methods
+    del envs.step, policy.sample  # back to the classes' methods
     vector_steps = iters * rollout
     env_loop_us, act_loop_us = (in_loop[k] / vector_steps * 1e6 for k in ("env", "act"))
 
@@ -164,7 +164,7 @@ def main() -> None:
     env_us = per_call_us(lambda: envs.step(next(actions)), args.repeats)
     obs = collector.storage["obs"][0].clone()
     with torch.inference_mode():
-        act_us = per_call_us(lambda: policy.act_with_state(obs, None), args.repeats)
+        act_us = per_call_us(lambda: policy.sample(obs, None), args.repeats)
     other_collect_us = collect_s / vector_steps * 1e6 - env_loop_us - act_loop_us
 
     # inside the update: one minibatch step, phase by phase
@@ -189,8 +189,9 @@ def main() -> None:
 
     per_env_step = {
         "env step": env_loop_us / num_envs,
-        "policy act (forward + sample)": act_loop_us / num_envs,
-        "rest of collection (storage writes, episode statistics, GAE)": other_collect_us / num_envs,
+        "policy step (actor forward + sample)": act_loop_us / num_envs,
+        "rest of collection (storage writes, episode statistics, batched critic, GAE)": other_collect_us
+        / num_envs,
         "minibatch steps": minibatches * minibatch_total / steps_per_iter,
         "rest of the update (shuffles, ratio statistics, lr)": update_other_us / steps_per_iter,
     }
@@ -241,7 +242,7 @@ def report(r: dict[str, Any]) -> str:
     lines += [
         "",
         f"One vector-env step: {env['in_loop']:.1f} us in the loop, {env['alone']:.1f} us alone; one policy "
-        f"step (actor and critic forward, sampling, all envs at once): {act['in_loop']:.1f} us in the loop, "
+        f"step (actor forward and sampling, all envs at once): {act['in_loop']:.1f} us in the loop, "
         f"{act['alone']:.1f} us alone. Alone they run in a tight loop on warm caches; in the rollout the "
         "other calls between them evict those.",
         "",
