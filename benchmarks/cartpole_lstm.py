@@ -22,12 +22,10 @@ benchmarks/results/ so it does not replace a full run's figures.
 
 from __future__ import annotations
 
-import argparse
 import csv
 import json
 import math
 import os
-import shlex
 import subprocess
 import sys
 import tempfile
@@ -170,9 +168,7 @@ def markdown(report: dict[str, Any], command: str) -> str:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    parser = common.argument_parser(__doc__)
     parser.add_argument(
         "--steps", type=int, default=None, help="env steps per run (default: the exp's, 200k)"
     )
@@ -195,11 +191,7 @@ def main() -> None:
     plot(runs, png)
     report = {"experiment": "cartpole_lstm", "steps": args.steps, "extra_overrides": args.extra,
               "machine": common.machine(), "commit": common.git_commit(), "png": png.name, "runs": runs}  # fmt: skip
-    command = " ".join([".venv/bin/python benchmarks/cartpole_lstm.py", *map(shlex.quote, sys.argv[1:])])
-    (args.out / "cartpole_lstm.json").write_text(json.dumps(report, indent=2) + "\n")
-    text = markdown(report, command)
-    (args.out / "cartpole_lstm.md").write_text(text)
-    print(text)
+    common.write_report(args.out, "cartpole_lstm", report, markdown(report, common.command_line(__file__)))
 
 
 if __name__ == "__main__":

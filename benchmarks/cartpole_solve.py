@@ -10,8 +10,6 @@ episodes first reached 475, and SPS. Writes benchmarks/results/cartpole_solve.{j
 
 from __future__ import annotations
 
-import argparse
-import json
 import sys
 from pathlib import Path
 
@@ -29,9 +27,7 @@ LAYOUTS = {
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    parser = common.argument_parser(__doc__)
     parser.add_argument("--seeds", type=int, default=1)
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args()
@@ -45,8 +41,6 @@ def main() -> None:
             print(f"{name:30s} seed {seed}: final {s['final_mean_return']:.1f}, first >=475 at "
                   f"{s['solved_step']}, {s['sps']:,.0f} SPS", flush=True)  # fmt: skip
     m = common.machine()
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "cartpole_solve.json").write_text(json.dumps({"machine": m, "runs": rows}, indent=2) + "\n")
     lines = [
         "# CartPole-v1 with the default config, every layout",
         "",
@@ -61,11 +55,10 @@ def main() -> None:
             for r in rows
         ),  # fmt: skip
         "",
-        "Command: `.venv/bin/python benchmarks/cartpole_solve.py`",
+        f"Command: `{common.command_line(__file__)}`",
         "",
     ]
-    (args.out / "cartpole_solve.md").write_text("\n".join(lines))
-    print("\n".join(lines))
+    common.write_report(args.out, "cartpole_solve", {"machine": m, "runs": rows}, "\n".join(lines))
 
 
 if __name__ == "__main__":

@@ -1,11 +1,14 @@
-"""What the strategy benchmarks share: one training run in a subprocess, and a description of the machine."""
+"""What the benchmarks share: one training run in a subprocess, the machine's description, the command line
+and the report files."""
 
 from __future__ import annotations
 
+import argparse
 import csv
 import json
 import os
 import platform
+import shlex
 import subprocess
 import sys
 import tempfile
@@ -13,6 +16,24 @@ from pathlib import Path
 from typing import Any
 
 RESULTS = Path(__file__).resolve().parent / "results"
+
+
+def argument_parser(doc: str | None) -> argparse.ArgumentParser:
+    """A parser whose --help is the script's docstring with its line breaks (the docstrings hold tables)."""
+    return argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+
+
+def command_line(script: str) -> str:
+    """How this benchmark was launched, for the report's `Command:` line: the script and its arguments."""
+    return " ".join([".venv/bin/python", f"benchmarks/{Path(script).name}", *map(shlex.quote, sys.argv[1:])])
+
+
+def write_report(out: Path, name: str, report: dict[str, Any], markdown: str) -> None:
+    """`<name>.json` (the figures) and `<name>.md` (the table) under `out`; the table is also printed."""
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"{name}.json").write_text(json.dumps(report, indent=2) + "\n")
+    (out / f"{name}.md").write_text(markdown)
+    print(markdown)
 
 
 def git_commit() -> str:

@@ -14,7 +14,6 @@ benchmarks/results/decoupled_vs_coupled.{json,md}.
 
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
 import sys
@@ -32,9 +31,7 @@ VARIANTS = {
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    parser = common.argument_parser(__doc__)
     parser.add_argument("--steps", type=int, default=200_000)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--out", type=Path, default=RESULTS)
@@ -60,10 +57,8 @@ def main() -> None:
                       "final_mean_return_each": [s["final_mean_return"] for s in runs],
                       "time_split_last": split})  # fmt: skip
     machine = common.machine()
-    args.out.mkdir(parents=True, exist_ok=True)
     report = {"workload": "exp=cleanrl_cartpole", "steps": args.steps, "repeats": args.repeats,
               "extra_overrides": args.extra, "machine": machine, "results": table}  # fmt: skip
-    (args.out / "decoupled_vs_coupled.json").write_text(json.dumps(report, indent=2) + "\n")
     lines = [
         "# Coupled vs decoupled throughput (CleanRL CartPole workload)",
         "",
@@ -83,10 +78,8 @@ def main() -> None:
     lines += ["", "Time split of the last run of each variant (seconds):", ""]
     for row in table:
         lines.append(f"- {row['variant']}: {json.dumps(row['time_split_last'])}")
-    command = f"{Path(sys.executable).name} benchmarks/decoupled_vs_coupled.py --steps {args.steps} --repeats {args.repeats}"
-    lines += ["", f"Command: `{command}`", ""]
-    (args.out / "decoupled_vs_coupled.md").write_text("\n".join(lines))
-    print("\n".join(lines))
+    lines += ["", f"Command: `{common.command_line(__file__)}`", ""]
+    common.write_report(args.out, "decoupled_vs_coupled", report, "\n".join(lines))
 
 
 if __name__ == "__main__":

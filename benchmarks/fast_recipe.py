@@ -10,7 +10,6 @@ recipe buys on this machine. Writes benchmarks/results/fast_recipe.{json,md}.
 
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
 import sys
@@ -25,7 +24,7 @@ RECIPES = ("fast", "cleanrl_cartpole")
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = common.argument_parser(__doc__)
     parser.add_argument("--seeds", type=int, default=3)
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args()
@@ -40,8 +39,6 @@ def main() -> None:
     medians = {exp: statistics.median(r["sps"] for r in rows if r["exp"] == exp) for exp in RECIPES}
     result = {"machine": common.machine(), "git": common.git_commit(), "rows": rows, "median_sps": medians,
               "ratio": medians["fast"] / medians["cleanrl_cartpole"]}  # fmt: skip
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "fast_recipe.json").write_text(json.dumps(result, indent=2))
     m = result["machine"]
     lines = [
         "# `exp=fast` vs `exp=cleanrl_cartpole` (CartPole-v1, coupled, 1 process)",
@@ -61,11 +58,10 @@ def main() -> None:
         f"**Median SPS: exp=fast {medians['fast']:,.0f}, exp=cleanrl_cartpole {medians['cleanrl_cartpole']:,.0f}: "
         f"{result['ratio']:.2f}x.**",
         "",
-        "Command: `.venv/bin/python benchmarks/fast_recipe.py`",
+        f"Command: `{common.command_line(__file__)}`",
         "",
     ]
-    (args.out / "fast_recipe.md").write_text("\n".join(lines))
-    print("\n".join(lines))
+    common.write_report(args.out, "fast_recipe", result, "\n".join(lines))
 
 
 if __name__ == "__main__":

@@ -18,7 +18,6 @@ Needs a CUDA device; exits with a message otherwise.
 
 from __future__ import annotations
 
-import argparse
 import importlib.util
 import json
 import math
@@ -248,9 +247,7 @@ def kept_rows(out: Path, machine: dict[str, Any], selected: list[str]) -> list[d
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    parser = common.argument_parser(__doc__)
     parser.add_argument("--steps", type=int, default=500_000, help="env steps of CartPole and LunarLander")
     parser.add_argument("--atari-steps", type=int, default=200_000, help="env steps of Pong (slower)")
     parser.add_argument("--cpu-steps-frac", type=float, default=1.0,
@@ -285,7 +282,7 @@ def main() -> None:
     if args.cpu_steps_frac != 1.0:
         notes.append(f"CPU rows ran {args.cpu_steps_frac:g} of the GPU rows' env steps: compare their SPS, "
                      "not their final return")  # fmt: skip
-    command = " ".join([f"{Path(sys.executable).name} benchmarks/gpu_strategies.py", *sys.argv[1:]])
+    command = common.command_line(__file__)
     report = {"machine": m, "command": command, "rows": rows, "notes": notes}
     for key in selected:
         workload, overrides, modules, budget = WORKLOADS[key]

@@ -16,9 +16,6 @@ the target; write it somewhere other than benchmarks/results/ so it does not rep
 
 from __future__ import annotations
 
-import argparse
-import json
-import shlex
 import sys
 from pathlib import Path
 from typing import Any
@@ -86,9 +83,7 @@ def markdown(report: dict[str, Any], command: str) -> str:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    parser = common.argument_parser(__doc__)
     parser.add_argument(
         "--env", choices=sorted(TARGETS), default="lunarlander", help="env config (conf/env/)"
     )
@@ -109,12 +104,7 @@ def main() -> None:
               f"{r['wall_seconds']:.0f} s", flush=True)  # fmt: skip
     report = {"env": args.env, "env_id": env_id, "target": target, "steps": args.steps,
               "extra_overrides": args.extra, "machine": common.machine(), "runs": runs}  # fmt: skip
-    command = " ".join([".venv/bin/python benchmarks/lunarlander.py", *map(shlex.quote, sys.argv[1:])])
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / f"{args.env}.json").write_text(json.dumps(report, indent=2) + "\n")
-    text = markdown(report, command)
-    (args.out / f"{args.env}.md").write_text(text)
-    print(text)
+    common.write_report(args.out, args.env, report, markdown(report, common.command_line(__file__)))
 
 
 if __name__ == "__main__":

@@ -27,7 +27,6 @@ A smoke run is too short to learn much; write it somewhere other than benchmarks
 
 from __future__ import annotations
 
-import argparse
 import csv
 import fnmatch
 import importlib
@@ -35,7 +34,6 @@ import itertools
 import json
 import math
 import os
-import shlex
 import subprocess
 import sys
 import tempfile
@@ -336,9 +334,7 @@ def markdown(report: dict[str, Any], command: str) -> str:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    parser = common.argument_parser(__doc__)
     parser.add_argument(
         "--steps", type=int, default=None, help="env steps per spread run (default: the recipe's)"
     )
@@ -378,11 +374,7 @@ def main() -> None:
               "machine": common.machine(), "commit": common.git_commit(), "png": png.name,
               "references": refs, "runs": runs}  # fmt: skip
     plot(report, png)
-    command = " ".join([".venv/bin/python benchmarks/multiagent.py", *map(shlex.quote, sys.argv[1:])])
-    (args.out / "multiagent.json").write_text(json.dumps(report, indent=2) + "\n")
-    text = markdown(report, command)
-    (args.out / "multiagent.md").write_text(text)
-    print(text)
+    common.write_report(args.out, "multiagent", report, markdown(report, common.command_line(__file__)))
 
 
 if __name__ == "__main__":

@@ -14,8 +14,6 @@ per-op overhead, not arithmetic. Writes benchmarks/results/profile_split.{json,m
 
 from __future__ import annotations
 
-import argparse
-import json
 import sys
 import time
 from collections.abc import Callable
@@ -111,10 +109,10 @@ def minibatch_phases(fabric: Any, learner: Any, batch: Any, algo: Any, repeats: 
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = common.argument_parser(__doc__)
     parser.add_argument("--iterations", type=int, default=40, help="whole collect+update iterations timed")
     parser.add_argument("--repeats", type=int, default=2000, help="calls per micro-measurement")
-    parser.add_argument("--out", default=str(Path(__file__).resolve().parent / "results"))
+    parser.add_argument("--out", type=Path, default=common.RESULTS)
     parser.add_argument("overrides", nargs="*", help="extra Hydra overrides (default: exp=cleanrl_cartpole)")
     args = parser.parse_args()
 
@@ -212,11 +210,7 @@ def main() -> None:
         "per_env_step_us": per_env_step,
         "single_ops_us": ops,
     }
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "profile_split.json").write_text(json.dumps(result, indent=2))
-    (out / "profile_split.md").write_text(report(result))
-    print(report(result))
+    common.write_report(args.out, "profile_split", result, report(result))
 
 
 def report(r: dict[str, Any]) -> str:

@@ -16,7 +16,6 @@ excluded); the collect/train split is rank 0's. Writes benchmarks/results/scalin
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import os
@@ -117,9 +116,7 @@ def markdown(report: dict[str, Any], command: str) -> str:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    parser = common.argument_parser(__doc__)
     parser.add_argument("--envs", type=int, nargs="+", default=list(NUM_ENVS), help="env.num_envs values")
     parser.add_argument("--devices", type=int, nargs="+", default=list(DEVICES), help="fabric.devices values")
     parser.add_argument("--only", choices=sorted(ENVS), help="one environment only")
@@ -163,18 +160,15 @@ def main() -> None:
                       f"in {row['wall_seconds']:5.1f} s, split {json.dumps({k: round(v, 2) for k, v in row['time_split'].items()})}",
                       flush=True)  # fmt: skip
 
-    command = " ".join([f"{Path(sys.executable).name} benchmarks/scaling.py", *sys.argv[1:]])
+    command = common.command_line(__file__)
     report = {"settings": {"rollout_steps": ROLLOUT_STEPS, "update_epochs": UPDATE_EPOCHS,
                            "minibatches": MINIBATCHES, "strategy": "coupled", "vector": "sync"},
               "budgets": budgets, "min_updates": args.min_updates, "quick": args.quick, "seed": args.seed,
               "extra_overrides": args.extra, "machine": common.machine(), "commit": common.git_commit(),
               "command": command, "results": results}  # fmt: skip
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "scaling.json").write_text(json.dumps(report, indent=2) + "\n")
     plot(results, groups, args.out / "scaling.png")
-    text = markdown(report, command)
-    (args.out / "scaling.md").write_text(text)
-    print(text)
+    common.write_report(args.out, "scaling", report, markdown(report, command))
 
 
 if __name__ == "__main__":

@@ -12,8 +12,6 @@ benchmarks/results/tensordict_overhead.{json,md}.
 
 from __future__ import annotations
 
-import argparse
-import json
 import statistics
 import sys
 import tempfile
@@ -72,9 +70,7 @@ def run(storage: str, steps: int, seed: int) -> float:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    parser = common.argument_parser(__doc__)
     parser.add_argument("--steps", type=int, default=100_000)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--out", type=Path, default=common.RESULTS)
@@ -91,8 +87,6 @@ def main() -> None:
     m = common.machine()
     report = {"machine": m, "steps": args.steps, "sps": sps, "median": {"tensordict": td, "plain": plain},
               "tensordict_slowdown": slowdown}  # fmt: skip
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "tensordict_overhead.json").write_text(json.dumps(report, indent=2) + "\n")
     lines = [
         "# TensorDict storage vs plain preallocated tensors",
         "",
@@ -106,11 +100,10 @@ def main() -> None:
         "",
         f"TensorDict is {100 * slowdown:.1f}% slower (negative: faster) than plain tensors.",
         "",
-        "Command: `.venv/bin/python benchmarks/tensordict_overhead.py`",
+        f"Command: `{common.command_line(__file__)}`",
         "",
     ]
-    (args.out / "tensordict_overhead.md").write_text("\n".join(lines))
-    print("\n".join(lines))
+    common.write_report(args.out, "tensordict_overhead", report, "\n".join(lines))
 
 
 if __name__ == "__main__":

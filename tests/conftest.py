@@ -1,4 +1,4 @@
-"""Shared by the evaluate and export tests: one tiny trained run (never modified) and the bad-input check."""
+"""Shared by the tests: one tiny trained run (never modified), the bad-input check, a CartPole env config."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from omegaconf import DictConfig, OmegaConf
 
 import ppo_fabric
 
@@ -32,3 +33,11 @@ def assert_cli_failure(
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and err.startswith("ppo-fabric: error: "), err
     assert fragment in err, err
+
+
+def cartpole_env_cfg(num_envs: int, max_episode_steps: int, **extra: Any) -> DictConfig:
+    """conf/env/cartpole.yaml with sync envs and a short time limit, so rollouts hold truncations as well."""
+    return OmegaConf.create(
+        {"id": "CartPole-v1", "num_envs": num_envs, "vector": "sync", "action_repeat": 1,
+         "max_episode_steps": max_episode_steps, "kwargs": {}, **extra}
+    )  # fmt: skip

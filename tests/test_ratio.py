@@ -23,23 +23,14 @@ from ppo_fabric.buffer import rollout_storage, training_batch
 from ppo_fabric.envs import make_vector_env
 from ppo_fabric.ppo import build_learner, train
 from ppo_fabric.rollout import RolloutCollector
+from tests.conftest import cartpole_env_cfg
 
 STEPS, ENVS = 32, 4
 N = STEPS * ENVS
 
 
 def env_cfg() -> DictConfig:
-    """conf/env/cartpole.yaml, with a short time limit so the rollout holds truncations as well."""
-    return OmegaConf.create(
-        {
-            "id": "CartPole-v1",
-            "num_envs": ENVS,
-            "vector": "sync",
-            "action_repeat": 1,
-            "max_episode_steps": 20,
-            "kwargs": {},
-        }
-    )
+    return cartpole_env_cfg(ENVS, max_episode_steps=20)
 
 
 def model_cfg() -> DictConfig:

@@ -35,9 +35,10 @@ from ppo_fabric import ppo as ppo_module
 from ppo_fabric.agent import ActorCritic, RecurrentCore
 from ppo_fabric.buffer import STATE_KEY, rollout_storage, training_batch
 from ppo_fabric.envs import make_vector_env
+from ppo_fabric.policies import Learner
 from ppo_fabric.ppo import build_learner, train
 from ppo_fabric.rollout import RolloutCollector
-from tests.conftest import assert_cli_failure
+from tests.conftest import assert_cli_failure, cartpole_env_cfg
 
 REPO = Path(__file__).resolve().parent.parent
 STEPS, ENVS, SEQ = 32, 4, 8
@@ -47,17 +48,7 @@ N_SEQ = N_STEPS // SEQ  # sequences per rollout
 
 def env_cfg() -> DictConfig:
     """CartPole with position and angle only; a 12-step limit adds truncations to the terminations."""
-    return OmegaConf.create(
-        {
-            "id": "CartPole-v1",
-            "num_envs": ENVS,
-            "vector": "sync",
-            "action_repeat": 1,
-            "max_episode_steps": 12,
-            "kwargs": {},
-            "mask_velocity": True,
-        }
-    )
+    return cartpole_env_cfg(ENVS, max_episode_steps=12, mask_velocity=True)
 
 
 def model_cfg(shared: bool = False) -> DictConfig:
@@ -262,18 +253,22 @@ def test_recurrent_core_sequence_equals_stepping_with_resets() -> None:
 
 
 # ---------------------------------------------------------------------------------------------- train()
+def single_process_learner(**algo: Any) -> tuple[Fabric, Learner]:
+    """The LSTM learner of a 1-process run under a real Fabric, as `ppo.main()` builds it."""
+    fabric = Fabric(accelerator="cpu", devices=1)
+    envs, _ = make_vector_env(env_cfg(), 0, 0)
+    spaces = envs.single_observation_space, envs.single_action_space
+    envs.close()
+    cfg = OmegaConf.create({"model": model_cfg(), "algo": algo_cfg(**algo)})
+    return fabric, build_learner(fabric, cfg, *spaces, None)
+
+
 def test_train_first_minibatch_sees_ratio_one(monkeypatch: pytest.MonkeyPatch) -> None:
     """Under a real single-process Fabric, the first gradient step of an update (4 minibatches of 4
     sequences, 2 epochs) sees ratio 1 and the stored values at every step; later ones do not (the
     parameters have moved)."""
     torch.manual_seed(2)
-    fabric = Fabric(accelerator="cpu", devices=1)
-    envs, _ = make_vector_env(env_cfg(), 2, 0)
-    spaces = envs.single_observation_space, envs.single_action_space
-    envs.close()
-    learner = build_learner(
-        fabric, OmegaConf.create({"model": model_cfg(), "algo": algo_cfg(lr=0.01)}), *spaces, None
-    )
+    fabric, learner = single_process_learner(lr=0.01)
     (storage,) = collect(stir(learner.policy), seed=2)
     ratios: list[torch.Tensor] = []
     value_moves: list[torch.Tensor] = []
@@ -302,13 +297,7 @@ def test_train_one_minibatch_metrics_at_ratio_one() -> None:
     """One epoch, one minibatch: clip fraction and KL are 0, the normalised policy loss is 0, the value
     loss is mean(adv^2), and the parameters move."""
     torch.manual_seed(3)
-    fabric = Fabric(accelerator="cpu", devices=1)
-    envs, _ = make_vector_env(env_cfg(), 3, 0)
-    spaces = envs.single_observation_space, envs.single_action_space
-    envs.close()
-    learner = build_learner(
-        fabric, OmegaConf.create({"model": model_cfg(), "algo": algo_cfg()}), *spaces, None
-    )
+    fabric, learner = single_process_learner()
     (storage,) = collect(stir(learner.policy), seed=3)
     batch = training_batch(storage, SEQ)
     before = [p.detach().clone() for p in learner.policy.parameters()]
