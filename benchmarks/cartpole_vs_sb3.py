@@ -149,11 +149,10 @@ def child_ppo_fabric(
     import torch
 
     import ppo_fabric
-    import ppo_fabric.cli as cli
-    import ppo_fabric.config  # noqa: F401
-    import ppo_fabric.ppo  # noqa: F401
+    import ppo_fabric.cli  # noqa: F401
+    import ppo_fabric.launch as launch
 
-    cli._quiet_libraries()  # the same warning filters the `ppo-fabric` command applies
+    launch.quiet_libraries()  # the same warning filters the `ppo-fabric` command applies
     if threads > 0:
         torch.set_num_threads(threads)  # before the warm-up; run() sets it again from torch_threads
     warm_up_torch()

@@ -27,18 +27,14 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402
 
-from ppo_fabric.cli import build_fabric  # noqa: E402
-from ppo_fabric.config import load, training_layout  # noqa: E402
+from ppo_fabric.config import training_layout  # noqa: E402
+from ppo_fabric.launch import build_fabric  # noqa: E402
+from ppo_fabric.learners import build_learners, policies_of, policy_specs  # noqa: E402
 from ppo_fabric.loss import entropy_loss, normalize, policy_loss, value_loss  # noqa: E402
-from ppo_fabric.policies import (  # noqa: E402
-    build_collector,
-    build_learners,
-    policies_of,
-    policy_specs,
-    training_batches,
-)
-from ppo_fabric.ppo import train_policies  # noqa: E402
-from ppo_fabric.rollout import SINGLE  # noqa: E402
+from ppo_fabric.multiagent import SINGLE  # noqa: E402
+from ppo_fabric.preflight import load  # noqa: E402
+from ppo_fabric.rollout import build_collector, training_batches  # noqa: E402
+from ppo_fabric.update import update_policies  # noqa: E402
 
 
 def per_call_us(fn: Callable[[], Any], repeats: int) -> float:
@@ -121,7 +117,7 @@ def main() -> None:
     torch.set_num_threads(int(cfg.torch_threads))
     fabric = build_fabric(cfg, 1)
     specs = policy_specs(cfg)
-    learners = build_learners(fabric, cfg, specs, None)
+    learners = build_learners(fabric, specs, None, float(cfg.algo.adam_eps))
     collector = build_collector(cfg, specs, 0, fabric.device, None)
     policies = policies_of(learners)
     layout = training_layout(cfg, 1)
@@ -142,8 +138,8 @@ def main() -> None:
         t0 = time.perf_counter()
         collector.collect(policies, it * steps_per_iter)
         t1 = time.perf_counter()
-        train_policies(fabric, learners, training_batches(collector, specs), cfg, it, 10**6, None,
-                       layout.rank_minibatch)  # fmt: skip
+        update_policies(fabric, learners, training_batches(collector, specs), cfg.algo, it * steps_per_iter,
+                        10**6 * steps_per_iter, None, layout.rank_minibatch)  # fmt: skip
         t2 = time.perf_counter()
         if it >= warmup:
             collect_s += t1 - t0

@@ -24,7 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402
 
 import ppo_fabric  # noqa: E402
-from ppo_fabric import buffer, ppo  # noqa: E402
+from ppo_fabric import buffer, rollout  # noqa: E402
 
 
 class PlainBatch(dict):
@@ -59,14 +59,15 @@ original_storage = buffer.rollout_storage
 
 
 def run(storage: str, steps: int, seed: int) -> float:
-    ppo.rollout_storage = plain_storage if storage == "plain tensors" else original_storage
+    # rollout.policy_storage builds every rollout storage through this name
+    rollout.rollout_storage = plain_storage if storage == "plain tensors" else original_storage
     try:
         with tempfile.TemporaryDirectory() as tmp:
             overrides = ["exp=cleanrl_cartpole", f"algo.total_steps={steps}", f"seed={seed}", "logger=none",
                          f"hydra.run.dir={tmp}/run"]  # fmt: skip
             return ppo_fabric.run(overrides)["sps"]
     finally:
-        ppo.rollout_storage = original_storage
+        rollout.rollout_storage = original_storage
 
 
 def main() -> None:

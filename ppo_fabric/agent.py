@@ -59,8 +59,8 @@ class MLP(nn.Module):
 
 
 def _weight_bias(layer: nn.Module) -> tuple[Tensor, Tensor]:
-    """A Linear's parameters read from its `_parameters` dict: `layer.weight` goes through the Python-level
-    `nn.Module.__getattr__` (~0.5 us each), which the rollout pays several times per env step."""
+    """A Linear's parameters from its `_parameters` dict: no public accessor skips `nn.Module.__getattr__`
+    (~0.5 us a read), which the rollout would pay several times per env step."""
     params = layer._parameters
     return params["weight"], params["bias"]  # type: ignore[return-value]
 
@@ -393,12 +393,6 @@ class RecurrentCores(nn.Module):
             self.cores[0].sequence(features, state[:, :2], starts),
             self.cores[1].sequence(features, state[:, 2:], starts),
         )
-
-
-def sequence_length(model_cfg: DictConfig) -> int:
-    """Steps per training unit: `model.lstm.seq_len` for recurrent models, 1 (single steps) otherwise."""
-    lstm = model_cfg.get("lstm")
-    return int(lstm.seq_len) if lstm is not None and int(lstm.hidden_size) > 0 else 1
 
 
 # ---------------------------------------------------------------------------------------- actor-critic

@@ -94,118 +94,57 @@ def training_batch(storage: TensorDict, seq_len: int = 1) -> TensorDict:
 
 
 class MultiAgentRolloutBuffer:
-    """Seed 003's per-agent rollout buffer, over TensorDicts so batching for learning costs nothing.
-
-    Each agent has a row of a [T, rows] TensorDict: the multi-agent rollout loop writes whole policy
-    storages at once (`from_storages`: an agent's row is a column of its policy's storage, so its policy
-    batch and its own trajectory are the same memory), and `add_transition` writes one agent's step for
-    code that produces transitions one at a time (storage grows by doubling, allocated from the first
-    transition's shapes). An "episode" here is the seed's: a rollout of every agent, closed by
-    `end_episode()`, which records each agent's length and reward (steps its `mask` marks present only).
-    `extras` hold controller state per agent: `prev_hidden_states` and `prev_cell_states` of an LSTM.
+    """A per-agent view of the rollout loop's per-policy storages: agent `a` of env copy `e` is `(a, e)`,
+    and its row is a column of its policy's storage, so its policy batch and its own trajectory are the
+    same memory. An "episode" here is a rollout of every agent, closed by `end_episode()`, which records
+    each agent's length and reward (steps its `mask` marks present only). `extras` hold controller state
+    per agent: `prev_hidden_states` and `prev_cell_states` of an LSTM.
     """
 
     FIELDS = ("states", "state_values", "actions", "log_probs", "rewards", "next_states",
               "next_state_values", "dones")  # fmt: skip
 
-    def __init__(self, n_agents: int) -> None:
-        self.reset(n_agents)
-
-    def reset(self, n_agents: int) -> None:
-        """Forget everything, including completed episodes; hold `n_agents` agents from now on."""
-        self.n_agents = n_agents
+    def __init__(self, storages: dict[str, TensorDict], groups: dict[str, list[str]], num_envs: int) -> None:
         self.episodes: list[dict[str, Any]] = []
-        self._data: TensorDict | None = None  # [capacity, n_agents]
-        self._length = [0] * n_agents
-        self._rows: dict[Any, tuple[TensorDict, int, Any]] | None = None  # agent -> (storage, column, env)
-
-    @classmethod
-    def from_storages(
-        cls, storages: dict[str, TensorDict], groups: dict[str, list[str]], num_envs: int
-    ) -> MultiAgentRolloutBuffer:
-        """A view of the rollout loop's per-policy storages: agent `a` of env copy `e` is `(a, e)`."""
-        buffer = cls(sum(len(agents) for agents in groups.values()) * num_envs)
-        buffer._rows = {}
+        self._rows: dict[Any, tuple[TensorDict, int]] = {}  # agent -> (its policy's storage, column)
         for policy, agents in groups.items():
             for e in range(num_envs):
                 for j, agent in enumerate(agents):
-                    buffer._rows[(agent, e)] = (storages[policy], e * len(agents) + j, None)
-        return buffer
+                    self._rows[(agent, e)] = (storages[policy], e * len(agents) + j)
+        self._length = 0
 
     @property
     def agents(self) -> list[Any]:
-        return list(self._rows) if self._rows is not None else list(range(self.n_agents))
+        return list(self._rows)
 
     def mark_collected(self, steps: int) -> None:
         """The rollout loop filled `steps` steps of every agent's row."""
-        self._length = [steps] * self.n_agents
-
-    def add_transition(
-        self,
-        agent: int,
-        state: Any,
-        state_value: Any,
-        action: Any,
-        log_prob: Any,
-        reward: float,
-        next_state: Any,
-        next_state_value: Any,
-        done: bool,
-        extras: dict[str, Any] | None = None,
-    ) -> None:
-        """Append one step of agent `agent` (0 <= agent < n_agents) to the current episode."""
-        if self._rows is not None:
-            raise RuntimeError("this buffer views the rollout loop's storage; it is filled by collection")
-        values = {
-            "obs": state, "values": state_value, "actions": action, "logprobs": log_prob, "rewards": reward,
-            "next_obs": next_state, "next_values": next_state_value, "dones": done, "mask": True,
-        }  # fmt: skip
-        for key, value in (extras or {}).items():
-            values[f"extras.{key}"] = value
-        row = TensorDict({k: torch.as_tensor(v) for k, v in values.items()}, batch_size=[])
-        t = self._length[agent]
-        if self._data is None:
-            self._data = row.expand(8, self.n_agents).clone().zero_()
-        elif t >= self._data.batch_size[0]:
-            self._data = torch.cat((self._data, self._data.clone().zero_()), 0)
-        self._data[t, agent] = row
-        self._length[agent] = t + 1
+        self._length = steps
 
     def trajectory(self, agent: Any) -> TensorDict:
         """One agent's steps of the current episode, in order: [steps] (absent steps left out)."""
-        if self._rows is not None:
-            storage, column, _ = self._rows[agent]
-            rows = storage[: self._length[0], column]
-            return rows[rows["mask"]] if "mask" in rows.keys() else rows  # noqa: SIM118
-        index = self.agents.index(agent)
-        if self._data is None:
-            return TensorDict({}, batch_size=[0])
-        return self._data[: self._length[index], index]
+        storage, column = self._rows[agent]
+        rows = storage[: self._length, column]
+        return rows[rows["mask"]] if "mask" in rows.keys() else rows  # noqa: SIM118
 
     @property
     def current_episode(self) -> dict[str, Any]:
-        """The seed's layout: per field a list over agents of [steps] tensors, and `extras`."""
+        """Per field a list over agents of [steps] tensors, and `extras` (per-agent trajectories, as code
+        written for per-agent buffers reads them)."""
         out: dict[str, Any] = {name: [] for name in self.FIELDS}
         extras: dict[str, list] = {}
         for agent in self.agents:
             steps = self.trajectory(agent)
-            if steps.batch_size[0] == 0 and not list(steps.keys()):
-                for name in self.FIELDS:
-                    out[name].append(torch.empty(0))
-                continue
-            done = steps["dones"] if "dones" in steps.keys() else steps["terminated"] | steps["truncated"]  # noqa: SIM118
+            done = steps["terminated"] | steps["truncated"]
             out["states"].append(steps["obs"])
             out["state_values"].append(steps["values"])
             out["actions"].append(steps["actions"])
             out["log_probs"].append(steps["logprobs"])
             out["rewards"].append(steps["rewards"])
             out["dones"].append(done)
-            if "next_obs" in steps.keys():  # noqa: SIM118
-                out["next_states"].append(steps["next_obs"])
-                out["next_state_values"].append(steps["next_values"])
-            else:  # collected rollouts: the next step's value, or the bootstrap value GAE used
-                out["next_states"].append(None)
-                out["next_state_values"].append(steps["returns"] - steps["advantages"])
+            # the next step's value, or the bootstrap value GAE used
+            out["next_states"].append(None)
+            out["next_state_values"].append(steps["returns"] - steps["advantages"])
             for key, value in _extras(steps).items():
                 extras.setdefault(key, []).append(value)
         out["extras"] = extras
@@ -228,13 +167,10 @@ class MultiAgentRolloutBuffer:
         self.episodes.append(summary)
         return summary
 
-    def reset_current_episode(self) -> None:
-        self._length = [0] * self.n_agents
-
 
 def _extras(steps: TensorDict) -> dict[str, torch.Tensor]:
-    """Controller state per step under the seed's names (LSTM: previous hidden and cell states)."""
+    """Controller state per step (LSTM: previous hidden and cell states)."""
     if STATE_KEY in steps.keys(include_nested=True):
         state = steps[STATE_KEY]  # [steps, 2 * cores, layers, hidden]: (h, c) of each LSTM in turn
         return {"prev_hidden_states": state[:, 0::2], "prev_cell_states": state[:, 1::2]}
-    return {k.removeprefix("extras."): v for k, v in steps.items() if k.startswith("extras.")}
+    return {}

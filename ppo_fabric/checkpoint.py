@@ -19,11 +19,9 @@ from typing import Any
 import gymnasium as gym
 import numpy as np
 import torch
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import OmegaConf
 
 FORMAT_VERSION = 1
-# Keys whose change makes a checkpoint meaningless for a new run.
-_MODEL_KEYS = ("model", "multiagent")  # what shapes the saved parameters
 
 
 def rng_state() -> dict[str, Any]:
@@ -94,43 +92,6 @@ def load(path: str | Path, key: str = "resume") -> dict[str, Any]:
         raise ValueError(f"{key}={str(path)!r}: not a readable checkpoint ({type(exc).__name__})") from exc
     if not isinstance(state, dict) or state.get("format") != FORMAT_VERSION:
         raise ValueError(f"{key}={str(path)!r}: not a ppo-fabric checkpoint (format {FORMAT_VERSION})")
-    return state
-
-
-def check_resume(cfg: DictConfig, path: str, obs_space: gym.Space, action_space: gym.Space) -> dict[str, Any]:
-    """Refuse checkpoints that cannot continue this config, before any process starts."""
-    from ppo_fabric.config import ConfigError
-
-    try:
-        state = load(path)
-    except ValueError as exc:
-        raise ConfigError(str(exc)) from exc
-    saved = state["config"]
-    if saved["env"]["id"] != cfg.env.id:
-        raise ConfigError(
-            f"resume={path!r} was trained on env.id={saved['env']['id']!r}, not {cfg.env.id!r}; "
-            "set env.id to match or start a new run"
-        )
-    for group in _MODEL_KEYS:
-        now = OmegaConf.to_container(cfg[group], resolve=True) if cfg.get(group) is not None else {}
-        before = saved.get(group) or {}
-        for key in sorted(set(now) | set(before)):
-            if now.get(key) != before.get(key):
-                raise ConfigError(
-                    f"resume={path!r}: {group}.{key}={now.get(key)} differs from the checkpoint's "
-                    f"{before.get(key)}; use the same {group} settings"
-                )
-    if state["observation_space"] != obs_space or state["action_space"] != action_space:
-        raise ConfigError(
-            f"resume={path!r}: the env's observation or action space differs from the checkpoint's"
-        )
-    if saved["strategy"] != cfg.strategy:
-        raise ConfigError(f"resume={path!r} comes from strategy={saved['strategy']}; use the same strategy")
-    if state["env_step"] >= cfg.algo.total_steps:
-        raise ConfigError(
-            f"resume={path!r} is already at {state['env_step']} env steps >= algo.total_steps="
-            f"{cfg.algo.total_steps}; raise algo.total_steps to train further"
-        )
     return state
 
 

@@ -1,7 +1,8 @@
-"""Compose the Hydra config and validate it before any process or vector env starts.
+"""Compose the Hydra config and check its values: a leaf that imports nothing from ppo_fabric.
 
 Every problem is reported as a `ConfigError` whose message is one line naming the key and the fix; the
-CLI prints it and exits with status 2. Hydra's own multi-line errors are translated here.
+entry points print it and exit with status 2. Hydra's own multi-line errors are translated here. Checks
+that need an environment, a model, a checkpoint or the machine's devices live in `preflight.py`.
 """
 
 from __future__ import annotations
@@ -12,7 +13,6 @@ import os
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
-from typing import Any
 
 from omegaconf import DictConfig, OmegaConf, open_dict
 
@@ -186,9 +186,20 @@ def _check_number(cfg: DictConfig, rule: _Rule) -> None:
         raise ConfigError(f"{rule.key}={value} is out of range; it must be {span}")
 
 
+def sequence_length(model_cfg: DictConfig) -> int:
+    """Steps per training unit: `model.lstm.seq_len` for recurrent models, 1 (single steps) otherwise."""
+    lstm = model_cfg.get("lstm")
+    return int(lstm.seq_len) if lstm is not None and int(lstm.hidden_size) > 0 else 1
+
+
+def under_fabric_run() -> bool:
+    """Whether `fabric run` started this process: Lightning's CLI says so only through this variable."""
+    return bool(os.environ.get("LT_CLI_USED"))
+
+
 def launched_world_size(cfg: DictConfig) -> int:
     """Processes in the job: `fabric run` (torchrun) says so in WORLD_SIZE, otherwise the config does."""
-    if os.environ.get("LT_CLI_USED") and os.environ.get("WORLD_SIZE"):
+    if under_fabric_run() and os.environ.get("WORLD_SIZE"):
         return int(os.environ["WORLD_SIZE"])
     return int(cfg.fabric.devices) * int(cfg.fabric.num_nodes)
 
@@ -208,10 +219,6 @@ class Layout:
     minibatch: int  # samples per gradient step over all ranks
 
     @property
-    def rank_batch(self) -> int:
-        return self.batch // self.trainers
-
-    @property
     def rank_minibatch(self) -> int:
         return self.minibatch // self.trainers
 
@@ -226,8 +233,16 @@ def training_layout(cfg: DictConfig, world_size: int) -> Layout:
     return Layout(collectors, trainers, per_collector * collectors, int(cfg.algo.minibatch_size))
 
 
-def validate(cfg: DictConfig) -> dict[str, Any]:
-    """Check everything that can be checked without starting a run; returns facts found on the way."""
+def validate(cfg: DictConfig) -> int:
+    """Check every value that can be checked without an env or a model; returns the job's process count."""
+    check_values(cfg)
+    world = launched_world_size(cfg)
+    check_layout(cfg, world)
+    return world
+
+
+def check_values(cfg: DictConfig) -> None:
+    """Each key on its own: numbers in range, one of the choices, booleans, layer widths."""
     for rule in _RULES:
         _check_number(cfg, rule)
     for key, choices in _CHOICES.items():
@@ -241,23 +256,10 @@ def validate(cfg: DictConfig) -> dict[str, Any]:
         widths = OmegaConf.select(cfg, key)
         if not OmegaConf.is_list(widths) or not all(isinstance(w, int) and w > 0 for w in widths):
             raise ConfigError(f"{key}={widths} must be a list of positive widths, e.g. [64, 64]")
-    from ppo_fabric.agent import ACTIVATIONS
-
-    if cfg.model.activation not in ACTIVATIONS:
-        raise ConfigError(f"model.activation={cfg.model.activation!r} is not one of {', '.join(ACTIVATIONS)}")
-
-    world = launched_world_size(cfg)
-    _check_accelerator(cfg, world)
-    _check_layout(cfg, world)
-    spaces = _check_env_and_model(cfg)
-    if cfg.resume is not None:
-        from ppo_fabric.checkpoint import check_resume
-
-        check_resume(cfg, str(cfg.resume), *spaces)
-    return {"world_size": world, "observation_space": spaces[0], "action_space": spaces[1]}
 
 
-def _check_layout(cfg: DictConfig, world: int) -> None:
+def check_layout(cfg: DictConfig, world: int) -> None:
+    """The keys together: processes, batch, minibatch and sequence sizes fit each other."""
     if cfg.strategy == "decoupled":
         if world < 2:
             raise ConfigError(
@@ -306,8 +308,6 @@ def _check_layout(cfg: DictConfig, world: int) -> None:
 
 def _check_sequences(cfg: DictConfig, layout: Layout) -> None:
     """Recurrent models train on whole sequences: rollouts, minibatches and shards hold whole ones."""
-    from ppo_fabric.agent import sequence_length
-
     seq = sequence_length(cfg.model)
     if seq == 1:
         return
@@ -328,96 +328,6 @@ def _check_sequences(cfg: DictConfig, layout: Layout) -> None:
             f"each player's {sequences} sequences cannot be split evenly over {layout.trainers} trainers; "
             "change env.num_envs or model.lstm.seq_len"
         )
-
-
-def _check_env_and_model(cfg: DictConfig) -> tuple[Any, Any]:
-    from ppo_fabric.agent import ActorCritic
-    from ppo_fabric.envs import EnvError
-    from ppo_fabric.policies import policy_specs, spaces_of
-
-    if OmegaConf.is_missing(cfg.env, "id") or cfg.env.id is None:
-        raise ConfigError("env.id is required; set env.id=CartPole-v1 (or any gymnasium id)")
-    if not OmegaConf.is_dict(cfg.env.kwargs):
-        raise ConfigError(
-            f"env.kwargs={cfg.env.kwargs} must be a mapping; add keys with +env.kwargs.NAME=VALUE"
-        )
-    lstm = cfg.model.get("lstm")
-    missing = [k for k in ("hidden_size", "num_layers", "seq_len") if lstm is not None and k not in lstm]
-    if missing:
-        raise ConfigError(
-            f"model.lstm lacks {', '.join(missing)}; model.lstm settings belong to model=lstm (drop them with "
-            "~model.lstm to use another model)"
-        )
-    _check_multiagent(cfg)
-    try:
-        specs = policy_specs(cfg)
-    except EnvError as exc:
-        raise ConfigError(str(exc)) from exc
-    for spec in specs.values():
-        try:
-            ActorCritic(spec.obs_space, spec.action_space, spec.model)
-        except ValueError as exc:  # the model cannot serve these spaces, or a model key is wrong
-            prefix = "" if len(specs) == 1 and spec.name == "main" else f"policy {spec.name!r}: "
-            raise ConfigError(prefix + str(exc)) from exc
-    return spaces_of(specs)
-
-
-def _check_multiagent(cfg: DictConfig) -> None:
-    """What building the policies cannot see: sequence lengths of per-policy recurrent models."""
-    from ppo_fabric.agent import sequence_length
-    from ppo_fabric.envs import EnvError
-    from ppo_fabric.multiagent import is_multiagent, policy_settings
-
-    if not is_multiagent(cfg.env):
-        return
-    if cfg.env.vector != "sync" or int(cfg.env.action_repeat) != 1 or cfg.env.max_episode_steps is not None:
-        raise ConfigError(
-            "PettingZoo envs run with env.vector=sync, env.action_repeat=1 and env.max_episode_steps=null "
-            "(set episode limits through the env's own kwargs, e.g. +env.kwargs.max_cycles=50)"
-        )
-    for key in ("normalize_obs", "normalize_reward", "mask_velocity"):
-        if cfg.env.get(key, False):
-            raise ConfigError(f"env.{key}=true is not supported for PettingZoo envs yet; set env.{key}=false")
-    try:
-        settings = policy_settings(cfg.multiagent)
-    except EnvError as exc:
-        raise ConfigError(str(exc)) from exc
-    for name, own in settings.items():
-        try:
-            model = OmegaConf.merge(cfg.model, (own or {}).get("model") or {})
-        except Exception as exc:  # a key the model config does not have
-            raise ConfigError(f"multiagent.policies.{name}.model: {exc}".splitlines()[0]) from exc
-        seq = sequence_length(model)
-        if cfg.algo.rollout_steps % seq:
-            raise ConfigError(
-                f"multiagent.policies.{name}: model.lstm.seq_len={seq} does not divide "
-                f"algo.rollout_steps={cfg.algo.rollout_steps}"
-            )
-
-
-def _check_accelerator(cfg: DictConfig, world: int) -> None:
-    if cfg.fabric.accelerator not in ("cuda", "gpu"):
-        return
-    import torch
-
-    available = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    if available == 0:
-        raise ConfigError(
-            f"fabric.accelerator={cfg.fabric.accelerator} but no CUDA device is available; "
-            "use fabric=cpu (or fabric.accelerator=auto)"
-        )
-    if not os.environ.get("LT_CLI_USED") and cfg.fabric.devices > available:
-        raise ConfigError(
-            f"fabric.devices={cfg.fabric.devices} but this machine has {available} CUDA device(s)"
-        )
-
-
-def load(overrides: list[str]) -> tuple[DictConfig, str, dict[str, Any]]:
-    """Compose and validate: (config, run-dir template, facts)."""
-    cfg, run_dir = compose(overrides)
-    facts = validate(cfg)
-    check_run_dir(cfg, run_dir)
-    return cfg, run_dir, facts
 
 
 def check_run_dir(cfg: DictConfig, run_dir: str) -> None:

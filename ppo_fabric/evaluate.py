@@ -212,7 +212,7 @@ def evaluate(
 
 def main(argv: list[str] | None = None) -> dict[str, Any] | None:
     """Entry point; exits with status 2 and one line on stderr for bad input."""
-    from ppo_fabric.cli import ArgError, _fail, parse_key_values
+    from ppo_fabric.arguments import ArgError, fail, parse_key_values
 
     args = list(sys.argv[1:] if argv is None else argv)
     if any(a in ("-h", "--help") for a in args):
@@ -221,7 +221,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any] | None:
     try:
         result = evaluate(**parse_key_values(args, SPEC))
     except (ArgError, EvalError) as exc:
-        _fail(str(exc))
+        fail(str(exc))
         return None  # unreachable: _fail exits
     mode = "deterministic" if result["deterministic"] else "stochastic"
     print(

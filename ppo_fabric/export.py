@@ -213,7 +213,7 @@ def _has_onnxruntime() -> bool:
 
 def main(argv: list[str] | None = None) -> Path | None:
     """Entry point; exits with status 2 and one line on stderr for bad input."""
-    from ppo_fabric.cli import ArgError, _fail, parse_key_values
+    from ppo_fabric.arguments import ArgError, fail, parse_key_values
 
     args = list(sys.argv[1:] if argv is None else argv)
     if any(a in ("-h", "--help") for a in args):
@@ -223,7 +223,7 @@ def main(argv: list[str] | None = None) -> Path | None:
         kwargs = parse_key_values(args, SPEC)
         path = export(**kwargs)
     except (ArgError, ExportError) as exc:
-        _fail(str(exc))
+        fail(str(exc))
         return None  # unreachable: _fail exits
     print(f"ppo-fabric: exported the {kwargs['format']} policy to {path}", flush=True)
     return path

@@ -1,4 +1,5 @@
-"""PPO losses (seed 002), written as tensors in, scalar loss out, so they can be checked by hand.
+"""PPO losses: clipped surrogate, (optionally clipped) value loss, entropy bonus. Tensors in, scalar
+loss out, so each can be checked by hand.
 
 Each takes an optional boolean `mask` of the steps that hold a transition (multi-agent rollouts keep a
 row for an agent after it has left its episode); means run over those steps only.

@@ -1,4 +1,4 @@
-"""Metrics: reductions across ranks, TensorBoard/CSV logging and the progress bar (rank 0 only)."""
+"""Metrics: episode statistics, TensorBoard/CSV logging and the progress bar (rank 0 only)."""
 
 from __future__ import annotations
 
@@ -12,17 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from omegaconf import DictConfig, OmegaConf
-
-
-def all_gather_objects(obj: Any, group: Any = None) -> list[Any]:
-    """Every rank's `obj` (in rank order); a single-process run returns `[obj]`."""
-    if not (dist.is_available() and dist.is_initialized()):
-        return [obj]
-    out: list[Any] = [None] * dist.get_world_size(group)
-    dist.all_gather_object(out, obj, group=group)
-    return out
 
 
 def parameters_digest(*modules: torch.nn.Module) -> str:

@@ -23,6 +23,7 @@ from omegaconf import DictConfig, OmegaConf
 from ppo_fabric.envs import EnvError, env_seeds
 
 API = "pettingzoo"
+SINGLE = "main"  # the one policy (and rollout group) of a single-agent env
 
 
 def is_multiagent(env_cfg: DictConfig) -> bool:
@@ -143,17 +144,6 @@ def group_spaces(env: Any, groups: dict[str, list[str]]) -> dict[str, tuple[gym.
                 )
         spaces[policy] = first
     return spaces
-
-
-def probe_groups(env_cfg: DictConfig, ma_cfg: DictConfig) -> dict[str, tuple[gym.Space, gym.Space]]:
-    """Build one env to validate the id and mapping and read every policy's spaces."""
-    env = make_parallel_env(env_cfg)
-    try:
-        groups = policy_mapping(list(env.possible_agents), ma_cfg)
-        trained_policies(ma_cfg)
-        return group_spaces(env, groups)
-    finally:
-        env.close()
 
 
 class MultiAgentVectorEnv:

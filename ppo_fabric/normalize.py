@@ -133,22 +133,6 @@ def sync_normalizers(envs: Any, reduce: Reduce | None) -> None:
         wrapper.moments.commit(reduce)
 
 
-def make_reduce(group: Any, device: Any) -> Reduce | None:
-    """Sum over a process group (None when there is nothing to sum with)."""
-    import torch
-    import torch.distributed as dist
-
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size(group) == 1:
-        return None
-
-    def reduce(values: np.ndarray) -> np.ndarray:
-        tensor = torch.from_numpy(values).to(device)
-        dist.all_reduce(tensor, group=group)
-        return tensor.cpu().numpy()
-
-    return reduce
-
-
 def first_observations(envs: Any, obs: np.ndarray, reduce: Reduce | None) -> np.ndarray:
     """After the first reset: merge every rank's initial observations, then normalise them with that."""
     sync_normalizers(envs, reduce)

@@ -1,4 +1,8 @@
-"""The one rollout loop: act, step, store, bootstrap. Coupled ranks and decoupled players both run it."""
+"""The one rollout loop: act, step, store, bootstrap. Coupled ranks and decoupled players both run it.
+
+`build_collector` makes a rank's envs and storage for it; `training_batches` turns what it collected into
+each trained policy's batch.
+"""
 
 from __future__ import annotations
 
@@ -10,11 +14,15 @@ from typing import Any
 import gymnasium as gym
 import numpy as np
 import torch
+from omegaconf import DictConfig
 from tensordict import TensorDict
 
 from ppo_fabric.advantages import compute_advantages
 from ppo_fabric.agent import ActorCritic, Obs
-from ppo_fabric.buffer import STATE_KEY
+from ppo_fabric.buffer import STATE_KEY, MultiAgentRolloutBuffer, rollout_storage, training_batch
+from ppo_fabric.envs import make_vector_env
+from ppo_fabric.learners import PolicySpec
+from ppo_fabric.multiagent import SINGLE, make_multiagent_vector_env
 from ppo_fabric.normalize import Reduce, sync_normalizers
 
 
@@ -64,9 +72,6 @@ class Group:
             parts = {k: torch.as_tensor(v, dtype=template[k].dtype, device=device) for k, v in obs.items()}
             return TensorDict(parts, batch_size=template.batch_size[1:], device=device)
         return torch.as_tensor(obs, dtype=self.obs_dtype, device=device)
-
-
-SINGLE = "main"  # the one group of a single-agent env
 
 
 class RolloutCollector:
@@ -303,3 +308,49 @@ def _copy_in(stored: torch.Tensor | TensorDict, host: HostArrays) -> None:
             _copy_in(stored[k], sub)
     else:
         stored.copy_(torch.from_numpy(host), non_blocking=True)
+
+
+# ---------------------------------------------------------------------------------------------- set-up
+def build_collector(
+    cfg: DictConfig,
+    specs: dict[str, PolicySpec],
+    rank: int,
+    device: torch.device | str,
+    reduce: Reduce | None,
+) -> RolloutCollector:
+    """The rank's envs and rollout storage: [T, E] for a gymnasium env; for a PettingZoo env one storage
+    per policy, [T, E * its agents per copy], with the `mask` of steps that hold a transition."""
+    algo = cfg.algo
+    steps, copies = int(algo.rollout_steps), int(cfg.env.num_envs)
+    if list(specs) == [SINGLE]:
+        envs, first = make_vector_env(cfg.env, int(cfg.seed), rank, float(algo.gamma), reduce)
+        storage: Any = policy_storage(steps, copies, specs[SINGLE], device)
+    else:
+        envs, first = make_multiagent_vector_env(cfg.env, cfg.multiagent, int(cfg.seed), rank)
+        storage = {name: policy_storage(steps, copies, spec, device) for name, spec in specs.items()}
+    collector = RolloutCollector(envs, first, storage, float(algo.gamma), float(algo.gae_lambda), reduce)
+    if collector.multiagent:
+        collector.buffer = MultiAgentRolloutBuffer(storage, envs.groups, envs.num_envs)
+    return collector
+
+
+def policy_storage(
+    rollout_steps: int, num_envs: int, spec: PolicySpec, device: torch.device | str
+) -> TensorDict:
+    """One policy's rollout storage on one collecting rank (trainers build it too, as the template of
+    what players send)."""
+    return rollout_storage(
+        rollout_steps,
+        num_envs * spec.agents,
+        spec.obs_space,
+        spec.action_space,
+        device,
+        spec.state_shape,
+        masked=spec.name != SINGLE,
+    )
+
+
+def training_batches(collector: RolloutCollector, specs: dict[str, PolicySpec]) -> dict[str, TensorDict]:
+    """Each trained policy's batch from this rank's rollout (sequences for recurrent models)."""
+    storages = collector.storages
+    return {n: training_batch(storages[n], s.seq_len) for n, s in specs.items() if s.trained}

@@ -10,6 +10,8 @@ import pytest
 from omegaconf import DictConfig, OmegaConf
 
 import ppo_fabric
+from ppo_fabric.learners import Learner, PolicySpec, build_learners
+from ppo_fabric.multiagent import SINGLE
 
 
 @pytest.fixture(scope="session")
@@ -41,3 +43,9 @@ def cartpole_env_cfg(num_envs: int, max_episode_steps: int, **extra: Any) -> Dic
         {"id": "CartPole-v1", "num_envs": num_envs, "vector": "sync", "action_repeat": 1,
          "max_episode_steps": max_episode_steps, "kwargs": {}, **extra}
     )  # fmt: skip
+
+
+def single_learner(fabric: Any, cfg: DictConfig, obs_space: Any, action_space: Any) -> Learner:
+    """The one learner of a single-agent run, as `ppo.main()` builds it, from `cfg.model` and `cfg.algo`."""
+    spec = PolicySpec(SINGLE, obs_space, action_space, cfg.model, float(cfg.algo.lr), True, 1)
+    return build_learners(fabric, {SINGLE: spec}, None, float(cfg.algo.adam_eps))[SINGLE]

@@ -24,7 +24,8 @@ import pytest
 import torch
 
 import ppo_fabric
-from ppo_fabric.config import ConfigError, group_options, load
+from ppo_fabric.config import ConfigError, group_options
+from ppo_fabric.preflight import load
 
 # A run small enough to finish in well under a second: one rollout of the default CartPole, 4 envs x 128
 # steps. No env.id here: it would fill in the id that the `env=gym` case leaves missing.

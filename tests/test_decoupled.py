@@ -25,7 +25,8 @@ from omegaconf import OmegaConf
 
 import ppo_fabric
 from ppo_fabric.agent import ActorCritic
-from ppo_fabric.config import ConfigError, load
+from ppo_fabric.config import ConfigError
+from ppo_fabric.preflight import load
 
 REPO = Path(__file__).resolve().parent.parent
 FABRIC = Path(sys.executable).parent / "fabric"

@@ -32,14 +32,14 @@ from ppo_fabric import cli
 from ppo_fabric import ppo as ppo_module
 from ppo_fabric.advantages import compute_advantages
 from ppo_fabric.agent import ActorCritic
-from ppo_fabric.buffer import STATE_KEY, MultiAgentRolloutBuffer, rollout_storage, training_batch
+from ppo_fabric.buffer import STATE_KEY, rollout_storage, training_batch
 from ppo_fabric.config import compose
 from ppo_fabric.envs import env_seeds
+from ppo_fabric.learners import policy_specs
 from ppo_fabric.multiagent import MultiAgentVectorEnv
 from ppo_fabric.multiagent_envs import MatchingGame, matching_v0
-from ppo_fabric.policies import build_collector, policy_specs
-from ppo_fabric.ppo import train
-from ppo_fabric.rollout import RolloutCollector
+from ppo_fabric.rollout import RolloutCollector, build_collector
+from ppo_fabric.update import update_policy as train
 from tests.conftest import assert_cli_failure
 
 REPO = Path(__file__).resolve().parent.parent
@@ -324,97 +324,6 @@ def test_masked_steps_do_not_reach_the_update(rollouts: dict[str, Any]) -> None:
     # guard: without the mask the same garbage does change the update, so the check above can fail
     unmasked_stats, _ = _train_once(cfg, garbage.exclude("mask"))
     assert unmasked_stats["loss/value"] != clean_stats["loss/value"]
-
-
-# ---------------------------------------------------------------------------- the seed's buffer, by hand
-def _transition(agent: int, t: int) -> dict[str, Any]:
-    tag = 100.0 * agent + t
-    return {
-        "state": torch.full((4,), tag),
-        "state_value": tag / 10,
-        "action": t % 3,
-        "log_prob": -tag / 100,
-        "reward": tag,
-        "next_state": torch.full((4,), tag + 1),
-        "next_state_value": (tag + 1) / 10,
-        "done": t % 5 == 4,
-        "extras": {
-            "prev_hidden_states": torch.full((2, 6), tag),
-            "prev_cell_states": torch.full((2, 6), -tag),
-        },
-    }
-
-
-def _add(buffer: MultiAgentRolloutBuffer, agent: int, steps: range) -> None:
-    for t in steps:
-        tr = _transition(agent, t)
-        extras = tr.pop("extras")
-        buffer.add_transition(agent, *tr.values(), extras=extras)
-
-
-def test_rollout_buffer_api_by_hand() -> None:
-    """Seed 003: add_transition per agent and step (with LSTM extras), current_episode per agent,
-    end_episode's lengths, rewards and averages, reset_current_episode, reset(n_agents), growth past the
-    first 8 steps, and one agent's trajectory on its own."""
-    buffer = MultiAgentRolloutBuffer(2)
-    assert buffer.agents == [0, 1] and buffer.episodes == []
-    _add(buffer, 0, range(11))  # past the initial capacity of 8: the storage grows
-    _add(buffer, 1, range(3))
-    ep = buffer.current_episode
-    for field in MultiAgentRolloutBuffer.FIELDS:
-        assert len(ep[field]) == 2, field
-    assert [len(x) for x in ep["states"]] == [11, 3]
-    for agent, n in ((0, 11), (1, 3)):
-        tags = torch.tensor([100.0 * agent + t for t in range(n)])
-        torch.testing.assert_close(ep["states"][agent], tags[:, None].expand(n, 4))
-        torch.testing.assert_close(ep["next_states"][agent], tags[:, None].expand(n, 4) + 1)
-        torch.testing.assert_close(ep["state_values"][agent], tags / 10)
-        torch.testing.assert_close(ep["next_state_values"][agent], (tags + 1) / 10)
-        torch.testing.assert_close(ep["log_probs"][agent], -tags / 100)
-        torch.testing.assert_close(ep["rewards"][agent], tags)
-        assert ep["actions"][agent].tolist() == [t % 3 for t in range(n)]
-        assert ep["dones"][agent].tolist() == [t % 5 == 4 for t in range(n)]
-        hidden, cell = ep["extras"]["prev_hidden_states"][agent], ep["extras"]["prev_cell_states"][agent]
-        assert hidden.shape == cell.shape == (n, 2, 6)
-        torch.testing.assert_close(hidden, tags[:, None, None].expand(n, 2, 6))
-        torch.testing.assert_close(cell, -tags[:, None, None].expand(n, 2, 6))
-    assert set(ep["extras"]) == {"prev_hidden_states", "prev_cell_states"}
-
-    only = buffer.trajectory(1)  # one agent's steps, without the other agent's longer history
-    assert only.batch_size == torch.Size([3])
-    assert only["rewards"].tolist() == [100.0, 101.0, 102.0]
-
-    summary = buffer.end_episode()
-    assert summary["episode_length"] == [11, 3]
-    assert summary["episode_reward"] == [float(sum(range(11))), 100.0 + 101.0 + 102.0]
-    assert summary["average_episode_length"] == 7.0
-    assert summary["average_episode_reward"] == pytest.approx((55.0 + 303.0) / 2)
-    assert buffer.episodes == [summary]
-
-    buffer.reset_current_episode()
-    assert [len(x) for x in buffer.current_episode["rewards"]] == [0, 0]
-    _add(buffer, 1, range(7, 8))  # a new episode starts at step 0, with nothing left of the old one
-    assert buffer.trajectory(1)["rewards"].tolist() == [107.0]
-    assert buffer.end_episode()["episode_length"] == [0, 1]
-    assert len(buffer.episodes) == 2
-
-    buffer.reset(3)
-    assert buffer.n_agents == 3 and buffer.agents == [0, 1, 2] and buffer.episodes == []
-    assert [len(x) for x in buffer.current_episode["states"]] == [0, 0, 0]
-    _add(buffer, 2, range(2))
-    assert [len(x) for x in buffer.current_episode["states"]] == [0, 0, 2]
-    assert buffer.end_episode()["episode_reward"] == [0.0, 0.0, 200.0 + 201.0]
-
-
-def test_rollout_view_is_filled_by_collection_only() -> None:
-    """The collector's buffer views its storages; writing transitions into it by hand is refused."""
-    cfg = _cfg(False)
-    collector = build_collector(cfg, policy_specs(cfg), 0, "cpu", None)
-    try:
-        with pytest.raises(RuntimeError, match="filled by collection"):
-            _add(collector.buffer, 0, range(1))
-    finally:
-        collector.envs.close()
 
 
 # ----------------------------------------------------------------------------------- learning, outputs

@@ -21,10 +21,11 @@ import ppo_fabric
 from ppo_fabric.agent import ActorCritic, MultiEncoder, NatureCNN, select_encoder
 from ppo_fabric.atari import EpisodicLife, FireReset, GameEpisodeStatistics, wrap_atari
 from ppo_fabric.buffer import rollout_storage, training_batch
-from ppo_fabric.collectives import BatchCodec, Kind
-from ppo_fabric.config import ConfigError, compose, validate
+from ppo_fabric.config import ConfigError, compose
 from ppo_fabric.envs import make_vector_env
 from ppo_fabric.evaluate import play
+from ppo_fabric.preflight import check as validate
+from ppo_fabric.protocol import BatchCodec, Kind
 from ppo_fabric.rollout import RolloutCollector
 from tests.pixel_envs import DictPixels, FakeAtari
 

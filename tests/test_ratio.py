@@ -1,5 +1,5 @@
 """The PPO ratio starts at 1: re-evaluating a CartPole rollout reproduces its log-probs and values, and one
-`train()` update on it under a real single-process Fabric reports the metrics that follow from that.
+`update_policy()` update on it under a real single-process Fabric reports the metrics that follow from that.
 
 Bit-exactness does not hold in general: on CPU the re-evaluation of a minibatch whose size differs from the
 rollout batch (num_envs rows per `act` call) goes through different BLAS kernels, and odd minibatch sizes
@@ -21,9 +21,9 @@ from tensordict import TensorDict
 from ppo_fabric.agent import ActorCritic
 from ppo_fabric.buffer import rollout_storage, training_batch
 from ppo_fabric.envs import make_vector_env
-from ppo_fabric.ppo import build_learner, train
 from ppo_fabric.rollout import RolloutCollector
-from tests.conftest import cartpole_env_cfg
+from ppo_fabric.update import update_policy as train
+from tests.conftest import cartpole_env_cfg, single_learner
 
 STEPS, ENVS = 32, 4
 N = STEPS * ENVS
@@ -45,7 +45,7 @@ def algo_cfg(**overrides: object) -> DictConfig:
         "minibatch_size": N,
         "update_epochs": 1,
         "lr": 2.5e-4,
-        "adam_eps": 1e-5,  # read by build_learner
+        "adam_eps": 1e-5,  # read by build_learners
         "gamma": 0.99,
         "gae_lambda": 0.95,
         "norm_adv": True,
@@ -152,7 +152,7 @@ def fabric_learner(seed: int, lr: float = 2.5e-4) -> tuple[Fabric, Any, Any, Act
     spaces = envs.single_observation_space, envs.single_action_space
     envs.close()
     cfg = OmegaConf.create({"model": model_cfg(), "algo": algo_cfg(lr=lr)})
-    learner = build_learner(fabric, cfg, *spaces, None)
+    learner = single_learner(fabric, cfg, *spaces)
     return fabric, learner.model, learner.optimizer, learner.policy
 
 

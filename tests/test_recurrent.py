@@ -31,14 +31,15 @@ from tensordict import TensorDict
 import ppo_fabric
 from ppo_fabric import checkpoint as ckpt
 from ppo_fabric import cli, evaluate, export
-from ppo_fabric import ppo as ppo_module
+from ppo_fabric import launch as launch_module
+from ppo_fabric import update as update_module
 from ppo_fabric.agent import ActorCritic, RecurrentCore
 from ppo_fabric.buffer import STATE_KEY, rollout_storage, training_batch
 from ppo_fabric.envs import make_vector_env
-from ppo_fabric.policies import Learner
-from ppo_fabric.ppo import build_learner, train
+from ppo_fabric.learners import Learner
 from ppo_fabric.rollout import RolloutCollector
-from tests.conftest import assert_cli_failure, cartpole_env_cfg
+from ppo_fabric.update import update_policy as train
+from tests.conftest import assert_cli_failure, cartpole_env_cfg, single_learner
 
 REPO = Path(__file__).resolve().parent.parent
 STEPS, ENVS, SEQ = 32, 4, 8
@@ -260,7 +261,7 @@ def single_process_learner(**algo: Any) -> tuple[Fabric, Learner]:
     spaces = envs.single_observation_space, envs.single_action_space
     envs.close()
     cfg = OmegaConf.create({"model": model_cfg(), "algo": algo_cfg(**algo)})
-    return fabric, build_learner(fabric, cfg, *spaces, None)
+    return fabric, single_learner(fabric, cfg, *spaces)
 
 
 def test_train_first_minibatch_sees_ratio_one(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -272,7 +273,7 @@ def test_train_first_minibatch_sees_ratio_one(monkeypatch: pytest.MonkeyPatch) -
     (storage,) = collect(stir(learner.policy), seed=2)
     ratios: list[torch.Tensor] = []
     value_moves: list[torch.Tensor] = []
-    real_policy_loss, real_value_loss = ppo_module.policy_loss, ppo_module.value_loss
+    real_policy_loss, real_value_loss = update_module.policy_loss, update_module.value_loss
 
     def policy_loss(new_logp: torch.Tensor, old_logp: torch.Tensor, *args: Any) -> torch.Tensor:
         ratios.append((new_logp - old_logp).detach().exp())
@@ -282,8 +283,8 @@ def test_train_first_minibatch_sees_ratio_one(monkeypatch: pytest.MonkeyPatch) -
         value_moves.append((new_values - old_values).detach().abs().max())
         return real_value_loss(new_values, old_values, *args)
 
-    monkeypatch.setattr(ppo_module, "policy_loss", policy_loss)
-    monkeypatch.setattr(ppo_module, "value_loss", value_loss)
+    monkeypatch.setattr(update_module, "policy_loss", policy_loss)
+    monkeypatch.setattr(update_module, "value_loss", value_loss)
     algo = algo_cfg(minibatch_size=N_STEPS // 4, update_epochs=2, lr=0.01)
     stats = train(fabric, learner.model, learner.optimizer, training_batch(storage, SEQ), algo)
     assert len(ratios) == len(value_moves) == 8 and stats["train/epochs"] == 2
@@ -394,7 +395,7 @@ def test_sequence_layout_errors(
 ) -> None:
     """conf/env/cartpole.yaml: 8 envs x 32 steps; model=lstm: sequences of 16. A config that slipped
     through must fail here, not start processes from inside pytest."""
-    monkeypatch.setattr(cli, "launch", lambda *_: pytest.fail("the config was accepted"))
+    monkeypatch.setattr(launch_module, "launch", lambda *_: pytest.fail("the config was accepted"))
     assert_cli_failure(capsys, cli.main, ["model=lstm", "logger=none", *argv], fragment)
 
 
@@ -506,8 +507,8 @@ def test_decoupled_pipelined_resume_is_exact(tmp_path: Path) -> None:
 def test_the_lstm_recipe_runs_with_another_model(tmp_path: Path) -> None:
     """`exp=cartpole_lstm model=mlp` is the same task without memory (the benchmark's baseline), and a
     partial model.lstm block is refused in one line instead of half-building an LSTM."""
-    from ppo_fabric.agent import sequence_length
-    from ppo_fabric.config import ConfigError, load
+    from ppo_fabric.config import ConfigError, sequence_length
+    from ppo_fabric.preflight import load
 
     cfg, _, _ = load(["exp=cartpole_lstm", "model=mlp", "logger=none", f"hydra.run.dir={tmp_path}/a"])
     assert sequence_length(cfg.model) == 1 and cfg.env.mask_velocity

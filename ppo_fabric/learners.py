@@ -1,5 +1,5 @@
-"""The policies a run learns, for both strategies: one (`main`) for a gymnasium env, one per entry of
-`multiagent.policies` for a PettingZoo env. Each has its own spaces, model config, optimiser and learning
+"""The policies a run learns and their optimisers, for both strategies: one (`main`) for a gymnasium env,
+one per entry of `multiagent.policies` for a PettingZoo env. Each has its own spaces, model config, optimiser and learning
 rate, and acts for every agent mapped to it; policies outside `multiagent.policies_to_train` act but
 never change. Single-agent runs are the one-policy case of the same code, not a separate path.
 """
@@ -13,22 +13,19 @@ import gymnasium as gym
 import torch
 from lightning.fabric import Fabric
 from omegaconf import DictConfig, OmegaConf
-from tensordict import TensorDict
 
-from ppo_fabric.agent import ActorCritic, sequence_length
-from ppo_fabric.buffer import MultiAgentRolloutBuffer, rollout_storage, training_batch
-from ppo_fabric.envs import EnvError, make_vector_env, probe_spaces
+from ppo_fabric.agent import ActorCritic
+from ppo_fabric.config import sequence_length
+from ppo_fabric.envs import EnvError, probe_spaces
 from ppo_fabric.multiagent import (
+    SINGLE,
     group_spaces,
     is_multiagent,
-    make_multiagent_vector_env,
     make_parallel_env,
     policy_mapping,
     policy_settings,
     trained_policies,
 )
-from ppo_fabric.normalize import Reduce
-from ppo_fabric.rollout import SINGLE, RolloutCollector
 
 
 @dataclass
@@ -112,8 +109,13 @@ def fused_adam_ok(fabric: Fabric) -> bool:
 
 
 def build_learners(
-    fabric: Fabric, cfg: DictConfig, specs: dict[str, PolicySpec], resume: dict | None
+    fabric: Fabric, specs: dict[str, PolicySpec], resume: dict | None, adam_eps: float
 ) -> dict[str, Learner]:
+    """Each policy's model and (trained ones) optimiser on this rank's device, from `resume` if given.
+
+    Optimiser state is loaded after `fabric.setup` has moved the parameters, so `load_state_dict` puts it
+    on their device: a checkpoint written on another device (CPU <-> CUDA) resumes as it is.
+    """
     multi = list(specs) != [SINGLE]
     learners = {}
     for name, spec in specs.items():
@@ -127,17 +129,17 @@ def build_learners(
             continue
         # fused: one kernel for all parameters instead of ~10 ops per tensor (2.6x faster update step on CPU)
         optimizer = torch.optim.Adam(
-            agent.parameters(), lr=spec.lr, eps=float(cfg.algo.adam_eps), fused=fused_adam_ok(fabric)
+            agent.parameters(), lr=spec.lr, eps=adam_eps, fused=fused_adam_ok(fabric)
         )
+        model, wrapped = fabric.setup(agent, optimizer)
         if resume is not None:
             optimizer.load_state_dict(resume["optimizer"][name] if multi else resume["optimizer"])
-        model, optimizer = fabric.setup(agent, optimizer)
-        learners[name] = Learner(model, optimizer, model.module, spec)
+        learners[name] = Learner(model, wrapped, model.module, spec)
     return learners
 
 
 def learners_state(cfg: DictConfig, learners: dict[str, Learner]) -> dict[str, Any]:
-    """The learning side of a checkpoint: config, spaces, parameters and optimiser states."""
+    """The learning side of a checkpoint: the run's config, spaces, parameters and optimiser states."""
     specs = {n: lr.spec for n, lr in learners.items()}
     obs_space, action_space = spaces_of(specs)
     state = {
@@ -165,64 +167,9 @@ def trained(specs: dict[str, PolicySpec]) -> list[str]:
     return [n for n, spec in specs.items() if spec.trained]
 
 
-def set_lr(
-    optimizer: Any, cfg: DictConfig, iteration: int, iterations: int, lr: float | None = None
-) -> float:
-    """Linear annealing to zero over the run (a pure function of the iteration, so resume needs no state)."""
-    lr = float(cfg.algo.lr) if lr is None else lr
-    if cfg.algo.anneal_lr:
-        lr *= 1.0 - iteration / iterations
-    for group in optimizer.param_groups:
-        group["lr"] = lr
-    return lr
-
-
-# ------------------------------------------------------------------------------------------ collection
-def build_collector(
-    cfg: DictConfig,
-    specs: dict[str, PolicySpec],
-    rank: int,
-    device: torch.device | str,
-    reduce: Reduce | None,
-) -> RolloutCollector:
-    """The rank's envs and rollout storage: [T, E] for a gymnasium env; for a PettingZoo env one storage
-    per policy, [T, E * its agents per copy], with the `mask` of steps that hold a transition."""
-    algo = cfg.algo
-    if list(specs) == [SINGLE]:
-        envs, first = make_vector_env(cfg.env, int(cfg.seed), rank, float(algo.gamma), reduce)
-        storage: Any = policy_storage(cfg, specs[SINGLE], device)
-    else:
-        envs, first = make_multiagent_vector_env(cfg.env, cfg.multiagent, int(cfg.seed), rank)
-        storage = {name: policy_storage(cfg, spec, device) for name, spec in specs.items()}
-    collector = RolloutCollector(envs, first, storage, float(algo.gamma), float(algo.gae_lambda), reduce)
-    if collector.multiagent:
-        collector.buffer = MultiAgentRolloutBuffer.from_storages(storage, envs.groups, envs.num_envs)
-    return collector
-
-
-def policy_storage(cfg: DictConfig, spec: PolicySpec, device: torch.device | str) -> TensorDict:
-    """One policy's rollout storage on one collecting rank (trainers build it too, as the template of
-    what players send)."""
-    return rollout_storage(
-        int(cfg.algo.rollout_steps),
-        int(cfg.env.num_envs) * spec.agents,
-        spec.obs_space,
-        spec.action_space,
-        device,
-        spec.state_shape,
-        masked=spec.name != SINGLE,
-    )
-
-
 def all_parameters(policies: dict[str, ActorCritic]) -> list[torch.nn.Parameter]:
     """Every policy's parameters in one fixed order (players receive them as one flat vector)."""
     return [p for name in sorted(policies) for p in policies[name].parameters()]
-
-
-def training_batches(collector: RolloutCollector, specs: dict[str, PolicySpec]) -> dict[str, TensorDict]:
-    """Each trained policy's batch from this rank's rollout (sequences for recurrent models)."""
-    storages = collector.storages
-    return {n: training_batch(storages[n], s.seq_len) for n, s in specs.items() if s.trained}
 
 
 def metric_name(policy: str, key: str) -> str:

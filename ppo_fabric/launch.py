@@ -1,0 +1,167 @@
+"""Start a run from a checked config: build Fabric, launch (or join) the processes, seed, run the strategy's
+`main` on every rank, turn a rank's failure into one line, and leave the process cleanly.
+
+Strategies hand their own `main` in (`run_script` under `fabric run`, `cli` for `python -m ppo_fabric`),
+so this module never imports a strategy and no strategy imports the command line.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import logging
+import os
+import sys
+import traceback
+import warnings
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, NoReturn
+
+import torch
+from lightning.fabric import Fabric
+from lightning.fabric.strategies import DDPStrategy
+from lightning.fabric.utilities.seed import seed_everything
+from omegaconf import DictConfig
+from torch.nn.parallel import DistributedDataParallel
+
+from ppo_fabric.arguments import fail
+from ppo_fabric.config import ConfigError, under_fabric_run
+from ppo_fabric.preflight import load
+from ppo_fabric.protocol import end_process_group
+
+StrategyMain = Callable[[Fabric, DictConfig, Path], dict[str, Any]]
+
+
+class GroupDDPStrategy(DDPStrategy):
+    """Fabric's DDP over a sub-group of the job chosen after launch: the decoupled trainers.
+
+    Players never join the group. A group of one trainer gets no DDP wrapper at all: it has nothing to
+    synchronise, and DDP's forward/backward hooks would still cost ~120 us per minibatch step.
+    """
+
+    def __init__(self, timeout: datetime.timedelta, start_method: str = "popen", **ddp_kwargs: Any) -> None:
+        super().__init__(timeout=timeout, start_method=start_method, **ddp_kwargs)
+        self.module_group: Any = None
+        self.module_group_size = 0
+        self.ddp_kwargs = ddp_kwargs  # what DistributedDataParallel gets, as DDPStrategy passes them on
+
+    def use_group(self, group: Any, size: int) -> None:
+        self.module_group, self.module_group_size = group, size
+
+    def setup_module(self, module: torch.nn.Module) -> torch.nn.Module:
+        if self.module_group is None:
+            return super().setup_module(module)
+        if self.module_group_size == 1:
+            return module
+        device = self.root_device
+        device_ids = [device.index] if device.type == "cuda" else None
+        return DistributedDataParallel(
+            module, device_ids=device_ids, process_group=self.module_group, **self.ddp_kwargs
+        )
+
+
+def quiet_libraries() -> None:
+    warnings.filterwarnings("ignore", message=".*is not a supported pipeline.*")
+    warnings.filterwarnings("ignore", category=UserWarning, module="lightning.fabric.*")
+    warnings.filterwarnings("ignore", message=".*does not have many workers.*")
+    for name in ("lightning.fabric", "lightning_fabric", "lightning.fabric.utilities.seed"):
+        logging.getLogger(name).setLevel(logging.WARNING)
+
+
+def describe_failure(exc: BaseException) -> str:
+    """One line for a rank's failure; a broken collective means another rank died first."""
+    text = f"{type(exc).__name__}: {exc}".strip().splitlines()[0]
+    lost = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "timed out", "Timeout")
+    if any(marker in text for marker in lost) or type(exc).__name__ == "DistBackendError":
+        return f"lost contact with another rank (it failed, was killed, or is stuck): {text}"
+    return text
+
+
+def build_fabric(cfg: DictConfig, world_size: int) -> Fabric:
+    timeout = datetime.timedelta(seconds=float(cfg.collectives.timeout))
+    under_cli = under_fabric_run()
+    kwargs: dict[str, Any] = {}
+    if not under_cli:  # `fabric run` flags decide these, and passing others would conflict
+        kwargs = {
+            "accelerator": cfg.fabric.accelerator,
+            "devices": int(cfg.fabric.devices),
+            "num_nodes": int(cfg.fabric.num_nodes),
+            "precision": cfg.fabric.precision,
+        }
+    # `fabric run --strategy=...` reaches Fabric only through LT_STRATEGY; no public API reads it back.
+    if world_size > 1 and cfg.fabric.strategy in ("auto", "ddp") and not os.environ.get("LT_STRATEGY"):
+        ddp = GroupDDPStrategy if cfg.strategy == "decoupled" else DDPStrategy
+        kwargs["strategy"] = ddp(timeout=timeout, start_method="popen")
+    elif not under_cli:
+        kwargs["strategy"] = cfg.fabric.strategy
+    return Fabric(**kwargs)
+
+
+def launch(
+    cfg: DictConfig, run_dir_template: str, facts: dict[str, Any], main: StrategyMain
+) -> dict[str, Any]:
+    """Start the processes and run `main` on each; returns this rank's summary."""
+    if int(cfg.torch_threads) > 0:
+        torch.set_num_threads(int(cfg.torch_threads))
+    fabric = build_fabric(cfg, facts["world_size"])
+    if not under_fabric_run():  # under `fabric run` the processes exist and are set up already
+        fabric.launch()
+    # Every process composed the config itself (at its own time); rank 0's run directory wins.
+    run_dir = Path(fabric.broadcast(str(Path(run_dir_template).resolve()), src=0))
+    seed_everything(int(cfg.seed) + fabric.global_rank, verbose=False)
+    try:
+        summary = main(fabric, cfg, run_dir)
+    except KeyboardInterrupt:
+        if fabric.global_rank == 0:
+            last = run_dir / "checkpoints" / "last.ckpt"
+            hint = f"; continue with resume={last}" if last.exists() else ""
+            os.write(2, f"ppo-fabric: interrupted{hint}\n".encode())
+        os._exit(130)
+    except Exception as exc:
+        if fabric.world_size == 1:
+            raise
+        rank = fabric.global_rank
+        if os.environ.get("PPO_FABRIC_TRACEBACK"):
+            traceback.print_exc()
+        # one write per line: ranks failing together must not interleave their messages
+        os.write(2, f"ppo-fabric: error on rank {rank}: {describe_failure(exc)}\n".encode())
+        os._exit(1)  # do not wait in atexit hooks for peers that may be stuck in a collective
+    end_process_group()
+    return summary
+
+
+def start(args: list[str], choose: Callable[[DictConfig], StrategyMain]) -> dict[str, Any]:
+    """Check the config from `args`, then launch the strategy `choose` picks for it; a config mistake
+    ends the process with one line and status 2 before anything starts."""
+    quiet_libraries()
+    try:
+        cfg, run_dir, facts = load(list(args))
+    except ConfigError as exc:
+        fail(str(exc))
+    return launch(cfg, run_dir, facts, choose(cfg))
+
+
+def end_process(code: int = 0) -> NoReturn:
+    """Leave the process without the interpreter's shutdown.
+
+    A finished 2-process LunarLander run left its second rank stuck at exit for good: an exit hook of
+    pygame (which gymnasium's Box2D module imports) was loading a C extension during finalisation, and the
+    orphaned rank held its parent's output pipes open, so the launching command never returned. Everything
+    a run owns (envs, logger, process group, checkpoints) is closed or written before this is called.
+    """
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(OSError, ValueError):  # a closed pipe or stream: nothing left to say there
+            stream.flush()
+    os._exit(code)
+
+
+def run_script(strategy: str, main: StrategyMain) -> NoReturn:
+    """`fabric run ppo_fabric/<strategy file>.py [overrides]`: the file fixes the strategy."""
+    args = sys.argv[1:]
+    given = [a.split("=", 1)[1] for a in args if a.startswith("strategy=")]
+    if given and given[-1] != strategy:
+        fail(f"strategy={given[-1]} conflicts with the launched file, which runs strategy={strategy}")
+    start([*(a for a in args if not a.startswith("strategy=")), f"strategy={strategy}"], lambda _: main)
+    end_process(0)

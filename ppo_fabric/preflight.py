@@ -1,0 +1,161 @@
+"""Checks that need more than the config's values, run once before any process starts: the environment
+(its id, spaces and agents), the model for those spaces, the machine's devices and the checkpoint to
+resume from. `load` is what every entry point calls: compose, check the values, check these, check the
+run directory; any problem is one `ConfigError` line.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import gymnasium as gym
+import torch
+from omegaconf import DictConfig, OmegaConf
+
+from ppo_fabric import checkpoint as ckpt
+from ppo_fabric.agent import ACTIVATIONS, ActorCritic
+from ppo_fabric.config import (
+    ConfigError,
+    check_layout,
+    check_run_dir,
+    check_values,
+    compose,
+    launched_world_size,
+    sequence_length,
+    under_fabric_run,
+)
+from ppo_fabric.envs import EnvError
+from ppo_fabric.learners import policy_specs, spaces_of
+from ppo_fabric.multiagent import is_multiagent, policy_settings
+
+# Keys whose change makes a checkpoint meaningless for a new run: what shapes the saved parameters.
+_MODEL_KEYS = ("model", "multiagent")
+
+
+def load(overrides: list[str]) -> tuple[DictConfig, str, dict[str, Any]]:
+    """Compose and check: (config, run-dir template, facts found on the way)."""
+    cfg, run_dir = compose(overrides)
+    facts = check(cfg)
+    check_run_dir(cfg, run_dir)
+    return cfg, run_dir, facts
+
+
+def check(cfg: DictConfig) -> dict[str, Any]:
+    """Everything that can be checked without starting a run; returns the process count and spaces."""
+    check_values(cfg)
+    if cfg.model.activation not in ACTIVATIONS:
+        raise ConfigError(f"model.activation={cfg.model.activation!r} is not one of {', '.join(ACTIVATIONS)}")
+    world = launched_world_size(cfg)
+    _check_accelerator(cfg, world)
+    check_layout(cfg, world)
+    spaces = _check_env_and_model(cfg)
+    if cfg.resume is not None:
+        check_resume(cfg, str(cfg.resume), *spaces)
+    return {"world_size": world, "observation_space": spaces[0], "action_space": spaces[1]}
+
+
+def _check_env_and_model(cfg: DictConfig) -> tuple[Any, Any]:
+    if OmegaConf.is_missing(cfg.env, "id") or cfg.env.id is None:
+        raise ConfigError("env.id is required; set env.id=CartPole-v1 (or any gymnasium id)")
+    if not OmegaConf.is_dict(cfg.env.kwargs):
+        raise ConfigError(
+            f"env.kwargs={cfg.env.kwargs} must be a mapping; add keys with +env.kwargs.NAME=VALUE"
+        )
+    lstm = cfg.model.get("lstm")
+    missing = [k for k in ("hidden_size", "num_layers", "seq_len") if lstm is not None and k not in lstm]
+    if missing:
+        raise ConfigError(
+            f"model.lstm lacks {', '.join(missing)}; model.lstm settings belong to model=lstm (drop them with "
+            "~model.lstm to use another model)"
+        )
+    _check_multiagent(cfg)
+    try:
+        specs = policy_specs(cfg)
+    except EnvError as exc:
+        raise ConfigError(str(exc)) from exc
+    for spec in specs.values():
+        try:
+            ActorCritic(spec.obs_space, spec.action_space, spec.model)
+        except ValueError as exc:  # the model cannot serve these spaces, or a model key is wrong
+            prefix = "" if len(specs) == 1 and spec.name == "main" else f"policy {spec.name!r}: "
+            raise ConfigError(prefix + str(exc)) from exc
+    return spaces_of(specs)
+
+
+def _check_multiagent(cfg: DictConfig) -> None:
+    """What building the policies cannot see: sequence lengths of per-policy recurrent models."""
+    if not is_multiagent(cfg.env):
+        return
+    if cfg.env.vector != "sync" or int(cfg.env.action_repeat) != 1 or cfg.env.max_episode_steps is not None:
+        raise ConfigError(
+            "PettingZoo envs run with env.vector=sync, env.action_repeat=1 and env.max_episode_steps=null "
+            "(set episode limits through the env's own kwargs, e.g. +env.kwargs.max_cycles=50)"
+        )
+    for key in ("normalize_obs", "normalize_reward", "mask_velocity"):
+        if cfg.env.get(key, False):
+            raise ConfigError(f"env.{key}=true is not supported for PettingZoo envs yet; set env.{key}=false")
+    try:
+        settings = policy_settings(cfg.multiagent)
+    except EnvError as exc:
+        raise ConfigError(str(exc)) from exc
+    for name, own in settings.items():
+        try:
+            model = OmegaConf.merge(cfg.model, (own or {}).get("model") or {})
+        except Exception as exc:  # a key the model config does not have
+            raise ConfigError(f"multiagent.policies.{name}.model: {exc}".splitlines()[0]) from exc
+        seq = sequence_length(model)
+        if cfg.algo.rollout_steps % seq:
+            raise ConfigError(
+                f"multiagent.policies.{name}: model.lstm.seq_len={seq} does not divide "
+                f"algo.rollout_steps={cfg.algo.rollout_steps}"
+            )
+
+
+def _check_accelerator(cfg: DictConfig, world: int) -> None:
+    if cfg.fabric.accelerator not in ("cuda", "gpu"):
+        return
+    available = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if available == 0:
+        raise ConfigError(
+            f"fabric.accelerator={cfg.fabric.accelerator} but no CUDA device is available; "
+            "use fabric=cpu (or fabric.accelerator=auto)"
+        )
+    if not under_fabric_run() and cfg.fabric.devices > available:
+        raise ConfigError(
+            f"fabric.devices={cfg.fabric.devices} but this machine has {available} CUDA device(s)"
+        )
+
+
+def check_resume(cfg: DictConfig, path: str, obs_space: gym.Space, action_space: gym.Space) -> dict[str, Any]:
+    """Refuse checkpoints that cannot continue this config, before any process starts."""
+    try:
+        state = ckpt.load(path)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from exc
+    saved = state["config"]
+    if saved["env"]["id"] != cfg.env.id:
+        raise ConfigError(
+            f"resume={path!r} was trained on env.id={saved['env']['id']!r}, not {cfg.env.id!r}; "
+            "set env.id to match or start a new run"
+        )
+    for group in _MODEL_KEYS:
+        now = OmegaConf.to_container(cfg[group], resolve=True) if cfg.get(group) is not None else {}
+        before = saved.get(group) or {}
+        for key in sorted(set(now) | set(before)):
+            if now.get(key) != before.get(key):
+                raise ConfigError(
+                    f"resume={path!r}: {group}.{key}={now.get(key)} differs from the checkpoint's "
+                    f"{before.get(key)}; use the same {group} settings"
+                )
+    if state["observation_space"] != obs_space or state["action_space"] != action_space:
+        raise ConfigError(
+            f"resume={path!r}: the env's observation or action space differs from the checkpoint's"
+        )
+    if saved["strategy"] != cfg.strategy:
+        raise ConfigError(f"resume={path!r} comes from strategy={saved['strategy']}; use the same strategy")
+    if state["env_step"] >= cfg.algo.total_steps:
+        raise ConfigError(
+            f"resume={path!r} is already at {state['env_step']} env steps >= algo.total_steps="
+            f"{cfg.algo.total_steps}; raise algo.total_steps to train further"
+        )
+    return state

@@ -1,0 +1,310 @@
+"""Every torch.distributed call of ppo-fabric: the decoupled strategy's player <-> trainer protocol, and the
+two collectives both strategies share (gathering objects, summing normaliser statistics).
+
+Ranks `0..P-1` are players, the others trainers. One side's `PlayerLink` and the other's `TrainerLink`
+have one method per message, in the order the messages happen:
+
+    player p                                  trainers (first trainer t0)
+    --------                                  ---------------------------
+    receive_params()   <--- PARAMS v=0 ------ publish()            initial (or resumed) parameters
+    loop:
+      collect a rollout
+      send_data()      ---- DATA v ---------> receive_data()       one message per trained policy,
+                                                                   one shard per trainer
+      receive_params() <--- PARAMS v+1 ------ publish()            parameters + the update's METRICS
+      [gather()        <--- CHECKPOINT -----> gather()]            when a checkpoint is due: all ranks
+    send_stop()        ---- STOP -----------> receive_data()       ends the trainers' loop
+    gather()           <--- CHECKPOINT -----> gather()             end-of-run summaries
+
+With `algo.pipeline=true` the player sends DATA of rollout k+1 before it waits for PARAMS of update k
+(asynchronously, over another group, so the order cannot deadlock).
+
+Every message carries a header (kind, version) that the receiver checks, so the two sides can never
+silently disagree about what comes next (`ProtocolError`). Batches and parameters travel as CPU tensors
+over gloo groups, so players may stay on the CPU while trainers train on CUDA (their DDP group then uses
+NCCL). Every group has the bounded `collectives.timeout`: a dead peer ends the job with an error, never a
+hang. Objects are pickled only for CHECKPOINT and summaries, never for batches or parameters.
+"""
+
+from __future__ import annotations
+
+import datetime
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from enum import IntEnum
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from tensordict import TensorDict
+from torch.nn.utils import parameters_to_vector
+
+
+def distributed() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+# ----------------------------------------------------------------------------- shared by both strategies
+def all_gather_objects(obj: Any, group: Any = None) -> list[Any]:
+    """Every rank's `obj` (in rank order); a single-process run returns `[obj]`."""
+    if not distributed():
+        return [obj]
+    out: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(out, obj, group=group)
+    return out
+
+
+def sum_reduce(group: Any, device: Any) -> Callable[[np.ndarray], np.ndarray] | None:
+    """Sum numpy arrays over a process group (normaliser statistics); None when there is nothing to sum."""
+    if not distributed() or dist.get_world_size(group) == 1:
+        return None
+
+    def reduce(values: np.ndarray) -> np.ndarray:
+        tensor = torch.from_numpy(values).to(device)
+        dist.all_reduce(tensor, group=group)
+        return tensor.cpu().numpy()
+
+    return reduce
+
+
+def end_process_group() -> None:
+    if distributed():
+        dist.destroy_process_group()
+
+
+# ------------------------------------------------------------------------------------------- messages
+class Kind(IntEnum):
+    DATA = 1
+    PARAMS = 2
+    CHECKPOINT = 3
+    STOP = 4
+
+
+class ProtocolError(RuntimeError):
+    """A message arrived that the receiver did not expect: the two sides disagree on the schedule."""
+
+
+_HEADER_BYTES = 16  # two int64: kind, version
+
+
+def _header(kind: Kind, version: int) -> torch.Tensor:
+    return torch.tensor([int(kind), version], dtype=torch.int64).view(torch.uint8)
+
+
+def _read_header(buf: torch.Tensor) -> tuple[Kind, int]:
+    kind, version = buf[:_HEADER_BYTES].view(torch.int64).tolist()
+    try:
+        return Kind(kind), version
+    except ValueError as exc:
+        raise ProtocolError(f"unknown message kind {kind}") from exc
+
+
+@dataclass
+class Topology:
+    """Who plays, who trains, and the process groups between them (created identically on every rank)."""
+
+    rank: int
+    players: list[int]
+    trainers: list[int]
+    timeout: datetime.timedelta
+    trainer_group: Any = None  # DDP among trainers (the accelerator's backend)
+    data_groups: dict[int, Any] = field(default_factory=dict)  # player -> {player} + trainers, gloo
+    param_group: Any = None  # {first trainer} + players, gloo
+    player_group: Any = None  # players, gloo (episode statistics, normalisers)
+    everyone: Any = None  # all ranks, gloo (checkpoints, summary)
+
+    @property
+    def is_player(self) -> bool:
+        return self.rank in self.players
+
+    @property
+    def first_trainer(self) -> int:
+        return self.trainers[0]
+
+    def gather(self, obj: Any) -> list[Any]:
+        """CHECKPOINT and end-of-run summaries: every rank's object, in rank order (pickled, rare)."""
+        out = all_gather_objects((int(Kind.CHECKPOINT), obj), group=self.everyone)
+        if any(kind != Kind.CHECKPOINT for kind, _ in out):
+            raise ProtocolError("a rank sent something other than CHECKPOINT state")
+        return [payload for _, payload in out]
+
+
+def setup_topology(num_players: int, timeout_s: float) -> Topology:
+    """Create every group on every rank, in the same order (new_group is itself a collective)."""
+    world, rank = dist.get_world_size(), dist.get_rank()
+    timeout = datetime.timedelta(seconds=timeout_s)
+    topo = Topology(rank, list(range(num_players)), list(range(num_players, world)), timeout)
+    topo.trainer_group = dist.new_group(topo.trainers, timeout=timeout)
+    for p in topo.players:
+        topo.data_groups[p] = dist.new_group([p, *topo.trainers], timeout=timeout, backend="gloo")
+    topo.param_group = dist.new_group([topo.first_trainer, *topo.players], timeout=timeout, backend="gloo")
+    topo.player_group = dist.new_group(topo.players, timeout=timeout, backend="gloo")
+    topo.everyone = dist.new_group(list(range(world)), timeout=timeout, backend="gloo")
+    return topo
+
+
+# ---------------------------------------------------------------------------------------------- batches
+class BatchCodec:
+    """Packs a flat TensorDict batch into bytes and back, with a layout both sides derive from a template.
+
+    One uint8 row per sample keeps shards contiguous: shard k is rows [k*n/K, (k+1)*n/K).
+    """
+
+    def __init__(self, template: TensorDict, num_trainers: int) -> None:
+        # Leaves, so a nested entry (Dict observations: ("obs", key)) is packed like any other tensor.
+        leaves = template.items(include_nested=True, leaves_only=True)
+        self.layout = [(k, v.shape[1:], v.dtype) for k, v in sorted(leaves, key=lambda kv: str(kv[0]))]
+        self.row_bytes = [int(torch.empty(s, dtype=d).numel() * d.itemsize) for _, s, d in self.layout]
+        self.samples = template.batch_size[0]
+        self.trainers = num_trainers
+        self.shard_samples = self.samples // num_trainers
+        self.shard_bytes = _HEADER_BYTES + self.shard_samples * sum(self.row_bytes)
+
+    def pack(self, batch: TensorDict, kind: Kind, version: int) -> list[torch.Tensor]:
+        """One buffer per trainer: header + that trainer's rows."""
+        rows = torch.cat(
+            [batch[k].reshape(self.samples, -1).cpu().view(torch.uint8) for k, _, _ in self.layout], 1
+        )
+        header = _header(kind, version)
+        return [torch.cat((header, shard.reshape(-1))) for shard in rows.split(self.shard_samples)]
+
+    def empty(self, kind: Kind, version: int) -> list[torch.Tensor]:
+        buf = torch.zeros(self.shard_bytes, dtype=torch.uint8)
+        buf[:_HEADER_BYTES] = _header(kind, version)
+        return [buf] * self.trainers
+
+    def unpack(self, buf: torch.Tensor, device: torch.device) -> tuple[Kind, int, TensorDict]:
+        kind, version = _read_header(buf)
+        rows = buf[_HEADER_BYTES:].view(self.shard_samples, -1)
+        out, col = TensorDict(batch_size=[self.shard_samples]), 0
+        for (key, shape, dtype), width in zip(self.layout, self.row_bytes, strict=True):
+            out.set(
+                key, rows[:, col : col + width].contiguous().view(dtype).reshape(self.shard_samples, *shape)
+            )
+            col += width
+        return kind, version, out.to(device)
+
+
+class _InFlight:
+    """A DATA message still being sent; keeps its buffers alive until `wait()` returns."""
+
+    def __init__(self, work: Any, buffers: list[torch.Tensor]) -> None:
+        self.work, self.buffers = work, buffers
+
+    def wait(self) -> None:
+        self.work.wait()
+        self.buffers = []
+
+
+# ------------------------------------------------------------------------------------------- the sides
+class PlayerLink:
+    """A player's end of the protocol: its methods are the messages it sends and receives, in order.
+
+    `codecs` has one entry per trained policy, in the order the DATA messages go (both sides build the
+    same dict from the same config); `num_params`/`num_metrics` size the PARAMS message.
+    """
+
+    def __init__(
+        self, topo: Topology, codecs: dict[str, BatchCodec], num_params: int, num_metrics: int
+    ) -> None:
+        self.topo, self.codecs = topo, codecs
+        self.num_params, self.num_metrics = num_params, num_metrics
+        self._in_transit: list[_InFlight] = []
+
+    def receive_params(self) -> tuple[int, torch.Tensor, torch.Tensor]:
+        """PARAMS: (version, flat parameters, the update's metrics averaged over trainers)."""
+        buf = torch.empty(2 + self.num_params + self.num_metrics)
+        dist.broadcast(buf, self.topo.first_trainer, group=self.topo.param_group)
+        kind, version = int(buf[0]), int(buf[1])
+        if kind != Kind.PARAMS:
+            raise ProtocolError(f"player {self.topo.rank} expected PARAMS, got message kind {kind}")
+        return version, buf[2 : 2 + self.num_params], buf[2 + self.num_params :]
+
+    def send_data(self, batches: dict[str, TensorDict], version: int, asynchronous: bool) -> None:
+        """DATA: each trained policy's batch, collected with parameters `version`, one shard per trainer.
+
+        Asynchronous sends return at once (the pipelined player then waits for PARAMS); the previous
+        rollout's sends are finished first, so at most one rollout is in transit.
+        """
+        self.wait_sent()
+        for name, codec in self.codecs.items():
+            sent = self._scatter(codec, codec.pack(batches[name], Kind.DATA, version), asynchronous)
+            if sent is not None:
+                self._in_transit.append(sent)
+
+    def send_stop(self, version: int) -> None:
+        """STOP: the trainers leave their loop (one message, shaped like the first policy's DATA)."""
+        self.wait_sent()
+        codec = next(iter(self.codecs.values()))
+        self._scatter(codec, codec.empty(Kind.STOP, version), asynchronous=False)
+
+    def wait_sent(self) -> None:
+        for message in self._in_transit:
+            message.wait()
+        self._in_transit = []
+
+    def sum_over_players(self, values: torch.Tensor) -> torch.Tensor:
+        """Episode statistics of every player (in place)."""
+        dist.all_reduce(values, group=self.topo.player_group)
+        return values
+
+    def _scatter(self, codec: BatchCodec, shards: list[torch.Tensor], asynchronous: bool) -> _InFlight | None:
+        mine = torch.empty(codec.shard_bytes, dtype=torch.uint8)  # scatter gives the source a piece too
+        group = self.topo.data_groups[self.topo.rank]
+        work = dist.scatter(mine, [mine, *shards], src=self.topo.rank, group=group, async_op=asynchronous)
+        return _InFlight(work, [mine, *shards]) if asynchronous else None
+
+
+class TrainerLink:
+    """A trainer's end of the protocol; only the first trainer publishes parameters."""
+
+    def __init__(self, topo: Topology, codecs: dict[str, BatchCodec]) -> None:
+        self.topo, self.codecs = topo, codecs
+        self.publishes = topo.rank == topo.first_trainer
+
+    def publish(self, params: list[torch.nn.Parameter], metrics: torch.Tensor, version: int) -> None:
+        """PARAMS: the flat float32 parameters after update `version`, then its METRICS, to every player."""
+        if not self.publishes:
+            return
+        header = torch.tensor([float(Kind.PARAMS), float(version)])
+        flat = parameters_to_vector(params).detach().float().cpu()
+        message = torch.cat((header, flat, metrics.float().cpu()))
+        dist.broadcast(message, self.topo.first_trainer, group=self.topo.param_group)
+
+    def receive_data(self, device: torch.device) -> tuple[Kind, list[int], dict[str, TensorDict]]:
+        """DATA from every player for every trained policy, concatenated per policy; or STOP.
+
+        Returns (kind, the parameter version each player collected with, batches by policy).
+        """
+        batches: dict[str, TensorDict] = {}
+        versions: list[int] = []
+        for name, codec in self.codecs.items():
+            kind, versions, batch = self._receive(codec, device)
+            if kind == Kind.STOP:
+                return kind, versions, {}
+            batches[name] = batch
+        return Kind.DATA, versions, batches
+
+    def _receive(self, codec: BatchCodec, device: torch.device) -> tuple[Kind, list[int], TensorDict]:
+        kinds, versions, parts = [], [], []
+        for player in self.topo.players:
+            buf = torch.empty(codec.shard_bytes, dtype=torch.uint8)
+            dist.scatter(buf, None, src=player, group=self.topo.data_groups[player])
+            kind, version, part = codec.unpack(buf, device)
+            kinds.append(kind)
+            versions.append(version)
+            parts.append(part)
+        if len(set(kinds)) != 1 or kinds[0] not in (Kind.DATA, Kind.STOP):
+            raise ProtocolError(
+                f"trainer {self.topo.rank} expected DATA or STOP from every player, got {kinds}"
+            )
+        return kinds[0], versions, torch.cat(parts) if kinds[0] == Kind.DATA else parts[0]
+
+    def mean(self, values: torch.Tensor) -> torch.Tensor:
+        """Average over all trainers (the target-KL decision, the logged metrics)."""
+        if len(self.topo.trainers) == 1:
+            return values
+        out = values.clone()
+        dist.all_reduce(out, op=dist.ReduceOp.SUM, group=self.topo.trainer_group)
+        return out / len(self.topo.trainers)

@@ -1,0 +1,156 @@
+"""The PPO update: one policy on one batch, every trained policy of a run, the learning-rate schedule.
+
+Both strategies call `update_policies` on the ranks that learn (every coupled rank, the decoupled
+trainers); nothing here knows which role a rank plays. Anything that must agree across training ranks
+(the target-KL stop) goes through the `mean_across` function the caller passes in.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from lightning.fabric import Fabric
+from omegaconf import DictConfig
+from tensordict import TensorDict
+
+from ppo_fabric.learners import Learner, metric_name, trained
+from ppo_fabric.loss import entropy_loss, masked_mean, normalize, policy_loss, value_loss
+
+TRAIN_METRICS = (
+    "loss/policy",
+    "loss/value",
+    "loss/entropy",
+    "train/approx_kl",
+    "train/clip_fraction",
+    "train/explained_variance",
+    "train/epochs",
+)
+
+
+def update_policy(
+    fabric: Fabric,
+    model: Any,
+    optimizer: Any,
+    batch: TensorDict,
+    algo: DictConfig,
+    mean_across_trainers: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    rank_minibatch: int | None = None,
+) -> dict[str, float]:
+    """One PPO update: `update_epochs` passes over shuffled minibatches of this rank's batch.
+
+    `rank_minibatch` is this rank's share of `algo.minibatch_size` (all of it on a single rank), in steps.
+    The batch's units are single steps, or for recurrent policies whole sequences (`initial_state`,
+    `starts`), so a minibatch then holds `rank_minibatch / seq_len` sequences. A `mask` (multi-agent rows of
+    agents that had left) keeps absent steps out of every mean.
+    With `target_kl` set, the KL estimate is averaged over all training ranks (`mean_across_trainers`)
+    before deciding to stop, so every rank runs the same number of backward passes (DDP would hang).
+    """
+    n = batch.batch_size[0]
+    keys = batch.keys()
+    recurrent, masked = "initial_state" in keys, "mask" in keys
+    seq_len = batch["starts"].shape[1] if recurrent else 1
+    mb = (int(algo.minibatch_size) if rank_minibatch is None else rank_minibatch) // seq_len
+    # Plain Python values: a DictConfig attribute read costs ~50 us, and the loop below runs thousands of times.
+    clip, clip_vloss, norm_adv = float(algo.clip_coef), bool(algo.clip_vloss), bool(algo.norm_adv)
+    vf_coef, ent_coef, max_norm = float(algo.vf_coef), float(algo.ent_coef), float(algo.max_grad_norm)
+    target_kl = None if algo.target_kl is None else float(algo.target_kl)
+    losses: list[torch.Tensor] = []  # (policy, value, entropy) per minibatch
+    ratio_stats: list[torch.Tensor] = []  # (approx KL, clip fraction) per epoch
+    epochs, mask = 0, None
+    for _ in range(int(algo.update_epochs)):
+        shuffled = batch[torch.randperm(n, device=batch.device)]
+        obs, actions, old_logp = shuffled["obs"], shuffled["actions"], shuffled["logprobs"]
+        old_values, advantages, returns = shuffled["values"], shuffled["advantages"], shuffled["returns"]
+        masks = shuffled["mask"] if masked else None
+        states, starts = (shuffled["initial_state"], shuffled["starts"]) if recurrent else (None, None)
+        new_logps = []
+        for start in range(0, n, mb):
+            sl = slice(start, start + mb)
+            if recurrent:
+                new_logp, entropy, new_values = model(obs[sl], actions[sl], states[sl], starts[sl])
+            else:
+                new_logp, entropy, new_values = model(obs[sl], actions[sl])
+            if masked:
+                mask = masks[sl]
+            adv = normalize(advantages[sl], mask=mask) if norm_adv else advantages[sl]
+            pg = policy_loss(new_logp, old_logp[sl], adv, clip, mask)
+            vl = value_loss(new_values, old_values[sl], returns[sl], clip, clip_vloss, mask)
+            el = entropy_loss(entropy, mask)
+            loss = pg.add(vl, alpha=vf_coef).add(el, alpha=ent_coef)  # 2 autograd nodes instead of 4
+            optimizer.zero_grad(set_to_none=True)
+            fabric.backward(loss)
+            if max_norm > 0:
+                fabric.clip_gradients(model, optimizer, max_norm=max_norm, error_if_nonfinite=False)
+            optimizer.step()
+            new_logps.append(new_logp.detach())
+            losses.append(torch.stack((pg, vl, el)).detach())
+        epochs += 1
+        # The ratio statistics of the whole epoch at once: a dozen small ops per epoch, not per minibatch.
+        with torch.no_grad():
+            logratio = torch.cat(new_logps) - old_logp
+            ratio = logratio.exp()
+            approx_kl = masked_mean((ratio - 1) - logratio, masks)
+            clipfrac = masked_mean(((ratio - 1).abs() > clip).float(), masks)
+            ratio_stats.append(torch.stack((approx_kl, clipfrac)))
+        if target_kl is not None:
+            kl = approx_kl
+            if mean_across_trainers is not None:
+                kl = mean_across_trainers(kl)
+            if kl.item() > target_kl:
+                break
+    pg_mean, vl_mean, el_mean = torch.stack(losses).mean(0).tolist()
+    kl_mean, clipfrac_mean = torch.stack(ratio_stats).mean(0).tolist()
+    means = [pg_mean, vl_mean, -el_mean, kl_mean, clipfrac_mean]
+    values, returns = batch["values"], batch["returns"]
+    if masked:
+        values, returns = values[batch["mask"]], returns[batch["mask"]]
+    var_returns = returns.var() if returns.numel() > 1 else returns.new_zeros(())
+    explained = (1 - (returns - values).var() / var_returns).item() if var_returns > 0 else float("nan")
+    return dict(zip(TRAIN_METRICS, [*means, explained, epochs], strict=True))
+
+
+def lr_at(base_lr: float, anneal: bool, env_step: int, final_step: int) -> float:
+    """Linear annealing to zero over the run's env steps: a pure function of progress, so a resumed run
+    needs no schedule state and continues from the env step it reached."""
+    return base_lr * (1.0 - env_step / final_step) if anneal else base_lr
+
+
+def set_lr(optimizer: Any, lr: float) -> float:
+    for group in optimizer.param_groups:
+        group["lr"] = lr
+    return lr
+
+
+def update_policies(
+    fabric: Fabric,
+    learners: dict[str, Learner],
+    batches: dict[str, TensorDict],
+    algo: DictConfig,
+    env_step: int,
+    final_step: int,
+    mean_across: Callable[[torch.Tensor], torch.Tensor] | None,
+    rank_minibatch: int,
+) -> dict[str, float]:
+    """One update of every trained policy on its batch, at progress `env_step` of `final_step`.
+
+    `rank_minibatch` counts env steps: a policy acting for k agents per env copy takes k times as many
+    samples per minibatch, so every policy makes the same number of gradient steps per update (and every
+    rank too: DDP needs it).
+    """
+    metrics: dict[str, float] = {}
+    for name in trained({n: learner.spec for n, learner in learners.items()}):
+        learner = learners[name]
+        lr = set_lr(learner.optimizer, lr_at(learner.spec.lr, bool(algo.anneal_lr), env_step, final_step))
+        stats = update_policy(
+            fabric,
+            learner.model,
+            learner.optimizer,
+            batches[name],
+            algo,
+            mean_across,
+            rank_minibatch * learner.spec.agents,
+        )
+        metrics |= {metric_name(name, k): v for k, v in (stats | {"train/lr": lr}).items()}
+    return metrics
