@@ -727,7 +727,8 @@ def test_lstm_multiagent_run(tmp_path: Path) -> None:
     state = ckpt.load(Path(summary["checkpoint"]))
     carry = state["ranks"][0]["carry"]
     model_cfg = OmegaConf.create(state["config"]["model"])
+    obs_spaces, action_spaces = ckpt.saved_spaces(state)
     for name in ("adversary", "agent"):
-        spaces = state["observation_space"][name], state["action_space"][name]
+        spaces = obs_spaces[name], action_spaces[name]
         assert carry[name]["state"].shape == (4 * 2, *ActorCritic(*spaces, model_cfg).state_shape)
         assert any("lstm" in k for k in state["agent"][name])
