@@ -83,12 +83,12 @@ def to_plain(obj: Any) -> Any:
     """`obj` with numpy arrays and scalars, spaces, TensorDicts and deques turned into what
     `torch.load(weights_only=True)` reads; containers already plain are returned as they are (model state
     dicts keep their type and metadata). Raises TypeError for anything else, at save rather than at load."""
+    if isinstance(obj, np.generic):  # before float: np.float64 is one, yet pickles as a numpy object
+        return obj.item()
     if obj is None or isinstance(obj, (bool, int, float, str, torch.Tensor)):
         return obj
     if isinstance(obj, np.ndarray):
         return torch.from_numpy(obj.copy())
-    if isinstance(obj, np.generic):
-        return obj.item()
     if isinstance(obj, gym.Space):
         return space_to_data(obj)
     if isinstance(obj, TensorDict):
@@ -192,13 +192,17 @@ def _older_format(where: str, version: int) -> str:
     )
 
 
+_MEMO_OPS = ("PUT", "BINPUT", "LONG_BINPUT", "MEMOIZE", "GET", "BINGET", "LONG_BINGET")
+
+
 def _peek_format(path: Path) -> int | None:
     """The `format` entry of a torch file that weights_only refused, read from the pickle's opcodes without
     executing them (an older checkpoint then gets a clear message), or None."""
     try:
         with zipfile.ZipFile(path) as archive:
             name = next(n for n in archive.namelist() if n.endswith("/data.pkl"))
-            args = [arg for _, arg, _ in itertools.islice(pickletools.genops(archive.read(name)), 16)]
+            ops = itertools.islice(pickletools.genops(archive.read(name)), 24)
+            args = [arg for op, arg, _ in ops if op.name not in _MEMO_OPS]  # memo indices are ints too
     except Exception:  # not a zip, no pickle, bad opcodes: nothing to tell
         return None
     return next((b for a, b in itertools.pairwise(args) if a == "format" and isinstance(b, int)), None)
