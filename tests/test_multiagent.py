@@ -591,7 +591,9 @@ def test_exact_resume_mid_episode(tmp_path: Path) -> None:
     full = _final_params(tmp_path / "full")
     assert _assert_same_params(full, _final_params(tmp_path / "resumed"))
 
-    state["ranks"][0]["carry"]["rest"]["alive"] = np.ones_like(alive)
+    state["ranks"][0]["carry"]["rest"]["alive"] = torch.ones_like(
+        alive
+    )  # checkpoints hold tensors, not numpy
     torch.save(state, tmp_path / "all_alive.ckpt")
     ppo_fabric.run([*RESUME, f"hydra.run.dir={tmp_path / 'wrong'}", f"resume={tmp_path / 'all_alive.ckpt'}"])
     assert not _assert_same_params(full, _final_params(tmp_path / "wrong"))
