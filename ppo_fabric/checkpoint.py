@@ -3,16 +3,25 @@
 A checkpoint holds the shared learner state (model, optimizer, counters) once, and per rank what makes
 its next rollout identical to an uninterrupted run: RNG states, the vector env (pickled when it can be,
 e.g. sync envs), the observation it acts on next, and its recent episodes.
+
+Loading never runs code: everything is plain data (dicts, lists, tuples, numbers, strings, tensors; spaces
+via `spaces.space_to_data`), read with `torch.load(weights_only=True)`. The one pickle, the vector env
+snapshot, is signed with this installation's key (`signing`) and unpickled only when the signature holds.
 """
 
 from __future__ import annotations
 
 import io
+import itertools
 import os
 import pickle
+import pickletools
 import random
 import tempfile
 import warnings
+import zipfile
+from collections import deque
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -20,26 +29,75 @@ import gymnasium as gym
 import numpy as np
 import torch
 from omegaconf import OmegaConf
+from tensordict import TensorDict
 
-FORMAT_VERSION = 1
+from ppo_fabric import signing
+from ppo_fabric.spaces import space_from_data, space_to_data
+
+FORMAT_VERSION = 2  # 2: plain data only (weights_only loading), signed env snapshots
+ENV_STATES = ("restore", "fresh")  # what `load` does with the env snapshots (config key resume_env)
 
 
 def rng_state() -> dict[str, Any]:
-    return {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate()}
+    """Torch, numpy and Python RNG states as tensors, numbers and lists (numpy's and Python's own states
+    are tuples holding arrays, which only a full unpickler reads)."""
+    kind, keys, pos, has_gauss, gauss = np.random.get_state(legacy=True)
+    version, internal, gauss_next = random.getstate()
+    return {
+        "torch": torch.get_rng_state(),
+        "numpy": [kind, torch.from_numpy(keys.astype(np.int64)), int(pos), int(has_gauss), float(gauss)],
+        "python": [version, list(internal), gauss_next],
+    }
 
 
 def set_rng_state(state: dict[str, Any]) -> None:
     torch.set_rng_state(state["torch"])
-    np.random.set_state(state["numpy"])
-    random.setstate(state["python"])
+    kind, keys, pos, has_gauss, gauss = state["numpy"]
+    np.random.set_state((kind, keys.numpy().astype(np.uint32), pos, has_gauss, gauss))
+    version, internal, gauss_next = state["python"]
+    random.setstate((version, tuple(internal), gauss_next))
 
 
-def pickle_envs(envs: gym.vector.VectorEnv) -> bytes | None:
-    """The vector env's full state, or None where it cannot be pickled (async workers, some simulators)."""
+def pickle_envs(envs: gym.vector.VectorEnv) -> dict[str, Any] | None:
+    """The vector env's full state, pickled and signed with this installation's key, or None where it
+    cannot be pickled (async workers, some simulators)."""
     try:
-        return pickle.dumps(envs)
+        blob = pickle.dumps(envs)
     except Exception:  # any env may refuse; resume then starts fresh episodes
         return None
+    return {"pickle": torch.frombuffer(bytearray(blob), dtype=torch.uint8), "hmac": signing.sign(blob)}
+
+
+def _signed_pickle(snapshot: Any) -> bytes | None:
+    """The snapshot's pickle when it carries this installation's signature, else None (never unpickle it)."""
+    data = snapshot.get("pickle") if isinstance(snapshot, dict) else None
+    if not isinstance(data, torch.Tensor) or data.dtype != torch.uint8 or data.dim() != 1:
+        return None
+    blob = data.numpy().tobytes()
+    return blob if signing.verify(blob, snapshot.get("hmac")) else None
+
+
+def to_plain(obj: Any) -> Any:
+    """`obj` with numpy arrays and scalars, spaces, TensorDicts and deques turned into what
+    `torch.load(weights_only=True)` reads; containers already plain are returned as they are (model state
+    dicts keep their type and metadata). Raises TypeError for anything else, at save rather than at load."""
+    if isinstance(obj, np.generic):  # before float: np.float64 is one, yet pickles as a numpy object
+        return obj.item()
+    if obj is None or isinstance(obj, (bool, int, float, str, torch.Tensor)):
+        return obj
+    if isinstance(obj, np.ndarray):
+        return torch.from_numpy(obj.copy())
+    if isinstance(obj, gym.Space):
+        return space_to_data(obj)
+    if isinstance(obj, TensorDict):
+        return to_plain(obj.to_dict())
+    if isinstance(obj, Mapping):
+        plain = {key: to_plain(value) for key, value in obj.items()}
+        return obj if isinstance(obj, dict) and all(plain[k] is obj[k] for k in obj) else plain
+    if isinstance(obj, (list, tuple, deque)):
+        items = [to_plain(value) for value in obj]
+        return tuple(items) if isinstance(obj, tuple) else items
+    raise TypeError(f"a checkpoint cannot hold a {type(obj).__name__} (it would load only by running code)")
 
 
 def atomic_write(data: bytes, path: Path) -> None:
@@ -60,7 +118,7 @@ def atomic_write(data: bytes, path: Path) -> None:
 def save(state: dict[str, Any], ckpt_dir: Path, iteration: int, numbered: bool, keep: int) -> Path:
     """Write `last.ckpt` and, when asked, `iter_NNNNNN.ckpt` (the update number), pruning numbered ones beyond `keep`."""
     buffer = io.BytesIO()
-    torch.save({"format": FORMAT_VERSION, **state}, buffer)
+    torch.save({"format": FORMAT_VERSION, **to_plain(state)}, buffer)
     data = buffer.getvalue()
     if numbered:
         atomic_write(data, ckpt_dir / f"iter_{iteration:06d}.ckpt")
@@ -72,37 +130,105 @@ def save(state: dict[str, Any], ckpt_dir: Path, iteration: int, numbered: bool, 
     return last
 
 
-def load(path: str | Path, key: str = "resume") -> dict[str, Any]:
-    """Load a checkpoint written by `save`; raises ValueError with a one-line reason.
+def load(path: str | Path, key: str = "resume", env_state: str = "restore") -> dict[str, Any]:
+    """Load a checkpoint written by `save` without running any code; raises ValueError with a one-line reason.
 
     `key` is the argument the user gave the path as (`resume` for training, `checkpoint` for the
-    evaluate/export tools), so the message names what they typed.
+    evaluate/export tools), so the message names what they typed. `env_state="restore"` refuses a
+    checkpoint holding an env snapshot that this installation did not sign; `"fresh"` drops every
+    snapshot (the envs then start fresh, everything else is restored).
     """
+    if env_state not in ENV_STATES:
+        raise ValueError(f"resume_env={env_state!r} is not one of {', '.join(ENV_STATES)}")
     path = Path(path)
+    where = f"{key}={str(path)!r}"
     if path.is_dir():
         raise ValueError(
-            f"{key}={str(path)!r} is a directory; point {key} at a .ckpt file such as "
-            f"{path / 'checkpoints' / 'last.ckpt'}"
+            f"{where} is a directory; point {key} at a .ckpt file such as {path / 'checkpoints' / 'last.ckpt'}"
         )
     if not path.is_file():
-        raise ValueError(f"{key}={str(path)!r}: no such checkpoint file")
+        raise ValueError(f"{where}: no such checkpoint file")
     try:
-        state = torch.load(path, map_location="cpu", weights_only=False)
+        state = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as exc:
-        raise ValueError(f"{key}={str(path)!r}: not a readable checkpoint ({type(exc).__name__})") from exc
-    if not isinstance(state, dict) or state.get("format") != FORMAT_VERSION:
-        raise ValueError(f"{key}={str(path)!r}: not a ppo-fabric checkpoint (format {FORMAT_VERSION})")
+        old = _peek_format(path)
+        if old is not None and old < FORMAT_VERSION:
+            raise ValueError(_older_format(where, old)) from exc
+        refused = "Weights only load failed" in str(exc)
+        reason = "it holds objects that load only by running code" if refused else type(exc).__name__
+        raise ValueError(f"{where}: not a readable checkpoint ({reason})") from exc
+    version = state.get("format") if isinstance(state, dict) else None
+    if isinstance(version, int) and 0 < version < FORMAT_VERSION:
+        raise ValueError(_older_format(where, version))
+    if version != FORMAT_VERSION:
+        raise ValueError(f"{where}: not a ppo-fabric checkpoint (format {FORMAT_VERSION})")
+    missing = [k for k in _REQUIRED if k not in state]
+    if missing or not all(isinstance(rank, dict) for rank in state["ranks"]):
+        raise ValueError(
+            f"{where}: an incomplete ppo-fabric checkpoint (missing {', '.join(missing) or 'ranks'})"
+        )
+    for rank in state["ranks"]:
+        if rank.get("envs") is None:
+            continue
+        if env_state == "fresh":
+            rank["envs"] = None
+        elif _signed_pickle(rank["envs"]) is None:
+            raise ValueError(
+                f"{where}: its env snapshot was not signed on this installation (another machine or key); "
+                "continue with resume_env=fresh (fresh environments, everything else restored)"
+            )
     return state
 
 
-def restore_envs(blob: bytes | None, fallback: Any) -> Any:
-    """Unpickle a saved vector env, or keep the freshly built one when there is none."""
-    if blob is None:
+_REQUIRED = ("config", "observation_space", "action_space", "agent", "iteration", "env_step", "ranks")
+
+
+def _older_format(where: str, version: int) -> str:
+    return (
+        f"{where} was written by an older ppo-fabric (format {version}); this one reads format "
+        f"{FORMAT_VERSION}, which loads without running code: start a new run or use the version that wrote it"
+    )
+
+
+_MEMO_OPS = ("PUT", "BINPUT", "LONG_BINPUT", "MEMOIZE", "GET", "BINGET", "LONG_BINGET")
+
+
+def _peek_format(path: Path) -> int | None:
+    """The `format` entry of a torch file that weights_only refused, read from the pickle's opcodes without
+    executing them (an older checkpoint then gets a clear message), or None."""
+    try:
+        with zipfile.ZipFile(path) as archive:
+            name = next(n for n in archive.namelist() if n.endswith("/data.pkl"))
+            ops = itertools.islice(pickletools.genops(archive.read(name)), 24)
+            args = [arg for op, arg, _ in ops if op.name not in _MEMO_OPS]  # memo indices are ints too
+    except Exception:  # not a zip, no pickle, bad opcodes: nothing to tell
+        return None
+    return next((b for a, b in itertools.pairwise(args) if a == "format" and isinstance(b, int)), None)
+
+
+def saved_spaces(state: dict[str, Any]) -> tuple[Any, Any]:
+    """(observation space, action space) of a loaded checkpoint; multi-agent: dicts policy -> space."""
+    obs, action = state["observation_space"], state["action_space"]
+    if state.get("multiagent"):
+        return {n: space_from_data(d) for n, d in obs.items()}, {
+            n: space_from_data(d) for n, d in action.items()
+        }
+    return space_from_data(obs), space_from_data(action)
+
+
+def restore_envs(snapshot: dict[str, Any] | None, fallback: Any) -> Any:
+    """Unpickle a saved vector env once its signature holds, or keep the freshly built one when there is
+    none (async or unpicklable envs, or resume_env=fresh). An unsigned snapshot raises ValueError unread."""
+    if snapshot is None:
         warnings.warn(
-            "the checkpoint holds no env state (async or unpicklable envs): episodes restart on resume",
+            "the checkpoint holds no env state (async or unpicklable envs, or resume_env=fresh): "
+            "episodes restart on resume",
             stacklevel=2,
         )
         return fallback
+    blob = _signed_pickle(snapshot)
+    if blob is None:
+        raise ValueError("the env snapshot was not signed on this installation; it is never unpickled")
     fallback.close()
     return pickle.loads(blob)
 
@@ -119,14 +245,14 @@ def load_policy(path: str | Path, key: str = "checkpoint") -> tuple[dict[str, An
     so evaluation and export need nothing from the run that wrote it; raises ValueError (one line)."""
     from ppo_fabric.agent import ActorCritic
 
-    state = load(resolve(path), key=key)
+    state = load(resolve(path), key=key, env_state="fresh")  # never unpickle: no env is restored here
     if state.get("multiagent"):
         raise ValueError(
             f"{key}={path} holds the policies of a multi-agent run ({', '.join(state['agent'])}); evaluate and "
             "export take single-agent checkpoints"
         )
     model_cfg = OmegaConf.create(state["config"]["model"])
-    agent = ActorCritic(state["observation_space"], state["action_space"], model_cfg)
+    agent = ActorCritic(*saved_spaces(state), model_cfg)
     agent.load_state_dict(state["agent"])
     return state, agent.eval()
 

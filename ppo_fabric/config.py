@@ -146,6 +146,7 @@ _RULES = (
 
 _CHOICES = {
     "strategy": STRATEGIES,
+    "resume_env": ("restore", "fresh"),
     "env.vector": ("sync", "async"),
     "fabric.accelerator": ACCELERATORS,
     "algo.player_device": ("cpu", "auto"),

@@ -85,8 +85,9 @@ class DeterministicPolicy(nn.Module):
         return (action, value) if self.with_value else action
 
 
-def _metadata(state: dict[str, Any], with_value: bool) -> dict[str, Any]:
-    obs_space, action_space = state["observation_space"], state["action_space"]
+def _metadata(
+    state: dict[str, Any], obs_space: gym.Space, action_space: gym.Space, with_value: bool
+) -> dict[str, Any]:
     return {
         "env_id": state["config"]["env"]["id"],
         "env_step": state.get("env_step"),
@@ -175,10 +176,9 @@ def export(
         state, agent = ckpt.load_policy(checkpoint)
     except ValueError as exc:
         raise ExportError(str(exc)) from exc
-    if not isinstance(state["observation_space"], gym.spaces.Box):  # one input tensor named "obs"
-        raise ExportError(
-            f"export supports Box observations; this policy reads {type(state['observation_space']).__name__}"
-        )
+    obs_space, action_space = ckpt.saved_spaces(state)
+    if not isinstance(obs_space, gym.spaces.Box):  # one input tensor named "obs"
+        raise ExportError(f"export supports Box observations; this policy reads {type(obs_space).__name__}")
     if agent.recurrent:  # a stateless file would silently act without memory
         raise ExportError(
             "export supports feed-forward policies; this one is recurrent (model=lstm), whose state the "
@@ -187,12 +187,12 @@ def export(
     path = Path(out) if out is not None else ckpt.run_dir_of(checkpoint) / f"policy{FORMATS[format]}"
     path.parent.mkdir(parents=True, exist_ok=True)
     norm = ckpt.observation_normalization(state)
-    policy = DeterministicPolicy(agent, state["action_space"], value, norm).eval()
-    meta = _metadata(state, value)
-    example = _example_obs(state["observation_space"], batch=2)
+    policy = DeterministicPolicy(agent, action_space, value, norm).eval()
+    meta = _metadata(state, obs_space, action_space, value)
+    example = _example_obs(obs_space, batch=2)
     (export_torchscript if format == "torchscript" else export_onnx)(policy, example, path, meta)
 
-    check = _example_obs(state["observation_space"], batch=7, seed=1)
+    check = _example_obs(obs_space, batch=7, seed=1)
     with torch.no_grad():
         expected = policy(check)
     expected_np = [t.numpy() for t in (expected if isinstance(expected, tuple) else (expected,))]

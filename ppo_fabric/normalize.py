@@ -70,7 +70,9 @@ class RunningMoments:
         return {"mean": self.mean.copy(), "var": self.var.copy(), "count": self.count}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.mean, self.var, self.count = state["mean"].copy(), state["var"].copy(), float(state["count"])
+        """Accepts numpy arrays or the tensors a checkpoint stores them as (it holds no numpy objects)."""
+        self.mean, self.var = (np.array(state[k], np.float64) for k in ("mean", "var"))
+        self.count = float(state["count"])
         self._reset_pending()
 
 

@@ -30,7 +30,7 @@ def main(fabric: Fabric, cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
     """Collect with every rank, update with every rank; returns the run summary (on every rank)."""
     rank, world = fabric.global_rank, fabric.world_size
     specs = policy_specs(cfg)
-    resume = ckpt.load(cfg.resume) if cfg.resume is not None else None
+    resume = ckpt.load(cfg.resume, env_state=str(cfg.resume_env)) if cfg.resume is not None else None
     learners = build_learners(fabric, specs, resume, float(cfg.algo.adam_eps))
     collector = build_collector(cfg, specs, rank, fabric.device, sum_reduce(None, fabric.device))
     policies = policies_of(learners)

@@ -81,7 +81,7 @@ def main(fabric: Fabric, cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
             "(or fabric.strategy other than auto)"
         )
     topo = setup_topology(int(cfg.algo.players), float(cfg.collectives.timeout))
-    resume = ckpt.load(cfg.resume) if cfg.resume is not None else None
+    resume = ckpt.load(cfg.resume, env_state=str(cfg.resume_env)) if cfg.resume is not None else None
     if topo.is_player:
         return Player(fabric, cfg, run_dir, topo, resume).run()
     return trainer(fabric, cfg, run_dir, topo, resume)

@@ -129,7 +129,8 @@ def _check_accelerator(cfg: DictConfig, world: int) -> None:
 def check_resume(cfg: DictConfig, path: str, obs_space: gym.Space, action_space: gym.Space) -> dict[str, Any]:
     """Refuse checkpoints that cannot continue this config, before any process starts."""
     try:
-        state = ckpt.load(path)
+        state = ckpt.load(path, env_state=str(cfg.resume_env))
+        spaces = ckpt.saved_spaces(state)
     except ValueError as exc:
         raise ConfigError(str(exc)) from exc
     saved = state["config"]
@@ -147,7 +148,7 @@ def check_resume(cfg: DictConfig, path: str, obs_space: gym.Space, action_space:
                     f"resume={path!r}: {group}.{key}={now.get(key)} differs from the checkpoint's "
                     f"{before.get(key)}; use the same {group} settings"
                 )
-    if state["observation_space"] != obs_space or state["action_space"] != action_space:
+    if spaces != (obs_space, action_space):
         raise ConfigError(
             f"resume={path!r}: the env's observation or action space differs from the checkpoint's"
         )

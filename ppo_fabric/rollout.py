@@ -246,11 +246,13 @@ class RolloutCollector:
         }
 
     def restore_carry(self, carry: dict[str, Any]) -> None:
+        """Also takes `carry()` as a checkpoint stores it: Dict observations as dicts of tensors, `alive`
+        as a tensor (checkpoints hold plain data only)."""
         for g in self.groups:
             saved = carry[g.name]
-            g.next_obs = saved["next_obs"].to(self.device)
+            g.next_obs = g.to_tensor(saved["next_obs"], self.device)
             g.state = None if saved["state"] is None else saved["state"].to(self.device)
-            g.alive = saved["alive"]
+            g.alive = None if saved["alive"] is None else np.array(saved["alive"], bool)
 
 
 def _values(policy: ActorCritic, storage: TensorDict, chunk: int) -> torch.Tensor:

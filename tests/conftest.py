@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -12,6 +12,17 @@ from omegaconf import DictConfig, OmegaConf
 import ppo_fabric
 from ppo_fabric.learners import Learner, PolicySpec, build_learners
 from ppo_fabric.multiagent import SINGLE
+
+
+@pytest.fixture(scope="session", autouse=True)
+def signing_key_file(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    """Env snapshots are signed with a key file created on first use: the suite's goes to a temp dir, never
+    into the home directory (subprocesses inherit the variable). Session-wide, so every test and session
+    fixture (tiny_run) signs with the same key; a test wanting another key sets PPO_FABRIC_KEY_FILE itself."""
+    path = tmp_path_factory.mktemp("signing") / "key"
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("PPO_FABRIC_KEY_FILE", str(path))
+        yield path
 
 
 @pytest.fixture(scope="session")

@@ -23,7 +23,7 @@ BASE = [
 
 
 def _params(run_dir: Path) -> dict[str, torch.Tensor]:
-    return torch.load(run_dir / "checkpoints" / "last.ckpt", weights_only=False)["agent"]
+    return torch.load(run_dir / "checkpoints" / "last.ckpt", weights_only=True)["agent"]
 
 
 def test_resume_matches_uninterrupted_run(tmp_path: Path) -> None:

@@ -25,6 +25,7 @@ from omegaconf import OmegaConf
 
 import ppo_fabric
 from ppo_fabric.agent import ActorCritic
+from ppo_fabric.checkpoint import saved_spaces
 from ppo_fabric.config import ConfigError
 from ppo_fabric.preflight import load
 
@@ -113,10 +114,8 @@ def _check_policy_lag(run_dir: Path, pipeline: bool, updates: int) -> None:
 
 def _agent(path: Path) -> ActorCritic:
     """Rebuild the policy from a checkpoint the way a user would."""
-    state = torch.load(path, map_location="cpu", weights_only=False)
-    model = ActorCritic(
-        state["observation_space"], state["action_space"], OmegaConf.create(state["config"]).model
-    )
+    state = torch.load(path, map_location="cpu", weights_only=True)
+    model = ActorCritic(*saved_spaces(state), OmegaConf.create(state["config"]).model)
     model.load_state_dict(state["agent"])
     return model.eval()
 

@@ -49,9 +49,7 @@ def _observations(run_dir: Path, n: int = 64) -> torch.Tensor:
 def _reference(run_dir: Path, obs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """What the checkpoint's ActorCritic does, rebuilt by hand rather than through the export code."""
     state = ckpt.load(_ckpt(run_dir))
-    agent = ActorCritic(
-        state["observation_space"], state["action_space"], OmegaConf.create(state["config"]["model"])
-    )
+    agent = ActorCritic(*ckpt.saved_spaces(state), OmegaConf.create(state["config"]["model"]))
     agent.load_state_dict(state["agent"])
     with torch.no_grad():
         action, _, value = agent.act(obs, deterministic=True)

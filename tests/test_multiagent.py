@@ -500,7 +500,9 @@ def test_exact_resume_mid_episode(tmp_path: Path) -> None:
     full = _final_params(tmp_path / "full")
     assert _assert_same_params(full, _final_params(tmp_path / "resumed"))
 
-    state["ranks"][0]["carry"]["rest"]["alive"] = np.ones_like(alive)
+    state["ranks"][0]["carry"]["rest"]["alive"] = torch.ones_like(
+        alive
+    )  # checkpoints hold tensors, not numpy
     torch.save(state, tmp_path / "all_alive.ckpt")
     ppo_fabric.run([*RESUME, f"hydra.run.dir={tmp_path / 'wrong'}", f"resume={tmp_path / 'all_alive.ckpt'}"])
     assert not _assert_same_params(full, _final_params(tmp_path / "wrong"))
@@ -636,7 +638,8 @@ def test_lstm_multiagent_run(tmp_path: Path) -> None:
     state = ckpt.load(Path(summary["checkpoint"]))
     carry = state["ranks"][0]["carry"]
     model_cfg = OmegaConf.create(state["config"]["model"])
+    obs_spaces, action_spaces = ckpt.saved_spaces(state)
     for name in ("adversary", "agent"):
-        spaces = state["observation_space"][name], state["action_space"][name]
+        spaces = obs_spaces[name], action_spaces[name]
         assert carry[name]["state"].shape == (4 * 2, *ActorCritic(*spaces, model_cfg).state_shape)
         assert any("lstm" in k for k in state["agent"][name])

@@ -21,6 +21,7 @@ from omegaconf import DictConfig, OmegaConf
 
 import ppo_fabric
 from ppo_fabric.agent import ActorCritic
+from ppo_fabric.checkpoint import saved_spaces
 from tests import probe_envs
 
 # 8 envs x 16 steps = 128 samples per update, 2 minibatches x 4 epochs: 32 updates in 4096 steps. The
@@ -47,9 +48,9 @@ def train_probe(tmp_path: Path, name: str, *overrides: str) -> tuple[ActorCritic
     )
     ckpt = Path(summary["checkpoint"])
     assert ckpt == tmp_path / "checkpoints" / "last.ckpt"
-    state = torch.load(ckpt, map_location="cpu", weights_only=False)
+    state = torch.load(ckpt, map_location="cpu", weights_only=True)
     cfg = OmegaConf.create(state["config"])
-    model = ActorCritic(state["observation_space"], state["action_space"], cfg.model)
+    model = ActorCritic(*saved_spaces(state), cfg.model)
     model.load_state_dict(state["agent"])
     model.eval()
     return model, cfg
