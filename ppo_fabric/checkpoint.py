@@ -43,15 +43,24 @@ def rng_state() -> dict[str, Any]:
     are tuples holding arrays, which only a full unpickler reads)."""
     kind, keys, pos, has_gauss, gauss = np.random.get_state(legacy=True)
     version, internal, gauss_next = random.getstate()
+    cuda = (
+        torch.cuda.get_rng_state_all() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
+    )
     return {
         "torch": torch.get_rng_state(),
+        "cuda": cuda,  # one state per visible CUDA device, or None on a CPU run
         "numpy": [kind, torch.from_numpy(keys.astype(np.int64)), int(pos), int(has_gauss), float(gauss)],
         "python": [version, list(internal), gauss_next],
     }
 
 
 def set_rng_state(state: dict[str, Any]) -> None:
+    """Restore what `rng_state` saved; CUDA states only where the resuming run sees as many devices (a
+    GPU checkpoint resumed on a CPU, or the other way round, keeps this run's own CUDA seeds)."""
     torch.set_rng_state(state["torch"])
+    cuda = state.get("cuda")
+    if cuda is not None and torch.cuda.is_available() and len(cuda) == torch.cuda.device_count():
+        torch.cuda.set_rng_state_all(cuda)
     kind, keys, pos, has_gauss, gauss = state["numpy"]
     np.random.set_state((kind, keys.numpy().astype(np.uint32), pos, has_gauss, gauss))
     version, internal, gauss_next = state["python"]
@@ -115,16 +124,61 @@ def atomic_write(data: bytes, path: Path) -> None:
         raise
 
 
-def save(state: dict[str, Any], ckpt_dir: Path, iteration: int, numbered: bool, keep: int) -> Path:
-    """Write `last.ckpt` and, when asked, `iter_NNNNNN.ckpt` (the update number), pruning numbered ones beyond `keep`."""
+def encode(state: dict[str, Any]) -> bytes:
+    """A checkpoint's bytes: the state as plain data, with the format version."""
     buffer = io.BytesIO()
     torch.save({"format": FORMAT_VERSION, **to_plain(state)}, buffer)
-    data = buffer.getvalue()
+    return buffer.getvalue()
+
+
+def numbered_name(env_step: int, run_id: str) -> str:
+    """`step_<env step>_<run id>.ckpt`: the env step orders a lineage; the id of the launch that wrote it
+    keeps a resumed run from overwriting what an earlier run wrote at the same step."""
+    return f"step_{env_step:012d}_{run_id}.ckpt"
+
+
+def parse_numbered(path: Path) -> tuple[int, str] | None:
+    parts = path.stem.split("_")
+    if len(parts) != 3 or parts[0] != "step" or not parts[1].isdigit():
+        return None
+    return int(parts[1]), parts[2]
+
+
+def in_lineage(env_step: int, run_id: str, lineage: list[list[Any]]) -> bool:
+    """Whether a numbered checkpoint belongs to this run's lineage: `lineage` lists [run id, env step it
+    started from] from the first run to this one, so an ancestor's checkpoints count up to the step the
+    next run resumed from (what it wrote after that belongs to another branch)."""
+    for (rid, _), nxt in zip(lineage, [*lineage[1:], None], strict=True):
+        if rid == run_id and (nxt is None or env_step <= int(nxt[1])):
+            return True
+    return False
+
+
+def save(
+    state: dict[str, Any],
+    ckpt_dir: Path,
+    numbered: bool,
+    keep: int,
+    protect: tuple[Path, ...] = (),
+) -> Path:
+    """Write `last.ckpt` and, when asked, the numbered copy, then prune this lineage's numbered copies to
+    the newest `keep` (0 keeps all). Never deleted: the file just written and those in `protect` (the
+    checkpoint the run resumed from). Other lineages' files in the same directory are left alone."""
+    data = encode(state)
+    kept = {p.resolve() for p in protect}
     if numbered:
-        atomic_write(data, ckpt_dir / f"iter_{iteration:06d}.ckpt")
+        path = ckpt_dir / numbered_name(int(state["env_step"]), str(state["run_id"]))
+        atomic_write(data, path)
+        kept.add(path.resolve())
         if keep > 0:
-            for old in sorted(ckpt_dir.glob("iter_*.ckpt"))[:-keep]:
-                old.unlink(missing_ok=True)
+            ours = []
+            for old in ckpt_dir.glob("step_*.ckpt"):
+                parsed = parse_numbered(old)
+                if parsed is not None and in_lineage(*parsed, state["lineage"]):
+                    ours.append((parsed[0], old))
+            for _, old in sorted(ours)[:-keep]:
+                if old.resolve() not in kept:
+                    old.unlink(missing_ok=True)
     last = ckpt_dir / "last.ckpt"
     atomic_write(data, last)
     return last

@@ -137,6 +137,7 @@ _RULES = (
     _Rule("fabric.num_nodes", int, 0, strict_low=True),
     _Rule("checkpoint.every", int, 0),
     _Rule("checkpoint.keep", int, 0),
+    _Rule("checkpoint.every_minutes", float, 0),
     _Rule("logger.log_every", int, 0, strict_low=True),
     _Rule("collectives.timeout", float, 0, strict_low=True),
     _Rule("model.lstm.hidden_size", int, 0, optional=True),  # model=lstm only

@@ -29,6 +29,7 @@ from ppo_fabric.arguments import fail
 from ppo_fabric.config import ConfigError, under_fabric_run
 from ppo_fabric.preflight import load
 from ppo_fabric.protocol import end_process_group
+from ppo_fabric.session import STOP, Stopped
 
 StrategyMain = Callable[[Fabric, DictConfig, Path], dict[str, Any]]
 
@@ -111,7 +112,14 @@ def launch(
     run_dir = Path(fabric.broadcast(str(Path(run_dir_template).resolve()), src=0))
     seed_everything(int(cfg.seed) + fabric.global_rank, verbose=False)
     try:
-        summary = main(fabric, cfg, run_dir)
+        with STOP.installed():
+            summary = main(fabric, cfg, run_dir)
+    except Stopped as stop:
+        if fabric.global_rank == 0:
+            os.write(
+                2, f"ppo-fabric: {stop}; continue with resume={stop.checkpoint} (or resume=auto)\n".encode()
+            )
+        end_process(128 + stop.signum)
     except KeyboardInterrupt:
         if fabric.global_rank == 0:
             last = run_dir / "checkpoints" / "last.ckpt"

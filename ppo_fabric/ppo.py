@@ -20,9 +20,9 @@ from ppo_fabric import checkpoint as ckpt
 from ppo_fabric.config import training_layout
 from ppo_fabric.learners import build_learners, learners_state, policies_of, policy_specs
 from ppo_fabric.metrics import parameters_digest
-from ppo_fabric.protocol import all_gather_objects, sum_reduce
+from ppo_fabric.protocol import all_gather_objects, max_over, sum_reduce
 from ppo_fabric.rollout import build_collector, training_batches
-from ppo_fabric.session import RunSession, collector_state, end_of_run, episode_metrics, restore_collector
+from ppo_fabric.session import RunSession, collector_state, end_of_run, episode_metrics, resume_collector
 from ppo_fabric.update import update_policies
 
 
@@ -37,17 +37,11 @@ def main(fabric: Fabric, cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
 
     layout = training_layout(cfg, world)
     per_update = layout.batch
-    updates = int(cfg.algo.total_steps) // per_update
-    start = 0
     if resume is not None:
-        start = int(resume["iteration"])
-        if len(resume["ranks"]) == world:
-            restore_collector(collector, resume["ranks"][rank])
-        elif rank == 0:
-            fabric.print(
-                f"resume: checkpoint has {len(resume['ranks'])} ranks, this run {world}; episodes restart"
-            )
-    session = RunSession(cfg, run_dir, rank == 0, per_update, updates, start)
+        changed = resume_collector(collector, resume, rank, world, world)
+        if changed and rank == 0:
+            fabric.print(changed)
+    session = RunSession(cfg, run_dir, rank == 0, per_update, resume)
 
     def mean_across(t: torch.Tensor) -> torch.Tensor:
         return fabric.all_reduce(t, reduce_op="mean")
@@ -55,16 +49,20 @@ def main(fabric: Fabric, cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
     def sum_across(t: torch.Tensor) -> torch.Tensor:
         return fabric.all_reduce(t.to(fabric.device), reduce_op="sum").cpu()
 
-    for update in range(start, updates):
+    def checkpoint(update: int) -> None:
+        rank_states = all_gather_objects(collector_state(collector))
+        session.write_checkpoint(learners_state(cfg, learners), rank_states, update)
+
+    for update in range(session.start_update, session.end_update):
         t0 = time.perf_counter()
-        collector.collect(policies, update * per_update)
+        collector.collect(policies, session.env_step(update))
         t1 = time.perf_counter()
         stats = update_policies(
             fabric,
             learners,
             training_batches(collector, specs),
             cfg.algo,
-            update * per_update,
+            session.env_step(update),
             session.final_step,
             mean_across if world > 1 else None,
             layout.rank_minibatch,
@@ -78,13 +76,19 @@ def main(fabric: Fabric, cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
             session.log(
                 done, stats | episodes | {"time/collect_s": t1 - t0, "time/train_s": t2 - t1}, collector
             )
-        if session.checkpoint_due(done):
-            rank_states = all_gather_objects(collector_state(collector))
-            session.write_checkpoint(learners_state(cfg, learners), rank_states, done)
+        flags = session.boundary_flags()
+        signum, clock_due = session.agreed(max_over(flags, fabric.device))
+        if session.checkpoint_due(done) or clock_due or (signum and session.last_checkpoint < done):
+            checkpoint(done)
+        if signum and done < session.end_update:
+            collector.envs.close()
+            session.stop(signum, done)
 
     players = all_gather_objects(end_of_run(collector))
     digests = all_gather_objects(parameters_digest(*policies.values()))
-    summary = session.summary("coupled", updates, players, digests, session.watch.totals, specs, world)
+    summary = session.summary(
+        "coupled", session.end_update, players, digests, session.watch.totals, specs, world
+    )
     collector.envs.close()
     session.finish(summary)
     return summary

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 from lightning.fabric import Fabric
@@ -45,11 +45,12 @@ from ppo_fabric.protocol import (
     PlayerLink,
     Topology,
     TrainerLink,
+    max_over,
     setup_topology,
     sum_reduce,
 )
 from ppo_fabric.rollout import build_collector, policy_storage
-from ppo_fabric.session import RunSession, collector_state, end_of_run, episode_metrics, restore_collector
+from ppo_fabric.session import RunSession, collector_state, end_of_run, episode_metrics, resume_collector
 from ppo_fabric.update import TRAIN_METRICS, update_policies
 
 
@@ -59,11 +60,10 @@ def metric_names(specs: dict[str, PolicySpec]) -> list[str]:
     return [*names, "train/policy_lag", "time/trainer_sps", "time/train_s"]
 
 
-def session_for(fabric: Fabric, cfg: DictConfig, run_dir: Path, start: int) -> RunSession:
-    """Both roles count updates the same way: env steps per update over all players, and how many."""
+def session_for(fabric: Fabric, cfg: DictConfig, run_dir: Path, resume: dict | None) -> RunSession:
+    """Both roles count progress the same way: env steps per update over all players."""
     per_update = int(cfg.algo.rollout_steps) * int(cfg.env.num_envs) * int(cfg.algo.players)
-    updates = int(cfg.algo.total_steps) // per_update
-    return RunSession(cfg, run_dir, fabric.global_rank == 0, per_update, updates, start)
+    return RunSession(cfg, run_dir, fabric.global_rank == 0, per_update, resume)
 
 
 def codecs_for(
@@ -94,7 +94,7 @@ class Player:
     def __init__(
         self, fabric: Fabric, cfg: DictConfig, run_dir: Path, topo: Topology, resume: dict | None
     ) -> None:
-        self.cfg, self.topo, self.world = cfg, topo, fabric.world_size
+        self.topo, self.world = topo, fabric.world_size
         self.pipeline = bool(cfg.algo.pipeline)
         self.device = torch.device("cpu") if cfg.algo.player_device == "cpu" else fabric.device
         self.specs = specs = policy_specs(cfg)
@@ -109,18 +109,17 @@ class Player:
         self.names = metric_names(specs)
         codecs = codecs_for(specs, self.collector.storages, len(topo.trainers))
         self.link = PlayerLink(topo, codecs, sum(p.numel() for p in self.params), len(self.names))
-
-        self.version = 0  # the newest parameters received
         self.in_flight: dict[str, Any] | None = None  # pipeline resume: what the first rollout acts with
         if resume is not None:
-            self.version = int(resume["iteration"])
-            if len(resume["ranks"]) == self.world:
-                mine = resume["ranks"][topo.rank]
-                restore_collector(self.collector, mine)
-                if self.pipeline and "policy" in mine:
-                    self.in_flight = mine
-        self.session = session_for(fabric, cfg, run_dir, self.version)
+            changed = resume_collector(self.collector, resume, topo.rank, self.world, len(topo.players))
+            if changed is None and self.pipeline and "policy" in resume["ranks"][topo.rank]:
+                self.in_flight = resume["ranks"][topo.rank]
+            if changed and topo.rank == 0:
+                print(changed, flush=True)
+        self.session = session_for(fabric, cfg, run_dir, resume)
+        self.version = self.session.start_update  # the newest parameters received
         self.behaviour = self.version  # the version the policy acts with (stamped on each batch)
+        self.timed: set[int] = set()  # versions the players agreed to checkpoint by the clock
 
     def run(self) -> dict[str, Any]:
         session, collector = self.session, self.collector
@@ -132,18 +131,23 @@ class Player:
             resumed = parameters_to_vector(self.params).clone()
             vector_to_parameters(self.in_flight["policy"].to(self.device), self.params)
             self.behaviour = int(self.in_flight["policy_version"])
-        for update in range(self.version, session.updates):
+        for update in range(self.version, session.end_update):
             pipelined = self.pipeline and update > session.start_update
+            signum, clock_due = self.agree()
+            if signum:
+                self.stop(signum, pipelined)
+            if clock_due:
+                self.timed.add(update + 1)
             # a checkpoint of update k (received during this rollout) holds the state from before it
-            snapshot = self.snapshot() if pipelined and session.checkpoint_due(update) else None
+            snapshot = self.snapshot() if pipelined and self.checkpoint_due(update) else None
             t0 = time.perf_counter()
-            collector.collect(self.policies, update * session.per_update)
+            collector.collect(self.policies, session.env_step(update))
             session.watch.add("collect", time.perf_counter() - t0)
             t0 = time.perf_counter()
             batches = {
                 n: training_batch(collector.storages[n], self.specs[n].seq_len) for n in self.link.codecs
             }
-            self.link.send_data(batches, self.behaviour, asynchronous=self.pipeline)
+            self.link.send_data(batches, self.behaviour, self.pipeline, checkpoint_after=clock_due)
             session.watch.add("send", time.perf_counter() - t0)
             if pipelined:
                 self.version = self.behaviour = self.receive(
@@ -154,10 +158,19 @@ class Player:
                 self.behaviour, resumed = self.version, None
             if not self.pipeline:
                 self.version = self.behaviour = self.receive()
-        if self.pipeline and self.version < session.updates:
+        if self.pipeline and self.version < session.end_update:
             self.version = self.receive()
         self.link.send_stop(self.version)
-        return self.finish()
+        summary = self.finish()
+        return summary
+
+    def agree(self) -> tuple[int, bool]:
+        """Stop on a signal, or checkpoint by the clock: every player decides the same at this boundary."""
+        flags = self.session.boundary_flags()
+        return self.session.agreed(max_over(flags, "cpu", self.topo.player_group))
+
+    def checkpoint_due(self, version: int) -> bool:
+        return self.session.checkpoint_due(version) or version in self.timed
 
     def receive(self, snapshot: dict[str, Any] | None = None) -> int:
         """PARAMS: load the newest parameters, log the update they came from, checkpoint when due.
@@ -174,28 +187,45 @@ class Player:
             if session.log_due(version):
                 several = len(self.topo.players) > 1
                 episodes = episode_metrics(self.collector, self.link.sum_over_players if several else None)
-                session.log(
-                    version, dict(zip(self.names, metrics.tolist(), strict=True)) | episodes, self.collector
-                )
-            if session.checkpoint_due(version):
-                rank_state = snapshot if snapshot is not None else collector_state(self.collector)
-                parts = self.topo.gather({"rank_state": rank_state})
-                learner = parts[self.topo.first_trainer]["learner"]
-                session.write_checkpoint(learner, [part["rank_state"] for part in parts], version)
+                row = dict(zip(self.names, metrics.tolist(), strict=True)) | episodes
+                session.log(version, row, self.collector)
+            if self.checkpoint_due(version):
+                self.checkpoint(version, snapshot)
         return version
+
+    def checkpoint(self, version: int, snapshot: dict[str, Any] | None) -> None:
+        """CHECKPOINT: every rank's part; the first trainer's holds the learners."""
+        rank_state = snapshot if snapshot is not None else collector_state(self.collector)
+        parts = self.topo.gather({"rank_state": rank_state})
+        learner = parts[self.topo.first_trainer]["learner"]
+        self.session.write_checkpoint(learner, [part["rank_state"] for part in parts], version)
 
     def snapshot(self) -> dict[str, Any]:
         policy_now = parameters_to_vector(self.params).detach().cpu().clone()
         return collector_state(self.collector) | {"policy": policy_now, "policy_version": self.behaviour}
 
+    def stop(self, signum: int, pipelined: bool) -> NoReturn:
+        """Stop at this boundary: take the update in flight (pipeline), tell the trainers, checkpoint the
+        state every rank is at now, and leave with `Stopped` like every other rank."""
+        snapshot = None
+        if pipelined:  # the state from before the rollout not collected, as a pipelined checkpoint holds
+            snapshot = self.snapshot()
+            self.version = self.behaviour = self.receive(snapshot)
+        self.link.send_stop(self.version, signum)
+        if self.session.last_checkpoint < self.version:
+            self.checkpoint(self.version, snapshot)
+        self.topo.gather(self.end_part())
+        self.collector.envs.close()
+        self.session.stop(signum, self.version)
+
+    def end_part(self) -> dict[str, Any]:
+        digest = parameters_digest(*self.policies.values())
+        return end_of_run(self.collector) | {"digest": digest, "time": self.session.watch.totals}
+
     def finish(self) -> dict[str, Any]:
         """Gather every rank's end-of-run part; the first player writes the summary."""
         session = self.session
-        mine = end_of_run(self.collector) | {
-            "digest": parameters_digest(*self.policies.values()),
-            "time": session.watch.totals,
-        }
-        parts = self.topo.gather(mine)
+        parts = self.topo.gather(self.end_part())
         players = [parts[p] for p in self.topo.players]
         time_split = {"player": session.watch.totals, "trainer": parts[self.topo.first_trainer]["time"]}
         digests = [part["digest"] for part in parts]
@@ -229,39 +259,54 @@ def trainer(
     link = TrainerLink(topo, codecs_for(specs, templates, len(topo.trainers)))
     names = metric_names(specs)
     rank_minibatch = training_layout(cfg, fabric.world_size).rank_minibatch
-    version = int(resume["iteration"]) if resume is not None else 0
-    session = session_for(fabric, cfg, run_dir, version)
+    session = session_for(fabric, cfg, run_dir, resume)
+    version = session.start_update
 
     def mean_across(t: torch.Tensor) -> torch.Tensor:
         return link.mean(t.to(fabric.device))
 
+    def checkpoint() -> None:
+        part: dict[str, Any] = {"rank_state": {"rng": ckpt.rng_state()}}
+        if link.publishes:
+            part["learner"] = learners_state(cfg, learners)
+        parts = topo.gather(part)
+        session.write_checkpoint({}, [p["rank_state"] for p in parts], version)
+
     link.publish(params, torch.zeros(len(names)), version)
     while True:
         t0 = time.perf_counter()
-        kind, versions, batches = link.receive_data(fabric.device)
+        headers, batches = link.receive_data(fabric.device)
         session.watch.add("wait_data", time.perf_counter() - t0)
-        if kind == Kind.STOP:
+        if headers[0].kind == Kind.STOP:
             break
         t0 = time.perf_counter()
-        env_step = version * session.per_update
         stats = update_policies(
-            fabric, learners, batches, cfg.algo, env_step, session.final_step, mean_across, rank_minibatch
+            fabric,
+            learners,
+            batches,
+            cfg.algo,
+            session.env_step(version),
+            session.final_step,
+            mean_across,
+            rank_minibatch,
         )
         elapsed = time.perf_counter() - t0
         session.watch.add("train", elapsed)
-        lag = version - sum(versions) / len(versions)
+        lag = version - sum(h.version for h in headers) / len(headers)
         version += 1
         samples = sum(b["logprobs"].numel() for b in batches.values())  # steps, also inside sequences
         stats |= {"train/policy_lag": lag, "time/trainer_sps": samples / elapsed, "time/train_s": elapsed}
         metrics = mean_across(torch.tensor([stats[k] for k in names], dtype=torch.float32))
         metrics[names.index("time/trainer_sps")] *= len(topo.trainers)  # samples/s of all trainers
         link.publish(params, metrics.cpu(), version)
-        if session.checkpoint_due(version):
-            part: dict[str, Any] = {"rank_state": {"rng": ckpt.rng_state()}}
-            if link.publishes:
-                part["learner"] = learners_state(cfg, learners)
-            topo.gather(part)
+        if session.checkpoint_due(version) or headers[0].arg:
+            checkpoint()
+    signum = headers[0].arg  # the signal the players stopped on, 0 at the planned end
+    if signum and session.last_checkpoint < version:
+        checkpoint()
     topo.gather({"digest": parameters_digest(*policies_of(learners).values()), "time": session.watch.totals})
+    if signum:
+        session.stop(signum, version)
     session.logger.close()
     return {"strategy": "decoupled", "rank": topo.rank, "role": "trainer"}
 

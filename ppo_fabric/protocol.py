@@ -8,12 +8,14 @@ have one method per message, in the order the messages happen:
     --------                                  ---------------------------
     receive_params()   <--- PARAMS v=0 ------ publish()            initial (or resumed) parameters
     loop:
+      [agree with the other players: stop? time-based checkpoint due?]
       collect a rollout
       send_data()      ---- DATA v ---------> receive_data()       one message per trained policy,
                                                                    one shard per trainer
       receive_params() <--- PARAMS v+1 ------ publish()            parameters + the update's METRICS
       [gather()        <--- CHECKPOINT -----> gather()]            when a checkpoint is due: all ranks
-    send_stop()        ---- STOP -----------> receive_data()       ends the trainers' loop
+    send_stop()        ---- STOP -----------> receive_data()       ends the trainers' loop (arg: signal)
+    [gather()          <--- CHECKPOINT -----> gather()]            stopped on a signal: the stop checkpoint
     gather()           <--- CHECKPOINT -----> gather()             end-of-run summaries
 
 With `algo.pipeline=true` the player sends DATA of rollout k+1 before it waits for PARAMS of update k
@@ -32,7 +34,7 @@ import datetime
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from enum import IntEnum
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
@@ -68,6 +70,15 @@ def sum_reduce(group: Any, device: Any) -> Callable[[np.ndarray], np.ndarray] | 
     return reduce
 
 
+def max_over(values: torch.Tensor, device: Any, group: Any = None) -> torch.Tensor:
+    """Elementwise maximum over a process group (the ranks' stop and checkpoint flags), on the CPU."""
+    if not distributed() or dist.get_world_size(group) == 1:
+        return values
+    out = values.to(device)
+    dist.all_reduce(out, op=dist.ReduceOp.MAX, group=group)
+    return out.cpu()
+
+
 def end_process_group() -> None:
     if distributed():
         dist.destroy_process_group()
@@ -85,17 +96,27 @@ class ProtocolError(RuntimeError):
     """A message arrived that the receiver did not expect: the two sides disagree on the schedule."""
 
 
-_HEADER_BYTES = 16  # two int64: kind, version
+class Header(NamedTuple):
+    """What every DATA/STOP message starts with. `arg`: for DATA, 1 when a checkpoint is to follow the
+    update on this batch (a time-based one, which only the players' clocks know of); for STOP, the signal
+    that stopped the run (0 at its planned end)."""
+
+    kind: Kind
+    version: int
+    arg: int = 0
 
 
-def _header(kind: Kind, version: int) -> torch.Tensor:
-    return torch.tensor([int(kind), version], dtype=torch.int64).view(torch.uint8)
+_HEADER_BYTES = 24  # three int64
 
 
-def _read_header(buf: torch.Tensor) -> tuple[Kind, int]:
-    kind, version = buf[:_HEADER_BYTES].view(torch.int64).tolist()
+def _header(header: Header) -> torch.Tensor:
+    return torch.tensor([int(header.kind), header.version, header.arg], dtype=torch.int64).view(torch.uint8)
+
+
+def _read_header(buf: torch.Tensor) -> Header:
+    kind, version, arg = buf[:_HEADER_BYTES].view(torch.int64).tolist()
     try:
-        return Kind(kind), version
+        return Header(Kind(kind), version, arg)
     except ValueError as exc:
         raise ProtocolError(f"unknown message kind {kind}") from exc
 
@@ -161,21 +182,21 @@ class BatchCodec:
         self.shard_samples = self.samples // num_trainers
         self.shard_bytes = _HEADER_BYTES + self.shard_samples * sum(self.row_bytes)
 
-    def pack(self, batch: TensorDict, kind: Kind, version: int) -> list[torch.Tensor]:
+    def pack(self, batch: TensorDict, header: Header) -> list[torch.Tensor]:
         """One buffer per trainer: header + that trainer's rows."""
         rows = torch.cat(
             [batch[k].reshape(self.samples, -1).cpu().view(torch.uint8) for k, _, _ in self.layout], 1
         )
-        header = _header(kind, version)
-        return [torch.cat((header, shard.reshape(-1))) for shard in rows.split(self.shard_samples)]
+        head = _header(header)
+        return [torch.cat((head, shard.reshape(-1))) for shard in rows.split(self.shard_samples)]
 
-    def empty(self, kind: Kind, version: int) -> list[torch.Tensor]:
+    def empty(self, header: Header) -> list[torch.Tensor]:
         buf = torch.zeros(self.shard_bytes, dtype=torch.uint8)
-        buf[:_HEADER_BYTES] = _header(kind, version)
+        buf[:_HEADER_BYTES] = _header(header)
         return [buf] * self.trainers
 
-    def unpack(self, buf: torch.Tensor, device: torch.device) -> tuple[Kind, int, TensorDict]:
-        kind, version = _read_header(buf)
+    def unpack(self, buf: torch.Tensor, device: torch.device) -> tuple[Header, TensorDict]:
+        header = _read_header(buf)
         rows = buf[_HEADER_BYTES:].view(self.shard_samples, -1)
         out, col = TensorDict(batch_size=[self.shard_samples]), 0
         for (key, shape, dtype), width in zip(self.layout, self.row_bytes, strict=True):
@@ -183,7 +204,7 @@ class BatchCodec:
                 key, rows[:, col : col + width].contiguous().view(dtype).reshape(self.shard_samples, *shape)
             )
             col += width
-        return kind, version, out.to(device)
+        return header, out.to(device)
 
 
 class _InFlight:
@@ -221,23 +242,28 @@ class PlayerLink:
             raise ProtocolError(f"player {self.topo.rank} expected PARAMS, got message kind {kind}")
         return version, buf[2 : 2 + self.num_params], buf[2 + self.num_params :]
 
-    def send_data(self, batches: dict[str, TensorDict], version: int, asynchronous: bool) -> None:
-        """DATA: each trained policy's batch, collected with parameters `version`, one shard per trainer.
+    def send_data(
+        self, batches: dict[str, TensorDict], version: int, asynchronous: bool, checkpoint_after: bool
+    ) -> None:
+        """DATA: each trained policy's batch, collected with parameters `version`, one shard per trainer;
+        `checkpoint_after` asks for a checkpoint once the trainers have updated on it.
 
         Asynchronous sends return at once (the pipelined player then waits for PARAMS); the previous
         rollout's sends are finished first, so at most one rollout is in transit.
         """
         self.wait_sent()
+        header = Header(Kind.DATA, version, int(checkpoint_after))
         for name, codec in self.codecs.items():
-            sent = self._scatter(codec, codec.pack(batches[name], Kind.DATA, version), asynchronous)
+            sent = self._scatter(codec, codec.pack(batches[name], header), asynchronous)
             if sent is not None:
                 self._in_transit.append(sent)
 
-    def send_stop(self, version: int) -> None:
-        """STOP: the trainers leave their loop (one message, shaped like the first policy's DATA)."""
+    def send_stop(self, version: int, signum: int = 0) -> None:
+        """STOP: the trainers leave their loop (one message, shaped like the first policy's DATA), at the
+        planned end or, with `signum`, because the players agreed to stop on that signal."""
         self.wait_sent()
         codec = next(iter(self.codecs.values()))
-        self._scatter(codec, codec.empty(Kind.STOP, version), asynchronous=False)
+        self._scatter(codec, codec.empty(Header(Kind.STOP, version, signum)), asynchronous=False)
 
     def wait_sent(self) -> None:
         for message in self._in_transit:
@@ -272,34 +298,37 @@ class TrainerLink:
         message = torch.cat((header, flat, metrics.float().cpu()))
         dist.broadcast(message, self.topo.first_trainer, group=self.topo.param_group)
 
-    def receive_data(self, device: torch.device) -> tuple[Kind, list[int], dict[str, TensorDict]]:
-        """DATA from every player for every trained policy, concatenated per policy; or STOP.
+    def receive_data(self, device: torch.device) -> tuple[list[Header], dict[str, TensorDict]]:
+        """DATA from every player for every trained policy, concatenated per policy; or STOP (no batches).
 
-        Returns (kind, the parameter version each player collected with, batches by policy).
+        Returns every player's header (kind, the parameter version it collected with, its `arg`) and the
+        batches by policy. The players agree on `arg` and on stopping, so the headers differ only in version.
         """
         batches: dict[str, TensorDict] = {}
-        versions: list[int] = []
+        headers: list[Header] = []
         for name, codec in self.codecs.items():
-            kind, versions, batch = self._receive(codec, device)
-            if kind == Kind.STOP:
-                return kind, versions, {}
+            headers, batch = self._receive(codec, device)
+            if headers[0].kind == Kind.STOP:
+                return headers, {}
             batches[name] = batch
-        return Kind.DATA, versions, batches
+        return headers, batches
 
-    def _receive(self, codec: BatchCodec, device: torch.device) -> tuple[Kind, list[int], TensorDict]:
-        kinds, versions, parts = [], [], []
+    def _receive(self, codec: BatchCodec, device: torch.device) -> tuple[list[Header], TensorDict]:
+        headers, parts = [], []
         for player in self.topo.players:
             buf = torch.empty(codec.shard_bytes, dtype=torch.uint8)
             dist.scatter(buf, None, src=player, group=self.topo.data_groups[player])
-            kind, version, part = codec.unpack(buf, device)
-            kinds.append(kind)
-            versions.append(version)
+            header, part = codec.unpack(buf, device)
+            headers.append(header)
             parts.append(part)
-        if len(set(kinds)) != 1 or kinds[0] not in (Kind.DATA, Kind.STOP):
+        first = headers[0]
+        if first.kind not in (Kind.DATA, Kind.STOP) or any(
+            (h.kind, h.arg) != (first.kind, first.arg) for h in headers
+        ):
             raise ProtocolError(
-                f"trainer {self.topo.rank} expected DATA or STOP from every player, got {kinds}"
+                f"trainer {self.topo.rank} expected the same DATA or STOP from every player, got {headers}"
             )
-        return kinds[0], versions, torch.cat(parts) if kinds[0] == Kind.DATA else parts[0]
+        return headers, torch.cat(parts) if first.kind == Kind.DATA else parts[0]
 
     def mean(self, values: torch.Tensor) -> torch.Tensor:
         """Average over all trainers (the target-KL decision, the logged metrics)."""

@@ -252,7 +252,10 @@ class RolloutCollector:
             saved = carry[g.name]
             g.next_obs = g.to_tensor(saved["next_obs"], self.device)
             g.state = None if saved["state"] is None else saved["state"].to(self.device)
-            g.alive = None if saved["alive"] is None else np.array(saved["alive"], bool)
+            alive = saved["alive"]
+            if isinstance(alive, torch.Tensor):
+                alive = alive.numpy()
+            g.alive = None if alive is None else np.array(alive, dtype=bool)
 
 
 def _values(policy: ActorCritic, storage: TensorDict, chunk: int) -> torch.Tensor:

@@ -9,10 +9,16 @@ rank for bookkeeping.
 
 from __future__ import annotations
 
+import contextlib
+import os
+import signal
 import sys
-from collections.abc import Callable
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 from omegaconf import DictConfig
@@ -33,50 +39,106 @@ from ppo_fabric.normalize import load_normalizer_state, normalizer_state
 from ppo_fabric.plots import save_learning_curve
 from ppo_fabric.rollout import RolloutCollector
 
-Gather = Callable[[Any], list[Any]]  # every rank's object, in rank order (a collective)
 Reduce = Callable[[torch.Tensor], torch.Tensor]
 
 
+class Stopped(Exception):  # noqa: N818 - a stop asked for, not an error
+    """The run stopped at an update boundary on SIGTERM/SIGINT, after writing a checkpoint every rank agrees on."""
+
+    def __init__(self, signum: int, env_step: int, checkpoint: Path) -> None:
+        super().__init__(f"stopped by {signal.Signals(signum).name} at {env_step} env steps")
+        self.signum, self.env_step, self.checkpoint = signum, env_step, checkpoint
+
+
+class StopSignals:
+    """SIGTERM and SIGINT (a cluster's preemption, Ctrl+C) only set a flag: the strategies agree on it at the
+    next update boundary, checkpoint and end with `Stopped`. A second signal ends the process at once."""
+
+    def __init__(self) -> None:
+        self.signum = 0
+        self._previous: dict[int, Any] = {}
+
+    def _handle(self, signum: int, _frame: Any) -> None:
+        if self.signum:
+            os.write(2, f"ppo-fabric: second {signal.Signals(signum).name}, exiting now\n".encode())
+            os._exit(128 + signum)
+        self.signum = signum
+
+    @contextlib.contextmanager
+    def installed(self) -> Iterator[StopSignals]:
+        """Handlers for the duration of a run (signal handlers can only be set from the main thread)."""
+        self.signum = 0
+        if threading.current_thread() is threading.main_thread():
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                self._previous[sig] = signal.signal(sig, self._handle)
+        try:
+            yield self
+        finally:
+            for sig, handler in self._previous.items():
+                signal.signal(sig, handler)
+            self._previous.clear()
+
+
+STOP = StopSignals()  # signal handlers belong to the process, so one per process
+
+
 class RunSession:
-    """One process's view of the run: `writer` is the rank that writes (global rank 0)."""
+    """One process's view of the run: `writer` is the rank that writes (global rank 0).
+
+    Progress is counted in env steps: a resumed run continues from the checkpoint's env step with whatever
+    batch its own layout makes (`per_update` env steps per update over all collecting ranks), and ends, like
+    a fresh run, at the first update boundary at or past `algo.total_steps`. `update` numbers keep counting
+    across resumes; they pace logging and `checkpoint.every`.
+    """
 
     def __init__(
-        self,
-        cfg: DictConfig,
-        run_dir: Path,
-        writer: bool,
-        per_update: int,
-        updates: int,
-        start_update: int,
+        self, cfg: DictConfig, run_dir: Path, writer: bool, per_update: int, resume: dict[str, Any] | None
     ) -> None:
-        self.cfg, self.run_dir, self.writer = cfg, run_dir, writer
-        self.per_update, self.updates, self.start_update = per_update, updates, start_update
+        self.cfg, self.run_dir, self.writer, self.per_update = cfg, run_dir, writer, per_update
+        self.start_step = int(resume["env_step"]) if resume is not None else 0
+        self.start_update = int(resume["iteration"]) if resume is not None else 0
+        left = max(-(-(int(cfg.algo.total_steps) - self.start_step) // per_update), 0)
+        self.end_update = self.start_update + left
         self.every, self.keep = int(cfg.checkpoint.every), int(cfg.checkpoint.keep)
+        self.every_seconds = 60.0 * float(cfg.checkpoint.every_minutes)
         self.log_every = int(cfg.logger.log_every)
+        self.run_id = uuid.uuid4().hex[:8]
+        self.lineage = [
+            *(resume.get("lineage", []) if resume is not None else []),
+            [self.run_id, self.start_step],
+        ]
+        self.best_return = resume.get("best_return") if resume is not None else None
+        self.protect = (Path(str(cfg.resume)),) if cfg.resume is not None else ()
+        self.last_checkpoint = self.start_update if resume is not None else -1
+        self._checkpoint_clock = time.monotonic()
         if writer:
             run_dir.mkdir(parents=True, exist_ok=True)
             save_resolved_config(cfg, run_dir)
-        self.logger = RunLogger(run_dir, cfg, updates * per_update, enabled=writer)
+        self.logger = RunLogger(run_dir, cfg, self.final_step, enabled=writer)
         self.watch = Stopwatch()
 
     # ------------------------------------------------------------------------------------------ progress
+    def env_step(self, update: int) -> int:
+        """Env steps done once `update` updates are (the run's start counts as its first)."""
+        return self.start_step + (update - self.start_update) * self.per_update
+
     @property
     def final_step(self) -> int:
-        """The env step the run ends at: the last whole update at or below `algo.total_steps`."""
-        return self.updates * self.per_update
+        """The env step the run ends at; the learning rate reaches 0 there."""
+        return self.env_step(self.end_update)
 
     @property
     def checkpoint_path(self) -> Path:
         return self.run_dir / "checkpoints" / "last.ckpt"
 
     def steps_since_start(self, update: int) -> int:
-        return (update - self.start_update) * self.per_update
+        return self.env_step(update) - self.start_step
 
     def sps(self, update: int) -> float:
         return self.steps_since_start(update) / self.watch.elapsed()
 
     def log_due(self, update: int) -> bool:
-        return update % self.log_every == 0 or update == self.updates
+        return update % self.log_every == 0 or update == self.end_update
 
     def log(self, update: int, metrics: dict[str, float], collector: RolloutCollector) -> None:
         """A log row of the update just finished, with the SPS so far and the recent mean return."""
@@ -85,28 +147,62 @@ class RunSession:
         row = metrics | {"time/sps": sps}
         if recent is not None:
             row["rollout/return_mean20"] = recent
-        env_step = update * self.per_update
+        env_step = self.env_step(update)
         self.logger.log(row, env_step)
         self.logger.progress(env_step, sps, recent)
+
+    # ----------------------------------------------------------------------------- boundary agreement
+    def boundary_flags(self) -> torch.Tensor:
+        """This rank's view at an update boundary: [signal that asks to stop (0: none), time-based checkpoint
+        due]. The strategy takes the maximum over the ranks that must agree, then calls `agreed`."""
+        clock_due = self.every_seconds > 0 and time.monotonic() - self._checkpoint_clock >= self.every_seconds
+        return torch.tensor([float(STOP.signum), float(clock_due)])
+
+    @staticmethod
+    def agreed(flags: torch.Tensor) -> tuple[int, bool]:
+        """(signal to stop on, or 0; whether a time-based checkpoint is due) from the reduced flags."""
+        signum, clock_due = flags.tolist()
+        return int(signum), bool(clock_due)
 
     # ---------------------------------------------------------------------------------------- checkpoints
     def checkpoint_due(self, update: int) -> bool:
         """Every `checkpoint.every` updates, and always after the last one."""
-        return update == self.updates or (self.every > 0 and update % self.every == 0)
+        return update == self.end_update or (self.every > 0 and update % self.every == 0)
 
     def write_checkpoint(
         self, learner: dict[str, Any], rank_states: list[dict[str, Any]], update: int
     ) -> Path:
-        """`last.ckpt` (and a numbered copy when `checkpoint.every` is set), by the writing rank only."""
-        if self.writer:
-            state = learner | {
-                "iteration": update,
-                "env_step": update * self.per_update,
-                "world_size": len(rank_states),
-                "ranks": rank_states,
-            }
-            ckpt.save(state, self.checkpoint_path.parent, update, numbered=self.every > 0, keep=self.keep)
-        return self.checkpoint_path
+        """`last.ckpt` (and a numbered copy when `checkpoint.every` or `every_minutes` is set), and
+        `best.ckpt` when the mean return of the recent episodes of every collecting rank is the best so far.
+        Every rank calls it (to keep its clock and counters); only the writer writes."""
+        self.last_checkpoint = update
+        self._checkpoint_clock = time.monotonic()
+        windows = [s["episodes"] for s in rank_states if "episodes" in s]
+        recent = final_mean_return(windows)
+        better = recent is not None and (self.best_return is None or recent > self.best_return)
+        if better:
+            self.best_return = recent
+        if not self.writer:
+            return self.checkpoint_path
+        state = learner | {
+            "iteration": update,
+            "env_step": self.env_step(update),
+            "world_size": len(rank_states),
+            "ranks": rank_states,
+            "run_id": self.run_id,
+            "lineage": self.lineage,
+            "best_return": self.best_return,
+        }
+        numbered = self.every > 0 or self.every_seconds > 0
+        last = ckpt.save(state, self.checkpoint_path.parent, numbered, self.keep, self.protect)
+        if better:
+            ckpt.atomic_write(last.read_bytes(), last.parent / "best.ckpt")
+        return last
+
+    def stop(self, signum: int, update: int) -> NoReturn:
+        """After the stop checkpoint: close what the run opened and leave with `Stopped`."""
+        self.logger.close()
+        raise Stopped(signum, self.env_step(update), self.checkpoint_path)
 
     # ------------------------------------------------------------------------------------------- the end
     def summary(
@@ -127,12 +223,13 @@ class RunSession:
             "env_id": str(self.cfg.env.id),
             "world_size": world_size,
             "seed": int(self.cfg.seed),
-            "iterations": self.updates,
-            "total_env_steps": update * self.per_update,
+            "iterations": self.end_update,
+            "total_env_steps": self.env_step(update),
             "steps_this_run": steps,
             "wall_seconds": wall,
             "sps": steps / wall if wall > 0 else 0.0,
             "final_mean_return": final_mean_return([p["window"] for p in players]),
+            "best_mean_return": self.best_return,
             "episodes": sum(p["episodes"] for p in players),
             "time_split": time_split,
             "ranks_in_sync": len(set(digests)) == 1,
@@ -171,6 +268,7 @@ def collector_state(collector: RolloutCollector) -> dict[str, Any]:
     """What one collecting rank needs to continue its rollouts exactly."""
     return {
         "rng": ckpt.rng_state(),
+        "num_envs": collector.num_envs,
         "envs": ckpt.pickle_envs(collector.envs),
         "normalizers": normalizer_state(collector.envs),  # also for async envs and for evaluation
         "carry": collector.carry(),  # next observations, recurrent states
@@ -178,6 +276,28 @@ def collector_state(collector: RolloutCollector) -> dict[str, Any]:
         "episode_count": collector.episodes.count,
         "policy_episodes": {g.name: (list(g.episodes.window), g.episodes.count) for g in collector.groups},
     }
+
+
+def resume_collector(
+    collector: RolloutCollector, resume: dict[str, Any], rank: int, world: int, collecting: int
+) -> str | None:
+    """Continue this collecting rank from the checkpoint: exactly when the layout is the same (as many
+    processes, as many collecting ranks, as many envs each); otherwise with fresh envs and RNG but the
+    normaliser statistics (identical on every collecting rank) carried over. Returns the line to print in
+    that case (None when exact)."""
+    ranks = resume["ranks"]
+    saved = [state for state in ranks if "num_envs" in state]  # the collecting ranks' parts
+    same = len(ranks) == world and len(saved) == collecting
+    if same and all(int(state["num_envs"]) == collector.num_envs for state in saved):
+        restore_collector(collector, ranks[rank])
+        return None
+    if saved:
+        load_normalizer_state(collector.envs, saved[0].get("normalizers", {}))
+    was = f"{len(saved)} collecting rank(s) x {saved[0]['num_envs'] if saved else '?'} envs"
+    return (
+        f"resume: the checkpoint has {was}, this run {collecting} x {collector.num_envs}; "
+        "envs start fresh, normaliser statistics carried over"
+    )
 
 
 def restore_collector(collector: RolloutCollector, state: dict[str, Any]) -> None:

@@ -60,3 +60,16 @@ def single_learner(fabric: Any, cfg: DictConfig, obs_space: Any, action_space: A
     """The one learner of a single-agent run, as `ppo.main()` builds it, from `cfg.model` and `cfg.algo`."""
     spec = PolicySpec(SINGLE, obs_space, action_space, cfg.model, float(cfg.algo.lr), True, 1)
     return build_learners(fabric, {SINGLE: spec}, None, float(cfg.algo.adam_eps))[SINGLE]
+
+
+def numbered_checkpoint(run_dir: Path, update: int) -> Path:
+    """The numbered checkpoint a run wrote after `update` updates (files are named by env step and run id)."""
+    from ppo_fabric import checkpoint as ckpt
+
+    found = [
+        p
+        for p in (run_dir / "checkpoints").glob("step_*.ckpt")
+        if ckpt.load(p, env_state="fresh")["iteration"] == update
+    ]
+    assert len(found) == 1, f"{len(found)} checkpoints of update {update} in {run_dir}"
+    return found[0]

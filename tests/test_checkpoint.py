@@ -12,6 +12,7 @@ import torch
 import ppo_fabric
 from ppo_fabric import checkpoint as ckpt
 from ppo_fabric.config import ConfigError
+from tests.conftest import numbered_checkpoint
 
 BASE = [
     "logger.tensorboard=false",
@@ -31,7 +32,7 @@ def test_resume_matches_uninterrupted_run(tmp_path: Path) -> None:
     schedule, RNG and env state all restored)."""
     ppo_fabric.run([*BASE, f"hydra.run.dir={tmp_path / 'full'}"])
     ppo_fabric.run([*BASE, f"hydra.run.dir={tmp_path / 'part'}", "checkpoint.every=10", "checkpoint.keep=0"])
-    middle = tmp_path / "part" / "checkpoints" / "iter_000010.ckpt"
+    middle = numbered_checkpoint(tmp_path / "part", 10)
     assert ckpt.load(middle)["env_step"] == 10 * 256
     summary = ppo_fabric.run([*BASE, f"hydra.run.dir={tmp_path / 'resumed'}", f"resume={middle}"])
     assert summary["total_env_steps"] == 6144 and summary["steps_this_run"] == 6144 - 2560
@@ -45,7 +46,7 @@ def test_resume_changes_the_result_without_env_state(tmp_path: Path) -> None:
     """Guard for the test above: dropping the saved env state must break equality, so the test can fail."""
     ppo_fabric.run([*BASE, f"hydra.run.dir={tmp_path / 'full'}"])
     ppo_fabric.run([*BASE, f"hydra.run.dir={tmp_path / 'part'}", "checkpoint.every=10"])
-    middle = tmp_path / "part" / "checkpoints" / "iter_000010.ckpt"
+    middle = numbered_checkpoint(tmp_path / "part", 10)
     state = ckpt.load(middle)
     state["ranks"][0]["envs"] = None
     torch.save(state, tmp_path / "no_env.ckpt")
@@ -58,7 +59,12 @@ def test_resume_changes_the_result_without_env_state(tmp_path: Path) -> None:
 def test_numbered_checkpoints_are_pruned(tmp_path: Path) -> None:
     ppo_fabric.run([*BASE, f"hydra.run.dir={tmp_path}", "checkpoint.every=5", "checkpoint.keep=2"])
     names = sorted(p.name for p in (tmp_path / "checkpoints").iterdir())
-    assert names == ["iter_000020.ckpt", "iter_000024.ckpt", "last.ckpt"]
+    assert [n.split("_")[:2] for n in names] == [
+        ["best.ckpt"],
+        ["last.ckpt"],
+        ["step", f"{20 * 256:012d}"],
+        ["step", f"{24 * 256:012d}"],
+    ]
 
 
 def test_atomic_write_keeps_the_old_file_when_interrupted(

@@ -28,6 +28,7 @@ from ppo_fabric.agent import ActorCritic
 from ppo_fabric.checkpoint import saved_spaces
 from ppo_fabric.config import ConfigError
 from ppo_fabric.preflight import load
+from tests.conftest import numbered_checkpoint
 
 REPO = Path(__file__).resolve().parent.parent
 FABRIC = Path(sys.executable).parent / "fabric"
@@ -184,11 +185,11 @@ def test_fabric_run_then_exact_resume(tmp_path: Path) -> None:
     first = _single_run_dir(tmp_path)
     _check_summary(first, players=1, trainers=1, pipeline=False, total_steps=1024)
     _check_policy_lag(first, pipeline=False, updates=8)
-    numbered = sorted(p.name for p in (first / "checkpoints").glob("iter_*.ckpt"))
-    assert numbered == [f"iter_{i:06d}.ckpt" for i in (2, 4, 6, 8)]
+    numbered = sorted(int(p.name.split("_")[1]) for p in (first / "checkpoints").glob("step_*.ckpt"))
+    assert numbered == [i * 128 for i in (2, 4, 6, 8)]
 
     resumed = tmp_path / "resumed"
-    source = first / "checkpoints" / "iter_000004.ckpt"
+    source = numbered_checkpoint(first, 4)
     _run(
         _python_m(2, *common, "algo.total_steps=2048", f"resume={source}", f"hydra.run.dir={resumed}"),
         tmp_path,
@@ -197,8 +198,8 @@ def test_fabric_run_then_exact_resume(tmp_path: Path) -> None:
     assert summary["steps_this_run"] == 2048 - 4 * 128
     assert summary["resumed_from"] == str(source)
     assert [int(row["step"]) for row in _metrics(resumed)] == list(range(5 * 128, 2048 + 1, 128))
-    original = _agent(first / "checkpoints" / "iter_000008.ckpt").state_dict()
-    again = _agent(resumed / "checkpoints" / "iter_000008.ckpt").state_dict()
+    original = _agent(numbered_checkpoint(first, 8)).state_dict()
+    again = _agent(numbered_checkpoint(resumed, 8)).state_dict()
     for key, value in original.items():
         torch.testing.assert_close(again[key], value, rtol=0, atol=0, msg=f"{key} differs after resume")
 
@@ -220,11 +221,11 @@ def test_pipelined_resume_is_exact(tmp_path: Path) -> None:
         "algo.total_steps=1024",
     ]
     _run(_python_m(2, *common, f"hydra.run.dir={tmp_path / 'a'}"), tmp_path)
-    source = tmp_path / "a" / "checkpoints" / "iter_000004.ckpt"
+    source = numbered_checkpoint(tmp_path / "a", 4)
     _run(_python_m(2, *common, f"hydra.run.dir={tmp_path / 'b'}", f"resume={source}"), tmp_path)
-    for name in ("iter_000006.ckpt", "iter_000008.ckpt"):
-        original = _agent(tmp_path / "a" / "checkpoints" / name).state_dict()
-        again = _agent(tmp_path / "b" / "checkpoints" / name).state_dict()
+    for name in (6, 8):
+        original = _agent(numbered_checkpoint(tmp_path / "a", name)).state_dict()
+        again = _agent(numbered_checkpoint(tmp_path / "b", name)).state_dict()
         for key, value in original.items():
             torch.testing.assert_close(again[key], value, rtol=0, atol=0, msg=f"{name}: {key} differs")
     episodes = [json.loads((tmp_path / d / "summary.json").read_text())["episodes"] for d in ("a", "b")]

@@ -40,7 +40,7 @@ from ppo_fabric.multiagent import MultiAgentVectorEnv
 from ppo_fabric.multiagent_envs import MatchingGame, matching_v0
 from ppo_fabric.rollout import RolloutCollector, build_collector
 from ppo_fabric.update import update_policy as train
-from tests.conftest import assert_cli_failure
+from tests.conftest import assert_cli_failure, numbered_checkpoint
 
 REPO = Path(__file__).resolve().parent.parent
 AGENTS = [f"agent_{i}" for i in range(3)]  # matching_v0's default n_agents=3, episode_length=8
@@ -490,7 +490,7 @@ def test_exact_resume_mid_episode(tmp_path: Path) -> None:
     an uninterrupted run; resuming with the absent rows marked present breaks that (guard)."""
     ppo_fabric.run([*RESUME, f"hydra.run.dir={tmp_path / 'full'}"])
     ppo_fabric.run([*RESUME, f"hydra.run.dir={tmp_path / 'part'}", "checkpoint.every=2", "checkpoint.keep=0"])
-    middle = tmp_path / "part" / "checkpoints" / "iter_000002.ckpt"
+    middle = numbered_checkpoint(tmp_path / "part", 2)
     state = ckpt.load(middle)
     assert state["env_step"] == 2 * 60
     alive = state["ranks"][0]["carry"]["rest"]["alive"]

@@ -18,6 +18,7 @@ import ppo_fabric
 from ppo_fabric import checkpoint as ckpt
 from ppo_fabric.envs import make_vector_env
 from ppo_fabric.normalize import RunningMoments, normalizers
+from tests.conftest import numbered_checkpoint
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -121,7 +122,7 @@ def test_resume_is_exact_with_normalisation(tmp_path: Path) -> None:
             "env.normalize_obs=true", "env.normalize_reward=true"]  # fmt: skip
     ppo_fabric.run([*base, f"hydra.run.dir={tmp_path / 'full'}"])
     ppo_fabric.run([*base, f"hydra.run.dir={tmp_path / 'part'}", "checkpoint.every=6"])
-    middle = tmp_path / "part" / "checkpoints" / "iter_000006.ckpt"
+    middle = numbered_checkpoint(tmp_path / "part", 6)
     ppo_fabric.run([*base, f"hydra.run.dir={tmp_path / 'resumed'}", f"resume={middle}"])
     full = ckpt.load(tmp_path / "full" / "checkpoints" / "last.ckpt")
     resumed = ckpt.load(tmp_path / "resumed" / "checkpoints" / "last.ckpt")

@@ -25,7 +25,7 @@ from ppo_fabric.config import ConfigError, compose
 from ppo_fabric.envs import make_vector_env
 from ppo_fabric.evaluate import play
 from ppo_fabric.preflight import check as validate
-from ppo_fabric.protocol import BatchCodec, Kind
+from ppo_fabric.protocol import BatchCodec, Header, Kind
 from ppo_fabric.rollout import RolloutCollector
 from tests.pixel_envs import DictPixels, FakeAtari
 
@@ -270,7 +270,7 @@ def test_dict_observations_store_nested_and_pack_for_trainers() -> None:
     storage["actions"].random_(0, 2)
     batch = training_batch(storage)
     codec = BatchCodec(batch, num_trainers=2)
-    shards = [codec.unpack(buf, torch.device("cpu"))[2] for buf in codec.pack(batch, Kind.DATA, 1)]
+    shards = [codec.unpack(buf, torch.device("cpu"))[1] for buf in codec.pack(batch, Header(Kind.DATA, 1))]
     restored = torch.cat(shards)
     for key in (("obs", "image"), ("obs", "vec"), "actions", "logprobs"):
         torch.testing.assert_close(restored[key], batch[key])

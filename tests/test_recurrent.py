@@ -39,7 +39,7 @@ from ppo_fabric.envs import make_vector_env
 from ppo_fabric.learners import Learner
 from ppo_fabric.rollout import RolloutCollector
 from ppo_fabric.update import update_policy as train
-from tests.conftest import assert_cli_failure, cartpole_env_cfg, single_learner
+from tests.conftest import assert_cli_failure, cartpole_env_cfg, numbered_checkpoint, single_learner
 
 REPO = Path(__file__).resolve().parent.parent
 STEPS, ENVS, SEQ = 32, 4, 8
@@ -414,7 +414,7 @@ def test_resume_mid_episode_matches_uninterrupted_run(tmp_path: Path) -> None:
     the checkpoint) are restored with the envs. Zeroing them in the checkpoint breaks the equality."""
     full = ppo_fabric.run([*RESUME, f"hydra.run.dir={tmp_path / 'full'}"])
     ppo_fabric.run([*RESUME, f"hydra.run.dir={tmp_path / 'part'}", "checkpoint.every=8", "checkpoint.keep=0"])
-    middle = tmp_path / "part" / "checkpoints" / "iter_000008.ckpt"
+    middle = numbered_checkpoint(tmp_path / "part", 8)
     state = ckpt.load(middle)
     carried = state["ranks"][0]["carry"]["main"]["state"]
     assert carried.shape == (4, 4, 1, 16)  # 4 envs; h and c of separate actor and critic LSTMs
@@ -491,13 +491,15 @@ def test_decoupled_pipelined_resume_is_exact(tmp_path: Path) -> None:
     b.mkdir()
     first = _finish(_start(2, PIPELINED, a), 2, a)
     assert first["strategy"] == "decoupled" and first["total_env_steps"] == 768
-    source = a / "run" / "checkpoints" / "iter_000002.ckpt"
+    source = numbered_checkpoint(a / "run", 2)
     carried = ckpt.load(source)["ranks"][0]["carry"]["main"]["state"]
     assert carried is not None and carried.abs().sum() > 0
     again = _finish(_start(2, [*PIPELINED, f"resume={source}"], b), 2, b)
-    for name in ("iter_000004.ckpt", "last.ckpt"):
-        want = ckpt.load(a / "run" / "checkpoints" / name)["agent"]
-        got = ckpt.load(b / "run" / "checkpoints" / name)["agent"]
+    for name, want_path, got_path in (
+        ("update 4", numbered_checkpoint(a / "run", 4), numbered_checkpoint(b / "run", 4)),
+        ("last.ckpt", a / "run" / "checkpoints" / "last.ckpt", b / "run" / "checkpoints" / "last.ckpt"),
+    ):
+        want, got = ckpt.load(want_path)["agent"], ckpt.load(got_path)["agent"]
         for key in want:
             assert torch.equal(want[key], got[key]), f"{name}: {key} differs"
     assert first["episodes"] == again["episodes"]

@@ -22,6 +22,7 @@ from ppo_fabric import checkpoint as ckpt
 from ppo_fabric import signing
 from ppo_fabric.config import ConfigError
 from ppo_fabric.spaces import space_from_data, space_to_data
+from tests.conftest import numbered_checkpoint
 
 REPO = Path(__file__).resolve().parent.parent
 RUN = ["logger.tensorboard=false", "algo.total_steps=1024"]
@@ -318,7 +319,7 @@ def test_dict_observations_resume_exactly(tmp_path: Path) -> None:
             "algo.rollout_steps=32", "algo.minibatch_size=32", "logger=none", "seed=5"]  # fmt: skip
     ppo_fabric.run([*base, f"hydra.run.dir={tmp_path / 'full'}"])
     ppo_fabric.run([*base, f"hydra.run.dir={tmp_path / 'part'}", "checkpoint.every=1", "checkpoint.keep=0"])
-    middle = tmp_path / "part" / "checkpoints" / "iter_000001.ckpt"
+    middle = numbered_checkpoint(tmp_path / "part", 1)
     assert set(ckpt.load(middle)["ranks"][0]["carry"]["main"]["next_obs"]) == {"image", "vec"}
     ppo_fabric.run([*base, f"hydra.run.dir={tmp_path / 'resumed'}", f"resume={middle}"])
     full, resumed = (ckpt.load(_last(tmp_path / name))["agent"] for name in ("full", "resumed"))
