@@ -10,6 +10,7 @@ from __future__ import annotations
 import datetime as _dt
 import math
 import os
+import tempfile
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
@@ -332,9 +333,26 @@ def _check_sequences(cfg: DictConfig, layout: Layout) -> None:
         )
 
 
+def _check_creatable(path: Path, shown: str) -> None:
+    existing = next(p for p in (path, *path.parents) if p.exists())
+    if not existing.is_dir():
+        raise ConfigError(
+            f"hydra.run.dir={shown}: {existing} is a file, not a directory; choose another run directory"
+        )
+    try:
+        tempfile.TemporaryDirectory(dir=existing, prefix=".ppo-fabric-check-").cleanup()
+    except OSError as exc:
+        reason = exc.strerror or type(exc).__name__
+        raise ConfigError(
+            f"hydra.run.dir={shown} cannot be created under {existing} ({reason}); choose another run directory"
+        ) from exc
+
+
 def check_run_dir(cfg: DictConfig, run_dir: str) -> None:
-    """Never overwrite another run's checkpoints: a used directory is only for continuing that run."""
+    """Never overwrite another run's checkpoints: a used directory is only for continuing that run. The
+    directory must also be one this process can create (checked by creating a scratch folder beside it)."""
     path = Path(run_dir).resolve()
+    _check_creatable(path, run_dir)
     if not ((path / "checkpoints" / "last.ckpt").exists() or (path / "summary.json").exists()):
         return
     if cfg.resume is not None and path in Path(str(cfg.resume)).resolve().parents:

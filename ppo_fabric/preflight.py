@@ -83,8 +83,19 @@ def _check_env_and_model(cfg: DictConfig) -> tuple[Any, Any]:
 
 
 def _check_multiagent(cfg: DictConfig) -> None:
-    """What building the policies cannot see: sequence lengths of per-policy recurrent models."""
+    """What building the policies cannot see: sequence lengths of per-policy recurrent models; and
+    multi-agent settings given for a single-agent env, which would otherwise be ignored."""
     if not is_multiagent(cfg.env):
+        given = [
+            k
+            for k in ("policies", "policy_mapping", "policies_to_train")
+            if cfg.multiagent.get(k) is not None
+        ]
+        if given:
+            raise ConfigError(
+                f"multiagent.{given[0]} is set but env.id={cfg.env.id} is a single-agent (gymnasium) env; "
+                "multiagent settings apply to PettingZoo envs (env=pettingzoo); drop them"
+            )
         return
     if cfg.env.vector != "sync" or int(cfg.env.action_repeat) != 1 or cfg.env.max_episode_steps is not None:
         raise ConfigError(

@@ -139,6 +139,14 @@ CASES: list[Any] = [
     # override syntax
     pytest.param(["seed=[1"], ["cannot parse override", "[1"], id="syntax-unclosed-list"),
     pytest.param(["algo.lr"], ["cannot parse override", "algo.lr"], id="syntax-no-value"),
+    pytest.param(
+        ["multiagent.policy_mapping={x:a}"],
+        ["multiagent.policy_mapping", "single-agent", "PettingZoo"],
+        id="ma-map",
+    ),
+    pytest.param(
+        ["hydra.run.dir=/proc/x/run"], ["hydra.run.dir=/proc/x/run", "cannot be created"], id="run-dir-proc"
+    ),
     # resume (paths that exist are covered by the tests below)
     pytest.param(
         ["resume=/nonexistent/ppo-fabric/last.ckpt"],
@@ -321,6 +329,14 @@ def _cli(args: list[str], cwd: Path) -> tuple[subprocess.CompletedProcess[str], 
         pytest.param(["env=nosuch"], "available:", id="group-option"),
         pytest.param(["seed=[1"], "cannot parse override", id="syntax"),
         pytest.param(["resume=last.ckpt"], "not a readable checkpoint", id="resume-garbage-relative"),
+        pytest.param(
+            ["hydra.run.dir=/proc/ppo-fabric-run"],
+            "hydra.run.dir=/proc/ppo-fabric-run",
+            id="run-dir-uncreatable",
+        ),
+        pytest.param(
+            ["multiagent.policies={a:{},b:{}}"], "multiagent.policies", id="multiagent-on-gymnasium-env"
+        ),
     ],
 )
 def test_cli_exits_2_with_one_stderr_line(args: list[str], fragment: str, tmp_path: Path) -> None:
