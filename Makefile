@@ -6,7 +6,7 @@ PIP    := $(BIN)/python -m pip --disable-pip-version-check -q
 STAMP  := $(VENV)/.installed
 ARGS   ?=
 
-.PHONY: train test lint bench clean
+.PHONY: train test lint bench gpu-check clean
 
 $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -45,6 +45,13 @@ bench: $(VENV)/.bench
 	$(BIN)/python benchmarks/lunarlander.py --env pendulum --seeds 2
 	$(BIN)/python benchmarks/cartpole_lstm.py --seeds 2
 	$(BIN)/python benchmarks/multiagent.py
+
+# Prove the CUDA paths (resume round trip, CPU<->GPU resume, SIGTERM) on a GPU machine; SKIPs without CUDA.
+# No venv needed (a lent GPU box may have no network): PY is .venv's python if there is one, else python3;
+# override with `make gpu-check PY=python3`, add ARGS="--device cpu" to run the checks on the CPU.
+PY ?= $(if $(wildcard $(BIN)/python),$(BIN)/python,python3)
+gpu-check:
+	$(PY) benchmarks/gpu_check.py $(ARGS)
 
 clean:
 	rm -rf $(VENV) runs outputs .pytest_cache .ruff_cache

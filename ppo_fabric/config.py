@@ -134,6 +134,7 @@ _RULES = (
     _Rule("env.num_envs", int, 0, strict_low=True),
     _Rule("env.action_repeat", int, 1),
     _Rule("env.max_episode_steps", int, 0, strict_low=True, optional=True),
+    _Rule("env.normalize_warmup", int, 0, optional=True),
     _Rule("fabric.devices", int, 0, strict_low=True),
     _Rule("fabric.num_nodes", int, 0, strict_low=True),
     _Rule("checkpoint.every", int, 0),

@@ -15,7 +15,15 @@ from gymnasium.vector import AsyncVectorEnv, AutoresetMode, SyncVectorEnv, Vecto
 from omegaconf import DictConfig, OmegaConf
 
 from ppo_fabric import atari
-from ppo_fabric.normalize import NormalizeObservation, NormalizeReward, Reduce, first_observations
+from ppo_fabric.normalize import (
+    NormalizeObservation,
+    NormalizeReward,
+    Reduce,
+    discard_pending,
+    first_observations,
+    normalizers,
+    warm_up,
+)
 
 # Which pip extra provides the simulator behind an env id, so a missing one is named in the error.
 _EXTRA_BY_PREFIX = {
@@ -191,6 +199,11 @@ def make_vector_env(
     Autoreset is SAME_STEP so that the final observation of a truncated episode arrives with the step that
     ended it: the rollout bootstraps from its value, which NEXT_STEP autoreset would hide one step later.
     Episode statistics wrap the vector env before any later normalisation so they report raw returns.
+
+    With a normaliser and `env.normalize_warmup` > 0 the envs first take that many random vector steps (not
+    training steps: no counter sees them) whose statistics are merged over the ranks through `reduce`, then
+    reset with the same seeds. Every build does it, resumed runs too: they replace these statistics with the
+    checkpoint's (unpickled envs, or `load_normalizer_state`), which keeps exact resume exact.
     """
     # partial, not a lambda: the vector env keeps its factories, and checkpoints pickle the vector env.
     fns: list[Callable[[], gym.Env]] = [partial(make_env, env_cfg) for _ in range(int(env_cfg.num_envs))]
@@ -203,8 +216,21 @@ def make_vector_env(
         envs = NormalizeReward(envs, gamma)
     seeds = env_seeds(seed, rank, int(env_cfg.num_envs))
     obs, _ = envs.reset(seed=seeds)
+    warmup = int(env_cfg.get("normalize_warmup", 0) or 0)  # hand-built configs without the key: none
+    if warmup > 0 and normalizers(envs):
+        warm_up(envs, warmup, warmup_seed(seed, rank), reduce)
+        # The same seeds again: the run's episodes start exactly where a run without warm-up starts them.
+        obs, _ = envs.reset(seed=seeds)
+        discard_pending(envs)  # these reset observations were counted by the warm-up already
     envs.action_space.seed(seeds[0])
     return envs, first_observations(envs, obs, reduce)
+
+
+def warmup_seed(seed: int, rank: int) -> int:
+    """The seed of the normalisation warm-up's random actions: reproducible per run and rank, and a stream
+    apart from `env_seeds` (a child of the same seed sequence)."""
+    child = np.random.SeedSequence(seed + rank).spawn(1)[0]
+    return int(child.generate_state(1, dtype=np.uint32)[0])
 
 
 def probe_spaces(env_cfg: DictConfig) -> tuple[gym.Space, gym.Space]:
@@ -214,3 +240,23 @@ def probe_spaces(env_cfg: DictConfig) -> tuple[gym.Space, gym.Space]:
         return env.observation_space, env.action_space
     finally:
         env.close()
+
+
+def check_normalizable(env_cfg: DictConfig, obs_space: gym.Space) -> None:
+    """`env.normalize_obs=true` needs observations with one shape that are stored as floats: the rollout
+    keeps pixels (uint8 Boxes of rank 2 or 3, `agent.is_image_space`) as uint8, where normalised values
+    would be truncated to garbage, and Dict observations have no single shape for the running statistics.
+    Raises EnvError, one line naming the key."""
+    if not env_cfg.get("normalize_obs", False):
+        return
+    parts = obs_space.spaces.values() if isinstance(obs_space, gym.spaces.Dict) else [obs_space]
+    if any(isinstance(s, gym.spaces.Box) and s.dtype == np.uint8 and len(s.shape) in (2, 3) for s in parts):
+        raise EnvError(
+            "env.normalize_obs=true on uint8 image observations would write normalised floats into uint8 "
+            "storage; images are scaled by the CNN, set env.normalize_obs=false"
+        )
+    if obs_space.shape is None:
+        raise EnvError(
+            f"env.normalize_obs=true needs an array observation space, not {type(obs_space).__name__}; "
+            "set env.normalize_obs=false"
+        )

@@ -8,6 +8,11 @@ normalising (as Stable-Baselines3's VecNormalize and CleanRL do).
 
 The observation wrapper also normalises `info["final_obs"]` (same-step autoreset), so a truncated
 episode bootstraps from the value of a normalised final observation like every other step.
+
+Statistics of the reset observations alone are far too narrow (every CartPole reset lies within +-0.05),
+so the first rollout of a fresh run would be mostly clipped. `warm_up` therefore steps the envs with
+random actions before the first rollout, merges what it saw over the ranks, and the run proper then starts
+from the same reset as it would without it (`envs.make_vector_env`); those steps are not training steps.
 """
 
 from __future__ import annotations
@@ -63,6 +68,10 @@ class RunningMoments:
         self.var = m2 / total
         self.count = total
 
+    def discard_pending(self) -> None:
+        """Forget data observed since the last commit (the warm-up's second reset repeats its first)."""
+        self._reset_pending()
+
     def normalize(self, x: np.ndarray) -> np.ndarray:
         return np.clip((x - self.mean) / np.sqrt(self.var + EPS), -CLIP, CLIP).astype(np.float32)
 
@@ -108,6 +117,10 @@ class NormalizeReward(VectorWrapper):
         self.moments = RunningMoments(())
         self.returns = np.zeros(env.num_envs, np.float64)
 
+    def reset(self, **kwargs: Any) -> tuple[Any, dict[str, Any]]:
+        self.returns[:] = 0.0  # every episode starts again: no return carries over (the warm-up resets)
+        return self.env.reset(**kwargs)
+
     def step(self, actions: Any) -> tuple[Any, np.ndarray, Any, Any, dict[str, Any]]:
         obs, reward, terminated, truncated, info = self.env.step(actions)
         self.returns = self.returns * self.gamma + reward
@@ -133,6 +146,26 @@ def sync_normalizers(envs: Any, reduce: Reduce | None) -> None:
     """Merge the pending statistics of every collecting rank (call on all of them at the same point)."""
     for wrapper in normalizers(envs):
         wrapper.moments.commit(reduce)
+
+
+def warm_up(envs: Any, steps: int, action_seed: int, reduce: Reduce | None) -> None:
+    """Step `envs` `steps` times with random actions and merge what the normalisers saw over the ranks.
+
+    Call on every collecting rank at the same point (the merge is a collective); the caller resets the
+    envs afterwards. The actions come from the vector action space seeded with `action_seed`, so a run
+    warms up the same way every time.
+    """
+    if steps <= 0 or not normalizers(envs):
+        return
+    envs.action_space.seed(action_seed)
+    for _ in range(steps):
+        envs.step(envs.action_space.sample())
+    sync_normalizers(envs, reduce)
+
+
+def discard_pending(envs: Any) -> None:
+    for wrapper in normalizers(envs):
+        wrapper.moments.discard_pending()
 
 
 def first_observations(envs: Any, obs: np.ndarray, reduce: Reduce | None) -> np.ndarray:

@@ -24,7 +24,7 @@ from ppo_fabric.config import (
     sequence_length,
     under_fabric_run,
 )
-from ppo_fabric.envs import EnvError
+from ppo_fabric.envs import EnvError, check_normalizable
 from ppo_fabric.learners import policy_specs, spaces_of
 from ppo_fabric.multiagent import is_multiagent, policy_settings
 
@@ -71,6 +71,8 @@ def _check_env_and_model(cfg: DictConfig) -> tuple[Any, Any]:
     _check_multiagent(cfg)
     try:
         specs = policy_specs(cfg)
+        for spec in specs.values():
+            check_normalizable(cfg.env, spec.obs_space)
     except EnvError as exc:
         raise ConfigError(str(exc)) from exc
     for spec in specs.values():

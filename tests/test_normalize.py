@@ -98,6 +98,10 @@ def test_two_ranks_normalise_alike_and_resume_evaluate_export_use_it(tmp_path: P
         np.testing.assert_array_equal(first[key]["mean"], second[key]["mean"])
         np.testing.assert_array_equal(first[key]["var"], second[key]["var"])
         assert first[key]["count"] == second[key]["count"] > 0
+    # Both ranks' warm-up (64 random steps of 8 envs; observations also of the first reset) was merged before
+    # the first rollout, and is not part of the 4096 training steps.
+    assert first["NormalizeObservation"]["count"] == 2 * (8 + 64 * 8) + 4096
+    assert first["NormalizeReward"]["count"] == 2 * 64 * 8 + 4096
     norm = ckpt.observation_normalization(state)
     assert norm is not None and not np.allclose(norm["var"], 1.0)
 
@@ -131,3 +135,107 @@ def test_resume_is_exact_with_normalisation(tmp_path: Path) -> None:
     assert full["ranks"][0]["normalizers"]["NormalizeObservation"]["count"] == pytest.approx(
         resumed["ranks"][0]["normalizers"]["NormalizeObservation"]["count"]
     )
+
+
+# ------------------------------------------------------------------------------------------- warm-up
+def _first_rollout_clipped(tmp_path: Path, num_envs: int, warmup: int) -> float:
+    """Share of clipped values among the observations the first rollout stores, built as training does."""
+    from ppo_fabric.agent import ActorCritic
+    from ppo_fabric.config import compose
+    from ppo_fabric.learners import policy_specs
+    from ppo_fabric.normalize import CLIP
+    from ppo_fabric.rollout import build_collector
+
+    cfg, _ = compose([f"env.num_envs={num_envs}", "env.normalize_obs=true", f"env.normalize_warmup={warmup}",
+                      f"hydra.run.dir={tmp_path}"])  # fmt: skip
+    torch.manual_seed(0)
+    specs = policy_specs(cfg)
+    collector = build_collector(cfg, specs, 0, "cpu", None)
+    spec = specs["main"]
+    collector.collect(ActorCritic(spec.obs_space, spec.action_space, spec.model), 0)
+    obs = collector.storage["obs"].numpy()
+    collector.envs.close()
+    return float((np.abs(obs) >= CLIP).mean())
+
+
+@pytest.mark.parametrize("num_envs", [1, 8])
+def test_first_rollout_is_normalised_with_warm_up_statistics(tmp_path: Path, num_envs: int) -> None:
+    """Issue 15's bar: under 1% of the first rollout's values clipped on CartPole; without the warm-up the
+    reset states alone make the statistics so narrow that most values hit the clip bound."""
+    from ppo_fabric.config import compose
+
+    default = int(compose([])[0].env.normalize_warmup)
+    assert default > 0
+    assert _first_rollout_clipped(tmp_path, num_envs, default) < 0.01
+    assert _first_rollout_clipped(tmp_path, num_envs, 0) > 0.01
+
+
+def test_warm_up_leaves_the_episodes_of_a_fresh_run() -> None:
+    """After the warm-up the envs restart from the first reset's seeds: stepped alike, they see exactly the
+    raw observations of envs that never warmed up; the reward normaliser's returns start from zero."""
+    cold, cold_first = make_vector_env(_env_cfg(normalize_obs=False), seed=5, rank=1)
+    warm, warm_first = make_vector_env(_env_cfg(normalize_reward=True, normalize_warmup=32), seed=5, rank=1)
+    obs_norm, reward_norm = normalizers(warm)[::-1]  # outermost first: reward, then observation
+    assert obs_norm.moments.count == 3 + 32 * 3  # the first reset and the warm-up steps, merged
+    assert reward_norm.moments.count == 32 * 3 and not reward_norm.returns.any()
+    np.testing.assert_allclose(warm_first, obs_norm.moments.normalize(cold_first), atol=1e-6)
+    actions = np.array([0, 1, 1], dtype=np.int64)
+    for _ in range(20):
+        raw = cold.step(actions)[0]
+        normed = warm.step(actions)[0]
+        np.testing.assert_allclose(normed, obs_norm.moments.normalize(raw), atol=1e-6)
+    again, _ = make_vector_env(_env_cfg(normalize_reward=True, normalize_warmup=32), seed=5, rank=1)
+    np.testing.assert_array_equal(normalizers(again)[1].moments.mean, obs_norm.moments.mean)  # reproducible
+
+
+def test_warm_up_statistics_are_merged_and_identical_on_every_rank() -> None:
+    """Two ranks (threads, with an all-reduce SUM made of a barrier) warm up on their own envs and end with
+    the same statistics: those of both ranks' warm-up data together."""
+    import threading
+
+    barrier = threading.Barrier(2)
+    shared: list[np.ndarray] = []
+    results: dict[int, tuple] = {}
+
+    def all_reduce_sum(flat: np.ndarray) -> np.ndarray:
+        shared.append(flat.copy())
+        barrier.wait()  # both ranks' sums are in
+        total = shared[0] + shared[1]
+        if barrier.wait() == 0:  # both have read them: one clears for the next call
+            shared.clear()
+        barrier.wait()
+        return total
+
+    def rank(r: int) -> None:
+        envs, first = make_vector_env(_env_cfg(normalize_warmup=16), seed=9, rank=r, reduce=all_reduce_sum)
+        results[r] = (normalizers(envs)[0].moments.state_dict(), first)
+
+    threads = [threading.Thread(target=rank, args=(r,)) for r in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    (state0, first0), (state1, first1) = results[0], results[1]
+    np.testing.assert_array_equal(state0["mean"], state1["mean"])
+    np.testing.assert_array_equal(state0["var"], state1["var"])
+    assert state0["count"] == state1["count"] == 2 * (3 + 16 * 3)
+    alone, _ = make_vector_env(_env_cfg(normalize_warmup=16), seed=9, rank=0)
+    assert not np.array_equal(normalizers(alone)[0].moments.mean, state0["mean"]), "rank 1's data must count"
+    assert not np.array_equal(first0, first1)  # each rank's own episodes, normalised alike
+
+
+def test_normalize_obs_on_uint8_images_is_refused_in_one_line() -> None:
+    """Normalised floats written into the uint8 pixel storage would be garbage: refused before start."""
+    from ppo_fabric.config import ConfigError
+    from ppo_fabric.preflight import load
+
+    for overrides in (
+        ["exp=atari", "env.normalize_obs=true"],
+        ["env=gym", "env.id=tests.pixel_envs:DictPixels-v0", "env.normalize_obs=true"],
+    ):
+        with pytest.raises(ConfigError) as info:
+            load([*overrides, "logger=none"])
+        message = str(info.value)
+        assert "\n" not in message and message == message.strip()
+        assert all(part in message for part in ("env.normalize_obs=true", "uint8", "env.normalize_obs=false"))
+    load(["exp=atari", "env.normalize_reward=true", "logger=none"])  # rewards may still be scaled

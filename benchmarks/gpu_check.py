@@ -1,0 +1,355 @@
+"""Prove the CUDA paths of a run on a machine with a GPU: resume, resume across devices, preemption.
+
+CPU tests exercise the same code, but a borrowed GPU machine is where device bugs show (optimiser state left
+on the CPU, a CUDA RNG state never saved, a signal that kills instead of stopping). Each check trains
+CartPole in a fresh `python -m ppo_fabric` process of the python running this script (a GPU box lent
+without network may have no `.venv`; any python with the package's dependencies will do):
+
+  resume_round_trip  N updates with a checkpoint after each, then the same run resumed from update N/2:
+                     the final parameters must be equal within float tolerance. Deterministic settings in
+                     every process (cuDNN deterministic, TF32 off, torch.use_deterministic_algorithms,
+                     CUBLAS_WORKSPACE_CONFIG=:4096:8 before CUDA starts), set by a sitecustomize module
+                     on the runs' PYTHONPATH so that any process a run starts gets them too.
+  cpu_to_gpu_resume  a `fabric=cpu` checkpoint at N/2 resumed with `fabric=gpu`: exit 0, N updates' env steps.
+  gpu_to_cpu_resume  the round trip's GPU checkpoint at N/2 resumed with `fabric=cpu`: the same.
+  sigterm            SIGTERM to the run's process group once it has logged a few updates: every process
+                     gone within `collectives.timeout`, exit status 143, and a `last.ckpt` that loads.
+
+One `PASS name`, `FAIL name: reason` or `SKIP name: reason` line per check; exit status 1 if any failed.
+Without CUDA every check is skipped (exit 0). `--device cpu` runs the same checks with `fabric=cpu`
+everywhere, which exercises this script on any machine. Results (and the machine) go to --out, by default
+benchmarks/results/gpu_check.json. Runs use a key file of their own (PPO_FABRIC_KEY_FILE in the work
+directory), so the user's key is neither read nor created.
+
+    python3 benchmarks/gpu_check.py [--device cuda|cpu] [--updates 4] [--out PATH] [--keep]
+    make gpu-check [PY=python3] [ARGS="--device cpu"]
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))  # ppo_fabric from this checkout, whichever python runs the script
+sys.path.insert(0, str(ROOT / "benchmarks"))
+import common  # noqa: E402
+from common import RESULTS  # noqa: E402
+
+CHECKS = ("resume_round_trip", "cpu_to_gpu_resume", "gpu_to_cpu_resume", "sigterm")
+PER_UPDATE = 256  # env=cartpole: 8 envs x 32 steps
+BASE = ["env=cartpole", "logger.tensorboard=false", "torch_threads=1", "seed=7"]
+RUN_TIMEOUT = 600.0  # seconds one training process may take before its check fails
+SIGTERM_TIMEOUT = 20  # collectives.timeout of the SIGTERM run: the bound on its exit
+LOGGED_BEFORE_SIGTERM = 3  # metric rows (updates) the run logs before it gets the signal
+
+# Imported by every python process of the runs (they put its directory first on PYTHONPATH), before any
+# CUDA work; `use_deterministic_algorithms` makes an op without a deterministic kernel raise, naming it.
+SITECUSTOMIZE = """\
+import os
+
+if os.environ.get("PPO_FABRIC_GPU_CHECK_DETERMINISTIC") == "1":
+    import torch
+
+    torch.backends.cudnn.deterministic = True
+    torch.backends.cudnn.benchmark = False
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    torch.use_deterministic_algorithms(True)
+"""
+
+
+@dataclass
+class Result:
+    name: str
+    status: str  # PASS | FAIL | SKIP
+    reason: str = ""
+    seconds: float = 0.0
+    details: dict[str, Any] = field(default_factory=dict)
+
+    def line(self) -> str:
+        return f"{self.status} {self.name}" + (f": {self.reason}" if self.reason else "")
+
+
+class CheckFailed(Exception):
+    """A check's one-line reason for failing."""
+
+
+class Runs:
+    """Training processes in one work directory, with the deterministic environment every check shares."""
+
+    def __init__(self, work: Path, fabric: str, updates: int) -> None:
+        self.work, self.fabric, self.updates = work, fabric, updates
+        site = work / "site"
+        site.mkdir(parents=True, exist_ok=True)
+        (site / "sitecustomize.py").write_text(SITECUSTOMIZE)
+        path = [str(site), str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])]
+        self.env = dict(
+            os.environ,
+            PYTHONPATH=os.pathsep.join(path),
+            CUBLAS_WORKSPACE_CONFIG=":4096:8",
+            PPO_FABRIC_GPU_CHECK_DETERMINISTIC="1",
+            PPO_FABRIC_KEY_FILE=str(work / "signing.key"),
+        )
+        self._round_trip_source: Path | None = None
+
+    def command(self, run_dir: Path, overrides: list[str]) -> list[str]:
+        return [sys.executable, "-m", "ppo_fabric", *BASE, f"hydra.run.dir={run_dir}", *overrides]
+
+    def train(self, name: str, overrides: list[str]) -> Path:
+        """A run to its end; its directory. Raises CheckFailed with the last line it wrote on failure."""
+        run_dir = self.work / name
+        try:
+            proc = subprocess.run(
+                self.command(run_dir, overrides), cwd=self.work, env=self.env, capture_output=True,
+                text=True, timeout=RUN_TIMEOUT,
+            )  # fmt: skip
+        except subprocess.TimeoutExpired as exc:
+            raise CheckFailed(f"run {name!r} took over {RUN_TIMEOUT:.0f}s") from exc
+        if proc.returncode != 0:
+            raise CheckFailed(
+                f"run {name!r} exited {proc.returncode}: {last_line(proc.stderr or proc.stdout)}"
+            )
+        return run_dir
+
+    def steps(self, updates: int) -> str:
+        return f"algo.total_steps={updates * PER_UPDATE}"
+
+    def round_trip_source(self) -> Path:
+        """The uninterrupted run (a checkpoint after every update) that two checks resume from; run once."""
+        if self._round_trip_source is None:
+            every = ["checkpoint.every=1", "checkpoint.keep=0"]
+            self._round_trip_source = self.train(
+                "full", [f"fabric={self.fabric}", self.steps(self.updates), *every]
+            )
+        return self._round_trip_source
+
+
+def last_line(text: str) -> str:
+    lines = [line.strip() for line in text.replace("\r", "\n").splitlines() if line.strip()]
+    return lines[-1][:300] if lines else "(no output)"
+
+
+def load_checkpoint(path: Path) -> dict[str, Any]:
+    """A checkpoint as plain data, tensors on the CPU; never unpickles the env snapshot."""
+    from ppo_fabric import checkpoint as ckpt
+
+    try:
+        return ckpt.load(path, env_state="fresh")
+    except ValueError as exc:
+        raise CheckFailed(f"{path.name} does not load: {exc}") from exc
+
+
+def numbered_checkpoint(run_dir: Path, iteration: int) -> Path:
+    """The numbered checkpoint written after update `iteration`, whatever the file naming scheme."""
+    for path in sorted((run_dir / "checkpoints").glob("*.ckpt")):
+        if path.name not in ("last.ckpt", "best.ckpt") and load_checkpoint(path)["iteration"] == iteration:
+            return path
+    raise CheckFailed(f"no checkpoint of update {iteration} in {run_dir / 'checkpoints'}")
+
+
+def tensors(tree: Any, prefix: str = "") -> dict[str, Any]:
+    """The tensors of a (nested) state dict by dotted name, on the CPU."""
+    if isinstance(tree, dict):
+        return {k: v for key, sub in tree.items() for k, v in tensors(sub, f"{prefix}{key}.").items()}
+    return {prefix.rstrip("."): tree.detach().cpu()} if hasattr(tree, "detach") else {}
+
+
+def total_env_steps(run_dir: Path) -> int:
+    return int(json.loads((run_dir / "summary.json").read_text())["total_env_steps"])
+
+
+# ------------------------------------------------------------------------------------------------ checks
+def resume_round_trip(runs: Runs) -> dict[str, Any]:
+    import torch
+
+    n = runs.updates
+    full = runs.round_trip_source()
+    resumed = runs.train(
+        "resumed", [f"fabric={runs.fabric}", runs.steps(n), f"resume={numbered_checkpoint(full, n // 2)}"]
+    )
+    a = tensors(load_checkpoint(full / "checkpoints" / "last.ckpt")["agent"])
+    b = tensors(load_checkpoint(resumed / "checkpoints" / "last.ckpt")["agent"])
+    if a.keys() != b.keys() or not a:
+        raise CheckFailed(f"parameter names differ: {sorted(a.keys() ^ b.keys())[:4]}")
+    diff = max(float((a[k].double() - b[k].double()).abs().max()) for k in a)
+    if not all(torch.allclose(a[k], b[k], rtol=1e-5, atol=1e-6) for k in a):
+        raise CheckFailed(f"parameters after resume at update {n // 2} differ by up to {diff:.3g}")
+    return {"max_abs_diff": diff, "updates": n, "resumed_at": n // 2}
+
+
+def cpu_to_gpu_resume(runs: Runs) -> dict[str, Any]:
+    n = runs.updates
+    half = runs.train("cpu_half", ["fabric=cpu", runs.steps(n // 2)])
+    source = half / "checkpoints" / "last.ckpt"
+    return cross_device(runs, "cpu_to_gpu", source, runs.fabric)
+
+
+def gpu_to_cpu_resume(runs: Runs) -> dict[str, Any]:
+    source = numbered_checkpoint(runs.round_trip_source(), runs.updates // 2)
+    return cross_device(runs, "gpu_to_cpu", source, "cpu")
+
+
+def cross_device(runs: Runs, name: str, source: Path, fabric: str) -> dict[str, Any]:
+    run_dir = runs.train(name, [f"fabric={fabric}", runs.steps(runs.updates), f"resume={source}"])
+    steps, want = total_env_steps(run_dir), runs.updates * PER_UPDATE
+    if steps != want:
+        raise CheckFailed(f"total_env_steps={steps}, want {want}")
+    return {"resumed_from": str(source.relative_to(runs.work)), "fabric": fabric, "total_env_steps": steps}
+
+
+def sigterm(runs: Runs) -> dict[str, Any]:
+    run_dir = runs.work / "sigterm"
+    overrides = [f"fabric={runs.fabric}", "algo.total_steps=100000000", "logger.log_every=1",
+                 f"collectives.timeout={SIGTERM_TIMEOUT}"]  # fmt: skip
+    log = (runs.work / "sigterm.log").open("w")
+    proc = subprocess.Popen(
+        runs.command(run_dir, overrides), cwd=runs.work, env=runs.env, stdout=log, stderr=subprocess.STDOUT,
+        start_new_session=True,  # its own process group: the signal goes to every process, as a cluster's does
+    )  # fmt: skip
+    try:
+        wait_for_updates(proc, run_dir / "metrics.csv", LOGGED_BEFORE_SIGTERM)
+        os.killpg(proc.pid, signal.SIGTERM)
+        sent = time.monotonic()
+        try:
+            status = proc.wait(timeout=SIGTERM_TIMEOUT)
+        except subprocess.TimeoutExpired as exc:
+            raise CheckFailed(
+                f"still running {SIGTERM_TIMEOUT}s (collectives.timeout) after SIGTERM"
+            ) from exc
+        took = time.monotonic() - sent
+        left = group_alive(proc.pid)
+        if status != 143:
+            tail = last_line((runs.work / "sigterm.log").read_text())
+            raise CheckFailed(f"exit status {status} after SIGTERM, want 143 (last line: {tail})")
+        if left:
+            raise CheckFailed("processes of the run were still alive after it exited")
+        path = run_dir / "checkpoints" / "last.ckpt"
+        if not path.is_file():
+            raise CheckFailed("no last.ckpt after SIGTERM")
+        state = load_checkpoint(path)
+        return {"exit_seconds": round(took, 2), "env_step": int(state.get("env_step", -1))}
+    finally:
+        if proc.poll() is None or group_alive(proc.pid):
+            with_group(proc.pid, signal.SIGKILL)
+            proc.wait()
+        log.close()
+
+
+def wait_for_updates(proc: subprocess.Popen, metrics: Path, rows: int, limit: float = 300.0) -> None:
+    """Until `metrics` holds `rows` logged updates (a header, then one line per update)."""
+    deadline = time.monotonic() + limit
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise CheckFailed(f"the run exited {proc.returncode} before logging {rows} updates")
+        if metrics.is_file() and len(metrics.read_text().splitlines()) > rows:
+            return
+        time.sleep(0.2)
+    raise CheckFailed(f"no {rows} logged updates within {limit:.0f}s")
+
+
+def group_alive(pgid: int) -> bool:
+    return with_group(pgid, 0)
+
+
+def with_group(pgid: int, sig: int) -> bool:
+    """Signal a process group; False when no process of it is left."""
+    try:
+        os.killpg(pgid, sig)
+    except (ProcessLookupError, PermissionError):
+        return False
+    return True
+
+
+CHECK_FUNCTIONS: dict[str, Callable[[Runs], dict[str, Any]]] = {
+    "resume_round_trip": resume_round_trip,
+    "cpu_to_gpu_resume": cpu_to_gpu_resume,
+    "gpu_to_cpu_resume": gpu_to_cpu_resume,
+    "sigterm": sigterm,
+}
+
+
+# ------------------------------------------------------------------------------------------------ driver
+def cuda_device() -> str | None:
+    """The first CUDA device's name, or None (this does not create a CUDA context)."""
+    import torch
+
+    return torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
+
+
+def run_checks(device: str, updates: int, keep: bool) -> tuple[list[Result], str]:
+    if device == "cuda":
+        name = cuda_device()
+        if name is None:
+            reason = (
+                "no CUDA device (torch.cuda.is_available() is False); --device cpu runs the checks on the CPU"
+            )
+            return [Result(check, "SKIP", reason) for check in CHECKS], "none"
+    else:
+        name = "cpu (fabric=cpu for every run)"
+    print(f"gpu_check: {name}; python {sys.executable}", flush=True)
+    work = Path(tempfile.mkdtemp(prefix="ppo-fabric-gpu-check-"))
+    runs = Runs(work, "gpu" if device == "cuda" else "cpu", updates)
+    results = []
+    for check in CHECKS:
+        start = time.monotonic()
+        try:
+            result = Result(check, "PASS", details=CHECK_FUNCTIONS[check](runs))
+        except CheckFailed as exc:
+            result = Result(check, "FAIL", str(exc))
+        except Exception as exc:  # a bug of the check itself still gives its one line
+            result = Result(check, "FAIL", f"{type(exc).__name__}: {exc}".splitlines()[0])
+        result.seconds = round(time.monotonic() - start, 2)
+        print(result.line(), flush=True)
+        results.append(result)
+    if keep:
+        print(f"gpu_check: runs kept in {work}")
+    else:
+        import shutil
+
+        shutil.rmtree(work, ignore_errors=True)
+    return results, name
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = common.argument_parser(__doc__)
+    parser.add_argument(
+        "--device", choices=("cuda", "cpu"), default="cuda", help="cpu: every run with fabric=cpu"
+    )
+    parser.add_argument(
+        "--updates", type=int, default=4, help="N: updates of the uninterrupted run (even, >= 2)"
+    )
+    parser.add_argument("--out", type=Path, default=RESULTS / "gpu_check.json", help="the JSON report")
+    parser.add_argument("--keep", action="store_true", help="keep the runs' directories (printed at the end)")
+    args = parser.parse_args(argv)
+    if args.updates < 2 or args.updates % 2:
+        parser.error("--updates must be even and at least 2")
+    results, device_name = run_checks(args.device, args.updates, args.keep)
+    if all(r.status == "SKIP" for r in results):
+        for r in results:
+            print(r.line())
+    report = {
+        "device": args.device,
+        "device_name": device_name,
+        "commit": common.git_commit(),
+        "machine": common.machine(),
+        "python": sys.executable,
+        "updates": args.updates,
+        "checks": [asdict(r) for r in results],
+    }
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(report, indent=2) + "\n")
+    return 1 if any(r.status == "FAIL" for r in results) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
