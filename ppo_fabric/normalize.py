@@ -80,9 +80,14 @@ class RunningMoments:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Accepts numpy arrays or the tensors a checkpoint stores them as (it holds no numpy objects)."""
-        self.mean, self.var = (np.array(state[k], np.float64) for k in ("mean", "var"))
+        self.mean, self.var = (_float64(state[k]) for k in ("mean", "var"))
         self.count = float(state["count"])
         self._reset_pending()
+
+
+def _float64(values: Any) -> np.ndarray:
+    """A float64 copy of a numpy array or of the tensor a checkpoint stores it as."""
+    return np.array(values.numpy() if hasattr(values, "numpy") else values, dtype=np.float64)
 
 
 class NormalizeObservation(VectorWrapper):
@@ -171,6 +176,12 @@ def discard_pending(envs: Any) -> None:
 def first_observations(envs: Any, obs: np.ndarray, reduce: Reduce | None) -> np.ndarray:
     """After the first reset: merge every rank's initial observations, then normalise them with that."""
     sync_normalizers(envs, reduce)
+    return renormalized_reset(envs, obs)
+
+
+def renormalized_reset(envs: Any, obs: Any) -> Any:
+    """The last reset's observations normalised with the statistics as they are now (`obs` unchanged when
+    observations are not normalised): after merging, or after loading a checkpoint's statistics."""
     obs_norm = next((w for w in normalizers(envs) if isinstance(w, NormalizeObservation)), None)
     return obs if obs_norm is None else obs_norm.moments.normalize(obs_norm.last_reset)
 
@@ -180,6 +191,7 @@ def normalizer_state(envs: Any) -> dict[str, Any]:
 
 
 def load_normalizer_state(envs: Any, state: dict[str, Any]) -> None:
+    """Replace the statistics (those of the warm-up, in a freshly built env) with saved ones."""
     for wrapper in normalizers(envs):
         if type(wrapper).__name__ in state:
             wrapper.moments.load_state_dict(state[type(wrapper).__name__])

@@ -35,7 +35,7 @@ from ppo_fabric.metrics import (
     write_json,
 )
 from ppo_fabric.multiagent import SINGLE
-from ppo_fabric.normalize import load_normalizer_state, normalizer_state
+from ppo_fabric.normalize import load_normalizer_state, normalizer_state, renormalized_reset
 from ppo_fabric.plots import save_learning_curve
 from ppo_fabric.rollout import RolloutCollector
 
@@ -293,6 +293,10 @@ def resume_collector(
         return None
     if saved:
         load_normalizer_state(collector.envs, saved[0].get("normalizers", {}))
+        first = renormalized_reset(collector.envs, None)  # the next observation, with the loaded statistics
+        if first is not None and not collector.multiagent:
+            group = collector.groups[0]
+            group.next_obs = group.to_tensor(first, collector.device)
     was = f"{len(saved)} collecting rank(s) x {saved[0]['num_envs'] if saved else '?'} envs"
     return (
         f"resume: the checkpoint has {was}, this run {collecting} x {collector.num_envs}; "
