@@ -1,7 +1,10 @@
-"""Shared by the tests: one tiny trained run (never modified), the bad-input check, a CartPole env config."""
+"""Shared by the tests: one tiny trained run (never modified), the bad-input check, a CartPole env config,
+the environment of `python -m ppo_fabric` subprocesses and the processes of a job."""
 
 from __future__ import annotations
 
+import contextlib
+import os
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -12,6 +15,8 @@ from omegaconf import DictConfig, OmegaConf
 import ppo_fabric
 from ppo_fabric.learners import Learner, PolicySpec, build_learners
 from ppo_fabric.multiagent import SINGLE
+
+REPO = Path(__file__).resolve().parent.parent
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -60,3 +65,32 @@ def single_learner(fabric: Any, cfg: DictConfig, obs_space: Any, action_space: A
     """The one learner of a single-agent run, as `ppo.main()` builds it, from `cfg.model` and `cfg.algo`."""
     spec = PolicySpec(SINGLE, obs_space, action_space, cfg.model, float(cfg.algo.lr), True, 1)
     return build_learners(fabric, {SINGLE: spec}, None, float(cfg.algo.adam_eps))[SINGLE]
+
+
+def job_env() -> dict[str, str]:
+    """The environment `python -m ppo_fabric` subprocesses run in: this checkout's package, unbuffered
+    output, and no `fabric run` marker inherited from the test process."""
+    env = dict(os.environ, PYTHONPATH=str(REPO), PYTHONUNBUFFERED="1")
+    for name in (
+        "LT_CLI_USED",
+        "PPO_FABRIC_SUPERVISED",
+        "PPO_FABRIC_SUPERVISOR_PID",
+        "PPO_FABRIC_OWN_RUN_DIR",
+    ):
+        env.pop(name, None)
+    return env
+
+
+def job_processes(run_dir: Path) -> list[int]:
+    """Pids of the live processes of the job writing to `run_dir` (the supervisor passes every rank
+    `hydra.run.dir=<run_dir>`), the supervisor's own included; zombies do not count. Linux (/proc) only."""
+    wanted = f"hydra.run.dir={run_dir}".encode()
+    found = []
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        with contextlib.suppress(OSError):
+            state = (proc / "stat").read_bytes().rsplit(b")", 1)[1].split()[0]
+            if state != b"Z" and wanted in (proc / "cmdline").read_bytes().split(b"\0"):
+                found.append(int(proc.name))
+    return found
