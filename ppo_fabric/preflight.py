@@ -6,6 +6,7 @@ run directory; any problem is one `ConfigError` line.
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import gymnasium as gym
@@ -50,7 +51,7 @@ def check(cfg: DictConfig) -> dict[str, Any]:
     if cfg.model.activation not in ACTIVATIONS:
         raise ConfigError(f"model.activation={cfg.model.activation!r} is not one of {', '.join(ACTIVATIONS)}")
     world = launched_world_size(cfg)
-    if under_fabric_run() and int(cfg.restarts) > 0:
+    if (under_fabric_run() or os.environ.get("TORCHELASTIC_RUN_ID")) and int(cfg.restarts) > 0:
         raise ConfigError(
             f"restarts={cfg.restarts} needs the supervisor of python -m ppo_fabric; under fabric run or "
             "torchrun use torchrun --max-restarts=N with resume=auto and a fixed hydra.run.dir"
