@@ -81,7 +81,10 @@ def test_coupled_rank_killed_is_restarted_from_last_checkpoint(tmp_path: Path) -
 
 
 def test_decoupled_player_killed_is_restarted(tmp_path: Path) -> None:
-    """The player is rank 0, the job's first process: the trainer is left behind and must be ended."""
+    """The player is rank 0, the job's first process: the trainer is left behind and must be ended.
+    4 envs x 32 steps = 128 env steps per update, a checkpoint every 256; `algo.pipeline=false` makes the
+    player log update k before it collects rollout k+1, so the kill (in the 6th rollout) follows the row of
+    update 5 and the checkpoint of update 4: 128 steps redone."""
     run_dir = tmp_path / "run"
     cmd = _python_m(
         run_dir, "strategy=decoupled", "fabric.devices=2", "algo.minibatch_size=64", "algo.update_epochs=2",
