@@ -1,5 +1,6 @@
-"""Command line: `python -m ppo_fabric` and the `ppo-fabric` script (Fabric launches `fabric.devices`
-processes), and `ppo_fabric.run([...])`, the same in-process. `fabric run ppo_fabric/<strategy>.py` starts
+"""Command line: `python -m ppo_fabric` and the `ppo-fabric` script (a supervisor process that starts the
+job, in which Fabric launches `fabric.devices` processes; see supervisor.py), and `ppo_fabric.run([...])`,
+the job in-process without a supervisor. `fabric run ppo_fabric/<strategy>.py` starts
 through `launch.run_script` in the strategy's own file.
 """
 
@@ -10,7 +11,8 @@ from typing import Any, NoReturn
 
 from omegaconf import DictConfig
 
-from ppo_fabric import ppo, ppo_decoupled
+from ppo_fabric import ppo, ppo_decoupled, supervisor
+from ppo_fabric.config import ConfigError
 from ppo_fabric.launch import StrategyMain, end_process, launch, start
 from ppo_fabric.preflight import load
 
@@ -24,6 +26,8 @@ Hydra overrides, for example:
   strategy=decoupled               player and trainer ranks
   hydra.run.dir=runs/my-run        where outputs go
   resume=runs/my-run/checkpoints/last.ckpt
+  resume=auto hydra.run.dir=runs/my-run   continue that run if it has a checkpoint, else start it
+  restarts=2                       relaunch a failed job from its last checkpoint up to 2 times
 """
 
 STRATEGIES: dict[str, StrategyMain] = {"coupled": ppo.main, "decoupled": ppo_decoupled.main}
@@ -39,20 +43,30 @@ def run(overrides: list[str]) -> dict[str, Any]:
     Raises `ConfigError` for a config that cannot run. This is the Python API: `ppo_fabric.run([...])`.
     """
     cfg, run_dir, facts = load(list(overrides))
+    if int(cfg.restarts) > 0:
+        raise ConfigError(
+            f"restarts={cfg.restarts} needs the supervisor of python -m ppo_fabric / ppo-fabric; "
+            "ppo_fabric.run() trains in this process"
+        )
     return launch(cfg, run_dir, facts, strategy_of(cfg))
 
 
-def main(argv: list[str] | None = None) -> None:
-    """`python -m ppo_fabric` and `ppo-fabric`: a config mistake is one line and status 2."""
+def main(argv: list[str] | None = None) -> int:
+    """`python -m ppo_fabric` and `ppo-fabric`: a config mistake is one line and status 2; returns the exit
+    status. The command-line process supervises (a job of its own, restarts); the job it starts, and every
+    process under `fabric run`, runs the strategy here directly."""
     args = list(sys.argv[1:] if argv is None else argv)
     if any(a in ("-h", "--help") for a in args):
         print(USAGE)
-        return
+        return 0
+    if supervisor.wanted():
+        return supervisor.supervise(args)
+    supervisor.bind_to_supervisor()
     start(args, strategy_of)
+    return 0
 
 
 def console_main() -> NoReturn:
     """`ppo-fabric` and `python -m ppo_fabric`: `main()`, then `end_process()` (a process of its own, unlike
     `main()`, which tests and notebooks may call in-process)."""
-    main()
-    end_process(0)
+    end_process(main())

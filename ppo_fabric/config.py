@@ -19,6 +19,9 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 
 STRATEGIES = ("coupled", "decoupled")
 ACCELERATORS = ("cpu", "cuda", "gpu", "mps", "auto")
+# Set by the supervisor (supervisor.py) on the job it starts: the run directory it owns, which a relaunch
+# without a checkpoint may reuse although the failed attempt already wrote into it.
+OWN_RUN_DIR_ENV = "PPO_FABRIC_OWN_RUN_DIR"
 
 
 class ConfigError(ValueError):
@@ -97,10 +100,24 @@ def compose(overrides: list[str]) -> tuple[DictConfig, str]:
             cfg = hydra_compose("config", overrides=overrides, return_hydra_config=True)
     except Exception as exc:  # Hydra raises many types; each becomes one line
         raise _translate_hydra_error(exc, overrides) from exc
+    _check_auto_resume_dir(cfg)
     run_dir = str(cfg.hydra.run.dir)
     with open_dict(cfg):
         del cfg["hydra"]
     return cfg, run_dir
+
+
+def _check_auto_resume_dir(cfg: DictConfig) -> None:
+    """`resume=auto` continues the run in `hydra.run.dir`; a timestamped template names a new directory at
+    every launch, so a relaunched command would never find its own checkpoints."""
+    if cfg.get("resume") != "auto":
+        return
+    template = str(OmegaConf.to_container(cfg.hydra.run, resolve=False).get("dir", ""))
+    if "${now:" in template:
+        raise ConfigError(
+            f"resume=auto needs a stable run directory, but hydra.run.dir={template} is new at every launch; "
+            "set hydra.run.dir=DIR (the same on every launch)"
+        )
 
 
 # ------------------------------------------------------------------------------------------- validation
@@ -117,6 +134,7 @@ class _Rule:
 _RULES = (
     _Rule("seed", int, 0),
     _Rule("torch_threads", int, 0),
+    _Rule("restarts", int, 0),
     _Rule("algo.total_steps", int, 0, strict_low=True),
     _Rule("algo.rollout_steps", int, 0, strict_low=True),
     _Rule("algo.minibatch_size", int, 0, strict_low=True),
@@ -349,12 +367,18 @@ def _check_creatable(path: Path, shown: str) -> None:
         ) from exc
 
 
-def check_run_dir(cfg: DictConfig, run_dir: str) -> None:
-    """Never overwrite another run's checkpoints: a used directory is only for continuing that run. The
-    directory must also be one this process can create (checked by creating a scratch folder beside it)."""
+def check_run_dir(cfg: DictConfig, run_dir: str, auto: bool = False) -> None:
+    """Never overwrite another run's checkpoints: a used directory is only for continuing that run.
+
+    `auto`: the run came with `resume=auto`, which names this directory as the run to continue (from its
+    newest checkpoint, or afresh when it holds none). A supervisor's relaunch may reuse its own directory.
+    The directory must also be one this process can create (checked by creating a scratch folder beside it).
+    """
     path = Path(run_dir).resolve()
     _check_creatable(path, run_dir)
     if not ((path / "checkpoints" / "last.ckpt").exists() or (path / "summary.json").exists()):
+        return
+    if auto or (os.environ.get(OWN_RUN_DIR_ENV) and Path(os.environ[OWN_RUN_DIR_ENV]).resolve() == path):
         return
     if cfg.resume is not None and path in Path(str(cfg.resume)).resolve().parents:
         return

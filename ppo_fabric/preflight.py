@@ -6,6 +6,7 @@ run directory; any problem is one `ConfigError` line.
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import gymnasium as gym
@@ -27,16 +28,20 @@ from ppo_fabric.config import (
 from ppo_fabric.envs import EnvError, check_normalizable
 from ppo_fabric.learners import policy_specs, spaces_of
 from ppo_fabric.multiagent import is_multiagent, policy_settings
+from ppo_fabric.resume import resolve_auto
 
 # Keys whose change makes a checkpoint meaningless for a new run: what shapes the saved parameters.
 _MODEL_KEYS = ("model", "multiagent")
 
 
 def load(overrides: list[str]) -> tuple[DictConfig, str, dict[str, Any]]:
-    """Compose and check: (config, run-dir template, facts found on the way)."""
+    """Compose and check: (config, run-dir template, facts found on the way).
+
+    `resume=auto` is resolved first, so the checks see the checkpoint it stands for."""
     cfg, run_dir = compose(overrides)
+    auto = resolve_auto(cfg, run_dir)
     facts = check(cfg)
-    check_run_dir(cfg, run_dir)
+    check_run_dir(cfg, run_dir, auto=auto)
     return cfg, run_dir, facts
 
 
@@ -46,6 +51,11 @@ def check(cfg: DictConfig) -> dict[str, Any]:
     if cfg.model.activation not in ACTIVATIONS:
         raise ConfigError(f"model.activation={cfg.model.activation!r} is not one of {', '.join(ACTIVATIONS)}")
     world = launched_world_size(cfg)
+    if (under_fabric_run() or os.environ.get("TORCHELASTIC_RUN_ID")) and int(cfg.restarts) > 0:
+        raise ConfigError(
+            f"restarts={cfg.restarts} needs the supervisor of python -m ppo_fabric; under fabric run or "
+            "torchrun use torchrun --max-restarts=N with resume=auto and a fixed hydra.run.dir"
+        )
     _check_accelerator(cfg, world)
     check_layout(cfg, world)
     spaces = _check_env_and_model(cfg)

@@ -56,13 +56,21 @@ class StopSignals:
 
     def __init__(self) -> None:
         self.signum = 0
+        self._first = 0.0
         self._previous: dict[int, Any] = {}
 
+    REPEAT_S = 2.0  # the same signal again within this: one signal delivered twice, not a second request
+
     def _handle(self, signum: int, _frame: Any) -> None:
+        now = time.monotonic()
         if self.signum:
+            # A cluster signals every process and the supervisor forwards the same signal to the group, so
+            # a rank may get one stop request twice; only a later or a different signal means "now".
+            if signum == self.signum and now - self._first < self.REPEAT_S:
+                return
             os.write(2, f"ppo-fabric: second {signal.Signals(signum).name}, exiting now\n".encode())
             os._exit(128 + signum)
-        self.signum = signum
+        self.signum, self._first = signum, now
 
     @contextlib.contextmanager
     def installed(self) -> Iterator[StopSignals]:

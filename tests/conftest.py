@@ -1,7 +1,10 @@
-"""Shared by the tests: one tiny trained run (never modified), the bad-input check, a CartPole env config."""
+"""Shared by the tests: one tiny trained run (never modified), the bad-input check, a CartPole env config,
+the environment of `python -m ppo_fabric` subprocesses and the processes of a job."""
 
 from __future__ import annotations
 
+import contextlib
+import os
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -12,6 +15,8 @@ from omegaconf import DictConfig, OmegaConf
 import ppo_fabric
 from ppo_fabric.learners import Learner, PolicySpec, build_learners
 from ppo_fabric.multiagent import SINGLE
+
+REPO = Path(__file__).resolve().parent.parent
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -73,3 +78,32 @@ def numbered_checkpoint(run_dir: Path, update: int) -> Path:
     ]
     assert len(found) == 1, f"{len(found)} checkpoints of update {update} in {run_dir}"
     return found[0]
+
+
+def job_env() -> dict[str, str]:
+    """The environment `python -m ppo_fabric` subprocesses run in: this checkout's package, unbuffered
+    output, and no `fabric run` marker inherited from the test process."""
+    env = dict(os.environ, PYTHONPATH=str(REPO), PYTHONUNBUFFERED="1")
+    for name in (
+        "LT_CLI_USED",
+        "PPO_FABRIC_SUPERVISED",
+        "PPO_FABRIC_SUPERVISOR_PID",
+        "PPO_FABRIC_OWN_RUN_DIR",
+    ):
+        env.pop(name, None)
+    return env
+
+
+def job_processes(run_dir: Path) -> list[int]:
+    """Pids of the live processes of the job writing to `run_dir` (the supervisor passes every rank
+    `hydra.run.dir=<run_dir>`), the supervisor's own included; zombies do not count. Linux (/proc) only."""
+    wanted = f"hydra.run.dir={run_dir}".encode()
+    found = []
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        with contextlib.suppress(OSError):
+            state = (proc / "stat").read_bytes().rsplit(b")", 1)[1].split()[0]
+            if state != b"Z" and wanted in (proc / "cmdline").read_bytes().split(b"\0"):
+                found.append(int(proc.name))
+    return found

@@ -28,7 +28,7 @@ from ppo_fabric.agent import ActorCritic
 from ppo_fabric.checkpoint import saved_spaces
 from ppo_fabric.config import ConfigError
 from ppo_fabric.preflight import load
-from tests.conftest import numbered_checkpoint
+from tests.conftest import job_processes, numbered_checkpoint
 
 REPO = Path(__file__).resolve().parent.parent
 FABRIC = Path(sys.executable).parent / "fabric"
@@ -265,14 +265,11 @@ def _rank_of(pid: int) -> int | None:
     return None
 
 
-def _assert_job_gone(pgid: int, within: float) -> None:
-    """No process of the job's session may outlive it (a rank stuck in a collective would)."""
+def _assert_job_gone(run_dir: Path, within: float) -> None:
+    """No process of the job may outlive it (a rank stuck in a collective would): the supervisor, its job's
+    process group, or the processes of `fabric run`."""
     deadline = time.monotonic() + within
-    while True:
-        try:
-            os.killpg(pgid, 0)
-        except ProcessLookupError:
-            return
+    while job_processes(run_dir):
         if time.monotonic() > deadline:
             pytest.fail(f"a process of the job was still alive {within:.0f} s after the job ended")
         time.sleep(0.2)
@@ -285,8 +282,8 @@ def _assert_job_gone(pgid: int, within: float) -> None:
 )
 def test_killed_rank_ends_the_job(tmp_path: Path, players: int, devices: int, victim: int) -> None:
     """SIGKILL on one rank: every peer must notice and exit within the collectives timeout, instead of
-    waiting forever for its next message. Rank 0 is the launching process, the others its children; with
-    rank 0 gone, the two trainers (blocked waiting for data) must not be left behind as orphans."""
+    waiting forever for its next message. Rank 0 is the supervisor's one child, the other ranks are its
+    children; with rank 0 gone, the two trainers (blocked waiting for data) must not be left behind."""
     run_dir = tmp_path / "run"
     cmd = _python_m(devices, f"algo.players={players}", "algo.total_steps=100000000", "logger=none",
                     f"collectives.timeout={TIMEOUT}", f"hydra.run.dir={run_dir}")  # fmt: skip
@@ -299,9 +296,10 @@ def test_killed_rank_ends_the_job(tmp_path: Path, players: int, devices: int, vi
             assert time.monotonic() < deadline, "the run never started"
             time.sleep(0.2)
         time.sleep(0.5)
-        children = _children(proc.pid)
+        (rank0,) = _children(proc.pid)
+        children = _children(rank0)
         assert len(children) == devices - 1, f"expected {devices - 1} child ranks, found {children}"
-        pid = proc.pid if victim == 0 else next((p for p in children if _rank_of(p) == victim), None)
+        pid = rank0 if victim == 0 else next((p for p in children if _rank_of(p) == victim), None)
         assert pid is not None, f"no child with LOCAL_RANK={victim} among {children}"
         os.kill(pid, signal.SIGKILL)
         try:  # returns once every rank has closed the inherited stderr pipe, i.e. has exited
@@ -309,7 +307,7 @@ def test_killed_rank_ends_the_job(tmp_path: Path, players: int, devices: int, vi
         except subprocess.TimeoutExpired:
             pytest.fail(f"the job outlived its killed rank {victim} by more than {TIMEOUT + 10} s")
         assert proc.returncode != 0, stderr[-2000:]
-        _assert_job_gone(proc.pid, within=TIMEOUT + 10)
+        _assert_job_gone(run_dir, within=TIMEOUT + 10)
     finally:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGKILL)
@@ -331,7 +329,7 @@ def test_failing_player_ends_the_job(tmp_path: Path, launcher: Callable[..., lis
             pytest.fail("the job did not end within 60 s although its player failed after 50 steps")
         assert proc.returncode != 0
         assert "error on rank 0: RuntimeError: probe failure injected" in stderr, stderr[-2000:]
-        _assert_job_gone(proc.pid, within=TIMEOUT + 10)
+        _assert_job_gone(tmp_path / "run", within=TIMEOUT + 10)
     finally:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGKILL)

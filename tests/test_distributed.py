@@ -14,6 +14,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.conftest import job_processes
+
 REPO = Path(__file__).resolve().parent.parent
 FABRIC = Path(sys.executable).parent / "fabric"
 SMALL = ["algo.total_steps=4096", "logger.tensorboard=false", "env.num_envs=4", "algo.rollout_steps=64"]
@@ -88,8 +90,9 @@ def test_failing_rank_ends_the_job(tmp_path: Path) -> None:
     assert "error on rank 1: RuntimeError: probe failure injected" in proc.stderr
 
 
-def test_killed_rank_zero_leaves_no_orphans(tmp_path: Path) -> None:
-    """SIGKILL on the launching process: the rank it spawned must notice and exit, not wait forever."""
+def test_killed_launcher_leaves_no_orphans(tmp_path: Path) -> None:
+    """SIGKILL on the command-line process (the supervisor): the job's first process dies with it, and the
+    rank that one spawned must notice and exit, not wait forever."""
     run_dir = tmp_path / "run"
     cmd = [sys.executable, "-m", "ppo_fabric", "fabric.devices=2", "algo.total_steps=10000000", "logger=none",
            f"hydra.run.dir={run_dir}"]  # fmt: skip
@@ -102,20 +105,20 @@ def test_killed_rank_zero_leaves_no_orphans(tmp_path: Path) -> None:
             assert time.monotonic() < deadline, "the run never started"
             time.sleep(0.2)
         time.sleep(1.0)
+        assert len(job_processes(run_dir)) == 3, "the supervisor and two ranks"
         proc.kill()
         proc.wait(timeout=10)
         deadline = time.monotonic() + 60
-        while True:
-            try:
-                os.killpg(proc.pid, 0)  # any process of the job still alive?
-            except ProcessLookupError:
-                break
+        while job_processes(run_dir):  # any process of the job still alive?
             if time.monotonic() > deadline:
                 pytest.fail("a rank outlived the killed launcher by more than 60 s")
             time.sleep(0.2)
     finally:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGKILL)
+        for pid in job_processes(run_dir):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
 
 
 def test_cli_process_ends_without_waiting_for_exit_hooks(tmp_path: Path) -> None:
