@@ -285,7 +285,11 @@ class CategoricalHead(nn.Module):
     def _masked_log_prob_entropy(
         self, logits: Tensor, actions: Tensor, mask: Tensor
     ) -> tuple[Tensor, Tensor]:
-        logp_all = _masked(logits, mask).log_softmax(-1)
+        logits = _masked(logits, mask)
+        if self.multi:  # one distribution per action dimension
+            logp_all = torch.cat([part.log_softmax(-1) for part in self._split(logits)], -1)
+        else:
+            logp_all = logits.log_softmax(-1)
         # Illegal actions contribute 0 to the entropy (0 * log 0), not 0 * (a huge negative number).
         p_logp = torch.where(mask, logp_all.exp() * logp_all, 0.0)
         cols = actions.long()
