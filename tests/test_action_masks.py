@@ -233,3 +233,15 @@ def test_decoupled_trainers_update_with_the_masks(tmp_path: Path) -> None:
     with (tmp_path / "run" / "metrics.csv").open(newline="") as fh:
         rows = sorted((r for r in csv.DictReader(fh) if r.get("loss/entropy")), key=lambda r: int(r["step"]))
     assert rows and float(rows[0]["loss/entropy"]) <= math.log(2) + 1e-3
+
+
+def test_resume_with_masks_is_exact(tmp_path: Path) -> None:
+    """The next observations' masks travel in the checkpoint's carry: 128 + 128 steps = 256 straight."""
+    fixed = ["env.num_envs=4", "algo.total_steps=256", "algo.anneal_lr=false", "algo.minibatch_size=32"]
+    _, straight = _train(tmp_path / "a", "ProbeMaskedInfo-v0", *fixed)
+    _, half = _train(tmp_path / "b", "ProbeMaskedInfo-v0", *fixed, "algo.total_steps=128")
+    assert "action_mask" in torch.load(half["checkpoint"], weights_only=True)["ranks"][0]["carry"]["main"]
+    _, resumed = _train(tmp_path / "c", "ProbeMaskedInfo-v0", *fixed, f"resume={half['checkpoint']}")
+    want = torch.load(straight["checkpoint"], weights_only=True)["agent"]
+    got = torch.load(resumed["checkpoint"], weights_only=True)["agent"]
+    assert all(torch.equal(want[k], got[k]) for k in want)
