@@ -224,7 +224,13 @@ def select_encoder(space: gym.Space, name: str) -> str:
 
 # ------------------------------------------------------------------------------------------------ heads
 class CategoricalHead(nn.Module):
-    """Discrete and MultiDiscrete actions: one categorical per action dimension, log-probs summed."""
+    """Discrete and MultiDiscrete actions: one categorical per action dimension, log-probs summed.
+
+    An action `mask` (bool, [B, sum(nvec)], True where legal) sets the logits of illegal actions to the
+    dtype's lowest finite value before log_softmax: they get probability 0 when sampling and picking the
+    best action, and log-probs and entropies are those of the distribution over the legal actions. Without
+    a mask nothing of this runs.
+    """
 
     def __init__(self, in_dim: int, nvec: Sequence[int]) -> None:
         super().__init__()
@@ -235,8 +241,12 @@ class CategoricalHead(nn.Module):
     def _split(self, logits: Tensor) -> list[Tensor]:
         return list(logits.split(self.nvec, dim=-1)) if self.multi else [logits]
 
-    def sample(self, features: Tensor, deterministic: bool = False) -> tuple[Tensor, Tensor]:
+    def sample(
+        self, features: Tensor, deterministic: bool = False, mask: Tensor | None = None
+    ) -> tuple[Tensor, Tensor]:
         logits = F.linear(features, *_weight_bias(self.linear))
+        if mask is not None:
+            logits = _masked(logits, mask)
         if not self.multi:
             return self._sample(logits, deterministic)
         actions, logps = zip(
@@ -253,8 +263,12 @@ class CategoricalHead(nn.Module):
             a = (logp_all - torch.empty_like(logp_all).exponential_().log()).argmax(-1)
         return a, logp_all.gather(-1, a.unsqueeze(-1)).squeeze(-1)
 
-    def log_prob_entropy(self, features: Tensor, actions: Tensor) -> tuple[Tensor, Tensor]:
+    def log_prob_entropy(
+        self, features: Tensor, actions: Tensor, mask: Tensor | None = None
+    ) -> tuple[Tensor, Tensor]:
         logits = F.linear(features, *_weight_bias(self.linear))
+        if mask is not None:
+            return self._masked_log_prob_entropy(logits, actions, mask)
         if not self.multi:
             return self._log_prob_entropy(logits, actions.long())
         cols = actions.long()
@@ -267,6 +281,34 @@ class CategoricalHead(nn.Module):
         logp_all = logits.log_softmax(-1)
         logp = logp_all.gather(-1, actions.unsqueeze(-1)).squeeze(-1)
         return logp, -(logp_all.exp() * logp_all).sum(-1)
+
+    def _masked_log_prob_entropy(
+        self, logits: Tensor, actions: Tensor, mask: Tensor
+    ) -> tuple[Tensor, Tensor]:
+        logits = _masked(logits, mask)
+        if self.multi:  # one distribution per action dimension
+            logp_all = torch.cat([part.log_softmax(-1) for part in self._split(logits)], -1)
+        else:
+            logp_all = logits.log_softmax(-1)
+        # Illegal actions contribute 0 to the entropy (0 * log 0), not 0 * (a huge negative number).
+        p_logp = torch.where(mask, logp_all.exp() * logp_all, 0.0)
+        cols = actions.long()
+        if not self.multi:
+            return logp_all.gather(-1, cols.unsqueeze(-1)).squeeze(-1), -p_logp.sum(-1)
+        logp = torch.stack(
+            [
+                part.gather(-1, cols[..., i : i + 1]).squeeze(-1)
+                for i, part in enumerate(self._split(logp_all))
+            ],
+            -1,
+        ).sum(-1)
+        return logp, -p_logp.sum(-1)  # summed over every dimension's legal actions: the entropies' sum
+
+
+def _masked(logits: Tensor, mask: Tensor) -> Tensor:
+    """Logits with illegal actions (mask False) at the dtype's lowest finite value: exp() of their
+    log-softmax is exactly 0, and every result stays finite."""
+    return logits.masked_fill(~mask, torch.finfo(logits.dtype).min)
 
 
 class GaussianHead(nn.Module):
@@ -448,36 +490,49 @@ class ActorCritic(nn.Module):
     def get_value(self, obs: Obs, state: Tensor | None = None) -> Tensor:
         return self._value(self._features(obs, state)[1])
 
-    def act(self, obs: Obs, deterministic: bool = False) -> tuple[Tensor, Tensor, Tensor]:
+    def act(
+        self, obs: Obs, deterministic: bool = False, action_mask: Tensor | None = None
+    ) -> tuple[Tensor, Tensor, Tensor]:
         """Sample an action; returns (action, log-prob, value). A recurrent policy starts from zero state:
-        use `act_with_state` to carry it across steps."""
-        return self.act_with_state(obs, None, deterministic)[:3]
+        use `act_with_state` to carry it across steps. `action_mask` [B, sum(nvec)]: True where legal."""
+        return self.act_with_state(obs, None, deterministic, action_mask)[:3]
 
     def act_with_state(
-        self, obs: Obs, state: Tensor | None, deterministic: bool = False
+        self, obs: Obs, state: Tensor | None, deterministic: bool = False, action_mask: Tensor | None = None
     ) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
         """Sample an action from `state`; returns (action, log-prob, value, state after this step)."""
         actor, critic, state = self._features(obs, state)
-        action, logprob = self.head.sample(self.actor_body(actor), deterministic)
+        if action_mask is None:
+            action, logprob = self.head.sample(self.actor_body(actor), deterministic)
+        else:
+            action, logprob = self.head.sample(self.actor_body(actor), deterministic, action_mask)
         return action, logprob, self._value(critic), state
 
     def sample(
-        self, obs: Obs, state: Tensor | None, deterministic: bool = False
+        self, obs: Obs, state: Tensor | None, deterministic: bool = False, action_mask: Tensor | None = None
     ) -> tuple[Tensor, Tensor, Tensor | None]:
         """What the rollout needs at every step: (action, log-prob, state after this step). The critic's
         MLP is left out: the rollout evaluates it once over all its steps afterwards (`get_value` on the
         stored observations and states), one batched forward instead of one per step."""
         actor, _, state = self._features(obs, state)
-        action, logprob = self.head.sample(self.actor_body(actor), deterministic)
+        if action_mask is None:
+            action, logprob = self.head.sample(self.actor_body(actor), deterministic)
+        else:
+            action, logprob = self.head.sample(self.actor_body(actor), deterministic, action_mask)
         return action, logprob, state
 
     def forward(
-        self, obs: Obs, actions: Tensor, state: Tensor | None = None, starts: Tensor | None = None
+        self,
+        obs: Obs,
+        actions: Tensor,
+        state: Tensor | None = None,
+        starts: Tensor | None = None,
+        action_mask: Tensor | None = None,
     ) -> tuple[Tensor, Tensor, Tensor]:
         """Re-evaluate stored actions; returns (log-prob, entropy, value).
 
         Feed-forward: a batch of steps. Recurrent: sequences [B, S] starting from `state` [B, 2, layers, H],
-        reset where `starts`; outputs are [B, S].
+        reset where `starts`; outputs are [B, S]. `action_mask`: the masks the actions were sampled under.
         """
         features = self.encoder(obs if self.core is None else obs.flatten(0, 1))
         actor = critic = features
@@ -486,7 +541,12 @@ class ActorCritic(nn.Module):
             actor, critic = self.core.sequence(features.unflatten(0, (batch, steps)), state, starts)
             actor, critic = actor.flatten(0, 1), critic.flatten(0, 1)
             actions = actions.flatten(0, 1)
-        logprob, entropy = self.head.log_prob_entropy(self.actor_body(actor), actions)
+            if action_mask is not None:
+                action_mask = action_mask.flatten(0, 1)
+        if action_mask is None:
+            logprob, entropy = self.head.log_prob_entropy(self.actor_body(actor), actions)
+        else:
+            logprob, entropy = self.head.log_prob_entropy(self.actor_body(actor), actions, action_mask)
         values = self._value(critic)
         if self.core is not None:
             return (

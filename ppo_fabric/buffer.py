@@ -22,13 +22,16 @@ def rollout_storage(
     device: torch.device | str,
     state_shape: tuple[int, ...] | None = None,
     masked: bool = False,
+    action_mask: int | None = None,
 ) -> TensorDict:
     """Allocate the [T, E] rollout once; the rollout loop writes into it in place.
 
     `final_values` holds V(final observation) at steps whose episode was truncated (0 elsewhere), so GAE
     can bootstrap a time-limit cut without the observation itself being stored. A recurrent policy adds
     `extras/state` (`state_shape` per step); multi-agent rollouts, where a row is one agent of one env copy,
-    add `mask`: False where the agent had left its episode and the step holds no transition.
+    add `mask`: False where the agent had left its episode and the step holds no transition. Envs with
+    action masks (`action_mask`: their width) add `action_mask` [T, E, width], True where an action was legal
+    at the step, so the update evaluates the policy under the masks the rollout sampled with.
     """
     action_shape, action_dtype = action_shape_dtype(action_space)
     te = (steps, num_envs)
@@ -49,6 +52,8 @@ def rollout_storage(
         storage[STATE_KEY] = torch.zeros(te + tuple(state_shape), device=device)
     if masked:
         storage["mask"] = torch.ones(te, dtype=torch.bool, device=device)
+    if action_mask is not None:
+        storage["action_mask"] = torch.ones(te + (int(action_mask),), dtype=torch.bool, device=device)
     return storage
 
 
@@ -71,7 +76,8 @@ def training_batch(storage: TensorDict, seq_len: int = 1) -> TensorDict:
     its first step (`initial_state`) and `starts` marking steps that begin an episode inside it, so the
     update rebuilds exactly the states the rollout acted with.
     """
-    keys = [*TRAIN_KEYS, "mask"] if "mask" in storage.keys() else list(TRAIN_KEYS)  # noqa: SIM118 (TensorDict refuses `in`)
+    present = storage.keys()
+    keys = [*TRAIN_KEYS, *(k for k in ("mask", "action_mask") if k in present)]
     if STATE_KEY not in storage.keys(include_nested=True):
         return storage.select(*keys).reshape(-1)
     steps, num_envs = storage.batch_size

@@ -171,6 +171,7 @@ _CHOICES = {
     "env.vector": ("sync", "async"),
     "fabric.accelerator": ACCELERATORS,
     "algo.player_device": ("cpu", "auto"),
+    "algo.action_mask": ("auto", "off"),
     "fabric.strategy": ("auto", "ddp"),
     "fabric.precision": ("32-true", "32", "bf16-mixed", "16-mixed", "bf16-true", "16-true", "64-true", "64"),
 }

@@ -107,6 +107,98 @@ class MaskVelocity(gym.ObservationWrapper):
         return np.asarray(observation)[self.indices]
 
 
+ACTION_MASK = "action_mask"  # the Dict observation key and the info key the conventions use
+
+
+def action_mask_width(action_space: gym.Space) -> int | None:
+    """Entries of a flat action mask for this action space (Discrete: n, MultiDiscrete: sum(nvec)); None
+    for spaces that cannot be masked."""
+    if isinstance(action_space, gym.spaces.Discrete):
+        return int(action_space.n)
+    if isinstance(action_space, gym.spaces.MultiDiscrete) and action_space.nvec.ndim == 1:
+        return int(action_space.nvec.sum())
+    return None
+
+
+def _mask_method(env: gym.Env) -> Any:
+    try:
+        method = env.get_wrapper_attr("action_masks")
+    except AttributeError:
+        return None
+    return method if callable(method) else None
+
+
+def detect_action_mask(env: gym.Env) -> int | None:
+    """The mask width when `env` provides action masks by one of the conventions, else None: an
+    `action_mask` key of a Dict observation (PettingZoo), an `action_masks()` method (sb3-contrib's
+    MaskablePPO), or `info["action_mask"]` from reset (the env is reset once to look)."""
+    width = action_mask_width(env.action_space)
+    if width is None:
+        return None
+    space = env.observation_space
+    if isinstance(space, gym.spaces.Dict) and ACTION_MASK in space.spaces:
+        return width
+    if _mask_method(env) is not None:
+        return width
+    _, info = env.reset()
+    return width if ACTION_MASK in info else None
+
+
+class ActionMaskInfo(gym.Wrapper):
+    """Whatever convention the env follows, its action mask arrives as `info["action_mask"]`, a flat bool
+    array of `width` entries for the observation returned with it (after reset and every step).
+
+    Sources, first found wins: the Dict observation's `action_mask` key (removed from the observation: the
+    policy sees the other keys, a single remaining key as its own space), the env's `info["action_mask"]`,
+    its `action_masks()` method. A step without any is all legal.
+    """
+
+    def __init__(self, env: gym.Env, width: int) -> None:
+        super().__init__(env)
+        self.width = width
+        space = env.observation_space
+        self.from_obs = isinstance(space, gym.spaces.Dict) and ACTION_MASK in space.spaces
+        self.only_key: str | None = None
+        if self.from_obs:
+            rest = {k: sub for k, sub in space.spaces.items() if k != ACTION_MASK}
+            if not rest:
+                raise EnvError("the Dict observation holds only an action_mask; nothing is left to observe")
+            self.only_key = next(iter(rest)) if len(rest) == 1 else None
+            self.observation_space = rest[self.only_key] if self.only_key else gym.spaces.Dict(rest)
+        self.method = None if self.from_obs else _mask_method(env)
+        self.mask = np.ones(width, dtype=bool)
+
+    def _with_mask(self, obs: Any, info: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
+        if self.from_obs:
+            mask = obs[ACTION_MASK]
+            obs = obs[self.only_key] if self.only_key else {k: v for k, v in obs.items() if k != ACTION_MASK}
+        elif ACTION_MASK in info:
+            mask = info[ACTION_MASK]
+        elif self.method is not None:
+            mask = self.method()
+        else:
+            mask = np.ones(self.width, dtype=bool)
+        mask = np.asarray(mask).reshape(-1).astype(bool)
+        if mask.shape[0] != self.width:
+            raise EnvError(
+                f"the env's action mask has {mask.shape[0]} entries; its action space needs {self.width}"
+            )
+        self.mask = mask
+        return obs, {**info, ACTION_MASK: mask}
+
+    def current_action_mask(self) -> np.ndarray:
+        """The mask of the last observation returned (vector envs read it with `call`)."""
+        return self.mask
+
+    def reset(self, **kwargs: Any) -> tuple[Any, dict[str, Any]]:
+        return self._with_mask(*self.env.reset(**kwargs))
+
+    def step(self, action: Any) -> tuple[Any, float, bool, bool, dict[str, Any]]:
+        obs, reward, terminated, truncated, info = self.env.step(action)
+        obs, info = self._with_mask(obs, info)
+        return obs, reward, terminated, truncated, info
+
+
 def extra_for(env_id: str) -> str | None:
     name = env_id.split(":")[-1]
     return next((extra for prefix, extra in _EXTRA_BY_PREFIX.items() if name.startswith(prefix)), None)
@@ -128,8 +220,9 @@ def _import_env_module(env_id: str) -> None:
             raise EnvError(f"env.id={env_id!r} needs Atari: pip install 'ppo-fabric[atari]'") from exc
 
 
-def make_env(env_cfg: DictConfig, render_mode: str | None = None) -> gym.Env:
-    """One environment with the configured wrappers; raises EnvError with a one-line reason."""
+def make_env(env_cfg: DictConfig, render_mode: str | None = None, action_mask: int | None = None) -> gym.Env:
+    """One environment with the configured wrappers; raises EnvError with a one-line reason. With
+    `action_mask` (the mask width `detect_action_mask` found) the env's mask arrives in its infos."""
     env_id = str(env_cfg.id)
     preprocess = _preprocess(env_cfg)
     _import_env_module(env_id)
@@ -170,6 +263,8 @@ def make_env(env_cfg: DictConfig, render_mode: str | None = None) -> gym.Env:
             ) from exc
     if int(env_cfg.action_repeat) > 1:
         env = ActionRepeat(env, int(env_cfg.action_repeat))
+    if action_mask is not None:
+        env = ActionMaskInfo(env, action_mask)
     return env
 
 
@@ -188,7 +283,12 @@ def env_seeds(seed: int, rank: int, num_envs: int) -> list[int]:
 
 
 def make_vector_env(
-    env_cfg: DictConfig, seed: int, rank: int, gamma: float = 0.99, reduce: Reduce | None = None
+    env_cfg: DictConfig,
+    seed: int,
+    rank: int,
+    gamma: float = 0.99,
+    reduce: Reduce | None = None,
+    action_mask: int | None = None,
 ) -> tuple[VectorEnv, Any]:
     """The rank's vector env, already reset; returns (envs, first observation).
 
@@ -204,9 +304,13 @@ def make_vector_env(
     training steps: no counter sees them) whose statistics are merged over the ranks through `reduce`, then
     reset with the same seeds. Every build does it, resumed runs too: they replace these statistics with the
     checkpoint's (unpickled envs, or `load_normalizer_state`), which keeps exact resume exact.
+
+    With `action_mask` (a width) every env copy reports its mask in the infos (`ActionMaskInfo`); the mask
+    of the first observations is `current_action_masks(envs)`.
     """
     # partial, not a lambda: the vector env keeps its factories, and checkpoints pickle the vector env.
-    fns: list[Callable[[], gym.Env]] = [partial(make_env, env_cfg) for _ in range(int(env_cfg.num_envs))]
+    args = (env_cfg,) if action_mask is None else (env_cfg, None, action_mask)
+    fns: list[Callable[[], gym.Env]] = [partial(make_env, *args) for _ in range(int(env_cfg.num_envs))]
     cls = AsyncVectorEnv if env_cfg.vector == "async" else SyncVectorEnv
     envs = cls(fns, autoreset_mode=AutoresetMode.SAME_STEP)
     envs = atari.wrap_vector(envs, _preprocess(env_cfg))  # episode statistics (Atari: whole games)
@@ -240,6 +344,24 @@ def probe_spaces(env_cfg: DictConfig) -> tuple[gym.Space, gym.Space]:
         return env.observation_space, env.action_space
     finally:
         env.close()
+
+
+def probe_env(env_cfg: DictConfig, action_mask: str = "auto") -> tuple[gym.Space, gym.Space, int | None]:
+    """`probe_spaces`, and the action mask width with `algo.action_mask=auto` when the env provides masks
+    (None otherwise); the observation space is then the one the policy sees (a Dict observation's
+    `action_mask` key removed)."""
+    env = make_env(env_cfg)
+    try:
+        width = detect_action_mask(env) if action_mask == "auto" else None
+        obs_space = env.observation_space if width is None else ActionMaskInfo(env, width).observation_space
+        return obs_space, env.action_space, width
+    finally:
+        env.close()
+
+
+def current_action_masks(envs: Any) -> np.ndarray:
+    """[E, width] masks of the vector env's current observations (its copies wrapped in ActionMaskInfo)."""
+    return np.stack(envs.unwrapped.call("current_action_mask")).astype(bool)
 
 
 def check_normalizable(env_cfg: DictConfig, obs_space: gym.Space) -> None:

@@ -83,7 +83,8 @@ def play(
 ) -> tuple[list[float], list[int], list[np.ndarray]]:
     """Run whole episodes; returns (returns, lengths, frames of the first episode when recording).
 
-    Box actions are clipped to the action space, as the training rollout does before `env.step`. With
+    Box actions are clipped to the action space, as the training rollout does before `env.step`; an env
+    whose infos carry an `action_mask` has its illegal actions masked, as in training. With
     the Atari preprocessing an episode is a whole game with its raw score: a lost life ends the learner's
     episode (and the step's clipped reward is what the policy saw), but the game plays on here.
     """
@@ -101,7 +102,7 @@ def play(
     lengths: list[int] = []
     frames: list[np.ndarray] = []
     for episode in range(episodes):
-        obs, _ = env.reset(seed=seed + episode)
+        obs, info = env.reset(seed=seed + episode)
         recording = record_first and episode == 0
         if recording:
             frames.append(np.asarray(env.render()))
@@ -109,11 +110,16 @@ def play(
         recurrent = getattr(agent, "recurrent", False)  # its state is carried across steps, as in training
         state = agent.initial_state(1) if recurrent else None
         while not done:
+            # An env with action masks (`envs.ActionMaskInfo`) puts the mask of `obs` in its info.
+            mask = info.get("action_mask")
+            mask = None if mask is None else torch.as_tensor(np.asarray(mask, dtype=bool)).unsqueeze(0)
             with torch.inference_mode():
                 if recurrent:
-                    action, _, _, state = agent.act_with_state(single_obs_batch(obs), state, deterministic)
+                    action, _, _, state = agent.act_with_state(
+                        single_obs_batch(obs), state, deterministic, mask
+                    )
                 else:
-                    action, _, _ = agent.act(single_obs_batch(obs), deterministic=deterministic)
+                    action, _, _ = agent.act(single_obs_batch(obs), deterministic, mask)
             env_action = action[0].numpy()
             if clip is not None:
                 env_action = np.clip(env_action, *clip)
@@ -127,7 +133,7 @@ def play(
                 if "episode" in info:  # game over: the game's own return and length
                     total, length = float(info["episode"]["r"]), int(info["episode"]["l"])
                 else:  # a lost life: the game goes on (a new episode for the learner, so a fresh state)
-                    obs, _ = env.reset()
+                    obs, info = env.reset()
                     state = agent.initial_state(1) if recurrent else None
                     done = False
             if recording:
@@ -169,7 +175,10 @@ def evaluate(
         os.environ.setdefault("SDL_VIDEODRIVER", "dummy")
         os.environ.setdefault("SDL_AUDIODRIVER", "dummy")
     try:
-        env = make_env(env_cfg, render_mode="rgb_array" if video else None)
+        # A run with action masks (the checkpoint records their width): the env reports them again.
+        env = make_env(
+            env_cfg, render_mode="rgb_array" if video else None, action_mask=state.get("action_mask")
+        )
     except EnvError as exc:
         raise EvalError(str(exc)) from exc
     norm = ckpt.observation_normalization(state)

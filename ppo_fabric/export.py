@@ -179,6 +179,11 @@ def export(
     obs_space, action_space = ckpt.saved_spaces(state)
     if not isinstance(obs_space, gym.spaces.Box):  # one input tensor named "obs"
         raise ExportError(f"export supports Box observations; this policy reads {type(obs_space).__name__}")
+    if state.get("action_mask") is not None:  # a file without the mask input would pick illegal actions
+        raise ExportError(
+            "export of policies trained with action masks comes later (the file would need the mask as an "
+            "input); run it with ppo_fabric.evaluate, or train with algo.action_mask=off"
+        )
     if agent.recurrent:  # a stateless file would silently act without memory
         raise ExportError(
             "export supports feed-forward policies; this one is recurrent (model=lstm), whose state the "

@@ -16,7 +16,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from ppo_fabric.agent import ActorCritic
 from ppo_fabric.config import sequence_length
-from ppo_fabric.envs import EnvError, probe_spaces
+from ppo_fabric.envs import ACTION_MASK, EnvError, probe_env
 from ppo_fabric.multiagent import (
     SINGLE,
     group_spaces,
@@ -37,6 +37,7 @@ class PolicySpec:
     lr: float
     trained: bool
     agents: int  # agents per env copy that act with it (1 for gymnasium envs)
+    action_mask: int | None = None  # the width of the env's action masks (None: the env has none, or off)
 
     @property
     def seq_len(self) -> int:
@@ -54,9 +55,11 @@ class PolicySpec:
 
 def policy_specs(cfg: DictConfig) -> dict[str, PolicySpec]:
     """Build one env to read the spaces (and, multi-agent, the agent -> policy mapping)."""
+    mask_mode = str(cfg.algo.get("action_mask", "auto"))
     if not is_multiagent(cfg.env):
-        obs_space, action_space = probe_spaces(cfg.env)
-        return {SINGLE: PolicySpec(SINGLE, obs_space, action_space, cfg.model, float(cfg.algo.lr), True, 1)}
+        obs_space, action_space, width = probe_env(cfg.env, mask_mode)
+        lr = float(cfg.algo.lr)
+        return {SINGLE: PolicySpec(SINGLE, obs_space, action_space, cfg.model, lr, True, 1, width)}
     ma = cfg.multiagent
     env = make_parallel_env(cfg.env)
     try:
@@ -64,6 +67,13 @@ def policy_specs(cfg: DictConfig) -> dict[str, PolicySpec]:
         spaces = group_spaces(env, groups)
     finally:
         env.close()
+    if mask_mode == "auto":
+        for name, (obs_space, _) in spaces.items():
+            if isinstance(obs_space, gym.spaces.Dict) and ACTION_MASK in obs_space.spaces:
+                raise EnvError(
+                    f"policy {name!r} observes an action_mask: action masks for PettingZoo envs are not "
+                    "supported yet; set algo.action_mask=off (the mask is then an ordinary observation key)"
+                )
     trained = trained_policies(ma)
     specs = {}
     settings = policy_settings(ma)
@@ -149,6 +159,8 @@ def learners_state(cfg: DictConfig, learners: dict[str, Learner]) -> dict[str, A
     }
     if list(learners) == [SINGLE]:
         only = learners[SINGLE]
+        if only.spec.action_mask is not None:  # evaluation rebuilds the env's mask from it
+            state["action_mask"] = only.spec.action_mask
         return state | {"agent": only.policy.state_dict(), "optimizer": only.optimizer.state_dict()}
     return state | {
         "multiagent": True,

@@ -20,7 +20,7 @@ from tensordict import TensorDict
 from ppo_fabric.advantages import compute_advantages
 from ppo_fabric.agent import ActorCritic, Obs
 from ppo_fabric.buffer import STATE_KEY, MultiAgentRolloutBuffer, rollout_storage, training_batch
-from ppo_fabric.envs import make_vector_env
+from ppo_fabric.envs import ACTION_MASK, EnvError, current_action_masks, make_vector_env
 from ppo_fabric.learners import PolicySpec
 from ppo_fabric.multiagent import SINGLE, make_multiagent_vector_env
 from ppo_fabric.normalize import Reduce, sync_normalizers
@@ -65,6 +65,8 @@ class Group:
     episodes: EpisodeLog
     state: torch.Tensor | None = None  # recurrent policies: the state the next step starts from [R, ...]
     alive: np.ndarray | None = None  # multi-agent: rows whose agent is in the episode at the next step
+    next_mask: torch.Tensor | None = None  # envs with action masks: the mask of `next_obs` [R, width]
+    mask_starts: np.ndarray | None = None  # where each action dimension's entries start in a mask
 
     def to_tensor(self, obs: Any, device: torch.device) -> Obs:
         if isinstance(obs, dict):  # Dict observations: one tensor per key, with the storage's dtypes
@@ -98,8 +100,10 @@ class RolloutCollector:
         gamma: float,
         gae_lambda: float,
         reduce: Reduce | None = None,
+        env_id: str = "?",
     ) -> None:
         self.envs = envs
+        self.env_id = env_id  # named by the error for a state without a legal action
         self.reduce = reduce  # merges normalisation statistics over the collecting ranks
         self.multiagent = isinstance(storage, dict)
         storages = storage if self.multiagent else {SINGLE: storage}
@@ -110,7 +114,8 @@ class RolloutCollector:
         self._staged = self.device.type != "cpu"
         self.groups: list[Group] = []
         for name, stored in storages.items():
-            keys = [*self._HOST_KEYS, "mask"] if "mask" in stored.keys() else list(self._HOST_KEYS)  # noqa: SIM118
+            present = stored.keys()
+            keys = [*self._HOST_KEYS, *(k for k in ("mask", ACTION_MASK) if k in present)]
             space = envs.single_action_space if not self.multiagent else envs.action_spaces[name]
             stored_obs = stored["obs"]  # a nested TensorDict for Dict observations
             group = Group(
@@ -125,6 +130,10 @@ class RolloutCollector:
             group.next_obs = group.to_tensor(firsts[name], self.device)
             if self.multiagent:
                 group.alive = envs.alive[name].copy()  # rows whose agent is in the episode after reset
+            if ACTION_MASK in present:
+                nvec = space.nvec.reshape(-1) if isinstance(space, gym.spaces.MultiDiscrete) else [space.n]
+                group.mask_starts = np.cumsum([0, *nvec[:-1]]).astype(np.int64)
+                group.next_mask = self._legal(group, current_action_masks(envs), 0)
             self.groups.append(group)
         # All episodes (every agent's, in multi-agent envs): what `final_mean_return` reports overall.
         self.episodes = self.groups[0].episodes if not self.multiagent else EpisodeLog()
@@ -143,6 +152,33 @@ class RolloutCollector:
     @property
     def next_obs(self) -> Obs:
         return self.groups[0].next_obs
+
+    def _check_legal(self, g: Group, masks: np.ndarray, env_step: int) -> None:
+        """Every env copy has a legal action in every action dimension; raises EnvError naming the env."""
+        ok = np.logical_or.reduceat(masks, g.mask_starts, axis=1).all(1)
+        if not ok.all():
+            raise EnvError(
+                f"env.id={self.env_id!r}: env copy {int(np.flatnonzero(~ok)[0])} has no legal action at env "
+                f"step {env_step} (its action mask is all False)"
+            )
+
+    def _legal(self, g: Group, masks: np.ndarray, env_step: int) -> torch.Tensor:
+        """The checked masks [E, width] as a tensor on the device."""
+        self._check_legal(g, masks, env_step)
+        return torch.from_numpy(masks).to(self.device)
+
+    def _info_masks(self, g: Group, info: dict[str, Any], env_step: int) -> np.ndarray:
+        """The masks of the observations a vector step returned; copies that reported none: all legal."""
+        masks = info.get(ACTION_MASK)
+        if masks is None:
+            return np.ones(g.host[ACTION_MASK].shape[1:], dtype=bool)
+        masks = np.asarray(masks, dtype=bool)
+        present = info.get("_" + ACTION_MASK)
+        if present is not None and not present.all():
+            masks = masks.copy()
+            masks[~present] = True
+        self._check_legal(g, masks, env_step)
+        return masks
 
     def _step(self, actions: list[np.ndarray]) -> list[tuple[Any, ...]]:
         if self.multiagent:
@@ -169,11 +205,17 @@ class RolloutCollector:
         outputs: list[tuple[list, ...]] = [([], [], []) for _ in groups]
         for g in groups:
             _put(g.host["obs"], 0, g.next_obs.cpu())
+            if g.next_mask is not None:
+                g.host[ACTION_MASK][0] = g.next_mask.cpu().numpy()
         obs = [g.next_obs for g in groups]
+        masks = [g.next_mask for g in groups]  # envs with action masks: the mask of each obs
         for t in range(num_steps):
             env_actions, next_states = [], []
             for i, (g, policy) in enumerate(zip(groups, acting, strict=True)):
-                action, logprob, next_state = policy.sample(obs[i], g.state)
+                if masks[i] is None:
+                    action, logprob, next_state = policy.sample(obs[i], g.state)
+                else:
+                    action, logprob, next_state = policy.sample(obs[i], g.state, False, masks[i])
                 actions, logprobs, states = outputs[i]
                 actions.append(action)
                 logprobs.append(logprob)
@@ -216,7 +258,16 @@ class RolloutCollector:
                     obs[i] = _row(h["obs"], t + 1, self.device)  # a view on CPU: no copy
                 else:
                     obs[i] = g.to_tensor(next_obs, self.device)
-        for g, policy, (actions, logprobs, states), last in zip(groups, acting, outputs, obs, strict=True):
+                if masks[i] is not None:
+                    step_masks = self._info_masks(g, info, env_step + (t + 1) * self.num_envs)
+                    if t + 1 < num_steps:
+                        h[ACTION_MASK][t + 1] = step_masks
+                        masks[i] = _row(h[ACTION_MASK], t + 1, self.device)
+                    else:
+                        masks[i] = torch.from_numpy(step_masks).to(self.device)
+        for g, policy, (actions, logprobs, states), last, last_mask in zip(
+            groups, acting, outputs, obs, masks, strict=True
+        ):
             s = g.storage
             torch.stack(actions, out=s["actions"])
             torch.stack(logprobs, out=s["logprobs"])
@@ -227,6 +278,8 @@ class RolloutCollector:
                     _copy_in(s[key], host)
             s["values"].copy_(_values(policy, s, self.VALUE_CHUNK))
             g.next_obs = last
+            if last_mask is not None:  # a view of the host array on CPU, which the next rollout overwrites
+                g.next_mask = last_mask.clone()
             compute_advantages(s, policy.get_value(last, g.state), self.gamma, self.gae_lambda)
         sync_normalizers(self.envs, self.reduce)
         if self.buffer is not None:
@@ -236,7 +289,7 @@ class RolloutCollector:
     def carry(self) -> dict[str, Any]:
         """What continues from one rollout to the next besides the envs: each group's next observation, its
         recurrent state and (multi-agent) which rows are in an episode; on the CPU, for checkpoints."""
-        return {
+        carry = {
             g.name: {
                 "next_obs": g.next_obs.cpu(),
                 "state": None if g.state is None else g.state.cpu(),
@@ -244,6 +297,10 @@ class RolloutCollector:
             }
             for g in self.groups
         }
+        for g in self.groups:
+            if g.next_mask is not None:
+                carry[g.name][ACTION_MASK] = g.next_mask.cpu()
+        return carry
 
     def restore_carry(self, carry: dict[str, Any]) -> None:
         """Also takes `carry()` as a checkpoint stores it: Dict observations as dicts of tensors, `alive`
@@ -256,6 +313,10 @@ class RolloutCollector:
             if isinstance(alive, torch.Tensor):
                 alive = alive.numpy()
             g.alive = None if alive is None else np.array(alive, dtype=bool)
+            if g.next_mask is not None:
+                mask = saved.get(ACTION_MASK)
+                mask = current_action_masks(self.envs) if mask is None else np.asarray(mask, dtype=bool)
+                g.next_mask = torch.from_numpy(mask).to(self.device)
 
 
 def _values(policy: ActorCritic, storage: TensorDict, chunk: int) -> torch.Tensor:
@@ -328,12 +389,14 @@ def build_collector(
     algo = cfg.algo
     steps, copies = int(algo.rollout_steps), int(cfg.env.num_envs)
     if list(specs) == [SINGLE]:
-        envs, first = make_vector_env(cfg.env, int(cfg.seed), rank, float(algo.gamma), reduce)
+        width = specs[SINGLE].action_mask
+        envs, first = make_vector_env(cfg.env, int(cfg.seed), rank, float(algo.gamma), reduce, width)
         storage: Any = policy_storage(steps, copies, specs[SINGLE], device)
     else:
         envs, first = make_multiagent_vector_env(cfg.env, cfg.multiagent, int(cfg.seed), rank)
         storage = {name: policy_storage(steps, copies, spec, device) for name, spec in specs.items()}
-    collector = RolloutCollector(envs, first, storage, float(algo.gamma), float(algo.gae_lambda), reduce)
+    gamma, lam = float(algo.gamma), float(algo.gae_lambda)
+    collector = RolloutCollector(envs, first, storage, gamma, lam, reduce, str(cfg.env.id))
     if collector.multiagent:
         collector.buffer = MultiAgentRolloutBuffer(storage, envs.groups, envs.num_envs)
     return collector
@@ -352,6 +415,7 @@ def policy_storage(
         device,
         spec.state_shape,
         masked=spec.name != SINGLE,
+        action_mask=spec.action_mask,
     )
 
 

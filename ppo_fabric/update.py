@@ -43,13 +43,14 @@ def update_policy(
     `rank_minibatch` is this rank's share of `algo.minibatch_size` (all of it on a single rank), in steps.
     The batch's units are single steps, or for recurrent policies whole sequences (`initial_state`,
     `starts`), so a minibatch then holds `rank_minibatch / seq_len` sequences. A `mask` (multi-agent rows of
-    agents that had left) keeps absent steps out of every mean.
+    agents that had left) keeps absent steps out of every mean; an `action_mask` restricts log-probs and
+    entropies to the actions that were legal at each step.
     With `target_kl` set, the KL estimate is averaged over all training ranks (`mean_across_trainers`)
     before deciding to stop, so every rank runs the same number of backward passes (DDP would hang).
     """
     n = batch.batch_size[0]
     keys = batch.keys()
-    recurrent, masked = "initial_state" in keys, "mask" in keys
+    recurrent, masked, action_masked = "initial_state" in keys, "mask" in keys, "action_mask" in keys
     seq_len = batch["starts"].shape[1] if recurrent else 1
     mb = (int(algo.minibatch_size) if rank_minibatch is None else rank_minibatch) // seq_len
     # Plain Python values: a DictConfig attribute read costs ~50 us, and the loop below runs thousands of times.
@@ -64,11 +65,15 @@ def update_policy(
         obs, actions, old_logp = shuffled["obs"], shuffled["actions"], shuffled["logprobs"]
         old_values, advantages, returns = shuffled["values"], shuffled["advantages"], shuffled["returns"]
         masks = shuffled["mask"] if masked else None
+        action_masks = shuffled["action_mask"] if action_masked else None
         states, starts = (shuffled["initial_state"], shuffled["starts"]) if recurrent else (None, None)
         new_logps = []
         for start in range(0, n, mb):
             sl = slice(start, start + mb)
-            if recurrent:
+            if action_masked:  # the masks the rollout sampled under
+                state_args = (states[sl], starts[sl]) if recurrent else (None, None)
+                new_logp, entropy, new_values = model(obs[sl], actions[sl], *state_args, action_masks[sl])
+            elif recurrent:
                 new_logp, entropy, new_values = model(obs[sl], actions[sl], states[sl], starts[sl])
             else:
                 new_logp, entropy, new_values = model(obs[sl], actions[sl])

@@ -22,6 +22,15 @@ One memory probe follows, for recurrent policies (model=lstm):
    the last action matches the cue (action 1 for +1, action 0 for -1) and -1 otherwise. A memoryless
    policy sees only 0 when it matters and earns 0 in expectation; a recurrent one can earn 1.
 
+Three action-mask probes follow, one per convention the rollout detects (`algo.action_mask=auto`):
+
+8. `ProbeMaskedObs-v0` (a Dict observation with an `action_mask` key), `ProbeMaskedInfo-v0`
+   (`info["action_mask"]`), `ProbeMaskedMethod-v0` (an `action_masks()` method): Discrete(4), two
+   actions legal per step. The observation gives 1 for the legal action that pays +1, 0.5 for the other
+   legal one (reward 0) and 0 for the illegal ones. An illegal action is counted (`ILLEGAL`, and a line in
+   the `illegal_log` file when given, for runs in other processes) and ends the episode with -1; nothing
+   is asserted, so runs without masks complete too. Episodes last `LENGTH` steps: the best return is 4.
+
 Importing this module registers them, so `env.id=tests.probe_envs:ProbeConstant-v0` works: gymnasium (and
 ppo_fabric's env builder) imports the module named before the colon. Every episode ends with
 `terminated=True`, never `truncated`, so the learner must bootstrap with zero after the last step.
@@ -206,6 +215,112 @@ class ProbeMemory(_SignProbe):
         return self._obs(0.0), reward, True, False, {}
 
 
+class _MaskedProbe(gym.Env):
+    """Shared by the three action-mask probes: the state, its reward and the illegal-action count."""
+
+    LENGTH = 4
+    ILLEGAL = [0]  # illegal actions taken in this process, over every instance (a list: shared, mutable)
+
+    def __init__(self, illegal_log: str | None = None) -> None:
+        self.action_space = gym.spaces.Discrete(4)
+        self.observation_space = gym.spaces.Box(0.0, 1.0, (4,), np.float32)
+        self.illegal_log = illegal_log
+        self._t = 0
+        self._legal = np.zeros(4, dtype=np.int8)
+        self._pays = 0
+
+    def _new_state(self) -> None:
+        pair = self.np_random.choice(4, size=2, replace=False)
+        self._legal = np.zeros(4, dtype=np.int8)
+        self._legal[pair] = 1
+        self._pays = int(pair[0])
+
+    def _observation(self) -> np.ndarray:
+        obs = 0.5 * self._legal.astype(np.float32)
+        obs[self._pays] = 1.0
+        return obs
+
+    def _mask(self) -> np.ndarray:
+        return self._legal.copy()
+
+    def _reset(self, seed: int | None) -> None:
+        super().reset(seed=seed)
+        self._t = 0
+        self._new_state()
+
+    def _step(self, action: Any) -> tuple[float, bool]:
+        """(reward, terminated) of `action`, moving to the next state."""
+        a = int(action)
+        self._t += 1
+        if not self._legal[a]:
+            type(self).ILLEGAL[0] += 1
+            if self.illegal_log:
+                with open(self.illegal_log, "a") as f:
+                    f.write(f"{a}\n")
+            return -1.0, True
+        reward = 1.0 if a == self._pays else 0.0
+        self._new_state()
+        return reward, self._t >= self.LENGTH
+
+
+class ProbeMaskedObs(_MaskedProbe):
+    """The mask as the `action_mask` key of a Dict observation (PettingZoo's convention)."""
+
+    def __init__(self, illegal_log: str | None = None) -> None:
+        super().__init__(illegal_log)
+        self.observation_space = gym.spaces.Dict(
+            {
+                "observation": gym.spaces.Box(0.0, 1.0, (4,), np.float32),
+                "action_mask": gym.spaces.Box(0, 1, (4,), np.int8),
+            }
+        )
+
+    def _full(self) -> dict[str, np.ndarray]:
+        return {"observation": self._observation(), "action_mask": self._mask()}
+
+    def reset(self, *, seed: int | None = None, options: dict | None = None) -> tuple[dict, dict]:
+        self._reset(seed)
+        return self._full(), {}
+
+    def step(self, action: Any) -> tuple[dict, float, bool, bool, dict]:
+        reward, done = self._step(action)
+        return self._full(), reward, done, False, {}
+
+
+class ProbeMaskedInfo(_MaskedProbe):
+    """The mask as `info["action_mask"]` of reset and step."""
+
+    def reset(self, *, seed: int | None = None, options: dict | None = None) -> tuple[np.ndarray, dict]:
+        self._reset(seed)
+        return self._observation(), {"action_mask": self._mask()}
+
+    def step(self, action: Any) -> tuple[np.ndarray, float, bool, bool, dict]:
+        reward, done = self._step(action)
+        return self._observation(), reward, done, False, {"action_mask": self._mask()}
+
+
+class ProbeMaskedMethod(_MaskedProbe):
+    """The mask from an `action_masks()` method (sb3-contrib MaskablePPO's convention)."""
+
+    def action_masks(self) -> np.ndarray:
+        return self._mask().astype(bool)
+
+    def reset(self, *, seed: int | None = None, options: dict | None = None) -> tuple[np.ndarray, dict]:
+        self._reset(seed)
+        return self._observation(), {}
+
+    def step(self, action: Any) -> tuple[np.ndarray, float, bool, bool, dict]:
+        reward, done = self._step(action)
+        return self._observation(), reward, done, False, {}
+
+
+class ProbeNoLegalAction(ProbeMaskedInfo):
+    """Its second state has no legal action: the rollout must stop with an error naming the env."""
+
+    def _mask(self) -> np.ndarray:
+        return np.zeros(4, dtype=np.int8) if self._t >= 1 else super()._mask()
+
+
 PROBES: dict[str, type[_Probe]] = {
     "ProbeConstant-v0": ProbeConstant,
     "ProbeObsDependent-v0": ProbeObsDependent,
@@ -218,7 +333,14 @@ PROBES: dict[str, type[_Probe]] = {
 CONTINUOUS_PROBES: dict[str, type[gym.Env]] = {"ProbeContinuousAction-v0": ProbeContinuousAction}
 # Also apart: its episodes last ProbeMemory.LENGTH steps, and only a recurrent policy can solve it.
 MEMORY_PROBES: dict[str, type[gym.Env]] = {"ProbeMemory-v0": ProbeMemory}
+# Also apart: some actions are illegal in each state, and the env reports which by one convention each.
+MASKED_PROBES: dict[str, type[gym.Env]] = {
+    "ProbeMaskedObs-v0": ProbeMaskedObs,
+    "ProbeMaskedInfo-v0": ProbeMaskedInfo,
+    "ProbeMaskedMethod-v0": ProbeMaskedMethod,
+    "ProbeNoLegalAction-v0": ProbeNoLegalAction,
+}
 
-for _env_id, _cls in {**PROBES, **CONTINUOUS_PROBES, **MEMORY_PROBES}.items():
+for _env_id, _cls in {**PROBES, **CONTINUOUS_PROBES, **MEMORY_PROBES, **MASKED_PROBES}.items():
     if _env_id not in gym.registry:  # re-importing (e.g. under another module name) must not warn
         gym.register(id=_env_id, entry_point=f"{__name__}:{_cls.__name__}")
