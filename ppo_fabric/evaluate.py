@@ -112,14 +112,15 @@ def play(
         while not done:
             # An env with action masks (`envs.ActionMaskInfo`) puts the mask of `obs` in its info.
             mask = info.get("action_mask")
-            mask = None if mask is None else torch.as_tensor(np.asarray(mask, dtype=bool)).unsqueeze(0)
+            # passed only when there is one, so any agent with act(obs, deterministic) can play
+            masked = () if mask is None else (torch.as_tensor(np.asarray(mask, dtype=bool)).unsqueeze(0),)
             with torch.inference_mode():
                 if recurrent:
                     action, _, _, state = agent.act_with_state(
-                        single_obs_batch(obs), state, deterministic, mask
+                        single_obs_batch(obs), state, deterministic, *masked
                     )
                 else:
-                    action, _, _ = agent.act(single_obs_batch(obs), deterministic, mask)
+                    action, _, _ = agent.act(single_obs_batch(obs), deterministic, *masked)
             env_action = action[0].numpy()
             if clip is not None:
                 env_action = np.clip(env_action, *clip)
