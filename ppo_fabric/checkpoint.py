@@ -284,6 +284,8 @@ def restore_envs(snapshot: dict[str, Any] | None, fallback: Any) -> Any:
     if blob is None:
         raise ValueError("the env snapshot was not signed on this installation; it is never unpickled")
     fallback.close()
+    # Guarded: `blob` is only non-None when its HMAC under this installation's key matched (_signed_pickle),
+    # i.e. this installation wrote it; a snapshot from anywhere else never reaches this line.
     return pickle.loads(blob)
 
 
