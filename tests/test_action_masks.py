@@ -179,7 +179,7 @@ def test_recurrent_policy_respects_masks(tmp_path: Path) -> None:
     assert illegal == 0
 
 
-def test_evaluate_masks_and_export_refuses(tmp_path: Path) -> None:
+def test_evaluate_masks_and_export_needs_a_box_observation(tmp_path: Path) -> None:
     from ppo_fabric.evaluate import evaluate
     from ppo_fabric.export import ExportError, export
 
@@ -187,7 +187,9 @@ def test_evaluate_masks_and_export_refuses(tmp_path: Path) -> None:
     probe_envs._MaskedProbe.ILLEGAL[0] = 0
     result = evaluate(summary["checkpoint"], episodes=20, deterministic=False, out=tmp_path / "eval")
     assert probe_envs._MaskedProbe.ILLEGAL[0] == 0 and min(result["returns"]) >= 0
-    with pytest.raises(ExportError, match="action masks"):
+    with pytest.raises(
+        ExportError, match="Box observations"
+    ):  # masks themselves export (test_export_policies)
         export(summary["checkpoint"], out=tmp_path / "policy.pt")
 
 
