@@ -326,10 +326,20 @@ def evaluate_multiagent(
     from ppo_fabric.multiagent import make_parallel_env, policy_mapping
 
     env_cfg = OmegaConf.create(state["config"]["env"])
+    game = f"env.id={env_cfg.id} is a turn-based game: play it with opponent= ({OPPONENTS})"
     try:
         env = make_parallel_env(env_cfg)
+    except EnvError as exc:
+        if _is_aec_game(str(env_cfg.id)):
+            raise EvalError(game) from exc
+        raise EvalError(str(exc)) from exc
+    if hasattr(env, "agent_iter"):  # an AEC env: its agents take turns
+        env.close()
+        raise EvalError(game)
+    try:
         groups = policy_mapping(list(env.possible_agents), OmegaConf.create(state["config"]["multiagent"]))
     except EnvError as exc:
+        env.close()
         raise EvalError(str(exc)) from exc
     masked = {p: ckpt.mask_width(state, p) is not None for p in policies}
     start = time.perf_counter()
@@ -358,6 +368,20 @@ def evaluate_multiagent(
 
 # ---------------------------------------------------------------------------------------------- games
 OPPONENTS = "random, snapshot:<checkpoint> or pool"
+
+
+def _is_aec_game(env_id: str) -> bool:
+    """Whether `env_id` names a PettingZoo AEC env (module with env(), or module:factory of one)."""
+    from ppo_fabric.games import aec_env_factory
+
+    try:
+        env = aec_env_factory(env_id)()
+    except Exception:  # not importable, or needs arguments: not something to suggest games for
+        return False
+    try:
+        return hasattr(env, "agent_iter")
+    finally:
+        env.close()
 
 
 def _playing_policy(state: dict[str, Any], policies: dict[str, Any], policy: str | None) -> str:

@@ -223,6 +223,7 @@ def test_games_against_a_snapshot_and_the_pool(tmp_path: Path) -> None:
         pytest.param(["opponent=random", "policy=red"], "policy=red is not in", id="unknown-policy"),
         pytest.param(["opponent=random", "games=0"], "games=0 must be > 0", id="no-games"),
         pytest.param(["opponent=snapshot:{missing}"], "no such checkpoint", id="missing-snapshot"),
+        pytest.param([], "is a turn-based game: play it with opponent=", id="game-without-opponent"),
     ],
 )
 def test_bad_game_input(
