@@ -351,10 +351,20 @@ def policy_from_weights(
 
 def mask_width(state: dict[str, Any], policy: str | None = None) -> int | None:
     """The action-mask width a policy was trained with (None: no masks). Single-agent checkpoints record it
-    as `action_mask`; multi-agent ones as `action_masks` = {policy: width}."""
+    as `action_mask`; multi-agent ones as `action_masks` = {policy: width}, or else the game's own
+    masks are read from a turn-based env."""
     if not state.get("multiagent"):
         return state.get("action_mask")
-    return (state.get("action_masks") or {}).get(policy)
+    if "action_masks" in state:
+        return (state["action_masks"] or {}).get(policy)
+    # Not recorded: a turn-based (AEC) game with algo.action_mask on trained every policy with the masks
+    # of its `{"observation", "action_mask"}` observations (the only multi-agent masks there are).
+    cfg = state["config"]
+    if str((cfg.get("algo") or {}).get("action_mask", "auto")) == "off":
+        return None
+    from ppo_fabric.games import aec_mask_width
+
+    return aec_mask_width(str(cfg["env"]["id"]), dict(cfg["env"].get("kwargs") or {}))
 
 
 def pool_snapshots(state: dict[str, Any]) -> list[dict[str, Any]]:

@@ -75,6 +75,25 @@ def aec_env_factory(env_id: str, kwargs: dict[str, Any] | None = None) -> Callab
     return lambda: factory(**(kwargs or {}))
 
 
+def aec_mask_width(env_id: str, kwargs: dict[str, Any] | None = None) -> int | None:
+    """The action-mask width of a two-player AEC game whose observations carry an `action_mask` (all its
+    agents share it), or None when `env_id` is no such game."""
+    try:
+        env = aec_env_factory(env_id, kwargs)()
+    except Exception:  # not importable, no env(): not a game
+        return None
+    try:
+        if not hasattr(env, "agent_iter"):
+            return None
+        space = env.observation_space(env.possible_agents[0])
+        spaces = getattr(space, "spaces", None)
+        if not isinstance(spaces, dict) or ACTION_MASK not in spaces:
+            return None
+        return int(np.prod(spaces[ACTION_MASK].shape))
+    finally:
+        env.close()
+
+
 def split_observation(obs: Any) -> tuple[Any, np.ndarray | None]:
     """(what a policy observes, legal-move mask) from one AEC observation."""
     if isinstance(obs, dict) and ACTION_MASK in obs:

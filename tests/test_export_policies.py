@@ -201,3 +201,19 @@ def test_multiagent_one_file_per_policy(tmp_path: Path, fmt: str) -> None:
             actions[a] = int(action[0])
         obs, *_ = env.step(actions)
     env.close()
+
+
+def test_turn_based_game_policy_takes_the_mask(tmp_path: Path) -> None:
+    """A tictactoe self-play checkpoint records no mask widths: the game's `action_mask` observations say
+    the policy was trained with masks, so its file takes them (a file without would play illegal moves)."""
+    from tests.test_evaluate_policies import _tictactoe_checkpoint
+
+    path = _tictactoe_checkpoint(tmp_path / "ttt.ckpt", with_pool=False)
+    assert ckpt.mask_width(ckpt.load(path, key="checkpoint", env_state="fresh"), "shared") == 9
+    files = export.export(path, out=tmp_path)
+    assert files == {"shared": tmp_path / "policy_shared.pt"}
+    assert _meta(files["shared"], "torchscript")["inputs"] == ["obs", "action_mask"]
+    only = torch.zeros(1, 9, dtype=torch.bool)
+    only[0, 7] = True
+    (action,) = Exported(files["shared"], "torchscript").run(np.zeros((1, 3, 3, 2), np.float32), only.numpy())
+    assert int(action[0]) == 7  # its favourite, move 0, is illegal here
