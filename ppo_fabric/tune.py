@@ -337,6 +337,9 @@ def main(argv: list[str] | None = None) -> int:
         study = open_study(plan)
     except (ConfigError, SpaceError) as exc:
         fail(str(exc))
+    except KeyboardInterrupt:  # Ctrl+C during the checks: nothing has started yet
+        say("interrupted before any trial started")
+        return 130
     return Tuner(plan, study).run()
 
 

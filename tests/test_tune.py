@@ -312,3 +312,37 @@ def test_journal_storage_and_pruners(tmp_path: Path) -> None:
     median = tune.open_study(tune.prepare([*base, "tune.name=m"])).pruner
     assert isinstance(median, optuna.pruners.MedianPruner) and median._n_warmup_steps == 900
     assert plan.report_every == 8 * 16  # one update: num_envs x rollout_steps
+
+
+def test_failed_trials_are_recorded_and_the_study_goes_on(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A run that fails, and an error in the tuner's own handling of a trial, make FAIL trials with the
+    reason; the next trials still run. With no completed trial the tuner exits 1."""
+    from ppo_fabric.tune_trial import Outcome, TrialRun
+
+    outcomes = iter(
+        [
+            Outcome("failed", reason="seed 42 exited with status 1 (see x/output.log)"),
+            RuntimeError("disk full"),
+        ]
+        + [Outcome("complete", 0.5, seed_values=[0.5])]
+    )
+
+    def execute(self: TrialRun, report: object, env: object = None) -> Outcome:
+        assert self.overrides[-1].startswith("group=ProbeActionDependent-v0-") and self.seeds == [42]
+        outcome = next(outcomes)
+        if isinstance(outcome, Exception):
+            raise outcome
+        return outcome
+
+    monkeypatch.setattr(TrialRun, "execute", execute)
+    argv = [*PROBE, "algo.lr=choice(1e-3, 1e-2)", f"tune.dir={tmp_path}"]
+    assert tune.main([*argv, "tune.trials=2"]) == 1  # two failures, nothing completed
+    assert tune.main([*argv, "tune.trials=3"]) == 0  # the same study, one more trial
+    rows = _rows(tmp_path)
+    assert [r["state"] for r in rows] == ["FAIL", "FAIL", "COMPLETE"]
+    assert "exited with status 1" in rows[0]["reason"] and rows[1]["reason"] == "RuntimeError: disk full"
+    assert json.loads((tmp_path / "best.json").read_text())["trial"] == 2
+    out = capsys.readouterr().out
+    assert "no trial has completed yet" in out and "best trial 2: return 0.5" in out
