@@ -101,7 +101,8 @@ def prepare(argv: list[str]) -> Plan:
     if tune_config.intermediate_values(tcfg) and not cfg.logger.get("csv", False):
         if "csv" not in cfg.logger:
             raise ConfigError(
-                f"logger={cfg.logger} writes no metrics.csv, which pruning reads; use another logger"
+                "this logger writes no metrics.csv (no logger.csv key), which pruning reads; use "
+                "logger=default or logger=none, or tune.pruner=none"
             )
         extra.append("logger.csv=true")  # the pruner reads the learning curve from metrics.csv
     identity = tune_config.identity(tcfg, space.fixed, [p.expression for p in space.params])
