@@ -99,12 +99,14 @@ def prepare(argv: list[str]) -> Plan:
     assert cfg is not None
     extra: list[str] = []
     if tune_config.intermediate_values(tcfg) and not cfg.logger.get("csv", False):
-        if "csv" not in cfg.logger:
+        # The learning curve the pruner needs comes from metrics.csv: turn it on for the trials.
+        if "csv" in cfg.logger:
+            extra.append("logger.csv=true")
+        elif tcfg.pruner.kind != "none":
             raise ConfigError(
                 "this logger writes no metrics.csv (no logger.csv key), which pruning reads; use "
                 "logger=default or logger=none, or tune.pruner=none"
             )
-        extra.append("logger.csv=true")  # the pruner reads the learning curve from metrics.csv
     identity = tune_config.identity(tcfg, space.fixed, [p.expression for p in space.params])
     name = tune_config.study_name(tcfg, str(cfg.env.id), identity)
     directory = tune_config.study_dir(tcfg, name).resolve()
