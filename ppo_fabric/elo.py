@@ -135,7 +135,8 @@ class EloRater:
         train_seconds: float | None = None,
     ) -> float:
         """The new snapshot's rating (random player = 0); remembered under `snapshot_id` (when given) so
-        later snapshots can play against it. `pool`: entries {"id": int, "weights": state dict}."""
+        later snapshots can play against it. `pool`: entries {"id": int, "weights" (or "policy"): state dict},
+        as `checkpoint.pool_snapshots` returns them."""
         start = time.perf_counter()
         self.calls += 1
         seed = self.seed + 100_003 * self.calls
@@ -147,7 +148,8 @@ class EloRater:
         # the random player first (the anchor), then the newest earlier snapshots, while games remain
         schedule: list[tuple[Any, float]] = [(self.random_player(seed), RANDOM_RATING)]
         for snap in reversed(earlier):
-            schedule.append((self.make_player(snap["weights"]), self.ratings[int(snap["id"])]))
+            weights = snap["weights"] if "weights" in snap else snap["policy"]
+            schedule.append((self.make_player(weights), self.ratings[int(snap["id"])]))
         opponents: list[float] = []
         scores: list[float] = []
         for i, (opponent, rating) in enumerate(schedule):
