@@ -180,10 +180,13 @@ def first_legal_player(observation: Any, mask: np.ndarray | None) -> int:
 class PolicyPlayer:
     """An `ActorCritic` as a player: its observation as a batch of one, the recurrent state carried through
     the game and cleared per game. `masked`: the policy was trained with masks, so it gets the mask as its
-    action mask; otherwise it observed the whole `{"observation", "action_mask"}` dict and gets that."""
+    action mask; otherwise it observed the whole `{"observation", "action_mask"}` dict and gets that.
+    Inputs go to the device the policy is on (a self-play loop may rate a snapshot on its GPU); sampled
+    moves (deterministic=False) draw from torch's global generator."""
 
     def __init__(self, agent: Any, deterministic: bool = True, masked: bool = True) -> None:
         self.agent = agent
+        self.device = next(agent.parameters()).device
         self.deterministic = deterministic
         self.masked = masked
         self.state = None
@@ -198,11 +201,11 @@ class PolicyPlayer:
 
         masks: tuple[Any, ...] = ()
         if mask is not None and self.masked:
-            masks = (torch.as_tensor(mask).unsqueeze(0),)
+            masks = (torch.as_tensor(mask, device=self.device).unsqueeze(0),)
         elif mask is not None:
             observation = {OBSERVATION: observation, ACTION_MASK: mask.astype(np.int8)}
         with torch.inference_mode():
             action, _, _, self.state = self.agent.act_with_state(
-                single_obs_batch(observation), self.state, self.deterministic, *masks
+                single_obs_batch(observation).to(self.device), self.state, self.deterministic, *masks
             )
         return int(action[0])
