@@ -11,7 +11,7 @@ minutes does not always land on the same setting. From each run's metrics.csv:
 * SPS: env steps / wall time of the whole run (compile included); SPS w/o compile: the same with the
   compile seconds taken out, what a long run tends to.
 
-    .venv/bin/python benchmarks/compile.py [--rounds 2] [--fast-steps 100000] [--cleanrl-steps 50000]
+    .venv/bin/python benchmarks/compile.py [--rounds 2] [--fast-steps 100352] [--cleanrl-steps 50176]
 """
 
 from __future__ import annotations
@@ -49,6 +49,7 @@ def one_run(exp: str, compile_on: bool, steps: int) -> dict[str, Any]:
     steady = statistics.median(train[1:]) if len(train) > 1 else train[0]
     compile_s = max(train[0] - steady, 0.0)
     run_wall = float(summary["wall_seconds"])
+    steps = int(summary["total_env_steps"])  # a run ends at the first whole update at or past total_steps
     return {
         "exp": exp,
         "compile": compile_on,
@@ -67,8 +68,8 @@ def one_run(exp: str, compile_on: bool, steps: int) -> dict[str, Any]:
 def main() -> None:
     p = common.argument_parser(__doc__)
     p.add_argument("--rounds", type=int, default=2, help="on/off pairs per experiment (default 2)")
-    p.add_argument("--fast-steps", type=int, default=100_000)
-    p.add_argument("--cleanrl-steps", type=int, default=50_000)
+    p.add_argument("--fast-steps", type=int, default=100_352)  # 49 updates of 2048
+    p.add_argument("--cleanrl-steps", type=int, default=50_176)  # 98 updates of 512
     p.add_argument("--out", type=Path, default=common.RESULTS)
     args = p.parse_args()
     runs = []
