@@ -93,7 +93,9 @@ def open_tracker(cfg: DictConfig, run_dir: Path) -> Tracker | None:
     if name is None:
         return None
     ids = _read_ids(run_dir)
-    tracker: Tracker = MlflowTracker(cfg, run_dir, ids) if name == "mlflow" else WandbTracker(cfg, run_dir, ids)
+    tracker: Tracker = (
+        MlflowTracker(cfg, run_dir, ids) if name == "mlflow" else WandbTracker(cfg, run_dir, ids)
+    )
     return tracker
 
 
@@ -146,7 +148,9 @@ def mlflow_uri(cfg: DictConfig) -> tuple[str, bool]:
     """(tracking URI, whether it is the embedded default): `logger.tracking_uri`, else
     $MLFLOW_TRACKING_URI, else a SQLite store under `runs/` (MLflow 3's own default backend is SQLite;
     its file store is the legacy one)."""
-    given = OmegaConf.select(cfg, "logger.tracking_uri", default=None) or os.environ.get("MLFLOW_TRACKING_URI")
+    given = OmegaConf.select(cfg, "logger.tracking_uri", default=None) or os.environ.get(
+        "MLFLOW_TRACKING_URI"
+    )
     if given:
         return str(given), False
     return f"sqlite:///{(EMBEDDED_DIR / 'mlflow.db').resolve()}", True
@@ -204,7 +208,9 @@ class MlflowTracker:
         self.pending: list[Any] = []
         self._last_flush = time.monotonic()
         group = OmegaConf.select(cfg, "group", default=None)
-        experiment = str(OmegaConf.select(cfg, "logger.experiment", default=None) or group or DEFAULT_EXPERIMENT)
+        experiment = str(
+            OmegaConf.select(cfg, "logger.experiment", default=None) or group or DEFAULT_EXPERIMENT
+        )
         saved = ids.get("mlflow") or {}
         with _store_lock(self.uri), _quiet_mlflow():
             self.client = MlflowClient(tracking_uri=self.uri)

@@ -101,12 +101,21 @@ def test_mlflow_embedded_store_holds_params_metrics_and_artifacts(tmp_path: Path
 
     names = {a.path for a in client.list_artifacts(run.info.run_id)}
     assert names == {"config.yaml", "learning_curve.png", "summary.json"}
-    assert Path(run.info.artifact_uri.removeprefix("file://")).is_relative_to(tmp_path / "runs" / "mlartifacts")
+    assert Path(run.info.artifact_uri.removeprefix("file://")).is_relative_to(
+        tmp_path / "runs" / "mlartifacts"
+    )
     assert json.loads(Path(client.download_artifacts(run.info.run_id, "summary.json")).read_text()) == summary
 
     # continued in the same run dir: the same MLflow run, its history extended
     ppo_fabric.run(
-        [*SMALL, "logger=mlflow", "group=my-sweep", "resume=auto", "algo.total_steps=768", f"hydra.run.dir={run_dir}"]
+        [
+            *SMALL,
+            "logger=mlflow",
+            "group=my-sweep",
+            "resume=auto",
+            "algo.total_steps=768",
+            f"hydra.run.dir={run_dir}",
+        ]
     )
     client, again = mlflow_run(uri, run_dir)
     assert again.info.run_id == run.info.run_id and again.info.status == "FINISHED"
@@ -237,7 +246,10 @@ def test_missing_extra_is_one_line_before_anything_starts(
     monkeypatch.setitem(sys.modules, tracker, None)  # `import mlflow` now raises ImportError
     run_dir = tmp_path / "never"
     assert_cli_failure(
-        capsys, cli.main, [f"logger={tracker}", f"hydra.run.dir={run_dir}"], f"pip install 'ppo-fabric[{tracker}]'"
+        capsys,
+        cli.main,
+        [f"logger={tracker}", f"hydra.run.dir={run_dir}"],
+        f"pip install 'ppo-fabric[{tracker}]'",
     )
     assert not run_dir.exists()
     with pytest.raises(ConfigError, match=rf"logger={tracker} needs the {tracker} package"):
