@@ -14,7 +14,7 @@ import json
 import struct
 import subprocess
 import sys
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -126,33 +126,25 @@ def test_mlflow_embedded_store_holds_params_metrics_and_artifacts(tmp_path: Path
     assert len(client.search_runs([run.info.experiment_id])) == 1
 
 
-def test_mlflow_tracking_uri_and_default_experiment(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_decoupled_only_rank0_logs_to_mlflow_tracking_uri(tmp_path: Path) -> None:
+    """1 player (rank 0, which writes) + 1 trainer, started as the command line does, into the store
+    MLFLOW_TRACKING_URI names: one run, in the default experiment (no group), holding every update's row."""
     uri = f"sqlite:///{tmp_path / 'elsewhere.db'}"
-    monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
-    run_dir = tmp_path / "run"
-    ppo_fabric.run([*SMALL, "algo.total_steps=256", "logger=mlflow", f"hydra.run.dir={run_dir}"])
-    assert not (tmp_path / "runs").exists()
-    client, run = mlflow_run(uri, run_dir)
-    assert client.get_experiment(run.info.experiment_id).name == "ppo-fabric"
-    assert [m.step for m in client.get_metric_history(run.info.run_id, "loss/value")] == [128, 256]
-
-
-def test_decoupled_only_rank0_logs_to_mlflow(tmp_path: Path) -> None:
-    """1 player (rank 0, which writes) + 1 trainer, started as the command line does: one MLflow run
-    holding every update's row."""
-    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     run_dir = tmp_path / "decoupled"
     cmd = [sys.executable, "-m", "ppo_fabric", *SMALL, "strategy=decoupled", "fabric.devices=2"]
-    cmd += ["logger=mlflow", "group=dec", "collectives.timeout=30", f"hydra.run.dir={run_dir}"]
-    proc = subprocess.run(
-        cmd, env=job_env() | {"MLFLOW_TRACKING_URI": uri}, capture_output=True, text=True, timeout=240
-    )
+    cmd += ["logger=mlflow", "collectives.timeout=30", f"hydra.run.dir={run_dir}"]
+    # the job without its supervisor (a process fewer to start; the supervisor has tests of its own)
+    env = job_env() | {"MLFLOW_TRACKING_URI": uri, "PPO_FABRIC_SUPERVISED": "1"}
+    proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stderr[-2000:]
+    assert not (tmp_path / "runs").exists()  # no embedded store: MLflow's own artifact default, ./mlruns
     client, run = mlflow_run(uri, run_dir)
+    assert client.get_experiment(run.info.experiment_id).name == "ppo-fabric"
     assert len(client.search_runs([run.info.experiment_id])) == 1
     history = client.get_metric_history(run.info.run_id, "train/policy_lag")
     assert sorted(m.step for m in history) == STEPS
-    assert {a.path for a in client.list_artifacts(run.info.run_id)} >= {"summary.json", "config.yaml"}
+    artifacts = {a.path for a in client.list_artifacts(run.info.run_id)}
+    assert artifacts == {"summary.json", "config.yaml", "learning_curve.png"}
 
 
 # ---------------------------------------------------------------------------------------------- W&B
@@ -183,6 +175,15 @@ def wandb_records(path: Path) -> Iterator[Any]:
             yield record
 
 
+def history(records: Iterable[Any]) -> list[dict[str, Any]]:
+    """The logged rows of a run file's history records."""
+    return [
+        {i.key or "/".join(i.nested_key): json.loads(i.value_json) for i in r.history.item}
+        for r in records
+        if r.WhichOneof("record_type") == "history"
+    ]
+
+
 def test_wandb_offline_run_holds_config_metrics_and_files(tmp_path: Path) -> None:
     run_dir = tmp_path / "runs" / "w0"
     summary = ppo_fabric.run([*SMALL, "logger=wandb", "group=study-1", f"hydra.run.dir={run_dir}"])
@@ -196,11 +197,7 @@ def test_wandb_offline_run_holds_config_metrics_and_files(tmp_path: Path) -> Non
     config = {u.key: json.loads(u.value_json) for u in run.config.update}
     assert config["algo.lr"] == 0.001 and config["env.id"] == "CartPole-v1" and config["group"] == "study-1"
 
-    rows = [
-        {i.key or "/".join(i.nested_key): json.loads(i.value_json) for i in r.history.item}
-        for r in records
-        if r.WhichOneof("record_type") == "history"
-    ]
+    rows = history(records)
     assert [row["env_step"] for row in rows] == STEPS
     for key in ("loss/value", "rollout/episode_return", "time/sps"):
         logged = [(row["env_step"], row[key]) for row in rows if key in row]
@@ -216,7 +213,19 @@ def test_wandb_offline_run_holds_config_metrics_and_files(tmp_path: Path) -> Non
         for u in r.summary.update
     }
     assert json.loads(final["summary/final_mean_return"]) == pytest.approx(summary["final_mean_return"])
-    assert kinds[-1] in ("exit", "final", "footer") or "exit" in kinds
+    assert "exit" in kinds
+
+    # continued in the same run dir: the same W&B run id (a second offline file that `wandb sync` adds
+    # to it), logging from the checkpoint's env step on
+    ppo_fabric.run(
+        [*SMALL, "logger=wandb", "resume=auto", "algo.total_steps=768", f"hydra.run.dir={run_dir}"]
+    )
+    assert json.loads((run_dir / IDS_FILE).read_text())["wandb"]["id"] == run_id
+    second = [p for p in (run_dir / "wandb").glob(f"offline-run-*-{run_id}") if p != offline]
+    assert len(second) == 1
+    rows = history(wandb_records(second[0] / f"run-{run_id}.wandb"))
+    steps = [row["env_step"] for row in rows]
+    assert steps == [640, 768]
 
 
 def test_wandb_mode_auto_is_online_only_with_credentials(
