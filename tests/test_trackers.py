@@ -24,7 +24,7 @@ from omegaconf import OmegaConf
 import ppo_fabric
 from ppo_fabric import cli
 from ppo_fabric.config import ConfigError
-from ppo_fabric.trackers import IDS_FILE, flatten, wandb_mode
+from ppo_fabric.trackers import IDS_FILE, flatten, open_tracker, wandb_mode
 from tests.conftest import assert_cli_failure, job_env
 
 SMALL = [
@@ -145,6 +145,38 @@ def test_decoupled_only_rank0_logs_to_mlflow_tracking_uri(tmp_path: Path) -> Non
     assert sorted(m.step for m in history) == STEPS
     artifacts = {a.path for a in client.list_artifacts(run.info.run_id)}
     assert artifacts == {"summary.json", "config.yaml", "learning_curve.png"}
+
+
+def test_mlflow_rows_wait_for_the_flush_and_a_stop_ends_killed(tmp_path: Path) -> None:
+    """Rows are buffered (one batch per `flush_seconds`), all sent at close; a stopped run (exit 128+N) is
+    KILLED with the artifacts it has, and reopened from the same run dir as RUNNING."""
+    uri = f"sqlite:///{tmp_path / 'unit.db'}"
+    cfg = OmegaConf.create(
+        {
+            "logger": {"tracker": "mlflow", "tracking_uri": uri, "flush_seconds": 3600},
+            "group": None,
+            "seed": 1,
+        }
+    )
+    run_dir = tmp_path / "stopped"
+    run_dir.mkdir()
+    (run_dir / "config.yaml").write_text("seed: 1\n")
+    tracker = open_tracker(cfg, run_dir)
+    client, run = mlflow_run(uri, run_dir)
+    assert run.data.params == {"logger.tracker": "mlflow", "logger.tracking_uri": uri,
+                               "logger.flush_seconds": "3600", "group": "None", "seed": "1"}  # fmt: skip
+    for step in (10, 20, 30):
+        tracker.log({"loss/value": step / 10}, step)
+    assert client.get_metric_history(run.info.run_id, "loss/value") == []
+    tracker.close(run_dir, None, exit_code=143)
+    history = client.get_metric_history(run.info.run_id, "loss/value")
+    assert [(m.step, m.value) for m in history] == [(10, 1.0), (20, 2.0), (30, 3.0)]
+    run = client.get_run(run.info.run_id)
+    assert run.info.status == "KILLED"
+    assert [a.path for a in client.list_artifacts(run.info.run_id)] == ["config.yaml"]
+    open_tracker(cfg, run_dir)
+    assert client.get_run(run.info.run_id).info.status == "RUNNING"
+    assert len(client.search_runs([run.info.experiment_id])) == 1
 
 
 # ---------------------------------------------------------------------------------------------- W&B
