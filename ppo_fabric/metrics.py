@@ -7,6 +7,7 @@ import hashlib
 import json
 import sys
 import time
+import warnings
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
@@ -113,7 +114,10 @@ class RunLogger:
         if self.csv is not None:
             self.csv.log(metrics, step)
         if self.tracker is not None:
-            self.tracker.log(metrics, step)
+            try:
+                self.tracker.log(metrics, step)
+            except Exception as exc:  # a tracker's server or store failing mid-run
+                self._drop_tracker(exc)
 
     def progress(self, step: int, sps: float, mean_return: float | None) -> None:
         if self.bar is None:
@@ -134,7 +138,21 @@ class RunLogger:
         self.loggers = []
         if self.tracker is not None:
             tracker, self.tracker = self.tracker, None
-            tracker.close(self.run_dir, summary, exit_code)
+            try:
+                tracker.close(self.run_dir, summary, exit_code)
+            except Exception as exc:
+                self.tracker = tracker
+                self._drop_tracker(exc)
+
+    def _drop_tracker(self, exc: Exception) -> None:
+        """A tracker that fails once the run is going is dropped with a warning, not the run: every row
+        is in metrics.csv, and a store or server going away says nothing about the training."""
+        warnings.warn(
+            f"ppo-fabric: {type(self.tracker).__name__} failed ({type(exc).__name__}: {exc}); "
+            "the run goes on without it (metrics.csv and summary.json hold everything)",
+            stacklevel=3,
+        )
+        self.tracker = None
 
 
 def write_json(path: Path, data: Mapping[str, Any]) -> None:

@@ -324,7 +324,6 @@ class WandbTracker:
             silent=True,
             disable_git=True,
             save_code=False,
-            x_save_requirements=False,
             init_timeout=float(OmegaConf.select(cfg, "logger.init_timeout", default=60)),
         )
         mode = wandb_mode(cfg)

@@ -24,6 +24,7 @@ from omegaconf import OmegaConf
 import ppo_fabric
 from ppo_fabric import cli
 from ppo_fabric.config import ConfigError
+from ppo_fabric.metrics import RunLogger
 from ppo_fabric.trackers import IDS_FILE, flatten, open_tracker, wandb_mode
 from tests.conftest import assert_cli_failure, job_env
 
@@ -177,6 +178,32 @@ def test_mlflow_rows_wait_for_the_flush_and_a_stop_ends_killed(tmp_path: Path) -
     open_tracker(cfg, run_dir)
     assert client.get_run(run.info.run_id).info.status == "RUNNING"
     assert len(client.search_runs([run.info.experiment_id])) == 1
+
+
+class FailingTracker:
+    def __init__(self) -> None:
+        self.rows = 0
+
+    def log(self, metrics: Any, step: int) -> None:
+        self.rows += 1
+        if self.rows == 2:
+            raise ConnectionError("server gone")
+
+    def close(self, run_dir: Path, summary: Any, exit_code: int) -> None:
+        raise AssertionError("a dropped tracker is not closed")
+
+
+def test_a_failing_tracker_is_dropped_with_a_warning_and_the_run_goes_on(tmp_path: Path) -> None:
+    cfg = OmegaConf.create({"logger": {"tensorboard": False, "csv": True, "tracker": None}})
+    logger = RunLogger(tmp_path, cfg, total_steps=30, enabled=True)
+    logger.tracker = tracker = FailingTracker()
+    logger.log({"loss/value": 1.0}, 10)
+    with pytest.warns(UserWarning, match=r"FailingTracker failed \(ConnectionError: server gone\)"):
+        logger.log({"loss/value": 2.0}, 20)
+    logger.log({"loss/value": 3.0}, 30)
+    logger.close({"total_env_steps": 30})
+    assert tracker.rows == 2 and logger.tracker is None
+    assert csv_series(tmp_path, "loss/value") == [(10, 1.0), (20, 2.0), (30, 3.0)]
 
 
 # ---------------------------------------------------------------------------------------------- W&B
