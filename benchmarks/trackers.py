@@ -9,8 +9,13 @@ overhead as the process wall time minus the training wall time, against `logger=
 Stores go to a temporary folder (MLFLOW_TRACKING_URI, WANDB_DIR, WANDB_MODE=offline).
 Writes benchmarks/results/trackers.{json,md}.
 
+`--calls` instead times the tracker calls themselves in this process (no training, so far less
+sensitive to a busy machine): opening the tracker run, one log row of 16 metrics (mean over `--rows`), and
+closing it with the artifacts; writes benchmarks/results/trackers_calls.{json,md}.
+
     .venv/bin/python benchmarks/trackers.py                       # 50k steps, 3 repeats
     .venv/bin/python benchmarks/trackers.py --steps 20000 --repeats 1 --out /tmp/trk   # smoke test
+    .venv/bin/python benchmarks/trackers.py --calls
 """
 
 from __future__ import annotations
@@ -62,12 +67,69 @@ def run(logger: str, steps: int, tmp: Path, index: int) -> dict[str, Any]:
     }
 
 
+def time_calls(rows: int, out: Path) -> None:
+    """Open, log `rows` rows, close: for each tracker, in this process, into a temporary store."""
+    from ppo_fabric.config import compose
+    from ppo_fabric.trackers import open_tracker
+
+    results: dict[str, dict[str, float]] = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        os.environ |= {
+            "MLFLOW_TRACKING_URI": f"sqlite:///{tmp}/mlflow.db",
+            "WANDB_MODE": "offline",
+            "WANDB_CONFIG_DIR": f"{tmp}/wandb-config",
+            "WANDB_CACHE_DIR": f"{tmp}/wandb-cache",
+            "WANDB_DATA_DIR": f"{tmp}/wandb-data",
+        }
+        for name in ("mlflow", "wandb"):
+            cfg, _ = compose([f"logger={name}"])
+            for attempt in ("first", "again"):  # the first opens a new store / starts wandb's service
+                run_dir = Path(tmp) / f"{name}-{attempt}"
+                run_dir.mkdir()
+                (run_dir / "config.yaml").write_text("seed: 1\n")
+                t0 = time.perf_counter()
+                tracker = open_tracker(cfg, run_dir)
+                t1 = time.perf_counter()
+                for i in range(rows):
+                    tracker.log({f"metric/{k}": float(i + k) for k in range(16)}, 512 * (i + 1))
+                t2 = time.perf_counter()
+                tracker.close(run_dir, {"total_env_steps": 512 * rows, "sps": 1.0}, 0)
+                t3 = time.perf_counter()
+                results[f"{name} ({attempt})"] = {
+                    "open_s": t1 - t0,
+                    "log_row_ms": 1000 * (t2 - t1) / rows,
+                    "close_s": t3 - t2,
+                }
+                print(name, attempt, results[f"{name} ({attempt})"], flush=True)
+    lines = [
+        "# Experiment trackers: the cost of their calls",
+        "",
+        f"Command: `{common.command_line(__file__)}`  ",
+        f"Commit: {common.git_commit()}; machine: {common.machine()}; load average {os.getloadavg()[0]:.1f}  ",
+        f"{rows} rows of 16 metrics each; `first` opens a new store (MLflow creates its tables; wandb starts "
+        "its service), `again` a second run in the same process. MLflow rows are buffered and sent in one "
+        "batch per `logger.flush_seconds` (here: at close); wandb offline writes each row to its run file.",
+        "",
+        "| tracker | open s | per log row ms | close s |",
+        "|---|---|---|---|",
+    ]
+    for key, r in results.items():
+        lines.append(f"| {key} | {r['open_s']:.2f} | {r['log_row_ms']:.3f} | {r['close_s']:.2f} |")
+    common.write_report(out, "trackers_calls", {"machine": common.machine(), "rows": rows, "results": results},
+                        "\n".join(lines) + "\n")  # fmt: skip
+
+
 def main() -> None:
     parser = common.argument_parser(__doc__)
     parser.add_argument("--steps", type=int, default=50_000)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--calls", action="store_true", help="time the tracker calls in-process instead")
+    parser.add_argument("--rows", type=int, default=500)
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args()
+    if args.calls:
+        time_calls(args.rows, args.out)
+        return
     runs: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory() as tmp:
         for i in range(args.repeats):

@@ -206,7 +206,6 @@ class MlflowTracker:
         self.uri, embedded = mlflow_uri(cfg)
         self.flush_seconds = float(OmegaConf.select(cfg, "logger.flush_seconds", default=5))
         self.pending: list[Any] = []
-        self._last_flush = time.monotonic()
         group = OmegaConf.select(cfg, "group", default=None)
         experiment = str(
             OmegaConf.select(cfg, "logger.experiment", default=None) or group or DEFAULT_EXPERIMENT
@@ -228,6 +227,7 @@ class MlflowTracker:
                 self.run_id = run.info.run_id
                 _save_id(run_dir, "mlflow", {"tracking_uri": self.uri, "run_id": self.run_id})
                 self._log_params(flatten(cfg), {})
+        self._last_flush = time.monotonic()  # the first batch a flush interval after the start
 
     def _experiment(self, name: str, embedded: bool, error: type[Exception]) -> str:
         found = self.client.get_experiment_by_name(name)
