@@ -50,6 +50,13 @@ def tracker_env(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Non
     yield
 
 
+@pytest.fixture(scope="module")
+def shared_store(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """One SQLite store for the tests that do not test where the store goes: creating MLflow's tables
+    takes seconds."""
+    return f"sqlite:///{tmp_path_factory.mktemp('mlflow') / 'shared.db'}"
+
+
 def csv_rows(run_dir: Path) -> list[dict[str, str]]:
     with (run_dir / "metrics.csv").open(newline="") as fh:
         return list(csv.DictReader(fh))
@@ -127,10 +134,10 @@ def test_mlflow_embedded_store_holds_params_metrics_and_artifacts(tmp_path: Path
     assert len(client.search_runs([run.info.experiment_id])) == 1
 
 
-def test_decoupled_only_rank0_logs_to_mlflow_tracking_uri(tmp_path: Path) -> None:
+def test_decoupled_only_rank0_logs_to_mlflow_tracking_uri(tmp_path: Path, shared_store: str) -> None:
     """1 player (rank 0, which writes) + 1 trainer, started as the command line does, into the store
     MLFLOW_TRACKING_URI names: one run, in the default experiment (no group), holding every update's row."""
-    uri = f"sqlite:///{tmp_path / 'elsewhere.db'}"
+    uri = shared_store
     run_dir = tmp_path / "decoupled"
     cmd = [sys.executable, "-m", "ppo_fabric", *SMALL, "strategy=decoupled", "fabric.devices=2"]
     cmd += ["logger=mlflow", "collectives.timeout=30", f"hydra.run.dir={run_dir}"]
@@ -148,24 +155,19 @@ def test_decoupled_only_rank0_logs_to_mlflow_tracking_uri(tmp_path: Path) -> Non
     assert artifacts == {"summary.json", "config.yaml", "learning_curve.png"}
 
 
-def test_mlflow_rows_wait_for_the_flush_and_a_stop_ends_killed(tmp_path: Path) -> None:
+def test_mlflow_rows_wait_for_the_flush_and_a_stop_ends_killed(tmp_path: Path, shared_store: str) -> None:
     """Rows are buffered (one batch per `flush_seconds`), all sent at close; a stopped run (exit 128+N) is
     KILLED with the artifacts it has, and reopened from the same run dir as RUNNING."""
-    uri = f"sqlite:///{tmp_path / 'unit.db'}"
-    cfg = OmegaConf.create(
-        {
-            "logger": {"tracker": "mlflow", "tracking_uri": uri, "flush_seconds": 3600},
-            "group": None,
-            "seed": 1,
-        }
-    )
+    uri = shared_store
+    logger = {"tracker": "mlflow", "tracking_uri": uri, "flush_seconds": 3600, "experiment": "unit"}
+    cfg = OmegaConf.create({"logger": logger, "group": None, "seed": 1})
     run_dir = tmp_path / "stopped"
     run_dir.mkdir()
     (run_dir / "config.yaml").write_text("seed: 1\n")
     tracker = open_tracker(cfg, run_dir)
     client, run = mlflow_run(uri, run_dir)
-    assert run.data.params == {"logger.tracker": "mlflow", "logger.tracking_uri": uri,
-                               "logger.flush_seconds": "3600", "group": "None", "seed": "1"}  # fmt: skip
+    assert run.data.params == {"logger.tracker": "mlflow", "logger.tracking_uri": uri, "logger.flush_seconds": "3600",
+                               "logger.experiment": "unit", "group": "None", "seed": "1"}  # fmt: skip
     for step in (10, 20, 30):
         tracker.log({"loss/value": step / 10}, step)
     assert client.get_metric_history(run.info.run_id, "loss/value") == []
