@@ -83,6 +83,11 @@ def check(cfg: DictConfig) -> None:
         mode = OmegaConf.select(cfg, "logger.mode", default="auto")
         if mode not in WANDB_MODES:
             raise ConfigError(f"logger.mode={mode!r} is not one of {', '.join(WANDB_MODES)}")
+        if (os.environ.get("WANDB_MODE") or mode) == "online" and not wandb_credentials():
+            raise ConfigError(
+                "logger=wandb is online but no W&B API key is configured (it would stop at a login prompt); "
+                "run `wandb login` or set WANDB_API_KEY, or use logger.mode=offline"
+            )
         if not OmegaConf.select(cfg, "logger.project", default=None):
             raise ConfigError("logger.project is required for logger=wandb; set logger.project=NAME")
 

@@ -331,6 +331,7 @@ def test_missing_extra_is_one_line_before_anything_starts(
     [
         ("logger.tracker=comet", "logger.tracker='comet' is not one of mlflow, wandb"),
         ("logger.mode=sometimes", "logger.mode='sometimes' is not one of auto, online, offline, disabled"),
+        ("logger.mode=online", "logger=wandb is online but no W&B API key is configured"),
     ],
 )
 def test_bad_tracker_keys(override: str, fragment: str, capsys: pytest.CaptureFixture[str]) -> None:
