@@ -74,6 +74,7 @@ def time_calls(rows: int, out: Path) -> None:
 
     results: dict[str, dict[str, float]] = {}
     with tempfile.TemporaryDirectory() as tmp:
+        os.chdir(tmp)  # MLflow puts a given store's artifacts in ./mlruns
         os.environ |= {
             "MLFLOW_TRACKING_URI": f"sqlite:///{tmp}/mlflow.db",
             "WANDB_MODE": "offline",
