@@ -109,7 +109,7 @@ def check_settings(env_cfg: DictConfig) -> None:
     envpool = import_envpool()
     if task_id(env_id) not in envpool.list_all_envs():
         raise EnvPoolError(
-            f"env.id={env_id!r} is not an EnvPool environment; use env.backend=gymnasium for it "
+            f"env.id={env_id!r} is not available with env.backend=envpool; use env.backend=gymnasium for it "
             "(envpool.list_all_envs() lists EnvPool's)"
         )
 
