@@ -1,0 +1,88 @@
+"""EnvPool vs gymnasium collection backends on CartPole: `exp=fast` (64 envs) and `exp=cleanrl_cartpole` (4).
+
+Runs `python -m ppo_fabric exp=<exp> env.backend=<backend>` once per seed, alternating backends so drifting
+machine load hits both alike, each in a fresh process, one at a time, with a fixed step budget (`--steps`,
+default 200k: long enough that start-up is not in the SPS, which counts training steps over the run's own
+clock). Records SPS, collection and training seconds and the final mean return. The target of issue 17:
+on 2 CPU cores, EnvPool >= 1.5x gymnasium's SPS on `exp=fast`. Writes benchmarks/results/envpool_cpu.{json,md}.
+
+    .venv/bin/python benchmarks/envpool_vs_gymnasium.py [--seeds 3] [--steps 200000] [--out DIR]
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import sys
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import common  # noqa: E402
+from common import RESULTS, run_once  # noqa: E402
+
+EXPS = ("fast", "cleanrl_cartpole")
+BACKENDS = ("gymnasium", "envpool")
+
+
+def _split(summary: dict[str, Any], key: str) -> float | None:
+    split = summary.get("time_split") or {}
+    value = split.get(key)
+    return float(value) if isinstance(value, (int, float)) else None
+
+
+def main() -> None:
+    parser = common.argument_parser(__doc__)
+    parser.add_argument("--seeds", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=200_000)
+    parser.add_argument("--out", type=Path, default=RESULTS)
+    args = parser.parse_args()
+    rows: list[dict[str, Any]] = []
+    for seed in range(1, args.seeds + 1):
+        for exp in EXPS:
+            for backend in BACKENDS:
+                s = run_once([f"exp={exp}", f"env.backend={backend}", f"seed={seed}",
+                              f"algo.total_steps={args.steps}"])  # fmt: skip
+                row = {"exp": exp, "backend": backend, "seed": seed, "sps": s["sps"],
+                       "env_steps": s["total_env_steps"], "final_mean_return": s["final_mean_return"],
+                       "time_split": s.get("time_split")}  # fmt: skip
+                rows.append(row)
+                print(json.dumps(row), flush=True)
+    medians = {
+        exp: {
+            b: statistics.median(r["sps"] for r in rows if r["exp"] == exp and r["backend"] == b)
+            for b in BACKENDS
+        }
+        for exp in EXPS
+    }
+    ratios = {exp: medians[exp]["envpool"] / medians[exp]["gymnasium"] for exp in EXPS}
+    result = {"machine": common.machine(), "git": common.git_commit(), "steps": args.steps, "rows": rows,
+              "median_sps": medians, "ratio": ratios, "target": {"fast": 1.5}}  # fmt: skip
+    m = result["machine"]
+    lines = [
+        "# EnvPool vs gymnasium collection (CartPole-v1, coupled, 1 process)",
+        "",
+        f"Machine: {m['cpu']}, {m['cores']} cores, torch {m['torch']}; git {result['git']}. Each run in a fresh "
+        f"process, one at a time, backends alternating; {args.steps:,} env steps per run.",
+        "",
+        "| exp | backend | seed | SPS | final mean return | time split |",
+        "|---|---|---:|---:|---:|---|",
+    ]
+    for r in rows:
+        split = json.dumps(r["time_split"]) if r["time_split"] else ""
+        ret = "n/a" if r["final_mean_return"] is None else f"{r['final_mean_return']:.1f}"
+        lines.append(f"| {r['exp']} | {r['backend']} | {r['seed']} | {r['sps']:,.0f} | {ret} | {split} |")
+    lines.append("")
+    for exp in EXPS:
+        target = " (target >= 1.5x)" if exp == "fast" else ""
+        lines.append(
+            f"**exp={exp}: median SPS gymnasium {medians[exp]['gymnasium']:,.0f}, envpool "
+            f"{medians[exp]['envpool']:,.0f}: {ratios[exp]:.2f}x{target}.**"
+        )
+        lines.append("")
+    lines += [f"Command: `{common.command_line(__file__)}`", ""]
+    common.write_report(args.out, "envpool_cpu", result, "\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()
