@@ -177,13 +177,53 @@ def make_pool(env_cfg: DictConfig, num_envs: int, seeds: list[int] | None) -> An
 
 
 def probe(env_cfg: DictConfig) -> tuple[gym.Space, gym.Space]:
-    """Check the settings and read one env's spaces from a pool of one."""
+    """Check the settings and read one env's spaces: gymnasium's own where it can build the env and they
+    have the pool's shapes (so checkpoints move between backends, and bounds EnvPool gets wrong, such as
+    LunarLander's, are right), else the pool's with Box actions as float32 (gymnasium's convention)."""
     check_settings(env_cfg)
     pool = make_pool(env_cfg, 1, None)
     try:
-        return pool.observation_space, pool.action_space
+        obs_space, act_space = pool.observation_space, pool.action_space
     finally:
         pool.close()
+    reference = _gymnasium_spaces(env_cfg)
+    if (
+        reference is not None
+        and _same_layout(reference[0], obs_space)
+        and _same_layout(reference[1], act_space)
+    ):
+        return reference
+    if isinstance(act_space, gym.spaces.Box) and act_space.dtype == np.float64:
+        act_space = gym.spaces.Box(
+            act_space.low.astype(np.float32), act_space.high.astype(np.float32), act_space.shape, np.float32
+        )
+    return obs_space, act_space
+
+
+def _gymnasium_spaces(env_cfg: DictConfig) -> tuple[gym.Space, gym.Space] | None:
+    """The spaces gymnasium gives the same id and kwargs (not for Atari: the preprocessing makes its
+    spaces, which EnvPool's equal), or None where gymnasium cannot build it here."""
+    env_id = str(env_cfg.id)
+    if is_atari(env_id):
+        return None
+    kwargs = dict(OmegaConf.to_container(env_cfg.kwargs, resolve=True) or {})
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            env = gym.make(env_id, **kwargs)
+    except Exception:  # not registered, a missing simulator, kwargs gymnasium names otherwise: use EnvPool's
+        return None
+    try:
+        return env.observation_space, env.action_space
+    finally:
+        env.close()
+
+
+def _same_layout(a: gym.Space, b: gym.Space) -> bool:
+    """Same kind of space and shape (Discrete: same n); bounds and float widths may differ."""
+    if type(a) is not type(b) or a.shape != b.shape:
+        return False
+    return not isinstance(a, gym.spaces.Discrete) or a.n == b.n
 
 
 class EnvPoolVectorEnv(VectorEnv):
@@ -230,7 +270,7 @@ class EnvPoolVectorEnv(VectorEnv):
         obs, _ = self.pool.reset()
         self.stepped = True  # a second reset of the same pool would not repeat this one
         self.game_returns[:] = 0.0
-        return obs, {}
+        return self._as_space(obs), {}
 
     def step(self, actions: Any) -> tuple[Any, np.ndarray, np.ndarray, np.ndarray, dict[str, Any]]:
         obs, rewards, terminated, truncated, info = self.pool.step(np.asarray(actions))
@@ -256,7 +296,11 @@ class EnvPoolVectorEnv(VectorEnv):
                 self.game_returns[order] += np.asarray(reset_info["reward"], dtype=np.float64)
             out["final_obs"] = final
             out["_final_obs"] = done
-        return obs, np.asarray(rewards, dtype=np.float64), terminated, truncated, out
+        return self._as_space(obs), np.asarray(rewards, dtype=np.float64), terminated, truncated, out
+
+    def _as_space(self, obs: np.ndarray) -> np.ndarray:
+        """Observations in the dtype of the space the policy was built for (no copy when it is the pool's)."""
+        return obs.astype(self.single_observation_space.dtype, copy=False)
 
     def _count_games(self, info: dict[str, Any], truncated: np.ndarray, out: dict[str, Any]) -> None:
         """Whole games with the raw score as `info["episode"]` / `info["_episode"]`."""
