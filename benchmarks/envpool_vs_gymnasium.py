@@ -3,7 +3,9 @@
 Runs `python -m ppo_fabric exp=<exp> env.backend=<backend>` once per seed, alternating backends so drifting
 machine load hits both alike, each in a fresh process, one at a time, with a fixed step budget (`--steps`,
 default 200k: long enough that start-up is not in the SPS, which counts training steps over the run's own
-clock). Records SPS, collection and training seconds and the final mean return. The target of issue 17:
+clock). Records SPS, collection and training seconds, the final mean return, the CPU seconds the run's
+processes used (user + sys, start-up included) and the 1-minute load average before it: on a machine shared
+with other work, wall-clock SPS moves with the load, CPU seconds per env step much less. The target of issue 17:
 on 2 CPU cores, EnvPool >= 1.5x gymnasium's SPS on `exp=fast`. Writes benchmarks/results/envpool_cpu.{json,md}.
 
     .venv/bin/python benchmarks/envpool_vs_gymnasium.py [--seeds 3] [--steps 200000] [--out DIR]
@@ -12,6 +14,8 @@ on 2 CPU cores, EnvPool >= 1.5x gymnasium's SPS on `exp=fast`. Writes benchmarks
 from __future__ import annotations
 
 import json
+import os
+import resource
 import statistics
 import sys
 from pathlib import Path
@@ -41,11 +45,15 @@ def main() -> None:
     for seed in range(1, args.seeds + 1):
         for exp in EXPS:
             for backend in BACKENDS:
+                load = os.getloadavg()[0]
+                before = resource.getrusage(resource.RUSAGE_CHILDREN)
                 s = run_once([f"exp={exp}", f"env.backend={backend}", f"seed={seed}",
                               f"algo.total_steps={args.steps}"])  # fmt: skip
+                after = resource.getrusage(resource.RUSAGE_CHILDREN)
+                cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
                 row = {"exp": exp, "backend": backend, "seed": seed, "sps": s["sps"],
                        "env_steps": s["total_env_steps"], "final_mean_return": s["final_mean_return"],
-                       "time_split": s.get("time_split")}  # fmt: skip
+                       "time_split": s.get("time_split"), "cpu_seconds": cpu, "load_before": load}  # fmt: skip
                 rows.append(row)
                 print(json.dumps(row), flush=True)
     medians = {
@@ -56,8 +64,15 @@ def main() -> None:
         for exp in EXPS
     }
     ratios = {exp: medians[exp]["envpool"] / medians[exp]["gymnasium"] for exp in EXPS}
+    cpu = {
+        exp: {
+            b: statistics.median(r["cpu_seconds"] for r in rows if r["exp"] == exp and r["backend"] == b)
+            for b in BACKENDS
+        }
+        for exp in EXPS
+    }
     result = {"machine": common.machine(), "git": common.git_commit(), "steps": args.steps, "rows": rows,
-              "median_sps": medians, "ratio": ratios, "target": {"fast": 1.5}}  # fmt: skip
+              "median_sps": medians, "ratio": ratios, "median_cpu_seconds": cpu, "target": {"fast": 1.5}}  # fmt: skip
     m = result["machine"]
     lines = [
         "# EnvPool vs gymnasium collection (CartPole-v1, coupled, 1 process)",
@@ -65,19 +80,23 @@ def main() -> None:
         f"Machine: {m['cpu']}, {m['cores']} cores, torch {m['torch']}; git {result['git']}. Each run in a fresh "
         f"process, one at a time, backends alternating; {args.steps:,} env steps per run.",
         "",
-        "| exp | backend | seed | SPS | final mean return | time split |",
-        "|---|---|---:|---:|---:|---|",
+        "| exp | backend | seed | SPS | collect s | train s | CPU s (all processes) | load before | final mean return |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in rows:
-        split = json.dumps(r["time_split"]) if r["time_split"] else ""
+        split = r["time_split"] or {}
         ret = "n/a" if r["final_mean_return"] is None else f"{r['final_mean_return']:.1f}"
-        lines.append(f"| {r['exp']} | {r['backend']} | {r['seed']} | {r['sps']:,.0f} | {ret} | {split} |")
+        lines.append(
+            f"| {r['exp']} | {r['backend']} | {r['seed']} | {r['sps']:,.0f} | {split.get('collect', 0):.1f} | "
+            f"{split.get('train', 0):.1f} | {r['cpu_seconds']:.1f} | {r['load_before']:.1f} | {ret} |"
+        )
     lines.append("")
     for exp in EXPS:
         target = " (target >= 1.5x)" if exp == "fast" else ""
         lines.append(
             f"**exp={exp}: median SPS gymnasium {medians[exp]['gymnasium']:,.0f}, envpool "
-            f"{medians[exp]['envpool']:,.0f}: {ratios[exp]:.2f}x{target}.**"
+            f"{medians[exp]['envpool']:,.0f}: {ratios[exp]:.2f}x{target}; median CPU seconds gymnasium "
+            f"{cpu[exp]['gymnasium']:.1f}, envpool {cpu[exp]['envpool']:.1f}.**"
         )
         lines.append("")
     lines += [f"Command: `{common.command_line(__file__)}`", ""]
