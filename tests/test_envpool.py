@@ -220,6 +220,23 @@ def test_cartpole_learns_on_envpool(tmp_path: Path) -> None:
     assert summary["final_mean_return"] > 150, summary["final_mean_return"]
 
 
+def test_resume_continues_with_fresh_episodes(tmp_path: Path) -> None:
+    """A pool cannot be pickled: the checkpoint holds no env state, and the resumed run still reaches its
+    step budget (episodes restart, as with async gymnasium envs)."""
+    base = ["env.backend=envpool", "env.num_envs=4", "algo.rollout_steps=64", "logger=none"]
+    ppo_fabric.run([*base, "algo.total_steps=512", f"hydra.run.dir={tmp_path / 'a'}"])
+    with pytest.warns(UserWarning, match="no env state"):
+        summary = ppo_fabric.run(
+            [
+                *base,
+                "algo.total_steps=1024",
+                f"resume={tmp_path / 'a' / 'checkpoints' / 'last.ckpt'}",
+                f"hydra.run.dir={tmp_path / 'b'}",
+            ]
+        )
+    assert summary["total_env_steps"] == 1024 and summary["resumed_from"] is not None
+
+
 def test_decoupled_run_on_envpool(tmp_path: Path) -> None:
     """Env construction is shared: a decoupled job (1 player + 1 trainer, gloo) collects from EnvPool."""
     done = subprocess.run(
