@@ -18,6 +18,9 @@ without network may have no `.venv`; any python with the package's dependencies 
                      both finish, and the first update's losses, KL and clip fraction (same rollout, same
                      starting parameters) agree within float tolerance. Runs without the deterministic
                      settings (compiled kernels need not have deterministic variants); TF32 stays off.
+  envpool_pong       `exp=atari env.backend=envpool` (Pong through EnvPool, Nature CNN on the device) for N
+                     updates of 8 envs x 128 steps: exit 0, every env step counted, a finite loss logged;
+                     SKIP where EnvPool is not installed.
 
 Every run has `fabric.tf32=false`: the checks compare numbers, and the package turns TF32 on by default.
 
@@ -51,7 +54,14 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 import common  # noqa: E402
 from common import RESULTS  # noqa: E402
 
-CHECKS = ("resume_round_trip", "cpu_to_gpu_resume", "gpu_to_cpu_resume", "sigterm", "compile_on_off")
+CHECKS = (
+    "resume_round_trip",
+    "cpu_to_gpu_resume",
+    "gpu_to_cpu_resume",
+    "sigterm",
+    "compile_on_off",
+    "envpool_pong",
+)
 PER_UPDATE = 256  # env=cartpole: 8 envs x 32 steps
 # fabric.tf32=false: the package turns TF32 on for CUDA runs, and these checks compare numbers
 BASE = ["env=cartpole", "logger.tensorboard=false", "torch_threads=1", "seed=7", "fabric.tf32=false"]
@@ -89,6 +99,10 @@ class Result:
 
 class CheckFailed(Exception):
     """A check's one-line reason for failing."""
+
+
+class CheckSkipped(Exception):
+    """A check's one-line reason for not running here (a missing optional dependency)."""
 
 
 class Runs:
@@ -310,12 +324,53 @@ def with_group(pgid: int, sig: int) -> bool:
     return True
 
 
+ATARI_PER_UPDATE = 1024  # exp=atari: 8 envs x 128 steps
+
+
+def envpool_pong(runs: Runs) -> dict[str, Any]:
+    """Pong collected by EnvPool, trained on the device: the run ends with every step and a finite loss."""
+    import importlib.util
+    import math
+
+    if importlib.util.find_spec("envpool") is None:
+        raise CheckSkipped("EnvPool is not installed: pip install 'ppo-fabric[envpool]'")
+    run_dir = runs.work / "envpool_pong"
+    want = runs.updates * ATARI_PER_UPDATE
+    cmd = [sys.executable, "-m", "ppo_fabric", "exp=atari", "env.backend=envpool", f"fabric={runs.fabric}",
+           f"algo.total_steps={want}", "logger.tensorboard=false", "logger.log_every=1", "seed=7",
+           f"hydra.run.dir={run_dir}"]  # fmt: skip
+    try:
+        proc = subprocess.run(cmd, cwd=runs.work, env=runs.env, capture_output=True, text=True,
+                              timeout=RUN_TIMEOUT)  # fmt: skip
+    except subprocess.TimeoutExpired as exc:
+        raise CheckFailed(f"the EnvPool Pong run took over {RUN_TIMEOUT:.0f}s") from exc
+    if proc.returncode != 0:
+        raise CheckFailed(
+            f"the EnvPool Pong run exited {proc.returncode}: {last_line(proc.stderr or proc.stdout)}"
+        )
+    summary = json.loads((run_dir / "summary.json").read_text())
+    if summary["total_env_steps"] != want:
+        raise CheckFailed(f"total_env_steps={summary['total_env_steps']}, want {want}")
+    import csv
+
+    with (run_dir / "metrics.csv").open(newline="") as fh:
+        losses = [float(r["loss/value"]) for r in csv.DictReader(fh) if r.get("loss/value")]
+    if not losses or not all(math.isfinite(v) for v in losses):
+        raise CheckFailed(f"loss/value not logged or not finite: {losses[:4]}")
+    return {
+        "total_env_steps": want,
+        "sps": round(float(summary["sps"]), 1),
+        "time_split": summary.get("time_split"),
+    }
+
+
 CHECK_FUNCTIONS: dict[str, Callable[[Runs], dict[str, Any]]] = {
     "resume_round_trip": resume_round_trip,
     "cpu_to_gpu_resume": cpu_to_gpu_resume,
     "gpu_to_cpu_resume": gpu_to_cpu_resume,
     "sigterm": sigterm,
     "compile_on_off": compile_on_off,
+    "envpool_pong": envpool_pong,
 }
 
 
@@ -349,6 +404,8 @@ def run_checks(
             result = Result(check, "PASS", details=CHECK_FUNCTIONS[check](runs))
         except CheckFailed as exc:
             result = Result(check, "FAIL", str(exc))
+        except CheckSkipped as exc:
+            result = Result(check, "SKIP", str(exc))
         except Exception as exc:  # a bug of the check itself still gives its one line
             result = Result(check, "FAIL", f"{type(exc).__name__}: {exc}".splitlines()[0])
         result.seconds = round(time.monotonic() - start, 2)

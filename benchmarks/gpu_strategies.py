@@ -13,7 +13,13 @@ nvidia-smi). Workloads whose extra is not installed (LunarLander: box2d; Atari: 
 note. Writes benchmarks/results/gpu-strategies.{json,md}, after every run (a killed job keeps its rows).
 Needs a CUDA device; exits with a message otherwise.
 
+`--only envpool`: Pong (`exp=atari`, 16 envs, coupled on the GPU) collected by gymnasium's AsyncVectorEnv
+(one process per env) and by EnvPool (`env.backend=envpool`, C++ threads), `--envpool-steps` (500k) each.
+`--envpool-dry-run` runs those two rows on the CPU for 2,048 steps without CUDA, printing them and writing
+nothing: it proves the commands before a GPU node is booked.
+
     .venv/bin/python benchmarks/gpu_strategies.py [--steps 500000] [--atari-steps 200000] [--only atari]
+    .venv/bin/python benchmarks/gpu_strategies.py --only envpool [--envpool-steps 500000] [--envpool-dry-run]
 """
 
 from __future__ import annotations
@@ -44,6 +50,41 @@ WORKLOADS: dict[str, tuple[str, list[str], tuple[str, ...], str]] = {
               ("ale_py", "cv2"), "atari_steps"),
 }  # fmt: skip
 SMI_QUERY = "timestamp,index,utilization.gpu,memory.used"
+
+
+# EnvPool vs gymnasium collection on Pong (`--only envpool`): variant -> overrides after ENVPOOL_PONG.
+ENVPOOL_PONG = ["exp=atari", "env.num_envs=16", "strategy=coupled"]
+ENVPOOL_VARIANTS = {
+    "gymnasium AsyncVectorEnv, GPU": ["env.backend=gymnasium", "env.vector=async"],
+    "EnvPool, GPU": ["env.backend=envpool"],
+}
+ENVPOOL_DRY_STEPS = 2048
+
+
+def envpool_rows(steps: int, commit: str, dry_run: bool, extra: list[str]) -> list[dict[str, Any]]:
+    """The EnvPool vs gymnasium rows (`--only envpool`), one fresh process each; on the CPU when `dry_run`.
+    Rows missing their extra (atari for gymnasium, envpool) are left out with a printed note."""
+    rows = []
+    needs = {"gymnasium AsyncVectorEnv, GPU": ("ale_py", "cv2"), "EnvPool, GPU": ("envpool",)}
+    for variant, overrides in ENVPOOL_VARIANTS.items():
+        missing = [mod for mod in needs[variant] if importlib.util.find_spec(mod) is None]
+        if missing:
+            print(f"{variant}: skipped, {', '.join(missing)} not installed", flush=True)
+            continue
+        fabric = "fabric=cpu" if dry_run else "fabric=gpu"
+        run = [*ENVPOOL_PONG, *overrides, fabric, f"algo.total_steps={steps}", *extra]
+        with GpuSampler() as sampler:
+            s = run_once(run, solved_return=math.inf)
+            exited = time.time()
+        name = variant.replace("GPU", "CPU dry run") if dry_run else variant
+        rows.append({"key": "envpool", "workload": "Pong-v5, 16 envs", "variant": name, "overrides": run,
+                     "commit": commit, "steps": s["steps_this_run"], "sps": s["sps"],
+                     "wall_seconds": s["wall_seconds"], "time_split": s["time_split"], "split": split(s),
+                     "gpu": None if dry_run else sampler.stats(exited - s["wall_seconds"], exited),
+                     "final_mean_return": s["final_mean_return"], "ranks_in_sync": s.get("ranks_in_sync")})  # fmt: skip
+        print(f"Pong-v5, 16 envs {name:34s} {s['sps']:10,.0f} SPS  collect {_fmt(rows[-1]['split']['collect'], '.2f')} "
+              f"train {_fmt(rows[-1]['split']['train'], '.2f')}", flush=True)  # fmt: skip
+    return rows
 
 
 def variants(gpus: int) -> dict[str, tuple[list[str], bool]]:
@@ -255,13 +296,19 @@ def main() -> None:
                         "comparable, their final return does not)")  # fmt: skip
     parser.add_argument("--cpu-threads", type=int, default=None,
                         help="torch_threads of the CPU rows (default: the config's 1; 0 lets torch decide)")  # fmt: skip
-    parser.add_argument("--only", nargs="+", choices=list(WORKLOADS),
+    parser.add_argument("--envpool-steps", type=int, default=500_000, help="env steps of each EnvPool row")
+    parser.add_argument("--envpool-dry-run", action="store_true",
+                        help="the EnvPool rows on the CPU, 2,048 steps, no CUDA needed, nothing written")  # fmt: skip
+    parser.add_argument("--only", nargs="+", choices=[*WORKLOADS, "envpool"],
                         help="these workloads only; the output's rows of the others are kept")  # fmt: skip
     parser.add_argument("--out", type=Path, default=RESULTS)
     parser.add_argument("extra", nargs="*", help="overrides applied to every run (after --)")
     args = parser.parse_args()
     import torch
 
+    if args.envpool_dry_run:
+        envpool_rows(ENVPOOL_DRY_STEPS, common.git_commit(), True, args.extra)
+        return
     if not torch.cuda.is_available():
         raise SystemExit("gpu_strategies.py needs a CUDA device (torch.cuda.is_available() is False)")
     gpus = torch.cuda.device_count()
@@ -284,7 +331,10 @@ def main() -> None:
                      "not their final return")  # fmt: skip
     command = common.command_line(__file__)
     report = {"machine": m, "command": command, "rows": rows, "notes": notes}
-    for key in selected:
+    if "envpool" in selected:
+        report["rows"] += envpool_rows(args.envpool_steps, m["commit"], False, args.extra)
+        write(args.out, report)
+    for key in (k for k in selected if k in WORKLOADS):
         workload, overrides, modules, budget = WORKLOADS[key]
         missing = [mod for mod in modules if importlib.util.find_spec(mod) is None]
         if missing:

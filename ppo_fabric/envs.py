@@ -14,7 +14,7 @@ import numpy as np
 from gymnasium.vector import AsyncVectorEnv, AutoresetMode, SyncVectorEnv, VectorEnv
 from omegaconf import DictConfig, OmegaConf
 
-from ppo_fabric import atari
+from ppo_fabric import atari, envpool_envs
 from ppo_fabric.normalize import (
     NormalizeObservation,
     NormalizeReward,
@@ -308,12 +308,7 @@ def make_vector_env(
     With `action_mask` (a width) every env copy reports its mask in the infos (`ActionMaskInfo`); the mask
     of the first observations is `current_action_masks(envs)`.
     """
-    # partial, not a lambda: the vector env keeps its factories, and checkpoints pickle the vector env.
-    args = (env_cfg,) if action_mask is None else (env_cfg, None, action_mask)
-    fns: list[Callable[[], gym.Env]] = [partial(make_env, *args) for _ in range(int(env_cfg.num_envs))]
-    cls = AsyncVectorEnv if env_cfg.vector == "async" else SyncVectorEnv
-    envs = cls(fns, autoreset_mode=AutoresetMode.SAME_STEP)
-    envs = atari.wrap_vector(envs, _preprocess(env_cfg))  # episode statistics (Atari: whole games)
+    envs = _backend_vector_env(env_cfg, action_mask)  # with episode statistics (Atari: whole games)
     if env_cfg.get("normalize_obs", False):
         envs = NormalizeObservation(envs)
     if env_cfg.get("normalize_reward", False):
@@ -328,6 +323,32 @@ def make_vector_env(
         discard_pending(envs)  # these reset observations were counted by the warm-up already
     envs.action_space.seed(seeds[0])
     return envs, first_observations(envs, obs, reduce)
+
+
+def _backend_vector_env(env_cfg: DictConfig, action_mask: int | None) -> VectorEnv:
+    """The vector env of `env.backend`, same-step autoreset, wrapped with its episode statistics."""
+    if _backend(env_cfg) == "envpool":
+        if action_mask is not None:
+            raise EnvError("action masks are not supported with env.backend=envpool")
+        return _envpool_call(envpool_envs.make_vector, env_cfg)
+    # partial, not a lambda: the vector env keeps its factories, and checkpoints pickle the vector env.
+    args = (env_cfg,) if action_mask is None else (env_cfg, None, action_mask)
+    fns: list[Callable[[], gym.Env]] = [partial(make_env, *args) for _ in range(int(env_cfg.num_envs))]
+    cls = AsyncVectorEnv if env_cfg.vector == "async" else SyncVectorEnv
+    envs = cls(fns, autoreset_mode=AutoresetMode.SAME_STEP)
+    return atari.wrap_vector(envs, _preprocess(env_cfg))
+
+
+def _backend(env_cfg: DictConfig) -> str:
+    return _envpool_call(envpool_envs.backend, env_cfg)
+
+
+def _envpool_call(fn: Callable[..., Any], *args: Any) -> Any:
+    """EnvPool's errors as EnvError, so config checks turn them into one line and exit 2."""
+    try:
+        return fn(*args)
+    except envpool_envs.EnvPoolError as exc:
+        raise EnvError(str(exc)) from exc
 
 
 def warmup_seed(seed: int, rank: int) -> int:
@@ -349,7 +370,9 @@ def probe_spaces(env_cfg: DictConfig) -> tuple[gym.Space, gym.Space]:
 def probe_env(env_cfg: DictConfig, action_mask: str = "auto") -> tuple[gym.Space, gym.Space, int | None]:
     """`probe_spaces`, and the action mask width with `algo.action_mask=auto` when the env provides masks
     (None otherwise); the observation space is then the one the policy sees (a Dict observation's
-    `action_mask` key removed)."""
+    `action_mask` key removed). With `env.backend=envpool` the spaces are the pool's (no action masks)."""
+    if _backend(env_cfg) == "envpool":
+        return (*_envpool_call(envpool_envs.probe, env_cfg), None)
     env = make_env(env_cfg)
     try:
         width = detect_action_mask(env) if action_mask == "auto" else None

@@ -116,6 +116,8 @@ def _check_multiagent(cfg: DictConfig) -> None:
             "PettingZoo envs run with env.vector=sync, env.action_repeat=1 and env.max_episode_steps=null "
             "(set episode limits through the env's own kwargs, e.g. +env.kwargs.max_cycles=50)"
         )
+    if str(cfg.env.get("backend", "gymnasium")) != "gymnasium":
+        raise ConfigError(f"PettingZoo envs run with env.backend=gymnasium, not {cfg.env.backend}")
     for key in ("normalize_obs", "normalize_reward", "mask_velocity"):
         if cfg.env.get(key, False):
             raise ConfigError(f"env.{key}=true is not supported for PettingZoo envs yet; set env.{key}=false")
