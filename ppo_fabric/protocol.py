@@ -314,7 +314,11 @@ class PlayerLink:
     def _scatter(self, codec: BatchCodec, shards: list[torch.Tensor], asynchronous: bool) -> _InFlight | None:
         mine = torch.empty(codec.shard_bytes, dtype=torch.uint8)  # scatter gives the source a piece too
         group = self.topo.data_groups[self.topo.rank]
-        work = dist.scatter(mine, [mine, *shards], src=self.topo.rank, group=group, async_op=asynchronous)
+        # Scatter lists follow the group's rank order, which is the members' global order: across nodes a
+        # player may come after some trainers. Trainer k (in `topo.trainers` order) gets shard k.
+        to = {trainer: shard for trainer, shard in zip(self.topo.trainers, shards, strict=True)}
+        pieces = [to.get(r, mine) for r in dist.get_process_group_ranks(group)]
+        work = dist.scatter(mine, pieces, src=self.topo.rank, group=group, async_op=asynchronous)
         return _InFlight(work, [mine, *shards]) if asynchronous else None
 
 
