@@ -14,6 +14,12 @@ without network may have no `.venv`; any python with the package's dependencies 
   gpu_to_cpu_resume  the round trip's GPU checkpoint at N/2 resumed with `fabric=cpu`: the same.
   sigterm            SIGTERM to the run's process group once it has logged a few updates: every process
                      gone within `collectives.timeout`, exit status 143, and a `last.ckpt` that loads.
+  decoupled_gpu_trainer
+                     strategy=decoupled with 2 CPU players feeding 1 GPU trainer (3 processes launched on
+                     the CPU, `algo.trainer_device=cuda`): the summary places the trainer on cuda:0 and the
+                     players on the CPU, every rank ends on the same parameters, and CartPole is learned
+                     (mean return >= 195 after 60k env steps). With `--device cpu` the same layout with the
+                     trainer on the CPU.
 
 One `PASS name`, `FAIL name: reason` or `SKIP name: reason` line per check; exit status 1 if any failed.
 Without CUDA every check is skipped (exit 0). `--device cpu` runs the same checks with `fabric=cpu`
@@ -21,7 +27,7 @@ everywhere, which exercises this script on any machine. Results (and the machine
 benchmarks/results/gpu_check.json. Runs use a key file of their own (PPO_FABRIC_KEY_FILE in the work
 directory), so the user's key is neither read nor created.
 
-    python3 benchmarks/gpu_check.py [--device cuda|cpu] [--updates 4] [--out PATH] [--keep]
+    python3 benchmarks/gpu_check.py [--device cuda|cpu] [--updates 4] [--only CHECK ...] [--out PATH] [--keep]
     make gpu-check [PY=python3] [ARGS="--device cpu"]
 """
 
@@ -45,12 +51,16 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 import common  # noqa: E402
 from common import RESULTS  # noqa: E402
 
-CHECKS = ("resume_round_trip", "cpu_to_gpu_resume", "gpu_to_cpu_resume", "sigterm")
+CHECKS = ("resume_round_trip", "cpu_to_gpu_resume", "gpu_to_cpu_resume", "sigterm", "decoupled_gpu_trainer")
 PER_UPDATE = 256  # env=cartpole: 8 envs x 32 steps
 BASE = ["env=cartpole", "logger.tensorboard=false", "torch_threads=1", "seed=7"]
 RUN_TIMEOUT = 600.0  # seconds one training process may take before its check fails
 SIGTERM_TIMEOUT = 20  # collectives.timeout of the SIGTERM run: the bound on its exit
 LOGGED_BEFORE_SIGTERM = 3  # metric rows (updates) the run logs before it gets the signal
+LEARN_STEPS = (
+    60_000  # decoupled_gpu_trainer: 2 players x 256 steps per update, ~117 updates (CPU: 500 at the end)
+)
+LEARNED_RETURN = 195.0  # CartPole-v0's "solved" bar: far above a random policy's ~22
 
 # Imported by every python process of the runs (they put its directory first on PYTHONPATH), before any
 # CUDA work; `use_deterministic_algorithms` makes an op without a deterministic kernel raise, naming it.
@@ -270,11 +280,32 @@ def with_group(pgid: int, sig: int) -> bool:
     return True
 
 
+def decoupled_gpu_trainer(runs: Runs) -> dict[str, Any]:
+    trainer = "cuda" if runs.fabric == "gpu" else "cpu"
+    overrides = ["strategy=decoupled", "fabric=cpu", "fabric.devices=3", "algo.players=2", "algo.player_device=cpu",
+                 f"algo.trainer_device={trainer}", f"algo.total_steps={LEARN_STEPS}"]  # fmt: skip
+    run_dir = runs.train("decoupled_gpu_trainer", overrides)
+    summary = json.loads((run_dir / "summary.json").read_text())
+    placed = [(r["role"], r["device"]) for r in summary.get("roles", [])]
+    want = [("player", "cpu"), ("player", "cpu"), ("trainer", "cuda:0" if trainer == "cuda" else "cpu")]
+    if placed != want:
+        raise CheckFailed(f"ranks placed as {placed}, want {want}")
+    if summary.get("ranks_in_sync") is not True:
+        raise CheckFailed("players and trainer ended with different parameters")
+    final = summary.get("final_mean_return")
+    if final is None or final < LEARNED_RETURN:
+        raise CheckFailed(
+            f"final mean return {final} after {LEARN_STEPS} env steps, want >= {LEARNED_RETURN:g}"
+        )
+    return {"final_mean_return": final, "sps": summary.get("sps"), "roles": summary["roles"]}
+
+
 CHECK_FUNCTIONS: dict[str, Callable[[Runs], dict[str, Any]]] = {
     "resume_round_trip": resume_round_trip,
     "cpu_to_gpu_resume": cpu_to_gpu_resume,
     "gpu_to_cpu_resume": gpu_to_cpu_resume,
     "sigterm": sigterm,
+    "decoupled_gpu_trainer": decoupled_gpu_trainer,
 }
 
 
@@ -286,21 +317,24 @@ def cuda_device() -> str | None:
     return torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
 
 
-def run_checks(device: str, updates: int, keep: bool) -> tuple[list[Result], str]:
+def run_checks(
+    device: str, updates: int, keep: bool, only: list[str] | None = None
+) -> tuple[list[Result], str]:
+    checks = [c for c in CHECKS if only is None or c in only]
     if device == "cuda":
         name = cuda_device()
         if name is None:
             reason = (
                 "no CUDA device (torch.cuda.is_available() is False); --device cpu runs the checks on the CPU"
             )
-            return [Result(check, "SKIP", reason) for check in CHECKS], "none"
+            return [Result(check, "SKIP", reason) for check in checks], "none"
     else:
         name = "cpu (fabric=cpu for every run)"
     print(f"gpu_check: {name}; python {sys.executable}", flush=True)
     work = Path(tempfile.mkdtemp(prefix="ppo-fabric-gpu-check-"))
     runs = Runs(work, "gpu" if device == "cuda" else "cpu", updates)
     results = []
-    for check in CHECKS:
+    for check in checks:
         start = time.monotonic()
         try:
             result = Result(check, "PASS", details=CHECK_FUNCTIONS[check](runs))
@@ -329,11 +363,12 @@ def main(argv: list[str] | None = None) -> int:
         "--updates", type=int, default=4, help="N: updates of the uninterrupted run (even, >= 2)"
     )
     parser.add_argument("--out", type=Path, default=RESULTS / "gpu_check.json", help="the JSON report")
+    parser.add_argument("--only", nargs="+", choices=CHECKS, help="run these checks only")
     parser.add_argument("--keep", action="store_true", help="keep the runs' directories (printed at the end)")
     args = parser.parse_args(argv)
     if args.updates < 2 or args.updates % 2:
         parser.error("--updates must be even and at least 2")
-    results, device_name = run_checks(args.device, args.updates, args.keep)
+    results, device_name = run_checks(args.device, args.updates, args.keep, args.only)
     if all(r.status == "SKIP" for r in results):
         for r in results:
             print(r.line())
