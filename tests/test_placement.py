@@ -15,8 +15,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from ppo_fabric import placement
+from ppo_fabric import placement, ppo
 from ppo_fabric.config import ConfigError
+from ppo_fabric.launch import launch
 from ppo_fabric.learners import on_cpu
 from ppo_fabric.placement import (
     SMALL_MODEL_PARAMETERS,
@@ -185,6 +186,19 @@ def test_facts_carry_what_the_warning_needs(monkeypatch: pytest.MonkeyPatch) -> 
     _, _, facts = load(["fabric=cpu"])
     assert facts["train_device"] == "cpu"
     assert placement.small_model_warning(facts["parameters"], facts["train_device"]) is None
+
+
+def test_rank_0_prints_the_warning_once(
+    tmp_path: Path, capfd: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A real (CPU) run told that it trains on CUDA: one warning line on stderr, and the run goes on."""
+    monkeypatch.delenv("LT_CLI_USED", raising=False)
+    cfg, run_dir, facts = load(["algo.total_steps=256", "logger=none", f"hydra.run.dir={tmp_path / 'run'}"])
+    summary = launch(cfg, run_dir, facts | {"train_device": "cuda"}, ppo.main)
+    assert summary["total_env_steps"] == 256
+    err = capfd.readouterr().err
+    warnings = [line for line in err.splitlines() if line.startswith("ppo-fabric: warning: the model has")]
+    assert len(warnings) == 1, err
 
 
 # ------------------------------------------------------------------------------------------ checkpoints
