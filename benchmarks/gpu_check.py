@@ -18,8 +18,9 @@ without network may have no `.venv`; any python with the package's dependencies 
                      strategy=decoupled with 2 CPU players feeding 1 GPU trainer (3 processes launched on
                      the CPU, `algo.trainer_device=cuda`): the summary places the trainer on cuda:0 and the
                      players on the CPU, every rank ends on the same parameters, and CartPole is learned
-                     (mean return >= 195 after 60k env steps). With `--device cpu` the same layout with the
-                     trainer on the CPU.
+                     (mean return >= 195 after 60k env steps); its checkpoint then resumes with the trainer
+                     on the CPU for 2 more updates. With `--device cpu` the same layout with the trainer on
+                     the CPU.
 
 One `PASS name`, `FAIL name: reason` or `SKIP name: reason` line per check; exit status 1 if any failed.
 Without CUDA every check is skipped (exit 0). `--device cpu` runs the same checks with `fabric=cpu`
@@ -297,7 +298,17 @@ def decoupled_gpu_trainer(runs: Runs) -> dict[str, Any]:
         raise CheckFailed(
             f"final mean return {final} after {LEARN_STEPS} env steps, want >= {LEARNED_RETURN:g}"
         )
-    return {"final_mean_return": final, "sps": summary.get("sps"), "roles": summary["roles"]}
+    # The trainer's checkpoint (optimiser state from its GPU) continues with the trainer on the CPU.
+    done = int(summary["total_env_steps"])
+    more = [*overrides[:-2], "algo.trainer_device=cpu", f"algo.total_steps={done + 1024}",
+            f"resume={run_dir / 'checkpoints' / 'last.ckpt'}"]  # fmt: skip
+    resumed = json.loads((runs.train("decoupled_resumed_on_cpu", more) / "summary.json").read_text())
+    if int(resumed["total_env_steps"]) != done + 1024:
+        raise CheckFailed(
+            f"resumed on the CPU: total_env_steps={resumed['total_env_steps']}, want {done + 1024}"
+        )
+    return {"final_mean_return": final, "sps": summary.get("sps"), "roles": summary["roles"],
+            "resumed_on_cpu_total_env_steps": resumed["total_env_steps"]}  # fmt: skip
 
 
 CHECK_FUNCTIONS: dict[str, Callable[[Runs], dict[str, Any]]] = {
