@@ -1,4 +1,4 @@
-"""Metrics: episode statistics, TensorBoard/CSV logging and the progress bar (rank 0 only)."""
+"""Metrics: episode statistics, TensorBoard/CSV/tracker logging and the progress bar (rank 0 only)."""
 
 from __future__ import annotations
 
@@ -7,12 +7,15 @@ import hashlib
 import json
 import sys
 import time
+import warnings
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
 import torch
 from omegaconf import DictConfig, OmegaConf
+
+from ppo_fabric.trackers import Tracker, open_tracker
 
 
 def parameters_digest(*modules: torch.nn.Module) -> str:
@@ -76,15 +79,21 @@ class CsvMetrics:
 
 
 class RunLogger:
-    """Writes metrics on rank 0 and stays silent elsewhere, so callers never branch on the rank."""
+    """Writes metrics on rank 0 and stays silent elsewhere, so callers never branch on the rank.
+
+    Sinks: TensorBoard, metrics.csv and an experiment tracker (`logger=mlflow|wandb`, trackers.py), each
+    as the config says; every one gets the same rows keyed by env step."""
 
     def __init__(self, run_dir: Path, cfg: DictConfig, total_steps: int, enabled: bool) -> None:
         self.enabled = enabled
+        self.run_dir = run_dir
         self.loggers: list[Any] = []
         self.csv: CsvMetrics | None = None
+        self.tracker: Tracker | None = None
         self.bar = None
         if not enabled:
             return
+        self.tracker = open_tracker(cfg, run_dir)
         if cfg.logger.tensorboard:
             from lightning.fabric.loggers import TensorBoardLogger
 
@@ -104,6 +113,11 @@ class RunLogger:
             logger.log_metrics(dict(metrics), step=step)
         if self.csv is not None:
             self.csv.log(metrics, step)
+        if self.tracker is not None:
+            try:
+                self.tracker.log(metrics, step)
+            except Exception as exc:  # a tracker's server or store failing mid-run
+                self._drop_tracker(exc)
 
     def progress(self, step: int, sps: float, mean_return: float | None) -> None:
         if self.bar is None:
@@ -113,11 +127,32 @@ class RunLogger:
         self.bar.set_postfix_str(f"sps={sps:,.0f} return={ret}", refresh=False)
         self.bar.refresh()
 
-    def close(self) -> None:
+    def close(self, summary: Mapping[str, Any] | None = None, exit_code: int = 0) -> None:
+        """End every sink. Called after summary.json and the learning curve are written (the tracker sends
+        them as artifacts); `exit_code` 128+N: the run stopped on signal N, to be resumed."""
         if self.bar is not None:
             self.bar.close()
+            self.bar = None
         for logger in self.loggers:
-            logger.finalize("success")
+            logger.finalize("success" if exit_code == 0 else "interrupted")
+        self.loggers = []
+        if self.tracker is not None:
+            tracker, self.tracker = self.tracker, None
+            try:
+                tracker.close(self.run_dir, summary, exit_code)
+            except Exception as exc:
+                self.tracker = tracker
+                self._drop_tracker(exc)
+
+    def _drop_tracker(self, exc: Exception) -> None:
+        """A tracker that fails once the run is going is dropped with a warning, not the run: every row
+        is in metrics.csv, and a store or server going away says nothing about the training."""
+        warnings.warn(
+            f"ppo-fabric: {type(self.tracker).__name__} failed ({type(exc).__name__}: {exc}); "
+            "the run goes on without it (metrics.csv and summary.json hold everything)",
+            stacklevel=3,
+        )
+        self.tracker = None
 
 
 def write_json(path: Path, data: Mapping[str, Any]) -> None:

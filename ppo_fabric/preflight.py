@@ -32,6 +32,7 @@ from ppo_fabric.learners import policy_specs, spaces_of
 from ppo_fabric.multiagent import is_multiagent, policy_settings
 from ppo_fabric.placement import role_map, trainer_kind, trainers_per_node
 from ppo_fabric.resume import resolve_auto
+from ppo_fabric.trackers import check as check_tracker
 
 # Keys whose change makes a checkpoint meaningless for a new run: what shapes the saved parameters.
 _MODEL_KEYS = ("model", "multiagent")
@@ -60,6 +61,7 @@ def check(cfg: DictConfig) -> dict[str, Any]:
             f"restarts={cfg.restarts} needs the supervisor of python -m ppo_fabric; under fabric run or "
             "torchrun use torchrun --max-restarts=N with resume=auto and a fixed hydra.run.dir"
         )
+    check_tracker(cfg)
     train_device = _check_accelerator(cfg, world)
     check_layout(cfg, world)
     spaces, parameters = _check_env_and_model(cfg)

@@ -209,7 +209,7 @@ class RunSession:
 
     def stop(self, signum: int, update: int) -> NoReturn:
         """After the stop checkpoint: close what the run opened and leave with `Stopped`."""
-        self.logger.close()
+        self.logger.close(exit_code=128 + signum)
         raise Stopped(signum, self.env_step(update), self.checkpoint_path)
 
     # ------------------------------------------------------------------------------------------- the end
@@ -254,12 +254,14 @@ class RunSession:
         return summary
 
     def finish(self, summary: dict[str, Any]) -> None:
-        """Close the logger; the writer saves summary.json and the learning curve and says the final line."""
-        self.logger.close()
+        """The writer saves summary.json and the learning curve, closes the logger (a tracker sends both)
+        and says the final line."""
         if not self.writer:
+            self.logger.close()
             return
         write_json(self.run_dir / "summary.json", summary)
         save_learning_curve(self.run_dir, title=str(self.cfg.env.id))
+        self.logger.close(summary)
         ret = summary.get("final_mean_return")
         ret_text = "n/a" if ret is None else f"{ret:.1f}"
         print(

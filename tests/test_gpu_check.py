@@ -26,9 +26,10 @@ def test_gpu_check_skips_every_check_without_cuda(tmp_path: Path) -> None:
         "cpu_to_gpu_resume",
         "gpu_to_cpu_resume",
         "sigterm",
+        "compile_on_off",
         "decoupled_gpu_trainer",
     ]
     assert [line.split(":")[0] for line in lines] == [f"SKIP {name}" for name in names], proc.stdout
     assert all("no CUDA device" in line for line in lines)
     report = json.loads(out.read_text())
-    assert [c["status"] for c in report["checks"]] == ["SKIP"] * 5
+    assert [c["status"] for c in report["checks"]] == ["SKIP"] * 6
