@@ -21,6 +21,13 @@ without network may have no `.venv`; any python with the package's dependencies 
   envpool_pong       `exp=atari env.backend=envpool` (Pong through EnvPool, Nature CNN on the device) for N
                      updates of 8 envs x 128 steps: exit 0, every env step counted, a finite loss logged;
                      SKIP where EnvPool is not installed.
+  decoupled_gpu_trainer
+                     strategy=decoupled with 2 CPU players feeding 1 GPU trainer (3 processes launched on
+                     the CPU, `algo.trainer_device=cuda`): the summary places the trainer on cuda:0 and the
+                     players on the CPU, every rank ends on the same parameters, and CartPole is learned
+                     (mean return >= 195 after 60k env steps); its checkpoint then resumes with the trainer
+                     on the CPU for 2 more updates. With `--device cpu` the same layout with the trainer on
+                     the CPU.
 
 Every run has `fabric.tf32=false`: the checks compare numbers, and the package turns TF32 on by default.
 
@@ -61,6 +68,7 @@ CHECKS = (
     "sigterm",
     "compile_on_off",
     "envpool_pong",
+    "decoupled_gpu_trainer",
 )
 PER_UPDATE = 256  # env=cartpole: 8 envs x 32 steps
 # fabric.tf32=false: the package turns TF32 on for CUDA runs, and these checks compare numbers
@@ -68,6 +76,10 @@ BASE = ["env=cartpole", "logger.tensorboard=false", "torch_threads=1", "seed=7",
 RUN_TIMEOUT = 600.0  # seconds one training process may take before its check fails
 SIGTERM_TIMEOUT = 20  # collectives.timeout of the SIGTERM run: the bound on its exit
 LOGGED_BEFORE_SIGTERM = 3  # metric rows (updates) the run logs before it gets the signal
+
+# decoupled_gpu_trainer: 2 players x 256 steps per update, ~117 updates (CPU: a return of 500 at the end)
+LEARN_STEPS = 60_000
+LEARNED_RETURN = 195.0  # CartPole-v0's "solved" bar: far above a random policy's ~22
 
 # Imported by every python process of the runs (they put its directory first on PYTHONPATH), before any
 # CUDA work; `use_deterministic_algorithms` makes an op without a deterministic kernel raise, naming it.
@@ -364,6 +376,36 @@ def envpool_pong(runs: Runs) -> dict[str, Any]:
     }
 
 
+def decoupled_gpu_trainer(runs: Runs) -> dict[str, Any]:
+    trainer = "cuda" if runs.fabric == "gpu" else "cpu"
+    overrides = ["strategy=decoupled", "fabric=cpu", "fabric.devices=3", "algo.players=2", "algo.player_device=cpu",
+                 f"algo.trainer_device={trainer}", f"algo.total_steps={LEARN_STEPS}"]  # fmt: skip
+    run_dir = runs.train("decoupled_gpu_trainer", overrides)
+    summary = json.loads((run_dir / "summary.json").read_text())
+    placed = [(r["role"], r["device"]) for r in summary.get("roles", [])]
+    want = [("player", "cpu"), ("player", "cpu"), ("trainer", "cuda:0" if trainer == "cuda" else "cpu")]
+    if placed != want:
+        raise CheckFailed(f"ranks placed as {placed}, want {want}")
+    if summary.get("ranks_in_sync") is not True:
+        raise CheckFailed("players and trainer ended with different parameters")
+    final = summary.get("final_mean_return")
+    if final is None or final < LEARNED_RETURN:
+        raise CheckFailed(
+            f"final mean return {final} after {LEARN_STEPS} env steps, want >= {LEARNED_RETURN:g}"
+        )
+    # The trainer's checkpoint (optimiser state from its GPU) continues with the trainer on the CPU.
+    done = int(summary["total_env_steps"])
+    more = [*overrides[:-2], "algo.trainer_device=cpu", f"algo.total_steps={done + 1024}",
+            f"resume={run_dir / 'checkpoints' / 'last.ckpt'}"]  # fmt: skip
+    resumed = json.loads((runs.train("decoupled_resumed_on_cpu", more) / "summary.json").read_text())
+    if int(resumed["total_env_steps"]) != done + 1024:
+        raise CheckFailed(
+            f"resumed on the CPU: total_env_steps={resumed['total_env_steps']}, want {done + 1024}"
+        )
+    return {"final_mean_return": final, "sps": summary.get("sps"), "roles": summary["roles"],
+            "resumed_on_cpu_total_env_steps": resumed["total_env_steps"]}  # fmt: skip
+
+
 CHECK_FUNCTIONS: dict[str, Callable[[Runs], dict[str, Any]]] = {
     "resume_round_trip": resume_round_trip,
     "cpu_to_gpu_resume": cpu_to_gpu_resume,
@@ -371,6 +413,7 @@ CHECK_FUNCTIONS: dict[str, Callable[[Runs], dict[str, Any]]] = {
     "sigterm": sigterm,
     "compile_on_off": compile_on_off,
     "envpool_pong": envpool_pong,
+    "decoupled_gpu_trainer": decoupled_gpu_trainer,
 }
 
 

@@ -1,24 +1,32 @@
 """Coupled and decoupled on a CUDA machine: SPS, GPU utilisation and the collect / transfer / train time split.
 
 Workloads: CartPole-v1 with 64 envs, LunarLander-v3 (its config's 16 envs) and Atari Pong (`exp=atari`
-with 16 async envs, one process per env for a 16-core machine). For each it runs, one run at a time, each
-in a fresh process:
-  - coupled on the GPU (`fabric=gpu`, 1 process),
-  - decoupled with the player on the CPU and the trainer on the GPU (`strategy=decoupled fabric=gpu
-    fabric.devices=2 algo.player_device=cpu`), only with 2 or more GPUs: Fabric gives every process a
-    device of its own, so 2 processes need 2 GPUs (on one GPU the row is skipped with a note),
-  - coupled and decoupled (1 player + 1 trainer) on the CPU (`fabric=cpu`), the same machine's reference.
+with 16 async envs, one process per env for a 16-core machine). For each it runs these variants (keys for
+`--variants`), one run at a time, each in a fresh process:
+  - coupled-gpu: coupled on the GPU (`fabric=gpu`, 1 process),
+  - decoupled-gpu-K: decoupled, K CPU players feeding 1 GPU trainer (`strategy=decoupled fabric=cpu
+    fabric.devices=K+1 algo.players=K algo.player_device=cpu algo.trainer_device=cuda`), K from
+    `--players` (1 2 4 6),
+  - decoupled-gpus: with 2 or more GPUs, one trainer per GPU and as many CPU players,
+  - coupled-cpu, decoupled-cpu: coupled and decoupled (1 player + 1 trainer) on the CPU (`fabric=cpu`),
+    the same machine's reference.
+`--variants gpu` selects the GPU rows, `cpu` the CPU rows (default: all). Each run is `--steps` env steps
+(500k; Pong `--atari-steps`, also 500k): CartPole's GPU rows (`--only cartpole --variants gpu`, 5 runs)
+fit a 10-minute command; split Pong over several (`--only atari --variants coupled-gpu decoupled-gpu-1`,
+...), each keeping the other rows of the report.
 While a run executes, `nvidia-smi` samples every GPU's utilisation and memory every 500 ms ("n/a" without
 nvidia-smi). Workloads whose extra is not installed (LunarLander: box2d; Atari: atari) are skipped with a
 note. Writes benchmarks/results/gpu-strategies.{json,md}, after every run (a killed job keeps its rows).
-Needs a CUDA device; exits with a message otherwise.
+Needs a CUDA device; `--dry-run` runs the same layouts with every GPU role on the CPU instead (to check the
+script on any machine, with a small `--steps`) and writes gpu-strategies-dryrun.{json,md}.
 
 `--only envpool`: Pong (`exp=atari`, 16 envs, coupled on the GPU) collected by gymnasium's AsyncVectorEnv
 (one process per env) and by EnvPool (`env.backend=envpool`, C++ threads), `--envpool-steps` (500k) each.
 `--envpool-dry-run` runs those two rows on the CPU for 2,048 steps without CUDA, printing them and writing
 nothing: it proves the commands before a GPU node is booked.
 
-    .venv/bin/python benchmarks/gpu_strategies.py [--steps 500000] [--atari-steps 200000] [--only atari]
+    .venv/bin/python benchmarks/gpu_strategies.py [--steps 500000] [--atari-steps 500000] [--only atari]
+        [--variants gpu|cpu|KEY ...] [--players 1 2 4 6] [--dry-run]
     .venv/bin/python benchmarks/gpu_strategies.py --only envpool [--envpool-steps 500000] [--envpool-dry-run]
 """
 
@@ -87,17 +95,44 @@ def envpool_rows(steps: int, commit: str, dry_run: bool, extra: list[str]) -> li
     return rows
 
 
-def variants(gpus: int) -> dict[str, tuple[list[str], bool]]:
-    """Variant name -> (overrides, runs on the CPU only). The CPU rows are there so that each GPU figure has
-    a reference taken on the same machine."""
-    out = {"coupled, GPU": (["strategy=coupled", "fabric=gpu"], False)}
+VARIANT_GROUPS = {
+    "gpu": ("coupled-gpu", "decoupled-gpu-", "decoupled-gpus"),
+    "cpu": ("coupled-cpu", "decoupled-cpu"),
+}
+
+
+def variants(gpus: int, players: list[int], dry_run: bool = False) -> dict[str, tuple[str, list[str], bool]]:
+    """Variant key -> (name, overrides, runs on the CPU only). The CPU rows are there so that each GPU
+    figure has a reference taken on the same machine. A dry run puts every GPU role on the CPU."""
+    gpu_fabric, trainer = ("cpu", "cpu") if dry_run else ("gpu", "cuda")
+    out = {"coupled-gpu": ("coupled, GPU", ["strategy=coupled", f"fabric={gpu_fabric}"], False)}
+    for k in players:
+        out[f"decoupled-gpu-{k}"] = (
+            f"decoupled, 1 GPU trainer + {k} CPU player{'s' if k > 1 else ''}",
+            ["strategy=decoupled", "fabric=cpu", f"fabric.devices={k + 1}", f"algo.players={k}",
+             "algo.player_device=cpu", f"algo.trainer_device={trainer}"], False)  # fmt: skip
     if gpus >= 2:
-        out["decoupled, player CPU + trainer GPU"] = (
-            ["strategy=decoupled", "fabric=gpu", "fabric.devices=2", "algo.player_device=cpu"], False)  # fmt: skip
-    out["coupled, CPU"] = (["strategy=coupled", "fabric=cpu"], True)
-    out["decoupled, CPU (1 player + 1 trainer)"] = (
-        ["strategy=decoupled", "fabric=cpu", "fabric.devices=2"], True)  # fmt: skip
+        out["decoupled-gpus"] = (
+            f"decoupled, {gpus} GPU trainers + {gpus} CPU players",
+            ["strategy=decoupled", "fabric=cpu", f"fabric.devices={2 * gpus}", f"algo.players={gpus}",
+             "algo.player_device=cpu", f"algo.trainer_device={trainer}"], False)  # fmt: skip
+    out["coupled-cpu"] = ("coupled, CPU", ["strategy=coupled", "fabric=cpu"], True)
+    out["decoupled-cpu"] = (
+        "decoupled, CPU (1 player + 1 trainer)", ["strategy=decoupled", "fabric=cpu", "fabric.devices=2"], True)  # fmt: skip
     return out
+
+
+def chosen(all_variants: dict[str, Any], asked: list[str] | None) -> list[str]:
+    """The variant keys `--variants` names (groups `gpu`/`cpu` expanded), in the table's order."""
+    if not asked:
+        return list(all_variants)
+    wanted = set()
+    for name in asked:
+        prefixes = VARIANT_GROUPS.get(name, (name,))
+        wanted |= {
+            k for k in all_variants if any(k == p or (p.endswith("-") and k.startswith(p)) for p in prefixes)
+        }
+    return [k for k in all_variants if k in wanted]
 
 
 class GpuSampler:
@@ -270,27 +305,27 @@ def markdown(report: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def write(out: Path, report: dict[str, Any]) -> None:
+def write(out: Path, report: dict[str, Any], name: str = "gpu-strategies") -> None:
     out.mkdir(parents=True, exist_ok=True)
-    (out / "gpu-strategies.json").write_text(json.dumps(report, indent=2) + "\n")
-    (out / "gpu-strategies.md").write_text(markdown(report))
+    (out / f"{name}.json").write_text(json.dumps(report, indent=2) + "\n")
+    (out / f"{name}.md").write_text(markdown(report))
 
 
-def kept_rows(out: Path, machine: dict[str, Any], selected: list[str]) -> list[dict[str, Any]]:
-    """With --only: the earlier report's rows of the other workloads, if it was made on this machine, so a
-    benchmark can be split over several jobs (each row keeps its own commit)."""
-    path = out / "gpu-strategies.json"
+def kept_rows(path: Path, machine: dict[str, Any], rerun: set[tuple[str, str]]) -> list[dict[str, Any]]:
+    """The earlier report's rows that this run does not redo ((workload, variant key) pairs), if it was made
+    on this machine, so a benchmark can be split over several jobs (each row keeps its own commit)."""
     if not path.exists():
         return []
     old = json.loads(path.read_text())
     same = all(old.get("machine", {}).get(k) == machine[k] for k in ("gpu", "gpus", "cpu", "cores"))
-    return [r for r in old.get("rows", []) if r.get("key") not in selected] if same else []
+    keep = [r for r in old.get("rows", []) if (r.get("key"), r.get("variant_key")) not in rerun]
+    return keep if same else []
 
 
 def main() -> None:
     parser = common.argument_parser(__doc__)
     parser.add_argument("--steps", type=int, default=500_000, help="env steps of CartPole and LunarLander")
-    parser.add_argument("--atari-steps", type=int, default=200_000, help="env steps of Pong (slower)")
+    parser.add_argument("--atari-steps", type=int, default=500_000, help="env steps of Pong (slower)")
     parser.add_argument("--cpu-steps-frac", type=float, default=1.0,
                         help="the CPU reference rows run this fraction of the steps (their SPS stays "
                         "comparable, their final return does not)")  # fmt: skip
@@ -301,6 +336,12 @@ def main() -> None:
                         help="the EnvPool rows on the CPU, 2,048 steps, no CUDA needed, nothing written")  # fmt: skip
     parser.add_argument("--only", nargs="+", choices=[*WORKLOADS, "envpool"],
                         help="these workloads only; the output's rows of the others are kept")  # fmt: skip
+    parser.add_argument("--variants", nargs="+", default=None,
+                        help="variant keys or groups (gpu, cpu); default all; the other rows are kept")  # fmt: skip
+    parser.add_argument("--players", nargs="+", type=int, default=[1, 2, 4, 6],
+                        help="K of the decoupled-gpu-K rows: CPU players feeding one GPU trainer")  # fmt: skip
+    parser.add_argument("--dry-run", action="store_true",
+                        help="every GPU role on the CPU: checks the script anywhere (use a small --steps)")  # fmt: skip
     parser.add_argument("--out", type=Path, default=RESULTS)
     parser.add_argument("extra", nargs="*", help="overrides applied to every run (after --)")
     args = parser.parse_args()
@@ -309,21 +350,34 @@ def main() -> None:
     if args.envpool_dry_run:
         envpool_rows(ENVPOOL_DRY_STEPS, common.git_commit(), True, args.extra)
         return
-    if not torch.cuda.is_available():
-        raise SystemExit("gpu_strategies.py needs a CUDA device (torch.cuda.is_available() is False)")
-    gpus = torch.cuda.device_count()
+    if not torch.cuda.is_available() and not args.dry_run:
+        raise SystemExit(
+            "gpu_strategies.py needs a CUDA device (torch.cuda.is_available() is False); "
+            "--dry-run runs the same layouts on the CPU"
+        )
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     info = gpu_info()
-    m = common.machine() | {"gpu": info[0]["name"] if info else torch.cuda.get_device_name(0), "gpus": gpus,
-                            "gpu_info": info, "commit": common.git_commit()}  # fmt: skip
+    gpu_name = info[0]["name"] if info else (torch.cuda.get_device_name(0) if gpus else "none (dry run)")
+    m = common.machine() | {"gpu": gpu_name, "gpus": gpus, "gpu_info": info, "commit": common.git_commit()}
+    name = "gpu-strategies-dryrun" if args.dry_run else "gpu-strategies"
+    table = variants(gpus, args.players, args.dry_run)
+    keys = chosen(table, args.variants)
+    unknown = set(args.variants or []) - set(VARIANT_GROUPS) - set(table)
+    if unknown:
+        parser.error(f"unknown --variants {sorted(unknown)}; choose from gpu, cpu, {', '.join(table)}")
     selected = args.only or list(WORKLOADS)
-    rows = kept_rows(args.out, m, selected) if args.only else []
+    rerun = {(w, v) for w in selected for v in keys}
+    rows = kept_rows(args.out / f"{name}.json", m, rerun)
     notes = []
+    if args.dry_run:
+        notes.append("dry run: every GPU role ran on the CPU (fabric=cpu, algo.trainer_device=cpu); the figures "
+                     "say nothing about a GPU")  # fmt: skip
     if rows:
-        notes.append("rows of " + ", ".join(sorted({r["workload"] for r in rows})) + " come from an earlier "
-                     "run of this script on the same machine (commit " + ", ".join(sorted({r["commit"] for r in rows})) + ")")  # fmt: skip
-    if gpus < 2:
-        notes.append("decoupled with the trainer on the GPU skipped: one GPU, and Fabric gives each of the "
-                     "2 processes (player, trainer) its own device, so it needs 2 GPUs")  # fmt: skip
+        notes.append("rows of " + ", ".join(sorted({r["workload"] + " / " + r["variant"] for r in rows})) + " come "
+                     "from an earlier run of this script on the same machine (commit "
+                     + ", ".join(sorted({r["commit"] for r in rows})) + ")")  # fmt: skip
+    if gpus < 2 and not args.dry_run:
+        notes.append("decoupled-gpus (one trainer per GPU) skipped: one GPU")
     if not shutil.which("nvidia-smi"):
         notes.append("GPU utilisation and memory n/a: nvidia-smi not found")
     if args.cpu_steps_frac != 1.0:
@@ -333,14 +387,15 @@ def main() -> None:
     report = {"machine": m, "command": command, "rows": rows, "notes": notes}
     if "envpool" in selected:
         report["rows"] += envpool_rows(args.envpool_steps, m["commit"], False, args.extra)
-        write(args.out, report)
+        write(args.out, report, name)
     for key in (k for k in selected if k in WORKLOADS):
         workload, overrides, modules, budget = WORKLOADS[key]
         missing = [mod for mod in modules if importlib.util.find_spec(mod) is None]
         if missing:
             notes.append(f"{workload}: skipped, {', '.join(missing)} not installed")
             continue
-        for variant, (extra, on_cpu) in variants(gpus).items():
+        for variant_key in keys:
+            variant, extra, on_cpu = table[variant_key]
             steps = getattr(args, budget)
             if on_cpu:
                 steps = max(1, round(steps * args.cpu_steps_frac))
@@ -349,19 +404,21 @@ def main() -> None:
             with GpuSampler() as sampler:
                 s = run_once(run, solved_return=math.inf)
                 exited = time.time()  # before the sampler stops (which may take a few seconds)
-            row = {"key": key, "workload": workload, "variant": variant, "overrides": run, "commit": m["commit"],
+            row = {"key": key, "workload": workload, "variant_key": variant_key, "variant": variant,
+                   "overrides": run, "commit": m["commit"],
                    "steps": s["steps_this_run"], "sps": s["sps"], "wall_seconds": s["wall_seconds"],
                    "time_split": s["time_split"], "split": split(s),
                    "gpu": sampler.stats(exited - s["wall_seconds"], exited),
-                   "final_mean_return": s["final_mean_return"], "ranks_in_sync": s.get("ranks_in_sync")}  # fmt: skip
+                   "final_mean_return": s["final_mean_return"], "ranks_in_sync": s.get("ranks_in_sync"),
+                   "roles": s.get("roles")}  # fmt: skip
             report["rows"].append(row)
-            write(args.out, report)
+            write(args.out, report, name)
             sp = row["split"]
             print(f"{workload:24s} {variant:38s} {s['sps']:10,.0f} SPS  GPU util {_per_gpu(row, 'util_mean_loop')} % "
                   f"(max {_per_gpu(row, 'util_max')}), mem {_per_gpu(row, 'mem_max_mib')} MiB  collect "
                   f"{_fmt(sp['collect'], '.2f')} send+wait {_fmt(sp['transfer'], '.2f')} train {_fmt(sp['train'], '.2f')}",
                   flush=True)  # fmt: skip
-    write(args.out, report)
+    write(args.out, report, name)
     print(markdown(report))
 
 

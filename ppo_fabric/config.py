@@ -171,6 +171,7 @@ _CHOICES = {
     "env.vector": ("sync", "async"),
     "fabric.accelerator": ACCELERATORS,
     "algo.player_device": ("cpu", "auto"),
+    "algo.trainer_device": ("auto", "cpu", "cuda"),
     "algo.action_mask": ("auto", "off"),
     "fabric.strategy": ("auto", "ddp"),
     "fabric.precision": ("32-true", "32", "bf16-mixed", "16-mixed", "bf16-true", "16-true", "64-true", "64"),
@@ -220,6 +221,20 @@ def sequence_length(model_cfg: DictConfig) -> int:
 def under_fabric_run() -> bool:
     """Whether `fabric run` started this process: Lightning's CLI says so only through this variable."""
     return bool(os.environ.get("LT_CLI_USED"))
+
+
+def requested(cfg: DictConfig, key: str) -> str:
+    """`fabric.accelerator` or `fabric.precision` as the job runs with it: `fabric run --accelerator` and
+    `--precision` reach the processes only as LT_* variables, and win over the config."""
+    value = os.environ.get(f"LT_{key.upper()}") if under_fabric_run() else None
+    return str(value if value is not None else cfg.fabric[key])
+
+
+def processes_per_node(cfg: DictConfig) -> int:
+    """`fabric.devices`, or under `fabric run`/torchrun the processes it started on each node."""
+    if under_fabric_run() and os.environ.get("LOCAL_WORLD_SIZE"):
+        return int(os.environ["LOCAL_WORLD_SIZE"])
+    return int(cfg.fabric.devices)
 
 
 def launched_world_size(cfg: DictConfig) -> int:

@@ -20,6 +20,7 @@ from typing import Any, NoReturn
 
 import torch
 from lightning.fabric import Fabric
+from lightning.fabric.plugins.precision import MixedPrecision
 from lightning.fabric.strategies import DDPStrategy
 from lightning.fabric.utilities.seed import seed_everything
 from omegaconf import DictConfig
@@ -28,6 +29,7 @@ from torch.nn.parallel import DistributedDataParallel
 from ppo_fabric.accel import set_cuda_math
 from ppo_fabric.arguments import fail
 from ppo_fabric.config import ConfigError, under_fabric_run
+from ppo_fabric.placement import small_model_warning
 from ppo_fabric.preflight import load
 from ppo_fabric.protocol import end_process_group
 from ppo_fabric.session import STOP, Stopped
@@ -36,17 +38,38 @@ StrategyMain = Callable[[Fabric, DictConfig, Path], dict[str, Any]]
 
 
 class GroupDDPStrategy(DDPStrategy):
-    """Fabric's DDP over a sub-group of the job chosen after launch: the decoupled trainers.
+    """Fabric's DDP for the decoupled strategy: every process launched on the CPU (gloo), each taking its
+    role's device after launch, and DDP over a sub-group of the job (the trainers).
 
-    Players never join the group. A group of one trainer gets no DDP wrapper at all: it has nothing to
-    synchronise, and DDP's forward/backward hooks would still cost ~120 us per minibatch step.
+    Fabric has one accelerator per job (`Fabric(accelerator="cuda", devices=3)` on one GPU raises, and DDP
+    over mixed CPU/CUDA devices fails), so the job is a CPU job and a trainer moves to its GPU with
+    `take_device`: `fabric.device`, `fabric.setup` and `fabric.to_device` then use it, and mixed precision
+    autocasts on that device. Players never join the group. A group of one trainer gets no DDP wrapper at
+    all: it has nothing to synchronise, and DDP's forward/backward hooks would still cost ~120 us per
+    minibatch step.
     """
 
     def __init__(self, timeout: datetime.timedelta, start_method: str = "popen", **ddp_kwargs: Any) -> None:
         super().__init__(timeout=timeout, start_method=start_method, **ddp_kwargs)
         self.module_group: Any = None
         self.module_group_size = 0
+        self.role_device: torch.device | None = None
         self.ddp_kwargs = ddp_kwargs  # what DistributedDataParallel gets, as DDPStrategy passes them on
+
+    @property
+    def root_device(self) -> torch.device:
+        return self.role_device if self.role_device is not None else super().root_device
+
+    def take_device(self, fabric: Fabric, device: torch.device, precision: str) -> None:
+        """Work on `device` from now on (before any model is set up); `precision` is the job's
+        `fabric.precision`, whose autocast follows the device (Fabric built it for the CPU)."""
+        self.role_device = device
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+            if precision in ("16-mixed", "bf16-mixed"):
+                plugin = MixedPrecision(precision, "cuda")  # type: ignore[arg-type]
+                self.precision = plugin
+                fabric._precision = plugin  # Fabric keeps its own reference for setup() and autocast()
 
     def use_group(self, group: Any, size: int) -> None:
         self.module_group, self.module_group_size = group, size
@@ -81,19 +104,25 @@ def describe_failure(exc: BaseException) -> str:
 
 
 def build_fabric(cfg: DictConfig, world_size: int) -> Fabric:
+    """Fabric for the config. A decoupled job is a CPU job whatever `fabric.accelerator` says: each role
+    takes its device after launch (GroupDDPStrategy.take_device), so players on the CPU and trainers on
+    GPUs share one job, and the players <-> trainers messages go over gloo."""
     timeout = datetime.timedelta(seconds=float(cfg.collectives.timeout))
     under_cli = under_fabric_run()
+    decoupled = cfg.strategy == "decoupled"
     kwargs: dict[str, Any] = {}
     if not under_cli:  # `fabric run` flags decide these, and passing others would conflict
         kwargs = {
-            "accelerator": cfg.fabric.accelerator,
+            "accelerator": "cpu" if decoupled else cfg.fabric.accelerator,
             "devices": int(cfg.fabric.devices),
             "num_nodes": int(cfg.fabric.num_nodes),
             "precision": cfg.fabric.precision,
         }
+    elif decoupled:  # the processes exist already; only the accelerator Fabric builds changes
+        os.environ["LT_ACCELERATOR"] = "cpu"
     # `fabric run --strategy=...` reaches Fabric only through LT_STRATEGY; no public API reads it back.
     if world_size > 1 and cfg.fabric.strategy in ("auto", "ddp") and not os.environ.get("LT_STRATEGY"):
-        ddp = GroupDDPStrategy if cfg.strategy == "decoupled" else DDPStrategy
+        ddp = GroupDDPStrategy if decoupled else DDPStrategy
         kwargs["strategy"] = ddp(timeout=timeout, start_method="popen")
     elif not under_cli:
         kwargs["strategy"] = cfg.fabric.strategy
@@ -112,6 +141,11 @@ def launch(
         fabric.launch()
     # Every process composed the config itself (at its own time); rank 0's run directory wins.
     run_dir = Path(fabric.broadcast(str(Path(run_dir_template).resolve()), src=0))
+    warning = None
+    if "parameters" in facts:
+        warning = small_model_warning(int(facts["parameters"]), str(facts["train_device"]))
+    if warning is not None and fabric.global_rank == 0:
+        os.write(2, f"ppo-fabric: {warning}\n".encode())
     seed_everything(int(cfg.seed) + fabric.global_rank, verbose=False)
     try:
         with STOP.installed():

@@ -148,8 +148,27 @@ def build_learners(
     return learners
 
 
+def on_cpu(tree: Any) -> Any:
+    """A copy of `tree` with every tensor on the CPU (a state dict keeps its type and metadata); `tree`
+    itself is left alone: an optimiser's state_dict() shares its per-parameter dicts with the optimiser.
+
+    A checkpoint holds CPU tensors only: it loads on any machine, and a GPU trainer's part can be handed to
+    a CPU player (which writes the file) without the player touching a GPU."""
+    if isinstance(tree, torch.Tensor):
+        return tree.cpu()
+    if isinstance(tree, dict):
+        out = type(tree)((key, on_cpu(value)) for key, value in tree.items())
+        if hasattr(tree, "_metadata"):
+            out._metadata = tree._metadata  # type: ignore[attr-defined]
+        return out
+    if isinstance(tree, (list, tuple)):
+        return type(tree)(on_cpu(v) for v in tree)
+    return tree
+
+
 def learners_state(cfg: DictConfig, learners: dict[str, Learner]) -> dict[str, Any]:
-    """The learning side of a checkpoint: the run's config, spaces, parameters and optimiser states."""
+    """The learning side of a checkpoint: the run's config, spaces, parameters and optimiser states, on the
+    CPU whatever device they train on."""
     specs = {n: lr.spec for n, lr in learners.items()}
     obs_space, action_space = spaces_of(specs)
     state = {
@@ -161,14 +180,16 @@ def learners_state(cfg: DictConfig, learners: dict[str, Learner]) -> dict[str, A
         only = learners[SINGLE]
         if only.spec.action_mask is not None:  # evaluation rebuilds the env's mask from it
             state["action_mask"] = only.spec.action_mask
-        return state | {"agent": only.policy.state_dict(), "optimizer": only.optimizer.state_dict()}
-    return state | {
-        "multiagent": True,
-        "agent": {n: lr.policy.state_dict() for n, lr in learners.items()},
-        "optimizer": {
-            n: None if lr.optimizer is None else lr.optimizer.state_dict() for n, lr in learners.items()
-        },
-    }
+        return state | on_cpu({"agent": only.policy.state_dict(), "optimizer": only.optimizer.state_dict()})
+    return state | on_cpu(
+        {
+            "multiagent": True,
+            "agent": {n: lr.policy.state_dict() for n, lr in learners.items()},
+            "optimizer": {
+                n: None if lr.optimizer is None else lr.optimizer.state_dict() for n, lr in learners.items()
+            },
+        }
+    )
 
 
 def policies_of(learners: dict[str, Learner]) -> dict[str, ActorCritic]:

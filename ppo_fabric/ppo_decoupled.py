@@ -9,7 +9,11 @@ learn from rollout k, then loads the new parameters before sending: the policy l
 PPO tolerates because its ratio uses the stored behaviour log-probabilities. The lag is measured (each
 batch carries the parameter version it was collected with) and logged as `train/policy_lag`.
 
-Run as a script under `fabric run --accelerator=cpu --devices=3 ppo_fabric/ppo_decoupled.py [overrides]`.
+Every process is launched on the CPU (gloo); `placement.role_map` says which ranks play, and each role then
+takes its device (`algo.trainer_device`, `algo.player_device`): CPU players can feed GPU trainers.
+
+Run as a script under `fabric run --accelerator=cpu --devices=3 ppo_fabric/ppo_decoupled.py [overrides]`
+(`algo.trainer_device=cuda` for GPU trainers).
 """
 
 from __future__ import annotations
@@ -26,7 +30,7 @@ from torch.nn.utils import parameters_to_vector, vector_to_parameters
 from ppo_fabric import checkpoint as ckpt
 from ppo_fabric.agent import ActorCritic
 from ppo_fabric.buffer import training_batch
-from ppo_fabric.config import training_layout
+from ppo_fabric.config import requested, training_layout
 from ppo_fabric.launch import GroupDDPStrategy
 from ppo_fabric.learners import (
     PolicySpec,
@@ -39,6 +43,7 @@ from ppo_fabric.learners import (
     trained,
 )
 from ppo_fabric.metrics import parameters_digest
+from ppo_fabric.placement import player_kind, players_of, role_device, role_map, trainer_kind
 from ppo_fabric.protocol import (
     BatchCodec,
     Kind,
@@ -74,13 +79,22 @@ def codecs_for(
 
 
 def main(fabric: Fabric, cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
-    """Build the groups (a collective on every rank), then play or train; returns this rank's summary."""
-    if not isinstance(fabric.strategy, GroupDDPStrategy):
+    """Take this rank's role and device, build the groups (a collective on every rank), then play or
+    train; returns this rank's summary."""
+    strategy = fabric.strategy
+    if not isinstance(strategy, GroupDDPStrategy):
         raise ValueError(
             "strategy=decoupled brings its own DDP strategy; do not pass --strategy to `fabric run` "
             "(or fabric.strategy other than auto)"
         )
-    topo = setup_topology(int(cfg.algo.players), float(cfg.collectives.timeout))
+    roles = role_map(fabric.world_size, strategy.num_nodes, int(cfg.algo.players))
+    role = roles[fabric.global_rank]
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    trains_on = trainer_kind(str(cfg.algo.trainer_device), requested(cfg, "accelerator"), gpus > 0)
+    kind = player_kind(str(cfg.algo.player_device), trains_on) if role.plays else trains_on
+    strategy.take_device(fabric, role_device(role, roles, kind, gpus), requested(cfg, "precision"))
+    backend = "nccl" if trains_on == "cuda" else "gloo"
+    topo = setup_topology(players_of(roles), float(cfg.collectives.timeout), backend)
     resume = ckpt.load(cfg.resume, env_state=str(cfg.resume_env)) if cfg.resume is not None else None
     if topo.is_player:
         return Player(fabric, cfg, run_dir, topo, resume).run()
@@ -96,7 +110,7 @@ class Player:
     ) -> None:
         self.topo, self.world = topo, fabric.world_size
         self.pipeline = bool(cfg.algo.pipeline)
-        self.device = torch.device("cpu") if cfg.algo.player_device == "cpu" else fabric.device
+        self.device = fabric.device  # the role's device (main)
         self.specs = specs = policy_specs(cfg)
         self.policies = {
             n: ActorCritic(s.obs_space, s.action_space, s.model).to(self.device) for n, s in specs.items()
@@ -220,7 +234,8 @@ class Player:
 
     def end_part(self) -> dict[str, Any]:
         digest = parameters_digest(*self.policies.values())
-        return end_of_run(self.collector) | {"digest": digest, "time": self.session.watch.totals}
+        parts = {"digest": digest, "time": self.session.watch.totals, "device": str(self.device)}
+        return end_of_run(self.collector) | parts
 
     def finish(self) -> dict[str, Any]:
         """Gather every rank's end-of-run part; the first player writes the summary."""
@@ -236,6 +251,14 @@ class Player:
             "players": len(self.topo.players),
             "trainers": len(self.topo.trainers),
             "pipeline": self.pipeline,
+            "roles": [  # rank by rank: who played, who trained, on which device
+                {
+                    "rank": r,
+                    "role": "player" if r in self.topo.players else "trainer",
+                    "device": part["device"],
+                }
+                for r, part in enumerate(parts)
+            ],
         }
         self.collector.envs.close()
         session.finish(summary)
@@ -256,7 +279,7 @@ def trainer(
         ckpt.set_rng_state(resume["ranks"][topo.rank]["rng"])
     steps, copies = int(cfg.algo.rollout_steps), int(cfg.env.num_envs)
     templates = {n: policy_storage(steps, copies, s, "cpu") for n, s in specs.items()}
-    link = TrainerLink(topo, codecs_for(specs, templates, len(topo.trainers)))
+    link = TrainerLink(topo, codecs_for(specs, templates, len(topo.trainers)), fabric.device)
     names = metric_names(specs)
     rank_minibatch = training_layout(cfg, fabric.world_size).rank_minibatch
     session = session_for(fabric, cfg, run_dir, resume)
@@ -304,7 +327,8 @@ def trainer(
     signum = headers[0].arg  # the signal the players stopped on, 0 at the planned end
     if signum and session.last_checkpoint < version:
         checkpoint()
-    topo.gather({"digest": parameters_digest(*policies_of(learners).values()), "time": session.watch.totals})
+    digest = parameters_digest(*policies_of(learners).values())
+    topo.gather({"digest": digest, "time": session.watch.totals, "device": str(fabric.device)})
     if signum:
         session.stop(signum, version)
     session.logger.close()

@@ -22,12 +22,15 @@ from ppo_fabric.config import (
     check_values,
     compose,
     launched_world_size,
+    processes_per_node,
+    requested,
     sequence_length,
     under_fabric_run,
 )
 from ppo_fabric.envs import EnvError, check_normalizable
 from ppo_fabric.learners import policy_specs, spaces_of
 from ppo_fabric.multiagent import is_multiagent, policy_settings
+from ppo_fabric.placement import role_map, trainer_kind, trainers_per_node
 from ppo_fabric.resume import resolve_auto
 from ppo_fabric.trackers import check as check_tracker
 
@@ -47,7 +50,8 @@ def load(overrides: list[str]) -> tuple[DictConfig, str, dict[str, Any]]:
 
 
 def check(cfg: DictConfig) -> dict[str, Any]:
-    """Everything that can be checked without starting a run; returns the process count and spaces."""
+    """Everything that can be checked without starting a run; returns the process count, the spaces, the
+    kind of device that trains and the trained policies' parameter count (for the placement warning)."""
     check_values(cfg)
     if cfg.model.activation not in ACTIVATIONS:
         raise ConfigError(f"model.activation={cfg.model.activation!r} is not one of {', '.join(ACTIVATIONS)}")
@@ -58,15 +62,22 @@ def check(cfg: DictConfig) -> dict[str, Any]:
             "torchrun use torchrun --max-restarts=N with resume=auto and a fixed hydra.run.dir"
         )
     check_tracker(cfg)
-    _check_accelerator(cfg, world)
+    train_device = _check_accelerator(cfg, world)
     check_layout(cfg, world)
-    spaces = _check_env_and_model(cfg)
+    spaces, parameters = _check_env_and_model(cfg)
     if cfg.resume is not None:
         check_resume(cfg, str(cfg.resume), *spaces)
-    return {"world_size": world, "observation_space": spaces[0], "action_space": spaces[1]}
+    return {
+        "world_size": world,
+        "observation_space": spaces[0],
+        "action_space": spaces[1],
+        "train_device": train_device,
+        "parameters": parameters,
+    }
 
 
-def _check_env_and_model(cfg: DictConfig) -> tuple[Any, Any]:
+def _check_env_and_model(cfg: DictConfig) -> tuple[tuple[Any, Any], int]:
+    """The spaces as checkpoints record them, and the parameters of the policies that train."""
     if OmegaConf.is_missing(cfg.env, "id") or cfg.env.id is None:
         raise ConfigError("env.id is required; set env.id=CartPole-v1 (or any gymnasium id)")
     if not OmegaConf.is_dict(cfg.env.kwargs):
@@ -87,13 +98,16 @@ def _check_env_and_model(cfg: DictConfig) -> tuple[Any, Any]:
             check_normalizable(cfg.env, spec.obs_space)
     except EnvError as exc:
         raise ConfigError(str(exc)) from exc
+    parameters = 0
     for spec in specs.values():
         try:
-            ActorCritic(spec.obs_space, spec.action_space, spec.model)
+            model = ActorCritic(spec.obs_space, spec.action_space, spec.model)
         except ValueError as exc:  # the model cannot serve these spaces, or a model key is wrong
             prefix = "" if len(specs) == 1 and spec.name == "main" else f"policy {spec.name!r}: "
             raise ConfigError(prefix + str(exc)) from exc
-    return spaces_of(specs)
+        if spec.trained:
+            parameters += sum(p.numel() for p in model.parameters())
+    return spaces_of(specs), parameters
 
 
 def _check_multiagent(cfg: DictConfig) -> None:
@@ -138,18 +152,54 @@ def _check_multiagent(cfg: DictConfig) -> None:
             )
 
 
-def _check_accelerator(cfg: DictConfig, world: int) -> None:
-    if cfg.fabric.accelerator not in ("cuda", "gpu"):
-        return
+def _check_accelerator(cfg: DictConfig, world: int) -> str:
+    """The devices the job asks for exist; returns the kind of device the training ranks use.
+
+    A decoupled job launches every process on the CPU and only its trainers take a GPU each (players act on
+    the CPU or share GPUs), so it needs as many GPUs on a node as that node has trainers, whatever
+    `fabric.devices` is. A coupled job gives every process its own device.
+    """
+    accelerator = requested(cfg, "accelerator")
     available = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if cfg.strategy == "decoupled":
+        kind = trainer_kind(str(cfg.algo.trainer_device), accelerator, available > 0)
+        if kind == "cuda":
+            _check_trainer_gpus(cfg, world, available)
+        return kind
+    if accelerator not in ("cuda", "gpu"):
+        return "cuda" if accelerator == "auto" and available else "cpu"
     if available == 0:
         raise ConfigError(
-            f"fabric.accelerator={cfg.fabric.accelerator} but no CUDA device is available; "
+            f"fabric.accelerator={accelerator} but no CUDA device is available; "
             "use fabric=cpu (or fabric.accelerator=auto)"
         )
     if not under_fabric_run() and cfg.fabric.devices > available:
         raise ConfigError(
-            f"fabric.devices={cfg.fabric.devices} but this machine has {available} CUDA device(s)"
+            f"fabric.devices={cfg.fabric.devices} but this machine has {available} CUDA device(s); "
+            "strategy=coupled runs one process per GPU (strategy=decoupled runs CPU players beside GPU trainers)"
+        )
+    return "cuda"
+
+
+def _check_trainer_gpus(cfg: DictConfig, world: int, available: int) -> None:
+    """Trainers on CUDA: one GPU per trainer on each node (NCCL refuses two ranks on one GPU)."""
+    setting = f"algo.trainer_device={cfg.algo.trainer_device}" + (
+        f" (fabric.accelerator={requested(cfg, 'accelerator')})" if cfg.algo.trainer_device == "auto" else ""
+    )
+    if available == 0:
+        raise ConfigError(
+            f"{setting} puts the trainers on CUDA but no CUDA device is available; use algo.trainer_device=cpu "
+            "or fabric=cpu"
+        )
+    per_node, players = processes_per_node(cfg), int(cfg.algo.players)
+    if world % per_node or not 1 <= players < world:
+        return  # check_layout names the problem
+    most = max(trainers_per_node(role_map(world, world // per_node, players)))
+    if most > available:
+        raise ConfigError(
+            f"{setting}: {most} trainer(s) on a node ({per_node} processes, of which "
+            f"{per_node - most} play) but this machine has {available} CUDA device(s), one per trainer; "
+            f"raise algo.players or lower fabric.devices to at most {available} trainer(s) per node"
         )
 
 

@@ -1,7 +1,8 @@
 """Every torch.distributed call of ppo-fabric: the decoupled strategy's player <-> trainer protocol, and the
 two collectives both strategies share (gathering objects, summing normaliser statistics).
 
-Ranks `0..P-1` are players, the others trainers. One side's `PlayerLink` and the other's `TrainerLink`
+Players and trainers are the ranks `placement.role_map` names (on one node: ranks `0..P-1` play, the
+others train). One side's `PlayerLink` and the other's `TrainerLink`
 have one method per message, in the order the messages happen:
 
     player p                                  trainers (first trainer t0)
@@ -24,7 +25,8 @@ With `algo.pipeline=true` the player sends DATA of rollout k+1 before it waits f
 Every message carries a header (kind, version) that the receiver checks, so the two sides can never
 silently disagree about what comes next (`ProtocolError`). Batches and parameters travel as CPU tensors
 over gloo groups, so players may stay on the CPU while trainers train on CUDA (their DDP group then uses
-NCCL). Every group has the bounded `collectives.timeout`: a dead peer ends the job with an error, never a
+NCCL); a CUDA trainer stages them in pinned host buffers (`HostStage`) and copies them to and from its
+GPU without blocking. Every group has the bounded `collectives.timeout`: a dead peer ends the job with an error, never a
 hang. Objects are pickled only for CHECKPOINT and summaries, never for batches or parameters.
 """
 
@@ -151,12 +153,18 @@ class Topology:
         return [payload for _, payload in out]
 
 
-def setup_topology(num_players: int, timeout_s: float) -> Topology:
-    """Create every group on every rank, in the same order (new_group is itself a collective)."""
+def setup_topology(players: list[int], timeout_s: float, trainer_backend: str = "gloo") -> Topology:
+    """Create every group on every rank, in the same order (new_group is itself a collective).
+
+    `players` are the playing ranks (placement.role_map), the others train; `trainer_backend` is the
+    trainers' DDP group's: "nccl" when they train on CUDA, "gloo" on the CPU. Every other group is gloo:
+    the job itself runs on the CPU, whatever device a role then takes.
+    """
     world, rank = dist.get_world_size(), dist.get_rank()
     timeout = datetime.timedelta(seconds=timeout_s)
-    topo = Topology(rank, list(range(num_players)), list(range(num_players, world)), timeout)
-    topo.trainer_group = dist.new_group(topo.trainers, timeout=timeout)
+    trainers = [r for r in range(world) if r not in players]
+    topo = Topology(rank, list(players), trainers, timeout)
+    topo.trainer_group = dist.new_group(topo.trainers, timeout=timeout, backend=trainer_backend)
     for p in topo.players:
         topo.data_groups[p] = dist.new_group([p, *topo.trainers], timeout=timeout, backend="gloo")
     topo.param_group = dist.new_group([topo.first_trainer, *topo.players], timeout=timeout, backend="gloo")
@@ -195,16 +203,44 @@ class BatchCodec:
         buf[:_HEADER_BYTES] = _header(header)
         return [buf] * self.trainers
 
-    def unpack(self, buf: torch.Tensor, device: torch.device) -> tuple[Header, TensorDict]:
+    def unpack(
+        self, buf: torch.Tensor, device: torch.device, non_blocking: bool = False
+    ) -> tuple[Header, TensorDict]:
+        """The header, and the rows as a TensorDict on `device`: the bytes go over in one copy (from a pinned
+        `buf`, without blocking) and are cut into tensors there."""
         header = _read_header(buf)
-        rows = buf[_HEADER_BYTES:].view(self.shard_samples, -1)
+        rows = buf[_HEADER_BYTES:].to(device, non_blocking=non_blocking).view(self.shard_samples, -1)
         out, col = TensorDict(batch_size=[self.shard_samples]), 0
         for (key, shape, dtype), width in zip(self.layout, self.row_bytes, strict=True):
             out.set(
                 key, rows[:, col : col + width].contiguous().view(dtype).reshape(self.shard_samples, *shape)
             )
             col += width
-        return header, out.to(device)
+        return header, out
+
+
+class HostStage:
+    """The host side of a device's messages: page-locked (pinned) buffers when the device is CUDA, reused
+    from message to message, so the copies to and from the GPU run asynchronously; plain fresh buffers on
+    the CPU, where there is nothing to copy (and a message may keep views of its buffer)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.pinned = device.type == "cuda"
+        self._buffers: dict[Any, torch.Tensor] = {}
+
+    def buffer(self, key: Any, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        if not self.pinned:
+            return torch.empty(numel, dtype=dtype)
+        buf = self._buffers.get(key)
+        if buf is None or buf.numel() != numel or buf.dtype != dtype:
+            buf = self._buffers[key] = torch.empty(numel, dtype=dtype, pin_memory=True)
+        return buf
+
+    def fence(self) -> None:
+        """Wait for the copies in flight: before a pinned buffer is written again or sent."""
+        if self.pinned:
+            torch.cuda.current_stream(self.device).synchronize()
 
 
 class _InFlight:
@@ -278,24 +314,33 @@ class PlayerLink:
     def _scatter(self, codec: BatchCodec, shards: list[torch.Tensor], asynchronous: bool) -> _InFlight | None:
         mine = torch.empty(codec.shard_bytes, dtype=torch.uint8)  # scatter gives the source a piece too
         group = self.topo.data_groups[self.topo.rank]
-        work = dist.scatter(mine, [mine, *shards], src=self.topo.rank, group=group, async_op=asynchronous)
+        # Scatter lists follow the group's rank order, which is the members' global order: across nodes a
+        # player may come after some trainers. Trainer k (in `topo.trainers` order) gets shard k.
+        to = {trainer: shard for trainer, shard in zip(self.topo.trainers, shards, strict=True)}
+        pieces = [to.get(r, mine) for r in dist.get_process_group_ranks(group)]
+        work = dist.scatter(mine, pieces, src=self.topo.rank, group=group, async_op=asynchronous)
         return _InFlight(work, [mine, *shards]) if asynchronous else None
 
 
 class TrainerLink:
     """A trainer's end of the protocol; only the first trainer publishes parameters."""
 
-    def __init__(self, topo: Topology, codecs: dict[str, BatchCodec]) -> None:
+    def __init__(self, topo: Topology, codecs: dict[str, BatchCodec], device: torch.device) -> None:
         self.topo, self.codecs = topo, codecs
         self.publishes = topo.rank == topo.first_trainer
+        self.stage = HostStage(device)
 
     def publish(self, params: list[torch.nn.Parameter], metrics: torch.Tensor, version: int) -> None:
         """PARAMS: the flat float32 parameters after update `version`, then its METRICS, to every player."""
         if not self.publishes:
             return
-        header = torch.tensor([float(Kind.PARAMS), float(version)])
-        flat = parameters_to_vector(params).detach().float().cpu()
-        message = torch.cat((header, flat, metrics.float().cpu()))
+        flat = parameters_to_vector(params).detach().float()
+        n, m = flat.numel(), metrics.numel()
+        message = self.stage.buffer("params", 2 + n + m, torch.float32)
+        message[0], message[1] = float(Kind.PARAMS), float(version)
+        message[2 : 2 + n].copy_(flat, non_blocking=self.stage.pinned)
+        message[2 + n :].copy_(metrics.float(), non_blocking=self.stage.pinned)
+        self.stage.fence()
         dist.broadcast(message, self.topo.first_trainer, group=self.topo.param_group)
 
     def receive_data(self, device: torch.device) -> tuple[list[Header], dict[str, TensorDict]]:
@@ -306,6 +351,7 @@ class TrainerLink:
         """
         batches: dict[str, TensorDict] = {}
         headers: list[Header] = []
+        self.stage.fence()  # the last batch's copies out of the reused buffers are done
         for name, codec in self.codecs.items():
             headers, batch = self._receive(codec, device)
             if headers[0].kind == Kind.STOP:
@@ -316,9 +362,9 @@ class TrainerLink:
     def _receive(self, codec: BatchCodec, device: torch.device) -> tuple[list[Header], TensorDict]:
         headers, parts = [], []
         for player in self.topo.players:
-            buf = torch.empty(codec.shard_bytes, dtype=torch.uint8)
+            buf = self.stage.buffer((id(codec), player), codec.shard_bytes, torch.uint8)
             dist.scatter(buf, None, src=player, group=self.topo.data_groups[player])
-            header, part = codec.unpack(buf, device)
+            header, part = codec.unpack(buf, device, non_blocking=self.stage.pinned)
             headers.append(header)
             parts.append(part)
         first = headers[0]

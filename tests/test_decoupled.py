@@ -93,6 +93,8 @@ def _check_summary(run_dir: Path, players: int, trainers: int, pipeline: bool, t
     assert summary["ranks_in_sync"] is True, "players and trainers ended with different parameters"
     assert summary["episodes"] > 0 and summary["final_mean_return"] is not None
     assert set(summary["time_split"]) == {"player", "trainer"}
+    roles = ["player"] * players + ["trainer"] * trainers  # one node: the first ranks play
+    assert [(r["role"], r["device"]) for r in summary["roles"]] == [(role, "cpu") for role in roles]
     assert (run_dir / "checkpoints" / "last.ckpt").is_file() and (run_dir / "config.yaml").is_file()
     return summary
 
