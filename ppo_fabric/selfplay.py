@@ -214,7 +214,8 @@ class SelfPlay:
         if net is None:
             snap = self.pool.get(snap_id)
             assert snap is not None, f"snapshot {snap_id} is no longer in the pool"
-            net = ActorCritic(self.spec.obs_space, self.spec.action_space, self.spec.model)
+            with torch.random.fork_rng(devices=[]):  # its random init is overwritten: leave the RNG as it was
+                net = ActorCritic(self.spec.obs_space, self.spec.action_space, self.spec.model)
             net.load_state_dict(snap.weights)
             self.nets[snap_id] = net.to(self.device).eval()
         return net

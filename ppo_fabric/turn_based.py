@@ -51,8 +51,13 @@ class TurnBasedVectorEnv:
     def __init__(
         self, factories: list[Callable[[], Any]], groups: dict[str, list[str]], masked: bool
     ) -> None:
+        self.factories = factories
         self.envs = [factory() for factory in factories]
         self.num_envs = len(self.envs)
+        # each copy's reset seed and moves since: PettingZoo's games pickle as a fresh env (EzPickle), so a
+        # checkpoint keeps the moves and `__setstate__` replays them
+        self._seeds: list[int | None] = [None] * self.num_envs
+        self._moves: list[list[Any]] = [[] for _ in range(self.num_envs)]
         self.groups = groups
         first = self.envs[0]
         self.action_spaces = {p: first.action_space(a[0]) for p, a in groups.items()}
@@ -106,7 +111,9 @@ class TurnBasedVectorEnv:
     def reset(self, seed: list[int] | None = None) -> dict[str, Any]:
         obs = self._fresh()
         for e, env in enumerate(self.envs):
-            env.reset(seed=None if seed is None else seed[e])
+            self._seeds[e] = None if seed is None else int(seed[e])
+            self._moves[e] = []
+            env.reset(seed=self._seeds[e])
             self._observe(e, obs)
         for p in self.groups:
             self._returns[p][:] = 0
@@ -131,7 +138,9 @@ class TurnBasedVectorEnv:
             p, row = rows[mover]
             acted[p][row] = True
             self._lengths[p][row] += 1
-            env.step(_env_action(by_policy[p][row]))
+            move = _env_action(by_policy[p][row])
+            self._moves[e].append(move)
+            env.step(move)
             over = any(env.terminations.values()) or any(env.truncations.values())
             for agent, (q, r) in rows.items():
                 reward = float(env.rewards.get(agent, 0.0))
@@ -147,6 +156,7 @@ class TurnBasedVectorEnv:
                     self._returns[q][r], self._lengths[q][r] = 0.0, 0
             if over:
                 env.reset()
+                self._seeds[e], self._moves[e] = None, []
             self._observe(e, obs)
         return [
             (
@@ -175,6 +185,18 @@ class TurnBasedVectorEnv:
         if isinstance(value, dict) and self.mask_widths[policy] is not None:
             return {k: v for k, v in value.items() if k != ACTION_MASK}
         return value
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {k: v for k, v in self.__dict__.items() if k != "envs"}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        """Rebuild every copy and replay its game so far: exact for deterministic games (board games)."""
+        self.__dict__.update(state)
+        self.envs = [factory() for factory in self.factories]
+        for e, env in enumerate(self.envs):
+            env.reset(seed=self._seeds[e])
+            for move in self._moves[e]:
+                env.step(move)
 
     def close(self) -> None:
         for env in self.envs:
