@@ -149,7 +149,9 @@ def write(results: list[dict[str, Any]], out: Path) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--only", choices=sorted(GAMES), action="append")
     parser.add_argument("--steps", type=int, default=None, help="algo.total_steps (default: the recipe's)")
     parser.add_argument("--games", type=int, default=400)

@@ -238,7 +238,7 @@ class RolloutCollector:
                 if (
                     sp is not None
                 ):  # the opponents' seats play their snapshots' moves; only the learner trains
-                    env_action = sp.act(obs[i], masks[i], env_action)
+                    env_action = sp.act(obs[i], masks[i], env_action, g.alive)
                 env_actions.append(env_action)
                 if g.alive is not None:
                     g.host["mask"][t] = g.alive if sp is None else g.alive & sp.learner_rows()

@@ -203,6 +203,11 @@ class SelfPlay:
             if self.pool.get(int(self.opponent[e])) is None:
                 self.opponent[e] = self.pool.sample()
 
+    def opponent_to_move(self, movers: np.ndarray) -> np.ndarray:
+        """The copies whose opponent seat moves now."""
+        copies = np.arange(self.num_envs)
+        return copies[movers[copies * 2 + 1 - self.seat]]
+
     def learner_rows(self) -> np.ndarray:
         """[copies * 2] True where the learner holds the seat (row = copy * 2 + seat)."""
         rows = np.zeros(self.num_envs * 2, dtype=bool)
@@ -221,11 +226,15 @@ class SelfPlay:
         return net
 
     @torch.inference_mode()
-    def act(self, obs: Any, masks: torch.Tensor | None, actions: np.ndarray) -> np.ndarray:
-        """`actions` with the opponent seats' entries replaced by their snapshots' choices."""
+    def act(
+        self, obs: Any, masks: torch.Tensor | None, actions: np.ndarray, movers: np.ndarray
+    ) -> np.ndarray:
+        """`actions` with the entries of opponents about to move (`movers`: rows whose turn it is) replaced
+        by their snapshots' choices."""
         actions = actions.copy()
-        for snap_id in np.unique(self.opponent):
-            copies = np.flatnonzero(self.opponent == snap_id)
+        opponent_moves = self.opponent_to_move(movers)
+        for snap_id in np.unique(self.opponent[opponent_moves]):
+            copies = opponent_moves[self.opponent[opponent_moves] == snap_id]
             rows = torch.from_numpy(copies * 2 + 1 - self.seat[copies]).to(self.device)
             mask = None if masks is None else masks[rows]
             chosen, _, _ = self._net(int(snap_id)).sample(obs[rows], None, False, mask)
