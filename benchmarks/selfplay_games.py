@@ -71,12 +71,15 @@ def train(game: str, run_dir: Path, steps: int | None, checkpoints: int, extra: 
     return {"summary": summary, "process_wall_s": wall, "checkpoints": found, "cfg": cfg}
 
 
-def win_rates(cfg: Any, path: Path, games: int, seed: int) -> dict[str, float]:
-    """Win / draw / loss rates of the checkpoint's policy against a uniformly random legal player."""
+def win_rates(cfg: Any, path: Path, games: int, seed: int, greedy: bool = False) -> dict[str, float]:
+    """Win / draw / loss rates of the checkpoint's policy (sampling, or its most likely move with `greedy`)
+    against a uniformly random legal player."""
     spec = policy_specs(cfg)["shared"]
     policy = ActorCritic(spec.obs_space, spec.action_space, spec.model)
     policy.load_state_dict(ckpt.load(path)["agent"]["shared"])
-    results = np.array(play_match(cfg.env, policy_actor(policy.eval()), random_actor(seed), games, seed))
+    results = np.array(
+        play_match(cfg.env, policy_actor(policy.eval(), greedy), random_actor(seed), games, seed)
+    )
     return {"win": float((results == 1).mean()), "draw": float((results == 0).mean()),
             "loss": float((results == -1).mean()), "games": games}  # fmt: skip
 
@@ -90,6 +93,7 @@ def run_game(game: str, args: argparse.Namespace) -> dict[str, Any]:
             curve.append({"step": step, **win_rates(cfg, path, args.curve_games, seed=step)})
         last_step, last = run["checkpoints"][-1]
         final = win_rates(cfg, last, args.games, seed=12345)
+        greedy = win_rates(cfg, last, args.games, seed=12345, greedy=True)
         curve.append({"step": last_step, **final})
     summary = run["summary"]
     train_s = float(summary.get("wall_seconds") or run["process_wall_s"])
@@ -103,6 +107,7 @@ def run_game(game: str, args: argparse.Namespace) -> dict[str, Any]:
         "process_wall_s": round(run["process_wall_s"], 1),
         "sps": summary.get("sps"),
         "final_vs_random": final,
+        "final_vs_random_greedy": greedy,
         "curve": curve,
         "target": TARGETS[game],
         "torch_threads": torch.get_num_threads(),
@@ -110,25 +115,25 @@ def run_game(game: str, args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
-def write(results: list[dict[str, Any]], out: Path) -> None:
+def write(results: list[dict[str, Any]], out: Path, stem: str) -> None:
     out.mkdir(parents=True, exist_ok=True)
-    (out / "selfplay_games.json").write_text(json.dumps(results, indent=2) + "\n")
+    (out / f"{stem}.json").write_text(json.dumps(results, indent=2) + "\n")
     lines = [
         "# Self-play on classic board games vs a uniformly random player",
         "",
         "`python benchmarks/selfplay_games.py` (one agent's move = one env step; seats alternated; the final",
         "checkpoint plays 400 games, intermediate ones fewer).",
         "",
-        "| game | env steps | training wall (s) | win | draw | loss | target |",
-        "|---|---|---|---|---|---|---|",
+        "| game | env steps | training wall (s) | win | draw | loss | greedy: win / draw / loss | target |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for r in results:
-        f = r["final_vs_random"]
+        f, g = r["final_vs_random"], r["final_vs_random_greedy"]
         lines.append(
             f"| {r['env_id']} | {r['env_steps']:,} | {r['train_wall_s']} | {f['win']:.1%} | {f['draw']:.1%} "
-            f"| {f['loss']:.1%} | {r['target']} |"
+            f"| {f['loss']:.1%} | {g['win']:.1%} / {g['draw']:.1%} / {g['loss']:.1%} | {r['target']} |"
         )
-    (out / "selfplay_games.md").write_text("\n".join(lines) + "\n")
+    (out / f"{stem}.md").write_text("\n".join(lines) + "\n")
     import matplotlib
 
     matplotlib.use("Agg")
@@ -145,7 +150,7 @@ def write(results: list[dict[str, Any]], out: Path) -> None:
         ax.grid(alpha=0.3)
         ax.legend()
     fig.tight_layout()
-    fig.savefig(out / "selfplay_games.png", dpi=100)
+    fig.savefig(out / f"{stem}.png", dpi=100)
 
 
 def main() -> None:
@@ -158,6 +163,7 @@ def main() -> None:
     parser.add_argument("--curve-games", type=int, default=100)
     parser.add_argument("--checkpoints", type=int, default=10, help="points on the win-rate curve")
     parser.add_argument("--out", type=Path, default=RESULTS)
+    parser.add_argument("--stem", default="selfplay_games", help="output file names (json, md, png)")
     parser.add_argument("overrides", nargs="*", help="extra config overrides for the training runs")
     args = parser.parse_args()
     results = []
@@ -165,7 +171,7 @@ def main() -> None:
         results.append(run_game(game, args))
         r = results[-1]
         print(f"{game}: {r['env_steps']:,} steps, {r['train_wall_s']} s, vs random {r['final_vs_random']}")
-    write(results, args.out)
+    write(results, args.out, args.stem)
 
 
 if __name__ == "__main__":

@@ -194,6 +194,9 @@ class SelfPlay:
         self.opponent = np.full(num_envs, -1, dtype=np.int64)  # the snapshot id each copy plays
         self.nets: dict[int, ActorCritic] = {}
         self.results = np.zeros(3, dtype=np.int64)  # wins, draws, losses since the last metrics()
+        # Called with (pool, new snapshot) whenever a snapshot joins: where a rating of the snapshots (Elo,
+        # from `match_weights` games between the newcomer and the pool) plugs in.
+        self.on_snapshot: Callable[[OpponentPool, Snapshot], None] | None = None
 
     def start(self, policy: ActorCritic, version: int) -> None:
         """Seed an empty pool with the learner as it is, and give every copy an opponent."""
@@ -256,8 +259,10 @@ class SelfPlay:
     def after_update(self, policy: ActorCritic, version: int) -> None:
         """Every `snapshot_every` updates the learner's weights join the pool."""
         if version % self.every == 0:
-            self.pool.add(policy.state_dict(), version)
+            snap = self.pool.add(policy.state_dict(), version)
             self._prune()
+            if self.on_snapshot is not None:
+                self.on_snapshot(self.pool, snap)
 
     def _prune(self) -> None:
         keep = {s.id for s in self.pool.snapshots} | set(self.opponent.tolist())

@@ -141,12 +141,13 @@ def test_only_legal_moves_and_masks_off_fails(tmp_path: Path, capsys: pytest.Cap
         ppo_fabric.run([*base, "logger=none", "algo.action_mask=off", f"hydra.run.dir={tmp_path / 'off'}"])
 
 
-def test_tictactoe_selfplay_decoupled_runs(tmp_path: Path) -> None:
-    """Self-play with a player and a trainer process: the player keeps the pool, the trainer learns the
-    learner's rows; both end with the same parameters."""
+@pytest.mark.parametrize("strategy", ["coupled", "decoupled"])
+def test_tictactoe_selfplay_two_processes(tmp_path: Path, strategy: str) -> None:
+    """Self-play over two processes: two coupled ranks (each its own pool, results summed for the log), or
+    a player (keeps the pool) and a trainer (learns the learner's rows); all end with the same parameters."""
     run_dir = tmp_path / "run"
     cmd = [
-        sys.executable, "-m", "ppo_fabric", *TICTACTOE, "strategy=decoupled", "fabric.devices=2",
+        sys.executable, "-m", "ppo_fabric", *TICTACTOE, f"strategy={strategy}", "fabric.devices=2",
         "algo.players=1", "env.num_envs=4", "algo.rollout_steps=32", "algo.minibatch_size=64",
         "algo.total_steps=1024", "logger=none", "selfplay.enabled=true", "selfplay.snapshot_every=2",
         f"hydra.run.dir={run_dir}",
@@ -155,7 +156,7 @@ def test_tictactoe_selfplay_decoupled_runs(tmp_path: Path) -> None:
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240, cwd=tmp_path, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
     summary = json.loads((run_dir / "summary.json").read_text())
-    assert summary["strategy"] == "decoupled" and summary["ranks_in_sync"] is True
+    assert summary["strategy"] == strategy and summary["ranks_in_sync"] is True
     assert summary["total_env_steps"] == 1024
 
 
