@@ -235,9 +235,8 @@ class RolloutCollector:
                 env_action = action.cpu().numpy()
                 if g.clip is not None:
                     env_action = np.clip(env_action, *g.clip)
-                if (
-                    sp is not None
-                ):  # the opponents' seats play their snapshots' moves; only the learner trains
+                # self-play: the opponents' seats play their snapshots' moves; only the learner trains
+                if sp is not None:
                     env_action = sp.act(obs[i], masks[i], env_action, g.alive)
                 env_actions.append(env_action)
                 if g.alive is not None:
