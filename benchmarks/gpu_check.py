@@ -14,6 +14,12 @@ without network may have no `.venv`; any python with the package's dependencies 
   gpu_to_cpu_resume  the round trip's GPU checkpoint at N/2 resumed with `fabric=cpu`: the same.
   sigterm            SIGTERM to the run's process group once it has logged a few updates: every process
                      gone within `collectives.timeout`, exit status 143, and a `last.ckpt` that loads.
+  compile_on_off     the same seed trained with `algo.compile=false` and `=true` (CUDA graphs on CUDA):
+                     both finish, and the first update's losses, KL and clip fraction (same rollout, same
+                     starting parameters) agree within float tolerance. Runs without the deterministic
+                     settings (compiled kernels need not have deterministic variants); TF32 stays off.
+
+Every run has `fabric.tf32=false`: the checks compare numbers, and the package turns TF32 on by default.
 
 One `PASS name`, `FAIL name: reason` or `SKIP name: reason` line per check; exit status 1 if any failed.
 Without CUDA every check is skipped (exit 0). `--device cpu` runs the same checks with `fabric=cpu`
@@ -21,7 +27,7 @@ everywhere, which exercises this script on any machine. Results (and the machine
 benchmarks/results/gpu_check.json. Runs use a key file of their own (PPO_FABRIC_KEY_FILE in the work
 directory), so the user's key is neither read nor created.
 
-    python3 benchmarks/gpu_check.py [--device cuda|cpu] [--updates 4] [--out PATH] [--keep]
+    python3 benchmarks/gpu_check.py [--device cuda|cpu] [--updates 4] [--out PATH] [--keep] [--only CHECK ...]
     make gpu-check [PY=python3] [ARGS="--device cpu"]
 """
 
@@ -45,9 +51,10 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 import common  # noqa: E402
 from common import RESULTS  # noqa: E402
 
-CHECKS = ("resume_round_trip", "cpu_to_gpu_resume", "gpu_to_cpu_resume", "sigterm")
+CHECKS = ("resume_round_trip", "cpu_to_gpu_resume", "gpu_to_cpu_resume", "sigterm", "compile_on_off")
 PER_UPDATE = 256  # env=cartpole: 8 envs x 32 steps
-BASE = ["env=cartpole", "logger.tensorboard=false", "torch_threads=1", "seed=7"]
+# fabric.tf32=false: the package turns TF32 on for CUDA runs, and these checks compare numbers
+BASE = ["env=cartpole", "logger.tensorboard=false", "torch_threads=1", "seed=7", "fabric.tf32=false"]
 RUN_TIMEOUT = 600.0  # seconds one training process may take before its check fails
 SIGTERM_TIMEOUT = 20  # collectives.timeout of the SIGTERM run: the bound on its exit
 LOGGED_BEFORE_SIGTERM = 3  # metric rows (updates) the run logs before it gets the signal
@@ -105,12 +112,13 @@ class Runs:
     def command(self, run_dir: Path, overrides: list[str]) -> list[str]:
         return [sys.executable, "-m", "ppo_fabric", *BASE, f"hydra.run.dir={run_dir}", *overrides]
 
-    def train(self, name: str, overrides: list[str]) -> Path:
+    def train(self, name: str, overrides: list[str], deterministic: bool = True) -> Path:
         """A run to its end; its directory. Raises CheckFailed with the last line it wrote on failure."""
         run_dir = self.work / name
+        env = self.env if deterministic else dict(self.env, PPO_FABRIC_GPU_CHECK_DETERMINISTIC="0")
         try:
             proc = subprocess.run(
-                self.command(run_dir, overrides), cwd=self.work, env=self.env, capture_output=True,
+                self.command(run_dir, overrides), cwd=self.work, env=env, capture_output=True,
                 text=True, timeout=RUN_TIMEOUT,
             )  # fmt: skip
         except subprocess.TimeoutExpired as exc:
@@ -245,6 +253,38 @@ def sigterm(runs: Runs) -> dict[str, Any]:
         log.close()
 
 
+COMPARED = ("loss/policy", "loss/value", "loss/entropy", "train/approx_kl", "train/clip_fraction")
+
+
+def first_update_metrics(run_dir: Path) -> dict[str, float]:
+    import csv
+
+    with (run_dir / "metrics.csv").open(newline="") as fh:
+        row = next(csv.DictReader(fh))
+    return {key: float(row[key]) for key in COMPARED}
+
+
+def compile_on_off(runs: Runs) -> dict[str, Any]:
+    import math
+
+    common_args = [f"fabric={runs.fabric}", runs.steps(2), "logger.log_every=1"]
+    runs_by = {
+        on: runs.train(f"compile_{on}", [*common_args, f"algo.compile={on}"], deterministic=False)
+        for on in ("false", "true")
+    }
+    for run_dir in runs_by.values():
+        if total_env_steps(run_dir) != 2 * PER_UPDATE:
+            raise CheckFailed(
+                f"{run_dir.name}: total_env_steps={total_env_steps(run_dir)}, want {2 * PER_UPDATE}"
+            )
+    eager, compiled = (first_update_metrics(runs_by[on]) for on in ("false", "true"))
+    off = {k: abs(compiled[k] - eager[k]) for k in COMPARED}
+    bad = [k for k in COMPARED if not math.isclose(compiled[k], eager[k], rel_tol=1e-3, abs_tol=1e-4)]
+    if bad:
+        raise CheckFailed(", ".join(f"{k} eager {eager[k]:.6g} vs compiled {compiled[k]:.6g}" for k in bad))
+    return {"eager": eager, "compiled": compiled, "max_abs_diff": max(off.values())}
+
+
 def wait_for_updates(proc: subprocess.Popen, metrics: Path, rows: int, limit: float = 300.0) -> None:
     """Until `metrics` holds `rows` logged updates (a header, then one line per update)."""
     deadline = time.monotonic() + limit
@@ -275,6 +315,7 @@ CHECK_FUNCTIONS: dict[str, Callable[[Runs], dict[str, Any]]] = {
     "cpu_to_gpu_resume": cpu_to_gpu_resume,
     "gpu_to_cpu_resume": gpu_to_cpu_resume,
     "sigterm": sigterm,
+    "compile_on_off": compile_on_off,
 }
 
 
@@ -286,21 +327,23 @@ def cuda_device() -> str | None:
     return torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
 
 
-def run_checks(device: str, updates: int, keep: bool) -> tuple[list[Result], str]:
+def run_checks(
+    device: str, updates: int, keep: bool, only: tuple[str, ...] = CHECKS
+) -> tuple[list[Result], str]:
     if device == "cuda":
         name = cuda_device()
         if name is None:
             reason = (
                 "no CUDA device (torch.cuda.is_available() is False); --device cpu runs the checks on the CPU"
             )
-            return [Result(check, "SKIP", reason) for check in CHECKS], "none"
+            return [Result(check, "SKIP", reason) for check in only], "none"
     else:
         name = "cpu (fabric=cpu for every run)"
     print(f"gpu_check: {name}; python {sys.executable}", flush=True)
     work = Path(tempfile.mkdtemp(prefix="ppo-fabric-gpu-check-"))
     runs = Runs(work, "gpu" if device == "cuda" else "cpu", updates)
     results = []
-    for check in CHECKS:
+    for check in only:
         start = time.monotonic()
         try:
             result = Result(check, "PASS", details=CHECK_FUNCTIONS[check](runs))
@@ -330,10 +373,13 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--out", type=Path, default=RESULTS / "gpu_check.json", help="the JSON report")
     parser.add_argument("--keep", action="store_true", help="keep the runs' directories (printed at the end)")
+    parser.add_argument(
+        "--only", nargs="+", choices=CHECKS, default=list(CHECKS), help="run these checks only"
+    )
     args = parser.parse_args(argv)
     if args.updates < 2 or args.updates % 2:
         parser.error("--updates must be even and at least 2")
-    results, device_name = run_checks(args.device, args.updates, args.keep)
+    results, device_name = run_checks(args.device, args.updates, args.keep, tuple(args.only))
     if all(r.status == "SKIP" for r in results):
         for r in results:
             print(r.line())

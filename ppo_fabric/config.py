@@ -180,6 +180,8 @@ _BOOLS = (
     "algo.norm_adv",
     "algo.clip_vloss",
     "algo.pipeline",
+    "algo.compile",
+    "fabric.tf32",
     "logger.tensorboard",
     "logger.csv",
 )
@@ -321,11 +323,22 @@ def check_layout(cfg: DictConfig, world: int) -> None:
             "advantage normalisation (algo.norm_adv=true) needs at least 2"
         )
     _check_sequences(cfg, layout)
+    _check_compile(cfg)
     global_batch = layout.batch
     if cfg.algo.total_steps < global_batch:
         raise ConfigError(
             f"algo.total_steps={cfg.algo.total_steps} is smaller than one batch of {global_batch} env steps "
             f"(algo.rollout_steps*env.num_envs*collecting ranks); raise algo.total_steps"
+        )
+
+
+def _check_compile(cfg: DictConfig) -> None:
+    """The compiled step covers feed-forward policies; the LSTM's per-step reset loop is not compiled."""
+    lstm = cfg.model.get("lstm")
+    if cfg.algo.compile and lstm is not None and int(lstm.hidden_size) > 0:
+        raise ConfigError(
+            f"algo.compile=true does not support recurrent policies (model.lstm.hidden_size="
+            f"{int(lstm.hidden_size)}); set algo.compile=false"
         )
 
 

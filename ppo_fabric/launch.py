@@ -25,6 +25,7 @@ from lightning.fabric.utilities.seed import seed_everything
 from omegaconf import DictConfig
 from torch.nn.parallel import DistributedDataParallel
 
+from ppo_fabric.accel import set_cuda_math
 from ppo_fabric.arguments import fail
 from ppo_fabric.config import ConfigError, under_fabric_run
 from ppo_fabric.preflight import load
@@ -106,6 +107,7 @@ def launch(
     if int(cfg.torch_threads) > 0:
         torch.set_num_threads(int(cfg.torch_threads))
     fabric = build_fabric(cfg, facts["world_size"])
+    set_cuda_math(bool(cfg.fabric.get("tf32", True)))  # process-wide; a no-op without CUDA
     if not under_fabric_run():  # under `fabric run` the processes exist and are set up already
         fabric.launch()
     # Every process composed the config itself (at its own time); rank 0's run directory wins.

@@ -21,8 +21,8 @@ def test_gpu_check_skips_every_check_without_cuda(tmp_path: Path) -> None:
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-2000:]
     lines = proc.stdout.splitlines()
-    names = ["resume_round_trip", "cpu_to_gpu_resume", "gpu_to_cpu_resume", "sigterm"]
+    names = ["resume_round_trip", "cpu_to_gpu_resume", "gpu_to_cpu_resume", "sigterm", "compile_on_off"]
     assert [line.split(":")[0] for line in lines] == [f"SKIP {name}" for name in names], proc.stdout
     assert all("no CUDA device" in line for line in lines)
     report = json.loads(out.read_text())
-    assert [c["status"] for c in report["checks"]] == ["SKIP"] * 4
+    assert [c["status"] for c in report["checks"]] == ["SKIP"] * 5

@@ -1,0 +1,205 @@
+"""The PPO minibatch step of a Nature-CNN policy, alone: eager vs `algo.compile` vs one CUDA graph.
+
+Atari's update (`exp=atari`: batch 2048, minibatches of 256, 4 epochs) on a [4, 84, 84] uint8 frame stack
+with 6 actions. Each variant runs whole updates (shuffle, then every minibatch: forward, PPO losses,
+backward, gradient clipping at 0.5, Adam) and reports milliseconds per minibatch step after warm-up:
+
+  eager     `update.minibatch_losses` as `algo.compile=false` runs it, fused Adam;
+  compiled  the same function through `accel.compiled`, as `algo.compile=true` runs it (CUDA graphs via
+            `mode="reduce-overhead"` on CUDA, plain inductor on the CPU);
+  graph     CUDA only: the whole step (forward, losses, backward, clipping, `Adam(capturable=True)` with
+            a tensor lr) captured in one `torch.cuda.CUDAGraph`; each minibatch is copied into the static
+            input buffers before `replay()`. The floor a step can reach when launches cost nothing.
+
+Target (issue 17): <= 1.5 ms per step on an H100. TF32 is on on CUDA, as `fabric.tf32` defaults. On a CPU
+pass small sizes for a dry run (the CUDA graph row is skipped):
+
+    python benchmarks/minibatch_step.py [--device cuda] [--updates 5]
+    python benchmarks/minibatch_step.py --device cpu --batch 64 --minibatch 32 --epochs 1 --updates 2
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import gymnasium as gym
+import numpy as np
+import torch
+from omegaconf import OmegaConf
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+import common  # noqa: E402
+
+from ppo_fabric.accel import compiled, set_cuda_math  # noqa: E402
+from ppo_fabric.agent import ActorCritic  # noqa: E402
+from ppo_fabric.update import LossCoefs, minibatch_losses  # noqa: E402
+
+COEFS = LossCoefs(clip=0.1, clip_vloss=True, norm_adv=True, vf_coef=0.5, ent_coef=0.01)  # exp=atari's
+MAX_NORM, LR, ACTIONS = 0.5, 2.5e-4, 6
+KEYS = ("obs", "actions", "logprobs", "values", "advantages", "returns")
+
+
+def make_model(device: torch.device) -> ActorCritic:
+    cfg = OmegaConf.create({"encoder": "cnn", "actor_hidden": [], "critic_hidden": [], "activation": "relu"})
+    space = gym.spaces.Box(0, 255, (4, 84, 84), np.uint8)
+    torch.manual_seed(0)
+    return ActorCritic(space, gym.spaces.Discrete(ACTIONS), cfg).to(device)
+
+
+def make_batch(n: int, device: torch.device) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(1)
+    batch = {
+        "obs": torch.randint(0, 256, (n, 4, 84, 84), dtype=torch.uint8, generator=g),
+        "actions": torch.randint(0, ACTIONS, (n,), generator=g),
+        "logprobs": -torch.rand(n, generator=g) - 1.0,
+        "values": torch.randn(n, generator=g),
+        "advantages": torch.randn(n, generator=g),
+        "returns": torch.randn(n, generator=g),
+    }
+    return {k: v.to(device) for k, v in batch.items()}
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def time_updates(
+    step: Callable[[dict[str, torch.Tensor]], None], batch: dict[str, torch.Tensor], args: Any
+) -> tuple[float, float]:
+    """(ms per minibatch step over the timed updates, seconds of the first (warm-up) update)."""
+    device = batch["obs"].device
+    n = batch["obs"].shape[0]
+
+    def update() -> None:
+        for _ in range(args.epochs):
+            perm = torch.randperm(n, device=device)
+            shuffled = {k: v[perm] for k, v in batch.items()}
+            for start in range(0, n, args.minibatch):
+                step({k: v[start : start + args.minibatch] for k, v in shuffled.items()})
+
+    t0 = time.perf_counter()
+    update()
+    sync(device)
+    first = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    for _ in range(args.updates):
+        update()
+    sync(device)
+    steps = args.updates * args.epochs * (n // args.minibatch)
+    return (time.perf_counter() - t0) / steps * 1e3, first
+
+
+def library_step(device: torch.device, compile_step: bool) -> Callable[[dict[str, torch.Tensor]], None]:
+    """The step as the package runs it (without Fabric's wrapper, which adds nothing on one device)."""
+    model = make_model(device)
+    optimizer = torch.optim.Adam(model.parameters(), lr=LR, eps=1e-5, fused=True)
+    fn = compiled(minibatch_losses, model) if compile_step else minibatch_losses
+    graphs = compile_step and device.type == "cuda"
+
+    def step(mb: dict[str, torch.Tensor]) -> None:
+        if graphs:
+            torch.compiler.cudagraph_mark_step_begin()
+        loss, _, _ = fn(model, *(mb[k] for k in KEYS), None, None, None, None, COEFS)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM, foreach=True)
+        optimizer.step()
+
+    return step
+
+
+def graph_step(device: torch.device, minibatch: int) -> Callable[[dict[str, torch.Tensor]], None]:
+    """The whole step in one CUDA graph: no host sync anywhere in it (clip without error_if_nonfinite,
+    capturable Adam with its lr as a tensor, which an annealed schedule would `fill_` between updates)."""
+    model = make_model(device)
+    params = list(model.parameters())
+    lr = torch.tensor(LR, device=device)
+    optimizer = torch.optim.Adam(params, lr=lr, eps=1e-5, capturable=True, foreach=True)
+    static = make_batch(minibatch, device)
+
+    def body() -> None:
+        loss, _, _ = minibatch_losses(model, *(static[k] for k in KEYS), None, None, None, None, COEFS)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, MAX_NORM, foreach=True)
+        optimizer.step()
+
+    side = torch.cuda.Stream(device)
+    side.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(side):  # warm-up outside the graph: optimizer state, cuBLAS/cuDNN workspaces
+        for _ in range(3):
+            optimizer.zero_grad(set_to_none=True)
+            body()
+    torch.cuda.current_stream(device).wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    optimizer.zero_grad(set_to_none=True)
+    with torch.cuda.graph(graph):
+        body()
+
+    def step(mb: dict[str, torch.Tensor]) -> None:
+        for k in KEYS:
+            static[k].copy_(mb[k], non_blocking=True)
+        graph.replay()
+
+    return step
+
+
+def main() -> None:
+    p = common.argument_parser(__doc__)
+    p.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
+    p.add_argument("--batch", type=int, default=2048)
+    p.add_argument("--minibatch", type=int, default=256)
+    p.add_argument("--epochs", type=int, default=4)
+    p.add_argument("--updates", type=int, default=5, help="timed updates after one warm-up update")
+    p.add_argument("--out", type=Path, default=common.RESULTS)
+    args = p.parse_args()
+    if args.device == "cuda" and not torch.cuda.is_available():
+        print("SKIP minibatch_step: no CUDA device; --device cpu runs a dry run on the CPU")
+        return
+    if args.batch % args.minibatch:
+        p.error("--minibatch must divide --batch")
+    device = torch.device(args.device)
+    set_cuda_math(True)  # what a run gets by default (fabric.tf32=true); a no-op without CUDA
+    batch = make_batch(args.batch, device)
+    rows = {}
+    variants: dict[str, Callable[[], Callable[[dict[str, torch.Tensor]], None]]] = {
+        "eager": lambda: library_step(device, False),
+        "compiled": lambda: library_step(device, True),
+    }
+    if device.type == "cuda":
+        variants["graph"] = lambda: graph_step(device, args.minibatch)
+    for name, build in variants.items():
+        ms, first = time_updates(build(), batch, args)
+        rows[name] = {"ms_per_step": ms, "first_update_s": first}
+        print(f"{name}: {ms:.3f} ms per minibatch step (first update {first:.1f} s)", flush=True)
+    m = common.machine()
+    where = torch.cuda.get_device_name(device) if device.type == "cuda" else f"CPU: {m['cpu']}"
+    md = "\n".join(
+        [
+            "# Nature-CNN PPO minibatch step",
+            "",
+            f"{where}, torch {m['torch']}; batch {args.batch}, minibatch {args.minibatch}, {args.epochs} "
+            f"epochs, {args.updates} timed updates; commit {common.git_commit()}.",
+            f"Command: `{common.command_line(__file__)}`",
+            "",
+            "| variant | ms per minibatch step | first update s (compile, capture) |",
+            "|---|---:|---:|",
+            *(f"| {k} | {v['ms_per_step']:.3f} | {v['first_update_s']:.1f} |" for k, v in rows.items()),
+            "",
+            "Target: <= 1.5 ms per step on an H100.",
+            "",
+        ]
+    )
+    name = "minibatch_step" if device.type == "cuda" else "minibatch_step_cpu_dry_run"
+    common.write_report(args.out, name, {"device": where, "args": vars(args) | {"out": str(args.out)},
+                                         "machine": m, "rows": rows}, md)  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
