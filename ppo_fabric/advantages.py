@@ -16,29 +16,50 @@ def gae(
     next_value: Tensor,
     gamma: float,
     gae_lambda: float,
+    mask: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
     """Advantages and returns over a [T, E] rollout.
 
     The value each step bootstraps from: 0 after a termination, V(final observation) after a truncation
     (`final_values`), otherwise the value of the next stored step, and V(next_obs) (`next_value`, [E]) for
     the unfinished tail. Advantages never flow backwards across an episode end of either kind.
+
+    With a `mask` ([T, E], multi-agent rows) a column's chain runs over its masked steps only: a step
+    bootstraps from the column's next masked step (or `next_value`), and unmasked steps are skipped,
+    with advantage 0. In a turn-based game that is each agent's own decisions, so an agent's next value
+    is its own next decision's, never the opponent's; for agents that left a simultaneous-move episode
+    it changes nothing, since their last step is terminated.
     """
     done = terminated | truncated
-    next_values = torch.cat((values[1:], next_value.unsqueeze(0)), 0)
-    next_values = torch.where(truncated, final_values, next_values)
-    next_values = torch.where(terminated, torch.zeros_like(next_values), next_values)
-    deltas = rewards + gamma * next_values - values
-    carry = (~done).to(values.dtype) * (gamma * gae_lambda)
-    advantages = torch.empty_like(values)
+    if mask is None:
+        next_values = torch.cat((values[1:], next_value.unsqueeze(0)), 0)
+        next_values = torch.where(truncated, final_values, next_values)
+        next_values = torch.where(terminated, torch.zeros_like(next_values), next_values)
+        deltas = rewards + gamma * next_values - values
+        carry = (~done).to(values.dtype) * (gamma * gae_lambda)
+        advantages = torch.empty_like(values)
+        last = torch.zeros_like(next_value)
+        for t in range(values.shape[0] - 1, -1, -1):
+            last = torch.addcmul(deltas[t], carry[t], last)
+            advantages[t] = last
+        return advantages, advantages + values
+    advantages = torch.zeros_like(values)
     last = torch.zeros_like(next_value)
+    following = next_value  # per column: the value of its next masked step
     for t in range(values.shape[0] - 1, -1, -1):
-        last = torch.addcmul(deltas[t], carry[t], last)
-        advantages[t] = last
+        nv = torch.where(truncated[t], final_values[t], following)
+        nv = torch.where(terminated[t], torch.zeros_like(nv), nv)
+        delta = rewards[t] + gamma * nv - values[t]
+        adv = delta + (~done[t]).to(values.dtype) * (gamma * gae_lambda) * last
+        m = mask[t]
+        advantages[t] = torch.where(m, adv, advantages[t])
+        last = torch.where(m, adv, last)
+        following = torch.where(m, values[t], following)
     return advantages, advantages + values
 
 
 def compute_advantages(storage: TensorDict, next_value: Tensor, gamma: float, gae_lambda: float) -> None:
-    """Fill `advantages` and `returns` of a rollout storage in place."""
+    """Fill `advantages` and `returns` of a rollout storage in place (per agent chain when it has a `mask`)."""
     adv, ret = gae(
         storage["rewards"],
         storage["values"],
@@ -48,6 +69,7 @@ def compute_advantages(storage: TensorDict, next_value: Tensor, gamma: float, ga
         next_value,
         gamma,
         gae_lambda,
+        storage.get("mask", None),
     )
     storage["advantages"].copy_(adv)
     storage["returns"].copy_(ret)

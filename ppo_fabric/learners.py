@@ -21,11 +21,13 @@ from ppo_fabric.multiagent import (
     SINGLE,
     group_spaces,
     is_multiagent,
+    is_turn_based,
     make_parallel_env,
     policy_mapping,
     policy_settings,
     trained_policies,
 )
+from ppo_fabric.selfplay import check_selfplay
 
 
 @dataclass
@@ -59,20 +61,23 @@ def policy_specs(cfg: DictConfig) -> dict[str, PolicySpec]:
     if not is_multiagent(cfg.env):
         obs_space, action_space, width = probe_env(cfg.env, mask_mode)
         lr = float(cfg.algo.lr)
-        return {SINGLE: PolicySpec(SINGLE, obs_space, action_space, cfg.model, lr, True, 1, width)}
+        single = {SINGLE: PolicySpec(SINGLE, obs_space, action_space, cfg.model, lr, True, 1, width)}
+        check_selfplay(cfg, single, False)
+        return single
     ma = cfg.multiagent
     env = make_parallel_env(cfg.env)
     try:
         groups = policy_mapping(list(env.possible_agents), ma)
-        spaces = group_spaces(env, groups)
+        spaces = group_spaces(env, groups, masked=mask_mode == "auto")
+        turns = is_turn_based(env)
     finally:
         env.close()
-    if mask_mode == "auto":
-        for name, (obs_space, _) in spaces.items():
+    if mask_mode == "auto" and not turns:
+        for name, (obs_space, _, _) in spaces.items():
             if isinstance(obs_space, gym.spaces.Dict) and ACTION_MASK in obs_space.spaces:
                 raise EnvError(
-                    f"policy {name!r} observes an action_mask: action masks for PettingZoo envs are not "
-                    "supported yet; set algo.action_mask=off (the mask is then an ordinary observation key)"
+                    f"policy {name!r} observes an action_mask: action masks for PettingZoo Parallel envs are "
+                    "not supported yet; set algo.action_mask=off (the mask is then an ordinary observation key)"
                 )
     trained = trained_policies(ma)
     specs = {}
@@ -87,7 +92,14 @@ def policy_specs(cfg: DictConfig) -> dict[str, PolicySpec]:
             raise EnvError(f"multiagent.policies.{name}.lr={lr} must be a positive number")
         model = OmegaConf.merge(cfg.model, own.get("model") or {})
         lr = float(lr if lr is not None else cfg.algo.lr)
-        specs[name] = PolicySpec(name, *spaces[name], model, lr, name in trained, len(agents))
+        obs_space, action_space, width = spaces[name]
+        specs[name] = PolicySpec(
+            name, obs_space, action_space, model, lr, name in trained, len(agents), width
+        )
+    if turns and any(spec.state_shape is not None for spec in specs.values()):
+        # a waiting agent's state would advance on moves it did not make
+        raise EnvError("turn-based (AEC) envs take feed-forward policies only; drop model=lstm")
+    check_selfplay(cfg, specs, turns)
     return specs
 
 

@@ -19,8 +19,10 @@ from typing import Any
 import gymnasium as gym
 import numpy as np
 from omegaconf import DictConfig, OmegaConf
+from pettingzoo import AECEnv
 
 from ppo_fabric.envs import EnvError, env_seeds
+from ppo_fabric.turn_based import TurnBasedVectorEnv, split_observation_space
 
 API = "pettingzoo"
 SINGLE = "main"  # the one policy (and rollout group) of a single-agent env
@@ -32,7 +34,9 @@ def is_multiagent(env_cfg: DictConfig) -> bool:
 
 def make_parallel_env(env_cfg: DictConfig) -> Any:
     """`env.id` names a module with `parallel_env(**kwargs)` (PettingZoo's convention, e.g.
-    `mpe2.simple_spread_v3`) or `module:factory` for any callable returning a Parallel API env."""
+    `mpe2.simple_spread_v3`), a module with only `env(**kwargs)` returning a turn-based AEC env (e.g.
+    `pettingzoo.classic.connect_four_v3`), or `module:factory` for any callable returning either kind.
+    `is_turn_based` tells them apart."""
     env_id = str(env_cfg.id)
     module_name, _, attr = env_id.partition(":")
     try:
@@ -40,11 +44,13 @@ def make_parallel_env(env_cfg: DictConfig) -> Any:
     except ImportError as exc:
         hint = " (pip install 'ppo-fabric[mpe]')" if module_name.startswith("mpe2") else ""
         raise EnvError(f"env.id={env_id!r}: cannot import module {module_name!r}{hint} ({exc})") from exc
-    factory = getattr(module, attr or "parallel_env", None)
+    if not attr:  # Parallel first: modules offering both (MPE) keep the simultaneous-move API
+        attr = "parallel_env" if callable(getattr(module, "parallel_env", None)) else "env"
+    factory = getattr(module, attr, None)
     if not callable(factory):
         raise EnvError(
-            f"env.id={env_id!r}: module {module_name!r} has no {attr or 'parallel_env'}(); name a PettingZoo "
-            "parallel env module or module:factory"
+            f"env.id={env_id!r}: module {module_name!r} has no {attr}() nor parallel_env(); name a "
+            "PettingZoo env module or module:factory"
         )
     kwargs = OmegaConf.to_container(env_cfg.kwargs, resolve=True) if env_cfg.get("kwargs") else {}
     try:
@@ -52,8 +58,13 @@ def make_parallel_env(env_cfg: DictConfig) -> Any:
     except TypeError as exc:
         raise EnvError(f"env.id={env_id!r} rejects env.kwargs={kwargs}: {exc}") from exc
     if not hasattr(env, "possible_agents") or not hasattr(env, "step"):
-        raise EnvError(f"env.id={env_id!r} did not return a PettingZoo Parallel API env")
+        raise EnvError(f"env.id={env_id!r} did not return a PettingZoo Parallel or AEC API env")
     return env
+
+
+def is_turn_based(env: Any) -> bool:
+    """A PettingZoo AEC env (agents move one at a time, `agent_selection` says whose turn it is)."""
+    return isinstance(env, AECEnv)
 
 
 SHARED = "shared"  # the one policy of a multi-agent run that names none
@@ -131,8 +142,12 @@ def trained_policies(ma_cfg: DictConfig) -> list[str]:
     return [p for p in names if p in chosen]
 
 
-def group_spaces(env: Any, groups: dict[str, list[str]]) -> dict[str, tuple[gym.Space, gym.Space]]:
-    """Each policy's observation and action space; all agents of one policy must share them."""
+def group_spaces(
+    env: Any, groups: dict[str, list[str]], masked: bool = False
+) -> dict[str, tuple[gym.Space, gym.Space, int | None]]:
+    """Each policy's observation space, action space and action-mask width (turn-based games with
+    `masked`: the `action_mask` key leaves the observation); all agents of one policy must share them."""
+    turns = is_turn_based(env)
     spaces = {}
     for policy, agents in groups.items():
         first = (env.observation_space(agents[0]), env.action_space(agents[0]))
@@ -142,7 +157,8 @@ def group_spaces(env: Any, groups: dict[str, list[str]]) -> dict[str, tuple[gym.
                     f"agents {agents[0]!r} and {agent!r} share policy {policy!r} but have different spaces; "
                     "map them to different policies"
                 )
-        spaces[policy] = first
+        obs_space, width = split_observation_space(first[0], masked and turns)
+        spaces[policy] = (obs_space, first[1], width)
     return spaces
 
 
@@ -266,9 +282,10 @@ def _env_action(action: np.ndarray) -> Any:
 
 
 def make_multiagent_vector_env(
-    env_cfg: DictConfig, ma_cfg: DictConfig, seed: int, rank: int
-) -> tuple[MultiAgentVectorEnv, dict[str, np.ndarray]]:
-    """The rank's vector env over `env.num_envs` copies, already reset; returns (envs, first observations)."""
+    env_cfg: DictConfig, ma_cfg: DictConfig, seed: int, rank: int, masked: bool = False
+) -> tuple[Any, dict[str, np.ndarray]]:
+    """The rank's vector env over `env.num_envs` copies, already reset; returns (envs, first observations).
+    A turn-based (AEC) env gets `turn_based.TurnBasedVectorEnv`, with its action masks when `masked`."""
     for key in ("normalize_obs", "normalize_reward", "mask_velocity"):
         if env_cfg.get(key, False):
             raise EnvError(f"env.{key}=true is not supported for PettingZoo envs yet")
@@ -277,8 +294,12 @@ def make_multiagent_vector_env(
     probe = factories[0]()
     try:
         groups = policy_mapping(list(probe.possible_agents), ma_cfg)
+        turns = is_turn_based(probe)
     finally:
         probe.close()
-    envs = MultiAgentVectorEnv(factories, groups)
+    if turns:
+        envs: Any = TurnBasedVectorEnv(factories, groups, masked)
+    else:
+        envs = MultiAgentVectorEnv(factories, groups)
     first = envs.reset(seed=env_seeds(seed, rank, int(env_cfg.num_envs)))
     return envs, first

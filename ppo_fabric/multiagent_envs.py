@@ -1,4 +1,5 @@
-"""Two tiny PettingZoo Parallel environments that PPO solves in seconds, with known optimal returns.
+"""Two tiny PettingZoo Parallel environments that PPO solves in seconds, with known optimal returns, and a
+scripted turn-based (AEC) game, `turn_v0`, whose rewards and values are known move by move.
 
 They play the role the probe environments play for single-agent PPO: small enough to train in a test,
 yet each one fails loudly if a piece of the multi-agent plumbing is wrong.
@@ -21,7 +22,7 @@ from typing import Any
 
 import gymnasium as gym
 import numpy as np
-from pettingzoo import ParallelEnv
+from pettingzoo import AECEnv, ParallelEnv
 
 AgentID = str
 StepResult = tuple[
@@ -255,3 +256,91 @@ def matching_v0(**kwargs: Any) -> MatchingGame:
 def teams_v0(**kwargs: Any) -> TeamsGame:
     """Build a `TeamsGame`; the `_v0` name follows PettingZoo's convention for env constructors."""
     return TeamsGame(**kwargs)
+
+
+class TurnGame(AECEnv):
+    """Turn-based (AEC), two players, scripted rewards: a probe for how a turn-based game's rewards reach
+    each player and how each player's moves bootstrap from its own next move.
+
+    - Agents `first` and `second` move in turn, `first` opening; a game lasts `length` moves in all.
+    - Observation of either agent: `{"observation": Box(0, length, (2,), float32), "action_mask":
+      Box(0, 1, (3,), int8)}`; `observation` = (moves made so far k, the observer's seat 0/1), the mask
+      (the mover's only; all zeros for the agent that waits) forbids action k % 3. An illegal move raises
+      ValueError, so a run that takes one fails.
+    - Rewards after each move: the mover `move_reward`, the other agent `wait_reward`; the last move
+      instead gives the mover `win_reward` and the other `-win_reward` (the loser learns it only after
+      the opponent's move). Both agents are terminated together after the last move.
+    """
+
+    metadata: dict[str, Any] = {"name": "turn_v0", "render_modes": [], "is_parallelizable": False}
+
+    def __init__(
+        self,
+        length: int = 4,
+        move_reward: float = 1.0,
+        wait_reward: float = 0.5,
+        win_reward: float = 10.0,
+        render_mode: str | None = None,
+    ) -> None:
+        super().__init__()
+        if length < 1:
+            raise ValueError(f"length must be at least 1 (got {length})")
+        self.length = length
+        self.move_reward, self.wait_reward, self.win_reward = move_reward, wait_reward, win_reward
+        self.render_mode = render_mode
+        self.possible_agents = ["first", "second"]
+        obs = gym.spaces.Dict(
+            {
+                "observation": gym.spaces.Box(0.0, float(length), (2,), np.float32),
+                "action_mask": gym.spaces.Box(0, 1, (3,), np.int8),
+            }
+        )
+        self.observation_spaces = dict.fromkeys(self.possible_agents, obs)
+        self.action_spaces = {a: gym.spaces.Discrete(3) for a in self.possible_agents}
+        self.moves = 0
+
+    def observation_space(self, agent: AgentID) -> gym.Space:
+        return self.observation_spaces[agent]
+
+    def action_space(self, agent: AgentID) -> gym.Space:
+        return self.action_spaces[agent]
+
+    def legal(self) -> np.ndarray:
+        mask = np.ones(3, dtype=np.int8)
+        mask[self.moves % 3] = 0
+        return mask
+
+    def observe(self, agent: AgentID) -> dict[str, np.ndarray]:
+        seat = self.possible_agents.index(agent)
+        mask = self.legal() if agent == self.agent_selection else np.zeros(3, dtype=np.int8)
+        return {"observation": np.array([self.moves, seat], dtype=np.float32), "action_mask": mask}
+
+    def reset(self, seed: int | None = None, options: dict | None = None) -> None:
+        self.agents = list(self.possible_agents)
+        self.moves = 0
+        self.agent_selection = self.agents[0]
+        self.rewards = dict.fromkeys(self.agents, 0.0)
+        self._cumulative_rewards = dict.fromkeys(self.agents, 0.0)
+        self.terminations = dict.fromkeys(self.agents, False)
+        self.truncations = dict.fromkeys(self.agents, False)
+        self.infos = {a: {} for a in self.agents}
+
+    def step(self, action: int) -> None:
+        mover = self.agent_selection
+        other = self.agents[1 - self.agents.index(mover)]
+        if not self.legal()[int(action)]:
+            raise ValueError(f"illegal move {action} by {mover} at move {self.moves}")
+        self.moves += 1
+        if self.moves == self.length:
+            self.rewards = {mover: self.win_reward, other: -self.win_reward}
+            self.terminations = dict.fromkeys(self.agents, True)
+        else:
+            self.rewards = {mover: self.move_reward, other: self.wait_reward}
+        for agent, reward in self.rewards.items():
+            self._cumulative_rewards[agent] += reward
+        self.agent_selection = other
+
+
+def turn_v0(**kwargs: Any) -> TurnGame:
+    """Build a `TurnGame` (AEC API)."""
+    return TurnGame(**kwargs)

@@ -68,6 +68,7 @@ def main(fabric: Fabric, cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
             layout.rank_minibatch,
         )
         t2 = time.perf_counter()
+        collector.after_update(policies, update + 1)
         session.watch.add("collect", t1 - t0)
         session.watch.add("train", t2 - t1)
         done = update + 1

@@ -198,6 +198,7 @@ class Player:
         vector_to_parameters(flat.to(self.device), self.params)
         session.watch.add("wait_params", time.perf_counter() - t0)
         if version > session.start_update:
+            self.collector.after_update(self.policies, version)
             if session.log_due(version):
                 several = len(self.topo.players) > 1
                 episodes = episode_metrics(self.collector, self.link.sum_over_players if several else None)

@@ -24,6 +24,7 @@ from ppo_fabric.envs import ACTION_MASK, EnvError, current_action_masks, make_ve
 from ppo_fabric.learners import PolicySpec
 from ppo_fabric.multiagent import SINGLE, make_multiagent_vector_env
 from ppo_fabric.normalize import Reduce, sync_normalizers
+from ppo_fabric.selfplay import SelfPlay
 
 
 @dataclass
@@ -133,12 +134,14 @@ class RolloutCollector:
             if ACTION_MASK in present:
                 nvec = space.nvec.reshape(-1) if isinstance(space, gym.spaces.MultiDiscrete) else [space.n]
                 group.mask_starts = np.cumsum([0, *nvec[:-1]]).astype(np.int64)
-                group.next_mask = self._legal(group, current_action_masks(envs), 0)
+                group.next_mask = self._legal(group, self._current_masks(name), 0)
             self.groups.append(group)
         # All episodes (every agent's, in multi-agent envs): what `final_mean_return` reports overall.
         self.episodes = self.groups[0].episodes if not self.multiagent else EpisodeLog()
         self.num_envs = int(envs.num_envs)
         self.buffer: Any = None  # multi-agent: the per-agent MultiAgentRolloutBuffer view of the storages
+        self.turn_based = bool(getattr(envs, "turn_based", False))  # AEC games: one agent moves per step
+        self.selfplay: SelfPlay | None = None  # two-player games against a pool of snapshots
 
     @property
     def storage(self) -> TensorDict:
@@ -152,6 +155,9 @@ class RolloutCollector:
     @property
     def next_obs(self) -> Obs:
         return self.groups[0].next_obs
+
+    def _current_masks(self, name: str) -> np.ndarray:
+        return self.envs.action_masks[name] if self.multiagent else current_action_masks(self.envs)
 
     def _check_legal(self, g: Group, masks: np.ndarray, env_step: int) -> None:
         """Every env copy has a legal action in every action dimension; raises EnvError naming the env."""
@@ -196,6 +202,10 @@ class RolloutCollector:
             policies = {SINGLE: policies}
         groups = self.groups
         acting = [policies[g.name] for g in groups]
+        last = [np.full(g.storage.batch_size[1], -1) for g in groups]  # turn-based: each row's last decision
+        sp = self.selfplay
+        if sp is not None:
+            sp.start(acting[0], 0)  # a fresh run's pool begins with the initial weights
         for g, policy in zip(groups, acting, strict=True):
             g.storage["final_values"].zero_()
             if g.state is None and policy.recurrent:
@@ -225,9 +235,12 @@ class RolloutCollector:
                 env_action = action.cpu().numpy()
                 if g.clip is not None:
                     env_action = np.clip(env_action, *g.clip)
+                # self-play: the opponents' seats play their snapshots' moves; only the learner trains
+                if sp is not None:
+                    env_action = sp.act(obs[i], masks[i], env_action, g.alive)
                 env_actions.append(env_action)
                 if g.alive is not None:
-                    g.host["mask"][t] = g.alive
+                    g.host["mask"][t] = g.alive if sp is None else g.alive & sp.learner_rows()
             results = self._step(env_actions)
             for i, (g, policy, result) in enumerate(zip(groups, acting, results, strict=True)):
                 h = g.host
@@ -246,6 +259,8 @@ class RolloutCollector:
                     g.state = next_state * keep.view(-1, *([1] * (next_state.dim() - 1)))
                 if g.alive is not None:
                     g.alive = info["alive"]
+                if self.turn_based:
+                    credit_waiting(h, g.storage["final_values"], t, last[i])
                 if "_episode" in info:
                     ep = info["episode"]
                     step = env_step + (t + 1) * self.num_envs
@@ -253,6 +268,10 @@ class RolloutCollector:
                         g.episodes.add(step, float(ep["r"][j]), int(ep["l"][j]))
                         if self.multiagent:
                             self.episodes.add(step, float(ep["r"][j]), int(ep["l"][j]))
+                    if self.turn_based:  # a new game: nothing later is credited to the old one's moves
+                        last[i][info["_episode"]] = -1
+                    if sp is not None:
+                        sp.episodes_ended(info["_episode"], ep["r"])
                 if t + 1 < num_steps:
                     _put(h["obs"], t + 1, next_obs)
                     obs[i] = _row(h["obs"], t + 1, self.device)  # a view on CPU: no copy
@@ -265,8 +284,8 @@ class RolloutCollector:
                         masks[i] = _row(h[ACTION_MASK], t + 1, self.device)
                     else:
                         masks[i] = torch.from_numpy(step_masks).to(self.device)
-        for g, policy, (actions, logprobs, states), last, last_mask in zip(
-            groups, acting, outputs, obs, masks, strict=True
+        for g, policy, (actions, logprobs, states), final, last_mask, decided in zip(
+            groups, acting, outputs, obs, masks, last, strict=True
         ):
             s = g.storage
             torch.stack(actions, out=s["actions"])
@@ -277,14 +296,23 @@ class RolloutCollector:
                 for key, host in g.host.items():
                     _copy_in(s[key], host)
             s["values"].copy_(_values(policy, s, self.VALUE_CHUNK))
-            g.next_obs = last
+            g.next_obs = final
             if last_mask is not None:  # a view of the host array on CPU, which the next rollout overwrites
                 g.next_mask = last_mask.clone()
-            compute_advantages(s, policy.get_value(last, g.state), self.gamma, self.gae_lambda)
+            next_value = policy.get_value(final, g.state)
+            if self.turn_based:
+                movers = g.alive if sp is None else g.alive & sp.learner_rows()
+                close_open_decisions(s, next_value, decided, movers)
+            compute_advantages(s, next_value, self.gamma, self.gae_lambda)
         sync_normalizers(self.envs, self.reduce)
         if self.buffer is not None:
             self.buffer.mark_collected(num_steps)
         return num_steps * self.num_envs
+
+    def after_update(self, policies: Mapping[str, ActorCritic], version: int) -> None:
+        """The learner reached update `version`: self-play takes a snapshot when one is due."""
+        if self.selfplay is not None:
+            self.selfplay.after_update(next(iter(policies.values())), version)
 
     def carry(self) -> dict[str, Any]:
         """What continues from one rollout to the next besides the envs: each group's next observation, its
@@ -315,8 +343,50 @@ class RolloutCollector:
             g.alive = None if alive is None else np.array(alive, dtype=bool)
             if g.next_mask is not None:
                 mask = saved.get(ACTION_MASK)
-                mask = current_action_masks(self.envs) if mask is None else np.asarray(mask, dtype=bool)
+                mask = self._current_masks(g.name) if mask is None else np.asarray(mask, dtype=bool)
                 g.next_mask = torch.from_numpy(mask).to(self.device)
+
+
+def credit_waiting(host: dict[str, Any], final_values: torch.Tensor, t: int, last: np.ndarray) -> None:
+    """Turn-based games: route step `t`'s results to each agent's own last decision.
+
+    Rows that made a (trained) decision at `t` (`mask`) keep their reward and end flags there and `t`
+    becomes their last decision. A row that waited gets what reached it during the others' moves
+    (the reward of a game the opponent ended, the end itself, a truncation's final value) added to its
+    last decision in this rollout; rewards of a decision made in an earlier rollout are dropped with it
+    (`close_open_decisions` leaves such decisions out of training)."""
+    decided = host["mask"][t]
+    waiting = np.flatnonzero(~decided & (last >= 0))
+    if waiting.size:
+        at = last[waiting]
+        host["rewards"][at, waiting] += host["rewards"][t, waiting]
+        host["terminated"][at, waiting] |= host["terminated"][t, waiting]
+        cut = host["truncated"][t, waiting] & ~host["terminated"][t, waiting]
+        host["truncated"][at, waiting] |= cut
+        if cut.any():
+            rows = torch.from_numpy(waiting[cut]).to(final_values.device)
+            steps = torch.from_numpy(at[cut]).to(final_values.device)
+            final_values[steps, rows] = final_values[t, rows]
+    last[decided] = t
+
+
+def close_open_decisions(
+    storage: TensorDict, next_value: torch.Tensor, last: np.ndarray, movers: np.ndarray
+) -> None:
+    """The rollout's tail in a turn-based game: an agent about to move bootstraps from V(its observation),
+    its next decision's value. An agent waiting on the opponent has a last decision whose outcome is not
+    known yet (the opponent's reply comes in the next rollout): that decision leaves training (`mask`
+    False) and the decision before it bootstraps from its value, so every trained step's return is exact."""
+    rows = np.flatnonzero(last >= 0)
+    rows = rows[~movers[rows]]
+    if not rows.size:
+        return
+    steps = torch.from_numpy(last[rows]).to(next_value.device)
+    index = torch.from_numpy(rows).to(next_value.device)
+    done = storage["terminated"][steps, index] | storage["truncated"][steps, index]
+    steps, index = steps[~done], index[~done]
+    storage["mask"][steps, index] = False
+    next_value[index] = storage["values"][steps, index]
 
 
 def _values(policy: ActorCritic, storage: TensorDict, chunk: int) -> torch.Tensor:
@@ -393,12 +463,16 @@ def build_collector(
         envs, first = make_vector_env(cfg.env, int(cfg.seed), rank, float(algo.gamma), reduce, width)
         storage: Any = policy_storage(steps, copies, specs[SINGLE], device)
     else:
-        envs, first = make_multiagent_vector_env(cfg.env, cfg.multiagent, int(cfg.seed), rank)
+        masked = any(spec.action_mask is not None for spec in specs.values())
+        envs, first = make_multiagent_vector_env(cfg.env, cfg.multiagent, int(cfg.seed), rank, masked)
         storage = {name: policy_storage(steps, copies, spec, device) for name, spec in specs.items()}
     gamma, lam = float(algo.gamma), float(algo.gae_lambda)
     collector = RolloutCollector(envs, first, storage, gamma, lam, reduce, str(cfg.env.id))
     if collector.multiagent:
         collector.buffer = MultiAgentRolloutBuffer(storage, envs.groups, envs.num_envs)
+    if cfg.get("selfplay") is not None and bool(cfg.selfplay.enabled):
+        spec = next(iter(specs.values()))
+        collector.selfplay = SelfPlay(cfg.selfplay, spec, envs.num_envs, torch.device(device), rank)
     return collector
 
 

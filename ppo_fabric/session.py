@@ -285,7 +285,7 @@ def collector_state(collector: RolloutCollector) -> dict[str, Any]:
         "episodes": list(collector.episodes.window),
         "episode_count": collector.episodes.count,
         "policy_episodes": {g.name: (list(g.episodes.window), g.episodes.count) for g in collector.groups},
-    }
+    } | ({} if collector.selfplay is None else {"selfplay": collector.selfplay.state()})
 
 
 def resume_collector(
@@ -302,6 +302,8 @@ def resume_collector(
         restore_collector(collector, ranks[rank])
         return None
     if saved:
+        if collector.selfplay is not None and "selfplay" in saved[0]:  # the pool, without per-copy seats
+            collector.selfplay.load_state(saved[0]["selfplay"], exact=False)
         load_normalizer_state(collector.envs, saved[0].get("normalizers", {}))
         first = renormalized_reset(collector.envs, None)  # the next observation, with the loaded statistics
         if first is not None and not collector.multiagent:
@@ -327,6 +329,8 @@ def restore_collector(collector: RolloutCollector, state: dict[str, Any]) -> Non
             window, count = state["policy_episodes"][g.name]
             g.episodes.window.extend(window)
             g.episodes.count = count
+    if collector.selfplay is not None and "selfplay" in state:
+        collector.selfplay.load_state(state["selfplay"], exact=state["envs"] is not None)
     ckpt.set_rng_state(state["rng"])
 
 
@@ -352,6 +356,8 @@ def episode_metrics(collector: RolloutCollector, sum_over_ranks: Reduce | None) 
     out: dict[str, float] = {}
     for (name, _), row in zip(logs, sums, strict=True):
         out |= {metric_name(name, k): v for k, v in episode_means(row).items()}
+    if collector.selfplay is not None:
+        out |= collector.selfplay.metrics(sum_over_ranks)
     return out
 
 

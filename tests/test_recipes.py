@@ -36,3 +36,13 @@ def test_mujoco_recipe_validates_with_the_extra(tmp_path: Path, monkeypatch: pyt
     cfg, _ = compose(["exp=mujoco"])
     facts = validate(cfg)  # builds one env: the id, the spaces and the batch arithmetic are accepted
     assert isinstance(facts, dict)
+
+
+@pytest.mark.parametrize("recipe", ["tictactoe", "connect_four"])
+def test_board_game_recipes_are_self_play(recipe: str) -> None:
+    """The recipes turn self-play on (a config group, so they can) and validate: AEC detected, masks on."""
+    cfg, _ = compose([f"exp={recipe}"])
+    assert cfg.env.id == f"pettingzoo.classic.{recipe}_v3" and cfg.selfplay.enabled is True
+    assert cfg.selfplay.sampling == "pfsp"
+    facts = validate(cfg)
+    assert facts["action_space"]["shared"].n == (9 if recipe == "tictactoe" else 7)

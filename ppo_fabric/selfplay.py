@@ -1,0 +1,379 @@
+"""Self-play in two-player turn-based games: the learner against frozen snapshots of itself.
+
+Every `selfplay.snapshot_every` updates the learner's weights join an opponent pool (at most
+`selfplay.pool_size`, the oldest leaves first). In every env copy each episode pairs the learner with one
+snapshot, drawn by `selfplay.sampling`:
+
+- `uniform`: every snapshot alike;
+- `latest`: the newest with probability `latest_prob`, the rest uniformly;
+- `pfsp` (prioritised fictitious self-play): weight (1 - p)^`pfsp_power` where p is the learner's smoothed
+  score against the snapshot ((wins + draws/2 + 1) / (games + 2)), so opponents it still loses to play more.
+
+Seats alternate per episode in each copy. The seat -> policy mapping therefore changes from episode to
+episode: the rollout's `mask` keeps only the learner's decisions (`learner_rows`), the only rows trained.
+The pool's snapshots and win statistics are plain tensors and numbers (`state`/`load_state`), saved with
+each collecting rank's part of a checkpoint and restored on resume.
+
+`play_match` plays two sets of weights against each other (seats alternated) and returns the results:
+the hook a rating of snapshots (Elo) is computed from.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+from omegaconf import DictConfig, OmegaConf
+
+from ppo_fabric.agent import ActorCritic
+from ppo_fabric.envs import EnvError
+from ppo_fabric.multiagent import make_multiagent_vector_env
+
+SAMPLING = ("uniform", "latest", "pfsp")
+WIN, DRAW, LOSS = 1, 0, -1
+
+
+# ---------------------------------------------------------------------------------------------- config
+def check_selfplay(cfg: DictConfig, specs: dict[str, Any], turn_based: bool) -> None:
+    """One-line errors for `selfplay.*` (raised as EnvError, which the launcher reports as a config error)."""
+    sp = cfg.get("selfplay")
+    if sp is None or not bool(sp.get("enabled", False)):
+        return
+    if not turn_based:
+        raise EnvError(
+            "selfplay.enabled=true needs a two-player turn-based PettingZoo game (env=pettingzoo "
+            "env.id=pettingzoo.classic.connect_four_v3, ...)"
+        )
+    if len(specs) != 1:
+        raise EnvError("selfplay.enabled=true trains one policy for both seats; set multiagent.policies=null")
+    spec = next(iter(specs.values()))
+    if spec.agents != 2:
+        raise EnvError(f"selfplay needs a two-player game; env.id={cfg.env.id} has {spec.agents} players")
+    for key in ("snapshot_every", "pool_size"):
+        value = sp.get(key)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise EnvError(f"selfplay.{key}={value} must be a positive integer")
+    if sp.get("sampling") not in SAMPLING:
+        raise EnvError(f"selfplay.sampling={sp.get('sampling')} must be one of {', '.join(SAMPLING)}")
+    latest = sp.get("latest_prob")
+    if isinstance(latest, bool) or not isinstance(latest, (int, float)) or not 0 <= latest <= 1:
+        raise EnvError(f"selfplay.latest_prob={latest} must be a number in [0, 1]")
+    power = sp.get("pfsp_power")
+    if isinstance(power, bool) or not isinstance(power, (int, float)) or power < 0:
+        raise EnvError(f"selfplay.pfsp_power={power} must be a number >= 0")
+
+
+# ------------------------------------------------------------------------------------------- sampling
+def learner_scores(wins: np.ndarray, draws: np.ndarray, losses: np.ndarray) -> np.ndarray:
+    """The learner's score against each snapshot, (wins + draws/2 + 1) / (games + 2): 1/2 before any game."""
+    games = wins + draws + losses
+    return (wins + 0.5 * draws + 1.0) / (games + 2.0)
+
+
+def pfsp_weights(scores: np.ndarray, power: float) -> np.ndarray:
+    """Prioritised fictitious self-play ("hard" weighting): (1 - score)^power, normalised."""
+    weights = (1.0 - np.asarray(scores, dtype=np.float64)) ** power
+    return weights / weights.sum()
+
+
+def sampling_probabilities(
+    mode: str, scores: np.ndarray, latest_prob: float = 0.5, power: float = 2.0
+) -> np.ndarray:
+    """Each snapshot's chance to be the next opponent; snapshots in the order they joined (newest last)."""
+    n = len(scores)
+    if mode == "uniform" or n == 1:
+        return np.full(n, 1.0 / n)
+    if mode == "latest":
+        probs = np.full(n, (1.0 - latest_prob) / (n - 1))
+        probs[-1] = latest_prob
+        return probs
+    if mode == "pfsp":
+        return pfsp_weights(scores, power)
+    raise ValueError(f"unknown sampling {mode!r}")
+
+
+# ----------------------------------------------------------------------------------------------- pool
+@dataclass
+class Snapshot:
+    id: int
+    version: int  # the update the weights are from
+    weights: dict[str, torch.Tensor]
+    wins: int = 0
+    draws: int = 0
+    losses: int = 0
+
+
+@dataclass
+class OpponentPool:
+    """Frozen snapshots of the learner and how the learner fared against each (from training games)."""
+
+    size: int
+    sampling: str = "pfsp"
+    latest_prob: float = 0.5
+    power: float = 2.0
+    snapshots: list[Snapshot] = field(default_factory=list)
+    next_id: int = 0
+
+    def add(self, weights: dict[str, torch.Tensor], version: int) -> Snapshot:
+        snap = Snapshot(self.next_id, version, {k: v.detach().cpu().clone() for k, v in weights.items()})
+        self.next_id += 1
+        self.snapshots.append(snap)
+        del self.snapshots[: -self.size]
+        return snap
+
+    def get(self, snap_id: int) -> Snapshot | None:
+        return next((s for s in self.snapshots if s.id == snap_id), None)
+
+    def probabilities(self) -> np.ndarray:
+        stats = np.array([[s.wins, s.draws, s.losses] for s in self.snapshots], dtype=np.float64)
+        scores = learner_scores(stats[:, 0], stats[:, 1], stats[:, 2])
+        return sampling_probabilities(self.sampling, scores, self.latest_prob, self.power)
+
+    def sample(self) -> int:
+        """A snapshot id, drawn with numpy's global generator (checkpoints save and restore its state)."""
+        return self.snapshots[int(np.random.choice(len(self.snapshots), p=self.probabilities()))].id
+
+    def record(self, snap_id: int, outcome: int) -> None:
+        snap = self.get(snap_id)
+        if snap is None:  # left the pool during the game
+            return
+        if outcome == WIN:
+            snap.wins += 1
+        elif outcome == LOSS:
+            snap.losses += 1
+        else:
+            snap.draws += 1
+
+    def state(self) -> dict[str, Any]:
+        """Plain data (tensors, ints, lists): what `torch.load(weights_only=True)` reads back."""
+        return {
+            "next_id": self.next_id,
+            "snapshots": [
+                {
+                    "id": s.id,
+                    "version": s.version,
+                    "weights": dict(s.weights),
+                    "wins": s.wins,
+                    "draws": s.draws,
+                    "losses": s.losses,
+                }  # fmt: skip
+                for s in self.snapshots
+            ],
+        }
+
+    def load_state(self, state: dict[str, Any]) -> None:
+        self.next_id = int(state["next_id"])
+        self.snapshots = [
+            Snapshot(
+                int(s["id"]),
+                int(s["version"]),
+                dict(s["weights"]),
+                int(s["wins"]),
+                int(s["draws"]),
+                int(s["losses"]),
+            )  # fmt: skip
+            for s in state["snapshots"]
+        ][-self.size :]
+
+
+# ----------------------------------------------------------------------------------- the acting side
+class SelfPlay:
+    """One collecting rank's opponents: which seat the learner holds and which snapshot it meets in each
+    env copy, the frozen opponent networks, and the learner's results since the last `metrics()`."""
+
+    def __init__(self, sp_cfg: DictConfig, spec: Any, num_envs: int, device: torch.device, rank: int = 0):
+        self.every = int(sp_cfg.snapshot_every)
+        self.pool = OpponentPool(
+            int(sp_cfg.pool_size), str(sp_cfg.sampling), float(sp_cfg.latest_prob), float(sp_cfg.pfsp_power)
+        )
+        self.spec, self.device, self.num_envs = spec, device, num_envs
+        self.seat = (np.arange(num_envs) + rank) % 2  # the learner's seat in each copy
+        self.opponent = np.full(num_envs, -1, dtype=np.int64)  # the snapshot id each copy plays
+        self.nets: dict[int, ActorCritic] = {}
+        self.results = np.zeros(3, dtype=np.int64)  # wins, draws, losses since the last metrics()
+        # Called with (pool, new snapshot) whenever a snapshot joins: where a rating of the snapshots (Elo,
+        # from `match_weights` games between the newcomer and the pool) plugs in.
+        self.on_snapshot: Callable[[OpponentPool, Snapshot], None] | None = None
+
+    def start(self, policy: ActorCritic, version: int) -> None:
+        """Seed an empty pool with the learner as it is, and give every copy an opponent."""
+        if not self.pool.snapshots:
+            self.pool.add(policy.state_dict(), version)
+        for e in range(self.num_envs):
+            if self.pool.get(int(self.opponent[e])) is None:
+                self.opponent[e] = self.pool.sample()
+
+    def opponent_to_move(self, movers: np.ndarray) -> np.ndarray:
+        """The copies whose opponent seat moves now."""
+        copies = np.arange(self.num_envs)
+        return copies[movers[copies * 2 + 1 - self.seat]]
+
+    def learner_rows(self) -> np.ndarray:
+        """[copies * 2] True where the learner holds the seat (row = copy * 2 + seat)."""
+        rows = np.zeros(self.num_envs * 2, dtype=bool)
+        rows[np.arange(self.num_envs) * 2 + self.seat] = True
+        return rows
+
+    def _net(self, snap_id: int) -> ActorCritic:
+        net = self.nets.get(snap_id)
+        if net is None:
+            snap = self.pool.get(snap_id)
+            assert snap is not None, f"snapshot {snap_id} is no longer in the pool"
+            with torch.random.fork_rng(devices=[]):  # its random init is overwritten: leave the RNG as it was
+                net = ActorCritic(self.spec.obs_space, self.spec.action_space, self.spec.model)
+            net.load_state_dict(snap.weights)
+            self.nets[snap_id] = net.to(self.device).eval()
+        return net
+
+    @torch.inference_mode()
+    def act(
+        self, obs: Any, masks: torch.Tensor | None, actions: np.ndarray, movers: np.ndarray
+    ) -> np.ndarray:
+        """`actions` with the entries of opponents about to move (`movers`: rows whose turn it is) replaced
+        by their snapshots' choices."""
+        actions = actions.copy()
+        opponent_moves = self.opponent_to_move(movers)
+        for snap_id in np.unique(self.opponent[opponent_moves]):
+            copies = opponent_moves[self.opponent[opponent_moves] == snap_id]
+            rows = torch.from_numpy(copies * 2 + 1 - self.seat[copies]).to(self.device)
+            mask = None if masks is None else masks[rows]
+            chosen, _, _ = self._net(int(snap_id)).sample(obs[rows], None, False, mask)
+            actions[rows.cpu().numpy()] = chosen.cpu().numpy()
+        return actions
+
+    def episodes_ended(self, ended: np.ndarray, returns: np.ndarray) -> None:
+        """Per row (`_episode`, `episode.r`): record the learner's result in every copy whose game ended,
+        then swap seats and draw the copy's next opponent."""
+        for e in np.flatnonzero(ended.reshape(self.num_envs, 2).any(1)):
+            ret = float(returns[e * 2 + self.seat[e]])
+            outcome = WIN if ret > 0 else LOSS if ret < 0 else DRAW
+            self.pool.record(int(self.opponent[e]), outcome)
+            self.results[1 - outcome] += 1  # WIN -> 0, DRAW -> 1, LOSS -> 2
+            self.seat[e] = 1 - self.seat[e]
+            self.opponent[e] = self.pool.sample()
+        self._prune()
+
+    def after_update(self, policy: ActorCritic, version: int) -> None:
+        """Every `snapshot_every` updates the learner's weights join the pool."""
+        if version % self.every == 0:
+            snap = self.pool.add(policy.state_dict(), version)
+            self._prune()
+            if self.on_snapshot is not None:
+                self.on_snapshot(self.pool, snap)
+
+    def _prune(self) -> None:
+        keep = {s.id for s in self.pool.snapshots} | set(self.opponent.tolist())
+        for snap_id in [i for i in self.nets if i not in keep]:
+            del self.nets[snap_id]
+
+    def metrics(
+        self, sum_over_ranks: Callable[[torch.Tensor], torch.Tensor] | None = None
+    ) -> dict[str, float]:
+        """Win/draw/loss rates of the learner in the training games finished since the last call, over
+        every collecting rank (`sum_over_ranks`), and the pool's size."""
+        counts = torch.tensor(self.results, dtype=torch.float64)
+        self.results[:] = 0
+        if sum_over_ranks is not None:
+            counts = sum_over_ranks(counts)
+        games = float(counts.sum())
+        out = {"selfplay/games": games, "selfplay/pool_size": float(len(self.pool.snapshots))}
+        if games:
+            wins, draws, losses = (counts / games).tolist()
+            out |= {"selfplay/win_rate": wins, "selfplay/draw_rate": draws, "selfplay/loss_rate": losses}
+        return out
+
+    def state(self) -> dict[str, Any]:
+        return {
+            "pool": self.pool.state(),
+            "seat": torch.from_numpy(self.seat.copy()),
+            "opponent": torch.from_numpy(self.opponent.copy()),
+        }
+
+    def load_state(self, state: dict[str, Any], exact: bool) -> None:
+        """The pool always; the seats and opponents per copy only when the copies are the same ones."""
+        self.pool.load_state(state["pool"])
+        self.nets.clear()
+        if exact:
+            self.seat = np.asarray(state["seat"], dtype=np.int64).copy()
+            self.opponent = np.asarray(state["opponent"], dtype=np.int64).copy()
+        for e in range(self.num_envs):
+            if self.pool.get(int(self.opponent[e])) is None:
+                self.opponent[e] = self.pool.sample()
+
+
+# ------------------------------------------------------------------------------------------ matches
+Actor = Callable[[Any, torch.Tensor | None], np.ndarray]
+
+
+def policy_actor(policy: ActorCritic, deterministic: bool = False) -> Actor:
+    """A policy as `play_match` calls it: observations and legal-move masks in, actions out."""
+
+    @torch.inference_mode()
+    def act(obs: Any, mask: torch.Tensor | None) -> np.ndarray:
+        return policy.sample(obs, None, deterministic, mask)[0].cpu().numpy()
+
+    return act
+
+
+def random_actor(seed: int = 0) -> Actor:
+    """A uniformly random player over the legal moves."""
+    rng = np.random.default_rng(seed)
+
+    def act(obs: Any, mask: torch.Tensor | None) -> np.ndarray:
+        legal = mask.cpu().numpy()
+        return np.array([rng.choice(np.flatnonzero(row)) for row in legal])
+
+    return act
+
+
+def play_match(env_cfg: DictConfig, first: Actor, second: Actor, games: int, seed: int = 0) -> list[int]:
+    """`games` games of `first` against `second` on `env.num_envs` copies, seats alternated (even games
+    with `first` in seat 0); returns each game's result for `first` (1 win, 0 draw, -1 loss).
+
+    The hook for rating snapshots: with `policy_actor(...)` of two snapshots' weights its results feed an
+    Elo update; with `random_actor()` it measures the win rate against a random player."""
+    ma = OmegaConf.create({"policies": None, "policy_mapping": None, "policies_to_train": None})
+    envs, obs = make_multiagent_vector_env(env_cfg, ma, seed, 0, masked=True)
+    name = next(iter(envs.groups))
+    copies = envs.num_envs
+    game_of = np.arange(copies)  # the game each copy is playing
+    started, results = copies, [0] * games
+    done = np.zeros(copies, dtype=bool)
+    done[game_of >= games] = True
+    try:
+        while not done.all():
+            o = torch.as_tensor(obs[name], dtype=torch.float32)
+            masks = torch.from_numpy(envs.action_masks[name])
+            a, b = first(o, masks), second(o, masks)
+            seat_first = game_of % 2  # the seat `first` holds in each copy
+            rows_first = np.arange(copies) * 2 + seat_first
+            actions = b.copy()
+            actions[rows_first] = a[rows_first]
+            (obs_p, _, _, _, info) = envs.step([actions])[0]
+            obs = {name: obs_p}
+            for e in np.flatnonzero(info["_episode"].reshape(copies, 2).any(1)):
+                if done[e]:
+                    continue
+                ret = float(info["episode"]["r"][rows_first[e]])
+                results[game_of[e]] = WIN if ret > 0 else LOSS if ret < 0 else DRAW
+                game_of[e], started = started, started + 1
+                done[e] = game_of[e] >= games
+    finally:
+        envs.close()
+    return results
+
+
+def match_weights(
+    env_cfg: DictConfig, spec: Any, weights_a: dict, weights_b: dict, games: int, seed: int = 0
+) -> list[int]:
+    """`play_match` between two snapshots' weights (results for `weights_a`): what an Elo rating of the
+    pool is computed from."""
+    nets = []
+    for weights in (weights_a, weights_b):
+        net = ActorCritic(spec.obs_space, spec.action_space, spec.model)
+        net.load_state_dict(weights)
+        nets.append(policy_actor(net.eval()))
+    return play_match(env_cfg, nets[0], nets[1], games, seed)
