@@ -94,13 +94,14 @@ def precheck(invocation: Invocation, full: bool) -> None:
 
 def run_app(argv: list[str], task: Task, check: bool = True) -> Invocation:
     """Run Hydra's command line `argv` with `task` as its task function; returns the invocation, whose
-    `status` the task set. `check=False` leaves the run's checks to the task (a supervised job: its
-    supervisor checked the same command line already)."""
+    `status` the task set. `check=False` leaves the run's checks to the task: a supervised job and its
+    ranks, whose supervisor checked the same command line already (a rank that starts slower than
+    `collectives.timeout` fails the job's rendezvous, so ranks do no work twice)."""
     from hydra import version
     from hydra._internal.utils import _run_hydra
 
     args_parser = parser()
-    args = args_parser.parse_args(argv)
+    args = args_parser.parse_intermixed_args(argv)  # flags anywhere: `env=x -m seed=1,2` works too
     if args.experimental_rerun is not None:
         fail("--experimental-rerun is not supported: it unpickles a file; rerun the overrides instead")
     args.config_path = _absolute(args.config_path)
@@ -116,10 +117,8 @@ def run_app(argv: list[str], task: Task, check: bool = True) -> Invocation:
         if (shows or args.help or args.hydra_help) and _rank() != 0:
             return invocation  # rank 0 prints it once
     # --config-dir adds to the search path in a way our compose cannot repeat: the task checks that run
-    if not (args.help or args.hydra_help or args.info is not None or shows or args.config_dir is not None):
-        precheck(invocation, full=check and not args.multirun)
-    elif args.cfg is not None and args.config_dir is None:
-        precheck(invocation, full=False)
+    if args.config_dir is None and check and (args.cfg is not None or not (args.help or args.hydra_help or shows)):
+        precheck(invocation, full=not args.multirun and args.cfg is None)
 
     def task_function(cfg: DictConfig) -> Any:
         invocation.status = task(cfg, invocation)
