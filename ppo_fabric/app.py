@@ -116,8 +116,10 @@ def run_app(argv: list[str], task: Task, check: bool = True) -> Invocation:
             )
         if (shows or args.help or args.hydra_help) and _rank() != 0:
             return invocation  # rank 0 prints it once
-    # --config-dir adds to the search path in a way our compose cannot repeat: the task checks that run
-    if args.config_dir is None and check and (args.cfg is not None or not (args.help or args.hydra_help or shows)):
+    # A run is checked whole; a sweep's shared overrides and --cfg are composed. --config-dir adds to the
+    # search path in a way our compose cannot repeat: such a run's task does the checks.
+    helps = args.help or args.hydra_help or args.info is not None or args.shell_completion
+    if check and args.config_dir is None and not helps:
         precheck(invocation, full=not args.multirun and args.cfg is None)
 
     def task_function(cfg: DictConfig) -> Any:

@@ -101,7 +101,9 @@ def compose(
     where = config_path or str(config_dir())
     try:
         if where.startswith("pkg://"):
-            context = initialize_config_module(where[len("pkg://") :], version_base="1.3", job_name="ppo_fabric")
+            context = initialize_config_module(
+                where[len("pkg://") :], version_base="1.3", job_name="ppo_fabric"
+            )
         else:
             where = where[len("file://") :] if where.startswith("file://") else where
             context = initialize_config_dir(version_base="1.3", config_dir=where, job_name="ppo_fabric")

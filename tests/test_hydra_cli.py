@@ -139,7 +139,13 @@ def test_help_lists_our_groups_and_common_overrides(capsys: pytest.CaptureFixtur
         cli.main(["--help"])
     assert exc.value.code == 0
     out = capsys.readouterr().out
-    for text in ("env: atari, cartpole", "model: cnn, lstm, mlp", "fabric.devices=2", "resume=auto", "-m seed="):
+    for text in (
+        "env: atari, cartpole",
+        "model: cnn, lstm, mlp",
+        "fabric.devices=2",
+        "resume=auto",
+        "-m seed=",
+    ):
         assert text in out, out
     assert "--multirun,-m" in out, "Hydra's own flags are listed"
 
@@ -155,7 +161,9 @@ def test_multirun_under_fabric_run_is_refused(
     ("argv", "fragment"),
     [
         pytest.param(["-m", "env=nosuch", "seed=1,2"], "env=nosuch: unknown option", id="shared-override"),
-        pytest.param(["-m", "env.id=CartPole-v1,Nope-v1"], "job 1 (env.id=Nope-v1): env.id='Nope-v1'", id="job"),
+        pytest.param(
+            ["-m", "env.id=CartPole-v1,Nope-v1"], "job 1 (env.id=Nope-v1): env.id='Nope-v1'", id="job"
+        ),
         pytest.param(["--cfg", "job", "algo.nosuch=1"], "algo.nosuch: unknown config key", id="cfg"),
         pytest.param(["--nosuch"], "unrecognized arguments: --nosuch", id="flag"),
         pytest.param(["-m", "hydra.launcher.n_jobs=0", "seed=1,2"], "n_jobs=0 must be >= 1", id="n_jobs"),
@@ -187,7 +195,12 @@ def test_user_config_dir_and_relative_resume(
     first = json.loads((tmp_path / "first" / "summary.json").read_text())
     assert first["seed"] == 7 and first["total_env_steps"] == 512
     assert Path.cwd() == tmp_path
-    assert cli.main([*flags, "hydra.run.dir=second", "algo.total_steps=1024", "resume=first/checkpoints/last.ckpt"]) == 0
+    assert (
+        cli.main(
+            [*flags, "hydra.run.dir=second", "algo.total_steps=1024", "resume=first/checkpoints/last.ckpt"]
+        )
+        == 0
+    )
     second = json.loads((tmp_path / "second" / "summary.json").read_text())
     assert second["total_env_steps"] == 1024 and second["resumed_from"] == "first/checkpoints/last.ckpt"
     capsys.readouterr()
