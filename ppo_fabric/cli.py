@@ -7,6 +7,7 @@ and `ppo_fabric.run([...])`, the run in-process. Every path trains through one `
 from __future__ import annotations
 
 import sys
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, NoReturn
 
@@ -50,9 +51,13 @@ def _task(cfg: DictConfig, invocation: Invocation) -> int:
     """The Hydra app's task function. The command-line process (checked before Hydra made the run
     directory, see app.precheck) supervises the job; the job, and each of its ranks, trains."""
     from hydra.core.hydra_config import HydraConfig
+    from hydra.types import RunMode
 
-    run_dir = Path(HydraConfig.get().runtime.output_dir)
+    hydra_cfg = HydraConfig.get()
+    run_dir = Path(hydra_cfg.runtime.output_dir)
     if supervisor.wanted():
+        if hydra_cfg.mode == RunMode.MULTIRUN:  # a job of another launcher (e.g. basic): its own overrides
+            invocation = replace(invocation, overrides=list(hydra_cfg.overrides.task))
         return supervisor.supervise(cfg, run_dir, invocation)
     try:
         train(cfg, run_dir)

@@ -204,3 +204,14 @@ def test_user_config_dir_and_relative_resume(
     second = json.loads((tmp_path / "second" / "summary.json").read_text())
     assert second["total_env_steps"] == 1024 and second["resumed_from"] == "first/checkpoints/last.ckpt"
     capsys.readouterr()
+
+
+def test_other_launchers_stay_selectable(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`hydra/launcher=basic` runs each job's task in the sweep's process (here as a supervised job would,
+    training in-process): two job directories with their own seeds, and no table (that is our launcher's)."""
+    monkeypatch.setenv(SUPERVISED_ENV, "1")
+    argv = ["-m", "hydra/launcher=basic", "seed=3,4", *TINY, f"hydra.sweep.dir={tmp_path}"]
+    assert cli.main(argv) == 0
+    seeds = [json.loads((tmp_path / str(n) / "summary.json").read_text())["seed"] for n in (0, 1)]
+    assert seeds == [3, 4]
+    assert not (tmp_path / "sweep.csv").exists()
