@@ -56,6 +56,12 @@ def translate_hydra_error(exc: Exception, overrides: list[str]) -> ConfigError:
                 f"{group}={option}: unknown option for config group '{group}'; "
                 f"available: {', '.join(group_options(group))}"
             )
+        if missing == "hydra/launcher/ppo_fabric":  # conf/config.yaml's default launcher is a plugin of ours
+            return ConfigError(
+                "hydra/launcher=ppo_fabric not found: the package's Hydra plugins (hydra_plugins/ppo_fabric) "
+                "are not importable; reinstall the package (pip install -e . or make) or put its "
+                "directory on PYTHONPATH"
+            )
         return ConfigError(f"config '{missing}' not found")
     if isinstance(exc, ConfigCompositionException) and text.startswith("Could not override '"):
         key = text.split("'", 2)[1]
