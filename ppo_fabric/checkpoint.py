@@ -297,20 +297,93 @@ def resolve(path: str | Path) -> Path:
 
 
 def load_policy(path: str | Path, key: str = "checkpoint") -> tuple[dict[str, Any], Any]:
-    """(checkpoint, ActorCritic in eval mode on the CPU) rebuilt from the checkpoint's own model config,
-    so evaluation and export need nothing from the run that wrote it; raises ValueError (one line)."""
+    """(checkpoint, ActorCritic in eval mode on the CPU) of a single-agent run, rebuilt from the
+    checkpoint's own model config; raises ValueError (one line), also for a multi-agent checkpoint."""
+    state, policies = load_policies(path, key)
+    if state.get("multiagent"):
+        raise ValueError(
+            f"{key}={path} holds the policies of a multi-agent run ({', '.join(policies)}); this tool takes "
+            "single-agent checkpoints"
+        )
+    return state, next(iter(policies.values()))
+
+
+def load_policies(path: str | Path, key: str = "checkpoint") -> tuple[dict[str, Any], dict[str, Any]]:
+    """(checkpoint, {policy name: ActorCritic in eval mode on the CPU}), each rebuilt from the checkpoint's
+    own model config (a multi-agent run's per-policy overrides included), so evaluation and export need
+    nothing from the run that wrote it. A single-agent run has the one policy `main`; raises ValueError."""
     from ppo_fabric.agent import ActorCritic
 
     state = load(resolve(path), key=key, env_state="fresh")  # never unpickle: no env is restored here
-    if state.get("multiagent"):
-        raise ValueError(
-            f"{key}={path} holds the policies of a multi-agent run ({', '.join(state['agent'])}); evaluate and "
-            "export take single-agent checkpoints"
-        )
-    model_cfg = OmegaConf.create(state["config"]["model"])
-    agent = ActorCritic(*saved_spaces(state), model_cfg)
-    agent.load_state_dict(state["agent"])
-    return state, agent.eval()
+    obs_spaces, action_spaces = saved_spaces(state)
+    if not state.get("multiagent"):
+        return state, {"main": policy_from_weights(state["agent"], obs_spaces, action_spaces, state)}
+    policies: dict[str, ActorCritic] = {}
+    for name, weights in state["agent"].items():
+        policies[name] = policy_from_weights(weights, obs_spaces[name], action_spaces[name], state, name)
+    return state, policies
+
+
+def policy_model_config(state: dict[str, Any], policy: str | None = None) -> Any:
+    """The model config a policy of the checkpoint was built with: `model`, merged with the policy's own
+    `multiagent.policies.<name>.model` overrides (as `learners.policy_specs` does)."""
+    cfg = state["config"]
+    model = OmegaConf.create(cfg["model"])
+    own = ((cfg.get("multiagent") or {}).get("policies") or {}).get(policy or "") or {}
+    return OmegaConf.merge(model, own.get("model") or {})
+
+
+def policy_from_weights(
+    weights: dict[str, Any],
+    obs_space: Any,
+    action_space: Any,
+    state: dict[str, Any],
+    policy: str | None = None,
+) -> Any:
+    """An ActorCritic (eval mode, CPU) of the checkpoint's model config loaded with `weights` (the policy's
+    own, or a self-play snapshot's)."""
+    from ppo_fabric.agent import ActorCritic
+
+    agent = ActorCritic(obs_space, action_space, policy_model_config(state, policy))
+    agent.load_state_dict(weights)
+    return agent.eval()
+
+
+def mask_width(state: dict[str, Any], policy: str | None = None) -> int | None:
+    """The action-mask width a policy was trained with (None: no masks). Single-agent checkpoints record it
+    as `action_mask`; multi-agent ones as `action_masks` = {policy: width}, or else the game's own
+    masks are read from a turn-based env."""
+    if not state.get("multiagent"):
+        return state.get("action_mask")
+    if "action_masks" in state:
+        return (state["action_masks"] or {}).get(policy)
+    # Not recorded: a turn-based (AEC) game with algo.action_mask on trained every policy with the masks
+    # of its `{"observation", "action_mask"}` observations (the only multi-agent masks there are).
+    cfg = state["config"]
+    if str((cfg.get("algo") or {}).get("action_mask", "auto")) == "off":
+        return None
+    from ppo_fabric.games import aec_mask_width
+
+    return aec_mask_width(str(cfg["env"]["id"]), dict(cfg["env"].get("kwargs") or {}))
+
+
+def pool_snapshots(state: dict[str, Any]) -> list[dict[str, Any]]:
+    """The self-play opponent pool saved in a checkpoint, oldest first, as [{"id": int, "weights": state
+    dict}, ...]. Read from `selfplay.pool.snapshots` at the top level or in the first rank's part (each
+    entry's weights under `weights` or `policy`); [] when the checkpoint holds no pool."""
+    holders = [state, *(state.get("ranks") or [])]
+    for holder in holders:
+        selfplay = holder.get("selfplay") if isinstance(holder, dict) else None
+        if not isinstance(selfplay, dict):
+            continue
+        pool = selfplay.get("pool")
+        entries = pool.get("snapshots") if isinstance(pool, dict) else pool
+        if isinstance(entries, list) and entries:
+            return [
+                {"id": int(e.get("id", i)), "weights": e["weights"] if "weights" in e else e["policy"]}
+                for i, e in enumerate(entries)
+            ]
+    return []
 
 
 def observation_normalization(state: dict[str, Any]) -> dict[str, Any] | None:

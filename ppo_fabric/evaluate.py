@@ -4,6 +4,12 @@ The env is rebuilt from the config stored in the checkpoint (id, kwargs, time li
 returns are the ones training logged, and the model from the checkpoint's model config, so nothing about
 the run has to be repeated on the command line. Results go to `eval.json` in the run directory (the
 checkpoint's `<run>/checkpoints/..` parent) or `out=DIR`; `video=true` also records the first episode.
+
+Every kind of policy a run trains plays: masked ones get the env's masks, recurrent ones carry their state
+through the episode, and a multi-agent (PettingZoo Parallel) checkpoint plays all its policies together and
+reports each policy's returns. Two-player turn-based games (PettingZoo AEC) are played with `opponent=`
+(`random`, `snapshot:<checkpoint>` or `pool`, the self-play snapshots in the checkpoint) for win / draw /
+loss rates over `games` games with seats alternated (`games.play_games`).
 """
 
 from __future__ import annotations
@@ -24,6 +30,10 @@ USAGE = """usage: python -m ppo_fabric.evaluate checkpoint=PATH [key=value ...]
   seed=0                episode i is reset with seed+i
   video=false           record the first episode as eval.mp4 (needs: pip install 'ppo-fabric[video]')
   out=DIR               where eval.json (and eval.mp4) go; default: the checkpoint's run directory
+  opponent=             two-player AEC games: random | snapshot:PATH (a checkpoint) | pool (the checkpoint's
+                        self-play snapshots); reports win / draw / loss rates over `games` games
+  games=100             games to play against the opponent (seats alternated; pool: shared among snapshots)
+  policy=               multi-agent checkpoints: the policy that plays the game (default: the first trained)
 """
 
 SPEC: dict[str, tuple[type, Any]] = {
@@ -33,6 +43,9 @@ SPEC: dict[str, tuple[type, Any]] = {
     "seed": (int, 0),
     "video": (bool, False),
     "out": (str, None),
+    "opponent": (str, None),
+    "games": (int, 100),
+    "policy": (str, None),
 }
 VIDEO_HINT = "video=true needs a video encoder: pip install 'ppo-fabric[video]'"
 
@@ -151,6 +164,9 @@ def evaluate(
     seed: int = 0,
     video: bool = False,
     out: str | Path | None = None,
+    opponent: str | None = None,
+    games: int = 100,
+    policy: str | None = None,
 ) -> dict[str, Any]:
     """Evaluate a checkpoint, write `eval.json` (and `eval.mp4`), and return the results.
 
@@ -167,11 +183,27 @@ def evaluate(
     if video:
         _video_writer()
     try:
-        state, agent = ckpt.load_policy(checkpoint)
+        state, policies = ckpt.load_policies(checkpoint)
     except ValueError as exc:
         raise EvalError(str(exc)) from exc
     out_dir = Path(out) if out is not None else ckpt.run_dir_of(checkpoint)
     env_cfg = OmegaConf.create(state["config"]["env"])
+    if opponent is not None or policy is not None:
+        if video:
+            raise EvalError("video=true records single-agent episodes; drop it for games")
+        from ppo_fabric.game_eval import GameEvalError, evaluate_games
+
+        try:
+            result = evaluate_games(state, policies, checkpoint, opponent, games, deterministic, seed, policy)
+        except GameEvalError as exc:
+            raise EvalError(str(exc)) from exc
+        return _write(result, out_dir)
+    if state.get("multiagent"):
+        if video:
+            raise EvalError("video=true records single-agent episodes; drop it for multi-agent checkpoints")
+        result = evaluate_multiagent(state, policies, checkpoint, episodes, deterministic, seed)
+        return _write(result, out_dir)
+    agent = policies["main"]
     if video:  # frames are drawn off-screen: keep SDL (pygame envs) from probing for a display or sound
         os.environ.setdefault("SDL_VIDEODRIVER", "dummy")
         os.environ.setdefault("SDL_AUDIODRIVER", "dummy")
@@ -203,21 +235,141 @@ def evaluate(
         "episodes": episodes,
         "deterministic": deterministic,
         "seed": seed,
-        "mean_return": float(np.mean(returns)),
-        "std_return": float(np.std(returns)),  # population std (ddof=0), as SB3's evaluate_policy
-        "min_return": float(np.min(returns)),
-        "max_return": float(np.max(returns)),
+        **_returns_summary(returns),
         "mean_length": float(np.mean(lengths)),
         "returns": returns,
         "lengths": lengths,
         "wall_seconds": time.perf_counter() - start,
         "video": None if video_path is None else str(video_path),
     }
+    return _write(result, out_dir)
+
+
+def _write(result: dict[str, Any], out_dir: Path) -> dict[str, Any]:
     from ppo_fabric.metrics import write_json
 
+    out_dir.mkdir(parents=True, exist_ok=True)
     write_json(out_dir / "eval.json", result)
     result["eval_json"] = str(out_dir / "eval.json")
     return result
+
+
+def _returns_summary(returns: list[float]) -> dict[str, float]:
+    return {
+        "mean_return": float(np.mean(returns)),
+        "std_return": float(np.std(returns)),  # population std (ddof=0), as SB3's evaluate_policy
+        "min_return": float(np.min(returns)),
+        "max_return": float(np.max(returns)),
+    }
+
+
+# ------------------------------------------------------------------------------------------ multi-agent
+def play_parallel(
+    policies: dict[str, Any],
+    groups: dict[str, list[str]],
+    env: Any,
+    episodes: int,
+    deterministic: bool,
+    seed: int,
+    masked: dict[str, bool] | None = None,
+) -> tuple[dict[str, list[float]], list[int]]:
+    """Whole episodes of a PettingZoo Parallel env with each agent acting by its policy; returns (policy ->
+    every agent's return of every episode, episode lengths). Each agent carries its own recurrent state
+    (a fresh one per episode), as in training; an agent that left the episode stops acting. `masked[p]`:
+    policy p was trained with masks and reads them from the `action_mask` key of a Dict observation."""
+    import torch
+
+    from ppo_fabric.agent import single_obs_batch
+    from ppo_fabric.games import split_observation
+
+    policy_of = {agent: p for p, agents in groups.items() for agent in agents}
+    returns: dict[str, list[float]] = {p: [] for p in groups}
+    lengths: list[int] = []
+    for episode in range(episodes):
+        obs, _ = env.reset(seed=seed + episode)
+        totals = dict.fromkeys(policy_of, 0.0)
+        states: dict[str, Any] = {}
+        length = 0
+        while env.agents:
+            actions = {}
+            for agent in env.agents:
+                p = policy_of[agent]
+                observation, mask = obs[agent], None
+                if (masked or {}).get(p):
+                    observation, mask = split_observation(observation)
+                extra = () if mask is None else (torch.as_tensor(mask).unsqueeze(0),)
+                with torch.inference_mode():
+                    action, _, _, states[agent] = policies[p].act_with_state(
+                        single_obs_batch(observation), states.get(agent), deterministic, *extra
+                    )
+                value = action[0].numpy()
+                actions[agent] = int(value) if value.ndim == 0 else value
+            obs, rewards, _, _, _ = env.step(actions)
+            for agent, reward in rewards.items():
+                totals[agent] += float(reward)
+            length += 1
+        for agent, total in totals.items():
+            returns[policy_of[agent]].append(total)
+        lengths.append(length)
+    return returns, lengths
+
+
+def evaluate_multiagent(
+    state: dict[str, Any],
+    policies: dict[str, Any],
+    checkpoint: str | Path,
+    episodes: int,
+    deterministic: bool,
+    seed: int,
+) -> dict[str, Any]:
+    """Every policy of a multi-agent checkpoint playing its agents; each policy's returns (one per agent
+    and episode, as training's per-policy episode returns) and all agents' together."""
+    from omegaconf import OmegaConf
+
+    from ppo_fabric import checkpoint as ckpt
+    from ppo_fabric.envs import EnvError
+    from ppo_fabric.game_eval import OPPONENTS, is_aec_game
+    from ppo_fabric.multiagent import make_parallel_env, policy_mapping
+
+    env_cfg = OmegaConf.create(state["config"]["env"])
+    game = f"env.id={env_cfg.id} is a turn-based game: play it with opponent= ({OPPONENTS})"
+    try:
+        env = make_parallel_env(env_cfg)
+    except EnvError as exc:
+        if is_aec_game(str(env_cfg.id)):
+            raise EvalError(game) from exc
+        raise EvalError(str(exc)) from exc
+    if hasattr(env, "agent_iter"):  # an AEC env: its agents take turns
+        env.close()
+        raise EvalError(game)
+    try:
+        groups = policy_mapping(list(env.possible_agents), OmegaConf.create(state["config"]["multiagent"]))
+    except EnvError as exc:
+        env.close()
+        raise EvalError(str(exc)) from exc
+    masked = {p: ckpt.mask_width(state, p) is not None for p in policies}
+    start = time.perf_counter()
+    try:
+        returns, lengths = play_parallel(policies, groups, env, episodes, deterministic, seed, masked)
+    finally:
+        env.close()
+    every = [r for p in returns for r in returns[p]]
+    return {
+        "checkpoint": str(ckpt.resolve(checkpoint).resolve()),
+        "env_id": str(env_cfg.id),
+        "env_step": state.get("env_step"),
+        "episodes": episodes,
+        "deterministic": deterministic,
+        "seed": seed,
+        **_returns_summary(every),
+        "mean_length": float(np.mean(lengths)),
+        "lengths": lengths,
+        "policies": {
+            p: {"agents": groups[p], **_returns_summary(rs), "returns": rs} for p, rs in returns.items()
+        },
+        "wall_seconds": time.perf_counter() - start,
+        "video": None,
+    }
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any] | None:
@@ -234,6 +386,22 @@ def main(argv: list[str] | None = None) -> dict[str, Any] | None:
         fail(str(exc))
         return None  # unreachable: _fail exits
     mode = "deterministic" if result["deterministic"] else "stochastic"
+    if "win_rate" in result:
+        print(
+            f"ppo-fabric: eval {result['env_id']} ({result['policy']} vs {result['opponent']}, {mode}): "
+            f"win {result['win_rate']:.3f} draw {result['draw_rate']:.3f} loss {result['loss_rate']:.3f} "
+            f"over {result['games']} games; wrote {result['eval_json']}",
+            flush=True,
+        )
+        return result
+    if "policies" in result:
+        per = ", ".join(f"{p} {r['mean_return']:.2f}" for p, r in result["policies"].items())
+        print(
+            f"ppo-fabric: eval {result['env_id']}: mean return per policy {per} over {result['episodes']} "
+            f"episodes ({mode}); wrote {result['eval_json']}",
+            flush=True,
+        )
+        return result
     print(
         f"ppo-fabric: eval {result['env_id']}: mean return {result['mean_return']:.2f} "
         f"+/- {result['std_return']:.2f} over {result['episodes']} episodes ({mode}); "

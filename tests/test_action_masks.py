@@ -179,16 +179,21 @@ def test_recurrent_policy_respects_masks(tmp_path: Path) -> None:
     assert illegal == 0
 
 
-def test_evaluate_masks_and_export_refuses(tmp_path: Path) -> None:
+def test_evaluate_and_export_take_the_masks(tmp_path: Path) -> None:
+    """A trained masked run: evaluation plays legal moves only; the exported file takes the mask as an
+    input (its step-by-step round trip is in test_export_policies)."""
     from ppo_fabric.evaluate import evaluate
-    from ppo_fabric.export import ExportError, export
+    from ppo_fabric.export import export, run_exported
 
     _, summary = _train(tmp_path, "ProbeMaskedObs-v0", "algo.total_steps=1024")
     probe_envs._MaskedProbe.ILLEGAL[0] = 0
     result = evaluate(summary["checkpoint"], episodes=20, deterministic=False, out=tmp_path / "eval")
     assert probe_envs._MaskedProbe.ILLEGAL[0] == 0 and min(result["returns"]) >= 0
-    with pytest.raises(ExportError, match="action masks"):
-        export(summary["checkpoint"], out=tmp_path / "policy.pt")
+    path = export(summary["checkpoint"], out=tmp_path / "policy.pt")
+    obs = torch.zeros(2, 4)
+    only = torch.tensor([[False, False, True, False], [False, True, False, False]])
+    (actions,) = run_exported(path, "torchscript", obs, only)
+    assert actions.tolist() == [2, 1]  # the one legal action, whatever the policy prefers
 
 
 def test_a_state_without_legal_action_names_the_env(tmp_path: Path) -> None:

@@ -354,12 +354,32 @@ def test_evaluate_carries_the_state(memory_lstm: dict[str, Any], tmp_path: Path)
     assert saved["mean_return"] == 1.0, saved["returns"]
 
 
-def test_export_refuses_a_recurrent_policy(
-    memory_lstm: dict[str, Any], tmp_path: Path, capsys: pytest.CaptureFixture[str]
-) -> None:
-    argv = [f"checkpoint={memory_lstm['checkpoint']}", f"out={tmp_path / 'policy.pt'}"]
-    assert_cli_failure(capsys, export.main, argv, "recurrent")
-    assert not (tmp_path / "policy.pt").exists()
+def test_exported_lstm_solves_the_memory_probe(memory_lstm: dict[str, Any], tmp_path: Path) -> None:
+    """The exported file, fed its own `next_state` at every step, solves the probe as the checkpoint does;
+    fed zeros at every step instead it cannot remember the cue (so the test sees a dropped state)."""
+    import gymnasium as gym
+    import numpy as np
+
+    path = export.main([f"checkpoint={memory_lstm['checkpoint']}", f"out={tmp_path / 'policy.pt'}"])
+    assert path == tmp_path / "policy.pt"
+    policy = torch.jit.load(str(path))
+    _, agent = ckpt.load_policy(memory_lstm["checkpoint"])
+    env = gym.make("tests.probe_envs:ProbeMemory-v0")
+
+    def play(carry: bool) -> float:
+        total = 0.0
+        for episode in range(20):
+            obs, _ = env.reset(seed=episode)
+            state, done = torch.zeros(1, *agent.state_shape), False
+            while not done:
+                action, next_state = policy(torch.as_tensor(np.asarray(obs, dtype=np.float32))[None], state)
+                state = next_state if carry else torch.zeros_like(state)
+                obs, reward, done, _, _ = env.step(int(action[0]))
+                total += float(reward)
+        return total / 20
+
+    assert play(carry=True) == 1.0
+    assert play(carry=False) < 0.9
 
 
 # ------------------------------------------------------------------------------------------ config errors
