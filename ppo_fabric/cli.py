@@ -1,35 +1,25 @@
-"""Command line: `python -m ppo_fabric` and the `ppo-fabric` script (a supervisor process that starts the
-job, in which Fabric launches `fabric.devices` processes; see supervisor.py), and `ppo_fabric.run([...])`,
-the job in-process without a supervisor. `fabric run ppo_fabric/<strategy>.py` starts
-through `launch.run_script` in the strategy's own file.
+"""Command line: `python -m ppo_fabric` and the `ppo-fabric` script, a Hydra app (app.py) whose plain run
+supervises the job (supervisor.py) and whose multirun runs each job as a process of its own (sweep.py);
+and `ppo_fabric.run([...])`, the run in-process. Every path trains through one `train(cfg)`;
+`fabric run ppo_fabric/<strategy>.py` reaches it through `launch.run_script` in the strategy's own file.
 """
 
 from __future__ import annotations
 
 import sys
+from dataclasses import replace
+from pathlib import Path
 from typing import Any, NoReturn
 
 from omegaconf import DictConfig
 
-from ppo_fabric import ppo, ppo_decoupled, supervisor
-from ppo_fabric.config import ConfigError
-from ppo_fabric.launch import StrategyMain, end_process, launch, start
-from ppo_fabric.preflight import load
+from ppo_fabric import launch, ppo, ppo_decoupled, supervisor
+from ppo_fabric.app import Invocation, run_app
+from ppo_fabric.arguments import fail
+from ppo_fabric.config import ConfigError, check_values, compose
+from ppo_fabric.launch import StrategyMain, end_process
 
-USAGE = """usage: python -m ppo_fabric [KEY=VALUE ...]   (also: ppo-fabric, fabric run ppo_fabric/ppo.py)
-
-Hydra overrides, for example:
-  env=lunarlander                  config group option (groups: algo env model fabric logger exp)
-  env.id=Acrobot-v1                any gymnasium id, or my.module:MyEnv-v0
-  algo.total_steps=1e6 algo.lr=3e-4
-  fabric.devices=2                 two processes (gloo on CPU, NCCL on CUDA)
-  strategy=decoupled               player and trainer ranks
-  hydra.run.dir=runs/my-run        where outputs go
-  resume=runs/my-run/checkpoints/last.ckpt
-  resume=auto hydra.run.dir=runs/my-run   continue that run if it has a checkpoint, else start it
-  restarts=2                       relaunch a failed job from its last checkpoint up to 2 times
-"""
-
+# `--help` prints conf/config.yaml's hydra.help: the groups, the common overrides and Hydra's flags.
 STRATEGIES: dict[str, StrategyMain] = {"coupled": ppo.main, "decoupled": ppo_decoupled.main}
 
 
@@ -37,33 +27,53 @@ def strategy_of(cfg: DictConfig) -> StrategyMain:
     return STRATEGIES[str(cfg.strategy)]
 
 
-def run(overrides: list[str]) -> dict[str, Any]:
-    """Train in this process (Fabric launches more for fabric.devices>1); returns rank 0's summary.
+def train(cfg: DictConfig, run_dir: str | Path | None = None) -> dict[str, Any]:
+    """Train the composed `cfg` in this process (Fabric launches more for fabric.devices>1) and return rank
+    0's summary; `run_dir` defaults to the Hydra run's output directory. Raises `ConfigError`."""
+    return launch.train(cfg, strategy_of(cfg), run_dir)
 
-    Raises `ConfigError` for a config that cannot run. This is the Python API: `ppo_fabric.run([...])`.
-    """
-    cfg, run_dir, facts = load(list(overrides))
+
+def run(overrides: list[str]) -> dict[str, Any]:
+    """Train in this process; returns rank 0's summary. This is the Python API: `ppo_fabric.run([...])`.
+
+    Raises `ConfigError` for a config that cannot run."""
+    cfg, run_dir = compose(list(overrides))
+    check_values(cfg)
     if int(cfg.restarts) > 0:
         raise ConfigError(
             f"restarts={cfg.restarts} needs the supervisor of python -m ppo_fabric / ppo-fabric; "
             "ppo_fabric.run() trains in this process"
         )
-    return launch(cfg, run_dir, facts, strategy_of(cfg))
+    return train(cfg, run_dir)
+
+
+def _task(cfg: DictConfig, invocation: Invocation) -> int:
+    """The Hydra app's task function. The command-line process (checked before Hydra made the run
+    directory, see app.precheck) supervises the job; the job, and each of its ranks, trains."""
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.types import RunMode
+
+    hydra_cfg = HydraConfig.get()
+    run_dir = Path(hydra_cfg.runtime.output_dir)
+    if supervisor.wanted():
+        if hydra_cfg.mode == RunMode.MULTIRUN:  # a job of another launcher (e.g. basic): its own overrides
+            invocation = replace(invocation, overrides=list(hydra_cfg.overrides.task))
+        return supervisor.supervise(cfg, run_dir, invocation)
+    try:
+        train(cfg, run_dir)
+    except ConfigError as exc:
+        fail(str(exc))
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
-    """`python -m ppo_fabric` and `ppo-fabric`: a config mistake is one line and status 2; returns the exit
-    status. The command-line process supervises (a job of its own, restarts); the job it starts, and every
-    process under `fabric run`, runs the strategy here directly."""
+    """`python -m ppo_fabric` and `ppo-fabric`: Hydra's command line; a config mistake is one line and
+    status 2; returns the exit status. `main()` may run in-process (tests, notebooks)."""
     args = list(sys.argv[1:] if argv is None else argv)
-    if any(a in ("-h", "--help") for a in args):
-        print(USAGE)
-        return 0
-    if supervisor.wanted():
-        return supervisor.supervise(args)
-    supervisor.bind_to_supervisor()
-    start(args, strategy_of)
-    return 0
+    supervised = not supervisor.wanted()
+    if supervised:
+        supervisor.bind_to_supervisor()
+    return run_app(args, _task, check=not supervised or launch.under_fabric_run()).status
 
 
 def console_main() -> NoReturn:

@@ -44,7 +44,7 @@ def _first_line(exc: BaseException) -> str:
     return str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
 
 
-def _translate_hydra_error(exc: Exception, overrides: list[str]) -> ConfigError:
+def translate_hydra_error(exc: Exception, overrides: list[str]) -> ConfigError:
     from hydra.errors import ConfigCompositionException, MissingConfigException, OverrideParseException
 
     text = str(exc)
@@ -55,6 +55,12 @@ def _translate_hydra_error(exc: Exception, overrides: list[str]) -> ConfigError:
             return ConfigError(
                 f"{group}={option}: unknown option for config group '{group}'; "
                 f"available: {', '.join(group_options(group))}"
+            )
+        if missing == "hydra/launcher/ppo_fabric":  # conf/config.yaml's default launcher is a plugin of ours
+            return ConfigError(
+                "hydra/launcher=ppo_fabric not found: the package's Hydra plugins (hydra_plugins/ppo_fabric) "
+                "are not importable; reinstall the package (pip install -e . or make) or put its "
+                "directory on PYTHONPATH"
             )
         return ConfigError(f"config '{missing}' not found")
     if isinstance(exc, ConfigCompositionException) and text.startswith("Could not override '"):
@@ -88,23 +94,46 @@ def _unparsable_override(overrides: list[str]) -> tuple[str, str] | None:
     return None
 
 
-def compose(overrides: list[str]) -> tuple[DictConfig, str]:
-    """Compose `conf/config.yaml` with command-line overrides; returns (config, run-dir template)."""
+def compose(
+    overrides: list[str], config_path: str | None = None, config_name: str = "config"
+) -> tuple[DictConfig, str]:
+    """Compose the primary config (ours, `conf/config.yaml`, or a user's `config_path`/`config_name`, which
+    finds our groups through the search-path plugin) with overrides; returns (config, run-dir template)."""
     from hydra import compose as hydra_compose
-    from hydra import initialize_config_dir
+    from hydra import initialize_config_dir, initialize_config_module
 
     if not OmegaConf.has_resolver("now"):
         OmegaConf.register_new_resolver("now", lambda fmt: _dt.datetime.now().strftime(fmt))
+    where = config_path or str(config_dir())
     try:
-        with initialize_config_dir(version_base=None, config_dir=str(config_dir()), job_name="ppo_fabric"):
-            cfg = hydra_compose("config", overrides=overrides, return_hydra_config=True)
+        if where.startswith("pkg://"):
+            context = initialize_config_module(
+                where[len("pkg://") :], version_base="1.3", job_name="ppo_fabric"
+            )
+        else:
+            where = where[len("file://") :] if where.startswith("file://") else where
+            context = initialize_config_dir(version_base="1.3", config_dir=where, job_name="ppo_fabric")
+        with context:
+            cfg = hydra_compose(config_name, overrides=overrides, return_hydra_config=True)
     except Exception as exc:  # Hydra raises many types; each becomes one line
-        raise _translate_hydra_error(exc, overrides) from exc
+        raise translate_hydra_error(exc, overrides) from exc
     _check_auto_resume_dir(cfg)
     run_dir = str(cfg.hydra.run.dir)
     with open_dict(cfg):
         del cfg["hydra"]
     return cfg, run_dir
+
+
+def without_sweeps(overrides: list[str]) -> list[str]:
+    """The overrides that are not sweeps (`seed=1,2`, `range(3)`, `choice(...)`): what every job of a
+    multirun shares, composable on its own. Raises `ConfigError` for one Hydra's grammar rejects."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    bad = _unparsable_override(overrides)
+    if bad is not None:
+        raise ConfigError(f"cannot parse override {bad[0]!r}: {bad[1]}; write overrides as key=value")
+    parsed = OverridesParser.create().parse_overrides(overrides)
+    return [o.input_line for o in parsed if not o.is_sweep_override() and o.input_line is not None]
 
 
 def _check_auto_resume_dir(cfg: DictConfig) -> None:

@@ -30,7 +30,7 @@ from ppo_fabric.accel import set_cuda_math
 from ppo_fabric.arguments import fail
 from ppo_fabric.config import ConfigError, under_fabric_run
 from ppo_fabric.placement import small_model_warning
-from ppo_fabric.preflight import load
+from ppo_fabric.preflight import prepare
 from ppo_fabric.protocol import end_process_group
 from ppo_fabric.session import STOP, Stopped
 
@@ -140,7 +140,11 @@ def launch(
     if not under_fabric_run():  # under `fabric run` the processes exist and are set up already
         fabric.launch()
     # Every process composed the config itself (at its own time); rank 0's run directory wins.
-    run_dir = Path(fabric.broadcast(str(Path(run_dir_template).resolve()), src=0))
+    own = Path(run_dir_template).resolve()
+    run_dir = Path(fabric.broadcast(str(own), src=0))
+    if own != run_dir:  # Hydra made this rank's own (timestamped) output directory: leave none behind
+        with contextlib.suppress(OSError):
+            own.rmdir()
     warning = None
     if "parameters" in facts:
         warning = small_model_warning(int(facts["parameters"]), str(facts["train_device"]))
@@ -175,15 +179,18 @@ def launch(
     return summary
 
 
-def start(args: list[str], choose: Callable[[DictConfig], StrategyMain]) -> dict[str, Any]:
-    """Check the config from `args`, then launch the strategy `choose` picks for it; a config mistake
-    ends the process with one line and status 2 before anything starts."""
+def train(cfg: DictConfig, main: StrategyMain, run_dir: str | Path | None = None) -> dict[str, Any]:
+    """The one way a run starts, whatever started it (the Hydra app's job, `ppo_fabric.run([...])`, each
+    rank under `fabric run`): check the composed config for `run_dir` (default: the Hydra run's output
+    directory), then launch `main`; returns this rank's summary. Raises `ConfigError` before anything starts.
+    """
     quiet_libraries()
-    try:
-        cfg, run_dir, facts = load(list(args))
-    except ConfigError as exc:
-        fail(str(exc))
-    return launch(cfg, run_dir, facts, choose(cfg))
+    if run_dir is None:
+        from hydra.core.hydra_config import HydraConfig
+
+        run_dir = HydraConfig.get().runtime.output_dir
+    facts = prepare(cfg, str(run_dir))
+    return launch(cfg, str(run_dir), facts, main)
 
 
 def end_process(code: int = 0) -> NoReturn:
@@ -202,10 +209,20 @@ def end_process(code: int = 0) -> NoReturn:
 
 
 def run_script(strategy: str, main: StrategyMain) -> NoReturn:
-    """`fabric run ppo_fabric/<strategy file>.py [overrides]`: the file fixes the strategy."""
+    """`fabric run ppo_fabric/<strategy file>.py [Hydra flags] [overrides]`: the file fixes the strategy."""
+    from ppo_fabric.app import run_app
+
     args = sys.argv[1:]
     given = [a.split("=", 1)[1] for a in args if a.startswith("strategy=")]
     if given and given[-1] != strategy:
         fail(f"strategy={given[-1]} conflicts with the launched file, which runs strategy={strategy}")
-    start([*(a for a in args if not a.startswith("strategy=")), f"strategy={strategy}"], lambda _: main)
-    end_process(0)
+
+    def task(cfg: DictConfig, _: Any) -> int:
+        try:
+            train(cfg, main)
+        except ConfigError as exc:
+            fail(str(exc))
+        return 0
+
+    args = [*(a for a in args if not a.startswith("strategy=")), f"strategy={strategy}"]
+    end_process(run_app(args, task).status)

@@ -38,15 +38,22 @@ from ppo_fabric.trackers import check as check_tracker
 _MODEL_KEYS = ("model", "multiagent")
 
 
-def load(overrides: list[str]) -> tuple[DictConfig, str, dict[str, Any]]:
-    """Compose and check: (config, run-dir template, facts found on the way).
+def load(
+    overrides: list[str], config_path: str | None = None, config_name: str = "config"
+) -> tuple[DictConfig, str, dict[str, Any]]:
+    """Compose and check: (config, run-dir template, facts found on the way)."""
+    cfg, run_dir = compose(overrides, config_path, config_name)
+    return cfg, run_dir, prepare(cfg, run_dir)
+
+
+def prepare(cfg: DictConfig, run_dir: str) -> dict[str, Any]:
+    """Check a composed config for a run in `run_dir`; returns the facts `check` found.
 
     `resume=auto` is resolved first, so the checks see the checkpoint it stands for."""
-    cfg, run_dir = compose(overrides)
     auto = resolve_auto(cfg, run_dir)
     facts = check(cfg)
     check_run_dir(cfg, run_dir, auto=auto)
-    return cfg, run_dir, facts
+    return facts
 
 
 def check(cfg: DictConfig) -> dict[str, Any]:

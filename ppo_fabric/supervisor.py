@@ -23,13 +23,17 @@ import sys
 import time
 from pathlib import Path
 from types import FrameType
+from typing import TYPE_CHECKING
 
-from ppo_fabric.arguments import fail
-from ppo_fabric.config import OWN_RUN_DIR_ENV, ConfigError, under_fabric_run
+from omegaconf import DictConfig
+
+from ppo_fabric.config import OWN_RUN_DIR_ENV, under_fabric_run
 from ppo_fabric.launch import quiet_libraries
 from ppo_fabric.metrics import write_json
-from ppo_fabric.preflight import load
 from ppo_fabric.resume import newest_checkpoint
+
+if TYPE_CHECKING:
+    from ppo_fabric.app import Invocation
 
 SUPERVISED_ENV = "PPO_FABRIC_SUPERVISED"  # every process of a supervised job: run it, do not supervise
 SUPERVISOR_PID_ENV = "PPO_FABRIC_SUPERVISOR_PID"  # the job's first process only: die with this parent
@@ -195,20 +199,18 @@ class Job:
         return True
 
 
-def supervise(args: list[str]) -> int:
-    """Check the config, then run the job under supervision; returns the exit status for the command."""
+def supervise(cfg: DictConfig, run_dir: Path, invocation: Invocation) -> int:
+    """Run the job of a checked config under supervision in `run_dir`; returns the exit status for the
+    command. The job is the same command line (`--config-*` flags, overrides) with `hydra.run.dir` fixed."""
     quiet_libraries()
-    try:
-        cfg, run_dir_template, _ = load(list(args))
-    except ConfigError as exc:
-        fail(str(exc))
-    run_dir = Path(run_dir_template).resolve()
+    run_dir = Path(run_dir).resolve()
     allowed = int(cfg.restarts)
-    base = with_override(list(args), "hydra.run.dir", run_dir)
+    flags = invocation.flags
+    base = with_override(list(invocation.overrides), "hydra.run.dir", run_dir)
     job = Job(run_dir, float(cfg.collectives.timeout))
     attempt, restarts, redone = base, 0, 0
     while True:
-        status = job.run(attempt)
+        status = job.run([*flags, *attempt])
         if status == 0:
             record_restarts(run_dir / "summary.json", restarts, redone)
             return 0
