@@ -26,7 +26,14 @@ from typing import Any
 from omegaconf import DictConfig
 
 from ppo_fabric.arguments import fail
-from ppo_fabric.config import ConfigError, compose, config_dir, under_fabric_run, without_sweeps
+from ppo_fabric.config import (
+    ConfigError,
+    compose,
+    config_dir,
+    make_plugins_discoverable,
+    under_fabric_run,
+    without_sweeps,
+)
 from ppo_fabric.preflight import load
 
 VERSION_BASE = "1.3"  # hydra.job.chdir defaults to false: the run keeps the user's working directory
@@ -127,6 +134,7 @@ def run_app(argv: list[str], task: Task, check: bool = True) -> Invocation:
         return invocation.status
 
     version.setbase(VERSION_BASE)
+    make_plugins_discoverable()
     _run_hydra(
         args=args,
         args_parser=args_parser,

@@ -10,6 +10,7 @@ from __future__ import annotations
 import datetime as _dt
 import math
 import os
+import sys
 import tempfile
 from dataclasses import dataclass
 from importlib import resources
@@ -34,6 +35,20 @@ def config_dir() -> Path:
     if (repo_conf / "config.yaml").is_file():
         return repo_conf
     return Path(str(resources.files("ppo_fabric.conf")))
+
+
+def make_plugins_discoverable() -> None:
+    """Hydra finds plugins by listing the directories of the `hydra_plugins` namespace package. An editable
+    install in setuptools' import-hook mode (`pip install -e .`) makes ours importable with no directory to
+    list, so Hydra would see neither our launcher nor our search path: put the directory that holds
+    `hydra_plugins/ppo_fabric` on sys.path (for an installed wheel it is site-packages, already there)."""
+    try:
+        from hydra_plugins import ppo_fabric as ours
+    except ImportError:
+        return
+    root = str(Path(ours.__file__).resolve().parent.parent.parent)
+    if root not in sys.path:
+        sys.path.append(root)
 
 
 def group_options(group: str) -> list[str]:
@@ -102,6 +117,7 @@ def compose(
     from hydra import compose as hydra_compose
     from hydra import initialize_config_dir, initialize_config_module
 
+    make_plugins_discoverable()
     if not OmegaConf.has_resolver("now"):
         OmegaConf.register_new_resolver("now", lambda fmt: _dt.datetime.now().strftime(fmt))
     where = config_path or str(config_dir())
