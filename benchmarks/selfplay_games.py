@@ -29,7 +29,6 @@ import time
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 
 REPO = Path(__file__).resolve().parent.parent
@@ -37,8 +36,8 @@ sys.path.insert(0, str(REPO))
 from ppo_fabric import checkpoint as ckpt  # noqa: E402
 from ppo_fabric.agent import ActorCritic  # noqa: E402
 from ppo_fabric.config import compose  # noqa: E402
+from ppo_fabric.games import PolicyPlayer, RandomPlayer, aec_env_factory, play_games  # noqa: E402
 from ppo_fabric.learners import policy_specs  # noqa: E402
-from ppo_fabric.selfplay import play_match, policy_actor, random_actor  # noqa: E402
 
 RESULTS = REPO / "benchmarks" / "results"
 GAMES = {"tictactoe": "tictactoe", "connect_four": "connect_four"}  # name -> recipe (conf/exp)
@@ -77,11 +76,9 @@ def win_rates(cfg: Any, path: Path, games: int, seed: int, greedy: bool = False)
     spec = policy_specs(cfg)["shared"]
     policy = ActorCritic(spec.obs_space, spec.action_space, spec.model)
     policy.load_state_dict(ckpt.load(path)["agent"]["shared"])
-    results = np.array(
-        play_match(cfg.env, policy_actor(policy.eval(), greedy), random_actor(seed), games, seed)
-    )
-    return {"win": float((results == 1).mean()), "draw": float((results == 0).mean()),
-            "loss": float((results == -1).mean()), "games": games}  # fmt: skip
+    player = PolicyPlayer(policy.eval(), deterministic=greedy, masked=True)
+    results = play_games(aec_env_factory(str(cfg.env.id)), player, RandomPlayer(seed), games, seed)
+    return {"win": results.rate(1), "draw": results.rate(0), "loss": results.rate(-1), "games": games}
 
 
 def run_game(game: str, args: argparse.Namespace) -> dict[str, Any]:

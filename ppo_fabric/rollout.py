@@ -14,7 +14,7 @@ from typing import Any
 import gymnasium as gym
 import numpy as np
 import torch
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 from tensordict import TensorDict
 
 from ppo_fabric.advantages import compute_advantages
@@ -473,7 +473,21 @@ def build_collector(
     if cfg.get("selfplay") is not None and bool(cfg.selfplay.enabled):
         spec = next(iter(specs.values()))
         collector.selfplay = SelfPlay(cfg.selfplay, spec, envs.num_envs, torch.device(device), rank)
+        if rank == 0 and bool(cfg.selfplay.get("elo", False)):
+            collector.selfplay.rater = snapshot_rater(cfg, spec)
     return collector
+
+
+def snapshot_rater(cfg: DictConfig, spec: PolicySpec) -> Any:
+    """The Elo rater of a self-play run's snapshots: they play the game itself (PettingZoo's AEC env),
+    one game at a time, on the CPU."""
+    from ppo_fabric.elo import policy_rater
+    from ppo_fabric.games import aec_env_factory
+
+    kwargs = OmegaConf.to_container(cfg.env.kwargs, resolve=True) if cfg.env.get("kwargs") else {}
+    factory = aec_env_factory(str(cfg.env.id), kwargs)
+    masked = spec.action_mask is not None
+    return policy_rater(factory, spec.obs_space, spec.action_space, spec.model, masked, seed=int(cfg.seed))
 
 
 def policy_storage(

@@ -14,23 +14,24 @@ episode: the rollout's `mask` keeps only the learner's decisions (`learner_rows`
 The pool's snapshots and win statistics are plain tensors and numbers (`state`/`load_state`), saved with
 each collecting rank's part of a checkpoint and restored on resume.
 
-`play_match` plays two sets of weights against each other (seats alternated) and returns the results:
-the hook a rating of snapshots (Elo) is computed from.
+With `selfplay.elo=true` (rank 0 only) each new snapshot is rated (`elo.EloRater`: games against the
+random player, rated 0, and the newest rated snapshots, played by `games.play_games`) within 5% of the
+training time, and `selfplay/elo` is logged: a learning curve where the return is zero-sum.
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 import torch
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
 from ppo_fabric.agent import ActorCritic
 from ppo_fabric.envs import EnvError
-from ppo_fabric.multiagent import make_multiagent_vector_env
 
 SAMPLING = ("uniform", "latest", "pfsp")
 WIN, DRAW, LOSS = 1, 0, -1
@@ -61,6 +62,8 @@ def check_selfplay(cfg: DictConfig, specs: dict[str, Any], turn_based: bool) -> 
     latest = sp.get("latest_prob")
     if isinstance(latest, bool) or not isinstance(latest, (int, float)) or not 0 <= latest <= 1:
         raise EnvError(f"selfplay.latest_prob={latest} must be a number in [0, 1]")
+    if not isinstance(sp.get("elo", False), bool):
+        raise EnvError(f"selfplay.elo={sp.get('elo')} must be true or false")
     power = sp.get("pfsp_power")
     if isinstance(power, bool) or not isinstance(power, (int, float)) or power < 0:
         raise EnvError(f"selfplay.pfsp_power={power} must be a number >= 0")
@@ -194,9 +197,9 @@ class SelfPlay:
         self.opponent = np.full(num_envs, -1, dtype=np.int64)  # the snapshot id each copy plays
         self.nets: dict[int, ActorCritic] = {}
         self.results = np.zeros(3, dtype=np.int64)  # wins, draws, losses since the last metrics()
-        # Called with (pool, new snapshot) whenever a snapshot joins: where a rating of the snapshots (Elo,
-        # from `match_weights` games between the newcomer and the pool) plugs in.
-        self.on_snapshot: Callable[[OpponentPool, Snapshot], None] | None = None
+        self.rater: Any = None  # an elo.EloRater where this rank rates the snapshots (rank 0)
+        self.elo: float | None = None  # the newest snapshot's rating
+        self.started = time.perf_counter()
 
     def start(self, policy: ActorCritic, version: int) -> None:
         """Seed an empty pool with the learner as it is, and give every copy an opponent."""
@@ -261,8 +264,17 @@ class SelfPlay:
         if version % self.every == 0:
             snap = self.pool.add(policy.state_dict(), version)
             self._prune()
-            if self.on_snapshot is not None:
-                self.on_snapshot(self.pool, snap)
+            if self.rater is not None:
+                self._rate(snap)
+
+    def _rate(self, snap: Snapshot) -> None:
+        """Rate the newcomer against the random player and the pool's rated snapshots. Its games sample
+        moves from torch's generator: forked, so that rating leaves the training's random stream as it was
+        (a resumed run stays exact)."""
+        pool = [{"id": s.id, "weights": s.weights} for s in self.pool.snapshots]
+        trained_s = time.perf_counter() - self.started - self.rater.seconds
+        with torch.random.fork_rng(devices=[]):
+            self.elo = self.rater.rate(snap.weights, pool, snap.id, train_seconds=trained_s)
 
     def _prune(self) -> None:
         keep = {s.id for s in self.pool.snapshots} | set(self.opponent.tolist())
@@ -280,6 +292,8 @@ class SelfPlay:
             counts = sum_over_ranks(counts)
         games = float(counts.sum())
         out = {"selfplay/games": games, "selfplay/pool_size": float(len(self.pool.snapshots))}
+        if self.elo is not None:
+            out["selfplay/elo"] = self.elo
         if games:
             wins, draws, losses = (counts / games).tolist()
             out |= {"selfplay/win_rate": wins, "selfplay/draw_rate": draws, "selfplay/loss_rate": losses}
@@ -302,78 +316,3 @@ class SelfPlay:
         for e in range(self.num_envs):
             if self.pool.get(int(self.opponent[e])) is None:
                 self.opponent[e] = self.pool.sample()
-
-
-# ------------------------------------------------------------------------------------------ matches
-Actor = Callable[[Any, torch.Tensor | None], np.ndarray]
-
-
-def policy_actor(policy: ActorCritic, deterministic: bool = False) -> Actor:
-    """A policy as `play_match` calls it: observations and legal-move masks in, actions out."""
-
-    @torch.inference_mode()
-    def act(obs: Any, mask: torch.Tensor | None) -> np.ndarray:
-        return policy.sample(obs, None, deterministic, mask)[0].cpu().numpy()
-
-    return act
-
-
-def random_actor(seed: int = 0) -> Actor:
-    """A uniformly random player over the legal moves."""
-    rng = np.random.default_rng(seed)
-
-    def act(obs: Any, mask: torch.Tensor | None) -> np.ndarray:
-        legal = mask.cpu().numpy()
-        return np.array([rng.choice(np.flatnonzero(row)) for row in legal])
-
-    return act
-
-
-def play_match(env_cfg: DictConfig, first: Actor, second: Actor, games: int, seed: int = 0) -> list[int]:
-    """`games` games of `first` against `second` on `env.num_envs` copies, seats alternated (even games
-    with `first` in seat 0); returns each game's result for `first` (1 win, 0 draw, -1 loss).
-
-    The hook for rating snapshots: with `policy_actor(...)` of two snapshots' weights its results feed an
-    Elo update; with `random_actor()` it measures the win rate against a random player."""
-    ma = OmegaConf.create({"policies": None, "policy_mapping": None, "policies_to_train": None})
-    envs, obs = make_multiagent_vector_env(env_cfg, ma, seed, 0, masked=True)
-    name = next(iter(envs.groups))
-    copies = envs.num_envs
-    game_of = np.arange(copies)  # the game each copy is playing
-    started, results = copies, [0] * games
-    done = np.zeros(copies, dtype=bool)
-    done[game_of >= games] = True
-    try:
-        while not done.all():
-            o = torch.as_tensor(obs[name], dtype=torch.float32)
-            masks = torch.from_numpy(envs.action_masks[name])
-            a, b = first(o, masks), second(o, masks)
-            seat_first = game_of % 2  # the seat `first` holds in each copy
-            rows_first = np.arange(copies) * 2 + seat_first
-            actions = b.copy()
-            actions[rows_first] = a[rows_first]
-            (obs_p, _, _, _, info) = envs.step([actions])[0]
-            obs = {name: obs_p}
-            for e in np.flatnonzero(info["_episode"].reshape(copies, 2).any(1)):
-                if done[e]:
-                    continue
-                ret = float(info["episode"]["r"][rows_first[e]])
-                results[game_of[e]] = WIN if ret > 0 else LOSS if ret < 0 else DRAW
-                game_of[e], started = started, started + 1
-                done[e] = game_of[e] >= games
-    finally:
-        envs.close()
-    return results
-
-
-def match_weights(
-    env_cfg: DictConfig, spec: Any, weights_a: dict, weights_b: dict, games: int, seed: int = 0
-) -> list[int]:
-    """`play_match` between two snapshots' weights (results for `weights_a`): what an Elo rating of the
-    pool is computed from."""
-    nets = []
-    for weights in (weights_a, weights_b):
-        net = ActorCritic(spec.obs_space, spec.action_space, spec.model)
-        net.load_state_dict(weights)
-        nets.append(policy_actor(net.eval()))
-    return play_match(env_cfg, nets[0], nets[1], games, seed)

@@ -15,16 +15,13 @@ import ppo_fabric
 from ppo_fabric import checkpoint as ckpt
 from ppo_fabric.agent import ActorCritic
 from ppo_fabric.config import compose
+from ppo_fabric.games import PolicyPlayer, RandomPlayer, aec_env_factory, play_games
 from ppo_fabric.learners import policy_specs
 from ppo_fabric.rollout import build_collector
 from ppo_fabric.selfplay import (
     OpponentPool,
     learner_scores,
-    match_weights,
     pfsp_weights,
-    play_match,
-    policy_actor,
-    random_actor,
     sampling_probabilities,
 )
 
@@ -160,29 +157,20 @@ def test_selfplay_run_logs_results_and_pool_survives_resume(tmp_path: Path) -> N
 
 
 def test_selfplay_metrics_in_the_csv(tmp_path: Path) -> None:
-    ppo_fabric.run(
-        [*TICTACTOE, "algo.total_steps=512", "logger.tensorboard=false", f"hydra.run.dir={tmp_path}"]
-    )
-    rows = list(csv.DictReader(io.StringIO((tmp_path / "metrics.csv").read_text())))
-    assert rows and all(float(r["selfplay/games"]) > 0 for r in rows)
+    """Win/draw/loss rates every update; an Elo rating once the first snapshot after the start (update 2)
+    joined, rating it without touching the training's random stream (the same weights as a run without)."""
+    run = [*TICTACTOE, "algo.total_steps=512", "logger.tensorboard=false", "logger.log_every=1"]
+    ppo_fabric.run([*run, f"hydra.run.dir={tmp_path / 'elo'}"])
+    rows = list(csv.DictReader(io.StringIO((tmp_path / "elo" / "metrics.csv").read_text())))
+    assert len(rows) == 4 and all(float(r["selfplay/games"]) > 0 for r in rows)
     rates = [float(rows[-1][f"selfplay/{k}_rate"]) for k in ("win", "draw", "loss")]
     assert abs(sum(rates) - 1) < 1e-6
-
-
-# ------------------------------------------------------------------------------------------ matches
-def test_play_match_alternates_seats_and_counts_every_game() -> None:
-    """The rating hook: a random player against itself over 40 tictactoe games; then two weight sets."""
-    cfg, _ = compose(["env=pettingzoo", "env.id=pettingzoo.classic.tictactoe_v3", "env.num_envs=8"])
-    results = play_match(cfg.env, random_actor(1), random_actor(2), games=40, seed=3)
-    assert len(results) == 40 and set(results) <= {-1, 0, 1}
-    # random tictactoe: the opening player wins ~58%, so seat alternation shows in even vs odd games
-    even, odd = np.mean(results[0::2]), np.mean(results[1::2])
-    assert even > odd
-    spec = policy_specs(cfg)["shared"]
-    torch.manual_seed(0)
-    a = ActorCritic(spec.obs_space, spec.action_space, spec.model).state_dict()
-    b = ActorCritic(spec.obs_space, spec.action_space, spec.model).state_dict()
-    assert len(match_weights(cfg.env, spec, a, b, games=10)) == 10
+    assert rows[0]["selfplay/elo"] == "" and np.isfinite(float(rows[-1]["selfplay/elo"]))
+    ppo_fabric.run([*run, "selfplay.elo=false", f"hydra.run.dir={tmp_path / 'plain'}"])
+    rated = ckpt.load(tmp_path / "elo" / "checkpoints" / "last.ckpt")["agent"]["shared"]
+    plain = ckpt.load(tmp_path / "plain" / "checkpoints" / "last.ckpt")["agent"]["shared"]
+    for key in rated:
+        torch.testing.assert_close(rated[key], plain[key], rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("strategy", ["coupled"])
@@ -208,5 +196,6 @@ def test_selfplay_learns_to_beat_random_tictactoe(tmp_path: Path, strategy: str)
     spec = policy_specs(cfg)["shared"]
     policy = ActorCritic(spec.obs_space, spec.action_space, spec.model)
     policy.load_state_dict(state["agent"]["shared"])
-    results = play_match(cfg.env, policy_actor(policy.eval()), random_actor(0), games=200, seed=7)
-    assert np.mean(np.array(results) == 1) > 0.6
+    player = PolicyPlayer(policy.eval(), deterministic=False, masked=True)
+    results = play_games(aec_env_factory(str(cfg.env.id)), player, RandomPlayer(0), 200, seed=7)
+    assert results.rate(1) > 0.6
