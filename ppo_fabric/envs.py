@@ -405,3 +405,13 @@ def check_normalizable(env_cfg: DictConfig, obs_space: gym.Space) -> None:
             f"env.normalize_obs=true needs an array observation space, not {type(obs_space).__name__}; "
             "set env.normalize_obs=false"
         )
+
+
+def env_action(action: np.ndarray) -> Any:
+    """One agent's action as PettingZoo envs expect it: a Python int for a discrete action (some games
+    compare it with `in range(...)` or index lists with it), the array otherwise."""
+    return (
+        int(action)
+        if np.ndim(action) == 0 and np.issubdtype(np.asarray(action).dtype, np.integer)
+        else action
+    )

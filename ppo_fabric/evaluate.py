@@ -229,16 +229,8 @@ def evaluate(
     out_dir.mkdir(parents=True, exist_ok=True)
     video_path = write_mp4(frames, out_dir / "eval.mp4", fps) if video else None
     result = {
-        "checkpoint": str(ckpt.resolve(checkpoint).resolve()),
-        "env_id": str(env_cfg.id),
-        "env_step": state.get("env_step"),
-        "episodes": episodes,
-        "deterministic": deterministic,
-        "seed": seed,
-        **_returns_summary(returns),
-        "mean_length": float(np.mean(lengths)),
+        **_run_summary(checkpoint, env_cfg, state, episodes, deterministic, seed, returns, lengths),
         "returns": returns,
-        "lengths": lengths,
         "wall_seconds": time.perf_counter() - start,
         "video": None if video_path is None else str(video_path),
     }
@@ -252,6 +244,32 @@ def _write(result: dict[str, Any], out_dir: Path) -> dict[str, Any]:
     write_json(out_dir / "eval.json", result)
     result["eval_json"] = str(out_dir / "eval.json")
     return result
+
+
+def _run_summary(
+    checkpoint: Any,
+    env_cfg: Any,
+    state: dict[str, Any],
+    episodes: int,
+    deterministic: bool,
+    seed: int,
+    returns: list[float],
+    lengths: list[int],
+) -> dict[str, Any]:
+    """What every eval.json opens with: what was evaluated, how, and the returns over all episodes."""
+    from ppo_fabric import checkpoint as ckpt
+
+    return {
+        "checkpoint": str(ckpt.resolve(checkpoint).resolve()),
+        "env_id": str(env_cfg.id),
+        "env_step": state.get("env_step"),
+        "episodes": episodes,
+        "deterministic": deterministic,
+        "seed": seed,
+        **_returns_summary(returns),
+        "mean_length": float(np.mean(lengths)),
+        "lengths": lengths,
+    }
 
 
 def _returns_summary(returns: list[float]) -> dict[str, float]:
@@ -355,15 +373,7 @@ def evaluate_multiagent(
         env.close()
     every = [r for p in returns for r in returns[p]]
     return {
-        "checkpoint": str(ckpt.resolve(checkpoint).resolve()),
-        "env_id": str(env_cfg.id),
-        "env_step": state.get("env_step"),
-        "episodes": episodes,
-        "deterministic": deterministic,
-        "seed": seed,
-        **_returns_summary(every),
-        "mean_length": float(np.mean(lengths)),
-        "lengths": lengths,
+        **_run_summary(checkpoint, env_cfg, state, episodes, deterministic, seed, every, lengths),
         "policies": {
             p: {"agents": groups[p], **_returns_summary(rs), "returns": rs} for p, rs in returns.items()
         },

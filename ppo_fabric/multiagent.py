@@ -21,7 +21,7 @@ import numpy as np
 from omegaconf import DictConfig, OmegaConf
 from pettingzoo import AECEnv
 
-from ppo_fabric.envs import EnvError, env_seeds
+from ppo_fabric.envs import EnvError, env_action, env_seeds
 from ppo_fabric.turn_based import TurnBasedVectorEnv, split_observation_space
 
 API = "pettingzoo"
@@ -227,7 +227,7 @@ class MultiAgentVectorEnv:
             rows = self._rows[e]
             acting = {a: by_policy[rows[a][0]][rows[a][1]] for a in env.agents}
             next_obs, rewards, terminations, truncations, _ = env.step(
-                {a: _env_action(act) for a, act in acting.items()}
+                {a: env_action(act) for a, act in acting.items()}
             )
             for agent in acting:
                 p, row = rows[agent]
@@ -271,14 +271,6 @@ class MultiAgentVectorEnv:
     def close(self) -> None:
         for env in self.envs:
             env.close()
-
-
-def _env_action(action: np.ndarray) -> Any:
-    return (
-        int(action)
-        if np.ndim(action) == 0 and np.issubdtype(np.asarray(action).dtype, np.integer)
-        else action
-    )
 
 
 def make_multiagent_vector_env(

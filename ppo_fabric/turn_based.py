@@ -22,7 +22,7 @@ from typing import Any
 import gymnasium as gym
 import numpy as np
 
-from ppo_fabric.envs import ACTION_MASK
+from ppo_fabric.envs import ACTION_MASK, env_action
 
 TURN = "acted"  # the info key: rows whose agent moved at this step
 OBSERVATION = "observation"  # the key of a PettingZoo game's observation beside its action_mask
@@ -138,7 +138,7 @@ class TurnBasedVectorEnv:
             p, row = rows[mover]
             acted[p][row] = True
             self._lengths[p][row] += 1
-            move = _env_action(by_policy[p][row])
+            move = env_action(by_policy[p][row])
             self._moves[e].append(move)
             env.step(move)
             over = any(env.terminations.values()) or any(env.truncations.values())
@@ -201,11 +201,3 @@ class TurnBasedVectorEnv:
     def close(self) -> None:
         for env in self.envs:
             env.close()
-
-
-def _env_action(action: np.ndarray) -> Any:
-    return (
-        int(action)
-        if np.ndim(action) == 0 and np.issubdtype(np.asarray(action).dtype, np.integer)
-        else action
-    )
