@@ -237,7 +237,9 @@ class RolloutCollector:
         for t in range(num_steps):
             env_actions, next_states = [], []
             for i, (g, policy) in enumerate(zip(groups, acting, strict=True)):
-                if masks[i] is None:
+                if self.asynchronous:  # only the ready envs act: the others' rows are never used
+                    action, logprob, next_state = _sample_rows(policy, obs[i], g.alive)
+                elif masks[i] is None:
                     action, logprob, next_state = policy.sample(obs[i], g.state)
                 else:
                     action, logprob, next_state = policy.sample(obs[i], g.state, False, masks[i])
@@ -406,6 +408,17 @@ def close_open_decisions(
     steps, index = steps[~done], index[~done]
     storage["mask"][steps, index] = False
     next_value[index] = storage["values"][steps, index]
+
+
+def _sample_rows(policy: ActorCritic, obs: torch.Tensor, rows: np.ndarray) -> tuple[torch.Tensor, ...]:
+    """An async pool's step: the policy acts for the `rows` that are ready only (feed-forward policies:
+    config refuses recurrent ones), the other rows get zeros, which the env ignores and `mask` hides."""
+    index = torch.from_numpy(np.flatnonzero(rows)).to(obs.device)
+    action, logprob, _ = policy.sample(obs[index], None)
+    actions = action.new_zeros((rows.size, *action.shape[1:]))
+    logprobs = logprob.new_zeros(rows.size)
+    actions[index], logprobs[index] = action, logprob
+    return actions, logprobs, None
 
 
 def _values(policy: ActorCritic, storage: TensorDict, chunk: int) -> torch.Tensor:
