@@ -104,6 +104,31 @@ def test_async_step_acts_with_the_ready_envs_and_matches_the_sync_pool_env_by_en
     assert ended >= 8 * 2
 
 
+def test_atari_games_are_counted_per_env_in_async_mode() -> None:
+    """Breakout, 4 envs acting 2 at a time, random actions: each env's finished game reports as many agent
+    steps as that env acted since its last game, 4 lost lives terminate its learner episodes before game
+    over, and its score is the raw one (at least the clipped rewards' sum)."""
+    cfg, _ = compose(["env=atari", "env.id=ALE/Breakout-v5", "env.num_envs=4", "env.backend=envpool",
+                      "env.envpool.batch_size=2"])  # fmt: skip
+    envs, obs = make_vector_env(cfg.env, seed=0, rank=0)
+    assert obs.shape == (4, 4, 84, 84) and obs.dtype == np.uint8
+    rng = np.random.default_rng(0)
+    acts, ends, clipped, games = np.zeros(4, int), np.zeros(4, int), np.zeros(4), []
+    for _ in range(4000):
+        acts += envs.alive
+        _, reward, terminated, _, info = envs.step(rng.integers(0, 4, 4))
+        clipped += reward
+        ends += terminated
+        for e in np.flatnonzero(info.get("_episode", np.zeros(4, dtype=bool))):
+            games.append((int(info["episode"]["l"][e]), int(acts[e]), int(ends[e])))
+            assert info["episode"]["r"][e] >= clipped[e]
+            acts[e], ends[e], clipped[e] = 0, 0, 0.0
+        if len(games) >= 3:
+            break
+    envs.close()
+    assert len(games) >= 3 and all(length == acted and lives == 5 for length, acted, lives in games), games
+
+
 class ScriptedPool:
     """A stand-in for an async EnvPool with a fixed order: `recv` returns the B envs sent longest ago.
     Env e's k-th step observes [e, k, episode, 0] and pays 10 * e + k; env 1 terminates at its 2nd step,
