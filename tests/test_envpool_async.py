@@ -258,7 +258,8 @@ def test_transitions_land_in_their_envs_columns(monkeypatch: pytest.MonkeyPatch)
 
 def test_resume_starts_fresh_episodes_without_the_old_in_flight_state() -> None:
     """The pool cannot be pickled: a resumed collector keeps its fresh pool's ready envs (the checkpoint's
-    `alive` would name envs whose actions are in flight there) and collects on at once."""
+    `alive` would name envs whose actions are in flight there) and collects on at once; so it does from
+    a gymnasium run's checkpoint, whose pickled envs it does not take."""
     cfg, _ = compose([*ASYNC, "algo.rollout_steps=8"])
     specs = policy_specs(cfg)
     policy = ActorCritic(specs[SINGLE].obs_space, specs[SINGLE].action_space, cfg.model)
@@ -272,6 +273,16 @@ def test_resume_starts_fresh_episodes_without_the_old_in_flight_state() -> None:
         restore_collector(new, state)
     assert np.array_equal(new.groups[0].alive, new.envs.alive)
     assert new.collect(policy, 32) == 32 and new.storage["mask"].sum() >= 28
+    # a gymnasium run's checkpoint (its envs pickled) resumed on the async pool: the pool stays
+    gym_cfg, _ = compose(["env.num_envs=8", "algo.rollout_steps=8"])
+    gymnasium = build_collector(gym_cfg, specs, 0, "cpu", None)
+    gymnasium.collect(policy, 0)
+    state = collector_state(gymnasium)
+    assert state["envs"] is not None
+    gymnasium.envs.close()
+    with pytest.warns(UserWarning, match="no env state"):
+        restore_collector(new, state)
+    assert type(new.envs) is envpool_envs.AsyncEnvPoolVectorEnv and new.collect(policy, 64) == 32
     new.envs.close()
 
 
