@@ -9,6 +9,11 @@ snapshot, drawn by `selfplay.sampling`:
 - `pfsp` (prioritised fictitious self-play): weight (1 - p)^`pfsp_power` where p is the learner's smoothed
   score against the snapshot ((wins + draws/2 + 1) / (games + 2)), so opponents it still loses to play more.
 
+With `selfplay.random_prob` > 0 that share of episodes is played against a uniformly random legal-move
+player instead: an anchor that never leaves, so the learner keeps meeting the scattered positions weak play
+leads to (pure self-play narrows to the lines its snapshots play and forgets them, measured in
+benchmarks/results/selfplay_*.md). Those games are reported apart (`selfplay/random_*`).
+
 Seats alternate per episode in each copy. The seat -> policy mapping therefore changes from episode to
 episode: the rollout's `mask` keeps only the learner's decisions (`learner_rows`), the only rows trained.
 The pool's snapshots and win statistics are plain tensors and numbers (`state`/`load_state`), saved with
@@ -35,6 +40,7 @@ from ppo_fabric.envs import EnvError
 
 SAMPLING = ("uniform", "latest", "pfsp")
 WIN, DRAW, LOSS = 1, 0, -1
+RANDOM = -2  # the opponent id of a copy playing the uniformly random legal-move player
 
 
 # ---------------------------------------------------------------------------------------------- config
@@ -59,9 +65,10 @@ def check_selfplay(cfg: DictConfig, specs: dict[str, Any], turn_based: bool) -> 
             raise EnvError(f"selfplay.{key}={value} must be a positive integer")
     if sp.get("sampling") not in SAMPLING:
         raise EnvError(f"selfplay.sampling={sp.get('sampling')} must be one of {', '.join(SAMPLING)}")
-    latest = sp.get("latest_prob")
-    if isinstance(latest, bool) or not isinstance(latest, (int, float)) or not 0 <= latest <= 1:
-        raise EnvError(f"selfplay.latest_prob={latest} must be a number in [0, 1]")
+    for key in ("latest_prob", "random_prob", "opponent_noise"):
+        value = sp.get(key, 0.0)
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value <= 1:
+            raise EnvError(f"selfplay.{key}={value} must be a number in [0, 1]")
     if not isinstance(sp.get("elo", False), bool):
         raise EnvError(f"selfplay.elo={sp.get('elo')} must be true or false")
     power = sp.get("pfsp_power")
@@ -192,11 +199,14 @@ class SelfPlay:
         self.pool = OpponentPool(
             int(sp_cfg.pool_size), str(sp_cfg.sampling), float(sp_cfg.latest_prob), float(sp_cfg.pfsp_power)
         )
+        self.random_prob = float(sp_cfg.get("random_prob", 0.0))
+        self.noise = float(sp_cfg.get("opponent_noise", 0.0))
         self.spec, self.device, self.num_envs = spec, device, num_envs
         self.seat = (np.arange(num_envs) + rank) % 2  # the learner's seat in each copy
         self.opponent = np.full(num_envs, -1, dtype=np.int64)  # the snapshot id each copy plays
         self.nets: dict[int, ActorCritic] = {}
         self.results = np.zeros(3, dtype=np.int64)  # wins, draws, losses since the last metrics()
+        self.random_results = np.zeros(3, dtype=np.int64)  # the same, against the random player
         self.rater: Any = None  # an elo.EloRater where this rank rates the snapshots (rank 0)
         self.elo: float | None = None  # the newest snapshot's rating
         self.started = time.perf_counter()
@@ -206,8 +216,18 @@ class SelfPlay:
         if not self.pool.snapshots:
             self.pool.add(policy.state_dict(), version)
         for e in range(self.num_envs):
-            if self.pool.get(int(self.opponent[e])) is None:
-                self.opponent[e] = self.pool.sample()
+            if not self._playable(int(self.opponent[e])):
+                self.opponent[e] = self._draw()
+
+    def _playable(self, opponent: int) -> bool:
+        return opponent == RANDOM or self.pool.get(opponent) is not None
+
+    def _draw(self) -> int:
+        """The next opponent: the random player with probability `random_prob`, else a pool snapshot (both
+        drawn with numpy's global generator, which checkpoints save and restore)."""
+        if self.random_prob > 0 and np.random.random() < self.random_prob:
+            return RANDOM
+        return self.pool.sample()
 
     def opponent_to_move(self, movers: np.ndarray) -> np.ndarray:
         """The copies whose opponent seat moves now."""
@@ -243,9 +263,24 @@ class SelfPlay:
             copies = opponent_moves[self.opponent[opponent_moves] == snap_id]
             rows = torch.from_numpy(copies * 2 + 1 - self.seat[copies]).to(self.device)
             mask = None if masks is None else masks[rows]
-            chosen, _, _ = self._net(int(snap_id)).sample(obs[rows], None, False, mask)
+            if snap_id == RANDOM:
+                chosen = self._random_moves(len(copies), mask)
+            else:
+                chosen, _, _ = self._net(int(snap_id)).sample(obs[rows], None, False, mask)
+                if self.noise > 0:  # some of the snapshot's moves are random ones
+                    swap = torch.rand(len(copies), device=self.device) < self.noise
+                    chosen = torch.where(swap, self._random_moves(len(copies), mask), chosen)
             actions[rows.cpu().numpy()] = chosen.cpu().numpy()
         return actions
+
+    def _random_moves(self, n: int, mask: torch.Tensor | None) -> torch.Tensor:
+        """Uniform over each row's legal moves (over the whole Discrete space without masks), drawn from
+        torch's generator like the snapshots' moves, so a seeded run repeats."""
+        width = int(mask.shape[1]) if mask is not None else int(self.spec.action_space.n)
+        scores = torch.rand(n, width, device=self.device)
+        if mask is not None:
+            scores = scores.masked_fill(~mask, -1.0)
+        return scores.argmax(1)
 
     def episodes_ended(self, ended: np.ndarray, returns: np.ndarray) -> None:
         """Per row (`_episode`, `episode.r`): record the learner's result in every copy whose game ended,
@@ -253,10 +288,13 @@ class SelfPlay:
         for e in np.flatnonzero(ended.reshape(self.num_envs, 2).any(1)):
             ret = float(returns[e * 2 + self.seat[e]])
             outcome = WIN if ret > 0 else LOSS if ret < 0 else DRAW
-            self.pool.record(int(self.opponent[e]), outcome)
-            self.results[1 - outcome] += 1  # WIN -> 0, DRAW -> 1, LOSS -> 2
+            if self.opponent[e] == RANDOM:
+                self.random_results[1 - outcome] += 1  # WIN -> 0, DRAW -> 1, LOSS -> 2
+            else:
+                self.pool.record(int(self.opponent[e]), outcome)
+                self.results[1 - outcome] += 1
             self.seat[e] = 1 - self.seat[e]
-            self.opponent[e] = self.pool.sample()
+            self.opponent[e] = self._draw()
         self._prune()
 
     def after_update(self, policy: ActorCritic, version: int) -> None:
@@ -285,11 +323,14 @@ class SelfPlay:
         self, sum_over_ranks: Callable[[torch.Tensor], torch.Tensor] | None = None
     ) -> dict[str, float]:
         """Win/draw/loss rates of the learner in the training games finished since the last call, over
-        every collecting rank (`sum_over_ranks`), and the pool's size."""
-        counts = torch.tensor(self.results, dtype=torch.float64)
+        every collecting rank (`sum_over_ranks`), and the pool's size; games against the random player
+        (`random_prob`) apart, as `selfplay/random_*`: a training-time curve of what the benchmark judges."""
+        both = torch.tensor(np.concatenate([self.results, self.random_results]), dtype=torch.float64)
         self.results[:] = 0
+        self.random_results[:] = 0
         if sum_over_ranks is not None:
-            counts = sum_over_ranks(counts)
+            both = sum_over_ranks(both)
+        counts, random_counts = both[:3], both[3:]
         games = float(counts.sum())
         out = {"selfplay/games": games, "selfplay/pool_size": float(len(self.pool.snapshots))}
         if self.elo is not None:
@@ -297,6 +338,16 @@ class SelfPlay:
         if games:
             wins, draws, losses = (counts / games).tolist()
             out |= {"selfplay/win_rate": wins, "selfplay/draw_rate": draws, "selfplay/loss_rate": losses}
+        if self.random_prob > 0:
+            played = float(random_counts.sum())
+            out["selfplay/random_games"] = played
+            if played:
+                wins, draws, losses = (random_counts / played).tolist()
+                out |= {
+                    "selfplay/random_win_rate": wins,
+                    "selfplay/random_draw_rate": draws,
+                    "selfplay/random_loss_rate": losses,
+                }
         return out
 
     def state(self) -> dict[str, Any]:
@@ -314,5 +365,5 @@ class SelfPlay:
             self.seat = np.asarray(state["seat"], dtype=np.int64).copy()
             self.opponent = np.asarray(state["opponent"], dtype=np.int64).copy()
         for e in range(self.num_envs):
-            if self.pool.get(int(self.opponent[e])) is None:
-                self.opponent[e] = self.pool.sample()
+            if not self._playable(int(self.opponent[e])):
+                self.opponent[e] = self._draw()

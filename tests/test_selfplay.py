@@ -19,6 +19,7 @@ from ppo_fabric.games import PolicyPlayer, RandomPlayer, aec_env_factory, play_g
 from ppo_fabric.learners import policy_specs
 from ppo_fabric.rollout import build_collector
 from ppo_fabric.selfplay import (
+    RANDOM,
     OpponentPool,
     learner_scores,
     pfsp_weights,
@@ -121,6 +122,72 @@ def test_only_the_learners_rows_train_and_seats_alternate() -> None:
     }  # fmt: skip
     snap = sp.pool.snapshots[0]
     assert (snap.wins, snap.draws, snap.losses) == (1, 0, 1)
+
+
+def test_random_opponent_plays_legal_moves_and_is_reported_apart() -> None:
+    """selfplay.random_prob=1: every game is against the random legal-move player. Its moves are legal
+    (tictactoe rejects an illegal one), uniform over the legal ones, no snapshot records a result, and the
+    learner's results come out as selfplay/random_*, not as pool games."""
+    cfg, _ = compose([*TICTACTOE, "selfplay.random_prob=1.0"])
+    specs = policy_specs(cfg)
+    spec = specs["shared"]
+    collector = build_collector(cfg, specs, 0, "cpu", None)
+    learner = ActorCritic(spec.obs_space, spec.action_space, spec.model)
+    collector.collect({"shared": learner}, 0)
+    sp = collector.selfplay
+    assert (sp.opponent == RANDOM).all()
+    snap = sp.pool.snapshots[0]
+    assert (snap.wins, snap.draws, snap.losses) == (0, 0, 0)
+    metrics = sp.metrics()
+    assert metrics["selfplay/games"] == 0 and metrics["selfplay/random_games"] > 0
+    rates = [metrics[f"selfplay/random_{k}_rate"] for k in ("win", "draw", "loss")]
+    assert sum(rates) == pytest.approx(1.0)
+    # uniform over the legal moves: 3 legal of 5, 30000 draws, each near 1/3
+    mask = torch.tensor([[True, False, True, False, True]]).expand(30000, 5)
+    counts = torch.bincount(sp._random_moves(30000, mask), minlength=5) / 30000
+    assert counts[[1, 3]].sum() == 0
+    torch.testing.assert_close(counts[[0, 2, 4]], torch.full((3,), 1 / 3), atol=0.02, rtol=0)
+
+
+def test_random_prob_mixes_the_random_player_into_the_draws() -> None:
+    """random_prob=0.25: about a quarter of draws are the random player, the rest pool snapshots."""
+    cfg, _ = compose([*TICTACTOE, "selfplay.random_prob=0.25"])
+    specs = policy_specs(cfg)
+    sp = build_collector(cfg, specs, 0, "cpu", None).selfplay
+    learner = ActorCritic(specs["shared"].obs_space, specs["shared"].action_space, specs["shared"].model)
+    sp.start(learner, 0)
+    np.random.seed(0)
+    draws = np.array([sp._draw() for _ in range(4000)])
+    assert set(np.unique(draws).tolist()) == {RANDOM, sp.pool.snapshots[0].id}
+    assert (draws == RANDOM).mean() == pytest.approx(0.25, abs=0.03)
+
+
+@pytest.mark.parametrize("noise", [0.0, 0.5])
+def test_opponent_noise_replaces_that_share_of_a_snapshots_moves(noise: float) -> None:
+    """A snapshot that always plays move 0 (its head biased there): with opponent_noise=0 every opponent
+    move is 0; with 0.5 about half are random legal moves (1/8 of those are 0 again), never illegal."""
+    cfg, _ = compose([*TICTACTOE, f"selfplay.opponent_noise={noise}"])
+    specs = policy_specs(cfg)
+    spec = specs["shared"]
+    sp = build_collector(cfg, specs, 0, "cpu", None).selfplay
+    stubborn = ActorCritic(spec.obs_space, spec.action_space, spec.model)
+    with torch.no_grad():
+        stubborn.head.linear.bias.copy_(torch.tensor([50.0] + [0.0] * 8))
+    sp.pool.snapshots.clear()
+    sp.start(stubborn, 0)
+    n = 4000
+    sp.num_envs, sp.seat = n, np.zeros(n, dtype=np.int64)  # the learner holds seat 0: rows 2e+1 are opponents
+    sp.opponent = np.full(n, sp.pool.snapshots[0].id)
+    movers = np.tile([False, True], n)
+    masks = torch.ones(2 * n, 9, dtype=torch.bool)
+    masks[1::2, 8] = False  # one illegal move for every opponent
+    obs = torch.zeros(2 * n, *spec.obs_space.shape)
+    actions = sp.act(obs, masks, np.full(2 * n, -1), movers)
+    moves = torch.from_numpy(actions[1::2])
+    assert (actions[0::2] == -1).all()  # the learner's rows are left as they were
+    assert (moves != 8).all()
+    expected = (1 - noise) + noise / 8  # the stubborn move, plus random draws that happen to pick it
+    assert (moves == 0).float().mean().item() == pytest.approx(expected, abs=0.03)
 
 
 # ----------------------------------------------------------------------------------------------- runs

@@ -167,6 +167,7 @@ def test_tictactoe_selfplay_two_processes(tmp_path: Path, strategy: str) -> None
         (["selfplay.enabled=true", "selfplay.pool_size=0"], "selfplay.pool_size=0"),
         (["selfplay.enabled=true", "selfplay.sampling=best"], "selfplay.sampling=best"),
         (["selfplay.enabled=true", "selfplay.latest_prob=2"], "selfplay.latest_prob=2"),
+        (["selfplay.enabled=true", "selfplay.random_prob=-0.1"], "selfplay.random_prob=-0.1"),
     ],
 )
 def test_turn_based_config_errors(
