@@ -1,6 +1,11 @@
-"""The end of a minibatch step, gradient clipping then Adam, without the generic layers around the kernels.
+"""A minibatch step without Fabric's and torch's generic layers around it, where they add nothing.
 
-On CartPole-sized models a minibatch step is a few hundred microseconds of arithmetic, and the layers
+`forward_module`: Fabric's module wrapper converts inputs and outputs for the precision (a no-op at full
+precision), then registers a Python backward hook on every output tensor, after four `is_overridden`
+checks each, to tell users who call `loss.backward()` to use `fabric.backward` (~50-70 us per minibatch
+step, hooks firing in the backward pass included); the update calls `fabric.backward` anyway.
+
+`GradientStep`, the end of a minibatch step (gradient clipping then Adam): on CartPole-sized models a minibatch step is a few hundred microseconds of arithmetic, and the layers
 around clipping and the optimiser cost about as much again: Fabric's `clip_gradients` (~160 us: its
 precision and strategy hooks, then `clip_grad_norm_` grouping the gradients by device and dtype) and
 `optimizer.step()` (~115 us: Fabric's wrapper, torch's profiler `record_function` and step hooks, the
@@ -32,18 +37,28 @@ def clip_grad_norm_(grads: list[torch.Tensor], max_norm: float) -> torch.Tensor:
     return total
 
 
+def _plain_precision(fabric: Fabric, methods: tuple[str, ...]) -> bool:
+    precision = fabric.strategy.precision
+    return all(getattr(type(precision), name) is getattr(Precision, name) for name in methods)
+
+
+def forward_module(fabric: Fabric, model: Any) -> Any:
+    """What Fabric's wrapper `model` calls in its forward (the DDP wrapper, or the module itself), when the
+    precision plugin converts nothing and adds no context (full precision); else `model` itself."""
+    inner = getattr(model, "_forward_module", None)
+    plain = _plain_precision(fabric, ("convert_input", "convert_output", "forward_context"))
+    return inner if inner is not None and plain else model
+
+
 def _plain_layers(fabric: Fabric, optimizer: Any) -> bool:
     """Fabric's strategy and precision add nothing to clipping and stepping: no scaler, no overrides
     (FSDP, DeepSpeed, mixed precision), no callbacks."""
-    strategy, precision = fabric.strategy, fabric.strategy.precision
+    strategy = fabric.strategy
     plain_strategy = all(
         getattr(type(strategy), name) is getattr(Strategy, name)
         for name in ("clip_gradients_norm", "optimizer_step")
     )
-    plain_precision = all(
-        getattr(type(precision), name) is getattr(Precision, name)
-        for name in ("optimizer_step", "unscale_gradients", "main_params")
-    )
+    plain_precision = _plain_precision(fabric, ("optimizer_step", "unscale_gradients", "main_params"))
     return plain_strategy and plain_precision and not getattr(optimizer, "_callbacks", None)
 
 

@@ -1,5 +1,6 @@
-"""GradientStep (optim.py): the direct clip + fused Adam path gives bit-identical parameters and optimiser
-states to Fabric's `clip_gradients` + `optimizer.step()`, and is the path actually taken."""
+"""optim.py: the direct clip + fused Adam path (GradientStep) gives bit-identical parameters and optimiser
+states to Fabric's `clip_gradients` + `optimizer.step()`, and is the path actually taken; `forward_module`
+skips Fabric's module wrapper only where it adds nothing."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import torch
 from lightning.fabric import Fabric
 from torch import nn
 
-from ppo_fabric.optim import GradientStep, clip_grad_norm_
+from ppo_fabric.optim import GradientStep, clip_grad_norm_, forward_module
 
 
 def _model() -> nn.Module:
@@ -96,3 +97,16 @@ def test_clip_grad_norm_matches_torch() -> None:
         assert torch.equal(total, total_ref)
         for a, p in zip(grads, params, strict=True):
             assert torch.equal(a, p.grad)
+
+
+@pytest.mark.parametrize("precision", ["32-true", "bf16-mixed"])
+def test_forward_module_skips_the_wrapper_at_full_precision_only(precision: str) -> None:
+    fabric = Fabric(accelerator="cpu", devices=1, precision=precision)
+    model = fabric.setup_module(_model())
+    net = forward_module(fabric, model)
+    x = torch.randn(8, 4)
+    if precision == "32-true":
+        assert net is model.module  # single device: no DDP wrapper in between
+        assert torch.equal(net(x), model(x))
+    else:  # the wrapper autocasts: kept
+        assert net is model
