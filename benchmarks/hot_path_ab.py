@@ -1,11 +1,13 @@
-"""The hot path of this checkout against another commit's, in one process: `update.update_policy` and
-`rollout.RolloutCollector.collect`, each version alternated call by call on the same learner, batch and envs.
+"""The hot path of this checkout against another commit's, in one process: `update.update_policy`,
+`rollout.RolloutCollector.collect` and the policy (`agent.ActorCritic`, acting in this checkout's rollout
+with the same weights), each version alternated call by call on the same learner, batch and envs.
 
 End-to-end A/B runs on a shared 2-core machine move by 10-20% with other jobs' load; running both versions
 in one process, interleaved, makes the load hit them alike. The other commit's `ppo_fabric/update.py` and
 `ppo_fabric/rollout.py` are read with `git show` and imported as modules of their own, on top of this
-checkout's package (they must still import against it: hot-path modules of nearby commits do). Reports the
-median CPU time (this thread) of an update and of a rollout for each version and their ratio; writes
+checkout's package (they must still import against it: hot-path modules of nearby commits do), and so is its
+`ppo_fabric/agent.py`. Reports the median CPU time (this thread) of an update, of a rollout and of a rollout
+acting with each version's policy, for each version, and their ratios; writes
 benchmarks/results/hot_path_ab_<commit>.{json,md}.
 
     .venv/bin/python benchmarks/hot_path_ab.py --against 53958c8 [--exp cleanrl_cartpole] [--rounds 40]
@@ -68,6 +70,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         other_update = module_at(args.against, "update", Path(tmp))
         other_rollout = module_at(args.against, "rollout", Path(tmp))
+        other_agent = module_at(args.against, "agent", Path(tmp))
     cfg, _, _ = load([f"exp={args.exp}", "logger=none"])
     torch.set_num_threads(1)
     fabric = build_fabric(cfg, 1)
@@ -80,11 +83,16 @@ def main() -> None:
         this.envs, first, this.storage, gamma, lam
     )  # same envs and storage
     policies, learner = policies_of(learners), learners[SINGLE]
+    spec = specs[SINGLE]
+    other_policy = other_agent.ActorCritic(spec.obs_space, spec.action_space, spec.model)
+    other_policy.load_state_dict(policies[SINGLE].state_dict())  # the same weights
+    acting = {"this": policies, args.against: {SINGLE: other_policy}}
     layout = training_layout(cfg, 1)
     n = layout.batch
     updates = {"this": this_update.update_policy, args.against: other_update.update_policy}
     collectors = {"this": this, args.against: other}
-    times: dict[str, list[float]] = {f"{kind} {v}": [] for kind in ("update", "collect") for v in updates}
+    kinds = ("update", "collect", "policy")
+    times: dict[str, list[float]] = {f"{kind} {v}": [] for kind in kinds for v in updates}
     loads = [os.getloadavg()[0]]
     for r in range(args.rounds + 3):
         versions = list(updates) if r % 2 == 0 else list(updates)[::-1]
@@ -99,10 +107,16 @@ def main() -> None:
             collectors[v].collect(policies, r * n)
             if r >= 3:
                 times[f"collect {v}"].append(time.thread_time() - t)
+        for v in versions:
+            t = time.thread_time()
+            with torch.no_grad():
+                this.collect(acting[v], r * n)
+            if r >= 3:
+                times[f"policy {v}"].append(time.thread_time() - t)
     this.envs.close()
     loads.append(os.getloadavg()[0])
     med = {k: statistics.median(v) * 1e3 for k, v in times.items()}
-    ratio = {kind: med[f"{kind} {args.against}"] / med[f"{kind} this"] for kind in ("update", "collect")}
+    ratio = {kind: med[f"{kind} {args.against}"] / med[f"{kind} this"] for kind in kinds}
     m = common.machine()
     git = common.git_commit()
     lines = [
@@ -116,8 +130,11 @@ def main() -> None:
         "|---|---:|---:|---:|",
         *(
             f"| {kind} | {med[f'{kind} this']:.2f} | {med[f'{kind} {args.against}']:.2f} | {ratio[kind]:.3f}x |"
-            for kind in ("update", "collect")
+            for kind in kinds
         ),
+        "",
+        "update: `update_policy`; collect: `RolloutCollector.collect` with this checkout's policy; policy: this "
+        "checkout's `collect` acting with each version's `ActorCritic` (same weights).",
         "",
         f"Command: `{common.command_line(__file__)}`",
         "",
