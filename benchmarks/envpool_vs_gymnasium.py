@@ -12,8 +12,14 @@ on 2 CPU cores, EnvPool >= 1.5x gymnasium's SPS on `exp=fast`. Writes benchmarks
 64 CartPole envs built by `make_vector_env` on each backend, 3,000 vector steps of random actions, wall and
 CPU seconds, `--repeats` times alternating; writes benchmarks/results/envpool_cpu_stepping.{json,md}.
 
+`--async`: EnvPool's sync pool against its async mode on `exp=fast` (64 envs; async: `env.envpool.batch_size`
+32, so the policy acts on the 32 envs that are ready first while the other 32 step), `--seeds` runs each,
+alternating, with the run's own SPS (env steps over its clock) and collection/training seconds; the async run
+takes half the env steps per update from the same [32, 64] storage. Writes envpool_cpu_async.{json,md}.
+
     .venv/bin/python benchmarks/envpool_vs_gymnasium.py [--seeds 3] [--steps 200000] [--out DIR]
     .venv/bin/python benchmarks/envpool_vs_gymnasium.py --stepping [--repeats 7]
+    .venv/bin/python benchmarks/envpool_vs_gymnasium.py --async [--seeds 1] [--steps 50000]
 """
 
 from __future__ import annotations
@@ -94,6 +100,54 @@ def stepping(repeats: int, out: Path, vector_steps: int = 3000, num_envs: int = 
     common.write_report(out, "envpool_cpu_stepping", result, "\n".join(lines))
 
 
+ASYNC_MODES = {"sync": [], "async": ["env.envpool.batch_size=32"]}  # exp=fast: 64 envs
+
+
+def async_runs(seeds: int, steps: int, out: Path) -> None:
+    """`exp=fast` on EnvPool, sync pool against async (the section `--async` writes)."""
+    rows: list[dict[str, Any]] = []
+    for seed in range(1, seeds + 1):
+        for mode, extra in ASYNC_MODES.items():
+            load = os.getloadavg()[0]
+            s = run_once(
+                ["exp=fast", "env.backend=envpool", f"seed={seed}", f"algo.total_steps={steps}", *extra]
+            )
+            row = {"mode": mode, "seed": seed, "sps": s["sps"], "env_steps": s["total_env_steps"],
+                   "final_mean_return": s["final_mean_return"], "time_split": s.get("time_split"),
+                   "load_before": load}  # fmt: skip
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+    med = {m: statistics.median(r["sps"] for r in rows if r["mode"] == m) for m in ASYNC_MODES}
+    result = {"machine": common.machine(), "git": common.git_commit(), "steps": steps, "rows": rows,
+              "median_sps": med, "ratio": med["async"] / med["sync"]}  # fmt: skip
+    m = result["machine"]
+    lines = [
+        "# EnvPool sync vs async collection (CartPole-v1 `exp=fast`, coupled, 1 process)",
+        "",
+        f"Machine: {m['cpu']}, {m['cores']} cores, torch {m['torch']}; git {result['git']}. Each run in a fresh "
+        f"process, one at a time, modes alternating; {steps:,} env steps per run. Async: "
+        "`env.envpool.batch_size=32` of 64 envs (1,024 env steps per update instead of 2,048).",
+        "",
+        "| mode | seed | SPS | collect s | train s | load before | final mean return |",
+        "|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in rows:
+        split = r["time_split"] or {}
+        ret = "n/a" if r["final_mean_return"] is None else f"{r['final_mean_return']:.1f}"
+        lines.append(
+            f"| {r['mode']} | {r['seed']} | {r['sps']:,.0f} | {split.get('collect', 0):.1f} | "
+            f"{split.get('train', 0):.1f} | {r['load_before']:.1f} | {ret} |"
+        )
+    lines += [
+        "",
+        f"**Median SPS sync {med['sync']:,.0f}, async {med['async']:,.0f}: {result['ratio']:.2f}x.**",
+        "",
+        f"Command: `{common.command_line(__file__)}`",
+        "",
+    ]
+    common.write_report(out, "envpool_cpu_async", result, "\n".join(lines))
+
+
 def main() -> None:
     parser = common.argument_parser(__doc__)
     parser.add_argument("--seeds", type=int, default=3)
@@ -101,9 +155,15 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=RESULTS)
     parser.add_argument("--stepping", action="store_true", help="the env stepping alone (see above)")
     parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument(
+        "--async", dest="asynchronous", action="store_true", help="sync vs async pool (above)"
+    )
     args = parser.parse_args()
     if args.stepping:
         stepping(args.repeats, args.out)
+        return
+    if args.asynchronous:
+        async_runs(args.seeds, args.steps, args.out)
         return
     rows: list[dict[str, Any]] = []
     for seed in range(1, args.seeds + 1):

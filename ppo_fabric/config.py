@@ -300,12 +300,26 @@ class Layout:
 
     collectors: int  # ranks that step envs
     trainers: int  # ranks that compute gradients
-    batch: int  # samples per update over all ranks
+    batch: int  # samples per update over all ranks (storage rows: [T, E] per collecting rank)
     minibatch: int  # samples per gradient step over all ranks
+    env_steps: int  # env steps per update over all ranks: `batch` unless only some envs act per step
 
     @property
     def rank_minibatch(self) -> int:
         return self.minibatch // self.trainers
+
+
+def acting_envs(env_cfg: DictConfig) -> int:
+    """Envs that take a step per rollout step: `env.envpool.batch_size` for an async EnvPool (only the
+    envs that are ready act, `envpool_envs.AsyncEnvPoolVectorEnv`), else every one of `env.num_envs`."""
+    num_envs = int(env_cfg.num_envs)
+    own = env_cfg.get("envpool")
+    batch = own.get("batch_size") if own is not None else None
+    if str(env_cfg.get("backend", "gymnasium") or "gymnasium") != "envpool":
+        return num_envs
+    if isinstance(batch, bool) or not isinstance(batch, int) or batch <= 0:
+        return num_envs  # null (sync), or a bad value `envpool_envs.check_settings` names
+    return min(batch, num_envs)
 
 
 def training_layout(cfg: DictConfig, world_size: int) -> Layout:
@@ -315,7 +329,8 @@ def training_layout(cfg: DictConfig, world_size: int) -> Layout:
         collectors, trainers = players, max(world_size - players, 1)
     else:
         collectors = trainers = world_size
-    return Layout(collectors, trainers, per_collector * collectors, int(cfg.algo.minibatch_size))
+    env_steps = int(cfg.algo.rollout_steps) * acting_envs(cfg.env) * collectors
+    return Layout(collectors, trainers, per_collector * collectors, int(cfg.algo.minibatch_size), env_steps)
 
 
 def validate(cfg: DictConfig) -> int:
@@ -384,11 +399,24 @@ def check_layout(cfg: DictConfig, world: int) -> None:
         )
     _check_sequences(cfg, layout)
     _check_compile(cfg)
-    global_batch = layout.batch
-    if cfg.algo.total_steps < global_batch:
+    if cfg.algo.total_steps < layout.env_steps:
+        envs = "env.num_envs" if layout.env_steps == layout.batch else "env.envpool.batch_size"
         raise ConfigError(
-            f"algo.total_steps={cfg.algo.total_steps} is smaller than one batch of {global_batch} env steps "
-            f"(algo.rollout_steps*env.num_envs*collecting ranks); raise algo.total_steps"
+            f"algo.total_steps={cfg.algo.total_steps} is smaller than one batch of {layout.env_steps} env "
+            f"steps (algo.rollout_steps*{envs}*collecting ranks); raise algo.total_steps"
+        )
+    _check_async(cfg, layout)
+
+
+def _check_async(cfg: DictConfig, layout: Layout) -> None:
+    """An async EnvPool advances only the envs that act at a step: a recurrent state would advance for the
+    others too (their stale observations), so recurrent policies need a sync pool."""
+    lstm = cfg.model.get("lstm")
+    if layout.env_steps != layout.batch and lstm is not None and int(lstm.hidden_size) > 0:
+        raise ConfigError(
+            f"env.envpool.batch_size={cfg.env.envpool.batch_size} < env.num_envs={cfg.env.num_envs} (async "
+            f"collection) does not support recurrent policies (model.lstm.hidden_size={lstm.hidden_size}); "
+            "set env.envpool.batch_size=null"
         )
 
 

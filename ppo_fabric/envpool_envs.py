@@ -20,15 +20,23 @@ What the rollout relies on and how the pool is made to give it:
   exactly where a run without warm-up starts, as with the gymnasium backend.
 - **Atari preprocessing** is EnvPool's own, configured to match `atari.wrap_atari` (`atari_options`).
 
-Only sync pools: `env.envpool.batch_size` below `env.num_envs` (async collection, the policy acting on
-whichever envs are ready) is refused by `check_settings`. The pool cannot be pickled, so a checkpoint holds
-no env state and a resumed run starts fresh episodes (normalisation statistics are restored).
+Async pools (`env.envpool.batch_size` B below `env.num_envs` E, which B must divide): `AsyncEnvPoolVectorEnv`
+keeps the E-row vector API, and one vector step (a *tick*) is one `send` of the B ready envs' actions and as
+many `recv`s as it takes to have B envs ready again; only those act at the next tick (`info["alive"]`). An
+env's result reaches the rollout at the tick its `recv` arrives, like a turn-based player's outcome after
+the opponent's move (`rollout.credit_waiting`), and the same rules hold per env: same-step autoreset (an
+ended env's reset is sent at once and it acts again from the next episode's first observation), the final
+observation in `final_obs`, episode statistics of its own (per env, only for received steps).
+
+The pool cannot be pickled, so a checkpoint holds no env state and a resumed run starts fresh episodes
+(normalisation statistics are restored).
 """
 
 from __future__ import annotations
 
 import importlib
 import warnings
+from collections import deque
 from typing import Any
 
 import gymnasium as gym
@@ -36,6 +44,8 @@ import numpy as np
 from gymnasium.vector import AutoresetMode, VectorEnv
 from gymnasium.vector.utils import batch_space
 from omegaconf import DictConfig, OmegaConf
+
+from ppo_fabric.config import acting_envs
 
 BACKENDS = ("gymnasium", "envpool")
 INSTALL_HINT = "pip install 'ppo-fabric[envpool]'"
@@ -85,10 +95,7 @@ def check_settings(env_cfg: DictConfig) -> None:
     if batch is not None and batch > num_envs:
         raise EnvPoolError(f"env.envpool.batch_size={batch} exceeds env.num_envs={num_envs}")
     if batch is not None and batch < num_envs:
-        raise EnvPoolError(
-            f"env.envpool.batch_size={batch} < env.num_envs={num_envs} (async collection) is not supported "
-            "yet; set env.envpool.batch_size=null for a sync pool"
-        )
+        _check_async(env_cfg, batch, num_envs)
     threads = _settings(env_cfg).get("num_threads", 0)
     if isinstance(threads, bool) or not isinstance(threads, int) or threads < 0:
         raise EnvPoolError(f"env.envpool.num_threads={threads!r} must be a whole number >= 0 (0: EnvPool's)")
@@ -112,6 +119,27 @@ def check_settings(env_cfg: DictConfig) -> None:
             f"env.id={env_id!r} is not available with env.backend=envpool; use env.backend=gymnasium for it "
             "(envpool.list_all_envs() lists EnvPool's)"
         )
+
+
+def _check_async(env_cfg: DictConfig, batch: int, num_envs: int) -> None:
+    """What an async pool needs: B dividing E, so that a `recv` (which waits for B envs) always has at
+    least B envs in flight; no normalisers, whose statistics would count the rows that did not step."""
+    if num_envs % batch:
+        raise EnvPoolError(
+            f"env.envpool.batch_size={batch} must divide env.num_envs={num_envs} for async collection "
+            f"(each recv waits for {batch} envs); use e.g. env.num_envs={2 * batch}"
+        )
+    for key in ("normalize_obs", "normalize_reward"):
+        if env_cfg.get(key, False):
+            raise EnvPoolError(
+                f"env.{key}=true is not supported with async collection (env.envpool.batch_size={batch} < "
+                f"env.num_envs={num_envs}); set env.{key}=false or env.envpool.batch_size=null"
+            )
+
+
+def is_async(env_cfg: DictConfig) -> bool:
+    """Whether the run collects from an async pool (only `env.envpool.batch_size` envs act per step)."""
+    return acting_envs(env_cfg) < int(env_cfg.num_envs)
 
 
 def atari_options(kwargs: dict[str, Any]) -> dict[str, Any]:
@@ -153,8 +181,11 @@ def pool_kwargs(env_cfg: DictConfig) -> dict[str, Any]:
     return kwargs
 
 
-def make_pool(env_cfg: DictConfig, num_envs: int, seeds: list[int] | None) -> Any:
-    """A sync gymnasium-API pool; raises EnvPoolError naming the id and the backend."""
+def make_pool(
+    env_cfg: DictConfig, num_envs: int, seeds: list[int] | None, batch_size: int | None = None
+) -> Any:
+    """A gymnasium-API pool, sync unless `batch_size` < `num_envs`; raises EnvPoolError naming the id and
+    the backend."""
     envpool = import_envpool()
     env_id = str(env_cfg.id)
     kwargs = pool_kwargs(env_cfg)
@@ -164,7 +195,11 @@ def make_pool(env_cfg: DictConfig, num_envs: int, seeds: list[int] | None) -> An
         with warnings.catch_warnings():  # EnvPool's float64 bounds cast to float32 Boxes: nothing to act on
             warnings.simplefilter("ignore", UserWarning)
             pool = envpool.make(
-                task_id(env_id), env_type="gymnasium", num_envs=num_envs, batch_size=num_envs, **kwargs
+                task_id(env_id),
+                env_type="gymnasium",
+                num_envs=num_envs,
+                batch_size=batch_size or num_envs,
+                **kwargs,
             )
             pool.observation_space, pool.action_space  # noqa: B018 (built and cached here, warnings muted)
             return pool
@@ -248,25 +283,33 @@ class EnvPoolVectorEnv(VectorEnv):
         self.game_returns = np.zeros(self.num_envs, dtype=np.float64)
         self._reset_action = np.zeros((self.num_envs, *act_space.shape), dtype=act_space.dtype)
 
+    batch_size: int | None = None  # envs per recv: None (all) for this sync pool
+    asynchronous = False  # only some envs act per step (`AsyncEnvPoolVectorEnv`)
+
     def _build(self, seeds: list[int] | None) -> None:
         if self.pool is not None:
             self.pool.close()
-        self.pool = make_pool(self.env_cfg, self.num_envs, seeds)
+        self.pool = make_pool(self.env_cfg, self.num_envs, seeds, self.batch_size)
         self.seeds = seeds
         self.stepped = False
 
-    def reset(
-        self, *, seed: int | list[int] | None = None, options: dict[str, Any] | None = None
-    ) -> tuple[Any, dict[str, Any]]:
-        """Reset every env; a seed (a list: one per env; an int: seed + i) rebuilds the pool seeded so,
-        unless it was just built with those seeds and has not moved since."""
+    def _seeded_pool(self, seed: int | list[int] | None, rebuild: bool = False) -> None:
+        """A seed (a list: one per env; an int: seed + i) rebuilds the pool seeded so, unless it was just
+        built with those seeds and has not moved since; `rebuild`: rebuild it in any case once it moved."""
         seeds = None
         if isinstance(seed, (list, tuple)):
             seeds = [int(s) for s in seed]
         elif seed is not None:
             seeds = [int(seed) + i for i in range(self.num_envs)]
-        if self.pool is None or (seeds is not None and (seeds != self.seeds or self.stepped)):
-            self._build(seeds)
+        moved = self.stepped and (seeds is not None or rebuild)
+        if self.pool is None or (seeds is not None and seeds != self.seeds) or moved:
+            self._build(seeds if seeds is not None else self.seeds if rebuild else None)
+
+    def reset(
+        self, *, seed: int | list[int] | None = None, options: dict[str, Any] | None = None
+    ) -> tuple[Any, dict[str, Any]]:
+        """Reset every env (`_seeded_pool` says when the pool is rebuilt)."""
+        self._seeded_pool(seed)
         obs, _ = self.pool.reset()
         self.stepped = True  # a second reset of the same pool would not repeat this one
         self.game_returns[:] = 0.0
@@ -325,8 +368,155 @@ class EnvPoolVectorEnv(VectorEnv):
         raise TypeError("an EnvPool cannot be pickled; resumed runs start fresh episodes")
 
 
+class AsyncEnvPoolVectorEnv(EnvPoolVectorEnv):
+    """An async EnvPool (B = `env.envpool.batch_size` of E = `env.num_envs` envs per `recv`) behind the
+    E-row vector API, one step per *tick* (module docstring).
+
+    `step` takes actions for all E rows and uses those of the `alive` rows only (B of them, the ones that
+    were ready longest); every returned array has E rows, and a row holds a result only where that env's
+    `recv` arrived during this tick. What each row means after a step:
+
+    - `obs`: the env's latest observation (the next episode's first one after an end); stale for envs in
+      flight, which do not act until their result arrives.
+    - rewards / terminated / truncated: the result of the env's last action where it arrived at this tick
+      (EnvPool's own reset steps are not transitions: reward 0, not counted, as the sync pool's).
+    - `info["alive"]`: the B envs that act at the next tick; `info["settled"]`: envs whose latest
+      observation is known (not in flight), which the rollout's tail bootstraps from;
+      `info["final_obs"]` / `info["episode"]` as the sync pool gives them, per env.
+
+    A `recv` returns B envs; an ended env's reset step is sent at once and it is ready again when that
+    arrives, so a tick may `recv` more than once and envs may be ready beyond the B that act next (they
+    wait, oldest first). With B dividing E, fewer than B envs are ready whenever a `recv` is due, so at
+    least E - B + 1 >= B are in flight and the `recv` returns. The order in which envs come back depends on
+    the threads' timing: an async run is not reproducible step for step, unlike a sync one.
+    """
+
+    asynchronous = True
+
+    def __init__(self, env_cfg: DictConfig) -> None:
+        super().__init__(env_cfg)
+        self.batch_size = acting_envs(env_cfg)
+        n, space = self.num_envs, self.single_observation_space
+        self.obs = np.zeros((n, *space.shape), dtype=space.dtype)  # each env's latest observation
+        self.alive = np.zeros(n, dtype=bool)  # envs that act at the next step
+        self.settled = np.zeros(n, dtype=bool)  # envs not in flight
+        self.resetting = np.zeros(n, dtype=bool)  # envs in flight with EnvPool's reset step
+        self.ready: deque[int] = deque()  # settled envs that do not act next, oldest first
+        self.returns = np.zeros(n, dtype=np.float64)  # the running episode's return and length per env
+        self.lengths = np.zeros(n, dtype=np.int64)
+
+    def reset(
+        self, *, seed: int | list[int] | None = None, options: dict[str, Any] | None = None
+    ) -> tuple[Any, dict[str, Any]]:
+        """Reset every env and wait for the first B. A pool that has moved is rebuilt (envs in flight
+        cannot be called back), with the given seeds or, unseeded, its previous ones."""
+        self._seeded_pool(seed, rebuild=True)
+        self.pool.async_reset()
+        self.stepped = True
+        for array in (self.obs, self.alive, self.settled, self.resetting, self.returns, self.lengths):
+            array[...] = 0
+        self.resetting[:] = True  # every env's first observation comes back as a reset step's
+        self.game_returns[:] = 0.0
+        self.ready.clear()
+        self._receive(_Results(self.num_envs))
+        return self._as_space(self.obs.copy()), self._info({})
+
+    def step(self, actions: Any) -> tuple[Any, np.ndarray, np.ndarray, np.ndarray, dict[str, Any]]:
+        acting = np.flatnonzero(self.alive).astype(np.int32)
+        self.pool.send(np.asarray(actions)[acting], acting)
+        self.settled[acting] = False
+        self.alive[acting] = False
+        results = _Results(self.num_envs)
+        self._receive(results)
+        out: dict[str, Any] = {}
+        if results.ended.any():
+            out["final_obs"], out["_final_obs"] = results.final_obs, results.ended
+        if results.finished.any():
+            out["episode"] = {"r": results.ep_r, "l": results.ep_l, "t": np.zeros(self.num_envs)}
+            out["_episode"] = results.finished
+        obs = self._as_space(self.obs.copy())
+        return obs, results.rewards, results.terminated, results.truncated, self._info(out)
+
+    def _info(self, out: dict[str, Any]) -> dict[str, Any]:
+        return out | {"alive": self.alive.copy(), "settled": self.settled.copy()}
+
+    def _receive(self, results: _Results) -> None:
+        """`recv` until B envs are ready, then the B that were ready longest act next."""
+        while len(self.ready) < self.batch_size:
+            obs, rewards, terminated, truncated, info = self.pool.recv()
+            self._take(np.asarray(info["env_id"]), obs, rewards, terminated, truncated, info, results)
+        for _ in range(self.batch_size):
+            self.alive[self.ready.popleft()] = True
+
+    def _take(
+        self,
+        ids: np.ndarray,
+        obs: np.ndarray,
+        rewards: np.ndarray,
+        terminated: np.ndarray,
+        truncated: np.ndarray,
+        info: dict[str, Any],
+        results: _Results,
+    ) -> None:
+        """One `recv`'s envs: record the results of their actions, send the ended ones' reset steps."""
+        terminated = np.asarray(terminated, dtype=bool)
+        truncated = np.asarray(truncated, dtype=bool)
+        stepped = ~self.resetting[ids]  # the others return from a reset step: a first observation
+        self.resetting[ids] = False
+        self.obs[ids] = obs
+        if self.games:  # a soft reset after a lost life may press FIRE: its raw reward belongs to the game
+            self.game_returns[ids] += np.asarray(info["reward"], dtype=np.float64)
+        ended = stepped & (terminated | truncated)
+        rows = ids[stepped]
+        results.rewards[rows] = np.asarray(rewards, dtype=np.float64)[stepped]
+        results.terminated[rows] = terminated[stepped]
+        results.truncated[rows] = truncated[stepped]
+        if self.games:
+            over = stepped & (np.asarray(info["terminated"], dtype=bool) | truncated)
+            lengths = np.asarray(info["elapsed_step"], dtype=np.int64)
+            for j in np.flatnonzero(over):
+                results.finish(int(ids[j]), self.game_returns[ids[j]], int(lengths[j]))
+                self.game_returns[ids[j]] = 0.0
+        else:
+            self.returns[rows] += results.rewards[rows]
+            self.lengths[rows] += 1
+            for e in ids[ended]:
+                results.finish(int(e), self.returns[e], int(self.lengths[e]))
+                self.returns[e], self.lengths[e] = 0.0, 0
+        for j in np.flatnonzero(ended):
+            results.final_obs[ids[j]] = self._as_space(obs[j].copy())
+            results.ended[ids[j]] = True
+        done = ids[ended].astype(np.int32)
+        if done.size:  # EnvPool resets an ended env on its next step (the action is ignored): send it now
+            self.pool.send(self._reset_action[: done.size], done)
+            self.resetting[done] = True
+        back = ids[~ended]
+        self.settled[back] = True
+        self.ready.extend(int(e) for e in back)
+
+
+class _Results:
+    """What reached one tick's envs, E rows (`AsyncEnvPoolVectorEnv.step`)."""
+
+    def __init__(self, n: int) -> None:
+        self.rewards = np.zeros(n, dtype=np.float64)
+        self.terminated = np.zeros(n, dtype=bool)
+        self.truncated = np.zeros(n, dtype=bool)
+        self.ended = np.zeros(n, dtype=bool)
+        self.final_obs = np.empty(n, dtype=object)
+        self.finished = np.zeros(n, dtype=bool)
+        self.ep_r = np.zeros(n, dtype=np.float64)
+        self.ep_l = np.zeros(n, dtype=np.int64)
+
+    def finish(self, env: int, ret: float, length: int) -> None:
+        self.finished[env], self.ep_r[env], self.ep_l[env] = True, ret, length
+
+
 def make_vector(env_cfg: DictConfig) -> VectorEnv:
-    """The pool wrapped with episode statistics (Atari: its own whole-game statistics, no wrapper)."""
+    """The pool wrapped with episode statistics (Atari: its own whole-game statistics, no wrapper; an async
+    pool: its own per-env statistics, since gymnasium's wrapper would count rows that did not step)."""
+    if is_async(env_cfg):
+        return AsyncEnvPoolVectorEnv(env_cfg)
     envs = EnvPoolVectorEnv(env_cfg)
     if envs.games:
         return envs

@@ -42,10 +42,15 @@ def value_loss(
     clip_vloss: bool,
     mask: Tensor | None = None,
 ) -> Tensor:
-    """MSE to the returns; with `clip_vloss`, the prediction may move at most `clip_coef` from the rollout's."""
+    """MSE to the returns. With `clip_vloss` (PPO2's and CleanRL's clipped value loss), each step's error is
+    the larger of the unclipped one and that of the prediction clamped to within `clip_coef` of the rollout's
+    value: a pessimistic bound, so a prediction that moved too far is still pulled back by its gradient
+    (clamping alone would cut that gradient to zero)."""
+    error = (new_values - returns).pow(2)
     if clip_vloss:
-        new_values = old_values + torch.clamp(new_values - old_values, -clip_coef, clip_coef)
-    return masked_mean((new_values - returns).pow(2), mask)
+        clamped = old_values + torch.clamp(new_values - old_values, -clip_coef, clip_coef)
+        error = torch.max(error, (clamped - returns).pow(2))
+    return masked_mean(error, mask)
 
 
 def entropy_loss(entropy: Tensor, mask: Tensor | None = None) -> Tensor:

@@ -36,7 +36,7 @@ def main(fabric: Fabric, cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
     policies = policies_of(learners)
 
     layout = training_layout(cfg, world)
-    per_update = layout.batch
+    per_update = layout.env_steps
     if resume is not None:
         changed = resume_collector(collector, resume, rank, world, world)
         if changed and rank == 0:

@@ -30,7 +30,8 @@ from torch.nn.utils import parameters_to_vector, vector_to_parameters
 from ppo_fabric import checkpoint as ckpt
 from ppo_fabric.agent import ActorCritic
 from ppo_fabric.buffer import training_batch
-from ppo_fabric.config import requested, training_layout
+from ppo_fabric.config import acting_envs, requested, training_layout
+from ppo_fabric.envpool_envs import is_async
 from ppo_fabric.launch import GroupDDPStrategy
 from ppo_fabric.learners import (
     PolicySpec,
@@ -67,7 +68,7 @@ def metric_names(specs: dict[str, PolicySpec]) -> list[str]:
 
 def session_for(fabric: Fabric, cfg: DictConfig, run_dir: Path, resume: dict | None) -> RunSession:
     """Both roles count progress the same way: env steps per update over all players."""
-    per_update = int(cfg.algo.rollout_steps) * int(cfg.env.num_envs) * int(cfg.algo.players)
+    per_update = int(cfg.algo.rollout_steps) * acting_envs(cfg.env) * int(cfg.algo.players)
     return RunSession(cfg, run_dir, fabric.global_rank == 0, per_update, resume)
 
 
@@ -279,7 +280,8 @@ def trainer(
     if resume is not None and len(resume["ranks"]) == fabric.world_size:
         ckpt.set_rng_state(resume["ranks"][topo.rank]["rng"])
     steps, copies = int(cfg.algo.rollout_steps), int(cfg.env.num_envs)
-    templates = {n: policy_storage(steps, copies, s, "cpu") for n, s in specs.items()}
+    delayed = is_async(cfg.env)  # the players' storages have a `mask`: so has the template
+    templates = {n: policy_storage(steps, copies, s, "cpu", delayed) for n, s in specs.items()}
     link = TrainerLink(topo, codecs_for(specs, templates, len(topo.trainers)), fabric.device)
     names = metric_names(specs)
     rank_minibatch = training_layout(cfg, fabric.world_size).rank_minibatch

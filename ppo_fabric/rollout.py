@@ -20,6 +20,7 @@ from tensordict import TensorDict
 from ppo_fabric.advantages import compute_advantages
 from ppo_fabric.agent import ActorCritic, Obs
 from ppo_fabric.buffer import STATE_KEY, MultiAgentRolloutBuffer, rollout_storage, training_batch
+from ppo_fabric.envpool_envs import is_async
 from ppo_fabric.envs import ACTION_MASK, EnvError, current_action_masks, make_vector_env
 from ppo_fabric.learners import PolicySpec
 from ppo_fabric.multiagent import SINGLE, make_multiagent_vector_env
@@ -131,6 +132,8 @@ class RolloutCollector:
             group.next_obs = group.to_tensor(firsts[name], self.device)
             if self.multiagent:
                 group.alive = envs.alive[name].copy()  # rows whose agent is in the episode after reset
+            elif getattr(envs, "asynchronous", False):
+                group.alive = envs.alive.copy()  # an async pool's envs that act at the first step
             if ACTION_MASK in present:
                 nvec = space.nvec.reshape(-1) if isinstance(space, gym.spaces.MultiDiscrete) else [space.n]
                 group.mask_starts = np.cumsum([0, *nvec[:-1]]).astype(np.int64)
@@ -141,6 +144,11 @@ class RolloutCollector:
         self.num_envs = int(envs.num_envs)
         self.buffer: Any = None  # multi-agent: the per-agent MultiAgentRolloutBuffer view of the storages
         self.turn_based = bool(getattr(envs, "turn_based", False))  # AEC games: one agent moves per step
+        # An async EnvPool: only the ready envs act at a step, their results arrive at a later one
+        self.asynchronous = bool(getattr(envs, "asynchronous", False))
+        # Where a decision's outcome may reach a row at a later step (`credit_waiting`)
+        self.delayed = self.turn_based or self.asynchronous
+        self.steps_per_tick = int(envs.batch_size) if self.asynchronous else self.num_envs  # env steps
         self.selfplay: SelfPlay | None = None  # two-player games against a pool of snapshots
 
     @property
@@ -195,6 +203,11 @@ class RolloutCollector:
     def collect(self, policies: ActorCritic | Mapping[str, ActorCritic], env_step: int) -> int:
         """Fill the storage with T steps of every env, then compute GAE in it; returns env steps taken.
 
+        An async EnvPool acts with its `batch_size` ready envs per step (the others' rows are `mask` False
+        there), so it takes T * batch_size env steps; the outcome of an env's action lands on the step it
+        was taken at when its result arrives (`credit_waiting`), and an action still in flight at the end
+        leaves training (`close_open_decisions`), as a turn-based player's move awaiting the reply.
+
         `policies` maps each group to the policy acting for it (a single policy for single-agent envs).
         `env_step` is the global env step count at the start, used to time-stamp finished episodes.
         """
@@ -211,6 +224,8 @@ class RolloutCollector:
             if g.state is None and policy.recurrent:
                 g.state = policy.initial_state(g.storage.batch_size[1], self.device)
         num_steps = groups[0].storage.batch_size[0]
+        per_step = self.steps_per_tick
+        settled: list[np.ndarray | None] = [None for _ in groups]  # async: envs not in flight at the end
         # Policy outputs are kept per step and written with one stack per key: cheaper than T indexed writes.
         outputs: list[tuple[list, ...]] = [([], [], []) for _ in groups]
         for g in groups:
@@ -222,7 +237,9 @@ class RolloutCollector:
         for t in range(num_steps):
             env_actions, next_states = [], []
             for i, (g, policy) in enumerate(zip(groups, acting, strict=True)):
-                if masks[i] is None:
+                if self.asynchronous:  # only the ready envs act: the others' rows are never used
+                    action, logprob, next_state = _sample_rows(policy, obs[i], g.alive)
+                elif masks[i] is None:
                     action, logprob, next_state = policy.sample(obs[i], g.state)
                 else:
                     action, logprob, next_state = policy.sample(obs[i], g.state, False, masks[i])
@@ -259,16 +276,17 @@ class RolloutCollector:
                     g.state = next_state * keep.view(-1, *([1] * (next_state.dim() - 1)))
                 if g.alive is not None:
                     g.alive = info["alive"]
-                if self.turn_based:
+                settled[i] = info.get("settled")
+                if self.delayed:
                     credit_waiting(h, g.storage["final_values"], t, last[i])
                 if "_episode" in info:
                     ep = info["episode"]
-                    step = env_step + (t + 1) * self.num_envs
+                    step = env_step + (t + 1) * per_step
                     for j in np.flatnonzero(info["_episode"]):
                         g.episodes.add(step, float(ep["r"][j]), int(ep["l"][j]))
                         if self.multiagent:
                             self.episodes.add(step, float(ep["r"][j]), int(ep["l"][j]))
-                    if self.turn_based:  # a new game: nothing later is credited to the old one's moves
+                    if self.delayed:  # a new game: nothing later is credited to the old one's moves
                         last[i][info["_episode"]] = -1
                     if sp is not None:
                         sp.episodes_ended(info["_episode"], ep["r"])
@@ -278,14 +296,14 @@ class RolloutCollector:
                 else:
                     obs[i] = g.to_tensor(next_obs, self.device)
                 if masks[i] is not None:
-                    step_masks = self._info_masks(g, info, env_step + (t + 1) * self.num_envs)
+                    step_masks = self._info_masks(g, info, env_step + (t + 1) * per_step)
                     if t + 1 < num_steps:
                         h[ACTION_MASK][t + 1] = step_masks
                         masks[i] = _row(h[ACTION_MASK], t + 1, self.device)
                     else:
                         masks[i] = torch.from_numpy(step_masks).to(self.device)
-        for g, policy, (actions, logprobs, states), final, last_mask, decided in zip(
-            groups, acting, outputs, obs, masks, last, strict=True
+        for g, policy, (actions, logprobs, states), final, last_mask, decided, known in zip(
+            groups, acting, outputs, obs, masks, last, settled, strict=True
         ):
             s = g.storage
             torch.stack(actions, out=s["actions"])
@@ -300,14 +318,17 @@ class RolloutCollector:
             if last_mask is not None:  # a view of the host array on CPU, which the next rollout overwrites
                 g.next_mask = last_mask.clone()
             next_value = policy.get_value(final, g.state)
-            if self.turn_based:
-                movers = g.alive if sp is None else g.alive & sp.learner_rows()
+            if self.delayed:
+                # rows whose next observation is known bootstrap from it: a turn-based game's next
+                # movers, an async pool's envs not in flight
+                movers = g.alive if known is None else known
+                movers = movers if sp is None else movers & sp.learner_rows()
                 close_open_decisions(s, next_value, decided, movers)
             compute_advantages(s, next_value, self.gamma, self.gae_lambda)
         sync_normalizers(self.envs, self.reduce)
         if self.buffer is not None:
             self.buffer.mark_collected(num_steps)
-        return num_steps * self.num_envs
+        return num_steps * per_step
 
     def after_update(self, policies: Mapping[str, ActorCritic], version: int) -> None:
         """The learner reached update `version`: self-play takes a snapshot when one is due."""
@@ -389,6 +410,17 @@ def close_open_decisions(
     next_value[index] = storage["values"][steps, index]
 
 
+def _sample_rows(policy: ActorCritic, obs: torch.Tensor, rows: np.ndarray) -> tuple[torch.Tensor, ...]:
+    """An async pool's step: the policy acts for the `rows` that are ready only (feed-forward policies:
+    config refuses recurrent ones), the other rows get zeros, which the env ignores and `mask` hides."""
+    index = torch.from_numpy(np.flatnonzero(rows)).to(obs.device)
+    action, logprob, _ = policy.sample(obs[index], None)
+    actions = action.new_zeros((rows.size, *action.shape[1:]))
+    logprobs = logprob.new_zeros(rows.size)
+    actions[index], logprobs[index] = action, logprob
+    return actions, logprobs, None
+
+
 def _values(policy: ActorCritic, storage: TensorDict, chunk: int) -> torch.Tensor:
     """V(obs_t) for every stored step [T, E], from the state each step started with (recurrent), in
     batches of `chunk` rows: the same computation as the per-step critic, done once per rollout."""
@@ -461,7 +493,7 @@ def build_collector(
     if list(specs) == [SINGLE]:
         width = specs[SINGLE].action_mask
         envs, first = make_vector_env(cfg.env, int(cfg.seed), rank, float(algo.gamma), reduce, width)
-        storage: Any = policy_storage(steps, copies, specs[SINGLE], device)
+        storage: Any = policy_storage(steps, copies, specs[SINGLE], device, is_async(cfg.env))
     else:
         masked = any(spec.action_mask is not None for spec in specs.values())
         envs, first = make_multiagent_vector_env(cfg.env, cfg.multiagent, int(cfg.seed), rank, masked)
@@ -491,10 +523,15 @@ def snapshot_rater(cfg: DictConfig, spec: PolicySpec) -> Any:
 
 
 def policy_storage(
-    rollout_steps: int, num_envs: int, spec: PolicySpec, device: torch.device | str
+    rollout_steps: int,
+    num_envs: int,
+    spec: PolicySpec,
+    device: torch.device | str,
+    asynchronous: bool = False,
 ) -> TensorDict:
     """One policy's rollout storage on one collecting rank (trainers build it too, as the template of
-    what players send)."""
+    what players send). Multi-agent rows and an async pool's envs (`asynchronous`) do not all hold a
+    transition at every step: their storage has a `mask`."""
     return rollout_storage(
         rollout_steps,
         num_envs * spec.agents,
@@ -502,7 +539,7 @@ def policy_storage(
         spec.action_space,
         device,
         spec.state_shape,
-        masked=spec.name != SINGLE,
+        masked=spec.name != SINGLE or asynchronous,
         action_mask=spec.action_mask,
     )
 

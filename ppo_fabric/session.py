@@ -317,8 +317,11 @@ def resume_collector(
 
 
 def restore_collector(collector: RolloutCollector, state: dict[str, Any]) -> None:
-    collector.envs = ckpt.restore_envs(state["envs"], collector.envs)
-    if state["envs"] is not None:
+    snapshot = state["envs"]
+    if collector.asynchronous:  # another backend's envs (a gymnasium run's) cannot go on as an async pool
+        snapshot = None
+    collector.envs = ckpt.restore_envs(snapshot, collector.envs)
+    if snapshot is not None:
         collector.restore_carry(state["carry"])
     else:
         load_normalizer_state(collector.envs, state.get("normalizers", {}))

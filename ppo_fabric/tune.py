@@ -111,7 +111,7 @@ def prepare(argv: list[str]) -> Plan:
     name = tune_config.study_name(tcfg, str(cfg.env.id), identity)
     directory = tune_config.study_dir(tcfg, name).resolve()
     extra.append(f"group={name}")
-    batch = training_layout(cfg, int(facts["world_size"])).batch
+    batch = training_layout(cfg, int(facts["world_size"])).env_steps
     return Plan(
         tune=tcfg,
         space=space,

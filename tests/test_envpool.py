@@ -255,7 +255,7 @@ def test_decoupled_run_on_envpool(tmp_path: Path) -> None:
     ("overrides", "fragments"),
     [
         (["env.backend=envpool", "env=gym", "env.id=Taxi-v4"], ["env.id='Taxi-v4'", "env.backend=envpool"]),
-        (["env.backend=envpool", "env.envpool.batch_size=2"], ["env.envpool.batch_size=2", "async", "not supported"]),
+        (["env.backend=envpool", "env.envpool.batch_size=3"], ["env.envpool.batch_size=3", "must divide", "async"]),
         (["env.backend=ray"], ["env.backend='ray'", "gymnasium, envpool"]),
         (["env.backend=envpool", "env.action_repeat=2"], ["env.action_repeat=2", "env.backend=envpool"]),
         (["env=pettingzoo", "env.backend=envpool"], ["PettingZoo", "env.backend=gymnasium"]),

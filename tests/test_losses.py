@@ -61,13 +61,22 @@ def test_policy_loss_respects_clip_coef() -> None:
 
 # new [1, 2, 3], old [1.5, 1.5, 1.5], returns [0, 2.5, 2]
 #   unclipped: (1-0)^2 + (2-2.5)^2 + (3-2)^2 = 1 + 0.25 + 1 = 2.25            -> 0.75
-#   clipped to old +- 0.2 = [1.3, 1.7, 1.7]: 1.69 + 0.64 + 0.09 = 2.42       -> 2.42/3
-@pytest.mark.parametrize("clip_vloss,expected", [(False, 0.75), (True, 2.42 / 3)])
+#   clipped to old +- 0.2 = [1.3, 1.7, 1.7]: 1.69, 0.64, 0.09
+#   the larger of each pair: 1.69 + 0.64 + 1 = 3.33                           -> 3.33/3
+@pytest.mark.parametrize("clip_vloss,expected", [(False, 0.75), (True, 3.33 / 3)])
 def test_value_loss_by_hand(clip_vloss: bool, expected: float) -> None:
-    """Plain MSE, or MSE of the prediction clamped to within clip_coef of the rollout's value."""
+    """Plain MSE, or per step the larger of it and the MSE of the prediction clamped to within clip_coef
+    of the rollout's value (PPO2 / CleanRL)."""
     loss = value_loss(t(1.0, 2.0, 3.0), t(1.5, 1.5, 1.5), t(0.0, 2.5, 2.0), 0.2, clip_vloss)
     assert loss.shape == ()
     assert loss.item() == pytest.approx(expected, abs=1e-12)
+
+
+def test_clipped_value_loss_still_pulls_back_a_prediction_that_moved_too_far() -> None:
+    """Clamping alone would give a prediction beyond old +- clip no gradient; the max form keeps it."""
+    new = t(3.0).requires_grad_()
+    value_loss(new, t(1.5), t(0.0), 0.2, True).backward()
+    assert new.grad.item() == pytest.approx(6.0)  # d/dnew (new - 0)^2 = 2 * 3
 
 
 def test_value_loss_clip_is_identity_inside_the_range() -> None:
