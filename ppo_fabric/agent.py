@@ -445,6 +445,10 @@ class ActorCritic(nn.Module):
     With `model.lstm.hidden_size > 0` LSTM cores sit between the encoder and the heads (`recurrent`):
     the rollout then carries a state per env (`act_with_state`), and `forward` takes whole sequences with
     the state each one started from.
+
+    The encoder and the MLP bodies are called through their `forward` methods: `nn.Module.__call__` (hook
+    dispatch, none of which the package registers on them) costs ~1 us a call, ~12% of a CartPole policy
+    step on a few envs (~36 -> ~31 us). DDP and torch.compile work on the whole model, so neither needs them.
     """
 
     def __init__(self, obs_space: gym.Space, action_space: gym.Space, cfg: DictConfig) -> None:
@@ -477,7 +481,7 @@ class ActorCritic(nn.Module):
 
     def _features(self, obs: Obs, state: Tensor | None) -> tuple[Tensor, Tensor, Tensor | None]:
         """(actor features, critic features, next state)."""
-        features = self.encoder(obs)
+        features = self.encoder.forward(obs)
         if self.core is None:
             return features, features, None
         if state is None:
@@ -485,7 +489,7 @@ class ActorCritic(nn.Module):
         return self.core.step(features, state)
 
     def _value(self, features: Tensor) -> Tensor:
-        return F.linear(self.critic_body(features), *_weight_bias(self.value_out)).squeeze(-1)
+        return F.linear(self.critic_body.forward(features), *_weight_bias(self.value_out)).squeeze(-1)
 
     def get_value(self, obs: Obs, state: Tensor | None = None) -> Tensor:
         return self._value(self._features(obs, state)[1])
@@ -503,9 +507,9 @@ class ActorCritic(nn.Module):
         """Sample an action from `state`; returns (action, log-prob, value, state after this step)."""
         actor, critic, state = self._features(obs, state)
         if action_mask is None:
-            action, logprob = self.head.sample(self.actor_body(actor), deterministic)
+            action, logprob = self.head.sample(self.actor_body.forward(actor), deterministic)
         else:
-            action, logprob = self.head.sample(self.actor_body(actor), deterministic, action_mask)
+            action, logprob = self.head.sample(self.actor_body.forward(actor), deterministic, action_mask)
         return action, logprob, self._value(critic), state
 
     def sample(
@@ -516,9 +520,9 @@ class ActorCritic(nn.Module):
         stored observations and states), one batched forward instead of one per step."""
         actor, _, state = self._features(obs, state)
         if action_mask is None:
-            action, logprob = self.head.sample(self.actor_body(actor), deterministic)
+            action, logprob = self.head.sample(self.actor_body.forward(actor), deterministic)
         else:
-            action, logprob = self.head.sample(self.actor_body(actor), deterministic, action_mask)
+            action, logprob = self.head.sample(self.actor_body.forward(actor), deterministic, action_mask)
         return action, logprob, state
 
     def forward(
@@ -534,7 +538,7 @@ class ActorCritic(nn.Module):
         Feed-forward: a batch of steps. Recurrent: sequences [B, S] starting from `state` [B, 2, layers, H],
         reset where `starts`; outputs are [B, S]. `action_mask`: the masks the actions were sampled under.
         """
-        features = self.encoder(obs if self.core is None else obs.flatten(0, 1))
+        features = self.encoder.forward(obs if self.core is None else obs.flatten(0, 1))
         actor = critic = features
         if self.core is not None:
             batch, steps = actions.shape[:2]
@@ -544,9 +548,11 @@ class ActorCritic(nn.Module):
             if action_mask is not None:
                 action_mask = action_mask.flatten(0, 1)
         if action_mask is None:
-            logprob, entropy = self.head.log_prob_entropy(self.actor_body(actor), actions)
+            logprob, entropy = self.head.log_prob_entropy(self.actor_body.forward(actor), actions)
         else:
-            logprob, entropy = self.head.log_prob_entropy(self.actor_body(actor), actions, action_mask)
+            logprob, entropy = self.head.log_prob_entropy(
+                self.actor_body.forward(actor), actions, action_mask
+            )
         values = self._value(critic)
         if self.core is not None:
             return (

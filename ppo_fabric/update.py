@@ -18,6 +18,7 @@ from tensordict import TensorDict
 from ppo_fabric.accel import compiled, uses_cuda_graphs
 from ppo_fabric.learners import Learner, metric_name, trained
 from ppo_fabric.loss import entropy_loss, masked_mean, normalize, policy_loss, value_loss
+from ppo_fabric.optim import GradientStep, forward_module
 
 TRAIN_METRICS = (
     "loss/policy",
@@ -115,9 +116,13 @@ def update_policy(
     target_kl = None if algo.target_kl is None else float(algo.target_kl)
     step = step_function(model, bool(algo.get("compile", False)))
     graphs = step is not minibatch_losses and uses_cuda_graphs(model)
+    # Eager steps call the module under Fabric's wrapper directly where the wrapper adds nothing (optim.py).
+    net = forward_module(fabric, model) if step is minibatch_losses else model
     # Gradients are dropped by hand: `optimizer.zero_grad` spends ~40-100 us per call in its profiler and
     # torch.compile wrappers, 5-8% of a CleanRL-sized minibatch step, to do what this loop does in ~1 us.
-    params = [p for group in optimizer.param_groups for p in group["params"]]
+    # Clipping and the Adam step skip Fabric's and torch's generic layers the same way (optim.py).
+    finish = GradientStep(fabric, model, optimizer, max_norm)
+    params = finish.params
     losses: list[torch.Tensor] = []  # (policy, value, entropy) per minibatch
     ratio_stats: list[torch.Tensor] = []  # (approx KL, clip fraction) per epoch
     epochs = 0
@@ -134,7 +139,7 @@ def update_policy(
             if graphs:  # a new replay may overwrite the last one's outputs: they are copied out below
                 torch.compiler.cudagraph_mark_step_begin()
             loss, stats, new_logp = step(
-                model,
+                net,
                 obs[sl],
                 actions[sl],
                 old_logp[sl],
@@ -150,9 +155,7 @@ def update_policy(
             for p in params:
                 p.grad = None
             fabric.backward(loss)
-            if max_norm > 0:
-                fabric.clip_gradients(model, optimizer, max_norm=max_norm, error_if_nonfinite=False)
-            optimizer.step()
+            finish()  # clip to max_norm, then the optimiser step
             new_logp, stats = new_logp.detach(), stats.detach()
             new_logps.append(new_logp.clone() if graphs else new_logp)
             losses.append(stats.clone() if graphs else stats)

@@ -1,0 +1,118 @@
+"""The same training run on several checkouts of the project (git worktrees), alternated run by run.
+
+Each round runs `python -m ppo_fabric <overrides>` once per checkout, in a fresh process with that checkout
+first on PYTHONPATH, the order reversed every other round so drifting machine load hits every checkout
+alike. Records each run's own SPS (env steps / training wall time), its time split, the CPU seconds of its
+processes and the 1-minute load before it; reports the median SPS per checkout and its ratio to the first
+checkout's. Writes benchmarks/results/<name>.{json,md}.
+
+    git worktree add ../old 53958c8
+    .venv/bin/python benchmarks/checkouts_ab.py --name pipelined_ab --rounds 3 . ../old -- \\
+        exp=cleanrl_cartpole strategy=decoupled fabric.devices=2 algo.pipeline=true torch_threads=1
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import common  # noqa: E402
+
+
+def head(checkout: Path) -> str:
+    out = subprocess.run(
+        ["git", "rev-parse", "--short", "HEAD"], cwd=checkout, capture_output=True, text=True
+    )
+    dirty = subprocess.run(
+        ["git", "status", "--porcelain", "--", "ppo_fabric", "conf"],
+        cwd=checkout,
+        capture_output=True,
+        text=True,
+    )
+    return (out.stdout.strip() or "unknown") + ("+dirty" if dirty.stdout.strip() else "")
+
+
+def run(checkout: Path, overrides: list[str]) -> dict[str, Any]:
+    with tempfile.TemporaryDirectory() as tmp:
+        env = dict(os.environ, PYTHONPATH=str(checkout))
+        load = os.getloadavg()[0]
+        before = resource.getrusage(resource.RUSAGE_CHILDREN)
+        cmd = [
+            sys.executable,
+            "-m",
+            "ppo_fabric",
+            "logger.tensorboard=false",
+            f"hydra.run.dir={tmp}/run",
+            *overrides,
+        ]
+        proc = subprocess.run(cmd, cwd=checkout, env=env, capture_output=True, text=True)
+        after = resource.getrusage(resource.RUSAGE_CHILDREN)
+        if proc.returncode != 0:
+            raise SystemExit(f"run failed in {checkout}:\n{proc.stderr[-2000:]}")
+        summary = json.loads((Path(tmp) / "run" / "summary.json").read_text())
+    cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
+    return {
+        "sps": float(summary["sps"]),
+        "time_split": summary.get("time_split"),
+        "cpu_s": cpu,
+        "load_before": load,
+    }
+
+
+def main() -> None:
+    parser = common.argument_parser(__doc__)
+    parser.add_argument("checkouts", nargs="+", type=Path, help="checkouts to compare; then -- and overrides")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--name", default="checkouts_ab")
+    parser.add_argument("--out", type=Path, default=common.RESULTS)
+    argv = sys.argv[1:]
+    overrides = argv[argv.index("--") + 1 :] if "--" in argv else []
+    args = parser.parse_args(argv[: argv.index("--")] if "--" in argv else argv)
+    checkouts = [c.resolve() for c in args.checkouts]
+    commits = {str(c): head(c) for c in checkouts}
+    rows = []
+    for r in range(args.rounds):
+        for c in checkouts if r % 2 == 0 else checkouts[::-1]:
+            row = {"round": r + 1, "checkout": commits[str(c)], **run(c, overrides)}
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+    med = {
+        commits[str(c)]: statistics.median(x["sps"] for x in rows if x["checkout"] == commits[str(c)])
+        for c in checkouts
+    }
+    first = commits[str(checkouts[0])]
+    m = common.machine()
+    lines = [
+        f"# The same run on {len(checkouts)} checkouts, alternated",
+        "",
+        f"Machine: {m['cpu']}, {m['cores']} cores, torch {m['torch']}. Overrides: `{' '.join(overrides)}`. "
+        f"{args.rounds} rounds, the checkouts' order reversed every other round; SPS = env steps / training wall "
+        "time; CPU s: all of the run's processes, start-up included.",
+        "",
+        "| round | checkout | SPS | CPU s | 1-min load before | time split (s) |",
+        "|---:|---|---:|---:|---:|---|",
+        *(
+            f"| {x['round']} | {x['checkout']} | {x['sps']:,.0f} | {x['cpu_s']:.1f} | {x['load_before']:.1f} | "
+            f"`{json.dumps(x['time_split'], separators=(',', ':'))}` |"
+            for x in rows
+        ),
+        "",
+        *(f"- {k}: median SPS {v:,.0f}, {v / med[first]:.3f}x of {first}" for k, v in med.items()),
+        "",
+        f"Command: `{common.command_line(__file__)}`",
+        "",
+    ]
+    common.write_report(args.out, args.name, {"machine": m, "overrides": overrides, "rows": rows, "median_sps": med},
+                        "\n".join(lines))  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
