@@ -43,6 +43,6 @@ def test_board_game_recipes_are_self_play(recipe: str) -> None:
     """The recipes turn self-play on (a config group, so they can) and validate: AEC detected, masks on."""
     cfg, _ = compose([f"exp={recipe}"])
     assert cfg.env.id == f"pettingzoo.classic.{recipe}_v3" and cfg.selfplay.enabled is True
-    assert cfg.selfplay.sampling == "pfsp"
+    assert cfg.selfplay.sampling == "uniform" and cfg.selfplay.random_prob > 0
     facts = validate(cfg)
     assert facts["action_space"]["shared"].n == (9 if recipe == "tictactoe" else 7)
