@@ -32,10 +32,13 @@ without network may have no `.venv`; any python with the package's dependencies 
 Every run has `fabric.tf32=false`: the checks compare numbers, and the package turns TF32 on by default.
 
 One `PASS name`, `FAIL name: reason` or `SKIP name: reason` line per check; exit status 1 if any failed.
-Without CUDA every check is skipped (exit 0). `--device cpu` runs the same checks with `fabric=cpu`
-everywhere, which exercises this script on any machine. Results (and the machine) go to --out, by default
-benchmarks/results/gpu_check.json. Runs use a key file of their own (PPO_FABRIC_KEY_FILE in the work
-directory), so the user's key is neither read nor created.
+A failed run's last lines of output (with tracebacks: the runs have PPO_FABRIC_TRACEBACK=1) follow its FAIL
+line, indented, and are kept in the report as `log_tail`. Without CUDA every check is skipped (exit 0).
+`--device cpu` runs the same checks with `fabric=cpu` everywhere, which exercises this script on any
+machine. Results (and the machine) go to --out, by default benchmarks/results/gpu_check.json, rewritten
+after every check (`"finished": false` until the last), so a job killed part way keeps what it proved; on a
+machine whose files come back from one folder only, point --out into it. Runs use a key file of their own
+(PPO_FABRIC_KEY_FILE in the work directory), so the user's key is neither read nor created.
 
     python3 benchmarks/gpu_check.py [--device cuda|cpu] [--updates 4] [--out PATH] [--keep] [--only CHECK ...]
     make gpu-check [PY=python3] [ARGS="--device cpu"]
@@ -50,6 +53,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import traceback
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -110,7 +114,11 @@ class Result:
 
 
 class CheckFailed(Exception):
-    """A check's one-line reason for failing."""
+    """A check's one-line reason for failing, and the tail of the failing process's output (`log`)."""
+
+    def __init__(self, reason: str, log: str = "") -> None:
+        super().__init__(reason)
+        self.log = log
 
 
 class CheckSkipped(Exception):
@@ -132,6 +140,7 @@ class Runs:
             CUBLAS_WORKSPACE_CONFIG=":4096:8",
             PPO_FABRIC_GPU_CHECK_DETERMINISTIC="1",
             PPO_FABRIC_KEY_FILE=str(work / "signing.key"),
+            PPO_FABRIC_TRACEBACK="1",  # a failing rank prints its traceback, which `log_tail` keeps
         )
         self._round_trip_source: Path | None = None
 
@@ -151,7 +160,8 @@ class Runs:
             raise CheckFailed(f"run {name!r} took over {RUN_TIMEOUT:.0f}s") from exc
         if proc.returncode != 0:
             raise CheckFailed(
-                f"run {name!r} exited {proc.returncode}: {last_line(proc.stderr or proc.stdout)}"
+                f"run {name!r} exited {proc.returncode}: {last_line(proc.stderr or proc.stdout)}",
+                tail(proc.stdout + proc.stderr),
             )
         return run_dir
 
@@ -171,6 +181,12 @@ class Runs:
 def last_line(text: str) -> str:
     lines = [line.strip() for line in text.replace("\r", "\n").splitlines() if line.strip()]
     return lines[-1][:300] if lines else "(no output)"
+
+
+def tail(text: str, lines: int = 30) -> str:
+    """The last `lines` non-empty lines of a process's output (progress bars' carriage returns split)."""
+    kept = [line.rstrip() for line in text.replace("\r", "\n").splitlines() if line.strip()]
+    return "\n".join(line[:400] for line in kept[-lines:])
 
 
 def load_checkpoint(path: Path) -> dict[str, Any]:
@@ -263,8 +279,10 @@ def sigterm(runs: Runs) -> dict[str, Any]:
         took = time.monotonic() - sent
         left = group_alive(proc.pid)
         if status != 143:
-            tail = last_line((runs.work / "sigterm.log").read_text())
-            raise CheckFailed(f"exit status {status} after SIGTERM, want 143 (last line: {tail})")
+            output = (runs.work / "sigterm.log").read_text()
+            raise CheckFailed(
+                f"exit status {status} after SIGTERM, want 143 (last line: {last_line(output)})", tail(output)
+            )
         if left:
             raise CheckFailed("processes of the run were still alive after it exited")
         path = run_dir / "checkpoints" / "last.ckpt"
@@ -339,13 +357,28 @@ def with_group(pgid: int, sig: int) -> bool:
 ATARI_PER_UPDATE = 1024  # exp=atari: 8 envs x 128 steps
 
 
+def envpool_missing() -> str | None:
+    """Why EnvPool cannot run here, or None. Importing it is the test: an EnvPool wheel copied without its
+    own dependencies (dm-env, optree, its asset packages) is found by `find_spec` and then fails to import."""
+    import importlib
+
+    try:
+        importlib.import_module("envpool")
+    except ImportError as exc:
+        missing = getattr(exc, "name", None)
+        if missing in (None, "envpool"):
+            return "EnvPool is not installed: pip install 'ppo-fabric[envpool]'"
+        return f"EnvPool is installed but does not import ({exc}): install its dependencies too"
+    return None
+
+
 def envpool_pong(runs: Runs) -> dict[str, Any]:
     """Pong collected by EnvPool, trained on the device: the run ends with every step and a finite loss."""
-    import importlib.util
     import math
 
-    if importlib.util.find_spec("envpool") is None:
-        raise CheckSkipped("EnvPool is not installed: pip install 'ppo-fabric[envpool]'")
+    reason = envpool_missing()
+    if reason is not None:
+        raise CheckSkipped(reason)
     run_dir = runs.work / "envpool_pong"
     want = runs.updates * ATARI_PER_UPDATE
     cmd = [sys.executable, "-m", "ppo_fabric", "exp=atari", "env.backend=envpool", f"fabric={runs.fabric}",
@@ -358,7 +391,8 @@ def envpool_pong(runs: Runs) -> dict[str, Any]:
         raise CheckFailed(f"the EnvPool Pong run took over {RUN_TIMEOUT:.0f}s") from exc
     if proc.returncode != 0:
         raise CheckFailed(
-            f"the EnvPool Pong run exited {proc.returncode}: {last_line(proc.stderr or proc.stdout)}"
+            f"the EnvPool Pong run exited {proc.returncode}: {last_line(proc.stderr or proc.stdout)}",
+            tail(proc.stdout + proc.stderr),
         )
     summary = json.loads((run_dir / "summary.json").read_text())
     if summary["total_env_steps"] != want:
@@ -426,15 +460,23 @@ def cuda_device() -> str | None:
 
 
 def run_checks(
-    device: str, updates: int, keep: bool, only: tuple[str, ...] = CHECKS
+    device: str,
+    updates: int,
+    keep: bool,
+    only: tuple[str, ...] = CHECKS,
+    done: Callable[[list[Result], str], None] | None = None,
 ) -> tuple[list[Result], str]:
+    """Run the checks in order; `done(results so far, device name)` after each one."""
     if device == "cuda":
         name = cuda_device()
         if name is None:
             reason = (
                 "no CUDA device (torch.cuda.is_available() is False); --device cpu runs the checks on the CPU"
             )
-            return [Result(check, "SKIP", reason) for check in only], "none"
+            skipped = [Result(check, "SKIP", reason) for check in only]
+            for result in skipped:
+                print(result.line())
+            return skipped, "none"
     else:
         name = "cpu (fabric=cpu for every run)"
     print(f"gpu_check: {name}; python {sys.executable}", flush=True)
@@ -446,14 +488,19 @@ def run_checks(
         try:
             result = Result(check, "PASS", details=CHECK_FUNCTIONS[check](runs))
         except CheckFailed as exc:
-            result = Result(check, "FAIL", str(exc))
+            result = Result(check, "FAIL", str(exc), details={"log_tail": exc.log} if exc.log else {})
         except CheckSkipped as exc:
             result = Result(check, "SKIP", str(exc))
         except Exception as exc:  # a bug of the check itself still gives its one line
-            result = Result(check, "FAIL", f"{type(exc).__name__}: {exc}".splitlines()[0])
+            reason = f"{type(exc).__name__}: {exc}".splitlines()[0]
+            result = Result(check, "FAIL", reason, details={"log_tail": tail(traceback.format_exc())})
         result.seconds = round(time.monotonic() - start, 2)
         print(result.line(), flush=True)
+        if result.details.get("log_tail"):
+            print("\n".join("    " + line for line in result.details["log_tail"].splitlines()), flush=True)
         results.append(result)
+        if done is not None:
+            done(results, name)
     if keep:
         print(f"gpu_check: runs kept in {work}")
     else:
@@ -479,21 +526,19 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.updates < 2 or args.updates % 2:
         parser.error("--updates must be even and at least 2")
-    results, device_name = run_checks(args.device, args.updates, args.keep, tuple(args.only))
-    if all(r.status == "SKIP" for r in results):
-        for r in results:
-            print(r.line())
-    report = {
-        "device": args.device,
-        "device_name": device_name,
-        "commit": common.git_commit(),
-        "machine": common.machine(),
-        "python": sys.executable,
-        "updates": args.updates,
-        "checks": [asdict(r) for r in results],
-    }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(report, indent=2) + "\n")
+    only = tuple(args.only)
+    head = {"device": args.device, "commit": common.git_commit(), "machine": common.machine(),
+            "python": sys.executable, "updates": args.updates}  # fmt: skip
+
+    def write(results: list[Result], device_name: str) -> None:
+        """The report as it stands: rewritten after every check, so a killed job keeps what it proved."""
+        report = head | {"device_name": device_name, "finished": len(results) == len(only),
+                         "checks": [asdict(r) for r in results]}  # fmt: skip
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(report, indent=2) + "\n")
+
+    results, device_name = run_checks(args.device, args.updates, args.keep, only, write)
+    write(results, device_name)
     return 1 if any(r.status == "FAIL" for r in results) else 0
 
 

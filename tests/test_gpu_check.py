@@ -3,11 +3,15 @@ CI and CPU machines can run `make gpu-check`); the checks themselves need a GPU 
 
 from __future__ import annotations
 
+import importlib
+import importlib.util
 import json
 import os
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -34,3 +38,76 @@ def test_gpu_check_skips_every_check_without_cuda(tmp_path: Path) -> None:
     assert all("no CUDA device" in line for line in lines)
     report = json.loads(out.read_text())
     assert [c["status"] for c in report["checks"]] == ["SKIP"] * len(names)
+
+
+@pytest.fixture
+def gc(monkeypatch: pytest.MonkeyPatch):  # type: ignore[no-untyped-def]
+    """The script as a module (it is not part of the package), registered for its dataclasses."""
+    spec = importlib.util.spec_from_file_location("gpu_check", REPO / "benchmarks" / "gpu_check.py")
+    module = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, "gpu_check", module)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_report_is_rewritten_after_every_check_and_keeps_failure_output(
+    gc, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A device job may be killed part way: the report on disk holds every check finished so far. A failed
+    run's output tail (its traceback) is printed under the FAIL line and kept in the report."""
+    out = tmp_path / "report.json"
+    seen_during_second: list[dict] = []
+
+    def second(runs):  # type: ignore[no-untyped-def]
+        seen_during_second.append(json.loads(out.read_text()))
+        raise gc.CheckFailed(
+            "run 'x' exited 1: RuntimeError: boom", "Traceback (most recent call last):\nRuntimeError: boom"
+        )
+
+    monkeypatch.setitem(gc.CHECK_FUNCTIONS, "resume_round_trip", lambda runs: {"max_abs_diff": 0.0})
+    monkeypatch.setitem(gc.CHECK_FUNCTIONS, "sigterm", second)
+    status = gc.main(["--device", "cpu", "--only", "resume_round_trip", "sigterm", "--out", str(out)])
+    assert status == 1
+    [partial] = seen_during_second
+    assert partial["finished"] is False
+    assert [(c["name"], c["status"]) for c in partial["checks"]] == [("resume_round_trip", "PASS")]
+    final = json.loads(out.read_text())
+    assert final["finished"] is True
+    assert [c["status"] for c in final["checks"]] == ["PASS", "FAIL"]
+    assert final["checks"][1]["details"]["log_tail"].endswith("RuntimeError: boom")
+    lines = capsys.readouterr().out.splitlines()
+    at = lines.index("FAIL sigterm: run 'x' exited 1: RuntimeError: boom")
+    assert lines[at + 1 : at + 3] == ["    Traceback (most recent call last):", "    RuntimeError: boom"]
+
+
+def test_a_failing_run_carries_its_output(gc, tmp_path: Path) -> None:
+    """Runs.train: a run that exits non-zero fails the check with its last line, and its output tail."""
+    runs = gc.Runs(tmp_path, "cpu", 2)
+    with pytest.raises(gc.CheckFailed) as failed:
+        runs.train("bad", ["algo.total_steps=-5"])
+    assert "exited 2" in str(failed.value) and "algo.total_steps" in str(failed.value)
+    assert "ppo-fabric: error" in failed.value.log
+
+
+@pytest.mark.parametrize(
+    ("error", "expected"),
+    [
+        (ModuleNotFoundError("No module named 'envpool'", name="envpool"), "EnvPool is not installed"),
+        (
+            ModuleNotFoundError("No module named 'dm_env'", name="dm_env"),
+            "does not import (No module named 'dm_env')",
+        ),
+    ],
+)
+def test_envpool_check_says_why_it_skips(
+    gc, monkeypatch: pytest.MonkeyPatch, error: ImportError, expected: str
+) -> None:
+    """A wheel copied without its dependencies is found but does not import: the skip names what is missing."""
+
+    def fail(name: str):  # type: ignore[no-untyped-def]
+        raise error
+
+    monkeypatch.setattr(importlib, "import_module", fail)
+    assert expected in gc.envpool_missing()
+    with pytest.raises(gc.CheckSkipped, match="EnvPool"):
+        gc.envpool_pong(None)
