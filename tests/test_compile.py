@@ -116,6 +116,48 @@ def test_compiled_step_trains_like_eager() -> None:
     assert counters["stats"]["unique_graphs"] == module_graphs == graphs
 
 
+def test_cuda_graph_outputs_are_copied_before_the_next_replay(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A compiled step on a CUDA model replays CUDA graphs, whose outputs live in memory that the next
+    replay overwrites. Simulated on the CPU: the step hands back its losses and log-probs in one static
+    buffer each, poisoned with NaN at every `cudagraph_mark_step_begin`. The update must mark every
+    minibatch step and copy what it keeps, so its parameters and metrics are the eager update's."""
+    from ppo_fabric.agent import ActorCritic
+
+    static: dict[str, torch.Tensor] = {}
+    marks = []
+
+    def graph_replays(step, model):  # type: ignore[no-untyped-def]
+        def replay(*args):  # type: ignore[no-untyped-def]
+            loss, stats, new_logp = step(*args)
+            with torch.no_grad():
+                out_stats = static.setdefault("stats", torch.empty_like(stats)).copy_(stats)
+                out_logp = static.setdefault("logp", torch.empty_like(new_logp)).copy_(new_logp)
+            return loss, out_stats, out_logp
+
+        return replay
+
+    def mark_step_begin() -> None:
+        marks.append(True)
+        for buffer in static.values():
+            buffer.fill_(float("nan"))
+
+    torch.manual_seed(0)
+    model = ActorCritic(gym.spaces.Box(-1, 1, (6,), np.float32), gym.spaces.Discrete(5), MODEL)
+    batch = masked_batch(64, 6, 5)
+    eager, eager_stats = trained_copy(ALGO, model, batch, [3e-3, 1e-3])
+    monkeypatch.setattr("ppo_fabric.update.compiled", graph_replays)
+    monkeypatch.setattr("ppo_fabric.update.uses_cuda_graphs", lambda model: True)
+    monkeypatch.setattr(torch.compiler, "cudagraph_mark_step_begin", mark_step_begin)
+    replayed, replayed_stats = trained_copy(
+        OmegaConf.merge(ALGO, {"compile": True}), model, batch, [3e-3, 1e-3]
+    )
+    assert len(marks) == 2 * 2 * 4  # updates x epochs x minibatches: one mark before every replay
+    for e, r in zip(eager, replayed, strict=True):
+        assert torch.equal(e, r)
+    assert replayed_stats == eager_stats
+    assert all(np.isfinite(v) for stats in replayed_stats for v in stats.values())
+
+
 def test_compiled_step_is_the_eager_function(monkeypatch: pytest.MonkeyPatch) -> None:
     """`algo.compile` hands `minibatch_losses` itself to torch.compile (no second copy of the losses), once
     per model, with CUDA graphs only for a CUDA model."""
