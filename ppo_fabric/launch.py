@@ -35,6 +35,14 @@ from ppo_fabric.protocol import end_process_group
 from ppo_fabric.session import STOP, Stopped
 
 StrategyMain = Callable[[Fabric, DictConfig, Path], dict[str, Any]]
+# The mixed precisions by every name a job may be given them: `fabric run --precision` also takes
+# Lightning's short aliases, which reach the processes as they were typed (LT_PRECISION).
+MIXED_PRECISIONS = {
+    "16-mixed": "16-mixed",
+    "16": "16-mixed",
+    "bf16-mixed": "bf16-mixed",
+    "bf16": "bf16-mixed",
+}
 
 
 class GroupDDPStrategy(DDPStrategy):
@@ -66,8 +74,9 @@ class GroupDDPStrategy(DDPStrategy):
         self.role_device = device
         if device.type == "cuda":
             torch.cuda.set_device(device)
-            if precision in ("16-mixed", "bf16-mixed"):
-                plugin = MixedPrecision(precision, "cuda")  # type: ignore[arg-type]
+            mixed = MIXED_PRECISIONS.get(str(precision))
+            if mixed is not None:
+                plugin = MixedPrecision(mixed, "cuda")  # type: ignore[arg-type]
                 self.precision = plugin
                 fabric._precision = plugin  # Fabric keeps its own reference for setup() and autocast()
 

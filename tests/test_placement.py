@@ -249,3 +249,39 @@ def test_two_node_job_spreads_players(tmp_path: Path) -> None:
     ]  # fmt: skip
     assert summary["total_env_steps"] == 1024 and summary["ranks_in_sync"] is True
     assert not (tmp_path / "node1" / "summary.json").exists(), "rank 0's run directory is the only one"
+
+
+# ------------------------------------------------------------------------------------- a role's device
+@pytest.mark.parametrize(
+    ("precision", "mixed"),
+    [("bf16-mixed", "bf16-mixed"), ("bf16", "bf16-mixed"), ("16-mixed", "16-mixed"), ("16", "16-mixed"),
+     ("32-true", None)],
+)  # fmt: skip
+def test_a_cuda_trainer_autocasts_on_cuda(
+    monkeypatch: pytest.MonkeyPatch, precision: str, mixed: str | None
+) -> None:
+    """A decoupled job is built as a CPU job, so Fabric's mixed precision autocasts on the CPU; a trainer
+    that takes a GPU swaps in the same precision on CUDA, whatever name it came by (`fabric run
+    --precision=bf16` passes Lightning's alias on as typed). Full precision keeps its plugin."""
+    import datetime
+
+    from lightning.fabric import Fabric
+    from lightning.fabric.plugins.precision import MixedPrecision
+
+    from ppo_fabric.launch import GroupDDPStrategy
+
+    monkeypatch.setattr(torch.cuda, "set_device", lambda device: None)
+    # the job's own plugin, on the CPU (which has no fp16 autocast: bf16 stands in)
+    cpu_precision = {"16-mixed": "bf16-mixed", "16": "bf16-mixed"}.get(precision, precision)
+    fabric = Fabric(accelerator="cpu", devices=1, strategy=GroupDDPStrategy(datetime.timedelta(seconds=30)),
+                    precision=cpu_precision)  # fmt: skip
+    before = fabric.strategy.precision
+    fabric.strategy.take_device(fabric, torch.device("cuda", 0), precision)
+    assert fabric.device == torch.device("cuda", 0)
+    plugin = fabric.strategy.precision
+    if mixed is None:
+        assert plugin is before
+        return
+    assert isinstance(plugin, MixedPrecision) and fabric._precision is plugin
+    assert (plugin.precision, plugin.device) == (mixed, "cuda")
+    assert (plugin.scaler is not None) == (mixed == "16-mixed")  # fp16 needs its loss scaler
