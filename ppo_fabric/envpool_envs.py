@@ -65,9 +65,15 @@ def backend(env_cfg: DictConfig) -> str:
 
 
 def import_envpool() -> Any:
+    """EnvPool, or one line saying whether it is missing or installed without a dependency of its own (a
+    wheel copied to an offline machine without dm-env or optree is found, then fails to import)."""
     try:
         return importlib.import_module("envpool")
     except ImportError as exc:
+        if getattr(exc, "name", None) not in (None, "envpool"):
+            raise EnvPoolError(
+                f"env.backend=envpool: EnvPool is installed but does not import ({exc}); {INSTALL_HINT}"
+            ) from exc
         raise EnvPoolError(f"env.backend=envpool needs EnvPool: {INSTALL_HINT}") from exc
 
 

@@ -351,3 +351,30 @@ def test_cli_exits_2_with_one_stderr_line(args: list[str], fragment: str, tmp_pa
     assert fragment in lines[0], lines[0]
     assert elapsed < 30, f"took {elapsed:.1f}s to reject a config"
     assert not (tmp_path / "runs").exists(), "a rejected config must not create a run directory"
+
+
+@pytest.mark.parametrize(
+    ("missing", "fragment"),
+    [
+        ("envpool", "env.backend=envpool needs EnvPool"),
+        ("dm_env", "does not import (No module named 'dm_env')"),
+    ],
+)
+def test_envpool_that_does_not_import_is_named(
+    monkeypatch: pytest.MonkeyPatch, missing: str, fragment: str
+) -> None:
+    """EnvPool missing, or installed without a dependency of its own (found, then failing to import): one
+    line that says which."""
+    import importlib
+
+    real = importlib.import_module
+
+    def import_module(name: str, *args: Any) -> Any:
+        if name == "envpool":
+            raise ModuleNotFoundError(f"No module named {missing!r}", name=missing)
+        return real(name, *args)
+
+    monkeypatch.setattr(importlib, "import_module", import_module)
+    with pytest.raises(ConfigError) as error:
+        load(["env.backend=envpool", "algo.total_steps=512"])
+    assert fragment in str(error.value) and "\n" not in str(error.value)
