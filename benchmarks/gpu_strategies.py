@@ -4,6 +4,7 @@ Workloads: CartPole-v1 with 64 envs, LunarLander-v3 (its config's 16 envs) and A
 with 16 async envs, one process per env for a 16-core machine). For each it runs these variants (keys for
 `--variants`), one run at a time, each in a fresh process:
   - coupled-gpu: coupled on the GPU (`fabric=gpu`, 1 process),
+  - coupled-gpu-compile: the same with `algo.compile=true` (the minibatch step compiled, CUDA graphs),
   - decoupled-gpu-K: decoupled, K CPU players feeding 1 GPU trainer (`strategy=decoupled fabric=cpu
     fabric.devices=K+1 algo.players=K algo.player_device=cpu algo.trainer_device=cuda`), K from
     `--players` (1 2 4 6),
@@ -11,7 +12,7 @@ with 16 async envs, one process per env for a 16-core machine). For each it runs
   - coupled-cpu, decoupled-cpu: coupled and decoupled (1 player + 1 trainer) on the CPU (`fabric=cpu`),
     the same machine's reference.
 `--variants gpu` selects the GPU rows, `cpu` the CPU rows (default: all). Each run is `--steps` env steps
-(500k; Pong `--atari-steps`, also 500k): CartPole's GPU rows (`--only cartpole --variants gpu`, 5 runs)
+(500k; Pong `--atari-steps`, also 500k): CartPole's GPU rows (`--only cartpole --variants gpu`, 6 runs)
 fit a 10-minute command; split Pong over several (`--only atari --variants coupled-gpu decoupled-gpu-1`,
 ...), each keeping the other rows of the report.
 While a run executes, `nvidia-smi` samples every GPU's utilisation and memory every 500 ms ("n/a" without
@@ -66,6 +67,8 @@ ENVPOOL_VARIANTS = {
     "gymnasium AsyncVectorEnv, GPU": ["env.backend=gymnasium", "env.vector=async"],
     "EnvPool, GPU": ["env.backend=envpool"],
 }
+# each EnvPool row's `variant_key`, so that a rerun of `--only envpool` replaces its rows instead of adding
+ENVPOOL_KEYS = {"gymnasium AsyncVectorEnv, GPU": "gymnasium-async", "EnvPool, GPU": "envpool"}
 ENVPOOL_DRY_STEPS = 2048
 
 
@@ -85,7 +88,8 @@ def envpool_rows(steps: int, commit: str, dry_run: bool, extra: list[str]) -> li
             s = run_once(run, solved_return=math.inf)
             exited = time.time()
         name = variant.replace("GPU", "CPU dry run") if dry_run else variant
-        rows.append({"key": "envpool", "workload": "Pong-v5, 16 envs", "variant": name, "overrides": run,
+        rows.append({"key": "envpool", "workload": "Pong-v5, 16 envs", "variant_key": ENVPOOL_KEYS[variant],
+                     "variant": name, "overrides": run,
                      "commit": commit, "steps": s["steps_this_run"], "sps": s["sps"],
                      "wall_seconds": s["wall_seconds"], "time_split": s["time_split"], "split": split(s),
                      "gpu": None if dry_run else sampler.stats(exited - s["wall_seconds"], exited),
@@ -96,7 +100,7 @@ def envpool_rows(steps: int, commit: str, dry_run: bool, extra: list[str]) -> li
 
 
 VARIANT_GROUPS = {
-    "gpu": ("coupled-gpu", "decoupled-gpu-", "decoupled-gpus"),
+    "gpu": ("coupled-gpu", "coupled-gpu-compile", "decoupled-gpu-", "decoupled-gpus"),
     "cpu": ("coupled-cpu", "decoupled-cpu"),
 }
 
@@ -106,6 +110,9 @@ def variants(gpus: int, players: list[int], dry_run: bool = False) -> dict[str, 
     figure has a reference taken on the same machine. A dry run puts every GPU role on the CPU."""
     gpu_fabric, trainer = ("cpu", "cpu") if dry_run else ("gpu", "cuda")
     out = {"coupled-gpu": ("coupled, GPU", ["strategy=coupled", f"fabric={gpu_fabric}"], False)}
+    out["coupled-gpu-compile"] = (
+        "coupled, GPU, algo.compile=true",
+        ["strategy=coupled", f"fabric={gpu_fabric}", "algo.compile=true"], False)  # fmt: skip
     for k in players:
         out[f"decoupled-gpu-{k}"] = (
             f"decoupled, 1 GPU trainer + {k} CPU player{'s' if k > 1 else ''}",
@@ -311,6 +318,14 @@ def write(out: Path, report: dict[str, Any], name: str = "gpu-strategies") -> No
     (out / f"{name}.md").write_text(markdown(report))
 
 
+def redone(workloads: list[str], keys: list[str]) -> set[tuple[str, str]]:
+    """The (workload, variant key) pairs of the rows a run with these `--only` and `--variants` makes."""
+    pairs = {(w, v) for w in workloads if w in WORKLOADS for v in keys}
+    if "envpool" in workloads:
+        pairs |= {("envpool", v) for v in ENVPOOL_KEYS.values()}
+    return pairs
+
+
 def kept_rows(path: Path, machine: dict[str, Any], rerun: set[tuple[str, str]]) -> list[dict[str, Any]]:
     """The earlier report's rows that this run does not redo ((workload, variant key) pairs), if it was made
     on this machine, so a benchmark can be split over several jobs (each row keeps its own commit)."""
@@ -366,8 +381,7 @@ def main() -> None:
     if unknown:
         parser.error(f"unknown --variants {sorted(unknown)}; choose from gpu, cpu, {', '.join(table)}")
     selected = args.only or list(WORKLOADS)
-    rerun = {(w, v) for w in selected for v in keys}
-    rows = kept_rows(args.out / f"{name}.json", m, rerun)
+    rows = kept_rows(args.out / f"{name}.json", m, redone(selected, keys))
     notes = []
     if args.dry_run:
         notes.append("dry run: every GPU role ran on the CPU (fabric=cpu, algo.trainer_device=cpu); the figures "

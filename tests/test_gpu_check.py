@@ -1,5 +1,7 @@
-"""benchmarks/gpu_check.py without CUDA: every check is skipped, one line each, and the script exits 0 (so
-CI and CPU machines can run `make gpu-check`); the checks themselves need a GPU or `--device cpu`."""
+"""The GPU scripts on a machine without CUDA. benchmarks/gpu_check.py: every check is skipped, one line each,
+and the script exits 0 (so CI and CPU machines can run `make gpu-check`); the checks themselves need a GPU
+or `--device cpu`, but what a device job brings back is tested here: the report as it stands after every
+check, a failed run's output, why the EnvPool check skips. benchmarks/gpu_strategies.py: its rows."""
 
 from __future__ import annotations
 
@@ -115,3 +117,47 @@ def test_envpool_check_says_why_it_skips(
     assert expected in gc.envpool_missing()
     with pytest.raises(gc.CheckSkipped, match="EnvPool"):
         gc.envpool_pong(None)
+
+
+# ------------------------------------------------------------------------------- gpu_strategies.py
+@pytest.fixture
+def gs(monkeypatch: pytest.MonkeyPatch):  # type: ignore[no-untyped-def]
+    spec = importlib.util.spec_from_file_location("gpu_strategies", REPO / "benchmarks" / "gpu_strategies.py")
+    module = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, "gpu_strategies", module)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_gpu_strategies_has_a_compiled_row(gs) -> None:  # type: ignore[no-untyped-def]
+    """Issue 17 asks for compile on/off among the GPU rows: `--variants gpu` includes it, on the GPU (on
+    the CPU in a dry run)."""
+    table = gs.variants(1, [1, 2])
+    gpu_rows = gs.chosen(table, ["gpu"])
+    assert gpu_rows == ["coupled-gpu", "coupled-gpu-compile", "decoupled-gpu-1", "decoupled-gpu-2"]
+    _, overrides, on_cpu = table["coupled-gpu-compile"]
+    assert overrides == ["strategy=coupled", "fabric=gpu", "algo.compile=true"] and not on_cpu
+    assert gs.variants(1, [1], dry_run=True)["coupled-gpu-compile"][1][1] == "fabric=cpu"
+
+
+def test_envpool_rows_are_replaced_by_a_rerun(gs, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:  # type: ignore[no-untyped-def]
+    """A report split over several jobs keeps the rows a job does not redo; rerunning `--only envpool`
+    replaces the EnvPool rows (they once had no variant key, so every rerun added two more)."""
+    summary = {"steps_this_run": 2048, "sps": 100.0, "wall_seconds": 2.0, "final_mean_return": -21.0,
+               "time_split": {"collect": 1.0, "train": 0.5}}  # fmt: skip
+    monkeypatch.setattr(gs, "run_once", lambda overrides, solved_return: summary)
+    real = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util,
+        "find_spec",
+        lambda name, *a: object() if name in ("ale_py", "cv2", "envpool") else real(name, *a),
+    )
+    machine = {"gpu": "H100", "gpus": 1, "cpu": "x", "cores": 16}
+    cartpole = {"key": "cartpole", "variant_key": "coupled-gpu", "workload": "CartPole-v1, 64 envs"}
+    rows = [cartpole, *gs.envpool_rows(2048, "abc", True, [])]
+    assert len(rows) == 3
+    path = tmp_path / "gpu-strategies.json"
+    path.write_text(json.dumps({"machine": machine, "rows": rows}))
+    keys = gs.chosen(gs.variants(1, [1]), None)
+    assert gs.kept_rows(path, machine, gs.redone(["envpool"], keys)) == [cartpole]
+    assert gs.kept_rows(path, machine, gs.redone(["cartpole"], keys)) == rows[1:]
