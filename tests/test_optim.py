@@ -110,3 +110,34 @@ def test_forward_module_skips_the_wrapper_at_full_precision_only(precision: str)
         assert torch.equal(net(x), model(x))
     else:  # the wrapper autocasts: kept
         assert net is model
+
+
+def test_fp16_loss_scaling_keeps_fabrics_path() -> None:
+    """16-mixed (CUDA's fp16 AMP) has a GradScaler: the direct path would step on scaled gradients, and a
+    fused Adam would unscale inside its kernel, which Fabric's clipping refuses (NotImplementedError). So
+    the learners get a plain Adam there, and GradientStep goes through Fabric, which unscales, clips,
+    skips steps with inf gradients and updates the scale. (The CPU's GradScaler stands in for CUDA's.)"""
+    from lightning.fabric.plugins.precision import MixedPrecision
+
+    from ppo_fabric.learners import fused_adam_ok
+
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)
+    fabric = Fabric(accelerator="cpu", devices=1, plugins=[MixedPrecision("16-mixed", "cpu", scaler)])
+    assert not fused_adam_ok(fabric)
+    assert fused_adam_ok(Fabric(accelerator="cpu", devices=1))
+    assert fused_adam_ok(Fabric(accelerator="cpu", devices=1, precision="bf16-mixed"))
+    model = _model()
+    start = [p.detach().clone() for p in model.parameters()]
+    model, opt = fabric.setup(
+        model, torch.optim.Adam(model.parameters(), lr=1e-2, fused=fused_adam_ok(fabric))
+    )
+    finish = GradientStep(fabric, model, opt, 0.5)
+    gen = torch.Generator().manual_seed(1)
+    for _ in range(3):
+        for p in model.parameters():
+            p.grad = None
+        fabric.backward(model(torch.randn(32, 4, generator=gen) * 3).pow(2).mean() * 50)
+        finish()
+        assert not finish.direct
+    moved = [(p.detach() - s).abs().max().item() for p, s in zip(model.parameters(), start, strict=True)]
+    assert all(0 < m <= 3 * 1e-2 * 1.01 for m in moved)  # Adam moves each weight by at most ~lr per step
