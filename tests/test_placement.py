@@ -252,6 +252,8 @@ def test_two_node_job_spreads_players(tmp_path: Path) -> None:
 
 
 # ------------------------------------------------------------------------------------- a role's device
+@pytest.mark.filterwarnings("ignore:.*GradScaler is enabled, but CUDA is not available")
+@pytest.mark.filterwarnings("ignore:`precision=bf16` is supported for historical reasons")
 @pytest.mark.parametrize(
     ("precision", "mixed"),
     [("bf16-mixed", "bf16-mixed"), ("bf16", "bf16-mixed"), ("16-mixed", "16-mixed"), ("16", "16-mixed"),
