@@ -4,9 +4,11 @@ Atari's update (`exp=atari`: batch 2048, minibatches of 256, 4 epochs) on a [4, 
 with 6 actions. Each variant runs whole updates (shuffle, then every minibatch: forward, PPO losses,
 backward, gradient clipping at 0.5, Adam) and reports milliseconds per minibatch step after warm-up:
 
-  eager     `update.minibatch_losses` as `algo.compile=false` runs it, fused Adam;
-  compiled  the same function through `accel.compiled`, as `algo.compile=true` runs it (CUDA graphs via
-            `mode="reduce-overhead"` on CUDA, plain inductor on the CPU);
+  eager     `update.update_policy` on a Fabric-wrapped model, as a run with `algo.compile=false` calls it:
+            the same minibatch step, the direct clip + fused Adam path (`optim.GradientStep`), the
+            per-epoch ratio statistics and the update's metrics (a few host syncs per update);
+  compiled  the same with `algo.compile=true` (CUDA graphs via `mode="reduce-overhead"` on CUDA, plain
+            inductor on the CPU);
   graph     CUDA only: the whole step (forward, losses, backward, clipping, `Adam(capturable=True)` with
             a tensor lr) captured in one `torch.cuda.CUDAGraph`; each minibatch is copied into the static
             input buffers before `replay()`. The floor a step can reach when launches cost nothing.
@@ -29,18 +31,21 @@ from typing import Any
 import gymnasium as gym
 import numpy as np
 import torch
+from lightning.fabric import Fabric
 from omegaconf import OmegaConf
+from tensordict import TensorDict
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 import common  # noqa: E402
 
-from ppo_fabric.accel import compiled, set_cuda_math  # noqa: E402
+from ppo_fabric.accel import set_cuda_math  # noqa: E402
 from ppo_fabric.agent import ActorCritic  # noqa: E402
-from ppo_fabric.update import LossCoefs, minibatch_losses  # noqa: E402
+from ppo_fabric.learners import fused_adam_ok  # noqa: E402
+from ppo_fabric.update import LossCoefs, minibatch_losses, update_policy  # noqa: E402
 
-COEFS = LossCoefs(clip=0.1, clip_vloss=True, norm_adv=True, vf_coef=0.5, ent_coef=0.01)  # exp=atari's
+COEFS = LossCoefs(clip=0.1, clip_vloss=False, norm_adv=True, vf_coef=0.5, ent_coef=0.01)  # exp=atari's
 MAX_NORM, LR, ACTIONS = 0.5, 2.5e-4, 6
 KEYS = ("obs", "actions", "logprobs", "values", "advantages", "returns")
 
@@ -70,20 +75,8 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def time_updates(
-    step: Callable[[dict[str, torch.Tensor]], None], batch: dict[str, torch.Tensor], args: Any
-) -> tuple[float, float]:
+def time_updates(update: Callable[[], None], device: torch.device, args: Any) -> tuple[float, float]:
     """(ms per minibatch step over the timed updates, seconds of the first (warm-up) update)."""
-    device = batch["obs"].device
-    n = batch["obs"].shape[0]
-
-    def update() -> None:
-        for _ in range(args.epochs):
-            perm = torch.randperm(n, device=device)
-            shuffled = {k: v[perm] for k, v in batch.items()}
-            for start in range(0, n, args.minibatch):
-                step({k: v[start : start + args.minibatch] for k, v in shuffled.items()})
-
     t0 = time.perf_counter()
     update()
     sync(device)
@@ -92,27 +85,46 @@ def time_updates(
     for _ in range(args.updates):
         update()
     sync(device)
-    steps = args.updates * args.epochs * (n // args.minibatch)
+    steps = args.updates * args.epochs * (args.batch // args.minibatch)
     return (time.perf_counter() - t0) / steps * 1e3, first
 
 
-def library_step(device: torch.device, compile_step: bool) -> Callable[[dict[str, torch.Tensor]], None]:
-    """The step as the package runs it (without Fabric's wrapper, which adds nothing on one device)."""
-    model = make_model(device)
-    optimizer = torch.optim.Adam(model.parameters(), lr=LR, eps=1e-5, fused=True)
-    fn = compiled(minibatch_losses, model) if compile_step else minibatch_losses
-    graphs = compile_step and device.type == "cuda"
+def package_update(
+    device: torch.device, compile_step: bool, batch: dict[str, torch.Tensor], args: Any
+) -> Callable[[], None]:
+    """One update as a run makes it: `update_policy` on a Fabric-wrapped model and the optimiser the
+    learners build (`learners.build_learners`)."""
+    fabric = Fabric(accelerator=device.type, devices=1)
+    model = make_model(torch.device("cpu"))
+    optimizer = torch.optim.Adam(model.parameters(), lr=LR, eps=1e-5, fused=fused_adam_ok(fabric))
+    model, optimizer = fabric.setup(model, optimizer)
+    algo = OmegaConf.create(
+        {"minibatch_size": args.minibatch, "update_epochs": args.epochs, "clip_coef": COEFS.clip,
+         "clip_vloss": COEFS.clip_vloss, "norm_adv": COEFS.norm_adv, "vf_coef": COEFS.vf_coef,
+         "ent_coef": COEFS.ent_coef, "max_grad_norm": MAX_NORM, "target_kl": None, "compile": compile_step}
+    )  # fmt: skip
+    data = TensorDict(batch, batch_size=[args.batch], device=device)
 
-    def step(mb: dict[str, torch.Tensor]) -> None:
-        if graphs:
-            torch.compiler.cudagraph_mark_step_begin()
-        loss, _, _ = fn(model, *(mb[k] for k in KEYS), None, None, None, None, COEFS)
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM, foreach=True)
-        optimizer.step()
+    def update() -> None:
+        update_policy(fabric, model, optimizer, data, algo)
 
-    return step
+    return update
+
+
+def graph_update(
+    step: Callable[[dict[str, torch.Tensor]], None], batch: dict[str, torch.Tensor], args: Any
+) -> Callable[[], None]:
+    """An update of `step`s: shuffle, then the minibatches in order."""
+    device = batch["obs"].device
+
+    def update() -> None:
+        for _ in range(args.epochs):
+            perm = torch.randperm(args.batch, device=device)
+            shuffled = {k: v[perm] for k, v in batch.items()}
+            for start in range(0, args.batch, args.minibatch):
+                step({k: v[start : start + args.minibatch] for k, v in shuffled.items()})
+
+    return update
 
 
 def graph_step(device: torch.device, minibatch: int) -> Callable[[dict[str, torch.Tensor]], None]:
@@ -168,15 +180,18 @@ def main() -> None:
     set_cuda_math(True)  # what a run gets by default (fabric.tf32=true); a no-op without CUDA
     batch = make_batch(args.batch, device)
     rows = {}
-    variants: dict[str, Callable[[], Callable[[dict[str, torch.Tensor]], None]]] = {
-        "eager": lambda: library_step(device, False),
-        "compiled": lambda: library_step(device, True),
+    variants: dict[str, Callable[[], Callable[[], None]]] = {
+        "eager": lambda: package_update(device, False, batch, args),
+        "compiled": lambda: package_update(device, True, batch, args),
     }
     if device.type == "cuda":
-        variants["graph"] = lambda: graph_step(device, args.minibatch)
+        variants["graph"] = lambda: graph_update(graph_step(device, args.minibatch), batch, args)
     for name, build in variants.items():
-        ms, first = time_updates(build(), batch, args)
-        rows[name] = {"ms_per_step": ms, "first_update_s": first}
+        t0 = time.perf_counter()
+        update = build()  # the graph variant captures here
+        built = time.perf_counter() - t0
+        ms, first = time_updates(update, device, args)
+        rows[name] = {"ms_per_step": ms, "first_update_s": first + built}
         print(f"{name}: {ms:.3f} ms per minibatch step (first update {first:.1f} s)", flush=True)
     m = common.machine()
     where = torch.cuda.get_device_name(device) if device.type == "cuda" else f"CPU: {m['cpu']}"
@@ -188,7 +203,7 @@ def main() -> None:
             f"epochs, {args.updates} timed updates; commit {common.git_commit()}.",
             f"Command: `{common.command_line(__file__)}`",
             "",
-            "| variant | ms per minibatch step | first update s (compile, capture) |",
+            "| variant | ms per minibatch step | set-up + first update s (compile, capture) |",
             "|---|---:|---:|",
             *(f"| {k} | {v['ms_per_step']:.3f} | {v['first_update_s']:.1f} |" for k, v in rows.items()),
             "",
