@@ -29,6 +29,12 @@ without network may have no `.venv`; any python with the package's dependencies 
                      (mean return >= 195 after 60k env steps); its checkpoint then resumes with the trainer
                      on the CPU for 2 more updates. With `--device cpu` the same layout with the trainer on
                      the CPU.
+  decoupled_two_gpu_trainers
+                     2 CPU players feeding 2 GPU trainers (`cuda:0`, `cuda:1`), whose DDP runs over the
+                     trainers' NCCL group (one trainer has no DDP and never uses NCCL): 8 updates, every env
+                     step counted, finite losses logged, every rank on the same parameters; on GPUs once
+                     eager and once with `algo.compile=true` (CUDA graphs under DDP). SKIP with fewer than 2
+                     CUDA devices; `--device cpu`: eager, the trainers on the CPU (DDP over gloo).
 
 Every run has `fabric.tf32=false`: the checks compare numbers, and the package turns TF32 on by default.
 
@@ -74,6 +80,7 @@ CHECKS = (
     "compile_on_off",
     "envpool_pong",
     "decoupled_gpu_trainer",
+    "decoupled_two_gpu_trainers",
 )
 PER_UPDATE = 256  # env=cartpole: 8 envs x 32 steps
 # fabric.tf32=false: the package turns TF32 on for CUDA runs, and these checks compare numbers
@@ -444,6 +451,50 @@ def decoupled_gpu_trainer(runs: Runs) -> dict[str, Any]:
             "resumed_on_cpu_total_env_steps": resumed["total_env_steps"]}  # fmt: skip
 
 
+def decoupled_two_gpu_trainers(runs: Runs) -> dict[str, Any]:
+    import torch
+
+    gpu = runs.fabric == "gpu"
+    if gpu and torch.cuda.device_count() < 2:
+        raise CheckSkipped(
+            f"needs 2 CUDA devices (one per trainer), this machine has {torch.cuda.device_count()}"
+        )
+    # On GPUs also compiled (CUDA graphs under DDP, never run before); the CPU dry run stays eager.
+    return {f"compile_{on}": two_trainers(runs, gpu, on) for on in (("false", "true") if gpu else ("false",))}
+
+
+def two_trainers(runs: Runs, gpu: bool, compile_step: str) -> dict[str, Any]:
+    """One run of 2 CPU players + 2 trainers; raises CheckFailed naming the compile setting."""
+    import csv
+    import math
+
+    updates, players = 8, 2
+    want_steps = updates * players * PER_UPDATE
+    overrides = ["strategy=decoupled", "fabric=cpu", "fabric.devices=4", f"algo.players={players}",
+                 "algo.player_device=cpu", f"algo.trainer_device={'cuda' if gpu else 'cpu'}",
+                 f"algo.total_steps={want_steps}", "logger.log_every=1", f"algo.compile={compile_step}"]  # fmt: skip
+    # compiled kernels need not have deterministic variants (as in compile_on_off)
+    run_dir = runs.train(
+        f"two_trainers_compile_{compile_step}", overrides, deterministic=compile_step == "false"
+    )
+    summary = json.loads((run_dir / "summary.json").read_text())
+    placed = [(r["role"], r["device"]) for r in summary.get("roles", [])]
+    trainers = [("trainer", "cuda:0"), ("trainer", "cuda:1")] if gpu else [("trainer", "cpu")] * 2
+    want = [("player", "cpu")] * players + trainers
+    where = f"algo.compile={compile_step}: "
+    if placed != want:
+        raise CheckFailed(f"{where}ranks placed as {placed}, want {want}")
+    if summary.get("ranks_in_sync") is not True:
+        raise CheckFailed(f"{where}the ranks ended with different parameters (DDP kept the trainers apart)")
+    if int(summary["total_env_steps"]) != want_steps:
+        raise CheckFailed(f"{where}total_env_steps={summary['total_env_steps']}, want {want_steps}")
+    with (run_dir / "metrics.csv").open(newline="") as fh:
+        losses = [float(r["loss/value"]) for r in csv.DictReader(fh) if r.get("loss/value")]
+    if len(losses) != updates or not all(math.isfinite(v) for v in losses):
+        raise CheckFailed(f"{where}loss/value of {updates} updates not logged or not finite: {losses[:4]}")
+    return {"roles": summary["roles"], "sps": summary.get("sps"), "total_env_steps": want_steps}
+
+
 CHECK_FUNCTIONS: dict[str, Callable[[Runs], dict[str, Any]]] = {
     "resume_round_trip": resume_round_trip,
     "cpu_to_gpu_resume": cpu_to_gpu_resume,
@@ -452,6 +503,7 @@ CHECK_FUNCTIONS: dict[str, Callable[[Runs], dict[str, Any]]] = {
     "compile_on_off": compile_on_off,
     "envpool_pong": envpool_pong,
     "decoupled_gpu_trainer": decoupled_gpu_trainer,
+    "decoupled_two_gpu_trainers": decoupled_two_gpu_trainers,
 }
 
 

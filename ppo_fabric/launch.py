@@ -14,7 +14,7 @@ import os
 import sys
 import traceback
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, NoReturn
 
@@ -127,15 +127,34 @@ def build_fabric(cfg: DictConfig, world_size: int) -> Fabric:
             "num_nodes": int(cfg.fabric.num_nodes),
             "precision": cfg.fabric.precision,
         }
-    elif decoupled:  # the processes exist already; only the accelerator Fabric builds changes
-        os.environ["LT_ACCELERATOR"] = "cpu"
     # `fabric run --strategy=...` reaches Fabric only through LT_STRATEGY; no public API reads it back.
     if world_size > 1 and cfg.fabric.strategy in ("auto", "ddp") and not os.environ.get("LT_STRATEGY"):
         ddp = GroupDDPStrategy if decoupled else DDPStrategy
         kwargs["strategy"] = ddp(timeout=timeout, start_method="popen")
     elif not under_cli:
         kwargs["strategy"] = cfg.fabric.strategy
-    return Fabric(**kwargs)
+    if not (under_cli and decoupled):
+        return Fabric(**kwargs)
+    # Under `fabric run` the processes exist already and Fabric reads the accelerator from LT_ACCELERATOR
+    # (passing another one raises), so a decoupled job swaps it for "cpu" while Fabric is built, and only
+    # then: `algo.trainer_device=auto` goes on reading `fabric run --accelerator` (config.requested), as
+    # the checks before launch did. Left at "cpu", `--accelerator=cuda` would put the trainers on the CPU.
+    with environment_variable("LT_ACCELERATOR", "cpu"):
+        return Fabric(**kwargs)
+
+
+@contextlib.contextmanager
+def environment_variable(name: str, value: str) -> Iterator[None]:
+    """`name=value` in this process's environment for the block; its previous value (or absence) after."""
+    before = os.environ.get(name)
+    os.environ[name] = value
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = before
 
 
 def launch(

@@ -62,6 +62,19 @@ def players_of(roles: list[Role]) -> list[int]:
     return [r.rank for r in roles if r.plays]
 
 
+def check_local_rank(role: Role, local_rank: int) -> None:
+    """The launcher numbered the ranks as the map assumes (node by node), so `role.index`, which picks a
+    trainer's GPU, counts the ranks of this rank's own node. Otherwise (SLURM's cyclic distribution, say)
+    two trainers of one node could take the same GPU, which NCCL refuses only at the first collective, or
+    a trainer a GPU its node does not have; raises ValueError naming both numbers."""
+    if role.local_rank != local_rank:
+        raise ValueError(
+            f"rank {role.rank} is local rank {local_rank} of its node, but strategy=decoupled numbers ranks "
+            f"node by node and expects local rank {role.local_rank}; launch with consecutive ranks on each "
+            "node (torchrun and Fabric do; SLURM: --distribution=block)"
+        )
+
+
 def trainers_of(roles: list[Role]) -> list[int]:
     return [r.rank for r in roles if not r.plays]
 

@@ -44,7 +44,14 @@ from ppo_fabric.learners import (
     trained,
 )
 from ppo_fabric.metrics import parameters_digest
-from ppo_fabric.placement import player_kind, players_of, role_device, role_map, trainer_kind
+from ppo_fabric.placement import (
+    check_local_rank,
+    player_kind,
+    players_of,
+    role_device,
+    role_map,
+    trainer_kind,
+)
 from ppo_fabric.protocol import (
     BatchCodec,
     Kind,
@@ -90,6 +97,7 @@ def main(fabric: Fabric, cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
         )
     roles = role_map(fabric.world_size, strategy.num_nodes, int(cfg.algo.players))
     role = roles[fabric.global_rank]
+    check_local_rank(role, fabric.local_rank)
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     trains_on = trainer_kind(str(cfg.algo.trainer_device), requested(cfg, "accelerator"), gpus > 0)
     kind = player_kind(str(cfg.algo.player_device), trains_on) if role.plays else trains_on

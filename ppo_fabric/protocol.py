@@ -207,10 +207,14 @@ class BatchCodec:
         self, buf: torch.Tensor, device: torch.device, non_blocking: bool = False
     ) -> tuple[Header, TensorDict]:
         """The header, and the rows as a TensorDict on `device`: the bytes go over in one copy (from a pinned
-        `buf`, without blocking) and are cut into tensors there."""
+        `buf`, without blocking) and are cut into tensors there.
+
+        The TensorDict says it is on `device`, as a coupled rank's storage does: the update shuffles with
+        `torch.randperm(n, device=batch.device)`, which without a device would draw the permutation on the
+        CPU and copy it to a CUDA trainer's GPU once per key and epoch, each copy waiting for the GPU."""
         header = _read_header(buf)
         rows = buf[_HEADER_BYTES:].to(device, non_blocking=non_blocking).view(self.shard_samples, -1)
-        out, col = TensorDict(batch_size=[self.shard_samples]), 0
+        out, col = TensorDict(batch_size=[self.shard_samples], device=device), 0
         for (key, shape, dtype), width in zip(self.layout, self.row_bytes, strict=True):
             out.set(
                 key, rows[:, col : col + width].contiguous().view(dtype).reshape(self.shard_samples, *shape)

@@ -35,6 +35,7 @@ def test_gpu_check_skips_every_check_without_cuda(tmp_path: Path) -> None:
         "compile_on_off",
         "envpool_pong",
         "decoupled_gpu_trainer",
+        "decoupled_two_gpu_trainers",
     ]
     assert [line.split(":")[0] for line in lines] == [f"SKIP {name}" for name in names], proc.stdout
     assert all("no CUDA device" in line for line in lines)
