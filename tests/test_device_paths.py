@@ -83,6 +83,30 @@ def test_trainer_takes_its_gpu_and_autocasts_there(monkeypatch: pytest.MonkeyPat
     assert fabric._precision is precision  # Fabric's own reference, used by setup() and autocast()
 
 
+@pytest.mark.filterwarnings("ignore:.*GradScaler is enabled, but CUDA is not available")
+@pytest.mark.parametrize(
+    ("given", "mixed"),
+    [("bf16", "bf16-mixed"), ("16-mixed", "16-mixed"), ("16", "16-mixed"), ("32-true", None)],
+)
+def test_every_name_of_a_mixed_precision_autocasts_on_cuda(
+    monkeypatch: pytest.MonkeyPatch, given: str, mixed: str | None
+) -> None:
+    """`fabric run --precision` also takes Lightning's short names and passes them on as typed
+    (LT_PRECISION=bf16): those too autocast on the trainer's GPU, and fp16 gets its loss scaler. Full
+    precision keeps Fabric's plugin."""
+    monkeypatch.setattr(torch.cuda, "set_device", lambda device: None)
+    fabric, strategy = _cpu_job()  # the plugin Fabric built for the CPU job (CPU autocast)
+    before = fabric.strategy.precision
+    strategy.take_device(fabric, torch.device("cuda", 0), given)
+    plugin = fabric.strategy.precision
+    if mixed is None:
+        assert plugin is before
+        return
+    assert isinstance(plugin, MixedPrecision) and fabric._precision is plugin
+    assert (plugin.precision, plugin.device) == (mixed, "cuda")
+    assert (plugin.scaler is not None) == (mixed == "16-mixed")
+
+
 def test_cpu_role_touches_no_cuda(monkeypatch: pytest.MonkeyPatch) -> None:
     def refuse(_: Any) -> None:
         raise AssertionError("a CPU role must not select a CUDA device")
