@@ -43,14 +43,18 @@ def test_gpu_check_skips_every_check_without_cuda(tmp_path: Path) -> None:
     assert [c["status"] for c in report["checks"]] == ["SKIP"] * len(names)
 
 
-@pytest.fixture
-def gc(monkeypatch: pytest.MonkeyPatch):  # type: ignore[no-untyped-def]
-    """The script as a module (it is not part of the package), registered for its dataclasses."""
-    spec = importlib.util.spec_from_file_location("gpu_check", REPO / "benchmarks" / "gpu_check.py")
+def _script(monkeypatch: pytest.MonkeyPatch, name: str):  # type: ignore[no-untyped-def]
+    """A benchmark script as a module (it is not part of the package), registered for its dataclasses."""
+    spec = importlib.util.spec_from_file_location(name, REPO / "benchmarks" / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
-    monkeypatch.setitem(sys.modules, "gpu_check", module)
+    monkeypatch.setitem(sys.modules, name, module)
     spec.loader.exec_module(module)
     return module
+
+
+@pytest.fixture
+def gc(monkeypatch: pytest.MonkeyPatch):  # type: ignore[no-untyped-def]
+    return _script(monkeypatch, "gpu_check")
 
 
 def test_report_is_rewritten_after_every_check_and_keeps_failure_output(
@@ -123,11 +127,7 @@ def test_envpool_check_says_why_it_skips(
 # ------------------------------------------------------------------------------- gpu_strategies.py
 @pytest.fixture
 def gs(monkeypatch: pytest.MonkeyPatch):  # type: ignore[no-untyped-def]
-    spec = importlib.util.spec_from_file_location("gpu_strategies", REPO / "benchmarks" / "gpu_strategies.py")
-    module = importlib.util.module_from_spec(spec)
-    monkeypatch.setitem(sys.modules, "gpu_strategies", module)
-    spec.loader.exec_module(module)
-    return module
+    return _script(monkeypatch, "gpu_strategies")
 
 
 def test_gpu_strategies_has_a_compiled_row(gs) -> None:  # type: ignore[no-untyped-def]
