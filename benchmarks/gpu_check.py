@@ -366,17 +366,14 @@ ATARI_PER_UPDATE = 1024  # exp=atari: 8 envs x 128 steps
 
 
 def envpool_missing() -> str | None:
-    """Why EnvPool cannot run here, or None. Importing it is the test: an EnvPool wheel copied without its
-    own dependencies (dm-env, optree, its asset packages) is found by `find_spec` and then fails to import."""
-    import importlib
+    """Why EnvPool cannot run here, or None: the package's own import check, which tells a missing EnvPool
+    from a wheel copied without its dependencies (dm-env, optree: found, then failing to import)."""
+    from ppo_fabric.envpool_envs import EnvPoolError, import_envpool
 
     try:
-        importlib.import_module("envpool")
-    except ImportError as exc:
-        missing = getattr(exc, "name", None)
-        if missing in (None, "envpool"):
-            return "EnvPool is not installed: pip install 'ppo-fabric[envpool]'"
-        return f"EnvPool is installed but does not import ({exc}): install its dependencies too"
+        import_envpool()
+    except EnvPoolError as exc:
+        return str(exc)
     return None
 
 

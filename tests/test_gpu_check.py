@@ -99,7 +99,7 @@ def test_a_failing_run_carries_its_output(gc, tmp_path: Path) -> None:
 @pytest.mark.parametrize(
     ("error", "expected"),
     [
-        (ModuleNotFoundError("No module named 'envpool'", name="envpool"), "EnvPool is not installed"),
+        (ModuleNotFoundError("No module named 'envpool'", name="envpool"), "needs EnvPool"),
         (
             ModuleNotFoundError("No module named 'dm_env'", name="dm_env"),
             "does not import (No module named 'dm_env')",
