@@ -227,6 +227,7 @@ _BOOLS = (
     "algo.clip_vloss",
     "algo.pipeline",
     "algo.compile",
+    "algo.numpy_rollout",
     "fabric.tf32",
     "logger.tensorboard",
     "logger.csv",

@@ -25,6 +25,7 @@ from ppo_fabric.envs import ACTION_MASK, EnvError, current_action_masks, make_ve
 from ppo_fabric.learners import PolicySpec
 from ppo_fabric.multiagent import SINGLE, make_multiagent_vector_env
 from ppo_fabric.normalize import Reduce, sync_normalizers
+from ppo_fabric.numpy_actor import NumpyActor, unsupported
 from ppo_fabric.selfplay import SelfPlay
 
 
@@ -69,6 +70,8 @@ class Group:
     alive: np.ndarray | None = None  # multi-agent: rows whose agent is in the episode at the next step
     next_mask: torch.Tensor | None = None  # envs with action masks: the mask of `next_obs` [R, width]
     mask_starts: np.ndarray | None = None  # where each action dimension's entries start in a mask
+    host_actions: np.ndarray | None = None  # NumPy acting: views of the storage's actions and log-probs
+    host_logprobs: np.ndarray | None = None
 
     def to_tensor(self, obs: Any, device: torch.device) -> Obs:
         if isinstance(obs, dict):  # Dict observations: one tensor per key, with the storage's dtypes
@@ -150,6 +153,7 @@ class RolloutCollector:
         self.delayed = self.turn_based or self.asynchronous
         self.steps_per_tick = int(envs.batch_size) if self.asynchronous else self.num_envs  # env steps
         self.selfplay: SelfPlay | None = None  # two-player games against a pool of snapshots
+        self.numpy_rollout = True  # `algo.numpy_rollout`: CPU MLP policies act through NumPy (numpy_actor.py)
 
     @property
     def storage(self) -> TensorDict:
@@ -234,22 +238,33 @@ class RolloutCollector:
                 g.host[ACTION_MASK][0] = g.next_mask.cpu().numpy()
         obs = [g.next_obs for g in groups]
         masks = [g.next_mask for g in groups]  # envs with action masks: the mask of each obs
+        actors = [self._numpy_actor(g, policy) for g, policy in zip(groups, acting, strict=True)]
+        noises = [
+            None if a is None else a.noise(num_steps, g.storage.batch_size[1])
+            for g, a in zip(groups, actors, strict=True)
+        ]
         for t in range(num_steps):
             env_actions, next_states = [], []
             for i, (g, policy) in enumerate(zip(groups, acting, strict=True)):
-                if self.asynchronous:  # only the ready envs act: the others' rows are never used
-                    action, logprob, next_state = _sample_rows(policy, obs[i], g.alive)
-                elif masks[i] is None:
-                    action, logprob, next_state = policy.sample(obs[i], g.state)
+                actor = actors[i]
+                if actor is not None:  # NumPy acts: written straight into the storage (on the CPU)
+                    env_action, g.host_logprobs[t] = actor.sample(g.host["obs"][t], noises[i][t])
+                    g.host_actions[t] = env_action
+                    next_states.append(None)
                 else:
-                    action, logprob, next_state = policy.sample(obs[i], g.state, False, masks[i])
-                actions, logprobs, states = outputs[i]
-                actions.append(action)
-                logprobs.append(logprob)
-                if g.state is not None:
-                    states.append(g.state)
-                next_states.append(next_state)
-                env_action = action.cpu().numpy()
+                    if self.asynchronous:  # only the ready envs act: the others' rows are never used
+                        action, logprob, next_state = _sample_rows(policy, obs[i], g.alive)
+                    elif masks[i] is None:
+                        action, logprob, next_state = policy.sample(obs[i], g.state)
+                    else:
+                        action, logprob, next_state = policy.sample(obs[i], g.state, False, masks[i])
+                    actions, logprobs, states = outputs[i]
+                    actions.append(action)
+                    logprobs.append(logprob)
+                    if g.state is not None:
+                        states.append(g.state)
+                    next_states.append(next_state)
+                    env_action = action.cpu().numpy()
                 if g.clip is not None:
                     env_action = np.clip(env_action, *g.clip)
                 # self-play: the opponents' seats play their snapshots' moves; only the learner trains
@@ -292,7 +307,8 @@ class RolloutCollector:
                         sp.episodes_ended(info["_episode"], ep["r"])
                 if t + 1 < num_steps:
                     _put(h["obs"], t + 1, next_obs)
-                    obs[i] = _row(h["obs"], t + 1, self.device)  # a view on CPU: no copy
+                    if actors[i] is None:  # NumPy reads the host row itself
+                        obs[i] = _row(h["obs"], t + 1, self.device)  # a view on CPU: no copy
                 else:
                     obs[i] = g.to_tensor(next_obs, self.device)
                 if masks[i] is not None:
@@ -306,8 +322,9 @@ class RolloutCollector:
             groups, acting, outputs, obs, masks, last, settled, strict=True
         ):
             s = g.storage
-            torch.stack(actions, out=s["actions"])
-            torch.stack(logprobs, out=s["logprobs"])
+            if actions:  # else NumPy wrote them
+                torch.stack(actions, out=s["actions"])
+                torch.stack(logprobs, out=s["logprobs"])
             if states:
                 torch.stack(states, out=s[STATE_KEY])
             if self._staged:
@@ -329,6 +346,17 @@ class RolloutCollector:
         if self.buffer is not None:
             self.buffer.mark_collected(num_steps)
         return num_steps * per_step
+
+    def _numpy_actor(self, g: Group, policy: ActorCritic) -> NumpyActor | None:
+        """The group's NumPy actor for this rollout, where its rows act plainly: every row at every step,
+        no action mask, no self-play opponents, observations in one host array that is the CPU storage."""
+        plain = not (self.asynchronous or self._staged or g.next_mask is not None or self.selfplay)
+        if not (self.numpy_rollout and plain and isinstance(g.host["obs"], np.ndarray)):
+            return None
+        if unsupported(policy) is not None:
+            return None
+        g.host_actions, g.host_logprobs = g.storage["actions"].numpy(), g.storage["logprobs"].numpy()
+        return NumpyActor(policy)
 
     def after_update(self, policies: Mapping[str, ActorCritic], version: int) -> None:
         """The learner reached update `version`: self-play takes a snapshot when one is due."""
@@ -500,6 +528,7 @@ def build_collector(
         storage = {name: policy_storage(steps, copies, spec, device) for name, spec in specs.items()}
     gamma, lam = float(algo.gamma), float(algo.gae_lambda)
     collector = RolloutCollector(envs, first, storage, gamma, lam, reduce, str(cfg.env.id))
+    collector.numpy_rollout = bool(algo.get("numpy_rollout", True))
     if collector.multiagent:
         collector.buffer = MultiAgentRolloutBuffer(storage, envs.groups, envs.num_envs)
     if cfg.get("selfplay") is not None and bool(cfg.selfplay.enabled):

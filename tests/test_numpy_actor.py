@@ -1,0 +1,190 @@
+"""The NumPy rollout actor against the torch policy it mirrors, and the rollout that uses it."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import gymnasium as gym
+import numpy as np
+import pytest
+import torch
+from omegaconf import OmegaConf
+from torch.nn.utils import parameters_to_vector, vector_to_parameters
+
+from ppo_fabric.agent import ActorCritic
+from ppo_fabric.config import compose
+from ppo_fabric.learners import policy_specs
+from ppo_fabric.multiagent import SINGLE
+from ppo_fabric.numpy_actor import NumpyActor, unsupported
+from ppo_fabric.rollout import build_collector
+
+
+def model_cfg(**overrides: Any) -> Any:
+    cfg = {"encoder": "auto", "actor_hidden": [16, 16], "critic_hidden": [16, 16], "activation": "tanh"}
+    return OmegaConf.create(cfg | overrides)
+
+
+def sharp_policy(obs_space: gym.Space, action_space: gym.Space, seed: int, **model: Any) -> ActorCritic:
+    """A policy whose weights are all large: distributions far from uniform make the comparison strict."""
+    torch.manual_seed(seed)
+    policy = ActorCritic(obs_space, action_space, model_cfg(**model))
+    with torch.no_grad():
+        for p in policy.parameters():
+            p.copy_(torch.randn_like(p) * 0.7)
+    return policy
+
+
+BOX4 = gym.spaces.Box(-5, 5, (4,), np.float32)
+CASES = {
+    "discrete-tanh": (BOX4, gym.spaces.Discrete(3), {}),
+    "multidiscrete-relu-2d-obs": (
+        gym.spaces.Box(-5, 5, (2, 3), np.float32),
+        gym.spaces.MultiDiscrete([3, 4, 2]),
+        {"activation": "relu"},
+    ),
+    "gaussian": (gym.spaces.Box(-5, 5, (5,), np.float32), gym.spaces.Box(-1, 1, (2,), np.float32), {}),
+    "uint8-obs-mlp": (gym.spaces.Box(0, 255, (3, 4), np.uint8), gym.spaces.Discrete(4), {"encoder": "mlp"}),
+}
+
+
+def random_obs(space: gym.spaces.Box, rows: int) -> np.ndarray:
+    space.seed(0)
+    return np.stack([space.sample() for _ in range(rows)])
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_log_probs_equal_the_torch_policys(case: str) -> None:
+    """Every sampled action's log-prob is the one the update will compute for it (`ActorCritic.forward`)."""
+    obs_space, action_space, model = CASES[case]
+    policy = sharp_policy(obs_space, action_space, seed=1, **model)
+    assert unsupported(policy) is None
+    actor = NumpyActor(policy)
+    obs = random_obs(obs_space, 64)
+    actions, logp = actor.sample(obs, actor.noise(1, 64)[0])
+    assert logp.dtype == np.float32 and logp.shape == (64,)
+    assert actions.shape == (64, *action_space.shape)
+    with torch.no_grad():
+        expected, _, _ = policy(torch.from_numpy(obs), torch.from_numpy(actions))
+    np.testing.assert_allclose(logp, expected.numpy(), rtol=1e-5, atol=1e-5)
+    if isinstance(action_space, gym.spaces.Discrete | gym.spaces.MultiDiscrete):
+        assert actions.dtype == np.int64 and all(action_space.contains(a) for a in actions)
+        assert len(np.unique(actions, axis=0)) > 1  # sampled, not a constant
+
+
+def test_gumbel_max_samples_follow_the_softmax() -> None:
+    """One observation acted on 40,000 times: the action frequencies are the policy's probabilities
+    (each within 4 standard errors)."""
+    policy = sharp_policy(BOX4, gym.spaces.Discrete(3), seed=2)
+    probs = np.array([0.15, 0.25, 0.6])
+    with torch.no_grad():  # logits = log(probs) + a per-observation shift that softmax removes
+        policy.head.linear.weight.zero_()
+        policy.head.linear.bias.copy_(torch.tensor(np.log(probs) + 3.0))
+    actor = NumpyActor(policy)
+    obs = random_obs(BOX4, 1)
+    n = 40_000
+    noise = actor.noise(n, 1)
+    counts = np.bincount([int(actor.sample(obs, noise[t])[0][0]) for t in range(n)], minlength=3)
+    se = np.sqrt(probs * (1 - probs) / n)
+    assert np.all(np.abs(counts / n - probs) < 4 * se), (counts / n, probs)
+
+
+def test_gaussian_actions_are_mean_plus_std_times_the_draw() -> None:
+    obs_space, action_space, model = CASES["gaussian"]
+    policy = sharp_policy(obs_space, action_space, seed=3, **model)
+    actor = NumpyActor(policy)
+    obs = random_obs(obs_space, 8)
+    noise = actor.noise(1, 8)[0]
+    actions, _ = actor.sample(obs, noise)
+    with torch.no_grad():
+        mean = policy.head.mean(policy.actor_body(torch.from_numpy(obs))).numpy()
+        std = policy.head.log_std.exp().numpy()
+    np.testing.assert_allclose(actions, mean + std * noise, rtol=1e-5, atol=1e-6)
+
+
+def test_noise_comes_from_torchs_generator() -> None:
+    """Seeding torch seeds the NumPy rollout too (checkpoints hold torch's RNG state, not NumPy's)."""
+    actor = NumpyActor(sharp_policy(BOX4, gym.spaces.Discrete(3), seed=0))
+    torch.manual_seed(7)
+    first = actor.noise(5, 4)
+    torch.manual_seed(7)
+    np.testing.assert_array_equal(first, actor.noise(5, 4))
+    assert first.shape == (5, 4, 3) and not np.array_equal(first, actor.noise(5, 4))
+
+
+def test_policies_numpy_cannot_mirror_are_named() -> None:
+    lstm = {"lstm": {"hidden_size": 8, "num_layers": 1}}
+    image = gym.spaces.Box(0, 255, (4, 36, 36), np.uint8)
+    assert "recurrent" in unsupported(sharp_policy(BOX4, gym.spaces.Discrete(2), 0, **lstm))
+    assert "activation" in unsupported(sharp_policy(BOX4, gym.spaces.Discrete(2), 0, activation="elu"))
+    assert "encoder" in unsupported(sharp_policy(image, gym.spaces.Discrete(2), 0, encoder="cnn"))
+    assert "float64" in unsupported(sharp_policy(BOX4, gym.spaces.Discrete(2), 0).double())
+
+
+# --------------------------------------------------------------------------------------------- rollout
+def collector_and_policy(*overrides: str) -> tuple[Any, ActorCritic]:
+    cfg, _ = compose(
+        ["exp=cleanrl_cartpole", "env.num_envs=3", "env.max_episode_steps=20", "algo.rollout_steps=40",
+         *overrides]
+    )  # fmt: skip
+    specs = policy_specs(cfg)
+    torch.manual_seed(0)
+    policy = ActorCritic(specs[SINGLE].obs_space, specs[SINGLE].action_space, cfg.model)
+    return build_collector(cfg, specs, 0, "cpu", None), policy
+
+
+def stored_log_probs_match(collector: Any, policy: ActorCritic) -> None:
+    s = collector.storage
+    with torch.no_grad():
+        logp, _, _ = policy(s["obs"].flatten(0, 1), s["actions"].flatten(0, 1))
+    torch.testing.assert_close(s["logprobs"].flatten(), logp, rtol=1e-5, atol=1e-5)
+
+
+def test_rollout_acts_through_numpy_and_stores_what_the_update_recomputes(monkeypatch: Any) -> None:
+    """The torch actor is never called; the stored log-probs are the policy's for the stored actions, also
+    after the parameters are replaced between rollouts (a player loading new ones); a truncated episode
+    still bootstraps from its final observation."""
+    collector, policy = collector_and_policy()
+    monkeypatch.setattr(policy, "sample", lambda *a, **k: pytest.fail("torch actor called"))
+    assert collector.collect(policy, 0) == 120
+    stored_log_probs_match(collector, policy)
+    s = collector.storage
+    assert set(s["actions"].unique().tolist()) == {0, 1}
+    assert (s["final_values"] != 0).any()  # 20-step time limit: cut episodes bootstrap
+    torch.manual_seed(5)
+    fresh = parameters_to_vector(policy.parameters()) + torch.randn(
+        sum(p.numel() for p in policy.parameters())
+    )
+    vector_to_parameters(fresh, policy.parameters())  # new tensors, as a player's parameter load
+    collector.collect(policy, 120)
+    stored_log_probs_match(collector, policy)
+    collector.envs.close()
+
+
+def test_rollout_is_reproducible_and_the_switch_turns_it_off() -> None:
+    runs = []
+    for _ in range(2):
+        collector, policy = collector_and_policy()
+        torch.manual_seed(11)
+        collector.collect(policy, 0)
+        runs.append(collector.storage.clone())
+        collector.envs.close()
+    assert (runs[0] == runs[1]).all()
+    collector, policy = collector_and_policy("algo.numpy_rollout=false")
+    calls = []
+    sample = policy.sample
+    policy.sample = lambda *a, **k: calls.append(1) or sample(*a, **k)  # type: ignore[method-assign]
+    collector.collect(policy, 0)
+    assert len(calls) == 40
+    stored_log_probs_match(collector, policy)
+    collector.envs.close()
+
+
+def test_policies_without_a_numpy_twin_act_in_torch() -> None:
+    collector, policy = collector_and_policy("model.activation=elu")
+    calls = []
+    sample = policy.sample
+    policy.sample = lambda *a, **k: calls.append(1) or sample(*a, **k)  # type: ignore[method-assign]
+    collector.collect(policy, 0)
+    assert len(calls) == 40
+    stored_log_probs_match(collector, policy)
+    collector.envs.close()
