@@ -34,6 +34,8 @@ $(VENV)/.bench: $(STAMP)
 # Throughput and learning benchmarks (~70 min on 2 cores); figures land in benchmarks/results/.
 bench: $(VENV)/.bench
 	$(BIN)/python benchmarks/profile_split.py
+	$(BIN)/python benchmarks/numpy_rollout.py
+	$(BIN)/python benchmarks/pipelined_vs_sb3.py --rounds 5
 	$(BIN)/python benchmarks/cartpole_vs_sb3.py
 	$(BIN)/python benchmarks/cartpole_vs_sb3.py --sb3-threads 0 --name cartpole_vs_sb3_default_threads
 	$(BIN)/python benchmarks/decoupled_vs_coupled.py

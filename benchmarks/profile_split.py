@@ -2,7 +2,8 @@
 
 Builds the experiment's Fabric learner and rollout collector in this process (one torch thread), then
 times: whole iterations (collect vs update, as `ppo.main` runs them), with the vector-env steps and the
-policy steps (`ActorCritic.sample`) inside them timed by wrappers on those two calls; the same two calls
+policy steps (`ActorCritic.sample`, or `NumpyActor.sample` where `algo.numpy_rollout` applies) inside them
+timed by wrappers on those two calls; the same two calls
 alone, in a tight loop (they run faster there: the loop around them evicts their caches); inside the
 update, each phase of
 one minibatch step (forward, losses, zero_grad, backward, gradient clipping, optimizer step) on a real
@@ -32,6 +33,7 @@ from ppo_fabric.launch import build_fabric  # noqa: E402
 from ppo_fabric.learners import build_learners, policies_of, policy_specs  # noqa: E402
 from ppo_fabric.loss import entropy_loss, normalize, policy_loss, value_loss  # noqa: E402
 from ppo_fabric.multiagent import SINGLE  # noqa: E402
+from ppo_fabric.numpy_actor import NumpyActor, unsupported  # noqa: E402
 from ppo_fabric.preflight import load  # noqa: E402
 from ppo_fabric.rollout import build_collector, training_batches  # noqa: E402
 from ppo_fabric.update import update_policies  # noqa: E402
@@ -131,6 +133,8 @@ def main() -> None:
     envs, policy = collector.envs, policies[SINGLE]
     envs.step = timed(envs.step, in_loop, "env")  # instance attributes: this process's objects only
     policy.sample = timed(policy.sample, in_loop, "act")
+    numpy_sample = NumpyActor.sample
+    NumpyActor.sample = timed(numpy_sample, in_loop, "act")  # a new actor each rollout: the class's method
     collect_s = train_s = 0.0
     warmup = 3
     for it in range(warmup + args.iterations):
@@ -150,6 +154,7 @@ def main() -> None:
     per_step_train = train_s / (iters * steps_per_iter) * 1e6
 
     del envs.step, policy.sample  # back to the classes' methods
+    NumpyActor.sample = numpy_sample
     vector_steps = iters * rollout
     env_loop_us, act_loop_us = (in_loop[k] / vector_steps * 1e6 for k in ("env", "act"))
 
@@ -158,8 +163,13 @@ def main() -> None:
     actions = iter(rng.integers(0, envs.single_action_space.n, size=(args.repeats * 2 + 400, num_envs)))
     env_us = per_call_us(lambda: envs.step(next(actions)), args.repeats)
     obs = collector.storage["obs"][0].clone()
-    with torch.inference_mode():
-        act_us = per_call_us(lambda: policy.sample(obs, None), args.repeats)
+    if collector.numpy_rollout and unsupported(policy) is None:  # the actor the rollout used
+        actor, obs_np = NumpyActor(policy), obs.numpy()
+        noise = actor.noise(1, num_envs)[0]
+        act_us = per_call_us(lambda: actor.sample(obs_np, noise), args.repeats)
+    else:
+        with torch.inference_mode():
+            act_us = per_call_us(lambda: policy.sample(obs, None), args.repeats)
     other_collect_us = collect_s / vector_steps * 1e6 - env_loop_us - act_loop_us
 
     # inside the update: one minibatch step, phase by phase
