@@ -24,6 +24,7 @@ from lightning.fabric.plugins.precision import MixedPrecision
 from lightning.fabric.strategies import DDPStrategy
 from lightning.fabric.utilities.seed import seed_everything
 from omegaconf import DictConfig
+from threadpoolctl import threadpool_limits
 from torch.nn.parallel import DistributedDataParallel
 
 from ppo_fabric.accel import set_cuda_math
@@ -157,12 +158,20 @@ def environment_variable(name: str, value: str) -> Iterator[None]:
             os.environ[name] = before
 
 
+def set_threads(threads: int) -> None:
+    """`torch_threads` for torch's intra-op pool and for NumPy's BLAS, which the NumPy rollout actor calls:
+    OpenBLAS would otherwise give a large actor's matmuls (256 x 256 and up) a thread per core in every
+    process, and processes sharing a node would oversubscribe its cores."""
+    torch.set_num_threads(threads)
+    threadpool_limits(threads, user_api="blas")
+
+
 def launch(
     cfg: DictConfig, run_dir_template: str, facts: dict[str, Any], main: StrategyMain
 ) -> dict[str, Any]:
     """Start the processes and run `main` on each; returns this rank's summary."""
     if int(cfg.torch_threads) > 0:
-        torch.set_num_threads(int(cfg.torch_threads))
+        set_threads(int(cfg.torch_threads))
     fabric = build_fabric(cfg, facts["world_size"])
     set_cuda_math(bool(cfg.fabric.get("tf32", True)))  # process-wide; a no-op without CUDA
     if not under_fabric_run():  # under `fabric run` the processes exist and are set up already
