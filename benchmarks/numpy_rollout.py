@@ -11,11 +11,18 @@ Two parts, in one process, one torch thread, variants alternated `--repeats` tim
 
 Writes benchmarks/results/numpy_rollout.{json,md}.
 
+`--learning`: whether it learns alike. `exp=fast` (500k steps) trained once per seed with `algo.numpy_rollout`
+true and false, each in a fresh process, alternating: final mean return (last 20 episodes), the first step
+with a 20-episode mean >= 475, SPS. The two actors draw their random numbers differently, so each
+seed's run differs; what should match is how often and how far they learn. Writes numpy_rollout_learning.*.
+
     .venv/bin/python benchmarks/numpy_rollout.py [--repeats 5]
+    .venv/bin/python benchmarks/numpy_rollout.py --learning [--seeds 10]
 """
 
 from __future__ import annotations
 
+import json
 import statistics
 import sys
 import time
@@ -100,11 +107,54 @@ def collect_us(exp: str, numpy_rollout: bool, rollouts: int) -> float:
     return elapsed / (rollouts * collector.storage.batch_size[0]) * 1e6
 
 
+def learning(seeds: int, out: Path) -> None:
+    runs = []
+    for seed in range(1, seeds + 1):
+        for numpy_rollout in (True, False) if seed % 2 else (False, True):
+            flag = str(numpy_rollout).lower()
+            summary = common.run_once(["exp=fast", f"seed={seed}", f"algo.numpy_rollout={flag}"])
+            run = {"seed": seed, "numpy_rollout": numpy_rollout, "sps": float(summary["sps"]),
+                   "final_mean_return": float(summary["final_mean_return"]),
+                   "solved_step": summary["solved_step"]}  # fmt: skip
+            runs.append(run)
+            print(json.dumps(run), flush=True)
+    m = common.machine()
+
+    def count(flag: bool, threshold: float) -> int:
+        return sum(r["final_mean_return"] >= threshold for r in runs if r["numpy_rollout"] is flag)
+
+    lines = [
+        "# NumPy rollout actor vs torch actor: learning (`exp=fast`, 500k steps)",
+        "",
+        f"Machine: {m['cpu']}, {m['cores']} cores, torch {m['torch']}; commit {common.git_commit()}; each run in "
+        "a fresh process, one at a time, alternating.",
+        f"Command: `{common.command_line(__file__)}`",
+        "",
+        "| seed | numpy_rollout | final mean return | first step with mean20 >= 475 | SPS |",
+        "|---:|---|---:|---:|---:|",
+        *(
+            f"| {r['seed']} | {str(r['numpy_rollout']).lower()} | {r['final_mean_return']:.1f} | "
+            f"{r['solved_step'] if r['solved_step'] is not None else 'never'} | {r['sps']:,.0f} |"
+            for r in runs
+        ),
+        "",
+        f"Final mean return 500 (>= 475): NumPy actor {count(True, 500)} ({count(True, 475)}) of {seeds} seeds, "
+        f"torch actor {count(False, 500)} ({count(False, 475)}) of {seeds}.",
+        "",
+    ]
+    common.write_report(out, "numpy_rollout_learning", {"machine": m, "runs": runs}, "\n".join(lines))
+
+
 def main() -> None:
     p = common.argument_parser(__doc__)
     p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--learning", action="store_true", help="train exp=fast per seed with each actor")
+    p.add_argument("--seeds", type=int, default=10, help="--learning: seeds 1..N")
     p.add_argument("--out", type=Path, default=RESULTS)
     args = p.parse_args()
+    if args.learning:
+        learning(args.seeds, args.out)
+        return
     torch.set_num_threads(1)
     whys: list[dict[str, float]] = []
     collects: dict[str, list[float]] = {}
