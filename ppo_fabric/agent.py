@@ -232,10 +232,12 @@ class CategoricalHead(nn.Module):
     a mask nothing of this runs.
     """
 
-    def __init__(self, in_dim: int, nvec: Sequence[int]) -> None:
+    def __init__(self, in_dim: int, nvec: Sequence[int], multi: bool | None = None) -> None:
         super().__init__()
         self.nvec = [int(n) for n in nvec]
-        self.multi = len(self.nvec) > 1
+        # MultiDiscrete actions are [B, dims] even with one dimension (MultiDiscrete([n])): its env takes
+        # and its storage holds arrays of that shape, so `multi` follows the space, not len(nvec)
+        self.multi = len(self.nvec) > 1 if multi is None else multi
         self.linear = layer_init(nn.Linear(in_dim, sum(self.nvec)), gain=0.01)
 
     def _split(self, logits: Tensor) -> list[Tensor]:
@@ -338,12 +340,19 @@ class GaussianHead(nn.Module):
 
 
 def build_head(in_dim: int, space: gym.Space) -> nn.Module:
+    if isinstance(space, gym.spaces.Discrete | gym.spaces.MultiDiscrete) and np.any(space.start != 0):
+        # the heads sample 0..n-1 and the rollout hands them to the env as they are: a shifted space
+        # would get actions outside it (or silently the wrong ones), so it is refused here
+        raise ValueError(
+            f"action space {space} starts at {space.start.tolist()}: only spaces starting at 0 are "
+            "supported; wrap the env to shift its actions (gymnasium.wrappers.TransformAction)"
+        )
     if isinstance(space, gym.spaces.Discrete):
         return CategoricalHead(in_dim, [int(space.n)])
     if isinstance(space, gym.spaces.MultiDiscrete):
         if space.nvec.ndim != 1:
             raise ValueError("MultiDiscrete action spaces must be one-dimensional")
-        return CategoricalHead(in_dim, space.nvec.tolist())
+        return CategoricalHead(in_dim, space.nvec.tolist(), multi=True)
     if isinstance(space, gym.spaces.Box) and len(space.shape) == 1:
         return GaussianHead(in_dim, int(space.shape[0]))
     raise ValueError(f"action space {space} is not supported: use Discrete, MultiDiscrete or a 1-D Box")

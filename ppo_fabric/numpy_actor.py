@@ -89,10 +89,12 @@ class NumpyActor:
             self.std = np.exp(self.log_std)
             self.width = int(self.log_std.shape[0])
             self.parts: list[tuple[int, int]] = []
+            self.multi = False
         else:
             w, b = _weight_bias(head.linear)
             bounds = np.cumsum([0, *head.nvec])
             self.parts = [(int(lo), int(hi)) for lo, hi in zip(bounds[:-1], bounds[1:], strict=True)]
+            self.multi = head.multi  # MultiDiscrete: actions [R, dims], also for a single dimension
             self.width = int(bounds[-1])
         self.out = (_view(w).T, _view(b))
 
@@ -121,7 +123,7 @@ class NumpyActor:
             actions = out + self.std * noise
             z = (actions - out) * self.inv_std
             return actions, (-0.5 * z * z - self.log_std - _LOG_SQRT_2PI).sum(-1)
-        if len(self.parts) == 1:
+        if not self.multi:
             return _categorical(out, noise)
         picks = [_categorical(out[:, lo:hi], noise[:, lo:hi]) for lo, hi in self.parts]
         return np.stack([a for a, _ in picks], -1), np.sum([lp for _, lp in picks], 0)

@@ -215,6 +215,7 @@ def test_gaussian_policy_init() -> None:
     [
         (gym.spaces.Discrete(3), ()),
         (gym.spaces.MultiDiscrete([3, 2, 4]), (3,)),
+        (gym.spaces.MultiDiscrete([3]), (1,)),
         (gym.spaces.Box(-2.0, 2.0, (2,), np.float32), (2,)),
     ],
 )

@@ -12,10 +12,11 @@ from omegaconf import OmegaConf
 from torch.nn.utils import parameters_to_vector, vector_to_parameters
 
 from ppo_fabric.agent import ActorCritic
-from ppo_fabric.config import compose
+from ppo_fabric.config import ConfigError, compose
 from ppo_fabric.learners import policy_specs
 from ppo_fabric.multiagent import SINGLE
 from ppo_fabric.numpy_actor import NumpyActor, unsupported
+from ppo_fabric.preflight import check
 from ppo_fabric.rollout import build_collector
 
 
@@ -44,6 +45,9 @@ CASES = {
     ),
     "gaussian": (gym.spaces.Box(-5, 5, (5,), np.float32), gym.spaces.Box(-1, 1, (2,), np.float32), {}),
     "uint8-obs-mlp": (gym.spaces.Box(0, 255, (3, 4), np.uint8), gym.spaces.Discrete(4), {"encoder": "mlp"}),
+    # one action dimension: still [R, 1] actions, as the space and the storage have them
+    "multidiscrete-one-dim": (BOX4, gym.spaces.MultiDiscrete([4]), {"activation": "relu"}),
+    "no-hidden-layer": (BOX4, gym.spaces.Discrete(3), {"actor_hidden": [], "activation": "relu"}),
 }
 
 
@@ -188,3 +192,110 @@ def test_policies_without_a_numpy_twin_act_in_torch() -> None:
     assert len(calls) == 40
     stored_log_probs_match(collector, policy)
     collector.envs.close()
+
+
+class _OneDimMultiDiscrete(gym.Env):
+    """MultiDiscrete([3]) actions, which the env checks against its space (a shape-[] action fails)."""
+
+    def __init__(self) -> None:
+        self.observation_space = gym.spaces.Box(-1, 1, (2,), np.float32)
+        self.action_space = gym.spaces.MultiDiscrete([3])
+        self.steps = 0
+
+    def reset(self, *, seed: int | None = None, options: dict | None = None) -> tuple[np.ndarray, dict]:
+        super().reset(seed=seed)
+        self.steps = 0
+        return self.observation_space.sample(), {}
+
+    def step(self, action: Any) -> tuple[np.ndarray, float, bool, bool, dict]:
+        assert self.action_space.contains(np.asarray(action)), action
+        self.steps += 1
+        return self.observation_space.sample(), float(action[0] == 2), self.steps >= 5, False, {}
+
+
+class _ShiftedDiscrete(_OneDimMultiDiscrete):
+    def __init__(self) -> None:
+        super().__init__()
+        self.action_space = gym.spaces.Discrete(3, start=1)
+
+
+for _id, _env in {
+    "OneDimMultiDiscrete-v0": _OneDimMultiDiscrete,
+    "ShiftedDiscrete-v0": _ShiftedDiscrete,
+}.items():
+    if _id not in gym.registry:
+        gym.register(id=_id, entry_point=_env)
+
+
+@pytest.mark.parametrize("numpy_rollout", ["true", "false"])
+def test_one_dimensional_multidiscrete_rollout(numpy_rollout: str) -> None:
+    """MultiDiscrete([3]): both actors hand the env [1]-shaped actions and store them as [T, E, 1]."""
+    cfg, _ = compose(
+        ["env=gym", "env.id=OneDimMultiDiscrete-v0", "env.num_envs=2", "algo.rollout_steps=8",
+         f"algo.numpy_rollout={numpy_rollout}"]
+    )  # fmt: skip
+    specs = policy_specs(cfg)
+    policy = ActorCritic(specs[SINGLE].obs_space, specs[SINGLE].action_space, cfg.model)
+    collector = build_collector(cfg, specs, 0, "cpu", None)
+    assert collector.collect(policy, 0) == 16
+    assert collector.storage["actions"].shape == (8, 2, 1)
+    stored_log_probs_match(collector, policy)
+    collector.envs.close()
+
+
+@pytest.mark.parametrize(
+    "space", [gym.spaces.Discrete(3, start=1), gym.spaces.MultiDiscrete([2, 3], start=[0, -1])]
+)
+def test_shifted_discrete_spaces_are_refused(space: gym.Space) -> None:
+    """Both actors sample 0..n-1 and the env gets them as they are: a space starting elsewhere would get
+    actions outside it, so the model refuses it (preflight turns this into a ConfigError)."""
+    with pytest.raises(ValueError, match="starts at"):
+        ActorCritic(BOX4, space, model_cfg())
+
+
+def test_shifted_discrete_env_is_a_config_error() -> None:
+    cfg, _ = compose(["env=gym", "env.id=ShiftedDiscrete-v0"])
+    with pytest.raises(ConfigError, match=r"Discrete\(3, start=1\) starts at 1: .*TransformAction"):
+        check(cfg)
+
+
+# ------------------------------------------------------------------------------------------ multi-agent
+# matching_v0 with agents leaving early (agent_i after 8 - i steps): agent_1 and agent_2 leave, so the
+# second policy's storage holds rows of departed agents
+TWO_POLICIES = [
+    "env=pettingzoo",
+    "+env.kwargs.leave_early=true",
+    "multiagent.policies={first:{},rest:{model:{actor_hidden:[32],activation:relu}}}",
+    "multiagent.policy_mapping={agent_0:first,agent_*:rest}",
+    "env.num_envs=2",
+    "algo.rollout_steps=24",
+]
+
+
+def test_multiagent_groups_act_through_numpy_with_their_own_policies() -> None:
+    """Two policies of different widths and activations: each group acts through its own NumPy actor (the
+    torch actors are never called), every row's stored log-prob is its policy's for the stored action,
+    rows of agents that left included (their transitions are masked, not missing), and the draws come
+    from torch's generator: a reseeded second collector stores the same rollout."""
+    stores = []
+    for _ in range(2):
+        cfg, _ = compose(TWO_POLICIES)
+        specs = policy_specs(cfg)
+        torch.manual_seed(0)
+        policies = {n: sharp_policy(s.obs_space, s.action_space, 0, **s.model) for n, s in specs.items()}
+        for policy in policies.values():
+            policy.sample = lambda *a, **k: pytest.fail("torch actor called")  # type: ignore[method-assign]
+        collector = build_collector(cfg, specs, 0, "cpu", None)
+        torch.manual_seed(3)
+        collector.collect(policies, 0)
+        for name, policy in policies.items():
+            s = collector.storages[name]
+            with torch.no_grad():
+                logp, _, _ = policy(s["obs"].flatten(0, 1), s["actions"].flatten(0, 1))
+            torch.testing.assert_close(s["logprobs"].flatten(), logp, rtol=1e-5, atol=1e-5)
+            assert len(s["actions"].unique()) > 1
+        assert (~collector.storages["rest"]["mask"]).any(), "agents must leave"
+        stores.append({n: s.clone() for n, s in collector.storages.items()})
+        collector.envs.close()
+    for name in stores[0]:
+        assert (stores[0][name] == stores[1][name]).all()
