@@ -131,9 +131,11 @@ class NumpyActor:
 
 def _categorical(logits: np.ndarray, gumbel: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Gumbel-max: argmax(logits + Gumbel) is a sample of softmax(logits); its log-prob is the chosen
-    logit minus the log-sum-exp (shifted by the row's max so exp cannot overflow)."""
-    actions = (logits + gumbel).argmax(-1)
-    top = logits.max(-1, keepdims=True)
-    lse = np.log(np.exp(logits - top).sum(-1)) + top[:, 0]
-    chosen = np.take_along_axis(logits, actions[:, None], -1)[:, 0]
-    return actions, chosen - lse
+    logit minus the log-sum-exp. Both use the logits shifted by the row's max (torch's actor samples and
+    scores log_softmax, likewise shifted): exp cannot overflow, the small log-sum is not rounded to the
+    float32 spacing of a large max (~2e-3 at 3e4), and neither is the noise (at 1e38 it vanished and
+    two equal logits always gave the first action)."""
+    shifted = logits - logits.max(-1, keepdims=True)
+    actions = (shifted + gumbel).argmax(-1)
+    chosen = np.take_along_axis(shifted, actions[:, None], -1)[:, 0]
+    return actions, chosen - np.log(np.exp(shifted).sum(-1))

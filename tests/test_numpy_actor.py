@@ -92,6 +92,25 @@ def test_gumbel_max_samples_follow_the_softmax() -> None:
     assert np.all(np.abs(counts / n - probs) < 4 * se), (counts / n, probs)
 
 
+@pytest.mark.parametrize(
+    "bias", [[3e4, 3e4 + 1.25, 3e4 - 2], [-3e4, -3e4 + 1.25, -3e4 - 2], [1e38, 1e38, -1e38]]
+)
+def test_log_probs_of_huge_logits_are_torchs(bias: list[float]) -> None:
+    """Logits far from 0 (a diverging policy): the log-probs stay finite and within float32 rounding of
+    the shifted values torch's log_softmax gives (not rounded to the spacing of the logits themselves)."""
+    policy = sharp_policy(BOX4, gym.spaces.Discrete(3), seed=4)
+    with torch.no_grad():
+        policy.head.linear.weight.zero_()
+        policy.head.linear.bias.copy_(torch.tensor(bias))
+    actor = NumpyActor(policy)
+    obs = random_obs(BOX4, 256)
+    actions, logp = actor.sample(obs, actor.noise(1, 256)[0])
+    with torch.no_grad():
+        expected, _, _ = policy(torch.from_numpy(obs), torch.from_numpy(actions))
+    assert np.isfinite(logp).all() and {0, 1} <= set(actions.tolist())
+    np.testing.assert_allclose(logp, expected.numpy(), rtol=0, atol=1e-6)
+
+
 def test_gaussian_actions_are_mean_plus_std_times_the_draw() -> None:
     obs_space, action_space, model = CASES["gaussian"]
     policy = sharp_policy(obs_space, action_space, seed=3, **model)
