@@ -318,3 +318,18 @@ def test_multiagent_groups_act_through_numpy_with_their_own_policies() -> None:
         collector.envs.close()
     for name in stores[0]:
         assert (stores[0][name] == stores[1][name]).all()
+
+
+def test_a_coupled_run_acts_through_numpy(tmp_path: Any, monkeypatch: Any) -> None:
+    """Through `ppo_fabric.run` (the model Fabric wraps, the optimizer stepping it in place) every rollout
+    step acts through NumPy: the policy the loop hands the collector is the bare ActorCritic."""
+    import ppo_fabric
+
+    calls = []
+    sample = NumpyActor.sample
+    monkeypatch.setattr(NumpyActor, "sample", lambda self, *a: calls.append(1) or sample(self, *a))
+    summary = ppo_fabric.run(
+        ["env.num_envs=2", "algo.rollout_steps=16", "algo.minibatch_size=16", "algo.total_steps=128",
+         "logger=none", f"hydra.run.dir={tmp_path}"]
+    )  # fmt: skip
+    assert summary["total_env_steps"] == 128 and len(calls) == 64
