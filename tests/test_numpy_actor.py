@@ -64,7 +64,11 @@ def test_log_probs_equal_the_torch_policys(case: str) -> None:
     assert unsupported(policy) is None
     actor = NumpyActor(policy)
     obs = random_obs(obs_space, 64)
+    obs_before, params_before = obs.copy(), [p.detach().clone() for p in policy.parameters()]
     actions, logp = actor.sample(obs, actor.noise(1, 64)[0])
+    # relu runs in place: on the layer's own output, never on the observations or a parameter view
+    assert np.array_equal(obs, obs_before)
+    assert all(torch.equal(a, b) for a, b in zip(policy.parameters(), params_before, strict=True))
     assert logp.dtype == np.float32 and logp.shape == (64,)
     assert actions.shape == (64, *action_space.shape)
     with torch.no_grad():
