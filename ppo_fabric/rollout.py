@@ -240,7 +240,7 @@ class RolloutCollector:
         masks = [g.next_mask for g in groups]  # envs with action masks: the mask of each obs
         actors = [self._numpy_actor(g, policy) for g, policy in zip(groups, acting, strict=True)]
         noises = [
-            None if a is None else a.noise(num_steps, g.storage.batch_size[1])
+            None if a is None else a.noise_steps(num_steps, g.storage.batch_size[1])
             for g, a in zip(groups, actors, strict=True)
         ]
         for t in range(num_steps):
@@ -248,7 +248,7 @@ class RolloutCollector:
             for i, (g, policy) in enumerate(zip(groups, acting, strict=True)):
                 actor = actors[i]
                 if actor is not None:  # NumPy acts: written straight into the storage (on the CPU)
-                    env_action, g.host_logprobs[t] = actor.sample(g.host["obs"][t], noises[i][t])
+                    env_action, g.host_logprobs[t] = actor.sample(g.host["obs"][t], next(noises[i]))
                     g.host_actions[t] = env_action
                     next_states.append(None)
                 else:

@@ -138,6 +138,28 @@ def test_noise_comes_from_torchs_generator() -> None:
     assert first.shape == (5, 4, 3) and not np.array_equal(first, actor.noise(5, 4))
 
 
+def test_noise_is_drawn_in_bounded_blocks(monkeypatch: Any) -> None:
+    """A rollout's noise comes in blocks of at most NOISE_FLOATS draws (its memory does not grow with
+    T x rows x actions), one step at a time, the same draws whatever the block size while one block holds
+    the whole rollout, and reproducible from torch's seed when it does not."""
+    actor = NumpyActor(sharp_policy(BOX4, gym.spaces.Discrete(3), seed=0))
+    sizes = []
+    noise = actor.noise
+    monkeypatch.setattr(actor, "noise", lambda *a: sizes.append(a) or noise(*a))
+    torch.manual_seed(7)
+    whole = list(actor.noise_steps(10, 4))
+    assert sizes == [(10, 4)]
+    torch.manual_seed(7)
+    np.testing.assert_array_equal(np.stack(whole), noise(10, 4))
+    monkeypatch.setattr(NumpyActor, "NOISE_FLOATS", 30)  # 2 steps of 4 rows x 3 actions per block
+    sizes.clear()
+    torch.manual_seed(7)
+    blocks = list(actor.noise_steps(5, 4))
+    assert sizes == [(2, 4), (2, 4), (1, 4)] and [b.shape for b in blocks] == [(4, 3)] * 5
+    torch.manual_seed(7)
+    np.testing.assert_array_equal(np.stack(blocks), np.stack(list(actor.noise_steps(5, 4))))
+
+
 def test_policies_numpy_cannot_mirror_are_named() -> None:
     lstm = {"lstm": {"hidden_size": 8, "num_layers": 1}}
     image = gym.spaces.Box(0, 255, (4, 36, 36), np.uint8)
@@ -187,15 +209,20 @@ def test_rollout_acts_through_numpy_and_stores_what_the_update_recomputes(monkey
     collector.envs.close()
 
 
-def test_rollout_is_reproducible_and_the_switch_turns_it_off() -> None:
+def test_rollout_is_reproducible_and_the_switch_turns_it_off(monkeypatch: Any) -> None:
+    """Reproducible from torch's seed, also when the noise comes in several blocks (a 40-step rollout of 3
+    envs in blocks of 3 steps), whose actions still carry their own log-probs."""
     runs = []
-    for _ in range(2):
+    for floats in (NumpyActor.NOISE_FLOATS, NumpyActor.NOISE_FLOATS, 18, 18):
+        monkeypatch.setattr(NumpyActor, "NOISE_FLOATS", floats)
         collector, policy = collector_and_policy()
         torch.manual_seed(11)
         collector.collect(policy, 0)
+        stored_log_probs_match(collector, policy)
         runs.append(collector.storage.clone())
         collector.envs.close()
-    assert (runs[0] == runs[1]).all()
+    assert (runs[0] == runs[1]).all() and (runs[2] == runs[3]).all()
+    monkeypatch.undo()
     collector, policy = collector_and_policy("algo.numpy_rollout=false")
     calls = []
     sample = policy.sample
