@@ -350,7 +350,9 @@ class RolloutCollector:
     def _numpy_actor(self, g: Group, policy: ActorCritic) -> NumpyActor | None:
         """The group's NumPy actor for this rollout, where its rows act plainly: every row at every step,
         no action mask, no self-play opponents, observations in one host array that is the CPU storage."""
-        plain = not (self.asynchronous or self._staged or g.next_mask is not None or self.selfplay)
+        plain = not (
+            self.asynchronous or self._staged or g.next_mask is not None or self.selfplay is not None
+        )
         if not (self.numpy_rollout and plain and isinstance(g.host["obs"], np.ndarray)):
             return None
         if unsupported(policy) is not None:
