@@ -1,9 +1,9 @@
 """The rollout's actions on the CPU, sampled with NumPy from the policy's own parameters.
 
 Why: a CPU rollout step over a few envs is bound by per-call overheads, not arithmetic. On a 2-core AMD EPYC
-(CartPole, 4 envs, the CleanRL 64x64 tanh actor) the torch actor takes ~31 us a step alone and gymnasium's
-vector step ~52 us alone, but ~135 us when the two alternate, as they do in a rollout: torch's dispatcher and
-gymnasium's Python evict each other from the caches. The same actor in NumPy takes ~20 us alone and ~80 us
+(CartPole, 4 envs, the CleanRL 64x64 tanh actor) the torch actor takes ~36 us a step alone and gymnasium's
+vector step ~52 us alone, but ~146 us when the two alternate, as they do in a rollout: torch's dispatcher and
+gymnasium's Python evict each other from the caches. The same actor in NumPy takes ~18 us alone and ~82 us
 alternating with gymnasium, whose own code is NumPy (`benchmarks/numpy_rollout.py`). So a feed-forward MLP
 policy on the CPU acts through this class: the same arithmetic as `ActorCritic.sample`, on NumPy views of the
 same parameter tensors (no copies to keep in sync), while the values, GAE and every loss stay in torch.
@@ -15,7 +15,7 @@ The random draws come from torch's generator, one call per rollout (`noise`; a f
 
 from __future__ import annotations
 
-import math
+import itertools
 from collections.abc import Callable, Iterator
 
 import numpy as np
@@ -23,14 +23,13 @@ import torch
 from torch import nn
 
 from ppo_fabric.agent import (
+    _LOG_SQRT_2PI,
     ActorCritic,
     CategoricalHead,
     FlattenEncoder,
     GaussianHead,
     _weight_bias,
 )
-
-_LOG_SQRT_2PI = np.float32(0.5 * math.log(2 * math.pi))
 
 
 def _relu(x: np.ndarray) -> np.ndarray:
@@ -57,10 +56,7 @@ def unsupported(policy: nn.Module) -> str | None:
         return "activation without a NumPy twin"
     if not isinstance(policy.head, CategoricalHead | GaussianHead):
         return f"head {type(policy.head).__name__}"
-    for p in policy.actor_body.parameters():
-        if p.device.type != "cpu" or p.dtype != torch.float32:
-            return f"parameters are {p.dtype} on {p.device}"
-    for p in policy.head.parameters():
+    for p in itertools.chain(policy.actor_body.parameters(), policy.head.parameters()):
         if p.device.type != "cpu" or p.dtype != torch.float32:
             return f"parameters are {p.dtype} on {p.device}"
     return None
@@ -134,7 +130,7 @@ class NumpyActor:
         if self.gaussian:
             actions = out + self.std * noise
             z = (actions - out) * self.inv_std
-            return actions, (-0.5 * z * z - self.log_std - _LOG_SQRT_2PI).sum(-1)
+            return actions, (-0.5 * z * z - self.log_std - np.float32(_LOG_SQRT_2PI)).sum(-1)
         if not self.multi:
             return _categorical(out, noise)
         picks = [_categorical(out[:, lo:hi], noise[:, lo:hi]) for lo, hi in self.parts]

@@ -223,18 +223,16 @@ def test_rollout_is_reproducible_and_the_switch_turns_it_off(monkeypatch: Any) -
         collector.envs.close()
     assert (runs[0] == runs[1]).all() and (runs[2] == runs[3]).all()
     monkeypatch.undo()
-    collector, policy = collector_and_policy("algo.numpy_rollout=false")
-    calls = []
-    sample = policy.sample
-    policy.sample = lambda *a, **k: calls.append(1) or sample(*a, **k)  # type: ignore[method-assign]
-    collector.collect(policy, 0)
-    assert len(calls) == 40
-    stored_log_probs_match(collector, policy)
-    collector.envs.close()
+    assert_acts_in_torch("algo.numpy_rollout=false")
 
 
 def test_policies_without_a_numpy_twin_act_in_torch() -> None:
-    collector, policy = collector_and_policy("model.activation=elu")
+    assert_acts_in_torch("model.activation=elu")
+
+
+def assert_acts_in_torch(override: str) -> None:
+    """Every one of the 40 rollout steps calls the torch actor, and the stored log-probs are its own."""
+    collector, policy = collector_and_policy(override)
     calls = []
     sample = policy.sample
     policy.sample = lambda *a, **k: calls.append(1) or sample(*a, **k)  # type: ignore[method-assign]
