@@ -73,9 +73,20 @@ def first_step_at(metrics_csv: Path, key: str, threshold: float) -> int | None:
     return None
 
 
-def run_once(overrides: list[str], solved_return: float = 475.0) -> dict[str, Any]:
+def learning_curve(metrics_csv: Path, key: str = "rollout/return_mean20") -> list[list[float]]:
+    """[env step, `time/wall_s`, `key`] of every logged update that has `key`."""
+    with metrics_csv.open(newline="") as fh:
+        return [
+            [int(row["step"]), float(row["time/wall_s"]), float(row[key])]
+            for row in csv.DictReader(fh)
+            if row.get(key)
+        ]
+
+
+def run_once(overrides: list[str], solved_return: float = 475.0, curve: bool = False) -> dict[str, Any]:
     """Train in a fresh process (as a user would launch it) and return its summary.json, plus the env
-    step at which the mean of the last 20 episodes first reached `solved_return`."""
+    step at which the mean of the last 20 episodes first reached `solved_return` and, with `curve`, the
+    learning curve (`learning_curve`)."""
     with tempfile.TemporaryDirectory() as tmp:
         run_dir = Path(tmp) / "run"
         cmd = [
@@ -93,4 +104,6 @@ def run_once(overrides: list[str], solved_return: float = 475.0) -> dict[str, An
         summary["solved_step"] = first_step_at(
             run_dir / "metrics.csv", "rollout/return_mean20", solved_return
         )
+        if curve:
+            summary["curve"] = learning_curve(run_dir / "metrics.csv")
         return summary

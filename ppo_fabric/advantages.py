@@ -77,3 +77,32 @@ def compute_advantages(storage: TensorDict, next_value: Tensor, gamma: float, ga
     )
     storage["advantages"].copy_(adv)
     storage["returns"].copy_(ret)
+
+
+def refresh_advantages(
+    advantages: Tensor,
+    old_values: Tensor,
+    new_values: Tensor,
+    ends: Tensor,
+    gamma: float,
+    gae_lambda: float,
+) -> tuple[Tensor, Tensor]:
+    """GAE advantages and returns of a [T, E] rollout recomputed for a newer critic, from those an older one
+    gave, without the rewards: each step's TD error changes by gamma * dV(next step) - dV(step) with
+    dV = new - old, and GAE is linear in the TD errors, so the new advantages are the old ones plus the
+    GAE of those changes (`gae` itself, over zero values).
+
+    `ends` [T, E]: steps after which nothing carries over: episode ends, and the last step of a piece of
+    rollout whose continuation is elsewhere (another trainer's shard, the next rollout). Their bootstrap
+    values (V(final observation) at a time limit, V(next observation) after the rollout) stay the old
+    critic's, and so does the advantage a cut step carries from its continuation.
+    """
+    dv = new_values - old_values
+    next_dv = torch.cat((dv[1:], torch.zeros_like(dv[:1])), 0)
+    keep = (~ends).to(dv.dtype)
+    change = gamma * keep * next_dv - dv
+    zeros = torch.zeros_like(dv)
+    no = torch.zeros_like(ends)
+    delta, _ = gae(change, zeros, ends, no, zeros, zeros[0], gamma, gae_lambda)
+    refreshed = advantages + delta
+    return refreshed, refreshed + new_values

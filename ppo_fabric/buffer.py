@@ -11,6 +11,9 @@ from tensordict import TensorDict
 from ppo_fabric.agent import action_shape_dtype, obs_storage_dtype
 
 TRAIN_KEYS = ("obs", "actions", "logprobs", "values", "advantages", "returns")
+# Feed-forward batches also carry where episodes ended, so a learner whose critic is newer than the one
+# that computed the advantages (the decoupled pipeline) can refresh them (`advantages.refresh_advantages`).
+END_KEYS = ("terminated", "truncated")
 STATE_KEY = ("extras", "state")  # the recurrent state each step started from: [T, E, 2, layers, hidden]
 
 
@@ -79,7 +82,7 @@ def training_batch(storage: TensorDict, seq_len: int = 1) -> TensorDict:
     present = storage.keys()
     keys = [*TRAIN_KEYS, *(k for k in ("mask", "action_mask") if k in present)]
     if STATE_KEY not in storage.keys(include_nested=True):
-        return storage.select(*keys).reshape(-1)
+        return storage.select(*keys, *END_KEYS).reshape(-1)
     steps, num_envs = storage.batch_size
     if steps % seq_len:
         raise ValueError(f"rollout_steps={steps} is not a multiple of model.lstm.seq_len={seq_len}")

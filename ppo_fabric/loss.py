@@ -26,12 +26,33 @@ def policy_loss(
     advantages: Tensor,
     clip_coef: float,
     mask: Tensor | None = None,
+    weights: Tensor | None = None,
 ) -> Tensor:
-    """Clipped surrogate objective, negated so that it is minimised."""
+    """Clipped surrogate objective, negated so that it is minimised.
+
+    `old_logprobs` are those of the policy the clip range is centred on. Plain PPO centres it on the
+    behaviour policy that collected the batch. The decoupled objective (Hilton, Cobbe and Schulman 2021)
+    centres it on a proximal policy (the learner's parameters when the update started) and multiplies each
+    step's term by `weights`, the (truncated) importance ratio proximal / behaviour, so a batch collected by
+    an older policy still moves the learner by a trust region around where it is now.
+    """
     ratio = (new_logprobs - old_logprobs).exp()
     surrogate = advantages * ratio
     clipped = advantages * torch.clamp(ratio, 1 - clip_coef, 1 + clip_coef)
-    return -masked_mean(torch.min(surrogate, clipped), mask)
+    objective = torch.min(surrogate, clipped)
+    if weights is not None:
+        objective = objective * weights
+    return -masked_mean(objective, mask)
+
+
+def importance_weights(
+    proximal_logprobs: Tensor, behaviour_logprobs: Tensor, max_weight: float
+) -> tuple[Tensor, Tensor]:
+    """The decoupled objective's per-step weights: pi_proximal / pi_behaviour truncated at `max_weight`
+    (V-trace's rho-bar: a step the learner now favours far more than its collector did cannot dominate a
+    minibatch), and which steps the truncation cut."""
+    ratio = (proximal_logprobs - behaviour_logprobs).exp()
+    return ratio.clamp(max=max_weight), ratio > max_weight
 
 
 def value_loss(

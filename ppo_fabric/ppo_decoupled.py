@@ -5,9 +5,11 @@ same rollout loop, storage and GAE as the coupled strategy; trainers the same up
 messages between them, in order, are the methods of `protocol.PlayerLink` and `protocol.TrainerLink`.
 
 With `algo.pipeline=true` a player collects rollout k+1 with the parameters it has while the trainers
-learn from rollout k, then loads the new parameters before sending: the policy lag is one update, which
-PPO tolerates because its ratio uses the stored behaviour log-probabilities. The lag is measured (each
-batch carries the parameter version it was collected with) and logged as `train/policy_lag`.
+learn from rollout k, then loads the new parameters before sending: the policy lag is one update. The lag
+is measured (each batch carries the parameter version it was collected with) and logged as
+`train/policy_lag`. A lagged batch's advantages are recomputed with the trainers' current critic, and
+it is learnt with the decoupled PPO objective, which centres the clip range on the trainers' parameters
+rather than on the older ones that collected it (`update.lagged_batch`, `algo.lag_*`).
 
 Every process is launched on the CPU (gloo); `placement.role_map` says which ranks play, and each role then
 takes its device (`algo.trainer_device`, `algo.player_device`): CPU players can feed GPU trainers.
@@ -64,12 +66,12 @@ from ppo_fabric.protocol import (
 )
 from ppo_fabric.rollout import build_collector, policy_storage
 from ppo_fabric.session import RunSession, collector_state, end_of_run, episode_metrics, resume_collector
-from ppo_fabric.update import TRAIN_METRICS, update_policies
+from ppo_fabric.update import LAG_METRICS, TRAIN_METRICS, update_policies
 
 
 def metric_names(specs: dict[str, PolicySpec]) -> list[str]:
     """What the first trainer appends to the parameters after each update (averaged over trainers)."""
-    names = [metric_name(n, k) for n in trained(specs) for k in (*TRAIN_METRICS, "train/lr")]
+    names = [metric_name(n, k) for n in trained(specs) for k in (*TRAIN_METRICS, *LAG_METRICS, "train/lr")]
     return [*names, "train/policy_lag", "time/trainer_sps", "time/train_s"]
 
 
@@ -293,6 +295,8 @@ def trainer(
     link = TrainerLink(topo, codecs_for(specs, templates, len(topo.trainers)), fabric.device)
     names = metric_names(specs)
     rank_minibatch = training_layout(cfg, fabric.world_size).rank_minibatch
+    # each trainer's batch: per player, a time-major piece of its rollout, rows of `envs` steps
+    layouts = {n: (len(topo.players), t.batch_size[1]) for n, t in templates.items()}
     session = session_for(fabric, cfg, run_dir, resume)
     version = session.start_update
 
@@ -313,6 +317,7 @@ def trainer(
         session.watch.add("wait_data", time.perf_counter() - t0)
         if headers[0].kind == Kind.STOP:
             break
+        lag = version - sum(h.version for h in headers) / len(headers)
         t0 = time.perf_counter()
         stats = update_policies(
             fabric,
@@ -323,10 +328,11 @@ def trainer(
             session.final_step,
             mean_across,
             rank_minibatch,
+            lag,
+            layouts,
         )
         elapsed = time.perf_counter() - t0
         session.watch.add("train", elapsed)
-        lag = version - sum(h.version for h in headers) / len(headers)
         version += 1
         samples = sum(b["logprobs"].numel() for b in batches.values())  # steps, also inside sequences
         stats |= {"train/policy_lag": lag, "time/trainer_sps": samples / elapsed, "time/train_s": elapsed}

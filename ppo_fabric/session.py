@@ -116,6 +116,8 @@ class RunSession:
             [self.run_id, self.start_step],
         ]
         self.best_return = resume.get("best_return") if resume is not None else None
+        # seconds the run had trained before this process (its earlier parts, when resumed)
+        self.start_wall = float(resume.get("wall_s", 0.0)) if resume is not None else 0.0
         self.protect = (Path(str(cfg.resume)),) if cfg.resume is not None else ()
         self.last_checkpoint = self.start_update if resume is not None else -1
         self._checkpoint_clock = time.monotonic()
@@ -142,6 +144,10 @@ class RunSession:
     def steps_since_start(self, update: int) -> int:
         return self.env_step(update) - self.start_step
 
+    def wall_s(self) -> float:
+        """Seconds since the run started, the parts before a resume included (`time/wall_s`)."""
+        return self.start_wall + self.watch.elapsed()
+
     def sps(self, update: int) -> float:
         return self.steps_since_start(update) / self.watch.elapsed()
 
@@ -152,7 +158,7 @@ class RunSession:
         """A log row of the update just finished, with the SPS so far and the recent mean return."""
         sps = self.sps(update)
         recent = final_mean_return([collector.episodes.window])
-        row = metrics | {"time/sps": sps}
+        row = metrics | {"time/sps": sps, "time/wall_s": self.wall_s()}
         if recent is not None:
             row["rollout/return_mean20"] = recent
         env_step = self.env_step(update)
@@ -200,6 +206,7 @@ class RunSession:
             "run_id": self.run_id,
             "lineage": self.lineage,
             "best_return": self.best_return,
+            "wall_s": self.wall_s(),
         }
         numbered = self.every > 0 or self.every_seconds > 0
         last = ckpt.save(state, self.checkpoint_path.parent, numbered, self.keep, self.protect)

@@ -16,8 +16,17 @@ from omegaconf import DictConfig
 from tensordict import TensorDict
 
 from ppo_fabric.accel import compiled, uses_cuda_graphs
+from ppo_fabric.advantages import refresh_advantages
+from ppo_fabric.buffer import END_KEYS
 from ppo_fabric.learners import Learner, metric_name, trained
-from ppo_fabric.loss import entropy_loss, masked_mean, normalize, policy_loss, value_loss
+from ppo_fabric.loss import (
+    entropy_loss,
+    importance_weights,
+    masked_mean,
+    normalize,
+    policy_loss,
+    value_loss,
+)
 from ppo_fabric.optim import GradientStep, forward_module
 
 TRAIN_METRICS = (
@@ -29,6 +38,10 @@ TRAIN_METRICS = (
     "train/explained_variance",
     "train/epochs",
 )
+# Logged by the decoupled strategy, whose batches may come from an older policy version (policy lag):
+# the mean importance weight applied and the fraction of steps whose weight was truncated (1 and 0 when
+# the batch was on-policy or `algo.lag_objective=false`).
+LAG_METRICS = ("train/is_weight_mean", "train/is_truncated")
 
 
 class LossCoefs(NamedTuple):
@@ -55,12 +68,15 @@ def minibatch_losses(
     state: torch.Tensor | None,
     starts: torch.Tensor | None,
     coefs: LossCoefs,
+    weights: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Forward pass and PPO losses of one minibatch: (total loss, [policy, value, entropy], new log-probs).
 
     The one definition of the step, run as it is (eager) or under `torch.compile` (`algo.compile`).
     `mask`: steps that hold a transition (multi-agent); `action_mask`: the masks the rollout sampled
-    under; `state`/`starts`: recurrent sequences' initial states and episode starts.
+    under; `state`/`starts`: recurrent sequences' initial states and episode starts. `weights`: the
+    decoupled objective's importance weights, with `old_logp`/`old_values` then the proximal policy's
+    (`proximal`); None for plain PPO.
     """
     if action_mask is not None:
         new_logp, entropy, new_values = model(obs, actions, state, starts, action_mask)
@@ -69,7 +85,7 @@ def minibatch_losses(
     else:
         new_logp, entropy, new_values = model(obs, actions)
     adv = normalize(advantages, mask=mask) if coefs.norm_adv else advantages
-    pg = policy_loss(new_logp, old_logp, adv, coefs.clip, mask)
+    pg = policy_loss(new_logp, old_logp, adv, coefs.clip, mask, weights)
     vl = value_loss(new_values, old_values, returns, coefs.clip, coefs.clip_vloss, mask)
     el = entropy_loss(entropy, mask)
     loss = pg.add(vl, alpha=coefs.vf_coef).add(el, alpha=coefs.ent_coef)  # 2 autograd nodes instead of 4
@@ -81,6 +97,75 @@ def step_function(model: Any, compile_step: bool) -> Callable[..., Any]:
     return compiled(minibatch_losses, model) if compile_step else minibatch_losses
 
 
+def lagged_batch(
+    model: Any,
+    behaviour: TensorDict,
+    batch: TensorDict,
+    algo: DictConfig,
+    chunk: int,
+    layout: tuple[int, int] | None,
+) -> tuple[TensorDict, dict[str, float]]:
+    """What a batch collected by an older policy is learnt from, and the logged weight statistics.
+
+    One forward pass gives the proximal log-probs and values (the model as it is now), which replace the
+    behaviour policy's `values` (the centre of the clipped value loss). `algo.lag_objective`: the proximal
+    log-probs replace the behaviour ones as the centre of the clip range, and `weights` holds each step's
+    truncated importance weight. `algo.lag_refresh_advantages` (feed-forward, unmasked batches whose
+    `layout` is known): advantages and returns recomputed with the current critic. The caller's
+    `behaviour` batch is left as it was."""
+    prox_logp, prox_values = proximal(model, batch, chunk)
+    mask = batch["mask"] if "mask" in batch.keys() else None  # noqa: SIM118
+    out = batch.clone(recurse=False)
+    out["values"] = prox_values
+    stats = {LAG_METRICS[0]: 1.0, LAG_METRICS[1]: 0.0}
+    if bool(algo.get("lag_objective", True)):
+        max_weight = float(algo.get("lag_weight_clip", 1.0))
+        weights, cut = importance_weights(prox_logp, batch["logprobs"], max_weight)
+        stats = {
+            LAG_METRICS[0]: masked_mean(weights, mask).item(),
+            LAG_METRICS[1]: masked_mean(cut.float(), mask).item(),
+        }
+        out["weights"], out["logprobs"] = weights, prox_logp
+    refresh = bool(algo.get("lag_refresh_advantages", True)) and layout is not None and mask is None
+    if refresh and END_KEYS[0] in behaviour.keys() and prox_values.dim() == 1:  # noqa: SIM118
+        segments, envs = layout
+        rows = batch.batch_size[0] // envs
+        if rows * envs == batch.batch_size[0] and rows % segments == 0:
+            shape = (rows, envs)
+            ends = (behaviour["terminated"] | behaviour["truncated"]).view(shape).clone()
+            ends[rows // segments - 1 :: rows // segments] = True  # pieces of rollout continue elsewhere
+            adv, ret = refresh_advantages(
+                batch["advantages"].view(shape),
+                batch["values"].view(shape),
+                prox_values.view(shape),
+                ends,
+                float(algo.gamma),
+                float(algo.gae_lambda),
+            )
+            out["advantages"], out["returns"] = adv.reshape(-1), ret.reshape(-1)
+    return out, stats
+
+
+@torch.no_grad()
+def proximal(model: Any, batch: TensorDict, chunk: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Log-probs and values of the batch's actions under the model as it is now (the proximal policy of the
+    decoupled objective), evaluated in chunks of `chunk` units as the update's minibatches are."""
+    keys = batch.keys()
+    logps, values = [], []
+    for start in range(0, batch.batch_size[0], chunk):
+        part = batch[start : start + chunk]
+        args = [part["obs"], part["actions"]]
+        if "initial_state" in keys or "action_mask" in keys:
+            recurrent = "initial_state" in keys
+            args += [part["initial_state"], part["starts"]] if recurrent else [None, None]
+            if "action_mask" in keys:
+                args.append(part["action_mask"])
+        logp, _, value = model(*args)
+        logps.append(logp)
+        values.append(value)
+    return torch.cat(logps), torch.cat(values)
+
+
 def update_policy(
     fabric: Fabric,
     model: Any,
@@ -89,6 +174,8 @@ def update_policy(
     algo: DictConfig,
     mean_across_trainers: Callable[[torch.Tensor], torch.Tensor] | None = None,
     rank_minibatch: int | None = None,
+    lagged: bool | None = None,
+    layout: tuple[int, int] | None = None,
 ) -> dict[str, float]:
     """One PPO update: `update_epochs` passes over shuffled minibatches of this rank's batch.
 
@@ -99,6 +186,17 @@ def update_policy(
     entropies to the actions that were legal at each step.
     With `target_kl` set, the KL estimate is averaged over all training ranks (`mean_across_trainers`)
     before deciding to stop, so every rank runs the same number of backward passes (DDP would hang).
+
+    `lagged` (None: a strategy that never lags, and no `LAG_METRICS`): the batch was collected by an older version of the policy than the model's (the decoupled
+    pipeline). One forward pass then gives the proximal log-probs and values (the model now), and
+    `lagged_batch` corrects for the lag: with `algo.lag_refresh_advantages` the advantages and returns are
+    recomputed with the current critic; with `algo.lag_objective` the update optimises the decoupled PPO
+    objective: the clip range and the clipped value loss are centred on the proximal policy, and each step
+    is weighted by pi_proximal / pi_behaviour truncated at `algo.lag_weight_clip` (the KL and clip-fraction
+    statistics are then against the proximal policy). Otherwise (and for every on-policy batch) the update
+    is plain PPO, bit for bit. `layout`:
+    (segments, envs) when the flat batch is `segments` time-major pieces of rollout with `envs` steps per
+    row, which lets `lagged_batch` refresh the advantages with the current critic.
     """
     n = batch.batch_size[0]
     keys = batch.keys()
@@ -125,11 +223,20 @@ def update_policy(
     params = finish.params
     losses: list[torch.Tensor] = []  # (policy, value, entropy) per minibatch
     ratio_stats: list[torch.Tensor] = []  # (approx KL, clip fraction) per epoch
+    behaviour = batch
+    batch = batch.exclude(*END_KEYS) if END_KEYS[0] in keys else batch  # used by `lagged_batch` only
+    correct = bool(lagged) and (
+        bool(algo.get("lag_objective", True)) or bool(algo.get("lag_refresh_advantages", True))
+    )
+    lag_stats = {LAG_METRICS[0]: 1.0, LAG_METRICS[1]: 0.0}
+    if correct:
+        batch, lag_stats = lagged_batch(model, behaviour, batch, algo, mb, layout)
     epochs = 0
     for _ in range(int(algo.update_epochs)):
         shuffled = batch[torch.randperm(n, device=batch.device)]
         obs, actions, old_logp = shuffled["obs"], shuffled["actions"], shuffled["logprobs"]
         old_values, advantages, returns = shuffled["values"], shuffled["advantages"], shuffled["returns"]
+        step_weights = shuffled.get("weights", None)
         masks = shuffled["mask"] if masked else None
         action_masks = shuffled["action_mask"] if action_masked else None
         states, starts = (shuffled["initial_state"], shuffled["starts"]) if recurrent else (None, None)
@@ -151,6 +258,7 @@ def update_policy(
                 None if states is None else states[sl],
                 None if starts is None else starts[sl],
                 coefs,
+                *(() if step_weights is None else (step_weights[sl],)),
             )
             for p in params:
                 p.grad = None
@@ -176,12 +284,13 @@ def update_policy(
     pg_mean, vl_mean, el_mean = torch.stack(losses).mean(0).tolist()
     kl_mean, clipfrac_mean = torch.stack(ratio_stats).mean(0).tolist()
     means = [pg_mean, vl_mean, -el_mean, kl_mean, clipfrac_mean]
-    values, returns = batch["values"], batch["returns"]
+    values, returns = behaviour["values"], behaviour["returns"]
     if masked:
-        values, returns = values[batch["mask"]], returns[batch["mask"]]
+        values, returns = values[behaviour["mask"]], returns[behaviour["mask"]]
     var_returns = returns.var() if returns.numel() > 1 else returns.new_zeros(())
     explained = (1 - (returns - values).var() / var_returns).item() if var_returns > 0 else float("nan")
-    return dict(zip(TRAIN_METRICS, [*means, explained, epochs], strict=True))
+    stats = dict(zip(TRAIN_METRICS, [*means, explained, epochs], strict=True))
+    return stats | lag_stats if lagged is not None else stats
 
 
 def lr_at(base_lr: float, anneal: bool, env_step: int, final_step: int) -> float:
@@ -205,8 +314,14 @@ def update_policies(
     final_step: int,
     mean_across: Callable[[torch.Tensor], torch.Tensor] | None,
     rank_minibatch: int,
+    policy_lag: float | None = None,
+    layouts: dict[str, tuple[int, int]] | None = None,
 ) -> dict[str, float]:
     """One update of every trained policy on its batch, at progress `env_step` of `final_step`.
+
+    `policy_lag`: how many versions older than the learners' the batches' behaviour policy is (the
+    decoupled strategy's `train/policy_lag`); None where the strategy never lags (coupled). `layouts`:
+    per policy, how its flat batch lies in time (`update_policy`'s `layout`).
 
     `rank_minibatch` counts env steps: a policy acting for k agents per env copy takes k times as many
     samples per minibatch, so every policy makes the same number of gradient steps per update (and every
@@ -224,6 +339,8 @@ def update_policies(
             algo,
             mean_across,
             rank_minibatch * learner.spec.agents,
+            None if policy_lag is None else policy_lag > 0,
+            None if layouts is None else layouts.get(name),
         )
         metrics |= {metric_name(name, k): v for k, v in (stats | {"train/lr": lr}).items()}
     return metrics

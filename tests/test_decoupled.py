@@ -113,6 +113,18 @@ def _check_policy_lag(run_dir: Path, pipeline: bool, updates: int) -> None:
     lags = [float(row["train/policy_lag"]) for row in rows]
     assert lags[0] == 0.0, "the first rollout is collected with the trainers' initial parameters"
     assert lags[1:] == [1.0 if pipeline else 0.0] * (updates - 1)
+    # the decoupled objective's weights (truncated at 1) apply to the lagged batches only
+    weights = [float(row["train/is_weight_mean"]) for row in rows]
+    truncated = [float(row["train/is_truncated"]) for row in rows]
+    for lag, weight, cut in zip(lags, weights, truncated, strict=True):
+        if lag == 0:
+            assert (weight, cut) == (1.0, 0.0)
+        else:
+            assert 0.0 < weight <= 1.0 and 0.0 <= cut <= 1.0
+    if pipeline:  # the trainers' policy moved between versions: some steps weigh less than 1
+        assert any(w < 1.0 for w in weights[1:]) and any(c > 0.0 for c in truncated[1:])
+    walls = [float(row["time/wall_s"]) for row in rows]
+    assert walls == sorted(walls) and walls[0] > 0
 
 
 def _agent(path: Path) -> ActorCritic:

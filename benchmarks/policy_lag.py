@@ -1,0 +1,222 @@
+"""What the decoupled pipeline's one-update policy lag costs in learning, and what the lag correction wins back.
+
+Runs each workload once per (variant, seed), each run in a fresh process, one at a time:
+
+| variant | overrides |
+|---|---|
+| `coupled` | `strategy=coupled fabric.devices=1` |
+| `synchronous` | `strategy=decoupled fabric.devices=2 algo.pipeline=false` (1 player + 1 trainer) |
+| `pipelined_uncorrected` | the pipeline with `algo.lag_refresh_advantages=false algo.lag_objective=false` |
+| `pipelined` | the pipeline as shipped (advantages refreshed, decoupled objective) |
+| `pipelined_objective_only` | the pipeline with `algo.lag_refresh_advantages=false` (ablation, not run by default) |
+| `pipelined_refresh_only` | the pipeline with `algo.lag_objective=false` (ablation, not run by default) |
+
+Workloads: `lunarlander` (`env=lunarlander`, 1M steps, threshold 200) and `halfcheetah` (`exp=mujoco`,
+HalfCheetah-v5, 1M steps, threshold 1500). Per run: the final and the best mean return of the last 20
+episodes, and the env step and wall time (`time/wall_s`: seconds since the run started) at which that mean
+first reached the threshold. Results accumulate in `<out>/<name>.json`, keyed by (workload, variant, seed):
+a run already there is skipped, so a long benchmark can be run over several sittings (`--force` re-runs).
+Each write rebuilds `<name>.md` (the table) and `<name>.png` (mean return against wall time).
+
+    .venv/bin/python benchmarks/policy_lag.py                                  # both workloads, 3 seeds, 4 variants
+    .venv/bin/python benchmarks/policy_lag.py --workloads lunarlander --seeds 1 --variants pipelined synchronous
+    .venv/bin/python benchmarks/policy_lag.py --workloads lunarlander --steps 50000 --out /tmp/lag   # smoke test
+
+LunarLander needs Box2D and HalfCheetah MuJoCo (the bench and mujoco extras). Timings are only comparable
+between runs of one sitting on an otherwise idle machine; every run records its commit and the machine.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import sys
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import common  # noqa: E402
+from common import RESULTS, run_once  # noqa: E402
+
+WORKLOADS: dict[str, tuple[list[str], float]] = {
+    "lunarlander": (["env=lunarlander"], 200.0),
+    "halfcheetah": (["exp=mujoco"], 1500.0),
+}
+DECOUPLED = ["strategy=decoupled", "fabric.devices=2", "algo.players=1"]
+VARIANTS: dict[str, list[str]] = {
+    "coupled": ["strategy=coupled", "fabric.devices=1"],
+    "synchronous": [*DECOUPLED, "algo.pipeline=false"],
+    "pipelined_uncorrected": [
+        *DECOUPLED,
+        "algo.pipeline=true",
+        "algo.lag_refresh_advantages=false",
+        "algo.lag_objective=false",
+    ],
+    "pipelined": [*DECOUPLED, "algo.pipeline=true"],
+    "pipelined_objective_only": [*DECOUPLED, "algo.pipeline=true", "algo.lag_refresh_advantages=false"],
+    "pipelined_refresh_only": [*DECOUPLED, "algo.pipeline=true", "algo.lag_objective=false"],
+}
+DEFAULT_VARIANTS = ["coupled", "synchronous", "pipelined_uncorrected", "pipelined"]
+
+
+def run_record(workload: str, variant: str, seed: int, steps: int | None) -> dict[str, Any]:
+    """One training run and the figures the table needs."""
+    base, threshold = WORKLOADS[workload]
+    overrides = [*base, *VARIANTS[variant], f"seed={seed}"]
+    if steps:
+        overrides.append(f"algo.total_steps={steps}")
+    s = run_once(overrides, solved_return=threshold, curve=True)
+    curve = s["curve"]
+    first = next((point for point in curve if point[2] >= threshold), None)
+    return {
+        "workload": workload,
+        "variant": variant,
+        "seed": seed,
+        "overrides": overrides,
+        "commit": common.git_commit(),
+        "total_env_steps": s["total_env_steps"],
+        "final_mean_return": s["final_mean_return"],
+        "best_mean_return": max((point[2] for point in curve), default=None),
+        "threshold": threshold,
+        "step_at_threshold": None if first is None else first[0],
+        "wall_at_threshold": None if first is None else first[1],
+        "wall_seconds": s["wall_seconds"],
+        "sps": s["sps"],
+        "curve": curve,
+    }
+
+
+def _mean_std(values: list[float]) -> str:
+    if not values:
+        return "n/a"
+    if len(values) == 1:
+        return f"{values[0]:.1f}"
+    return f"{statistics.mean(values):.1f} ± {statistics.stdev(values):.1f}"
+
+
+def _mean(values: list[float | None], fmt: str) -> str:
+    """Mean over the runs that got there, with how many did."""
+    got = [v for v in values if v is not None]
+    if not got:
+        return "never"
+    shown = format(statistics.mean(got), fmt)
+    return shown if len(got) == len(values) else f"{shown} ({len(got)}/{len(values)})"
+
+
+def table(runs: list[dict[str, Any]], workload: str) -> list[str]:
+    threshold = WORKLOADS[workload][1]
+    lines = [
+        f"### {workload} (threshold {threshold:g})",
+        "",
+        f"| variant | seeds | final | best | reached {threshold:g} | env step at {threshold:g} | "
+        f"wall s at {threshold:g} | wall s (run) | SPS |",
+        "|---|---|---:|---:|:---:|---:|---:|---:|---:|",
+    ]
+    for variant in VARIANTS:
+        mine = sorted(
+            (r for r in runs if r["workload"] == workload and r["variant"] == variant),
+            key=lambda r: r["seed"],
+        )
+        if not mine:
+            continue
+        reached = sum(r["step_at_threshold"] is not None for r in mine)
+        lines.append(
+            f"| {variant} | {','.join(str(r['seed']) for r in mine)} "
+            f"| {_mean_std([r['final_mean_return'] for r in mine if r['final_mean_return'] is not None])} "
+            f"| {_mean_std([r['best_mean_return'] for r in mine if r['best_mean_return'] is not None])} "
+            f"| {reached}/{len(mine)} | {_mean([r['step_at_threshold'] for r in mine], ',.0f')} "
+            f"| {_mean([r['wall_at_threshold'] for r in mine], '.0f')} "
+            f"| {statistics.mean(r['wall_seconds'] for r in mine):.0f} "
+            f"| {statistics.mean(r['sps'] for r in mine):,.0f} |"
+        )
+    return [*lines, ""]
+
+
+def markdown(report: dict[str, Any], command: str) -> str:
+    runs, m = report["runs"], report["machine"]
+    commits = sorted({r["commit"] for r in runs})
+    lines = [
+        "# Policy lag: coupled, synchronous and pipelined decoupled",
+        "",
+        f"Machine: {m['cpu']}, {m['cores']} cores, torch {m['torch']}. Decoupled runs: 1 player + 1 trainer. "
+        "Final and best: mean return of the last 20 episodes (mean ± std over seeds); the step and wall "
+        "time at the threshold are means over the seeds that reached it. Wall times are the runs' own "
+        "`time/wall_s` (process start-up excluded).",
+        "",
+        *(line for workload in WORKLOADS for line in table(runs, workload)),
+        f"Commits: {', '.join(commits)}. Command: `{command}`",
+        "",
+        f"![return against wall time]({report['name']}.png)",
+        "",
+    ]
+    return "\n".join(lines)
+
+
+def plot(report: dict[str, Any], path: Path) -> None:
+    """Mean return (last 20 episodes) against wall time, one panel per workload, one colour per variant."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    workloads = [w for w in WORKLOADS if any(r["workload"] == w for r in report["runs"])]
+    if not workloads:
+        return
+    fig, axes = plt.subplots(1, len(workloads), figsize=(6.5 * len(workloads), 4.5), squeeze=False)
+    colours = dict(zip(VARIANTS, plt.rcParams["axes.prop_cycle"].by_key()["color"], strict=False))
+    for ax, workload in zip(axes[0], workloads, strict=True):
+        labelled: set[str] = set()
+        for r in report["runs"]:
+            if r["workload"] != workload or not r["curve"]:
+                continue
+            _, walls, returns = zip(*r["curve"], strict=True)
+            label = None if r["variant"] in labelled else r["variant"]
+            labelled.add(r["variant"])
+            ax.plot(walls, returns, color=colours[r["variant"]], alpha=0.8, linewidth=1.2, label=label)
+        ax.axhline(WORKLOADS[workload][1], color="grey", linestyle=":", linewidth=1)
+        ax.set_title(workload)
+        ax.set_xlabel("wall time (s)")
+        ax.set_ylabel("mean return, last 20 episodes")
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main() -> None:
+    parser = common.argument_parser(__doc__)
+    parser.add_argument("--workloads", nargs="+", choices=sorted(WORKLOADS), default=list(WORKLOADS))
+    parser.add_argument("--variants", nargs="+", choices=list(VARIANTS), default=DEFAULT_VARIANTS)
+    parser.add_argument("--seeds", type=int, default=3, help="seeds 1..N")
+    parser.add_argument(
+        "--steps", type=int, default=None, help="env steps per run (default: the recipe's 1M)"
+    )
+    parser.add_argument("--force", action="store_true", help="re-run runs already in the results")
+    parser.add_argument("--name", default="policy_lag")
+    parser.add_argument("--out", type=Path, default=RESULTS)
+    args = parser.parse_args()
+    path = args.out / f"{args.name}.json"
+    report = json.loads(path.read_text()) if path.is_file() else {"name": args.name, "runs": []}
+    report |= {"name": args.name, "machine": common.machine()}
+    command = common.command_line(__file__)
+    for seed in range(1, args.seeds + 1):  # seed-major: a partial sitting covers every variant
+        for workload in args.workloads:
+            for variant in args.variants:
+                key = (workload, variant, seed)
+                done = [r for r in report["runs"] if (r["workload"], r["variant"], r["seed"]) == key]
+                if done and not args.force:
+                    continue
+                r = run_record(workload, variant, seed, args.steps)
+                report["runs"] = [x for x in report["runs"] if x not in done] + [r]
+                print(
+                    f"{workload} {variant} seed {seed}: final {r['final_mean_return']}, best "
+                    f"{r['best_mean_return']}, at threshold step {r['step_at_threshold']} wall "
+                    f"{r['wall_at_threshold']}, {r['wall_seconds']:.0f} s",
+                    flush=True,
+                )
+                common.write_report(args.out, args.name, report, markdown(report, command))
+                plot(report, args.out / f"{args.name}.png")
+
+
+if __name__ == "__main__":
+    main()
