@@ -7,9 +7,10 @@ Runs each workload once per (variant, seed), each run in a fresh process, one at
 | `coupled` | `strategy=coupled fabric.devices=1` |
 | `synchronous` | `strategy=decoupled fabric.devices=2 algo.pipeline=false` (1 player + 1 trainer) |
 | `pipelined_uncorrected` | the pipeline with `algo.lag_refresh_advantages=false algo.lag_objective=false` |
-| `pipelined` | the pipeline as shipped (advantages refreshed, decoupled objective) |
-| `pipelined_objective_only` | the pipeline with `algo.lag_refresh_advantages=false` (ablation, not run by default) |
-| `pipelined_refresh_only` | the pipeline with `algo.lag_objective=false` (ablation, not run by default) |
+| `pipelined` | the pipeline as shipped (advantages recomputed with V-trace, decoupled objective) |
+| `pipelined_no_vtrace` | the pipeline with `algo.lag_vtrace=false` (ablation, not run by default) |
+| `pipelined_objective_only` | the pipeline with `algo.lag_refresh_advantages=false` (ablation) |
+| `pipelined_refresh_only` | the pipeline with `algo.lag_objective=false algo.lag_vtrace=false` (ablation) |
 
 Workloads: `lunarlander` (`env=lunarlander`, 1M steps, threshold 200) and `halfcheetah` (`exp=mujoco`,
 HalfCheetah-v5, 1M steps, threshold 1500). Per run: the final and the best mean return of the last 20
@@ -53,8 +54,14 @@ VARIANTS: dict[str, list[str]] = {
         "algo.lag_objective=false",
     ],
     "pipelined": [*DECOUPLED, "algo.pipeline=true"],
+    "pipelined_no_vtrace": [*DECOUPLED, "algo.pipeline=true", "algo.lag_vtrace=false"],
     "pipelined_objective_only": [*DECOUPLED, "algo.pipeline=true", "algo.lag_refresh_advantages=false"],
-    "pipelined_refresh_only": [*DECOUPLED, "algo.pipeline=true", "algo.lag_objective=false"],
+    "pipelined_refresh_only": [
+        *DECOUPLED,
+        "algo.pipeline=true",
+        "algo.lag_objective=false",
+        "algo.lag_vtrace=false",
+    ],
 }
 DEFAULT_VARIANTS = ["coupled", "synchronous", "pipelined_uncorrected", "pipelined"]
 
@@ -143,7 +150,12 @@ def markdown(report: dict[str, Any], command: str) -> str:
         "time at the threshold are means over the seeds that reached it. Wall times are the runs' own "
         "`time/wall_s` (process start-up excluded).",
         "",
-        *(line for workload in WORKLOADS for line in table(runs, workload)),
+        *(
+            line
+            for workload in WORKLOADS
+            if any(r["workload"] == workload for r in runs)
+            for line in table(runs, workload)
+        ),
         f"Commits: {', '.join(commits)}. Command: `{command}`",
         "",
         f"![return against wall time]({report['name']}.png)",

@@ -7,6 +7,15 @@ from tensordict import TensorDict
 from torch import Tensor
 
 
+def bootstrap_values(
+    values: Tensor, terminated: Tensor, truncated: Tensor, final_values: Tensor, next_value: Tensor
+) -> Tensor:
+    """[T, E]: the value each step of a rollout bootstraps from (see `gae`), 0 after a termination."""
+    next_values = torch.cat((values[1:], next_value.unsqueeze(0)), 0)
+    next_values = torch.where(truncated, final_values, next_values)
+    return torch.where(terminated, torch.zeros_like(next_values), next_values)
+
+
 def gae(
     rewards: Tensor,
     values: Tensor,
@@ -17,6 +26,7 @@ def gae(
     gamma: float,
     gae_lambda: float,
     mask: Tensor | None = None,
+    traces: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
     """Advantages and returns over a [T, E] rollout.
 
@@ -29,14 +39,19 @@ def gae(
     with advantage 0. In a turn-based game that is each agent's own decisions, so an agent's next value
     is its own next decision's, never the opponent's; for agents that left a simultaneous-move episode
     it changes nothing, since their last step is terminated.
+
+    `traces` ([T, E], unmasked rollouts): step t takes `traces[t]` times the usual share of the advantage
+    of step t+1. Truncated importance ratios there (V-trace's c = min(1, pi / mu) of the next step's action)
+    cut the lambda-return of a rollout collected by an older policy where the policy now acts otherwise;
+    ones give plain GAE.
     """
     done = terminated | truncated
     if mask is None:
-        next_values = torch.cat((values[1:], next_value.unsqueeze(0)), 0)
-        next_values = torch.where(truncated, final_values, next_values)
-        next_values = torch.where(terminated, torch.zeros_like(next_values), next_values)
+        next_values = bootstrap_values(values, terminated, truncated, final_values, next_value)
         deltas = rewards + gamma * next_values - values
         carry = (~done).to(values.dtype) * (gamma * gae_lambda)
+        if traces is not None:
+            carry = carry * traces
         # One op per step: the rows come from `unbind` and go back with one `stack`, instead of an index
         # read per input and an indexed write per step (half the time of a 128-step rollout).
         steps: list[Tensor] = []
@@ -63,7 +78,9 @@ def gae(
 
 
 def compute_advantages(storage: TensorDict, next_value: Tensor, gamma: float, gae_lambda: float) -> None:
-    """Fill `advantages` and `returns` of a rollout storage in place (per agent chain when it has a `mask`)."""
+    """Fill `advantages` and `returns` of a rollout storage in place (per agent chain when it has a `mask`),
+    and `next_values` where the storage has them (each step's bootstrap value, which a learner whose critic
+    is newer than this one needs where it cannot evaluate the next observation itself)."""
     adv, ret = gae(
         storage["rewards"],
         storage["values"],
@@ -77,32 +94,12 @@ def compute_advantages(storage: TensorDict, next_value: Tensor, gamma: float, ga
     )
     storage["advantages"].copy_(adv)
     storage["returns"].copy_(ret)
-
-
-def refresh_advantages(
-    advantages: Tensor,
-    old_values: Tensor,
-    new_values: Tensor,
-    ends: Tensor,
-    gamma: float,
-    gae_lambda: float,
-) -> tuple[Tensor, Tensor]:
-    """GAE advantages and returns of a [T, E] rollout recomputed for a newer critic, from those an older one
-    gave, without the rewards: each step's TD error changes by gamma * dV(next step) - dV(step) with
-    dV = new - old, and GAE is linear in the TD errors, so the new advantages are the old ones plus the
-    GAE of those changes (`gae` itself, over zero values).
-
-    `ends` [T, E]: steps after which nothing carries over: episode ends, and the last step of a piece of
-    rollout whose continuation is elsewhere (another trainer's shard, the next rollout). Their bootstrap
-    values (V(final observation) at a time limit, V(next observation) after the rollout) stay the old
-    critic's, and so does the advantage a cut step carries from its continuation.
-    """
-    dv = new_values - old_values
-    next_dv = torch.cat((dv[1:], torch.zeros_like(dv[:1])), 0)
-    keep = (~ends).to(dv.dtype)
-    change = gamma * keep * next_dv - dv
-    zeros = torch.zeros_like(dv)
-    no = torch.zeros_like(ends)
-    delta, _ = gae(change, zeros, ends, no, zeros, zeros[0], gamma, gae_lambda)
-    refreshed = advantages + delta
-    return refreshed, refreshed + new_values
+    if "next_values" in storage.keys() and "mask" not in storage.keys():  # noqa: SIM118
+        bootstrap = bootstrap_values(
+            storage["values"],
+            storage["terminated"],
+            storage["truncated"],
+            storage["final_values"],
+            next_value,
+        )
+        storage["next_values"].copy_(bootstrap)

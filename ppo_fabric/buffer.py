@@ -11,9 +11,9 @@ from tensordict import TensorDict
 from ppo_fabric.agent import action_shape_dtype, obs_storage_dtype
 
 TRAIN_KEYS = ("obs", "actions", "logprobs", "values", "advantages", "returns")
-# Feed-forward batches also carry where episodes ended, so a learner whose critic is newer than the one
-# that computed the advantages (the decoupled pipeline) can refresh them (`advantages.refresh_advantages`).
-END_KEYS = ("terminated", "truncated")
+# Feed-forward batches also carry what GAE was computed from, so a learner whose policy and critic are newer
+# than the collector's (the decoupled pipeline) can recompute the advantages (`update.lagged_batch`).
+GAE_KEYS = ("rewards", "terminated", "truncated", "next_values")
 STATE_KEY = ("extras", "state")  # the recurrent state each step started from: [T, E, 2, layers, hidden]
 
 
@@ -39,6 +39,7 @@ def rollout_storage(
     action_shape, action_dtype = action_shape_dtype(action_space)
     te = (steps, num_envs)
     floats = {k: torch.zeros(te, device=device) for k in ("logprobs", "values", "rewards", "final_values")}
+    floats["next_values"] = torch.zeros(te, device=device)  # what each step bootstraps from (GAE_KEYS)
     floats |= {k: torch.zeros(te, device=device) for k in ("advantages", "returns")}
     storage = TensorDict(
         {
@@ -82,7 +83,7 @@ def training_batch(storage: TensorDict, seq_len: int = 1) -> TensorDict:
     present = storage.keys()
     keys = [*TRAIN_KEYS, *(k for k in ("mask", "action_mask") if k in present)]
     if STATE_KEY not in storage.keys(include_nested=True):
-        return storage.select(*keys, *END_KEYS).reshape(-1)
+        return storage.select(*keys, *GAE_KEYS).reshape(-1)
     steps, num_envs = storage.batch_size
     if steps % seq_len:
         raise ValueError(f"rollout_steps={steps} is not a multiple of model.lstm.seq_len={seq_len}")

@@ -231,6 +231,7 @@ _BOOLS = (
     "algo.numpy_rollout",
     "algo.lag_objective",
     "algo.lag_refresh_advantages",
+    "algo.lag_vtrace",
     "fabric.tf32",
     "logger.tensorboard",
     "logger.csv",

@@ -16,8 +16,8 @@ from omegaconf import DictConfig
 from tensordict import TensorDict
 
 from ppo_fabric.accel import compiled, uses_cuda_graphs
-from ppo_fabric.advantages import refresh_advantages
-from ppo_fabric.buffer import END_KEYS
+from ppo_fabric.advantages import gae
+from ppo_fabric.buffer import GAE_KEYS
 from ppo_fabric.learners import Learner, metric_name, trained
 from ppo_fabric.loss import (
     entropy_loss,
@@ -111,8 +111,10 @@ def lagged_batch(
     behaviour policy's `values` (the centre of the clipped value loss). `algo.lag_objective`: the proximal
     log-probs replace the behaviour ones as the centre of the clip range, and `weights` holds each step's
     truncated importance weight. `algo.lag_refresh_advantages` (feed-forward, unmasked batches whose
-    `layout` is known): advantages and returns recomputed with the current critic. The caller's
-    `behaviour` batch is left as it was."""
+    `layout` is known): advantages and returns recomputed with the current critic, and with
+    `algo.lag_vtrace` each step's lambda-return cut by V-trace's truncated importance ratio of the next
+    step's action (the return of the collector's later actions counts as far as the current policy would
+    take them too). The caller's `behaviour` batch is left as it was."""
     prox_logp, prox_values = proximal(model, batch, chunk)
     mask = batch["mask"] if "mask" in batch.keys() else None  # noqa: SIM118
     out = batch.clone(recurse=False)
@@ -127,23 +129,47 @@ def lagged_batch(
         }
         out["weights"], out["logprobs"] = weights, prox_logp
     refresh = bool(algo.get("lag_refresh_advantages", True)) and layout is not None and mask is None
-    if refresh and END_KEYS[0] in behaviour.keys() and prox_values.dim() == 1:  # noqa: SIM118
+    if refresh and GAE_KEYS[0] in behaviour.keys() and prox_values.dim() == 1:  # noqa: SIM118
         segments, envs = layout
         rows = batch.batch_size[0] // envs
         if rows * envs == batch.batch_size[0] and rows % segments == 0:
-            shape = (rows, envs)
-            ends = (behaviour["terminated"] | behaviour["truncated"]).view(shape).clone()
-            ends[rows // segments - 1 :: rows // segments] = True  # pieces of rollout continue elsewhere
-            adv, ret = refresh_advantages(
-                batch["advantages"].view(shape),
-                batch["values"].view(shape),
-                prox_values.view(shape),
-                ends,
-                float(algo.gamma),
-                float(algo.gae_lambda),
-            )
+            traces = None
+            if bool(algo.get("lag_vtrace", True)):
+                ratio = (prox_logp - behaviour["logprobs"]).exp().clamp(max=1.0).view(rows, envs)
+                traces = torch.cat((ratio[1:], torch.ones_like(ratio[:1])), 0)  # the next step's ratio
+            adv, ret = recomputed_advantages(behaviour, prox_values, (rows, envs), segments, algo, traces)
             out["advantages"], out["returns"] = adv.reshape(-1), ret.reshape(-1)
     return out, stats
+
+
+def recomputed_advantages(
+    behaviour: TensorDict,
+    values: torch.Tensor,
+    shape: tuple[int, int],
+    segments: int,
+    algo: DictConfig,
+    traces: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """GAE of a flat batch laid out as `segments` time-major pieces of rollout of shape [rows, envs], with
+    the current critic's `values`. A step bootstraps from the next row's value within its piece; where the
+    next observation is not in the batch (episode ends, the last row of a piece) from the collector's
+    bootstrap value (`next_values`), the one value here that stays the older critic's."""
+    rows, envs = shape
+    terminated = behaviour["terminated"].view(shape)
+    cut = behaviour["truncated"].view(shape).clone()
+    cut[rows // segments - 1 :: rows // segments] = True  # the last row of each piece
+    old_next = behaviour["next_values"].view(shape)
+    return gae(
+        behaviour["rewards"].view(shape),
+        values.view(shape),
+        terminated,
+        cut,
+        old_next,
+        old_next[-1],
+        float(algo.gamma),
+        float(algo.gae_lambda),
+        traces=traces,
+    )
 
 
 @torch.no_grad()
@@ -224,7 +250,7 @@ def update_policy(
     losses: list[torch.Tensor] = []  # (policy, value, entropy) per minibatch
     ratio_stats: list[torch.Tensor] = []  # (approx KL, clip fraction) per epoch
     behaviour = batch
-    batch = batch.exclude(*END_KEYS) if END_KEYS[0] in keys else batch  # used by `lagged_batch` only
+    batch = batch.exclude(*GAE_KEYS) if GAE_KEYS[0] in keys else batch  # used by `lagged_batch` only
     correct = bool(lagged) and (
         bool(algo.get("lag_objective", True)) or bool(algo.get("lag_refresh_advantages", True))
     )

@@ -40,6 +40,11 @@ def test_resume_matches_uninterrupted_run(tmp_path: Path) -> None:
     assert full.keys() == resumed.keys()
     for key in full:
         assert torch.equal(full[key], resumed[key]), key
+    # time/wall_s counts from the run's start: the resumed part continues from the checkpoint's clock
+    before = float(ckpt.load(middle)["wall_s"])
+    with (tmp_path / "resumed" / "metrics.csv").open(newline="") as fh:
+        walls = [float(row["time/wall_s"]) for row in csv.DictReader(fh) if row.get("time/wall_s")]
+    assert before > 0 and walls and walls[0] > before and walls == sorted(walls)
 
 
 def test_resume_changes_the_result_without_env_state(tmp_path: Path) -> None:
