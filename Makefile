@@ -31,7 +31,7 @@ $(VENV)/.bench: $(STAMP)
 	$(PIP) install -c constraints.txt -e '.[dev,bench]'
 	touch $@
 
-# Throughput and learning benchmarks (~70 min on 2 cores); figures land in benchmarks/results/.
+# Throughput and learning benchmarks (~2.5 h on 2 cores); figures land in benchmarks/results/.
 bench: $(VENV)/.bench
 	$(BIN)/python benchmarks/profile_split.py
 	$(BIN)/python benchmarks/numpy_rollout.py
@@ -44,6 +44,7 @@ bench: $(VENV)/.bench
 	$(BIN)/python benchmarks/tensordict_overhead.py
 	$(BIN)/python benchmarks/cartpole_solve.py
 	$(BIN)/python benchmarks/lunarlander.py
+	$(BIN)/python benchmarks/policy_lag.py
 	$(BIN)/python benchmarks/lunarlander.py --env pendulum --seeds 2
 	$(BIN)/python benchmarks/cartpole_lstm.py --seeds 2
 	$(BIN)/python benchmarks/multiagent.py

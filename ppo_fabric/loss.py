@@ -36,22 +36,18 @@ def policy_loss(
     step's term by `weights`, the (truncated) importance ratio proximal / behaviour, so a batch collected by
     an older policy still moves the learner by a trust region around where it is now.
     """
+    if weights is not None:  # w * min(r A, clip(r) A) = min(r wA, clip(r) wA) for w >= 0: no autograd op
+        advantages = advantages * weights
     ratio = (new_logprobs - old_logprobs).exp()
     surrogate = advantages * ratio
     clipped = advantages * torch.clamp(ratio, 1 - clip_coef, 1 + clip_coef)
-    objective = torch.min(surrogate, clipped)
-    if weights is not None:
-        objective = objective * weights
-    return -masked_mean(objective, mask)
+    return -masked_mean(torch.min(surrogate, clipped), mask)
 
 
-def importance_weights(
-    proximal_logprobs: Tensor, behaviour_logprobs: Tensor, max_weight: float
-) -> tuple[Tensor, Tensor]:
-    """The decoupled objective's per-step weights: pi_proximal / pi_behaviour truncated at `max_weight`
-    (V-trace's rho-bar: a step the learner now favours far more than its collector did cannot dominate a
-    minibatch), and which steps the truncation cut."""
-    ratio = (proximal_logprobs - behaviour_logprobs).exp()
+def importance_weights(ratio: Tensor, max_weight: float) -> tuple[Tensor, Tensor]:
+    """The decoupled objective's per-step weights from `ratio` = pi_proximal / pi_behaviour: truncated at
+    `max_weight` (V-trace's rho-bar: a step the learner now favours far more than its collector did cannot
+    dominate a minibatch), and which steps the truncation cut."""
     return ratio.clamp(max=max_weight), ratio > max_weight
 
 

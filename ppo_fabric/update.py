@@ -97,47 +97,66 @@ def step_function(model: Any, compile_step: bool) -> Callable[..., Any]:
     return compiled(minibatch_losses, model) if compile_step else minibatch_losses
 
 
+class LagSettings(NamedTuple):
+    """The lag correction's settings as plain values, read once per update (`LossCoefs`' reason)."""
+
+    refresh: bool
+    vtrace: bool
+    objective: bool
+    weight_clip: float
+    gamma: float
+    gae_lambda: float
+
+    @classmethod
+    def of(cls, algo: DictConfig) -> LagSettings:
+        return cls(
+            bool(algo.get("lag_refresh_advantages", True)),
+            bool(algo.get("lag_vtrace", True)),
+            bool(algo.get("lag_objective", True)),
+            float(algo.get("lag_weight_clip", 1.0)),
+            float(algo.gamma),
+            float(algo.gae_lambda),
+        )
+
+
 def lagged_batch(
     model: Any,
     behaviour: TensorDict,
     batch: TensorDict,
-    algo: DictConfig,
+    lag: LagSettings,
     chunk: int,
     layout: tuple[int, int] | None,
 ) -> tuple[TensorDict, dict[str, float]]:
     """What a batch collected by an older policy is learnt from, and the logged weight statistics.
 
     One forward pass gives the proximal log-probs and values (the model as it is now), which replace the
-    behaviour policy's `values` (the centre of the clipped value loss). `algo.lag_objective`: the proximal
+    behaviour policy's `values` (the centre of the clipped value loss). `lag.objective`: the proximal
     log-probs replace the behaviour ones as the centre of the clip range, and `weights` holds each step's
-    truncated importance weight. `algo.lag_refresh_advantages` (feed-forward, unmasked batches whose
-    `layout` is known): advantages and returns recomputed with the current critic, and with
-    `algo.lag_vtrace` each step's lambda-return cut by V-trace's truncated importance ratio of the next
-    step's action (the return of the collector's later actions counts as far as the current policy would
-    take them too). The caller's `behaviour` batch is left as it was."""
+    truncated importance weight. `lag.refresh` (feed-forward, unmasked batches whose `layout` is known):
+    advantages and returns recomputed with the current critic, and with `lag.vtrace` each step's
+    lambda-return cut by V-trace's truncated importance ratio of the next step's action (the return of the
+    collector's later actions counts as far as the current policy would take them too). The caller's
+    `behaviour` batch is left as it was."""
     prox_logp, prox_values = proximal(model, batch, chunk)
     mask = batch["mask"] if "mask" in batch.keys() else None  # noqa: SIM118
     out = batch.clone(recurse=False)
     out["values"] = prox_values
     stats = {LAG_METRICS[0]: 1.0, LAG_METRICS[1]: 0.0}
-    if bool(algo.get("lag_objective", True)):
-        max_weight = float(algo.get("lag_weight_clip", 1.0))
-        weights, cut = importance_weights(prox_logp, batch["logprobs"], max_weight)
-        stats = {
-            LAG_METRICS[0]: masked_mean(weights, mask).item(),
-            LAG_METRICS[1]: masked_mean(cut.float(), mask).item(),
-        }
+    ratio = (prox_logp - batch["logprobs"]).exp()  # pi_proximal / pi_behaviour
+    if lag.objective:
+        weights, cut = importance_weights(ratio, lag.weight_clip)
+        figures = torch.stack((masked_mean(weights, mask), masked_mean(cut.to(weights.dtype), mask)))
+        stats = dict(zip(LAG_METRICS, figures.tolist(), strict=True))  # one device sync, not two
         out["weights"], out["logprobs"] = weights, prox_logp
-    refresh = bool(algo.get("lag_refresh_advantages", True)) and layout is not None and mask is None
-    if refresh and GAE_KEYS[0] in behaviour.keys() and prox_values.dim() == 1:  # noqa: SIM118
+    refresh = lag.refresh and layout is not None and mask is None and prox_values.dim() == 1
+    if refresh and GAE_KEYS[0] in behaviour.keys():  # noqa: SIM118
         segments, envs = layout
         rows = batch.batch_size[0] // envs
         if rows * envs == batch.batch_size[0] and rows % segments == 0:
             traces = None
-            if bool(algo.get("lag_vtrace", True)):
-                ratio = (prox_logp - behaviour["logprobs"]).exp().clamp(max=1.0).view(rows, envs)
-                traces = torch.cat((ratio[1:], torch.ones_like(ratio[:1])), 0)  # the next step's ratio
-            adv, ret = recomputed_advantages(behaviour, prox_values, (rows, envs), segments, algo, traces)
+            if lag.vtrace:  # step t's trace is the next step's ratio (the last row's is never used)
+                traces = ratio.clamp(max=1.0).view(rows, envs).roll(-1, 0)
+            adv, ret = recomputed_advantages(behaviour, prox_values, (rows, envs), segments, lag, traces)
             out["advantages"], out["returns"] = adv.reshape(-1), ret.reshape(-1)
     return out, stats
 
@@ -147,7 +166,7 @@ def recomputed_advantages(
     values: torch.Tensor,
     shape: tuple[int, int],
     segments: int,
-    algo: DictConfig,
+    lag: LagSettings,
     traces: torch.Tensor | None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """GAE of a flat batch laid out as `segments` time-major pieces of rollout of shape [rows, envs], with
@@ -156,8 +175,10 @@ def recomputed_advantages(
     bootstrap value (`next_values`), the one value here that stays the older critic's."""
     rows, envs = shape
     terminated = behaviour["terminated"].view(shape)
-    cut = behaviour["truncated"].view(shape).clone()
-    cut[rows // segments - 1 :: rows // segments] = True  # the last row of each piece
+    cut = behaviour["truncated"].view(shape)
+    if segments > 1:  # the last row of each piece but the last (that one bootstraps from `next_value`)
+        cut = cut.clone()
+        cut[rows // segments - 1 :: rows // segments] = True
     old_next = behaviour["next_values"].view(shape)
     return gae(
         behaviour["rewards"].view(shape),
@@ -166,20 +187,30 @@ def recomputed_advantages(
         cut,
         old_next,
         old_next[-1],
-        float(algo.gamma),
-        float(algo.gae_lambda),
+        lag.gamma,
+        lag.gae_lambda,
         traces=traces,
     )
 
 
+PROXIMAL_CHUNK_FLOATS = 1 << 22  # observation floats per forward pass of `proximal` (16 MiB of float32)
+
+
 @torch.no_grad()
-def proximal(model: Any, batch: TensorDict, chunk: int) -> tuple[torch.Tensor, torch.Tensor]:
+def proximal(model: Any, batch: TensorDict, minibatch: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Log-probs and values of the batch's actions under the model as it is now (the proximal policy of the
-    decoupled objective), evaluated in chunks of `chunk` units as the update's minibatches are."""
+    decoupled objective), in as few forward passes as keep each chunk's observations within
+    `PROXIMAL_CHUNK_FLOATS` floats, and never smaller than the update's minibatches (a CartPole batch is
+    one pass, an Atari batch a few minibatches a pass)."""
     keys = batch.keys()
+    obs = batch["obs"][:1]  # one unit: a step, or a recurrent sequence of them
+    leaves = obs.values(True, True) if isinstance(obs, TensorDict) else (obs,)  # Dict observations
+    unit_floats = max(1, sum(leaf.numel() for leaf in leaves))
+    chunk = max(minibatch, PROXIMAL_CHUNK_FLOATS // unit_floats)
+    n = batch.batch_size[0]
     logps, values = [], []
-    for start in range(0, batch.batch_size[0], chunk):
-        part = batch[start : start + chunk]
+    for start in range(0, n, chunk):
+        part = batch[start : start + chunk] if chunk < n else batch
         args = [part["obs"], part["actions"]]
         if "initial_state" in keys or "action_mask" in keys:
             recurrent = "initial_state" in keys
@@ -189,7 +220,7 @@ def proximal(model: Any, batch: TensorDict, chunk: int) -> tuple[torch.Tensor, t
         logp, _, value = model(*args)
         logps.append(logp)
         values.append(value)
-    return torch.cat(logps), torch.cat(values)
+    return (logps[0], values[0]) if len(logps) == 1 else (torch.cat(logps), torch.cat(values))
 
 
 def update_policy(
@@ -251,12 +282,10 @@ def update_policy(
     ratio_stats: list[torch.Tensor] = []  # (approx KL, clip fraction) per epoch
     behaviour = batch
     batch = batch.exclude(*GAE_KEYS) if GAE_KEYS[0] in keys else batch  # used by `lagged_batch` only
-    correct = bool(lagged) and (
-        bool(algo.get("lag_objective", True)) or bool(algo.get("lag_refresh_advantages", True))
-    )
+    lag = LagSettings.of(algo) if lagged else None
     lag_stats = {LAG_METRICS[0]: 1.0, LAG_METRICS[1]: 0.0}
-    if correct:
-        batch, lag_stats = lagged_batch(model, behaviour, batch, algo, mb, layout)
+    if lag is not None and (lag.objective or lag.refresh):
+        batch, lag_stats = lagged_batch(net, behaviour, batch, lag, mb, layout)
     epochs = 0
     for _ in range(int(algo.update_epochs)):
         shuffled = batch[torch.randperm(n, device=batch.device)]

@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch import Tensor
 
-from ppo_fabric.advantages import compute_advantages, gae
+from ppo_fabric.advantages import compute_advantages, gae, reverse_scan
 from ppo_fabric.buffer import rollout_storage
 
 
@@ -190,3 +190,17 @@ def test_compute_advantages_fills_storage_in_place() -> None:
     assert adv_buf.abs().sum() > 0
     for key, tensor in before.items():
         assert torch.equal(storage[key], tensor), key
+
+
+@pytest.mark.parametrize("steps", [1, 2, 3, 5, 8, 129])
+def test_reverse_scan_matches_the_step_loop(steps: int) -> None:
+    """The log-depth scan is the recurrence A[t] = delta[t] + carry[t] * A[t+1] for any length, episode
+    ends (zero carries) included."""
+    g = torch.Generator().manual_seed(steps)
+    deltas = torch.randn(steps, 3, generator=g, dtype=torch.float64)
+    carry = torch.rand(steps, 3, generator=g, dtype=torch.float64) * (torch.rand(steps, 3, generator=g) > 0.2)
+    expected, last = torch.zeros_like(deltas), torch.zeros(3, dtype=torch.float64)
+    for t in range(steps - 1, -1, -1):
+        last = deltas[t] + carry[t] * last
+        expected[t] = last
+    torch.testing.assert_close(reverse_scan(deltas, carry), expected, rtol=0, atol=1e-12)

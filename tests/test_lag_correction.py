@@ -14,7 +14,7 @@ from tensordict import TensorDict
 from ppo_fabric.advantages import compute_advantages, gae
 from ppo_fabric.buffer import training_batch
 from ppo_fabric.loss import importance_weights, policy_loss
-from ppo_fabric.update import LAG_METRICS, recomputed_advantages, update_policy
+from ppo_fabric.update import LAG_METRICS, LagSettings, recomputed_advantages, update_policy
 from tests.test_ratio import ENVS, KEYS, STEPS, algo_cfg, collect, fabric_learner, params
 
 F64 = torch.float64
@@ -62,9 +62,7 @@ def test_weighted_policy_loss_gradient() -> None:
 )  # fmt: skip
 def test_importance_weights_truncate(max_weight: float, weights: tuple, cut: tuple) -> None:
     """pi_proximal / pi_behaviour = 0.5, 1, 3, truncated at `max_weight`; `cut` marks the truncated steps."""
-    behaviour = t(-1.0, -0.7, -2.0)
-    proximal = behaviour + t(0.5, 1.0, 3.0).log()
-    w, truncated = importance_weights(proximal, behaviour, max_weight)
+    w, truncated = importance_weights(t(0.5, 1.0, 3.0), max_weight)
     torch.testing.assert_close(w, t(*weights), rtol=0, atol=1e-12)
     assert truncated.tolist() == list(cut)
 
@@ -205,8 +203,8 @@ def test_recomputed_advantages_are_gae_with_the_new_critic(seed: int) -> None:
     rewards, term, trunc, final_values = (
         storage[k] for k in ("rewards", "terminated", "truncated", "final_values")
     )
-    algo = algo_cfg(gamma=0.99, gae_lambda=0.95)
-    adv, ret = recomputed_advantages(storage.reshape(-1), new.reshape(-1), (12, 3), 1, algo, None)
+    lag = LagSettings.of(algo_cfg(gamma=0.99, gae_lambda=0.95))
+    adv, ret = recomputed_advantages(storage.reshape(-1), new.reshape(-1), (12, 3), 1, lag, None)
     expected_adv, expected_ret = gae(rewards, new, term, trunc, final_values, next_value, 0.99, 0.95)
     torch.testing.assert_close(adv, expected_adv, rtol=0, atol=1e-12)
     torch.testing.assert_close(ret, expected_ret, rtol=0, atol=1e-12)
@@ -219,8 +217,8 @@ def test_recomputed_advantages_of_two_pieces() -> None:
     rewards, term, trunc, final_values = (
         storage[k] for k in ("rewards", "terminated", "truncated", "final_values")
     )
-    algo = algo_cfg(gamma=0.99, gae_lambda=0.95)
-    adv, _ = recomputed_advantages(storage.reshape(-1), new.reshape(-1), (12, 3), 2, algo, None)
+    lag = LagSettings.of(algo_cfg(gamma=0.99, gae_lambda=0.95))
+    adv, _ = recomputed_advantages(storage.reshape(-1), new.reshape(-1), (12, 3), 2, lag, None)
     bootstrap = torch.where(term[5], 0.0, torch.where(trunc[5], final_values[5], storage["values"][6]))
     first, _ = gae(rewards[:6], new[:6], term[:6], trunc[:6], final_values[:6], bootstrap, 0.99, 0.95)
     second, _ = gae(rewards[6:], new[6:], term[6:], trunc[6:], final_values[6:], next_value, 0.99, 0.95)
