@@ -11,8 +11,8 @@ from tensordict import TensorDict
 from ppo_fabric.agent import action_shape_dtype, obs_storage_dtype
 
 TRAIN_KEYS = ("obs", "actions", "logprobs", "values", "advantages", "returns")
-# Feed-forward batches also carry what GAE was computed from, so a learner whose policy and critic are newer
-# than the collector's (the decoupled pipeline) can recompute the advantages (`update.lagged_batch`).
+# What GAE was computed from: a feed-forward batch carries it when its learner's policy and critic will be
+# newer than the collector's (the decoupled pipeline), to recompute the advantages (`update.lagged_batch`).
 GAE_KEYS = ("rewards", "terminated", "truncated", "next_values")
 STATE_KEY = ("extras", "state")  # the recurrent state each step started from: [T, E, 2, layers, hidden]
 
@@ -72,18 +72,19 @@ def obs_storage(
     return torch.zeros(batch + tuple(space.shape), dtype=obs_storage_dtype(space), device=device)
 
 
-def training_batch(storage: TensorDict, seq_len: int = 1) -> TensorDict:
+def training_batch(storage: TensorDict, seq_len: int = 1, gae_inputs: bool = False) -> TensorDict:
     """What the update needs, with one entry per unit it shuffles.
 
     Feed-forward: the flat [T*E] view of the steps (no copy for the contiguous storage). Recurrent: [N]
     sequences of `seq_len` consecutive steps of one env (N = T/seq_len * E), each with the state stored at
     its first step (`initial_state`) and `starts` marking steps that begin an episode inside it, so the
-    update rebuilds exactly the states the rollout acted with.
+    update rebuilds exactly the states the rollout acted with. `gae_inputs` adds `GAE_KEYS` to a
+    feed-forward batch.
     """
     present = storage.keys()
     keys = [*TRAIN_KEYS, *(k for k in ("mask", "action_mask") if k in present)]
     if STATE_KEY not in storage.keys(include_nested=True):
-        return storage.select(*keys, *GAE_KEYS).reshape(-1)
+        return storage.select(*keys, *(GAE_KEYS if gae_inputs else ())).reshape(-1)
     steps, num_envs = storage.batch_size
     if steps % seq_len:
         raise ValueError(f"rollout_steps={steps} is not a multiple of model.lstm.seq_len={seq_len}")

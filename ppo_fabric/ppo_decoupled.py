@@ -81,11 +81,20 @@ def session_for(fabric: Fabric, cfg: DictConfig, run_dir: Path, resume: dict | N
     return RunSession(cfg, run_dir, fabric.global_rank == 0, per_update, resume)
 
 
+def gae_inputs(cfg: DictConfig) -> bool:
+    """Whether DATA carries what GAE was computed from: only where the trainers recompute it (a pipeline,
+    whose batches lag, with `algo.lag_refresh_advantages`)."""
+    return bool(cfg.algo.pipeline) and bool(cfg.algo.get("lag_refresh_advantages", True))
+
+
 def codecs_for(
-    specs: dict[str, PolicySpec], storages: dict[str, Any], trainers: int
+    specs: dict[str, PolicySpec], storages: dict[str, Any], trainers: int, cfg: DictConfig
 ) -> dict[str, BatchCodec]:
     """One DATA message per trained policy, in this order, shaped by a rollout's training batch."""
-    return {n: BatchCodec(training_batch(storages[n], specs[n].seq_len), trainers) for n in trained(specs)}
+    extra = gae_inputs(cfg)
+    return {
+        n: BatchCodec(training_batch(storages[n], specs[n].seq_len, extra), trainers) for n in trained(specs)
+    }
 
 
 def main(fabric: Fabric, cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
@@ -132,7 +141,8 @@ class Player:
             cfg, specs, topo.rank, self.device, sum_reduce(topo.player_group, "cpu")
         )
         self.names = metric_names(specs)
-        codecs = codecs_for(specs, self.collector.storages, len(topo.trainers))
+        codecs = codecs_for(specs, self.collector.storages, len(topo.trainers), cfg)
+        self.gae_inputs = gae_inputs(cfg)
         self.link = PlayerLink(topo, codecs, sum(p.numel() for p in self.params), len(self.names))
         self.in_flight: dict[str, Any] | None = None  # pipeline resume: what the first rollout acts with
         if resume is not None:
@@ -170,7 +180,8 @@ class Player:
             session.watch.add("collect", time.perf_counter() - t0)
             t0 = time.perf_counter()
             batches = {
-                n: training_batch(collector.storages[n], self.specs[n].seq_len) for n in self.link.codecs
+                n: training_batch(collector.storages[n], self.specs[n].seq_len, self.gae_inputs)
+                for n in self.link.codecs
             }
             self.link.send_data(batches, self.behaviour, self.pipeline, checkpoint_after=clock_due)
             session.watch.add("send", time.perf_counter() - t0)
@@ -292,7 +303,7 @@ def trainer(
     steps, copies = int(cfg.algo.rollout_steps), int(cfg.env.num_envs)
     delayed = is_async(cfg.env)  # the players' storages have a `mask`: so has the template
     templates = {n: policy_storage(steps, copies, s, "cpu", delayed) for n, s in specs.items()}
-    link = TrainerLink(topo, codecs_for(specs, templates, len(topo.trainers)), fabric.device)
+    link = TrainerLink(topo, codecs_for(specs, templates, len(topo.trainers), cfg), fabric.device)
     names = metric_names(specs)
     rank_minibatch = training_layout(cfg, fabric.world_size).rank_minibatch
     # each trainer's batch: per player, a time-major piece of its rollout, rows of `envs` steps

@@ -257,7 +257,7 @@ def test_lagged_update_learns_from_recomputed_advantages() -> None:
     old_adv = storage["advantages"].clone()
     new_adv, _ = gae(storage["rewards"], new_values, *ends)
     algo = algo_cfg(minibatch_size=STEPS * ENVS, update_epochs=1, norm_adv=False, lag_objective=False)
-    batch = training_batch(storage)
+    batch = training_batch(storage, gae_inputs=True)
 
     stats = update_policy(fabric, model, optimizer, batch, algo, lagged=True, layout=(1, ENVS))
 
@@ -268,3 +268,25 @@ def test_lagged_update_learns_from_recomputed_advantages() -> None:
     fabric, model, optimizer, agent = fabric_learner(seed=7)
     stats = update_policy(fabric, model, optimizer, batch, algo, lagged=True)
     assert stats["loss/policy"] == pytest.approx(-old_adv.mean().item(), rel=1e-4, abs=1e-6)
+
+
+def test_only_a_pipeline_that_recomputes_sends_the_gae_inputs() -> None:
+    """DATA carries rewards, episode ends and bootstrap values only where the trainers use them."""
+    from omegaconf import OmegaConf
+
+    from ppo_fabric.buffer import GAE_KEYS
+    from ppo_fabric.ppo_decoupled import gae_inputs
+
+    storage, _, _ = _storage(0)
+    storage["obs"], storage["actions"], storage["logprobs"] = (
+        storage["values"],
+        storage["values"],
+        storage["values"],
+    )
+    assert set(GAE_KEYS) <= set(training_batch(storage, gae_inputs=True).keys())
+    assert not set(GAE_KEYS) & set(training_batch(storage).keys())
+    cfg = lambda pipeline, refresh: OmegaConf.create(  # noqa: E731
+        {"algo": {"pipeline": pipeline, "lag_refresh_advantages": refresh}}
+    )
+    assert gae_inputs(cfg(True, True))
+    assert not gae_inputs(cfg(False, True)) and not gae_inputs(cfg(True, False))
