@@ -5,7 +5,6 @@ lagged batch against the model's own outputs; an on-policy batch stays plain PPO
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
 
 import pytest
 import torch
@@ -15,21 +14,22 @@ from ppo_fabric.advantages import compute_advantages, gae
 from ppo_fabric.buffer import training_batch
 from ppo_fabric.loss import importance_weights, policy_loss
 from ppo_fabric.update import LAG_METRICS, LagSettings, recomputed_advantages, update_policy
-from tests.test_ratio import ENVS, KEYS, STEPS, algo_cfg, collect, fabric_learner, params
+from tests.test_ratio import (  # noqa: F401 (one_thread: the module's autouse fixture, as the CLI runs)
+    ENVS,
+    KEYS,
+    STEPS,
+    algo_cfg,
+    collect,
+    fabric_learner,
+    one_thread,
+    params,
+)
 
 F64 = torch.float64
 
 
 def t(*xs: float) -> torch.Tensor:
     return torch.tensor(xs, dtype=F64)
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread() -> Iterator[None]:
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 # ratios to the proximal policy 0.5, 1.1, 1.5 with A = 1, -2, 3 (test_losses.py): min terms 0.5, -2.2, 3.6;
