@@ -47,6 +47,7 @@ def gae(
     gae_lambda: float,
     mask: Tensor | None = None,
     traces: Tensor | None = None,
+    bootstrap_out: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
     """Advantages and returns over a [T, E] rollout.
 
@@ -63,11 +64,14 @@ def gae(
     `traces` ([T, E], unmasked rollouts): step t takes `traces[t]` times the usual share of the advantage
     of step t+1. Truncated importance ratios there (V-trace's c = min(1, pi / mu) of the next step's action)
     cut the lambda-return of a rollout collected by an older policy where the policy now acts otherwise;
-    ones give plain GAE.
+    ones give plain GAE. `bootstrap_out` ([T, E], unmasked rollouts) receives the value each step
+    bootstrapped from (`bootstrap_values`).
     """
     done = terminated | truncated
     if mask is None:
         next_values = bootstrap_values(values, terminated, truncated, final_values, next_value)
+        if bootstrap_out is not None:
+            bootstrap_out.copy_(next_values)
         deltas = rewards + gamma * next_values - values
         carry = (~done).to(values.dtype) * (gamma * gae_lambda)
         if traces is not None:
@@ -103,15 +107,7 @@ def compute_advantages(storage: TensorDict, next_value: Tensor, gamma: float, ga
         gamma,
         gae_lambda,
         storage.get("mask", None),
+        bootstrap_out=storage.get("next_values", None),
     )
     storage["advantages"].copy_(adv)
     storage["returns"].copy_(ret)
-    if "next_values" in storage.keys() and "mask" not in storage.keys():  # noqa: SIM118
-        bootstrap = bootstrap_values(
-            storage["values"],
-            storage["terminated"],
-            storage["truncated"],
-            storage["final_values"],
-            next_value,
-        )
-        storage["next_values"].copy_(bootstrap)

@@ -244,16 +244,15 @@ def update_policy(
     With `target_kl` set, the KL estimate is averaged over all training ranks (`mean_across_trainers`)
     before deciding to stop, so every rank runs the same number of backward passes (DDP would hang).
 
-    `lagged` (None: a strategy that never lags, and no `LAG_METRICS`): the batch was collected by an older version of the policy than the model's (the decoupled
-    pipeline). One forward pass then gives the proximal log-probs and values (the model now), and
+    `lagged` (None: a strategy that never lags, and no `LAG_METRICS`): the batch was collected by an older
+    version of the policy than the model's (the decoupled pipeline). One forward pass then gives the proximal log-probs and values (the model now), and
     `lagged_batch` corrects for the lag: with `algo.lag_refresh_advantages` the advantages and returns are
     recomputed with the current critic; with `algo.lag_objective` the update optimises the decoupled PPO
     objective: the clip range and the clipped value loss are centred on the proximal policy, and each step
     is weighted by pi_proximal / pi_behaviour truncated at `algo.lag_weight_clip` (the KL and clip-fraction
     statistics are then against the proximal policy). Otherwise (and for every on-policy batch) the update
-    is plain PPO, bit for bit. `layout`:
-    (segments, envs) when the flat batch is `segments` time-major pieces of rollout with `envs` steps per
-    row, which lets `lagged_batch` refresh the advantages with the current critic.
+    is plain PPO, bit for bit. `layout`: (segments, envs) when the flat batch is `segments` time-major
+    pieces of rollout with `envs` steps per row, which lets `lagged_batch` recompute the advantages.
     """
     n = batch.batch_size[0]
     keys = batch.keys()
