@@ -91,7 +91,7 @@ def run_one(model: str, seed: int, steps: int | None, extra: list[str]) -> dict[
 
 def plot(runs: list[dict[str, Any]], out: Path) -> None:
     """rollout/return_mean20 against env steps, one line per run (LSTM blue, MLP orange). Drawn on an Agg
-    canvas through the object API, as ppo_fabric/plots.py does, so no GUI backend is ever picked."""
+    canvas through the object API, as ppo_fabric/runs/plots.py does, so no GUI backend is ever picked."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 

@@ -90,7 +90,7 @@ def resolved_workload(steps: int) -> dict[str, Any]:
     """The workload as ppo-fabric composes `exp=cleanrl_cartpole`: flat `group.key` -> value."""
     from omegaconf import OmegaConf
 
-    from ppo_fabric.config import compose
+    from ppo_fabric.config.values import compose
 
     cfg, _ = compose([f"exp={EXPERIMENT}", f"algo.total_steps={steps}"])
     out: dict[str, Any] = {}
@@ -150,9 +150,10 @@ def child_ppo_fabric(
 
     import ppo_fabric
     import ppo_fabric.cli  # noqa: F401
-    import ppo_fabric.launch as launch
+    import ppo_fabric.ppo  # noqa: F401  (the strategy, imported by the first run otherwise)
+    from ppo_fabric.app import process
 
-    launch.quiet_libraries()  # the same warning filters the `ppo-fabric` command applies
+    process.quiet_libraries()  # the same warning filters the `ppo-fabric` command applies
     if threads > 0:
         torch.set_num_threads(threads)  # before the warm-up; run() sets it again from torch_threads
     warm_up_torch()

@@ -54,7 +54,7 @@ def stepping(repeats: int, out: Path, vector_steps: int = 3000, num_envs: int = 
     import numpy as np
     from omegaconf import OmegaConf
 
-    from ppo_fabric.envs import make_vector_env
+    from ppo_fabric.envs.make import make_vector_env
 
     rows = []
     actions = np.random.default_rng(0).integers(0, 2, (vector_steps, num_envs))

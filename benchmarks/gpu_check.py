@@ -199,7 +199,7 @@ def tail(text: str, lines: int = 30) -> str:
 
 def load_checkpoint(path: Path) -> dict[str, Any]:
     """A checkpoint as plain data, tensors on the CPU; never unpickles the env snapshot."""
-    from ppo_fabric import checkpoint as ckpt
+    from ppo_fabric.runs import checkpoint as ckpt
 
     try:
         return ckpt.load(path, env_state="fresh")
@@ -368,7 +368,7 @@ ATARI_PER_UPDATE = 1024  # exp=atari: 8 envs x 128 steps
 def envpool_missing() -> str | None:
     """Why EnvPool cannot run here, or None: the package's own import check, which tells a missing EnvPool
     from a wheel copied without its dependencies (dm-env, optree: found, then failing to import)."""
-    from ppo_fabric.envpool_envs import EnvPoolError, import_envpool
+    from ppo_fabric.envs.envpool_backend import EnvPoolError, import_envpool
 
     try:
         import_envpool()

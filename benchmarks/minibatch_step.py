@@ -40,10 +40,10 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 import common  # noqa: E402
 
-from ppo_fabric.accel import set_cuda_math  # noqa: E402
-from ppo_fabric.agent import ActorCritic  # noqa: E402
-from ppo_fabric.learners import fused_adam_ok  # noqa: E402
-from ppo_fabric.update import LossCoefs, minibatch_losses, update_policy  # noqa: E402
+from ppo_fabric.learn.accel import set_cuda_math  # noqa: E402
+from ppo_fabric.learn.learners import fused_adam_ok  # noqa: E402
+from ppo_fabric.learn.update import LossCoefs, minibatch_losses, update_policy  # noqa: E402
+from ppo_fabric.models.agent import ActorCritic  # noqa: E402
 
 COEFS = LossCoefs(clip=0.1, clip_vloss=False, norm_adv=True, vf_coef=0.5, ent_coef=0.01)  # exp=atari's
 MAX_NORM, LR, ACTIONS = 0.5, 2.5e-4, 6

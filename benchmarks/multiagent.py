@@ -5,7 +5,7 @@
    measured here by stepping the env directly: uniformly random actions, and a scripted policy that sends
    each agent to its landmark in the assignment with the least total distance (it reads the env's internal
    state to choose the assignment, which no learned policy can, so it is a rough ceiling, not the optimum).
-2. `ppo_fabric.multiagent_envs:teams_v0` (2 adversaries vs 2 agents, zero-sum) with two policies,
+2. `ppo_fabric.envs.toy_multiagent:teams_v0` (2 adversaries vs 2 agents, zero-sum) with two policies,
    `adversary` and `agent`: once with both trained, and once with the adversaries frozen at their random
    initial policy (`multiagent.policies_to_train=[agent]`), where the agents' optimal return is known
    (L * (1 - 1/K) = 8 * 2/3 = 5.33). With both trained the two returns are each other's negatives and sit
@@ -49,7 +49,7 @@ from common import RESULTS  # noqa: E402
 
 SPREAD_ID = "mpe2.simple_spread_v3"
 SPREAD_KWARGS = {"N": 3, "max_cycles": 25, "continuous_actions": False}  # local_ratio: the env's 0.5
-TEAMS_ID = "ppo_fabric.multiagent_envs:teams_v0"
+TEAMS_ID = "ppo_fabric.envs.toy_multiagent:teams_v0"
 TEAMS_OPTIMAL_VS_RANDOM = 8 * (1 - 1 / 3)  # episode_length * (1 - 1/num_symbols), the defaults
 TEAMS_POLICIES = ["multiagent.policies={adversary:{},agent:{}}",
                   "multiagent.policy_mapping={adversary_*:adversary,agent_*:agent}"]  # fmt: skip
@@ -220,7 +220,7 @@ def smooth(ys: list[float], k: int = 5) -> np.ndarray:
 
 def plot(report: dict[str, Any], out: Path) -> None:
     """Left: simple_spread per-update mean agent-episode return (smoothed) with the references; right: the
-    teams game, one line per policy and run. Agg canvas through the object API, as ppo_fabric/plots.py."""
+    teams game, one line per policy and run. Agg canvas through the object API, as ppo_fabric/runs/plots.py."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 

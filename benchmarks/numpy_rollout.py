@@ -38,12 +38,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # ppo_fabric of
 import common  # noqa: E402
 from common import RESULTS  # noqa: E402
 
-from ppo_fabric.agent import ActorCritic  # noqa: E402
-from ppo_fabric.config import compose  # noqa: E402
-from ppo_fabric.learners import policy_specs  # noqa: E402
-from ppo_fabric.multiagent import SINGLE  # noqa: E402
-from ppo_fabric.numpy_actor import NumpyActor  # noqa: E402
-from ppo_fabric.rollout import build_collector  # noqa: E402
+from ppo_fabric.collect.numpy_actor import NumpyActor  # noqa: E402
+from ppo_fabric.collect.rollout import build_collector  # noqa: E402
+from ppo_fabric.config.values import compose  # noqa: E402
+from ppo_fabric.envs.multiagent import SINGLE  # noqa: E402
+from ppo_fabric.learn.learners import policy_specs  # noqa: E402
+from ppo_fabric.models.agent import ActorCritic  # noqa: E402
 
 
 def per_call_us(fn: Callable[[], Any], calls: int) -> float:

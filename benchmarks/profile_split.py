@@ -28,15 +28,15 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402
 
-from ppo_fabric.config import training_layout  # noqa: E402
-from ppo_fabric.launch import build_fabric  # noqa: E402
-from ppo_fabric.learners import build_learners, policies_of, policy_specs  # noqa: E402
-from ppo_fabric.loss import entropy_loss, normalize, policy_loss, value_loss  # noqa: E402
-from ppo_fabric.multiagent import SINGLE  # noqa: E402
-from ppo_fabric.numpy_actor import NumpyActor, unsupported  # noqa: E402
-from ppo_fabric.preflight import load  # noqa: E402
-from ppo_fabric.rollout import build_collector, training_batches  # noqa: E402
-from ppo_fabric.update import update_policies  # noqa: E402
+from ppo_fabric.app.launch import build_fabric  # noqa: E402
+from ppo_fabric.app.preflight import load  # noqa: E402
+from ppo_fabric.collect.numpy_actor import NumpyActor, unsupported  # noqa: E402
+from ppo_fabric.collect.rollout import build_collector, training_batches  # noqa: E402
+from ppo_fabric.config.values import training_layout  # noqa: E402
+from ppo_fabric.envs.multiagent import SINGLE  # noqa: E402
+from ppo_fabric.learn.learners import build_learners, policies_of, policy_specs  # noqa: E402
+from ppo_fabric.learn.loss import entropy_loss, normalize, policy_loss, value_loss  # noqa: E402
+from ppo_fabric.learn.update import update_policies  # noqa: E402
 
 
 def per_call_us(fn: Callable[[], Any], repeats: int) -> float:

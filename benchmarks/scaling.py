@@ -57,7 +57,7 @@ def layout(num_envs: int, devices: int, budget: int, min_updates: int) -> dict[s
 
 def plot(results: list[dict[str, Any]], env_groups: list[str], out: Path) -> None:
     """Two panels (one per env): SPS against num_envs on a log2 axis, one line per devices value.
-    Drawn through the object API on an Agg canvas, as ppo_fabric/plots.py does, so no GUI backend is
+    Drawn through the object API on an Agg canvas, as ppo_fabric/runs/plots.py does, so no GUI backend is
     ever picked on a headless machine."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure

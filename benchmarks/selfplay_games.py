@@ -33,11 +33,11 @@ import torch
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
-from ppo_fabric import checkpoint as ckpt  # noqa: E402
-from ppo_fabric.agent import ActorCritic  # noqa: E402
-from ppo_fabric.config import compose  # noqa: E402
-from ppo_fabric.games import PolicyPlayer, RandomPlayer, aec_env_factory, play_games  # noqa: E402
-from ppo_fabric.learners import policy_specs  # noqa: E402
+from ppo_fabric.config.values import compose  # noqa: E402
+from ppo_fabric.games.play import PolicyPlayer, RandomPlayer, aec_env_factory, play_games  # noqa: E402
+from ppo_fabric.learn.learners import policy_specs  # noqa: E402
+from ppo_fabric.models.agent import ActorCritic  # noqa: E402
+from ppo_fabric.runs import checkpoint as ckpt  # noqa: E402
 
 RESULTS = REPO / "benchmarks" / "results"
 GAMES = {"tictactoe": "tictactoe", "connect_four": "connect_four"}  # name -> recipe (conf/exp)

@@ -1,4 +1,4 @@
-"""What the direct minibatch-step layers of `ppo_fabric/optim.py` save, measured in one process.
+"""What the direct minibatch-step layers of `ppo_fabric/learn/optim.py` save, measured in one process.
 
 Builds an experiment's learner and rollout collector (one torch thread), collects a rollout, then times
 whole updates (`update.update_policies`: every epoch and minibatch) in three variants, alternated update by
@@ -6,7 +6,7 @@ update so machine load hits them alike: "fabric layers" (every minibatch step th
 wrapper, `fabric.clip_gradients` and `optimizer.step()`, as before optim.py), "direct step" (clipping and
 fused Adam called directly: `GradientStep`), and "direct step + forward" (also the module under Fabric's
 wrapper called directly: `forward_module`, what the package runs). The variants change no result: the
-direct step is bit-identical (tests/test_optim.py). Reports the median CPU time (this thread) of an update
+direct step is bit-identical (tests/learn/test_optim.py). Reports the median CPU time (this thread) of an update
 and each variant's speed-up; writes benchmarks/results/update_layers.{json,md}.
 
     .venv/bin/python benchmarks/update_layers.py [--updates 30] [--exps cleanrl_cartpole fast]
@@ -27,13 +27,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # ppo_fabric of this checkout
 import common  # noqa: E402
 
-import ppo_fabric.update as update  # noqa: E402
-from ppo_fabric.config import training_layout  # noqa: E402
-from ppo_fabric.launch import build_fabric  # noqa: E402
-from ppo_fabric.learners import build_learners, policies_of, policy_specs  # noqa: E402
-from ppo_fabric.optim import GradientStep, forward_module  # noqa: E402
-from ppo_fabric.preflight import load  # noqa: E402
-from ppo_fabric.rollout import build_collector, training_batches  # noqa: E402
+import ppo_fabric.learn.update as update  # noqa: E402
+from ppo_fabric.app.launch import build_fabric  # noqa: E402
+from ppo_fabric.app.preflight import load  # noqa: E402
+from ppo_fabric.collect.rollout import build_collector, training_batches  # noqa: E402
+from ppo_fabric.config.values import training_layout  # noqa: E402
+from ppo_fabric.learn.learners import build_learners, policies_of, policy_specs  # noqa: E402
+from ppo_fabric.learn.optim import GradientStep, forward_module  # noqa: E402
 
 
 class LayeredStep(GradientStep):

@@ -1,10 +1,40 @@
-"""ppo-fabric: PPO on Lightning Fabric, coupled or decoupled, configured by Hydra."""
+"""ppo-fabric: PPO on Lightning Fabric, coupled or decoupled, configured by Hydra.
+
+The public face: `run` trains, `load_policy` gives a trained policy to act with (`Policy.predict`)."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from pathlib import Path
+
+    from ppo_fabric.policy.trained import Policy
 
 __version__ = "0.1.0"
+__all__ = ["Policy", "load_policy", "run"]
 
 
-def run(overrides: list[str]) -> dict:
-    """Train with Hydra-style overrides, e.g. `run(["env.id=Acrobot-v1", "algo.total_steps=1e5"])`."""
+def run(overrides: list[str]) -> dict[str, Any]:
+    """Train with Hydra-style overrides, e.g. `run(["env.id=Acrobot-v1", "algo.total_steps=1e5"])`; returns
+    the run's summary (what `summary.json` holds). A config that cannot run raises `ConfigError` (a
+    ValueError with a one-line message)."""
     from ppo_fabric.cli import run as _run
 
     return _run(overrides)
+
+
+def load_policy(path: str | Path, policy: str | None = None) -> Policy:
+    """A trained policy from a checkpoint or a run directory, ready to `predict`: see
+    `ppo_fabric.policy.trained`. `policy=NAME` picks one policy of a multi-agent checkpoint."""
+    from ppo_fabric.policy.trained import load_policy as _load
+
+    return _load(path, policy)
+
+
+def __getattr__(name: str) -> Any:
+    if name == "Policy":  # imported on first use: `import ppo_fabric` stays light (no torch)
+        from ppo_fabric.policy.trained import Policy
+
+        return Policy
+    raise AttributeError(f"module 'ppo_fabric' has no attribute {name!r}")

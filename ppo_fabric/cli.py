@@ -9,27 +9,35 @@ from __future__ import annotations
 import sys
 from dataclasses import replace
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import TYPE_CHECKING, Any, NoReturn
 
 from omegaconf import DictConfig
 
-from ppo_fabric import launch, ppo, ppo_decoupled, supervisor
-from ppo_fabric.app import Invocation, run_app
-from ppo_fabric.arguments import fail
-from ppo_fabric.config import ConfigError, check_values, compose
-from ppo_fabric.launch import StrategyMain, end_process
+from ppo_fabric.app import supervisor
+from ppo_fabric.app.hydra_app import Invocation, run_app
+from ppo_fabric.app.process import end_process
+from ppo_fabric.config.arguments import fail
+from ppo_fabric.config.values import ConfigError, check_values, compose, under_fabric_run
 
-# `--help` prints conf/config.yaml's hydra.help: the groups, the common overrides and Hydra's flags.
-STRATEGIES: dict[str, StrategyMain] = {"coupled": ppo.main, "decoupled": ppo_decoupled.main}
+if TYPE_CHECKING:
+    from ppo_fabric.app.launch import StrategyMain
 
 
 def strategy_of(cfg: DictConfig) -> StrategyMain:
-    return STRATEGIES[str(cfg.strategy)]
+    """The strategy's `main`, imported here: the supervising process never imports a strategy (nor
+    Lightning, seconds of every command's start)."""
+    if str(cfg.strategy) == "decoupled":
+        from ppo_fabric.ppo_decoupled import main
+    else:
+        from ppo_fabric.ppo import main
+    return main
 
 
 def train(cfg: DictConfig, run_dir: str | Path | None = None) -> dict[str, Any]:
     """Train the composed `cfg` in this process (Fabric launches more for fabric.devices>1) and return rank
     0's summary; `run_dir` defaults to the Hydra run's output directory. Raises `ConfigError`."""
+    from ppo_fabric.app import launch
+
     return launch.train(cfg, strategy_of(cfg), run_dir)
 
 
@@ -73,7 +81,7 @@ def main(argv: list[str] | None = None) -> int:
     supervised = not supervisor.wanted()
     if supervised:
         supervisor.bind_to_supervisor()
-    return run_app(args, _task, check=not supervised or launch.under_fabric_run()).status
+    return run_app(args, _task, check=not supervised or under_fabric_run()).status
 
 
 def console_main() -> NoReturn:

@@ -16,14 +16,14 @@ import torch
 from lightning.fabric import Fabric
 from omegaconf import DictConfig
 
-from ppo_fabric import checkpoint as ckpt
-from ppo_fabric.config import training_layout
-from ppo_fabric.learners import build_learners, learners_state, policies_of, policy_specs
-from ppo_fabric.metrics import parameters_digest
-from ppo_fabric.protocol import all_gather_objects, max_over, sum_reduce
-from ppo_fabric.rollout import build_collector, training_batches
-from ppo_fabric.session import RunSession, collector_state, end_of_run, episode_metrics, resume_collector
-from ppo_fabric.update import update_policies
+from ppo_fabric.collect.rollout import build_collector, training_batches
+from ppo_fabric.config.values import training_layout
+from ppo_fabric.learn.learners import build_learners, learners_state, policies_of, policy_specs
+from ppo_fabric.learn.update import update_policies
+from ppo_fabric.runs import checkpoint as ckpt
+from ppo_fabric.runs.metrics import parameters_digest
+from ppo_fabric.runs.session import RunSession, collector_state, end_of_run, episode_metrics, resume_collector
+from ppo_fabric.wire.protocol import all_gather_objects, max_over, sum_reduce
 
 
 def main(fabric: Fabric, cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
@@ -96,6 +96,6 @@ def main(fabric: Fabric, cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
 
 
 if __name__ == "__main__":
-    from ppo_fabric.launch import run_script
+    from ppo_fabric.app.launch import run_script
 
     run_script("coupled", main)

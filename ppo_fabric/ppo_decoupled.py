@@ -29,13 +29,12 @@ from lightning.fabric import Fabric
 from omegaconf import DictConfig
 from torch.nn.utils import parameters_to_vector, vector_to_parameters
 
-from ppo_fabric import checkpoint as ckpt
-from ppo_fabric.agent import ActorCritic
-from ppo_fabric.buffer import training_batch
-from ppo_fabric.config import acting_envs, requested, training_layout
-from ppo_fabric.envpool_envs import is_async
-from ppo_fabric.launch import GroupDDPStrategy
-from ppo_fabric.learners import (
+from ppo_fabric.app.launch import GroupDDPStrategy
+from ppo_fabric.collect.rollout import build_collector, policy_storage
+from ppo_fabric.config.values import acting_envs, requested, training_layout
+from ppo_fabric.envs.envpool_backend import is_async
+from ppo_fabric.learn.buffer import training_batch
+from ppo_fabric.learn.learners import (
     PolicySpec,
     all_parameters,
     build_learners,
@@ -45,8 +44,12 @@ from ppo_fabric.learners import (
     policy_specs,
     trained,
 )
-from ppo_fabric.metrics import parameters_digest
-from ppo_fabric.placement import (
+from ppo_fabric.learn.update import LAG_METRICS, TRAIN_METRICS, update_policies
+from ppo_fabric.models.agent import ActorCritic
+from ppo_fabric.runs import checkpoint as ckpt
+from ppo_fabric.runs.metrics import parameters_digest
+from ppo_fabric.runs.session import RunSession, collector_state, end_of_run, episode_metrics, resume_collector
+from ppo_fabric.wire.placement import (
     check_local_rank,
     player_kind,
     players_of,
@@ -54,7 +57,7 @@ from ppo_fabric.placement import (
     role_map,
     trainer_kind,
 )
-from ppo_fabric.protocol import (
+from ppo_fabric.wire.protocol import (
     BatchCodec,
     Kind,
     PlayerLink,
@@ -64,9 +67,6 @@ from ppo_fabric.protocol import (
     setup_topology,
     sum_reduce,
 )
-from ppo_fabric.rollout import build_collector, policy_storage
-from ppo_fabric.session import RunSession, collector_state, end_of_run, episode_metrics, resume_collector
-from ppo_fabric.update import LAG_METRICS, TRAIN_METRICS, update_policies
 
 
 def metric_names(specs: dict[str, PolicySpec]) -> list[str]:
@@ -364,6 +364,6 @@ def trainer(
 
 
 if __name__ == "__main__":
-    from ppo_fabric.launch import run_script
+    from ppo_fabric.app.launch import run_script
 
     run_script("decoupled", main)

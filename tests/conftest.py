@@ -13,8 +13,8 @@ import pytest
 from omegaconf import DictConfig, OmegaConf
 
 import ppo_fabric
-from ppo_fabric.learners import Learner, PolicySpec, build_learners
-from ppo_fabric.multiagent import SINGLE
+from ppo_fabric.envs.multiagent import SINGLE
+from ppo_fabric.learn.learners import Learner, PolicySpec, build_learners
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -69,7 +69,7 @@ def single_learner(fabric: Any, cfg: DictConfig, obs_space: Any, action_space: A
 
 def numbered_checkpoint(run_dir: Path, update: int) -> Path:
     """The numbered checkpoint a run wrote after `update` updates (files are named by env step and run id)."""
-    from ppo_fabric import checkpoint as ckpt
+    from ppo_fabric.runs import checkpoint as ckpt
 
     found = [
         p
@@ -107,3 +107,13 @@ def job_processes(run_dir: Path) -> list[int]:
             if state != b"Z" and wanted in (proc / "cmdline").read_bytes().split(b"\0"):
                 found.append(int(proc.name))
     return found
+
+
+TIERS = ("multiprocess", "slow", "gpu")
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Every test no other tier claims is a `unit` test: `make test-fast` (`-m unit`) runs those."""
+    for item in items:
+        if not any(item.get_closest_marker(tier) for tier in TIERS):
+            item.add_marker(pytest.mark.unit)

@@ -1,6 +1,8 @@
 """The package's layout rules, checked on its import graph (imports inside functions included):
-no cycle, neither strategy imports the other, `config.py` imports nothing of the package, and
-torch.distributed is used only by the protocol module."""
+no cycle, the subpackages form layers (a lower one never imports a higher one, the root's entry points are
+imported by none of them), the root holds only the public face and the entry points, neither strategy
+imports the other, the config module imports nothing of the package, and torch.distributed is used only by
+the protocol module."""
 
 from __future__ import annotations
 
@@ -59,7 +61,7 @@ def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
 
 def test_no_import_cycle() -> None:
     graph = import_graph()
-    assert "ppo_fabric.ppo" in graph and "ppo_fabric.protocol" in graph
+    assert "ppo_fabric.ppo" in graph and "ppo_fabric.wire.protocol" in graph
     assert cycles(graph) == []
 
 
@@ -81,13 +83,83 @@ def test_strategies_do_not_import_each_other(module: str, forbidden: str) -> Non
 
 
 def test_config_is_a_leaf() -> None:
-    assert import_graph()["ppo_fabric.config"] == set()
+    assert import_graph()["ppo_fabric.config.values"] == set()
 
 
 def test_torch_distributed_only_in_the_protocol() -> None:
     users = sorted(
         module_name(p)
         for p in PACKAGE.rglob("*.py")
-        if "torch.distributed" in p.read_text() and module_name(p) != "ppo_fabric.protocol"
+        if "torch.distributed" in p.read_text() and module_name(p) != "ppo_fabric.wire.protocol"
     )
     assert users == []
+
+
+# Lowest first. A subpackage may import its own modules and those of lower layers; packages on one layer
+# never import each other. The docs' architecture page draws this table.
+LAYERS: list[set[str]] = [
+    {"compat", "config", "wire"},
+    {"envs", "models"},
+    {"games"},
+    {"learn"},
+    {"collect"},
+    {"runs"},
+    {"policy"},
+    {"app"},
+    {"tune"},
+]
+# The package root: the public face (`__init__`: run, load_policy) and the entry points.
+ROOT_MODULES = {"__init__", "__main__", "cli", "ppo", "ppo_decoupled", "evaluate", "export"}
+
+
+def layer_of(module: str) -> int | None:
+    """The layer of a subpackage's module, None for a root module."""
+    parts = module.split(".")
+    if len(parts) < 2 or (len(parts) == 2 and not (PACKAGE / parts[1]).is_dir()):
+        return None
+    return next(i for i, names in enumerate(LAYERS) if parts[1] in names)
+
+
+def layering_violations(graph: dict[str, set[str]]) -> list[str]:
+    bad = []
+    for module, deps in graph.items():
+        here = layer_of(module)
+        if here is None:
+            continue  # the root may import any layer
+        for dep in deps:
+            there = layer_of(dep)
+            if there is None:
+                bad.append(f"{module} imports the root's {dep}")
+            elif there > here or (there == here and dep.split(".")[1] != module.split(".")[1]):
+                bad.append(f"{module} (layer {here}) imports {dep} (layer {there})")
+    return sorted(bad)
+
+
+def test_every_subpackage_has_a_layer() -> None:
+    packages = {p.name for p in PACKAGE.iterdir() if (p / "__init__.py").is_file()}
+    assert packages == set().union(*LAYERS)
+
+
+def test_subpackages_form_layers() -> None:
+    assert layering_violations(import_graph()) == []
+
+
+def test_layering_check_can_fail() -> None:
+    """An import from a lower layer up, one across a layer and one of a root entry point are all caught."""
+    graph = {
+        "ppo_fabric.envs.make": {
+            "ppo_fabric.learn.update",
+            "ppo_fabric.models.agent",
+            "ppo_fabric.config.values",
+        },
+        "ppo_fabric.config.values": {"ppo_fabric.ppo"},
+    }
+    assert layering_violations(graph) == [
+        "ppo_fabric.config.values imports the root's ppo_fabric.ppo",
+        "ppo_fabric.envs.make (layer 1) imports ppo_fabric.learn.update (layer 3)",
+        "ppo_fabric.envs.make (layer 1) imports ppo_fabric.models.agent (layer 1)",
+    ]
+
+
+def test_root_holds_only_the_public_face_and_entry_points() -> None:
+    assert {p.stem for p in PACKAGE.glob("*.py")} == ROOT_MODULES

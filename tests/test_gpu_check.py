@@ -18,6 +18,7 @@ import pytest
 REPO = Path(__file__).resolve().parent.parent
 
 
+@pytest.mark.multiprocess
 def test_gpu_check_skips_every_check_without_cuda(tmp_path: Path) -> None:
     out = tmp_path / "gpu_check.json"
     env = dict(os.environ, CUDA_VISIBLE_DEVICES="")  # no device even on a GPU machine
@@ -87,6 +88,7 @@ def test_report_is_rewritten_after_every_check_and_keeps_failure_output(
     assert lines[at + 1 : at + 3] == ["    Traceback (most recent call last):", "    RuntimeError: boom"]
 
 
+@pytest.mark.slow
 def test_a_failing_run_carries_its_output(gc, tmp_path: Path) -> None:
     """Runs.train: a run that exits non-zero fails the check with its last line, and its output tail."""
     runs = gc.Runs(tmp_path, "cpu", 2)

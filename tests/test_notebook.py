@@ -44,6 +44,7 @@ def test_quickstart_is_committed_without_outputs() -> None:
     assert all(not cell.outputs and cell.execution_count is None for cell in code)
 
 
+@pytest.mark.multiprocess
 @pytest.mark.timeout(300)
 def test_quickstart_notebook_runs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     jupyter_dir = tmp_path / "jupyter"

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from ppo_fabric.config import compose
-from ppo_fabric.preflight import check as validate
+from ppo_fabric.app.preflight import check as validate
+from ppo_fabric.config.values import compose
 
 
 def test_mujoco_recipe_is_cleanrls_continuous_workload() -> None:

@@ -1,7 +1,7 @@
 """`hydra/launcher=ppo_fabric`, the default launcher of `python -m ppo_fabric -m ...`: each job runs as
-`python -m ppo_fabric <job overrides> hydra.run.dir=<job dir>`, a process of its own (see ppo_fabric/sweep.py).
+`python -m ppo_fabric <job overrides> hydra.run.dir=<job dir>`, a process of its own (see ppo_fabric/app/sweep.py).
 
-Hydra only instantiates launchers defined under `hydra_plugins`; the work is done in `ppo_fabric.sweep`.
+Hydra only instantiates launchers defined under `hydra_plugins`; the work is done in `ppo_fabric.app.sweep`.
 No `from __future__ import annotations`: Hydra executes plugin modules outside sys.modules, where a
 dataclass with string annotations cannot be built.
 """
@@ -28,7 +28,7 @@ ConfigStore.instance().store(
 
 class ProcessLauncher(Launcher):
     def __init__(self, n_jobs: int = 1) -> None:
-        from ppo_fabric.sweep import Sweep
+        from ppo_fabric.app.sweep import Sweep
 
         self.sweep = Sweep(n_jobs)
 

@@ -7,6 +7,6 @@ from hydra.plugins.search_path_plugin import SearchPathPlugin
 
 class PpoFabricSearchPathPlugin(SearchPathPlugin):
     def manipulate_search_path(self, search_path: ConfigSearchPath) -> None:
-        from ppo_fabric.config import config_dir  # a leaf module: omegaconf only
+        from ppo_fabric.config.values import config_dir  # a leaf module: omegaconf only
 
         search_path.append(provider="ppo-fabric", path=f"file://{config_dir()}")

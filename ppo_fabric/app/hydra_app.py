@@ -1,0 +1,143 @@
+"""The Hydra application behind `python -m ppo_fabric`, `ppo-fabric` and `fabric run ppo_fabric/<strategy>.py`.
+
+Hydra's own argument parser and entry (`get_args_parser`, `_run_hydra`, what `@hydra.main` calls) give the
+whole Hydra command line: `-m/--multirun`, `--cfg`, `--resolve`, `--info`, `--help`, `--config-path`,
+`--config-name`, `--config-dir` and launcher/sweeper plugins. This module adds what Hydra does not do:
+
+- a config mistake is one line and exit 2 *before* Hydra creates the run directory and before any
+  process starts (Hydra's run mode makes the output directory before it calls the task function);
+- a relative `--config-path` is relative to the working directory (Hydra would read it relative to the
+  `ppo_fabric` package), and `version_base` 1.3 keeps the working directory (relative `resume=` paths work);
+- under `fabric run`/torchrun, where every rank runs this same command line, `-m` is refused (each rank
+  would run the whole sweep) and `--cfg`/`--info` print on rank 0 only.
+
+It imports no strategy: the command line (`cli`) and the strategy files (`launch.run_script`) hand their
+task function in.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from omegaconf import DictConfig
+
+from ppo_fabric.app.preflight import load
+from ppo_fabric.compat.private import hydra_args_parser, run_hydra
+from ppo_fabric.config.arguments import fail
+from ppo_fabric.config.values import (
+    ConfigError,
+    compose,
+    config_dir,
+    make_plugins_discoverable,
+    under_fabric_run,
+    without_sweeps,
+)
+
+VERSION_BASE = "1.3"  # hydra.job.chdir defaults to false: the run keeps the user's working directory
+CONFIG_NAME = "config"
+
+
+@dataclass
+class Invocation:
+    """What the command line asked for, as a job's own command line needs it again."""
+
+    overrides: list[str]
+    config_path: str | None = None  # absolute, or pkg://...; None: ours
+    config_name: str | None = None
+    config_dir: str | None = None
+    status: int = 0  # the task's exit status, set by the task function
+
+    @property
+    def flags(self) -> list[str]:
+        """`--config-path/--config-name/--config-dir` for a job started with this invocation's config."""
+        flags = []
+        for name in ("config_path", "config_name", "config_dir"):
+            value = getattr(self, name)
+            if value is not None:
+                flags.append(f"--{name.replace('_', '-')}={value}")
+        return flags
+
+
+Task = Callable[[DictConfig, Invocation], int]
+
+
+def _absolute(path: str | None) -> str | None:
+    if path is None or path.startswith(("pkg://", "file://")) or os.path.isabs(path):
+        return path
+    return os.path.abspath(path)
+
+
+def parser() -> argparse.ArgumentParser:
+    """Hydra's own parser; its usage errors become our one line and exit 2."""
+    args_parser = hydra_args_parser()
+    args_parser.prog = "python -m ppo_fabric"
+    args_parser.error = lambda message: fail(f"{message}; see python -m ppo_fabric --help")  # type: ignore[method-assign]
+    return args_parser
+
+
+def _rank() -> int:
+    return int(os.environ.get("RANK", os.environ.get("LOCAL_RANK", "0")) or 0)
+
+
+def precheck(invocation: Invocation, full: bool) -> None:
+    """One line and exit 2 for a config that cannot run, before Hydra makes any directory.
+
+    `full`: a run (not a sweep, not `--cfg`): every check of `preflight.load`, environment included. A
+    sweep's shared overrides are composed here; each job is checked by the launcher before any starts."""
+    path, name = invocation.config_path, invocation.config_name or CONFIG_NAME
+    try:
+        if full:
+            load(list(invocation.overrides), path, name)
+        else:
+            compose(without_sweeps(list(invocation.overrides)), path, name)
+    except ConfigError as exc:
+        fail(str(exc))
+
+
+def run_app(argv: list[str], task: Task, check: bool = True) -> Invocation:
+    """Run Hydra's command line `argv` with `task` as its task function; returns the invocation, whose
+    `status` the task set. `check=False` leaves the run's checks to the task: a supervised job and its
+    ranks, whose supervisor checked the same command line already (a rank that starts slower than
+    `collectives.timeout` fails the job's rendezvous, so ranks do no work twice)."""
+    from hydra import version
+
+    args_parser = parser()
+    args = args_parser.parse_intermixed_args(argv)  # flags anywhere: `env=x -m seed=1,2` works too
+    if args.experimental_rerun is not None:
+        fail("--experimental-rerun is not supported: it unpickles a file; rerun the overrides instead")
+    args.config_path = _absolute(args.config_path)
+    args.config_dir = _absolute(args.config_dir)
+    invocation = Invocation(list(args.overrides), args.config_path, args.config_name, args.config_dir)
+    shows = args.cfg is not None or args.info is not None or args.shell_completion
+    if under_fabric_run():
+        if args.multirun:
+            fail(
+                "-m/--multirun cannot run under fabric run/torchrun (every rank would run the whole sweep); "
+                "run the sweep with python -m ppo_fabric -m ... and fabric.devices=N"
+            )
+        if (shows or args.help or args.hydra_help) and _rank() != 0:
+            return invocation  # rank 0 prints it once
+    # A run is checked whole; a sweep's shared overrides and --cfg are composed. --config-dir adds to the
+    # search path in a way our compose cannot repeat: such a run's task does the checks.
+    helps = args.help or args.hydra_help or args.info is not None or args.shell_completion
+    if check and args.config_dir is None and not helps:
+        precheck(invocation, full=not args.multirun and args.cfg is None)
+
+    def task_function(cfg: DictConfig) -> Any:
+        invocation.status = task(cfg, invocation)
+        return invocation.status
+
+    version.setbase(VERSION_BASE)
+    make_plugins_discoverable()
+    run_hydra(
+        args=args,
+        args_parser=args_parser,
+        task_function=task_function,
+        config_path=str(config_dir()),
+        config_name=CONFIG_NAME,
+    )
+    return invocation

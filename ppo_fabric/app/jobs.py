@@ -1,0 +1,119 @@
+"""Runs started as processes of their own: the jobs of a multirun sweep and the trials of a study.
+
+Each is `python -m ppo_fabric <overrides> hydra.run.dir=<dir>`, the command a user would type, so every
+job has the config check, the supervisor (restarts, signals, no leftover ranks) and the run directory of
+any run. Lightning relaunches ranks from `sys.argv`: started this way they see the job's argv, never the
+sweep's, and no rank variable of the sweep's own process leaks into the next job.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO
+
+from ppo_fabric.app.supervisor import SUPERVISED_ENV, SUPERVISOR_PID_ENV, exit_status
+from ppo_fabric.config.values import OWN_RUN_DIR_ENV
+
+# Variables of a launcher or of a rank: a job that inherited them would take itself for a rank of a job
+# that is not there (a leaked LOCAL_RANK makes Lightning wait for peers that never come).
+_RANK_VARIABLES = (
+    "LOCAL_RANK",
+    "RANK",
+    "WORLD_SIZE",
+    "NODE_RANK",
+    "GROUP_RANK",
+    "LOCAL_WORLD_SIZE",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "LT_CLI_USED",
+    "LT_ACCELERATOR",
+    "LT_DEVICES",
+    "LT_NUM_NODES",
+    "LT_PRECISION",
+    "LT_STRATEGY",
+    SUPERVISED_ENV,
+    SUPERVISOR_PID_ENV,
+    OWN_RUN_DIR_ENV,
+)
+
+
+def job_environment(extra: dict[str, str] | None = None) -> dict[str, str]:
+    """This process's environment without launcher and rank variables, plus `extra`."""
+    env = {
+        k: v for k, v in os.environ.items() if k not in _RANK_VARIABLES and not k.startswith("TORCHELASTIC_")
+    }
+    env.update(extra or {})
+    return env
+
+
+def job_command(overrides: list[str], run_dir: Path) -> list[str]:
+    """The command line of one job: the user's overrides, the run directory last (it wins)."""
+    kept = [o for o in overrides if o.split("=", 1)[0].lstrip("+~") != "hydra.run.dir"]
+    return [sys.executable, "-m", "ppo_fabric", *kept, f"hydra.run.dir={run_dir}"]
+
+
+@dataclass
+class RunProcess:
+    """One job as a process (its supervisor), in a session of its own: a terminal's Ctrl+C reaches only
+    the sweep, which ends the running job with `stop` so that it writes its checkpoint and summary."""
+
+    overrides: list[str]
+    run_dir: Path
+    proc: subprocess.Popen[bytes]
+    started: float = field(default_factory=time.monotonic)
+    log: IO[bytes] | None = None
+
+    @classmethod
+    def start(
+        cls,
+        overrides: list[str],
+        run_dir: Path,
+        env: dict[str, str] | None = None,
+        log_path: Path | None = None,
+    ) -> RunProcess:
+        """Start the job; its output goes to `log_path` when given, else to this process's stdout/stderr."""
+        run_dir = Path(run_dir).resolve()
+        run_dir.parent.mkdir(parents=True, exist_ok=True)
+        log = None
+        if log_path is not None:
+            log_path.parent.mkdir(parents=True, exist_ok=True)
+            log = log_path.open("ab")
+        proc = subprocess.Popen(
+            job_command(overrides, run_dir),
+            env=job_environment(env),
+            stdout=log,
+            stderr=subprocess.STDOUT if log is not None else None,
+            start_new_session=True,
+        )
+        return cls(list(overrides), run_dir, proc, log=log)
+
+    def poll(self) -> int | None:
+        """The exit status once the job has ended (a signal N as 128 + N), else None."""
+        code = self.proc.poll()
+        return None if code is None else self._finish(code)
+
+    def wait(self, timeout: float | None = None) -> int:
+        """Wait for the job; raises `subprocess.TimeoutExpired` after `timeout` seconds."""
+        return self._finish(self.proc.wait(timeout=timeout))
+
+    def stop(self, signum: int = signal.SIGTERM) -> None:
+        """Ask the job to stop at its next update boundary (its supervisor forwards the signal to every
+        rank; they write last.ckpt and summary.json); a second signal kills it."""
+        with contextlib.suppress(ProcessLookupError):
+            self.proc.send_signal(signum)
+
+    @property
+    def elapsed_s(self) -> float:
+        return time.monotonic() - self.started
+
+    def _finish(self, code: int) -> int:
+        if self.log is not None and not self.log.closed:
+            self.log.close()
+        return exit_status(code)

@@ -1,0 +1,242 @@
+"""Start a run from a checked config: build Fabric, launch (or join) the processes, seed, run the strategy's
+`main` on every rank, turn a rank's failure into one line, and leave the process cleanly.
+
+Strategies hand their own `main` in (`run_script` under `fabric run`, `cli` for `python -m ppo_fabric`),
+so this module never imports a strategy and no strategy imports the command line.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import os
+import sys
+import traceback
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any, NoReturn
+
+import torch
+from lightning.fabric import Fabric
+from lightning.fabric.plugins.precision import MixedPrecision
+from lightning.fabric.strategies import DDPStrategy
+from lightning.fabric.utilities.seed import seed_everything
+from omegaconf import DictConfig
+from threadpoolctl import threadpool_limits
+from torch.nn.parallel import DistributedDataParallel
+
+from ppo_fabric.app.preflight import prepare
+from ppo_fabric.app.process import end_process, quiet_libraries
+from ppo_fabric.compat.private import set_fabric_precision
+from ppo_fabric.config.arguments import fail
+from ppo_fabric.config.values import ConfigError, under_fabric_run
+from ppo_fabric.learn.accel import set_cuda_math
+from ppo_fabric.runs.session import STOP, Stopped
+from ppo_fabric.wire.placement import small_model_warning
+from ppo_fabric.wire.protocol import end_process_group
+
+StrategyMain = Callable[[Fabric, DictConfig, Path], dict[str, Any]]
+# The mixed precisions by every name a job may be given them: `fabric run --precision` also takes
+# Lightning's short aliases, which reach the processes as they were typed (LT_PRECISION).
+MIXED_PRECISIONS = {
+    "16-mixed": "16-mixed",
+    "16": "16-mixed",
+    "bf16-mixed": "bf16-mixed",
+    "bf16": "bf16-mixed",
+}
+
+
+class GroupDDPStrategy(DDPStrategy):
+    """Fabric's DDP for the decoupled strategy: every process launched on the CPU (gloo), each taking its
+    role's device after launch, and DDP over a sub-group of the job (the trainers).
+
+    Fabric has one accelerator per job (`Fabric(accelerator="cuda", devices=3)` on one GPU raises, and DDP
+    over mixed CPU/CUDA devices fails), so the job is a CPU job and a trainer moves to its GPU with
+    `take_device`: `fabric.device`, `fabric.setup` and `fabric.to_device` then use it, and mixed precision
+    autocasts on that device. Players never join the group. A group of one trainer gets no DDP wrapper at
+    all: it has nothing to synchronise, and DDP's forward/backward hooks would still cost ~120 us per
+    minibatch step.
+    """
+
+    def __init__(self, timeout: datetime.timedelta, start_method: str = "popen", **ddp_kwargs: Any) -> None:
+        super().__init__(timeout=timeout, start_method=start_method, **ddp_kwargs)
+        self.module_group: Any = None
+        self.module_group_size = 0
+        self.role_device: torch.device | None = None
+        self.ddp_kwargs = ddp_kwargs  # what DistributedDataParallel gets, as DDPStrategy passes them on
+
+    @property
+    def root_device(self) -> torch.device:
+        return self.role_device if self.role_device is not None else super().root_device
+
+    def take_device(self, fabric: Fabric, device: torch.device, precision: str) -> None:
+        """Work on `device` from now on (before any model is set up); `precision` is the job's
+        `fabric.precision`, whose autocast follows the device (Fabric built it for the CPU)."""
+        self.role_device = device
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+            mixed = MIXED_PRECISIONS.get(str(precision))
+            if mixed is not None:
+                plugin = MixedPrecision(mixed, "cuda")  # type: ignore[arg-type]
+                self.precision = plugin
+                set_fabric_precision(fabric, plugin)  # Fabric keeps its own reference too
+
+    def use_group(self, group: Any, size: int) -> None:
+        self.module_group, self.module_group_size = group, size
+
+    def setup_module(self, module: torch.nn.Module) -> torch.nn.Module:
+        if self.module_group is None:
+            return super().setup_module(module)
+        if self.module_group_size == 1:
+            return module
+        device = self.root_device
+        device_ids = [device.index] if device.type == "cuda" else None
+        return DistributedDataParallel(
+            module, device_ids=device_ids, process_group=self.module_group, **self.ddp_kwargs
+        )
+
+
+def describe_failure(exc: BaseException) -> str:
+    """One line for a rank's failure; a broken collective means another rank died first."""
+    text = f"{type(exc).__name__}: {exc}".strip().splitlines()[0]
+    lost = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "timed out", "Timeout")
+    if any(marker in text for marker in lost) or type(exc).__name__ == "DistBackendError":
+        return f"lost contact with another rank (it failed, was killed, or is stuck): {text}"
+    return text
+
+
+def build_fabric(cfg: DictConfig, world_size: int) -> Fabric:
+    """Fabric for the config. A decoupled job is a CPU job whatever `fabric.accelerator` says: each role
+    takes its device after launch (GroupDDPStrategy.take_device), so players on the CPU and trainers on
+    GPUs share one job, and the players <-> trainers messages go over gloo."""
+    timeout = datetime.timedelta(seconds=float(cfg.collectives.timeout))
+    under_cli = under_fabric_run()
+    decoupled = cfg.strategy == "decoupled"
+    kwargs: dict[str, Any] = {}
+    if not under_cli:  # `fabric run` flags decide these, and passing others would conflict
+        kwargs = {
+            "accelerator": "cpu" if decoupled else cfg.fabric.accelerator,
+            "devices": int(cfg.fabric.devices),
+            "num_nodes": int(cfg.fabric.num_nodes),
+            "precision": cfg.fabric.precision,
+        }
+    # `fabric run --strategy=...` reaches Fabric only through LT_STRATEGY; no public API reads it back.
+    if world_size > 1 and cfg.fabric.strategy in ("auto", "ddp") and not os.environ.get("LT_STRATEGY"):
+        ddp = GroupDDPStrategy if decoupled else DDPStrategy
+        kwargs["strategy"] = ddp(timeout=timeout, start_method="popen")
+    elif not under_cli:
+        kwargs["strategy"] = cfg.fabric.strategy
+    if not (under_cli and decoupled):
+        return Fabric(**kwargs)
+    # Under `fabric run` the processes exist already and Fabric reads the accelerator from LT_ACCELERATOR
+    # (passing another one raises), so a decoupled job swaps it for "cpu" while Fabric is built, and only
+    # then: `algo.trainer_device=auto` goes on reading `fabric run --accelerator` (config.requested), as
+    # the checks before launch did. Left at "cpu", `--accelerator=cuda` would put the trainers on the CPU.
+    with environment_variable("LT_ACCELERATOR", "cpu"):
+        return Fabric(**kwargs)
+
+
+@contextlib.contextmanager
+def environment_variable(name: str, value: str) -> Iterator[None]:
+    """`name=value` in this process's environment for the block; its previous value (or absence) after."""
+    before = os.environ.get(name)
+    os.environ[name] = value
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = before
+
+
+def set_threads(threads: int) -> None:
+    """`torch_threads` for torch's intra-op pool and for NumPy's BLAS, which the NumPy rollout actor calls:
+    OpenBLAS would otherwise give a large actor's matmuls (256 x 256 and up) a thread per core in every
+    process, and processes sharing a node would oversubscribe its cores."""
+    torch.set_num_threads(threads)
+    threadpool_limits(threads, user_api="blas")
+
+
+def launch(
+    cfg: DictConfig, run_dir_template: str, facts: dict[str, Any], main: StrategyMain
+) -> dict[str, Any]:
+    """Start the processes and run `main` on each; returns this rank's summary."""
+    if int(cfg.torch_threads) > 0:
+        set_threads(int(cfg.torch_threads))
+    fabric = build_fabric(cfg, facts["world_size"])
+    set_cuda_math(bool(cfg.fabric.get("tf32", True)))  # process-wide; a no-op without CUDA
+    if not under_fabric_run():  # under `fabric run` the processes exist and are set up already
+        fabric.launch()
+    # Every process composed the config itself (at its own time); rank 0's run directory wins.
+    own = Path(run_dir_template).resolve()
+    run_dir = Path(fabric.broadcast(str(own), src=0))
+    if own != run_dir:  # Hydra made this rank's own (timestamped) output directory: leave none behind
+        with contextlib.suppress(OSError):
+            own.rmdir()
+    warning = None
+    if "parameters" in facts:
+        warning = small_model_warning(int(facts["parameters"]), str(facts["train_device"]))
+    if warning is not None and fabric.global_rank == 0:
+        os.write(2, f"ppo-fabric: {warning}\n".encode())
+    seed_everything(int(cfg.seed) + fabric.global_rank, verbose=False)
+    try:
+        with STOP.installed():
+            summary = main(fabric, cfg, run_dir)
+    except Stopped as stop:
+        if fabric.global_rank == 0:
+            os.write(
+                2, f"ppo-fabric: {stop}; continue with resume={stop.checkpoint} (or resume=auto)\n".encode()
+            )
+        end_process(128 + stop.signum)
+    except KeyboardInterrupt:
+        if fabric.global_rank == 0:
+            last = run_dir / "checkpoints" / "last.ckpt"
+            hint = f"; continue with resume={last}" if last.exists() else ""
+            os.write(2, f"ppo-fabric: interrupted{hint}\n".encode())
+        os._exit(130)
+    except Exception as exc:
+        if fabric.world_size == 1:
+            raise
+        rank = fabric.global_rank
+        if os.environ.get("PPO_FABRIC_TRACEBACK"):
+            traceback.print_exc()
+        # one write per line: ranks failing together must not interleave their messages
+        os.write(2, f"ppo-fabric: error on rank {rank}: {describe_failure(exc)}\n".encode())
+        os._exit(1)  # do not wait in atexit hooks for peers that may be stuck in a collective
+    end_process_group()
+    return summary
+
+
+def train(cfg: DictConfig, main: StrategyMain, run_dir: str | Path | None = None) -> dict[str, Any]:
+    """The one way a run starts, whatever started it (the Hydra app's job, `ppo_fabric.run([...])`, each
+    rank under `fabric run`): check the composed config for `run_dir` (default: the Hydra run's output
+    directory), then launch `main`; returns this rank's summary. Raises `ConfigError` before anything starts.
+    """
+    quiet_libraries()
+    if run_dir is None:
+        from hydra.core.hydra_config import HydraConfig
+
+        run_dir = HydraConfig.get().runtime.output_dir
+    facts = prepare(cfg, str(run_dir))
+    return launch(cfg, str(run_dir), facts, main)
+
+
+def run_script(strategy: str, main: StrategyMain) -> NoReturn:
+    """`fabric run ppo_fabric/<strategy file>.py [Hydra flags] [overrides]`: the file fixes the strategy."""
+    from ppo_fabric.app.hydra_app import run_app
+
+    args = sys.argv[1:]
+    given = [a.split("=", 1)[1] for a in args if a.startswith("strategy=")]
+    if given and given[-1] != strategy:
+        fail(f"strategy={given[-1]} conflicts with the launched file, which runs strategy={strategy}")
+
+    def task(cfg: DictConfig, _: Any) -> int:
+        try:
+            train(cfg, main)
+        except ConfigError as exc:
+            fail(str(exc))
+        return 0
+
+    args = [*(a for a in args if not a.startswith("strategy=")), f"strategy={strategy}"]
+    end_process(run_app(args, task).status)

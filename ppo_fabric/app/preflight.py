@@ -1,0 +1,246 @@
+"""Checks that need more than the config's values, run once before any process starts: the environment
+(its id, spaces and agents), the model for those spaces, the machine's devices and the checkpoint to
+resume from. `load` is what every entry point calls: compose, check the values, check these, check the
+run directory; any problem is one `ConfigError` line.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import gymnasium as gym
+import torch
+from omegaconf import DictConfig, OmegaConf
+
+from ppo_fabric.config.values import (
+    ConfigError,
+    check_layout,
+    check_run_dir,
+    check_values,
+    compose,
+    launched_world_size,
+    processes_per_node,
+    requested,
+    sequence_length,
+    under_fabric_run,
+)
+from ppo_fabric.envs.make import EnvError, check_normalizable
+from ppo_fabric.envs.multiagent import is_multiagent, policy_settings
+from ppo_fabric.learn.learners import policy_specs, spaces_of
+from ppo_fabric.models.agent import ACTIVATIONS, ActorCritic
+from ppo_fabric.runs import checkpoint as ckpt
+from ppo_fabric.runs.resume import resolve_auto
+from ppo_fabric.runs.trackers import check as check_tracker
+from ppo_fabric.wire.placement import role_map, trainer_kind, trainers_per_node
+
+# Keys whose change makes a checkpoint meaningless for a new run: what shapes the saved parameters.
+_MODEL_KEYS = ("model", "multiagent")
+
+
+def load(
+    overrides: list[str], config_path: str | None = None, config_name: str = "config"
+) -> tuple[DictConfig, str, dict[str, Any]]:
+    """Compose and check: (config, run-dir template, facts found on the way)."""
+    cfg, run_dir = compose(overrides, config_path, config_name)
+    return cfg, run_dir, prepare(cfg, run_dir)
+
+
+def prepare(cfg: DictConfig, run_dir: str) -> dict[str, Any]:
+    """Check a composed config for a run in `run_dir`; returns the facts `check` found.
+
+    `resume=auto` is resolved first, so the checks see the checkpoint it stands for."""
+    auto = resolve_auto(cfg, run_dir)
+    facts = check(cfg)
+    check_run_dir(cfg, run_dir, auto=auto)
+    return facts
+
+
+def check(cfg: DictConfig) -> dict[str, Any]:
+    """Everything that can be checked without starting a run; returns the process count, the spaces, the
+    kind of device that trains and the trained policies' parameter count (for the placement warning)."""
+    check_values(cfg)
+    if cfg.model.activation not in ACTIVATIONS:
+        raise ConfigError(f"model.activation={cfg.model.activation!r} is not one of {', '.join(ACTIVATIONS)}")
+    world = launched_world_size(cfg)
+    if (under_fabric_run() or os.environ.get("TORCHELASTIC_RUN_ID")) and int(cfg.restarts) > 0:
+        raise ConfigError(
+            f"restarts={cfg.restarts} needs the supervisor of python -m ppo_fabric; under fabric run or "
+            "torchrun use torchrun --max-restarts=N with resume=auto and a fixed hydra.run.dir"
+        )
+    check_tracker(cfg)
+    train_device = _check_accelerator(cfg, world)
+    check_layout(cfg, world)
+    spaces, parameters = _check_env_and_model(cfg)
+    if cfg.resume is not None:
+        check_resume(cfg, str(cfg.resume), *spaces)
+    return {
+        "world_size": world,
+        "observation_space": spaces[0],
+        "action_space": spaces[1],
+        "train_device": train_device,
+        "parameters": parameters,
+    }
+
+
+def _check_env_and_model(cfg: DictConfig) -> tuple[tuple[Any, Any], int]:
+    """The spaces as checkpoints record them, and the parameters of the policies that train."""
+    if OmegaConf.is_missing(cfg.env, "id") or cfg.env.id is None:
+        raise ConfigError("env.id is required; set env.id=CartPole-v1 (or any gymnasium id)")
+    if not OmegaConf.is_dict(cfg.env.kwargs):
+        raise ConfigError(
+            f"env.kwargs={cfg.env.kwargs} must be a mapping; add keys with +env.kwargs.NAME=VALUE"
+        )
+    lstm = cfg.model.get("lstm")
+    missing = [k for k in ("hidden_size", "num_layers", "seq_len") if lstm is not None and k not in lstm]
+    if missing:
+        raise ConfigError(
+            f"model.lstm lacks {', '.join(missing)}; model.lstm settings belong to model=lstm (drop them with "
+            "~model.lstm to use another model)"
+        )
+    _check_multiagent(cfg)
+    try:
+        specs = policy_specs(cfg)
+        for spec in specs.values():
+            check_normalizable(cfg.env, spec.obs_space)
+    except EnvError as exc:
+        raise ConfigError(str(exc)) from exc
+    parameters = 0
+    for spec in specs.values():
+        try:
+            model = ActorCritic(spec.obs_space, spec.action_space, spec.model)
+        except ValueError as exc:  # the model cannot serve these spaces, or a model key is wrong
+            prefix = "" if len(specs) == 1 and spec.name == "main" else f"policy {spec.name!r}: "
+            raise ConfigError(prefix + str(exc)) from exc
+        if spec.trained:
+            parameters += sum(p.numel() for p in model.parameters())
+    return spaces_of(specs), parameters
+
+
+def _check_multiagent(cfg: DictConfig) -> None:
+    """What building the policies cannot see: sequence lengths of per-policy recurrent models; and
+    multi-agent settings given for a single-agent env, which would otherwise be ignored."""
+    if not is_multiagent(cfg.env):
+        given = [
+            k
+            for k in ("policies", "policy_mapping", "policies_to_train")
+            if cfg.multiagent.get(k) is not None
+        ]
+        if given:
+            raise ConfigError(
+                f"multiagent.{given[0]} is set but env.id={cfg.env.id} is a single-agent (gymnasium) env; "
+                "multiagent settings apply to PettingZoo envs (env=pettingzoo); drop them"
+            )
+        return
+    if cfg.env.vector != "sync" or int(cfg.env.action_repeat) != 1 or cfg.env.max_episode_steps is not None:
+        raise ConfigError(
+            "PettingZoo envs run with env.vector=sync, env.action_repeat=1 and env.max_episode_steps=null "
+            "(set episode limits through the env's own kwargs, e.g. +env.kwargs.max_cycles=50)"
+        )
+    if str(cfg.env.get("backend", "gymnasium")) != "gymnasium":
+        raise ConfigError(f"PettingZoo envs run with env.backend=gymnasium, not {cfg.env.backend}")
+    for key in ("normalize_obs", "normalize_reward", "mask_velocity"):
+        if cfg.env.get(key, False):
+            raise ConfigError(f"env.{key}=true is not supported for PettingZoo envs yet; set env.{key}=false")
+    try:
+        settings = policy_settings(cfg.multiagent)
+    except EnvError as exc:
+        raise ConfigError(str(exc)) from exc
+    for name, own in settings.items():
+        try:
+            model = OmegaConf.merge(cfg.model, (own or {}).get("model") or {})
+        except Exception as exc:  # a key the model config does not have
+            raise ConfigError(f"multiagent.policies.{name}.model: {exc}".splitlines()[0]) from exc
+        seq = sequence_length(model)
+        if cfg.algo.rollout_steps % seq:
+            raise ConfigError(
+                f"multiagent.policies.{name}: model.lstm.seq_len={seq} does not divide "
+                f"algo.rollout_steps={cfg.algo.rollout_steps}"
+            )
+
+
+def _check_accelerator(cfg: DictConfig, world: int) -> str:
+    """The devices the job asks for exist; returns the kind of device the training ranks use.
+
+    A decoupled job launches every process on the CPU and only its trainers take a GPU each (players act on
+    the CPU or share GPUs), so it needs as many GPUs on a node as that node has trainers, whatever
+    `fabric.devices` is. A coupled job gives every process its own device.
+    """
+    accelerator = requested(cfg, "accelerator")
+    available = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if cfg.strategy == "decoupled":
+        kind = trainer_kind(str(cfg.algo.trainer_device), accelerator, available > 0)
+        if kind == "cuda":
+            _check_trainer_gpus(cfg, world, available)
+        return kind
+    if accelerator not in ("cuda", "gpu"):
+        return "cuda" if accelerator == "auto" and available else "cpu"
+    if available == 0:
+        raise ConfigError(
+            f"fabric.accelerator={accelerator} but no CUDA device is available; "
+            "use fabric=cpu (or fabric.accelerator=auto)"
+        )
+    if not under_fabric_run() and cfg.fabric.devices > available:
+        raise ConfigError(
+            f"fabric.devices={cfg.fabric.devices} but this machine has {available} CUDA device(s); "
+            "strategy=coupled runs one process per GPU (strategy=decoupled runs CPU players beside GPU trainers)"
+        )
+    return "cuda"
+
+
+def _check_trainer_gpus(cfg: DictConfig, world: int, available: int) -> None:
+    """Trainers on CUDA: one GPU per trainer on each node (NCCL refuses two ranks on one GPU)."""
+    setting = f"algo.trainer_device={cfg.algo.trainer_device}" + (
+        f" (fabric.accelerator={requested(cfg, 'accelerator')})" if cfg.algo.trainer_device == "auto" else ""
+    )
+    if available == 0:
+        raise ConfigError(
+            f"{setting} puts the trainers on CUDA but no CUDA device is available; use algo.trainer_device=cpu "
+            "or fabric=cpu"
+        )
+    per_node, players = processes_per_node(cfg), int(cfg.algo.players)
+    if world % per_node or not 1 <= players < world:
+        return  # check_layout names the problem
+    most = max(trainers_per_node(role_map(world, world // per_node, players)))
+    if most > available:
+        raise ConfigError(
+            f"{setting}: {most} trainer(s) on a node ({per_node} processes, of which "
+            f"{per_node - most} play) but this machine has {available} CUDA device(s), one per trainer; "
+            f"raise algo.players or lower fabric.devices to at most {available} trainer(s) per node"
+        )
+
+
+def check_resume(cfg: DictConfig, path: str, obs_space: gym.Space, action_space: gym.Space) -> dict[str, Any]:
+    """Refuse checkpoints that cannot continue this config, before any process starts."""
+    try:
+        state = ckpt.load(path, env_state=str(cfg.resume_env))
+        spaces = ckpt.saved_spaces(state)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from exc
+    saved = state["config"]
+    if saved["env"]["id"] != cfg.env.id:
+        raise ConfigError(
+            f"resume={path!r} was trained on env.id={saved['env']['id']!r}, not {cfg.env.id!r}; "
+            "set env.id to match or start a new run"
+        )
+    for group in _MODEL_KEYS:
+        now = OmegaConf.to_container(cfg[group], resolve=True) if cfg.get(group) is not None else {}
+        before = saved.get(group) or {}
+        for key in sorted(set(now) | set(before)):
+            if now.get(key) != before.get(key):
+                raise ConfigError(
+                    f"resume={path!r}: {group}.{key}={now.get(key)} differs from the checkpoint's "
+                    f"{before.get(key)}; use the same {group} settings"
+                )
+    if spaces != (obs_space, action_space):
+        raise ConfigError(
+            f"resume={path!r}: the env's observation or action space differs from the checkpoint's"
+        )
+    if saved["strategy"] != cfg.strategy:
+        raise ConfigError(f"resume={path!r} comes from strategy={saved['strategy']}; use the same strategy")
+    if state["env_step"] >= cfg.algo.total_steps:
+        raise ConfigError(
+            f"resume={path!r} is already at {state['env_step']} env steps >= algo.total_steps="
+            f"{cfg.algo.total_steps}; raise algo.total_steps to train further"
+        )
+    return state

@@ -1,0 +1,35 @@
+"""What the command-line process needs of a process's life without importing torch or Lightning: quieting
+the libraries' warnings and leaving the process. The supervisor, which is no rank, imports only this, so
+`python -m ppo_fabric` pays Lightning's import (seconds) once per rank, not once more for itself."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import sys
+import warnings
+from typing import NoReturn
+
+
+def quiet_libraries() -> None:
+    warnings.filterwarnings("ignore", message=".*is not a supported pipeline.*")
+    warnings.filterwarnings("ignore", category=UserWarning, module="lightning.fabric.*")
+    warnings.filterwarnings("ignore", message=".*does not have many workers.*")
+    for name in ("lightning.fabric", "lightning_fabric", "lightning.fabric.utilities.seed"):
+        logging.getLogger(name).setLevel(logging.WARNING)
+
+
+def end_process(code: int = 0) -> NoReturn:
+    """Leave the process without the interpreter's shutdown.
+
+    A finished 2-process LunarLander run left its second rank stuck at exit for good: an exit hook of
+    pygame (which gymnasium's Box2D module imports) was loading a C extension during finalisation, and the
+    orphaned rank held its parent's output pipes open, so the launching command never returned. Everything
+    a run owns (envs, logger, process group, checkpoints) is closed or written before this is called.
+    """
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(OSError, ValueError):  # a closed pipe or stream: nothing left to say there
+            stream.flush()
+    os._exit(code)

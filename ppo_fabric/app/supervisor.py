@@ -1,0 +1,236 @@
+"""The process `python -m ppo_fabric` and `ppo-fabric` run as: a parent that is not a rank.
+
+Under Fabric's own launcher the command-line process is rank 0: Lightning SIGKILLs it when another rank
+exits non-zero, a terminal's Ctrl+C reaches only some processes, and nothing outlives a crash to restart
+the job. So the command-line process checks the config, fixes the run directory once, and starts the job
+(`python -m ppo_fabric ... hydra.run.dir=<that dir>`, which runs today's launch path) as a process group
+of its own. It forwards SIGTERM/SIGINT to that group, leaves no process of it behind, and relaunches a
+failed job from its newest checkpoint up to `restarts` times. Neither `fabric run`/torchrun (whose agent
+plays this part) nor the in-process `ppo_fabric.run()` has one.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import csv
+import ctypes
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from types import FrameType
+from typing import TYPE_CHECKING
+
+from omegaconf import DictConfig
+
+from ppo_fabric.app.process import quiet_libraries
+from ppo_fabric.config.values import OWN_RUN_DIR_ENV, under_fabric_run
+from ppo_fabric.runs.metrics import write_json
+from ppo_fabric.runs.resume import newest_checkpoint
+
+if TYPE_CHECKING:
+    from ppo_fabric.app.hydra_app import Invocation
+
+SUPERVISED_ENV = "PPO_FABRIC_SUPERVISED"  # every process of a supervised job: run it, do not supervise
+SUPERVISOR_PID_ENV = "PPO_FABRIC_SUPERVISOR_PID"  # the job's first process only: die with this parent
+SIGNAL_STOPS = (130, 143)  # SIGINT / SIGTERM stops: the user or the cluster asked, never restarted
+CONFIG_REFUSED = 2  # a relaunch whose config was refused fails the same way every time
+GRACE_S = 5.0  # how long the job's other processes may outlive its first one before they are killed
+_PR_SET_PDEATHSIG, _PR_SET_CHILD_SUBREAPER = 1, 36
+
+
+def wanted() -> bool:
+    """Whether this command-line process should supervise: not under `fabric run`/torchrun, not inside a
+    job a supervisor started."""
+    return not under_fabric_run() and not os.environ.get(SUPERVISED_ENV)
+
+
+def say(text: str) -> None:
+    os.write(2, f"ppo-fabric: {text}\n".encode())  # one write: never interleaved with a rank's line
+
+
+def _prctl(option: int, value: int) -> None:
+    """Linux process controls; elsewhere a no-op (the job then relies on the ranks' own timeouts)."""
+    if sys.platform.startswith("linux"):
+        with contextlib.suppress(OSError, AttributeError):
+            ctypes.CDLL(None, use_errno=True).prctl(option, value, 0, 0, 0)
+
+
+def bind_to_supervisor() -> None:
+    """In the job's first process: die with the supervisor, so a SIGKILLed supervisor leaves no job behind
+    (the other ranks then lose rank 0 and end as they always did). The variable is removed so that ranks
+    this process launches do not look for a parent they do not have."""
+    pid = os.environ.pop(SUPERVISOR_PID_ENV, None)
+    if pid is None:
+        return
+    _prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+    if os.getppid() != int(pid):  # the supervisor died before the line above: nobody is watching
+        os._exit(137)
+
+
+def _key(override: str) -> str:
+    return override.split("=", 1)[0].lstrip("+~")
+
+
+def _value(path: Path) -> str:
+    """A path as an override value: quoted when Hydra's grammar would read its characters otherwise."""
+    text = str(path)
+    if re.fullmatch(r"[\w./:+-]+", text):
+        return text
+    return "'" + text.replace("\\", "\\\\").replace("'", "\\'") + "'"
+
+
+def with_override(args: list[str], key: str, value: Path) -> list[str]:
+    """`args` with every override of `key` replaced by one setting it to `value`."""
+    return [a for a in args if _key(a) != key] + [f"{key}={_value(value)}"]
+
+
+def exit_status(returncode: int) -> int:
+    """A process status as a shell reports it: killed by signal N -> 128 + N."""
+    return 128 - returncode if returncode < 0 else returncode
+
+
+def last_logged_step(metrics_csv: Path) -> int | None:
+    """The env step of metrics.csv's last row: how far the failed attempt had come."""
+    if not metrics_csv.is_file():
+        return None
+    step = None
+    with metrics_csv.open(newline="") as fh:
+        for row in csv.DictReader(fh):
+            with contextlib.suppress(TypeError, ValueError):
+                step = int(float(row["step"]))
+    return step
+
+
+def record_restarts(summary_json: Path, restarts: int, redone: int) -> None:
+    """Add the restarts and the env steps trained twice to the run's summary, keeping its other keys."""
+    if not summary_json.is_file():
+        return
+    summary = json.loads(summary_json.read_text())
+    summary.update(restarts=restarts, env_steps_redone=redone)
+    write_json(summary_json, summary)
+
+
+class Job:
+    """One attempt at a time of the job, as a process group, and the signals meant for it."""
+
+    def __init__(self, run_dir: Path, timeout_s: float) -> None:
+        self.run_dir, self.timeout_s = run_dir, timeout_s
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.stop_signal: int | None = None  # the first SIGTERM/SIGINT received
+        self.signals = 0
+        self.kill_at: float | None = None  # after a forwarded signal: when waiting longer is pointless
+        for signum in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(signum, self._on_signal)
+        _prctl(_PR_SET_CHILD_SUBREAPER, 1)  # ranks orphaned by rank 0's death come back to be reaped here
+
+    def _on_signal(self, signum: int, _frame: FrameType | None) -> None:
+        self.signals += 1
+        self.stop_signal = self.stop_signal or signum
+        self._forward()
+
+    def _forward(self) -> None:
+        """The first signal goes to every process of the job as it is; any later one kills them at once."""
+        if self.proc is None or self.stop_signal is None:
+            return
+        self._kill_group(self.stop_signal if self.signals == 1 else signal.SIGKILL)
+        if self.kill_at is None:
+            self.kill_at = time.monotonic() + self.timeout_s + GRACE_S
+
+    def _kill_group(self, signum: int) -> None:
+        if self.proc is not None:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(self.proc.pid, signum)
+
+    def run(self, args: list[str]) -> int:
+        """Start `python -m ppo_fabric args` as a new process group, wait for it, end what is left of the
+        group; returns the job's exit status."""
+        if self.stop_signal is not None:
+            return 128 + self.stop_signal
+        env = dict(os.environ, **{SUPERVISED_ENV: "1", SUPERVISOR_PID_ENV: str(os.getpid())})
+        env[OWN_RUN_DIR_ENV] = str(self.run_dir)
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "ppo_fabric", *args], env=env, start_new_session=True
+        )
+        self._forward()  # a signal that came while the process was being started
+        status = exit_status(self._wait())
+        failed = status != 0 and status not in SIGNAL_STOPS and self.stop_signal is None
+        self._end_group(0.0 if failed else min(GRACE_S, self.timeout_s))
+        self.proc = None
+        return status
+
+    def _wait(self) -> int:
+        assert self.proc is not None
+        while True:
+            try:
+                return self.proc.wait(timeout=0.5)
+            except subprocess.TimeoutExpired:
+                if self.kill_at is not None and time.monotonic() > self.kill_at:
+                    self._kill_group(signal.SIGKILL)  # the job did not stop within collectives.timeout
+
+    def _end_group(self, grace_s: float) -> None:
+        """Give the group's other processes `grace_s` to finish, then SIGKILL what remains and wait until
+        it is gone, so that a relaunch never meets processes of the previous attempt."""
+        assert self.proc is not None
+        deadline = time.monotonic() + grace_s
+        while self._group_alive():
+            if time.monotonic() >= deadline:
+                self._kill_group(signal.SIGKILL)
+                if time.monotonic() > deadline + 10:
+                    say(f"processes of the job (group {self.proc.pid}) survived SIGKILL for 10 s")
+                    return
+            time.sleep(0.05)
+
+    def _group_alive(self) -> bool:
+        assert self.proc is not None
+        with contextlib.suppress(ChildProcessError):
+            while os.waitpid(-1, os.WNOHANG)[0] > 0:  # reap orphaned ranks (this process is their reaper)
+                pass
+        try:
+            os.killpg(self.proc.pid, 0)
+        except ProcessLookupError:
+            return False
+        except PermissionError:
+            return True
+        return True
+
+
+def supervise(cfg: DictConfig, run_dir: Path, invocation: Invocation) -> int:
+    """Run the job of a checked config under supervision in `run_dir`; returns the exit status for the
+    command. The job is the same command line (`--config-*` flags, overrides) with `hydra.run.dir` fixed."""
+    quiet_libraries()
+    run_dir = Path(run_dir).resolve()
+    allowed = int(cfg.restarts)
+    flags = invocation.flags
+    base = with_override(list(invocation.overrides), "hydra.run.dir", run_dir)
+    job = Job(run_dir, float(cfg.collectives.timeout))
+    attempt, restarts, redone = base, 0, 0
+    while True:
+        status = job.run([*flags, *attempt])
+        if status == 0:
+            record_restarts(run_dir / "summary.json", restarts, redone)
+            return 0
+        if job.stop_signal is not None or status in SIGNAL_STOPS:
+            return status
+        if status == CONFIG_REFUSED:
+            say(f"the job's config was refused (exit {status}); not restarting")
+            return status
+        if restarts >= allowed:
+            why = "restarts=0" if allowed == 0 else f"all {allowed} restarts used"
+            say(f"rank failure (exit {status}); not restarting ({why})")
+            return status
+        restarts += 1
+        found = newest_checkpoint(run_dir)
+        resumed_at = found[1] if found is not None else 0
+        redone += max((last_logged_step(run_dir / "metrics.csv") or 0) - resumed_at, 0)
+        if found is None:
+            attempt = base  # the user's own `resume` (or none); the run directory is the supervisor's own
+            where = "from scratch (no checkpoint yet)"
+        else:
+            attempt = with_override(base, "resume", found[0])
+            where = f"from {found[0]} at {resumed_at} env steps"
+        say(f"rank failure (exit {status}); restart {restarts}/{allowed} {where}")

@@ -1,0 +1,242 @@
+"""Multirun (`python -m ppo_fabric -m ...`): each job a process of its own, and the sweep table.
+
+Lightning relaunches ranks from `sys.argv`, so a job run inside the sweep's process with fabric.devices>1
+would start ranks that each run the whole sweep, and a rank variable left behind would stall the next job.
+Each job is therefore `python -m ppo_fabric <job overrides> hydra.run.dir=<job dir>` (`jobs.RunProcess`:
+the command a user types, supervisor and all), `n_jobs` at a time. Every job's config is checked before
+the first one starts; a failed job is recorded and the others still run; SIGINT/SIGTERM stop the running
+jobs cleanly (they write their checkpoints) and end the sweep with 130/143. The table (`sweep.csv`,
+`sweep.md`, printed) holds each job's overrides, status, final mean return, steps/s and wall time.
+
+Used by the Hydra launcher plugin `hydra_plugins/ppo_fabric/launcher.py` (`hydra/launcher=ppo_fabric`).
+"""
+
+from __future__ import annotations
+
+import copy
+import csv
+import json
+import os
+import signal
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import FrameType
+from typing import Any
+
+from hydra.core.hydra_config import HydraConfig
+from hydra.core.utils import JobReturn, JobStatus
+from hydra.errors import CompactHydraException
+from omegaconf import DictConfig, OmegaConf, open_dict
+
+from ppo_fabric.app.jobs import RunProcess
+from ppo_fabric.app.supervisor import SIGNAL_STOPS, say
+from ppo_fabric.config.arguments import fail
+from ppo_fabric.config.values import ConfigError, config_dir, translate_hydra_error
+
+# Overrides that configure the sweep itself; a job is a plain run and gets its own hydra.run.dir.
+_SWEEP_KEYS = (
+    "hydra.mode",
+    "hydra.sweep",
+    "hydra.launcher",
+    "hydra/launcher",
+    "hydra.sweeper",
+    "hydra/sweeper",
+    "hydra.run.dir",
+    "hydra.job.id",
+    "hydra.job.num",
+)
+COLUMNS = ("job", "overrides", "status", "final_mean_return", "sps", "wall_s", "run_dir")
+
+
+class JobFailed(CompactHydraException):
+    """A job that did not finish; Hydra's sweeper raises it after the sweep as one line."""
+
+
+def _key(override: str) -> str:
+    return override.split("=", 1)[0].lstrip("+~")
+
+
+def job_overrides(overrides: Sequence[str]) -> list[str]:
+    """A job's own overrides: the sweep's combination without the keys that configure the sweep."""
+    return [o for o in overrides if not _key(o).startswith(_SWEEP_KEYS)]
+
+
+def config_flags(config: DictConfig) -> list[str]:
+    """`--config-path/--config-name/--config-dir` that make a job compose the sweep's primary config."""
+    flags, name = [], str(config.hydra.job.config_name)
+    ours = f"file://{config_dir()}"
+    for source in config.hydra.runtime.config_sources:
+        path = str(source.path)
+        shown = path[len("file://") :] if path.startswith("file://") else path
+        if source.provider == "main" and (path != ours or name != "config"):
+            flags += [f"--config-path={shown}", f"--config-name={name}"]
+        elif source.provider == "command-line":
+            flags.append(f"--config-dir={shown}")
+    return flags
+
+
+@dataclass
+class Job:
+    """One job of the sweep: what it runs, where, and how it ended."""
+
+    num: int
+    overrides: list[str]  # as Hydra's sweeper gave them
+    command: list[str]  # the job's own command-line arguments (flags, overrides, group)
+    run_dir: Path
+    cfg: DictConfig
+    hydra_cfg: DictConfig
+    status: str = "not started"
+    exit_code: int | None = None
+    wall_s: float | None = None
+    summary: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def shown(self) -> str:
+        return " ".join(job_overrides(self.overrides))
+
+    def finish(self, code: int, wall_s: float) -> None:
+        self.exit_code, self.wall_s = code, wall_s
+        path = self.run_dir / "summary.json"
+        if path.is_file():
+            self.summary = json.loads(path.read_text())
+        if code == 0:
+            self.status = "ok"
+        elif code in SIGNAL_STOPS:
+            self.status = f"stopped (exit {code})"
+        else:
+            self.status = f"failed (exit {code})"
+
+    def row(self) -> dict[str, Any]:
+        ret, sps = self.summary.get("final_mean_return"), self.summary.get("sps")
+        return {
+            "job": self.num,
+            "overrides": self.shown,
+            "status": self.status,
+            "final_mean_return": "" if ret is None else f"{ret:.2f}",
+            "sps": "" if sps is None else f"{sps:.0f}",
+            "wall_s": "" if self.wall_s is None else f"{self.wall_s:.1f}",
+            "run_dir": str(self.run_dir),
+        }
+
+    def job_return(self) -> JobReturn:
+        ret = JobReturn(
+            overrides=list(self.overrides),
+            cfg=self.cfg,
+            hydra_cfg=self.hydra_cfg,
+            working_dir=os.getcwd(),
+            task_name=str(self.hydra_cfg.hydra.job.name),
+            status=JobStatus.COMPLETED if self.exit_code == 0 else JobStatus.FAILED,
+        )
+        ret.return_value = (
+            self.summary
+            if self.exit_code == 0
+            else JobFailed(f"ppo-fabric: job {self.num} ({self.shown}) {self.status}; see {self.run_dir}")
+        )
+        return ret
+
+
+class Sweep:
+    """The state of one multirun: its jobs so far (a sweeper may launch several batches) and its table."""
+
+    def __init__(self, n_jobs: int = 1) -> None:
+        if int(n_jobs) < 1:
+            fail(f"hydra.launcher.n_jobs={n_jobs} must be >= 1")
+        self.n_jobs = int(n_jobs)
+        self.jobs: list[Job] = []
+        self.context: Any = None
+        self.config: DictConfig | None = None
+
+    def setup(self, hydra_context: Any, config: DictConfig) -> None:
+        self.context, self.config = hydra_context, config
+
+    def launch(self, job_overrides: Sequence[Sequence[str]], initial_job_idx: int) -> list[JobReturn]:
+        """Check every job's config, run the jobs, write the table; returns Hydra's JobReturns."""
+        assert self.config is not None
+        sweep_dir = Path(str(self.config.hydra.sweep.dir)).resolve()
+        batch = [self._plan(initial_job_idx + i, list(o), sweep_dir) for i, o in enumerate(job_overrides)]
+        sweep_dir.mkdir(parents=True, exist_ok=True)
+        self.jobs += batch
+        stopped_by = self._run(batch)
+        self.write_table(sweep_dir)
+        if stopped_by is not None:
+            raise SystemExit(128 + stopped_by)
+        return [job.job_return() for job in batch]
+
+    def _plan(self, num: int, overrides: list[str], sweep_dir: Path) -> Job:
+        """Compose and check one job's config as its run will; a mistake ends the sweep (one line, exit 2)
+        before any job starts."""
+        from ppo_fabric.app.preflight import prepare  # torch and gymnasium: only once a sweep runs
+
+        assert self.config is not None
+        shown = " ".join(job_overrides(overrides))
+        try:
+            sweep_config = self.context.config_loader.load_sweep_config(self.config, overrides)
+        except Exception as exc:  # Hydra raises many types; each becomes one line
+            fail(f"job {num} ({shown}): {translate_hydra_error(exc, overrides)}")
+        with open_dict(sweep_config):
+            sweep_config.hydra.job.id = num
+            sweep_config.hydra.job.num = num
+        HydraConfig.instance().set_config(sweep_config)
+        run_dir = (Path(str(sweep_config.hydra.sweep.dir)) / str(sweep_config.hydra.sweep.subdir)).resolve()
+        cfg = copy.deepcopy(sweep_config)
+        with open_dict(cfg):
+            del cfg["hydra"]
+        command = [*config_flags(self.config), *job_overrides(overrides)]
+        if cfg.get("group") is None:  # runs of one sweep are grouped by the sweep directory's name
+            with open_dict(cfg):
+                cfg.group = sweep_dir.name
+            command.append(f"group='{sweep_dir.name}'")
+        try:
+            prepare(cfg, str(run_dir))
+        except ConfigError as exc:
+            fail(f"job {num} ({shown}): {exc}")
+        hydra_cfg = OmegaConf.create({"hydra": OmegaConf.to_container(sweep_config.hydra, resolve=False)})
+        return Job(num, overrides, command, run_dir, cfg, hydra_cfg)
+
+    def _run(self, batch: list[Job]) -> int | None:
+        """Run the jobs, `n_jobs` at a time; returns the signal that stopped the sweep, if one did."""
+        stop: list[int] = []
+        running: list[tuple[Job, RunProcess]] = []
+
+        def on_signal(signum: int, _frame: FrameType | None) -> None:
+            stop.append(signum)
+            for _, proc in running:  # the first asks each job to stop; a second kills it (its supervisor)
+                proc.stop(signum)
+
+        previous = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            pending = list(batch)
+            while pending or running:
+                while pending and not stop and len(running) < self.n_jobs:
+                    job = pending.pop(0)
+                    log = job.run_dir / "job.log" if self.n_jobs > 1 else None
+                    say(f"job {job.num} ({job.shown}) starting in {job.run_dir}")
+                    running.append((job, RunProcess.start(job.command, job.run_dir, log_path=log)))
+                if stop:
+                    pending.clear()  # never started: "not started" in the table
+                for pair in list(running):
+                    code = pair[1].poll()
+                    if code is not None:
+                        running.remove(pair)
+                        pair[0].finish(code, pair[1].elapsed_s)
+                        say(f"job {pair[0].num} ({pair[0].shown}) {pair[0].status}")
+                time.sleep(0.1)
+        finally:
+            for signum, handler in previous.items():
+                signal.signal(signum, handler)
+        return stop[0] if stop else None
+
+    def write_table(self, sweep_dir: Path) -> None:
+        """sweep.csv and sweep.md in the sweep directory; the Markdown is printed too."""
+        rows = [job.row() for job in self.jobs]
+        with (sweep_dir / "sweep.csv").open("w", newline="") as fh:
+            writer = csv.DictWriter(fh, fieldnames=COLUMNS)
+            writer.writeheader()
+            writer.writerows(rows)
+        lines = ["| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
+        lines += ["| " + " | ".join(str(r[c]).replace("|", "\\|") for c in COLUMNS) + " |" for r in rows]
+        text = "\n".join(lines) + "\n"
+        (sweep_dir / "sweep.md").write_text(text)
+        print(f"\nsweep {sweep_dir}:\n{text}", flush=True)

@@ -1,0 +1,581 @@
+"""The one rollout loop: act, step, store, bootstrap. Coupled ranks and decoupled players both run it.
+
+`build_collector` makes a rank's envs and storage for it; `training_batches` turns what it collected into
+each trained policy's batch.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import gymnasium as gym
+import numpy as np
+import torch
+from omegaconf import DictConfig, OmegaConf
+from tensordict import TensorDict
+
+from ppo_fabric.collect.numpy_actor import NumpyActor, unsupported
+from ppo_fabric.envs.envpool_backend import is_async
+from ppo_fabric.envs.make import ACTION_MASK, EnvError, current_action_masks, make_vector_env
+from ppo_fabric.envs.multiagent import SINGLE, make_multiagent_vector_env
+from ppo_fabric.envs.normalize import Reduce, sync_normalizers
+from ppo_fabric.games.selfplay import SelfPlay
+from ppo_fabric.learn.advantages import compute_advantages
+from ppo_fabric.learn.buffer import STATE_KEY, MultiAgentRolloutBuffer, rollout_storage, training_batch
+from ppo_fabric.learn.learners import PolicySpec
+from ppo_fabric.models.agent import ActorCritic, Obs
+
+
+@dataclass
+class EpisodeLog:
+    """Finished episodes: a short window for `final_mean_return`, and what finished since the last read."""
+
+    window: deque = field(default_factory=lambda: deque(maxlen=20))  # (env step, return, length)
+    returns: list[float] = field(default_factory=list)
+    lengths: list[int] = field(default_factory=list)
+    count: int = 0
+
+    def add(self, step: int, ret: float, length: int) -> None:
+        self.window.append((step, ret, length))
+        self.returns.append(ret)
+        self.lengths.append(length)
+        self.count += 1
+
+    def drain(self) -> tuple[list[float], list[int]]:
+        """Episodes finished since the previous call (for logging)."""
+        out = (self.returns, self.lengths)
+        self.returns, self.lengths = [], []
+        return out
+
+
+HostArrays = np.ndarray | dict[str, "HostArrays"]
+
+
+@dataclass
+class Group:
+    """The rows one policy acts for: every env copy (single agent), or every agent of every env copy that
+    maps to the policy (multi-agent), with their storage, host arrays, next observation and state."""
+
+    name: str
+    storage: TensorDict
+    host: dict[str, HostArrays]
+    next_obs: Any
+    obs_dtype: torch.dtype | None
+    clip: tuple[np.ndarray, np.ndarray] | None
+    episodes: EpisodeLog
+    state: torch.Tensor | None = None  # recurrent policies: the state the next step starts from [R, ...]
+    alive: np.ndarray | None = None  # multi-agent: rows whose agent is in the episode at the next step
+    next_mask: torch.Tensor | None = None  # envs with action masks: the mask of `next_obs` [R, width]
+    mask_starts: np.ndarray | None = None  # where each action dimension's entries start in a mask
+    host_actions: np.ndarray | None = None  # NumPy acting: views of the storage's actions and log-probs
+    host_logprobs: np.ndarray | None = None
+
+    def to_tensor(self, obs: Any, device: torch.device) -> Obs:
+        if isinstance(obs, dict):  # Dict observations: one tensor per key, with the storage's dtypes
+            template = self.storage["obs"]
+            parts = {k: torch.as_tensor(v, dtype=template[k].dtype, device=device) for k, v in obs.items()}
+            return TensorDict(parts, batch_size=template.batch_size[1:], device=device)
+        return torch.as_tensor(obs, dtype=self.obs_dtype, device=device)
+
+
+class RolloutCollector:
+    """Owns a rank's vector env and the observation it will act on next, so rollouts continue across
+    updates (and across checkpoint/resume) instead of restarting episodes.
+
+    Single-agent envs have one group of rows (the env copies); multi-agent envs (`multiagent.py`) have one
+    per policy, each with its own storage, and every step acts with each group's policy before stepping
+    all env copies once. The same loop serves both, feed-forward and recurrent policies alike.
+
+    What the env returns (observations, rewards, flags) is written into numpy arrays on the host: views of
+    the storage itself when it lives on the CPU (no copy at all), or staging arrays copied to the device
+    once per rollout when it does not, instead of one small transfer per step and key.
+    """
+
+    _HOST_KEYS = ("obs", "rewards", "terminated", "truncated")
+    VALUE_CHUNK = 4096  # rows per batched value forward after a rollout (bounds a CNN's activations)
+
+    def __init__(
+        self,
+        envs: Any,
+        first_obs: Any,
+        storage: TensorDict | dict[str, TensorDict],
+        gamma: float,
+        gae_lambda: float,
+        reduce: Reduce | None = None,
+        env_id: str = "?",
+    ) -> None:
+        self.envs = envs
+        self.env_id = env_id  # named by the error for a state without a legal action
+        self.reduce = reduce  # merges normalisation statistics over the collecting ranks
+        self.multiagent = isinstance(storage, dict)
+        storages = storage if self.multiagent else {SINGLE: storage}
+        firsts = first_obs if self.multiagent else {SINGLE: first_obs}
+        self.device = next(iter(storages.values())).device
+        self.gamma = gamma
+        self.gae_lambda = gae_lambda
+        self._staged = self.device.type != "cpu"
+        self.groups: list[Group] = []
+        for name, stored in storages.items():
+            present = stored.keys()
+            keys = [*self._HOST_KEYS, *(k for k in ("mask", ACTION_MASK) if k in present)]
+            space = envs.single_action_space if not self.multiagent else envs.action_spaces[name]
+            stored_obs = stored["obs"]  # a nested TensorDict for Dict observations
+            group = Group(
+                name=name,
+                storage=stored,
+                host={k: _host_arrays(stored[k], not self._staged) for k in keys},
+                next_obs=None,
+                obs_dtype=stored_obs.dtype if isinstance(stored_obs, torch.Tensor) else None,  # uint8 pixels
+                clip=(space.low, space.high) if isinstance(space, gym.spaces.Box) else None,
+                episodes=EpisodeLog(),
+            )
+            group.next_obs = group.to_tensor(firsts[name], self.device)
+            if self.multiagent:
+                group.alive = envs.alive[name].copy()  # rows whose agent is in the episode after reset
+            elif getattr(envs, "asynchronous", False):
+                group.alive = envs.alive.copy()  # an async pool's envs that act at the first step
+            if ACTION_MASK in present:
+                nvec = space.nvec.reshape(-1) if isinstance(space, gym.spaces.MultiDiscrete) else [space.n]
+                group.mask_starts = np.cumsum([0, *nvec[:-1]]).astype(np.int64)
+                group.next_mask = self._legal(group, self._current_masks(name), 0)
+            self.groups.append(group)
+        # All episodes (every agent's, in multi-agent envs): what `final_mean_return` reports overall.
+        self.episodes = self.groups[0].episodes if not self.multiagent else EpisodeLog()
+        self.num_envs = int(envs.num_envs)
+        self.buffer: Any = None  # multi-agent: the per-agent MultiAgentRolloutBuffer view of the storages
+        self.turn_based = bool(getattr(envs, "turn_based", False))  # AEC games: one agent moves per step
+        # An async EnvPool: only the ready envs act at a step, their results arrive at a later one
+        self.asynchronous = bool(getattr(envs, "asynchronous", False))
+        # Where a decision's outcome may reach a row at a later step (`credit_waiting`)
+        self.delayed = self.turn_based or self.asynchronous
+        self.steps_per_tick = int(envs.batch_size) if self.asynchronous else self.num_envs  # env steps
+        self.selfplay: SelfPlay | None = None  # two-player games against a pool of snapshots
+        self.numpy_rollout = True  # `algo.numpy_rollout`: CPU MLP policies act through NumPy (numpy_actor.py)
+
+    @property
+    def storage(self) -> TensorDict:
+        """The single-agent storage (multi-agent: `storages`)."""
+        return self.groups[0].storage
+
+    @property
+    def storages(self) -> dict[str, TensorDict]:
+        return {g.name: g.storage for g in self.groups}
+
+    @property
+    def next_obs(self) -> Obs:
+        return self.groups[0].next_obs
+
+    def _current_masks(self, name: str) -> np.ndarray:
+        return self.envs.action_masks[name] if self.multiagent else current_action_masks(self.envs)
+
+    def _check_legal(self, g: Group, masks: np.ndarray, env_step: int) -> None:
+        """Every env copy has a legal action in every action dimension; raises EnvError naming the env."""
+        ok = np.logical_or.reduceat(masks, g.mask_starts, axis=1).all(1)
+        if not ok.all():
+            raise EnvError(
+                f"env.id={self.env_id!r}: env copy {int(np.flatnonzero(~ok)[0])} has no legal action at env "
+                f"step {env_step} (its action mask is all False)"
+            )
+
+    def _legal(self, g: Group, masks: np.ndarray, env_step: int) -> torch.Tensor:
+        """The checked masks [E, width] as a tensor on the device."""
+        self._check_legal(g, masks, env_step)
+        return torch.from_numpy(masks).to(self.device)
+
+    def _info_masks(self, g: Group, info: dict[str, Any], env_step: int) -> np.ndarray:
+        """The masks of the observations a vector step returned; copies that reported none: all legal."""
+        masks = info.get(ACTION_MASK)
+        if masks is None:
+            return np.ones(g.host[ACTION_MASK].shape[1:], dtype=bool)
+        masks = np.asarray(masks, dtype=bool)
+        present = info.get("_" + ACTION_MASK)
+        if present is not None and not present.all():
+            masks = masks.copy()
+            masks[~present] = True
+        self._check_legal(g, masks, env_step)
+        return masks
+
+    def _step(self, actions: list[np.ndarray]) -> list[tuple[Any, ...]]:
+        if self.multiagent:
+            return self.envs.step(actions)
+        return [self.envs.step(actions[0])]
+
+    @torch.inference_mode()
+    def collect(self, policies: ActorCritic | Mapping[str, ActorCritic], env_step: int) -> int:
+        """Fill the storage with T steps of every env, then compute GAE in it; returns env steps taken.
+
+        An async EnvPool acts with its `batch_size` ready envs per step (the others' rows are `mask` False
+        there), so it takes T * batch_size env steps; the outcome of an env's action lands on the step it
+        was taken at when its result arrives (`credit_waiting`), and an action still in flight at the end
+        leaves training (`close_open_decisions`), as a turn-based player's move awaiting the reply.
+
+        `policies` maps each group to the policy acting for it (a single policy for single-agent envs).
+        `env_step` is the global env step count at the start, used to time-stamp finished episodes.
+        """
+        if not isinstance(policies, Mapping):
+            policies = {SINGLE: policies}
+        groups = self.groups
+        acting = [policies[g.name] for g in groups]
+        last = [np.full(g.storage.batch_size[1], -1) for g in groups]  # turn-based: each row's last decision
+        sp = self.selfplay
+        if sp is not None:
+            sp.start(acting[0], 0)  # a fresh run's pool begins with the initial weights
+        for g, policy in zip(groups, acting, strict=True):
+            g.storage["final_values"].zero_()
+            if g.state is None and policy.recurrent:
+                g.state = policy.initial_state(g.storage.batch_size[1], self.device)
+        num_steps = groups[0].storage.batch_size[0]
+        per_step = self.steps_per_tick
+        settled: list[np.ndarray | None] = [None for _ in groups]  # async: envs not in flight at the end
+        # Policy outputs are kept per step and written with one stack per key: cheaper than T indexed writes.
+        outputs: list[tuple[list, ...]] = [([], [], []) for _ in groups]
+        for g in groups:
+            _put(g.host["obs"], 0, g.next_obs.cpu())
+            if g.next_mask is not None:
+                g.host[ACTION_MASK][0] = g.next_mask.cpu().numpy()
+        obs = [g.next_obs for g in groups]
+        masks = [g.next_mask for g in groups]  # envs with action masks: the mask of each obs
+        actors = [self._numpy_actor(g, policy) for g, policy in zip(groups, acting, strict=True)]
+        noises = [
+            None if a is None else a.noise_steps(num_steps, g.storage.batch_size[1])
+            for g, a in zip(groups, actors, strict=True)
+        ]
+        for t in range(num_steps):
+            env_actions, next_states = [], []
+            for i, (g, policy) in enumerate(zip(groups, acting, strict=True)):
+                actor = actors[i]
+                if actor is not None:  # NumPy acts: written straight into the storage (on the CPU)
+                    env_action, g.host_logprobs[t] = actor.sample(g.host["obs"][t], next(noises[i]))
+                    g.host_actions[t] = env_action
+                    next_states.append(None)
+                else:
+                    if self.asynchronous:  # only the ready envs act: the others' rows are never used
+                        action, logprob, next_state = _sample_rows(policy, obs[i], g.alive)
+                    elif masks[i] is None:
+                        action, logprob, next_state = policy.sample(obs[i], g.state)
+                    else:
+                        action, logprob, next_state = policy.sample(obs[i], g.state, False, masks[i])
+                    actions, logprobs, states = outputs[i]
+                    actions.append(action)
+                    logprobs.append(logprob)
+                    if g.state is not None:
+                        states.append(g.state)
+                    next_states.append(next_state)
+                    env_action = action.cpu().numpy()
+                if g.clip is not None:
+                    env_action = np.clip(env_action, *g.clip)
+                # self-play: the opponents' seats play their snapshots' moves; only the learner trains
+                if sp is not None:
+                    env_action = sp.act(obs[i], masks[i], env_action, g.alive)
+                env_actions.append(env_action)
+                if g.alive is not None:
+                    g.host["mask"][t] = g.alive if sp is None else g.alive & sp.learner_rows()
+            results = self._step(env_actions)
+            for i, (g, policy, result) in enumerate(zip(groups, acting, results, strict=True)):
+                h = g.host
+                next_obs, h["rewards"][t], h["terminated"][t], h["truncated"][t], info = result
+                term, trunc = h["terminated"][t], h["truncated"][t]
+                next_state = next_states[i]
+                if trunc.any():
+                    cut = np.flatnonzero(trunc & ~term)
+                    if cut.size:
+                        final_obs = g.to_tensor(_stack(info["final_obs"][cut]), self.device)
+                        rows = torch.from_numpy(cut).to(self.device)
+                        state = None if next_state is None else next_state[rows]
+                        g.storage["final_values"][t, rows] = policy.get_value(final_obs, state)
+                if next_state is not None:  # episodes that ended start the next one from zero state
+                    keep = torch.from_numpy(~(term | trunc)).to(self.device, next_state.dtype)
+                    g.state = next_state * keep.view(-1, *([1] * (next_state.dim() - 1)))
+                if g.alive is not None:
+                    g.alive = info["alive"]
+                settled[i] = info.get("settled")
+                if self.delayed:
+                    credit_waiting(h, g.storage["final_values"], t, last[i])
+                if "_episode" in info:
+                    ep = info["episode"]
+                    step = env_step + (t + 1) * per_step
+                    for j in np.flatnonzero(info["_episode"]):
+                        g.episodes.add(step, float(ep["r"][j]), int(ep["l"][j]))
+                        if self.multiagent:
+                            self.episodes.add(step, float(ep["r"][j]), int(ep["l"][j]))
+                    if self.delayed:  # a new game: nothing later is credited to the old one's moves
+                        last[i][info["_episode"]] = -1
+                    if sp is not None:
+                        sp.episodes_ended(info["_episode"], ep["r"])
+                if t + 1 < num_steps:
+                    _put(h["obs"], t + 1, next_obs)
+                    if actors[i] is None:  # NumPy reads the host row itself
+                        obs[i] = _row(h["obs"], t + 1, self.device)  # a view on CPU: no copy
+                else:
+                    obs[i] = g.to_tensor(next_obs, self.device)
+                if masks[i] is not None:
+                    step_masks = self._info_masks(g, info, env_step + (t + 1) * per_step)
+                    if t + 1 < num_steps:
+                        h[ACTION_MASK][t + 1] = step_masks
+                        masks[i] = _row(h[ACTION_MASK], t + 1, self.device)
+                    else:
+                        masks[i] = torch.from_numpy(step_masks).to(self.device)
+        for g, policy, (actions, logprobs, states), final, last_mask, decided, known in zip(
+            groups, acting, outputs, obs, masks, last, settled, strict=True
+        ):
+            s = g.storage
+            if actions:  # else NumPy wrote them
+                torch.stack(actions, out=s["actions"])
+                torch.stack(logprobs, out=s["logprobs"])
+            if states:
+                torch.stack(states, out=s[STATE_KEY])
+            if self._staged:
+                for key, host in g.host.items():
+                    _copy_in(s[key], host)
+            s["values"].copy_(_values(policy, s, self.VALUE_CHUNK))
+            g.next_obs = final
+            if last_mask is not None:  # a view of the host array on CPU, which the next rollout overwrites
+                g.next_mask = last_mask.clone()
+            next_value = policy.get_value(final, g.state)
+            if self.delayed:
+                # rows whose next observation is known bootstrap from it: a turn-based game's next
+                # movers, an async pool's envs not in flight
+                movers = g.alive if known is None else known
+                movers = movers if sp is None else movers & sp.learner_rows()
+                close_open_decisions(s, next_value, decided, movers)
+            compute_advantages(s, next_value, self.gamma, self.gae_lambda)
+        sync_normalizers(self.envs, self.reduce)
+        if self.buffer is not None:
+            self.buffer.mark_collected(num_steps)
+        return num_steps * per_step
+
+    def _numpy_actor(self, g: Group, policy: ActorCritic) -> NumpyActor | None:
+        """The group's NumPy actor for this rollout, where its rows act plainly: every row at every step,
+        no action mask, no self-play opponents, observations in one host array that is the CPU storage."""
+        plain = not (
+            self.asynchronous or self._staged or g.next_mask is not None or self.selfplay is not None
+        )
+        if not (self.numpy_rollout and plain and isinstance(g.host["obs"], np.ndarray)):
+            return None
+        if unsupported(policy) is not None:
+            return None
+        g.host_actions, g.host_logprobs = g.storage["actions"].numpy(), g.storage["logprobs"].numpy()
+        return NumpyActor(policy)
+
+    def after_update(self, policies: Mapping[str, ActorCritic], version: int) -> None:
+        """The learner reached update `version`: self-play takes a snapshot when one is due."""
+        if self.selfplay is not None:
+            self.selfplay.after_update(next(iter(policies.values())), version)
+
+    def carry(self) -> dict[str, Any]:
+        """What continues from one rollout to the next besides the envs: each group's next observation, its
+        recurrent state and (multi-agent) which rows are in an episode; on the CPU, for checkpoints."""
+        carry = {
+            g.name: {
+                "next_obs": g.next_obs.cpu(),
+                "state": None if g.state is None else g.state.cpu(),
+                "alive": None if g.alive is None else g.alive.copy(),
+            }
+            for g in self.groups
+        }
+        for g in self.groups:
+            if g.next_mask is not None:
+                carry[g.name][ACTION_MASK] = g.next_mask.cpu()
+        return carry
+
+    def restore_carry(self, carry: dict[str, Any]) -> None:
+        """Also takes `carry()` as a checkpoint stores it: Dict observations as dicts of tensors, `alive`
+        as a tensor (checkpoints hold plain data only)."""
+        for g in self.groups:
+            saved = carry[g.name]
+            g.next_obs = g.to_tensor(saved["next_obs"], self.device)
+            g.state = None if saved["state"] is None else saved["state"].to(self.device)
+            alive = saved["alive"]
+            if isinstance(alive, torch.Tensor):
+                alive = alive.numpy()
+            g.alive = None if alive is None else np.array(alive, dtype=bool)
+            if g.next_mask is not None:
+                mask = saved.get(ACTION_MASK)
+                mask = self._current_masks(g.name) if mask is None else np.asarray(mask, dtype=bool)
+                g.next_mask = torch.from_numpy(mask).to(self.device)
+
+
+def credit_waiting(host: dict[str, Any], final_values: torch.Tensor, t: int, last: np.ndarray) -> None:
+    """Turn-based games: route step `t`'s results to each agent's own last decision.
+
+    Rows that made a (trained) decision at `t` (`mask`) keep their reward and end flags there and `t`
+    becomes their last decision. A row that waited gets what reached it during the others' moves
+    (the reward of a game the opponent ended, the end itself, a truncation's final value) added to its
+    last decision in this rollout; rewards of a decision made in an earlier rollout are dropped with it
+    (`close_open_decisions` leaves such decisions out of training)."""
+    decided = host["mask"][t]
+    waiting = np.flatnonzero(~decided & (last >= 0))
+    if waiting.size:
+        at = last[waiting]
+        host["rewards"][at, waiting] += host["rewards"][t, waiting]
+        host["terminated"][at, waiting] |= host["terminated"][t, waiting]
+        cut = host["truncated"][t, waiting] & ~host["terminated"][t, waiting]
+        host["truncated"][at, waiting] |= cut
+        if cut.any():
+            rows = torch.from_numpy(waiting[cut]).to(final_values.device)
+            steps = torch.from_numpy(at[cut]).to(final_values.device)
+            final_values[steps, rows] = final_values[t, rows]
+    last[decided] = t
+
+
+def close_open_decisions(
+    storage: TensorDict, next_value: torch.Tensor, last: np.ndarray, movers: np.ndarray
+) -> None:
+    """The rollout's tail in a turn-based game: an agent about to move bootstraps from V(its observation),
+    its next decision's value. An agent waiting on the opponent has a last decision whose outcome is not
+    known yet (the opponent's reply comes in the next rollout): that decision leaves training (`mask`
+    False) and the decision before it bootstraps from its value, so every trained step's return is exact."""
+    rows = np.flatnonzero(last >= 0)
+    rows = rows[~movers[rows]]
+    if not rows.size:
+        return
+    steps = torch.from_numpy(last[rows]).to(next_value.device)
+    index = torch.from_numpy(rows).to(next_value.device)
+    done = storage["terminated"][steps, index] | storage["truncated"][steps, index]
+    steps, index = steps[~done], index[~done]
+    storage["mask"][steps, index] = False
+    next_value[index] = storage["values"][steps, index]
+
+
+def _sample_rows(policy: ActorCritic, obs: torch.Tensor, rows: np.ndarray) -> tuple[torch.Tensor, ...]:
+    """An async pool's step: the policy acts for the `rows` that are ready only (feed-forward policies:
+    config refuses recurrent ones), the other rows get zeros, which the env ignores and `mask` hides."""
+    index = torch.from_numpy(np.flatnonzero(rows)).to(obs.device)
+    action, logprob, _ = policy.sample(obs[index], None)
+    actions = action.new_zeros((rows.size, *action.shape[1:]))
+    logprobs = logprob.new_zeros(rows.size)
+    actions[index], logprobs[index] = action, logprob
+    return actions, logprobs, None
+
+
+def _values(policy: ActorCritic, storage: TensorDict, chunk: int) -> torch.Tensor:
+    """V(obs_t) for every stored step [T, E], from the state each step started with (recurrent), in
+    batches of `chunk` rows: the same computation as the per-step critic, done once per rollout."""
+    steps = storage.select("obs", *([STATE_KEY] if STATE_KEY in storage.keys(True) else [])).reshape(-1)
+    state = steps.get(STATE_KEY, None)
+    parts = [
+        policy.get_value(steps["obs"][i : i + chunk], None if state is None else state[i : i + chunk])
+        for i in range(0, steps.batch_size[0], chunk)
+    ]
+    return torch.cat(parts).view(storage.batch_size)
+
+
+def _numpy_dtype(tensor: torch.Tensor) -> np.dtype:
+    return torch.empty((), dtype=tensor.dtype).numpy().dtype
+
+
+# Observations are an array per step, or (Dict spaces) a dict of arrays mirrored by a nested TensorDict in
+# the storage; these helpers treat both alike so the loop above reads the same for either.
+
+
+def _host_arrays(stored: torch.Tensor | TensorDict, on_cpu: bool) -> HostArrays:
+    """Numpy views of the storage on the CPU, staging arrays of the same shape and dtype elsewhere."""
+    if isinstance(stored, TensorDict):
+        return {k: _host_arrays(v, on_cpu) for k, v in stored.items()}
+    return stored.numpy() if on_cpu else np.zeros(stored.shape, dtype=_numpy_dtype(stored))
+
+
+def _put(dst: HostArrays, t: int, src: Any) -> None:
+    if isinstance(dst, dict):
+        for k, sub in dst.items():
+            _put(sub, t, src[k])
+    else:
+        dst[t] = src.numpy() if isinstance(src, torch.Tensor) else src
+
+
+def _row(host: HostArrays, t: int, device: torch.device) -> Obs:
+    if isinstance(host, dict):
+        parts = {k: _row(sub, t, device) for k, sub in host.items()}
+        return TensorDict(parts, batch_size=next(iter(parts.values())).shape[:1], device=device)
+    return torch.from_numpy(host[t]).to(device)
+
+
+def _stack(final_obs: np.ndarray) -> Any:
+    """The vector env's object array of per-env final observations as one batch (dict for Dict spaces)."""
+    if isinstance(final_obs[0], dict):
+        return {k: np.stack([o[k] for o in final_obs]) for k in final_obs[0]}
+    return np.stack(final_obs)
+
+
+def _copy_in(stored: torch.Tensor | TensorDict, host: HostArrays) -> None:
+    if isinstance(stored, TensorDict):
+        for k, sub in host.items():
+            _copy_in(stored[k], sub)
+    else:
+        stored.copy_(torch.from_numpy(host), non_blocking=True)
+
+
+# ---------------------------------------------------------------------------------------------- set-up
+def build_collector(
+    cfg: DictConfig,
+    specs: dict[str, PolicySpec],
+    rank: int,
+    device: torch.device | str,
+    reduce: Reduce | None,
+) -> RolloutCollector:
+    """The rank's envs and rollout storage: [T, E] for a gymnasium env; for a PettingZoo env one storage
+    per policy, [T, E * its agents per copy], with the `mask` of steps that hold a transition."""
+    algo = cfg.algo
+    steps, copies = int(algo.rollout_steps), int(cfg.env.num_envs)
+    if list(specs) == [SINGLE]:
+        width = specs[SINGLE].action_mask
+        envs, first = make_vector_env(cfg.env, int(cfg.seed), rank, float(algo.gamma), reduce, width)
+        storage: Any = policy_storage(steps, copies, specs[SINGLE], device, is_async(cfg.env))
+    else:
+        masked = any(spec.action_mask is not None for spec in specs.values())
+        envs, first = make_multiagent_vector_env(cfg.env, cfg.multiagent, int(cfg.seed), rank, masked)
+        storage = {name: policy_storage(steps, copies, spec, device) for name, spec in specs.items()}
+    gamma, lam = float(algo.gamma), float(algo.gae_lambda)
+    collector = RolloutCollector(envs, first, storage, gamma, lam, reduce, str(cfg.env.id))
+    collector.numpy_rollout = bool(algo.get("numpy_rollout", True))
+    if collector.multiagent:
+        collector.buffer = MultiAgentRolloutBuffer(storage, envs.groups, envs.num_envs)
+    if cfg.get("selfplay") is not None and bool(cfg.selfplay.enabled):
+        spec = next(iter(specs.values()))
+        collector.selfplay = SelfPlay(cfg.selfplay, spec, envs.num_envs, torch.device(device), rank)
+        if rank == 0 and bool(cfg.selfplay.get("elo", False)):
+            collector.selfplay.rater = snapshot_rater(cfg, spec)
+    return collector
+
+
+def snapshot_rater(cfg: DictConfig, spec: PolicySpec) -> Any:
+    """The Elo rater of a self-play run's snapshots: they play the game itself (PettingZoo's AEC env),
+    one game at a time, on the CPU."""
+    from ppo_fabric.games.elo import policy_rater
+    from ppo_fabric.games.play import aec_env_factory
+
+    kwargs = OmegaConf.to_container(cfg.env.kwargs, resolve=True) if cfg.env.get("kwargs") else {}
+    factory = aec_env_factory(str(cfg.env.id), kwargs)
+    masked = spec.action_mask is not None
+    return policy_rater(factory, spec.obs_space, spec.action_space, spec.model, masked, seed=int(cfg.seed))
+
+
+def policy_storage(
+    rollout_steps: int,
+    num_envs: int,
+    spec: PolicySpec,
+    device: torch.device | str,
+    asynchronous: bool = False,
+) -> TensorDict:
+    """One policy's rollout storage on one collecting rank (trainers build it too, as the template of
+    what players send). Multi-agent rows and an async pool's envs (`asynchronous`) do not all hold a
+    transition at every step: their storage has a `mask`."""
+    return rollout_storage(
+        rollout_steps,
+        num_envs * spec.agents,
+        spec.obs_space,
+        spec.action_space,
+        device,
+        spec.state_shape,
+        masked=spec.name != SINGLE or asynchronous,
+        action_mask=spec.action_mask,
+    )
+
+
+def training_batches(collector: RolloutCollector, specs: dict[str, PolicySpec]) -> dict[str, TensorDict]:
+    """Each trained policy's batch from this rank's rollout (sequences for recurrent models)."""
+    storages = collector.storages
+    return {n: training_batch(storages[n], s.seq_len) for n, s in specs.items() if s.trained}

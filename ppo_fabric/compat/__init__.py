@@ -1,0 +1,3 @@
+"""Layer 1: every private name of torch, Lightning and Hydra that ppo_fabric uses, in one module
+(`private`), each with why it is used and a test (tests/compat/) that fails loudly when a library
+release changes it. Imports nothing else of ppo_fabric."""

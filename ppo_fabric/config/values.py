@@ -1,0 +1,495 @@
+"""Compose the Hydra config and check its values: a leaf that imports nothing from ppo_fabric.
+
+Every problem is reported as a `ConfigError` whose message is one line naming the key and the fix; the
+entry points print it and exit with status 2. Hydra's own multi-line errors are translated here. Checks
+that need an environment, a model, a checkpoint or the machine's devices live in `preflight.py`.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import math
+import os
+import sys
+import tempfile
+from dataclasses import dataclass
+from importlib import resources
+from pathlib import Path
+
+from omegaconf import DictConfig, OmegaConf, open_dict
+
+STRATEGIES = ("coupled", "decoupled")
+ACCELERATORS = ("cpu", "cuda", "gpu", "mps", "auto")
+# Set by the supervisor (supervisor.py) on the job it starts: the run directory it owns, which a relaunch
+# without a checkpoint may reuse although the failed attempt already wrote into it.
+OWN_RUN_DIR_ENV = "PPO_FABRIC_OWN_RUN_DIR"
+
+
+class ConfigError(ValueError):
+    """A configuration the run cannot start with; `str()` is a single line for the user."""
+
+
+def config_dir() -> Path:
+    """The `conf/` directory: the repository's in a checkout, the packaged copy in an installed wheel."""
+    repo_conf = Path(__file__).resolve().parents[2] / "conf"
+    if (repo_conf / "config.yaml").is_file():
+        return repo_conf
+    return Path(str(resources.files("ppo_fabric.conf")))
+
+
+def make_plugins_discoverable() -> None:
+    """Hydra finds plugins by listing the directories of the `hydra_plugins` namespace package. An editable
+    install in setuptools' import-hook mode (`pip install -e .`) makes ours importable with no directory to
+    list, so Hydra would see neither our launcher nor our search path: put the directory that holds
+    `hydra_plugins/ppo_fabric` on sys.path (for an installed wheel it is site-packages, already there)."""
+    try:
+        from hydra_plugins import ppo_fabric as ours
+    except ImportError:
+        return
+    root = str(Path(ours.__file__).resolve().parent.parent.parent)
+    if root not in sys.path:
+        sys.path.append(root)
+
+
+def group_options(group: str) -> list[str]:
+    return sorted(p.stem for p in (config_dir() / group).glob("*.yaml"))
+
+
+def _first_line(exc: BaseException) -> str:
+    return str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+
+
+def translate_hydra_error(exc: Exception, overrides: list[str]) -> ConfigError:
+    from hydra.errors import ConfigCompositionException, MissingConfigException, OverrideParseException
+
+    text = str(exc)
+    if isinstance(exc, MissingConfigException) and "Could not find '" in text:
+        missing = text.split("Could not find '", 1)[1].split("'", 1)[0]
+        group, _, option = missing.rpartition("/")
+        if group and (config_dir() / group).is_dir():
+            return ConfigError(
+                f"{group}={option}: unknown option for config group '{group}'; "
+                f"available: {', '.join(group_options(group))}"
+            )
+        if missing == "hydra/launcher/ppo_fabric":  # conf/config.yaml's default launcher is a plugin of ours
+            return ConfigError(
+                "hydra/launcher=ppo_fabric not found: the package's Hydra plugins (hydra_plugins/ppo_fabric) "
+                "are not importable; reinstall the package (pip install -e . or make) or put its "
+                "directory on PYTHONPATH"
+            )
+        return ConfigError(f"config '{missing}' not found")
+    if isinstance(exc, ConfigCompositionException) and text.startswith("Could not override '"):
+        key = text.split("'", 2)[1]
+        parent, _, _ = key.rpartition(".")
+        return ConfigError(
+            f"{key}: unknown config key; check the spelling"
+            + (f" against the keys of '{parent}'" if parent else "")
+            + f", or add a new key with +{key}=VALUE"
+        )
+    bad = _unparsable_override(overrides)
+    if bad is not None:
+        return ConfigError(f"cannot parse override {bad[0]!r}: {bad[1]}; write overrides as key=value")
+    if isinstance(exc, OverrideParseException):
+        return ConfigError(f"cannot parse override: {_first_line(exc)}")
+    return ConfigError(_first_line(exc))
+
+
+def _unparsable_override(overrides: list[str]) -> tuple[str, str] | None:
+    """The first override Hydra's grammar rejects (Hydra's own message does not say which)."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    parser = OverridesParser.create()
+    for override in overrides:
+        if not override.startswith("~") and (override.startswith("=") or "=" not in override):
+            return override, "missing key or '='"
+        try:
+            parser.parse_overrides([override])
+        except Exception as exc:  # Hydra's grammar errors have no common base
+            return override, _first_line(exc)
+    return None
+
+
+def compose(
+    overrides: list[str], config_path: str | None = None, config_name: str = "config"
+) -> tuple[DictConfig, str]:
+    """Compose the primary config (ours, `conf/config.yaml`, or a user's `config_path`/`config_name`, which
+    finds our groups through the search-path plugin) with overrides; returns (config, run-dir template)."""
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir, initialize_config_module
+
+    make_plugins_discoverable()
+    if not OmegaConf.has_resolver("now"):
+        OmegaConf.register_new_resolver("now", lambda fmt: _dt.datetime.now().strftime(fmt))
+    where = config_path or str(config_dir())
+    try:
+        if where.startswith("pkg://"):
+            context = initialize_config_module(
+                where[len("pkg://") :], version_base="1.3", job_name="ppo_fabric"
+            )
+        else:
+            where = where[len("file://") :] if where.startswith("file://") else where
+            context = initialize_config_dir(version_base="1.3", config_dir=where, job_name="ppo_fabric")
+        with context:
+            cfg = hydra_compose(config_name, overrides=overrides, return_hydra_config=True)
+    except Exception as exc:  # Hydra raises many types; each becomes one line
+        raise translate_hydra_error(exc, overrides) from exc
+    _check_auto_resume_dir(cfg)
+    run_dir = str(cfg.hydra.run.dir)
+    with open_dict(cfg):
+        del cfg["hydra"]
+    return cfg, run_dir
+
+
+def without_sweeps(overrides: list[str]) -> list[str]:
+    """The overrides that are not sweeps (`seed=1,2`, `range(3)`, `choice(...)`): what every job of a
+    multirun shares, composable on its own. Raises `ConfigError` for one Hydra's grammar rejects."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    bad = _unparsable_override(overrides)
+    if bad is not None:
+        raise ConfigError(f"cannot parse override {bad[0]!r}: {bad[1]}; write overrides as key=value")
+    parsed = OverridesParser.create().parse_overrides(overrides)
+    return [o.input_line for o in parsed if not o.is_sweep_override() and o.input_line is not None]
+
+
+def _check_auto_resume_dir(cfg: DictConfig) -> None:
+    """`resume=auto` continues the run in `hydra.run.dir`; a timestamped template names a new directory at
+    every launch, so a relaunched command would never find its own checkpoints."""
+    if cfg.get("resume") != "auto":
+        return
+    template = str(OmegaConf.to_container(cfg.hydra.run, resolve=False).get("dir", ""))
+    if "${now:" in template:
+        raise ConfigError(
+            f"resume=auto needs a stable run directory, but hydra.run.dir={template} is new at every launch; "
+            "set hydra.run.dir=DIR (the same on every launch)"
+        )
+
+
+# ------------------------------------------------------------------------------------------- validation
+@dataclass(frozen=True)
+class _Rule:
+    key: str
+    kind: type  # int or float
+    low: float | None = None  # inclusive unless strict
+    high: float | None = None
+    strict_low: bool = False
+    optional: bool = False
+
+
+_RULES = (
+    _Rule("seed", int, 0),
+    _Rule("torch_threads", int, 0),
+    _Rule("restarts", int, 0),
+    _Rule("algo.total_steps", int, 0, strict_low=True),
+    _Rule("algo.rollout_steps", int, 0, strict_low=True),
+    _Rule("algo.minibatch_size", int, 0, strict_low=True),
+    _Rule("algo.update_epochs", int, 0, strict_low=True),
+    _Rule("algo.lr", float, 0, strict_low=True),
+    _Rule("algo.adam_eps", float, 0, strict_low=True),
+    _Rule("algo.gamma", float, 0, 1),
+    _Rule("algo.gae_lambda", float, 0, 1),
+    _Rule("algo.clip_coef", float, 0, strict_low=True),
+    _Rule("algo.vf_coef", float, 0),
+    _Rule("algo.ent_coef", float, 0),
+    _Rule("algo.max_grad_norm", float, 0),
+    _Rule("algo.target_kl", float, 0, strict_low=True, optional=True),
+    _Rule("algo.lag_weight_clip", float, 0, strict_low=True),
+    _Rule("algo.players", int, 1),
+    _Rule("env.num_envs", int, 0, strict_low=True),
+    _Rule("env.action_repeat", int, 1),
+    _Rule("env.max_episode_steps", int, 0, strict_low=True, optional=True),
+    _Rule("env.normalize_warmup", int, 0, optional=True),
+    _Rule("fabric.devices", int, 0, strict_low=True),
+    _Rule("fabric.num_nodes", int, 0, strict_low=True),
+    _Rule("checkpoint.every", int, 0),
+    _Rule("checkpoint.keep", int, 0),
+    _Rule("checkpoint.every_minutes", float, 0),
+    _Rule("logger.log_every", int, 0, strict_low=True),
+    _Rule("collectives.timeout", float, 0, strict_low=True),
+    _Rule("model.lstm.hidden_size", int, 0, optional=True),  # model=lstm only
+    _Rule("model.lstm.num_layers", int, 1, optional=True),
+    _Rule("model.lstm.seq_len", int, 1, optional=True),
+)
+
+_CHOICES = {
+    "strategy": STRATEGIES,
+    "resume_env": ("restore", "fresh"),
+    "env.vector": ("sync", "async"),
+    "fabric.accelerator": ACCELERATORS,
+    "algo.player_device": ("cpu", "auto"),
+    "algo.trainer_device": ("auto", "cpu", "cuda"),
+    "algo.action_mask": ("auto", "off"),
+    "fabric.strategy": ("auto", "ddp"),
+    "fabric.precision": ("32-true", "32", "bf16-mixed", "16-mixed", "bf16-true", "16-true", "64-true", "64"),
+}
+_BOOLS = (
+    "algo.anneal_lr",
+    "algo.norm_adv",
+    "algo.clip_vloss",
+    "algo.pipeline",
+    "algo.compile",
+    "algo.numpy_rollout",
+    "algo.lag_objective",
+    "algo.lag_refresh_advantages",
+    "algo.lag_vtrace",
+    "fabric.tf32",
+    "logger.tensorboard",
+    "logger.csv",
+)
+
+
+def _check_number(cfg: DictConfig, rule: _Rule) -> None:
+    value = OmegaConf.select(cfg, rule.key, throw_on_missing=False)
+    if value is None:
+        if rule.optional:
+            return
+        raise ConfigError(f"{rule.key} is required; set {rule.key}=VALUE")
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        shown = str(value).lower() if isinstance(value, bool) else repr(value)
+        raise ConfigError(f"{rule.key}={shown} must be a finite number")
+    if rule.kind is int:
+        if not float(value).is_integer():
+            raise ConfigError(f"{rule.key}={value!r} must be a whole number")
+        value = int(value)
+        OmegaConf.update(cfg, rule.key, value)
+    bound = ""
+    if rule.low is not None and (value <= rule.low if rule.strict_low else value < rule.low):
+        bound = f"> {rule.low:g}" if rule.strict_low else f">= {rule.low:g}"
+    if rule.high is not None and value > rule.high:
+        bound = f"<= {rule.high:g}"
+    if bound:
+        span = f"in [{rule.low:g}, {rule.high:g}]" if rule.high is not None else bound
+        raise ConfigError(f"{rule.key}={value} is out of range; it must be {span}")
+
+
+def sequence_length(model_cfg: DictConfig) -> int:
+    """Steps per training unit: `model.lstm.seq_len` for recurrent models, 1 (single steps) otherwise."""
+    lstm = model_cfg.get("lstm")
+    return int(lstm.seq_len) if lstm is not None and int(lstm.hidden_size) > 0 else 1
+
+
+def under_fabric_run() -> bool:
+    """Whether `fabric run` started this process: Lightning's CLI says so only through this variable."""
+    return bool(os.environ.get("LT_CLI_USED"))
+
+
+def requested(cfg: DictConfig, key: str) -> str:
+    """`fabric.accelerator` or `fabric.precision` as the job runs with it: `fabric run --accelerator` and
+    `--precision` reach the processes only as LT_* variables, and win over the config."""
+    value = os.environ.get(f"LT_{key.upper()}") if under_fabric_run() else None
+    return str(value if value is not None else cfg.fabric[key])
+
+
+def processes_per_node(cfg: DictConfig) -> int:
+    """`fabric.devices`, or under `fabric run`/torchrun the processes it started on each node."""
+    if under_fabric_run() and os.environ.get("LOCAL_WORLD_SIZE"):
+        return int(os.environ["LOCAL_WORLD_SIZE"])
+    return int(cfg.fabric.devices)
+
+
+def launched_world_size(cfg: DictConfig) -> int:
+    """Processes in the job: `fabric run` (torchrun) says so in WORLD_SIZE, otherwise the config does."""
+    if under_fabric_run() and os.environ.get("WORLD_SIZE"):
+        return int(os.environ["WORLD_SIZE"])
+    return int(cfg.fabric.devices) * int(cfg.fabric.num_nodes)
+
+
+@dataclass(frozen=True)
+class Layout:
+    """How one update's batch is made and split.
+
+    `algo.minibatch_size` is the minibatch over all training ranks (RLlib's sgd_minibatch_size): each rank
+    takes `minibatch_size / trainers` samples per step and DDP averages the gradients, so the same config
+    learns the same way on 1 or N training ranks.
+    """
+
+    collectors: int  # ranks that step envs
+    trainers: int  # ranks that compute gradients
+    batch: int  # samples per update over all ranks (storage rows: [T, E] per collecting rank)
+    minibatch: int  # samples per gradient step over all ranks
+    env_steps: int  # env steps per update over all ranks: `batch` unless only some envs act per step
+
+    @property
+    def rank_minibatch(self) -> int:
+        return self.minibatch // self.trainers
+
+
+def acting_envs(env_cfg: DictConfig) -> int:
+    """Envs that take a step per rollout step: `env.envpool.batch_size` for an async EnvPool (only the
+    envs that are ready act, `envpool_backend.AsyncEnvPoolVectorEnv`), else every one of `env.num_envs`."""
+    num_envs = int(env_cfg.num_envs)
+    own = env_cfg.get("envpool")
+    batch = own.get("batch_size") if own is not None else None
+    if str(env_cfg.get("backend", "gymnasium") or "gymnasium") != "envpool":
+        return num_envs
+    if isinstance(batch, bool) or not isinstance(batch, int) or batch <= 0:
+        return num_envs  # null (sync), or a bad value `envpool_backend.check_settings` names
+    return min(batch, num_envs)
+
+
+def training_layout(cfg: DictConfig, world_size: int) -> Layout:
+    per_collector = int(cfg.algo.rollout_steps) * int(cfg.env.num_envs)
+    if cfg.strategy == "decoupled":
+        players = int(cfg.algo.players)
+        collectors, trainers = players, max(world_size - players, 1)
+    else:
+        collectors = trainers = world_size
+    env_steps = int(cfg.algo.rollout_steps) * acting_envs(cfg.env) * collectors
+    return Layout(collectors, trainers, per_collector * collectors, int(cfg.algo.minibatch_size), env_steps)
+
+
+def validate(cfg: DictConfig) -> int:
+    """Check every value that can be checked without an env or a model; returns the job's process count."""
+    check_values(cfg)
+    world = launched_world_size(cfg)
+    check_layout(cfg, world)
+    return world
+
+
+def check_values(cfg: DictConfig) -> None:
+    """Each key on its own: numbers in range, one of the choices, booleans, layer widths."""
+    for rule in _RULES:
+        _check_number(cfg, rule)
+    for key, choices in _CHOICES.items():
+        value = OmegaConf.select(cfg, key)
+        if value not in choices:
+            raise ConfigError(f"{key}={value!r} is not one of {', '.join(map(str, choices))}")
+    for key in _BOOLS:
+        if not isinstance(OmegaConf.select(cfg, key), bool):
+            raise ConfigError(f"{key}={OmegaConf.select(cfg, key)!r} must be true or false")
+    for key in ("model.actor_hidden", "model.critic_hidden"):
+        widths = OmegaConf.select(cfg, key)
+        if not OmegaConf.is_list(widths) or not all(isinstance(w, int) and w > 0 for w in widths):
+            raise ConfigError(f"{key}={widths} must be a list of positive widths, e.g. [64, 64]")
+
+
+def check_layout(cfg: DictConfig, world: int) -> None:
+    """The keys together: processes, batch, minibatch and sequence sizes fit each other."""
+    if cfg.strategy == "decoupled":
+        if world < 2:
+            raise ConfigError(
+                f"strategy=decoupled needs at least 2 processes (players + trainers), got {world}; "
+                "set fabric.devices=2 or more"
+            )
+        if cfg.algo.players > world - 1:
+            raise ConfigError(
+                f"algo.players={cfg.algo.players} leaves no trainer among {world} processes; "
+                f"use algo.players<={world - 1} or more fabric.devices"
+            )
+    layout = training_layout(cfg, world)
+    per_collector = cfg.algo.rollout_steps * cfg.env.num_envs
+    if cfg.strategy == "decoupled" and per_collector % layout.trainers:
+        raise ConfigError(
+            f"each player's batch of {per_collector} samples (algo.rollout_steps*env.num_envs) cannot be "
+            f"split evenly over {layout.trainers} trainers; change env.num_envs or algo.rollout_steps"
+        )
+    mb, trainers = layout.minibatch, layout.trainers
+    if mb % trainers:
+        raise ConfigError(
+            f"algo.minibatch_size={mb} is the minibatch over all {trainers} training ranks and must be "
+            f"divisible by {trainers}; use e.g. {max(trainers, mb - mb % trainers)}"
+        )
+    if layout.batch % mb:
+        divisors = [d for d in range(trainers, layout.batch + 1, trainers) if layout.batch % d == 0]
+        near = sorted(sorted(divisors, key=lambda d: abs(d - mb))[:3])
+        raise ConfigError(
+            f"algo.minibatch_size={mb} does not divide the batch of {layout.batch} samples per update "
+            f"(algo.rollout_steps*env.num_envs*{layout.collectors} collecting ranks); "
+            f"use a divisor such as {', '.join(map(str, near))}"
+        )
+    if cfg.algo.norm_adv and layout.rank_minibatch < 2:
+        raise ConfigError(
+            f"algo.minibatch_size={mb} gives {layout.rank_minibatch} sample(s) per training rank; "
+            "advantage normalisation (algo.norm_adv=true) needs at least 2"
+        )
+    _check_sequences(cfg, layout)
+    _check_compile(cfg)
+    if cfg.algo.total_steps < layout.env_steps:
+        envs = "env.num_envs" if layout.env_steps == layout.batch else "env.envpool.batch_size"
+        raise ConfigError(
+            f"algo.total_steps={cfg.algo.total_steps} is smaller than one batch of {layout.env_steps} env "
+            f"steps (algo.rollout_steps*{envs}*collecting ranks); raise algo.total_steps"
+        )
+    _check_async(cfg, layout)
+
+
+def _check_async(cfg: DictConfig, layout: Layout) -> None:
+    """An async EnvPool advances only the envs that act at a step: a recurrent state would advance for the
+    others too (their stale observations), so recurrent policies need a sync pool."""
+    lstm = cfg.model.get("lstm")
+    if layout.env_steps != layout.batch and lstm is not None and int(lstm.hidden_size) > 0:
+        raise ConfigError(
+            f"env.envpool.batch_size={cfg.env.envpool.batch_size} < env.num_envs={cfg.env.num_envs} (async "
+            f"collection) does not support recurrent policies (model.lstm.hidden_size={lstm.hidden_size}); "
+            "set env.envpool.batch_size=null"
+        )
+
+
+def _check_compile(cfg: DictConfig) -> None:
+    """The compiled step covers feed-forward policies; the LSTM's per-step reset loop is not compiled."""
+    lstm = cfg.model.get("lstm")
+    if cfg.algo.compile and lstm is not None and int(lstm.hidden_size) > 0:
+        raise ConfigError(
+            f"algo.compile=true does not support recurrent policies (model.lstm.hidden_size="
+            f"{int(lstm.hidden_size)}); set algo.compile=false"
+        )
+
+
+def _check_sequences(cfg: DictConfig, layout: Layout) -> None:
+    """Recurrent models train on whole sequences: rollouts, minibatches and shards hold whole ones."""
+    seq = sequence_length(cfg.model)
+    if seq == 1:
+        return
+    steps = int(cfg.algo.rollout_steps)
+    if steps % seq:
+        raise ConfigError(
+            f"model.lstm.seq_len={seq} does not divide algo.rollout_steps={steps}; training sequences are "
+            "cut from each rollout, so use a divisor"
+        )
+    if layout.rank_minibatch % seq:
+        raise ConfigError(
+            f"algo.minibatch_size={layout.minibatch} gives {layout.rank_minibatch} steps per training rank, "
+            f"not whole sequences of model.lstm.seq_len={seq}; use a multiple of {seq * layout.trainers}"
+        )
+    sequences = steps // seq * int(cfg.env.num_envs)
+    if cfg.strategy == "decoupled" and sequences % layout.trainers:
+        raise ConfigError(
+            f"each player's {sequences} sequences cannot be split evenly over {layout.trainers} trainers; "
+            "change env.num_envs or model.lstm.seq_len"
+        )
+
+
+def _check_creatable(path: Path, shown: str) -> None:
+    existing = next(p for p in (path, *path.parents) if p.exists())
+    if not existing.is_dir():
+        raise ConfigError(
+            f"hydra.run.dir={shown}: {existing} is a file, not a directory; choose another run directory"
+        )
+    try:
+        tempfile.TemporaryDirectory(dir=existing, prefix=".ppo-fabric-check-").cleanup()
+    except OSError as exc:
+        reason = exc.strerror or type(exc).__name__
+        raise ConfigError(
+            f"hydra.run.dir={shown} cannot be created under {existing} ({reason}); choose another run directory"
+        ) from exc
+
+
+def check_run_dir(cfg: DictConfig, run_dir: str, auto: bool = False) -> None:
+    """Never overwrite another run's checkpoints: a used directory is only for continuing that run.
+
+    `auto`: the run came with `resume=auto`, which names this directory as the run to continue (from its
+    newest checkpoint, or afresh when it holds none). A supervisor's relaunch may reuse its own directory.
+    The directory must also be one this process can create (checked by creating a scratch folder beside it).
+    """
+    path = Path(run_dir).resolve()
+    _check_creatable(path, run_dir)
+    if not ((path / "checkpoints" / "last.ckpt").exists() or (path / "summary.json").exists()):
+        return
+    if auto or (os.environ.get(OWN_RUN_DIR_ENV) and Path(os.environ[OWN_RUN_DIR_ENV]).resolve() == path):
+        return
+    if cfg.resume is not None and path in Path(str(cfg.resume)).resolve().parents:
+        return
+    raise ConfigError(
+        f"hydra.run.dir={run_dir} already holds a run; choose a new directory, or continue that run with "
+        f"resume={path / 'checkpoints' / 'last.ckpt'}"
+    )

@@ -1,0 +1,448 @@
+"""Environment construction shared by every strategy: single envs, wrappers, vector envs, seeding."""
+
+from __future__ import annotations
+
+import difflib
+import importlib
+import re
+from collections.abc import Callable
+from functools import partial
+from typing import Any
+
+import gymnasium as gym
+import numpy as np
+from gymnasium.envs.registration import EnvSpec
+from gymnasium.vector import AsyncVectorEnv, AutoresetMode, SyncVectorEnv, VectorEnv
+from omegaconf import DictConfig, OmegaConf
+
+from ppo_fabric.envs import atari, envpool_backend
+from ppo_fabric.envs.normalize import (
+    NormalizeObservation,
+    NormalizeReward,
+    Reduce,
+    discard_pending,
+    first_observations,
+    normalizers,
+    warm_up,
+)
+
+# Which pip extra provides the simulator behind an env id, so a missing one is named in the error.
+_EXTRA_BY_PREFIX = {
+    "ALE/": "atari",
+    "LunarLander": "box2d",
+    "BipedalWalker": "box2d",
+    "CarRacing": "box2d",
+    "HalfCheetah": "mujoco",
+    "Hopper": "mujoco",
+    "Walker2d": "mujoco",
+    "Ant": "mujoco",
+    "Humanoid": "mujoco",
+    "Swimmer": "mujoco",
+    "Reacher": "mujoco",
+    "Pusher": "mujoco",
+    "InvertedPendulum": "mujoco",
+    "InvertedDoublePendulum": "mujoco",
+}
+
+
+class EnvError(ValueError):
+    """An environment that cannot be built from the config; the message is one line for the user."""
+
+
+class ActionRepeat(gym.Wrapper):
+    """Repeat each action `repeat` times and sum the rewards, stopping early when the episode ends."""
+
+    def __init__(self, env: gym.Env, repeat: int) -> None:
+        super().__init__(env)
+        self.repeat = repeat
+
+    def step(self, action: Any) -> tuple[Any, float, bool, bool, dict[str, Any]]:
+        total = 0.0
+        for _ in range(self.repeat):
+            obs, reward, terminated, truncated, info = self.env.step(action)
+            total += float(reward)
+            if terminated or truncated:
+                break
+        return obs, total, terminated, truncated, info
+
+
+# `env.mask_velocity`: the observation indices kept per env name (the id without "module:" or "-vN"). What
+# is dropped is every velocity, so the policy must infer them from consecutive observations: a memory task.
+VELOCITY_FREE_INDICES: dict[str, tuple[int, ...]] = {
+    "CartPole": (0, 2),  # cart position, pole angle (drops cart velocity, pole angular velocity)
+    "Pendulum": (0, 1),  # cos and sin of the angle (drops the angular velocity)
+    "MountainCar": (0,),  # position (drops the velocity)
+    "MountainCarContinuous": (0,),
+    "LunarLander": (0, 1, 4, 6, 7),  # x, y, angle, leg contacts (drops x/y velocity, angular velocity)
+}
+
+
+def env_name(env_id: str) -> str:
+    """`CartPole` for `CartPole-v1`, `my.module:CartPole-v1` or `CartPole`: the id without module or version."""
+    return re.sub(r"-v\d+$", "", env_id.split(":")[-1])
+
+
+class MaskVelocity(gym.ObservationWrapper):
+    """Keep only the position-like entries of a known env's observation (`VELOCITY_FREE_INDICES`).
+
+    The observation space becomes a Box of the kept entries' bounds, so the model is built for them.
+    Raises EnvError for an env that is not in the table.
+    """
+
+    def __init__(self, env: gym.Env, env_id: str | None = None) -> None:
+        super().__init__(env)
+        env_id = env_id if env_id is not None else (env.spec.id if env.spec is not None else "")
+        indices = VELOCITY_FREE_INDICES.get(env_name(env_id))
+        space = env.observation_space
+        if indices is None:
+            supported = ", ".join(VELOCITY_FREE_INDICES)
+            raise EnvError(f"env.mask_velocity=true supports only {supported}, not env.id={env_id!r}")
+        if not isinstance(space, gym.spaces.Box) or len(space.shape) != 1 or max(indices) >= space.shape[0]:
+            raise EnvError(f"env.mask_velocity=true: env.id={env_id!r} has an unexpected observation space")
+        self.indices = np.asarray(indices, dtype=np.int64)
+        self.observation_space = gym.spaces.Box(
+            space.low[self.indices], space.high[self.indices], (len(indices),), space.dtype
+        )
+
+    def observation(self, observation: np.ndarray) -> np.ndarray:
+        return np.asarray(observation)[self.indices]
+
+
+ACTION_MASK = "action_mask"  # the Dict observation key and the info key the conventions use
+
+
+def action_mask_width(action_space: gym.Space) -> int | None:
+    """Entries of a flat action mask for this action space (Discrete: n, MultiDiscrete: sum(nvec)); None
+    for spaces that cannot be masked."""
+    if isinstance(action_space, gym.spaces.Discrete):
+        return int(action_space.n)
+    if isinstance(action_space, gym.spaces.MultiDiscrete) and action_space.nvec.ndim == 1:
+        return int(action_space.nvec.sum())
+    return None
+
+
+def _mask_method(env: gym.Env) -> Any:
+    try:
+        method = env.get_wrapper_attr("action_masks")
+    except AttributeError:
+        return None
+    return method if callable(method) else None
+
+
+def detect_action_mask(env: gym.Env) -> int | None:
+    """The mask width when `env` provides action masks by one of the conventions, else None: an
+    `action_mask` key of a Dict observation (PettingZoo), an `action_masks()` method (sb3-contrib's
+    MaskablePPO), or `info["action_mask"]` from reset (the env is reset once to look)."""
+    width = action_mask_width(env.action_space)
+    if width is None:
+        return None
+    space = env.observation_space
+    if isinstance(space, gym.spaces.Dict) and ACTION_MASK in space.spaces:
+        return width
+    if _mask_method(env) is not None:
+        return width
+    _, info = env.reset()
+    return width if ACTION_MASK in info else None
+
+
+class ActionMaskInfo(gym.Wrapper):
+    """Whatever convention the env follows, its action mask arrives as `info["action_mask"]`, a flat bool
+    array of `width` entries for the observation returned with it (after reset and every step).
+
+    Sources, first found wins: the Dict observation's `action_mask` key (removed from the observation: the
+    policy sees the other keys, a single remaining key as its own space), the env's `info["action_mask"]`,
+    its `action_masks()` method. A step without any is all legal.
+    """
+
+    def __init__(self, env: gym.Env, width: int) -> None:
+        super().__init__(env)
+        self.width = width
+        space = env.observation_space
+        self.from_obs = isinstance(space, gym.spaces.Dict) and ACTION_MASK in space.spaces
+        self.only_key: str | None = None
+        if self.from_obs:
+            rest = {k: sub for k, sub in space.spaces.items() if k != ACTION_MASK}
+            if not rest:
+                raise EnvError("the Dict observation holds only an action_mask; nothing is left to observe")
+            self.only_key = next(iter(rest)) if len(rest) == 1 else None
+            self.observation_space = rest[self.only_key] if self.only_key else gym.spaces.Dict(rest)
+        self.method = None if self.from_obs else _mask_method(env)
+        self.mask = np.ones(width, dtype=bool)
+
+    def _with_mask(self, obs: Any, info: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
+        if self.from_obs:
+            mask = obs[ACTION_MASK]
+            obs = obs[self.only_key] if self.only_key else {k: v for k, v in obs.items() if k != ACTION_MASK}
+        elif ACTION_MASK in info:
+            mask = info[ACTION_MASK]
+        elif self.method is not None:
+            mask = self.method()
+        else:
+            mask = np.ones(self.width, dtype=bool)
+        mask = np.asarray(mask).reshape(-1).astype(bool)
+        if mask.shape[0] != self.width:
+            raise EnvError(
+                f"the env's action mask has {mask.shape[0]} entries; its action space needs {self.width}"
+            )
+        self.mask = mask
+        return obs, {**info, ACTION_MASK: mask}
+
+    def current_action_mask(self) -> np.ndarray:
+        """The mask of the last observation returned (vector envs read it with `call`)."""
+        return self.mask
+
+    def reset(self, **kwargs: Any) -> tuple[Any, dict[str, Any]]:
+        return self._with_mask(*self.env.reset(**kwargs))
+
+    def step(self, action: Any) -> tuple[Any, float, bool, bool, dict[str, Any]]:
+        obs, reward, terminated, truncated, info = self.env.step(action)
+        obs, info = self._with_mask(obs, info)
+        return obs, reward, terminated, truncated, info
+
+
+def extra_for(env_id: str) -> str | None:
+    name = env_id.split(":")[-1]
+    return next((extra for prefix, extra in _EXTRA_BY_PREFIX.items() if name.startswith(prefix)), None)
+
+
+def _import_env_module(env_id: str) -> Any:
+    """Import the module of a `module:name` id (gymnasium's convention: the module registers `name`).
+    Returns the module's callable `name` when no env of that name is registered: `module:factory`,
+    an env that is not registered at all, built by calling the factory with `env.kwargs`."""
+    factory = None
+    if ":" in env_id:
+        module_name, _, attr = env_id.partition(":")
+        try:
+            module = importlib.import_module(module_name)
+        except ImportError as exc:
+            raise EnvError(f"env.id={env_id!r}: cannot import module {module_name!r} ({exc})") from exc
+        candidate = getattr(module, attr, None)
+        if callable(candidate) and attr not in gym.registry:
+            factory = candidate
+    if env_id.split(":")[-1].startswith("ALE/"):
+        try:
+            import ale_py
+
+            gym.register_envs(ale_py)
+        except ImportError as exc:
+            raise EnvError(f"env.id={env_id!r} needs Atari: pip install 'ppo-fabric[atari]'") from exc
+    return factory
+
+
+def _gymnasium_factory(env_id: str, factory: Callable[..., Any]) -> Callable[..., gym.Env]:
+    """`factory` as a gymnasium entry point that refuses anything but a gymnasium env in one line."""
+
+    def make(**kwargs: Any) -> gym.Env:
+        env = factory(**kwargs)
+        if not isinstance(env, gym.Env):
+            kind = (
+                "a PettingZoo env: add env=pettingzoo"
+                if hasattr(env, "possible_agents")
+                else type(env).__name__
+            )
+            raise EnvError(f"env.id={env_id!r} returned {kind}, not a gymnasium.Env")
+        return env
+
+    return make
+
+
+def make_env(env_cfg: DictConfig, render_mode: str | None = None, action_mask: int | None = None) -> gym.Env:
+    """One environment with the configured wrappers; raises EnvError with a one-line reason. With
+    `action_mask` (the mask width `detect_action_mask` found) the env's mask arrives in its infos."""
+    env_id = str(env_cfg.id)
+    preprocess = _preprocess(env_cfg)
+    factory = _import_env_module(env_id)
+    # An unregistered `module:factory` goes through gym.make too (as a spec of its own), so it gets the
+    # same time limit, render mode and env checker as a registered id.
+    target: Any = (
+        env_id if factory is None else EnvSpec(id=env_id, entry_point=_gymnasium_factory(env_id, factory))
+    )
+    kwargs: dict[str, Any] = dict(OmegaConf.to_container(env_cfg.kwargs, resolve=True) or {})
+    if preprocess == "atari":
+        kwargs = atari.gym_make_kwargs(kwargs)
+    if env_cfg.max_episode_steps is not None:
+        kwargs["max_episode_steps"] = int(env_cfg.max_episode_steps)
+    if render_mode is not None:
+        kwargs["render_mode"] = render_mode
+    try:
+        env = gym.make(target, **kwargs)
+    except gym.error.DependencyNotInstalled as exc:
+        extra = extra_for(env_id)
+        hint = f"pip install 'ppo-fabric[{extra}]'" if extra else str(exc).splitlines()[0]
+        raise EnvError(f"env.id={env_id!r} needs an optional dependency: {hint}") from exc
+    except (gym.error.NameNotFound, gym.error.VersionNotFound, gym.error.UnregisteredEnv) as exc:
+        close = difflib.get_close_matches(env_id.split(":")[-1], list(gym.registry), n=3, cutoff=0.75)
+        hint = f"; did you mean {', '.join(close)}?" if close else "; see gymnasium.pprint_registry()"
+        raise EnvError(f"env.id={env_id!r} is not a registered gymnasium environment{hint}") from exc
+    except gym.error.Error as exc:
+        raise EnvError(f"env.id={env_id!r}: {str(exc).splitlines()[0]}") from exc
+    except TypeError as exc:
+        raise EnvError(f"env.id={env_id!r} rejected env.kwargs: {str(exc)[:120]}") from exc
+    if env_cfg.get("mask_velocity", False):
+        try:
+            env = MaskVelocity(env, env_id)
+        except EnvError:
+            env.close()
+            raise
+    if preprocess == "atari":
+        try:
+            env = atari.wrap_atari(env)
+        except (ValueError, gym.error.DependencyNotInstalled) as exc:
+            env.close()
+            raise EnvError(
+                f"env.id={env_id!r} with env.preprocess=atari: {str(exc).splitlines()[0]}"
+            ) from exc
+    if int(env_cfg.action_repeat) > 1:
+        env = ActionRepeat(env, int(env_cfg.action_repeat))
+    if action_mask is not None:
+        env = ActionMaskInfo(env, action_mask)
+    return env
+
+
+def _preprocess(env_cfg: DictConfig) -> str:
+    """`env.preprocess` (absent in hand-built configs: none), checked here so a typo fails at validation."""
+    preprocess = str(env_cfg.get("preprocess", "none") or "none")
+    if preprocess not in atari.PREPROCESSORS:
+        raise EnvError(f"env.preprocess={preprocess!r} is not one of {', '.join(atari.PREPROCESSORS)}")
+    return preprocess
+
+
+def env_seeds(seed: int, rank: int, num_envs: int) -> list[int]:
+    """Distinct, reproducible seeds for the envs of one rank, derived from `seed + rank`."""
+    seq = np.random.SeedSequence(seed + rank)
+    return [int(s) for s in seq.generate_state(num_envs, dtype=np.uint32)]
+
+
+def make_vector_env(
+    env_cfg: DictConfig,
+    seed: int,
+    rank: int,
+    gamma: float = 0.99,
+    reduce: Reduce | None = None,
+    action_mask: int | None = None,
+) -> tuple[VectorEnv, Any]:
+    """The rank's vector env, already reset; returns (envs, first observation).
+
+    With `env.normalize_obs` / `env.normalize_reward`, normalisation wraps the episode statistics (which
+    therefore report raw returns); `reduce` sums their statistics over the collecting ranks and `gamma`
+    discounts the returns whose spread scales the rewards.
+
+    Autoreset is SAME_STEP so that the final observation of a truncated episode arrives with the step that
+    ended it: the rollout bootstraps from its value, which NEXT_STEP autoreset would hide one step later.
+    Episode statistics wrap the vector env before any later normalisation so they report raw returns.
+
+    With a normaliser and `env.normalize_warmup` > 0 the envs first take that many random vector steps (not
+    training steps: no counter sees them) whose statistics are merged over the ranks through `reduce`, then
+    reset with the same seeds. Every build does it, resumed runs too: they replace these statistics with the
+    checkpoint's (unpickled envs, or `load_normalizer_state`), which keeps exact resume exact.
+
+    With `action_mask` (a width) every env copy reports its mask in the infos (`ActionMaskInfo`); the mask
+    of the first observations is `current_action_masks(envs)`.
+    """
+    envs = _backend_vector_env(env_cfg, action_mask)  # with episode statistics (Atari: whole games)
+    if env_cfg.get("normalize_obs", False):
+        envs = NormalizeObservation(envs)
+    if env_cfg.get("normalize_reward", False):
+        envs = NormalizeReward(envs, gamma)
+    seeds = env_seeds(seed, rank, int(env_cfg.num_envs))
+    obs, _ = envs.reset(seed=seeds)
+    warmup = int(env_cfg.get("normalize_warmup", 0) or 0)  # hand-built configs without the key: none
+    if warmup > 0 and normalizers(envs):
+        warm_up(envs, warmup, warmup_seed(seed, rank), reduce)
+        # The same seeds again: the run's episodes start exactly where a run without warm-up starts them.
+        obs, _ = envs.reset(seed=seeds)
+        discard_pending(envs)  # these reset observations were counted by the warm-up already
+    envs.action_space.seed(seeds[0])
+    return envs, first_observations(envs, obs, reduce)
+
+
+def _backend_vector_env(env_cfg: DictConfig, action_mask: int | None) -> VectorEnv:
+    """The vector env of `env.backend`, same-step autoreset, wrapped with its episode statistics."""
+    if _backend(env_cfg) == "envpool":
+        if action_mask is not None:
+            raise EnvError("action masks are not supported with env.backend=envpool")
+        return _envpool_call(envpool_backend.make_vector, env_cfg)
+    # partial, not a lambda: the vector env keeps its factories, and checkpoints pickle the vector env.
+    args = (env_cfg,) if action_mask is None else (env_cfg, None, action_mask)
+    fns: list[Callable[[], gym.Env]] = [partial(make_env, *args) for _ in range(int(env_cfg.num_envs))]
+    cls = AsyncVectorEnv if env_cfg.vector == "async" else SyncVectorEnv
+    envs = cls(fns, autoreset_mode=AutoresetMode.SAME_STEP)
+    return atari.wrap_vector(envs, _preprocess(env_cfg))
+
+
+def _backend(env_cfg: DictConfig) -> str:
+    return _envpool_call(envpool_backend.backend, env_cfg)
+
+
+def _envpool_call(fn: Callable[..., Any], *args: Any) -> Any:
+    """EnvPool's errors as EnvError, so config checks turn them into one line and exit 2."""
+    try:
+        return fn(*args)
+    except envpool_backend.EnvPoolError as exc:
+        raise EnvError(str(exc)) from exc
+
+
+def warmup_seed(seed: int, rank: int) -> int:
+    """The seed of the normalisation warm-up's random actions: reproducible per run and rank, and a stream
+    apart from `env_seeds` (a child of the same seed sequence)."""
+    child = np.random.SeedSequence(seed + rank).spawn(1)[0]
+    return int(child.generate_state(1, dtype=np.uint32)[0])
+
+
+def probe_spaces(env_cfg: DictConfig) -> tuple[gym.Space, gym.Space]:
+    """Build one env to validate the id and read its spaces before any process or vector env starts."""
+    env = make_env(env_cfg)
+    try:
+        return env.observation_space, env.action_space
+    finally:
+        env.close()
+
+
+def probe_env(env_cfg: DictConfig, action_mask: str = "auto") -> tuple[gym.Space, gym.Space, int | None]:
+    """`probe_spaces`, and the action mask width with `algo.action_mask=auto` when the env provides masks
+    (None otherwise); the observation space is then the one the policy sees (a Dict observation's
+    `action_mask` key removed). With `env.backend=envpool` the spaces are the pool's (no action masks)."""
+    if _backend(env_cfg) == "envpool":
+        return (*_envpool_call(envpool_backend.probe, env_cfg), None)
+    env = make_env(env_cfg)
+    try:
+        width = detect_action_mask(env) if action_mask == "auto" else None
+        obs_space = env.observation_space if width is None else ActionMaskInfo(env, width).observation_space
+        return obs_space, env.action_space, width
+    finally:
+        env.close()
+
+
+def current_action_masks(envs: Any) -> np.ndarray:
+    """[E, width] masks of the vector env's current observations (its copies wrapped in ActionMaskInfo)."""
+    return np.stack(envs.unwrapped.call("current_action_mask")).astype(bool)
+
+
+def check_normalizable(env_cfg: DictConfig, obs_space: gym.Space) -> None:
+    """`env.normalize_obs=true` needs observations with one shape that are stored as floats: the rollout
+    keeps pixels (uint8 Boxes of rank 2 or 3, `agent.is_image_space`) as uint8, where normalised values
+    would be truncated to garbage, and Dict observations have no single shape for the running statistics.
+    Raises EnvError, one line naming the key."""
+    if not env_cfg.get("normalize_obs", False):
+        return
+    parts = obs_space.spaces.values() if isinstance(obs_space, gym.spaces.Dict) else [obs_space]
+    if any(isinstance(s, gym.spaces.Box) and s.dtype == np.uint8 and len(s.shape) in (2, 3) for s in parts):
+        raise EnvError(
+            "env.normalize_obs=true on uint8 image observations would write normalised floats into uint8 "
+            "storage; images are scaled by the CNN, set env.normalize_obs=false"
+        )
+    if obs_space.shape is None:
+        raise EnvError(
+            f"env.normalize_obs=true needs an array observation space, not {type(obs_space).__name__}; "
+            "set env.normalize_obs=false"
+        )
+
+
+def env_action(action: np.ndarray) -> Any:
+    """One agent's action as PettingZoo envs expect it: a Python int for a discrete action (some games
+    compare it with `in range(...)` or index lists with it), the array otherwise."""
+    return (
+        int(action)
+        if np.ndim(action) == 0 and np.issubdtype(np.asarray(action).dtype, np.integer)
+        else action
+    )

@@ -1,0 +1,369 @@
+"""Self-play in two-player turn-based games: the learner against frozen snapshots of itself.
+
+Every `selfplay.snapshot_every` updates the learner's weights join an opponent pool (at most
+`selfplay.pool_size`, the oldest leaves first). In every env copy each episode pairs the learner with one
+snapshot, drawn by `selfplay.sampling`:
+
+- `uniform`: every snapshot alike;
+- `latest`: the newest with probability `latest_prob`, the rest uniformly;
+- `pfsp` (prioritised fictitious self-play): weight (1 - p)^`pfsp_power` where p is the learner's smoothed
+  score against the snapshot ((wins + draws/2 + 1) / (games + 2)), so opponents it still loses to play more.
+
+With `selfplay.random_prob` > 0 that share of episodes is played against a uniformly random legal-move
+player instead: an anchor that never leaves, so the learner keeps meeting the scattered positions weak play
+leads to (pure self-play narrows to the lines its snapshots play and forgets them, measured in
+benchmarks/results/selfplay_*.md). Those games are reported apart (`selfplay/random_*`).
+
+Seats alternate per episode in each copy. The seat -> policy mapping therefore changes from episode to
+episode: the rollout's `mask` keeps only the learner's decisions (`learner_rows`), the only rows trained.
+The pool's snapshots and win statistics are plain tensors and numbers (`state`/`load_state`), saved with
+each collecting rank's part of a checkpoint and restored on resume.
+
+With `selfplay.elo=true` (rank 0 only) each new snapshot is rated (`elo.EloRater`: games against the
+random player, rated 0, and the newest rated snapshots, played by `games.play_games`) within 5% of the
+training time, and `selfplay/elo` is logged: a learning curve where the return is zero-sum.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+from omegaconf import DictConfig
+
+from ppo_fabric.envs.make import EnvError
+from ppo_fabric.models.agent import ActorCritic
+
+SAMPLING = ("uniform", "latest", "pfsp")
+WIN, DRAW, LOSS = 1, 0, -1
+RANDOM = -2  # the opponent id of a copy playing the uniformly random legal-move player
+
+
+# ---------------------------------------------------------------------------------------------- config
+def check_selfplay(cfg: DictConfig, specs: dict[str, Any], turn_based: bool) -> None:
+    """One-line errors for `selfplay.*` (raised as EnvError, which the launcher reports as a config error)."""
+    sp = cfg.get("selfplay")
+    if sp is None or not bool(sp.get("enabled", False)):
+        return
+    if not turn_based:
+        raise EnvError(
+            "selfplay.enabled=true needs a two-player turn-based PettingZoo game (env=pettingzoo "
+            "env.id=pettingzoo.classic.connect_four_v3, ...)"
+        )
+    if len(specs) != 1:
+        raise EnvError("selfplay.enabled=true trains one policy for both seats; set multiagent.policies=null")
+    spec = next(iter(specs.values()))
+    if spec.agents != 2:
+        raise EnvError(f"selfplay needs a two-player game; env.id={cfg.env.id} has {spec.agents} players")
+    for key in ("snapshot_every", "pool_size"):
+        value = sp.get(key)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise EnvError(f"selfplay.{key}={value} must be a positive integer")
+    if sp.get("sampling") not in SAMPLING:
+        raise EnvError(f"selfplay.sampling={sp.get('sampling')} must be one of {', '.join(SAMPLING)}")
+    for key in ("latest_prob", "random_prob", "opponent_noise"):
+        value = sp.get(key, 0.0)
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value <= 1:
+            raise EnvError(f"selfplay.{key}={value} must be a number in [0, 1]")
+    if not isinstance(sp.get("elo", False), bool):
+        raise EnvError(f"selfplay.elo={sp.get('elo')} must be true or false")
+    power = sp.get("pfsp_power")
+    if isinstance(power, bool) or not isinstance(power, (int, float)) or power < 0:
+        raise EnvError(f"selfplay.pfsp_power={power} must be a number >= 0")
+
+
+# ------------------------------------------------------------------------------------------- sampling
+def learner_scores(wins: np.ndarray, draws: np.ndarray, losses: np.ndarray) -> np.ndarray:
+    """The learner's score against each snapshot, (wins + draws/2 + 1) / (games + 2): 1/2 before any game."""
+    games = wins + draws + losses
+    return (wins + 0.5 * draws + 1.0) / (games + 2.0)
+
+
+def pfsp_weights(scores: np.ndarray, power: float) -> np.ndarray:
+    """Prioritised fictitious self-play ("hard" weighting): (1 - score)^power, normalised."""
+    weights = (1.0 - np.asarray(scores, dtype=np.float64)) ** power
+    return weights / weights.sum()
+
+
+def sampling_probabilities(
+    mode: str, scores: np.ndarray, latest_prob: float = 0.5, power: float = 2.0
+) -> np.ndarray:
+    """Each snapshot's chance to be the next opponent; snapshots in the order they joined (newest last)."""
+    n = len(scores)
+    if mode == "uniform" or n == 1:
+        return np.full(n, 1.0 / n)
+    if mode == "latest":
+        probs = np.full(n, (1.0 - latest_prob) / (n - 1))
+        probs[-1] = latest_prob
+        return probs
+    if mode == "pfsp":
+        return pfsp_weights(scores, power)
+    raise ValueError(f"unknown sampling {mode!r}")
+
+
+# ----------------------------------------------------------------------------------------------- pool
+@dataclass
+class Snapshot:
+    id: int
+    version: int  # the update the weights are from
+    weights: dict[str, torch.Tensor]
+    wins: int = 0
+    draws: int = 0
+    losses: int = 0
+
+
+@dataclass
+class OpponentPool:
+    """Frozen snapshots of the learner and how the learner fared against each (from training games)."""
+
+    size: int
+    sampling: str = "pfsp"
+    latest_prob: float = 0.5
+    power: float = 2.0
+    snapshots: list[Snapshot] = field(default_factory=list)
+    next_id: int = 0
+
+    def add(self, weights: dict[str, torch.Tensor], version: int) -> Snapshot:
+        snap = Snapshot(self.next_id, version, {k: v.detach().cpu().clone() for k, v in weights.items()})
+        self.next_id += 1
+        self.snapshots.append(snap)
+        del self.snapshots[: -self.size]
+        return snap
+
+    def get(self, snap_id: int) -> Snapshot | None:
+        return next((s for s in self.snapshots if s.id == snap_id), None)
+
+    def probabilities(self) -> np.ndarray:
+        stats = np.array([[s.wins, s.draws, s.losses] for s in self.snapshots], dtype=np.float64)
+        scores = learner_scores(stats[:, 0], stats[:, 1], stats[:, 2])
+        return sampling_probabilities(self.sampling, scores, self.latest_prob, self.power)
+
+    def sample(self) -> int:
+        """A snapshot id, drawn with numpy's global generator (checkpoints save and restore its state)."""
+        return self.snapshots[int(np.random.choice(len(self.snapshots), p=self.probabilities()))].id
+
+    def record(self, snap_id: int, outcome: int) -> None:
+        snap = self.get(snap_id)
+        if snap is None:  # left the pool during the game
+            return
+        if outcome == WIN:
+            snap.wins += 1
+        elif outcome == LOSS:
+            snap.losses += 1
+        else:
+            snap.draws += 1
+
+    def state(self) -> dict[str, Any]:
+        """Plain data (tensors, ints, lists): what `torch.load(weights_only=True)` reads back."""
+        return {
+            "next_id": self.next_id,
+            "snapshots": [
+                {
+                    "id": s.id,
+                    "version": s.version,
+                    "weights": dict(s.weights),
+                    "wins": s.wins,
+                    "draws": s.draws,
+                    "losses": s.losses,
+                }  # fmt: skip
+                for s in self.snapshots
+            ],
+        }
+
+    def load_state(self, state: dict[str, Any]) -> None:
+        self.next_id = int(state["next_id"])
+        self.snapshots = [
+            Snapshot(
+                int(s["id"]),
+                int(s["version"]),
+                dict(s["weights"]),
+                int(s["wins"]),
+                int(s["draws"]),
+                int(s["losses"]),
+            )  # fmt: skip
+            for s in state["snapshots"]
+        ][-self.size :]
+
+
+# ----------------------------------------------------------------------------------- the acting side
+class SelfPlay:
+    """One collecting rank's opponents: which seat the learner holds and which snapshot it meets in each
+    env copy, the frozen opponent networks, and the learner's results since the last `metrics()`."""
+
+    def __init__(self, sp_cfg: DictConfig, spec: Any, num_envs: int, device: torch.device, rank: int = 0):
+        self.every = int(sp_cfg.snapshot_every)
+        self.pool = OpponentPool(
+            int(sp_cfg.pool_size), str(sp_cfg.sampling), float(sp_cfg.latest_prob), float(sp_cfg.pfsp_power)
+        )
+        self.random_prob = float(sp_cfg.get("random_prob", 0.0))
+        self.noise = float(sp_cfg.get("opponent_noise", 0.0))
+        self.spec, self.device, self.num_envs = spec, device, num_envs
+        self.seat = (np.arange(num_envs) + rank) % 2  # the learner's seat in each copy
+        self.opponent = np.full(num_envs, -1, dtype=np.int64)  # the snapshot id each copy plays
+        self.nets: dict[int, ActorCritic] = {}
+        self.results = np.zeros(3, dtype=np.int64)  # wins, draws, losses since the last metrics()
+        self.random_results = np.zeros(3, dtype=np.int64)  # the same, against the random player
+        self.rater: Any = None  # an elo.EloRater where this rank rates the snapshots (rank 0)
+        self.elo: float | None = None  # the newest snapshot's rating
+        self.started = time.perf_counter()
+
+    def start(self, policy: ActorCritic, version: int) -> None:
+        """Seed an empty pool with the learner as it is, and give every copy an opponent."""
+        if not self.pool.snapshots:
+            self.pool.add(policy.state_dict(), version)
+        for e in range(self.num_envs):
+            if not self._playable(int(self.opponent[e])):
+                self.opponent[e] = self._draw()
+
+    def _playable(self, opponent: int) -> bool:
+        return opponent == RANDOM or self.pool.get(opponent) is not None
+
+    def _draw(self) -> int:
+        """The next opponent: the random player with probability `random_prob`, else a pool snapshot (both
+        drawn with numpy's global generator, which checkpoints save and restore)."""
+        if self.random_prob > 0 and np.random.random() < self.random_prob:
+            return RANDOM
+        return self.pool.sample()
+
+    def opponent_to_move(self, movers: np.ndarray) -> np.ndarray:
+        """The copies whose opponent seat moves now."""
+        copies = np.arange(self.num_envs)
+        return copies[movers[copies * 2 + 1 - self.seat]]
+
+    def learner_rows(self) -> np.ndarray:
+        """[copies * 2] True where the learner holds the seat (row = copy * 2 + seat)."""
+        rows = np.zeros(self.num_envs * 2, dtype=bool)
+        rows[np.arange(self.num_envs) * 2 + self.seat] = True
+        return rows
+
+    def _net(self, snap_id: int) -> ActorCritic:
+        net = self.nets.get(snap_id)
+        if net is None:
+            snap = self.pool.get(snap_id)
+            assert snap is not None, f"snapshot {snap_id} is no longer in the pool"
+            with torch.random.fork_rng(devices=[]):  # its random init is overwritten: leave the RNG as it was
+                net = ActorCritic(self.spec.obs_space, self.spec.action_space, self.spec.model)
+            net.load_state_dict(snap.weights)
+            self.nets[snap_id] = net.to(self.device).eval()
+        return net
+
+    @torch.inference_mode()
+    def act(
+        self, obs: Any, masks: torch.Tensor | None, actions: np.ndarray, movers: np.ndarray
+    ) -> np.ndarray:
+        """`actions` with the entries of opponents about to move (`movers`: rows whose turn it is) replaced
+        by their snapshots' choices."""
+        actions = actions.copy()
+        opponent_moves = self.opponent_to_move(movers)
+        for snap_id in np.unique(self.opponent[opponent_moves]):
+            copies = opponent_moves[self.opponent[opponent_moves] == snap_id]
+            rows = torch.from_numpy(copies * 2 + 1 - self.seat[copies]).to(self.device)
+            mask = None if masks is None else masks[rows]
+            if snap_id == RANDOM:
+                chosen = self._random_moves(len(copies), mask)
+            else:
+                chosen, _, _ = self._net(int(snap_id)).sample(obs[rows], None, False, mask)
+                if self.noise > 0:  # some of the snapshot's moves are random ones
+                    swap = torch.rand(len(copies), device=self.device) < self.noise
+                    chosen = torch.where(swap, self._random_moves(len(copies), mask), chosen)
+            actions[rows.cpu().numpy()] = chosen.cpu().numpy()
+        return actions
+
+    def _random_moves(self, n: int, mask: torch.Tensor | None) -> torch.Tensor:
+        """Uniform over each row's legal moves (over the whole Discrete space without masks), drawn from
+        torch's generator like the snapshots' moves, so a seeded run repeats."""
+        width = int(mask.shape[1]) if mask is not None else int(self.spec.action_space.n)
+        scores = torch.rand(n, width, device=self.device)
+        if mask is not None:
+            scores = scores.masked_fill(~mask, -1.0)
+        return scores.argmax(1)
+
+    def episodes_ended(self, ended: np.ndarray, returns: np.ndarray) -> None:
+        """Per row (`_episode`, `episode.r`): record the learner's result in every copy whose game ended,
+        then swap seats and draw the copy's next opponent."""
+        for e in np.flatnonzero(ended.reshape(self.num_envs, 2).any(1)):
+            ret = float(returns[e * 2 + self.seat[e]])
+            outcome = WIN if ret > 0 else LOSS if ret < 0 else DRAW
+            if self.opponent[e] == RANDOM:
+                self.random_results[1 - outcome] += 1  # WIN -> 0, DRAW -> 1, LOSS -> 2
+            else:
+                self.pool.record(int(self.opponent[e]), outcome)
+                self.results[1 - outcome] += 1
+            self.seat[e] = 1 - self.seat[e]
+            self.opponent[e] = self._draw()
+        self._prune()
+
+    def after_update(self, policy: ActorCritic, version: int) -> None:
+        """Every `snapshot_every` updates the learner's weights join the pool."""
+        if version % self.every == 0:
+            snap = self.pool.add(policy.state_dict(), version)
+            self._prune()
+            if self.rater is not None:
+                self._rate(snap)
+
+    def _rate(self, snap: Snapshot) -> None:
+        """Rate the newcomer against the random player and the pool's rated snapshots. Its games sample
+        moves from torch's generator: forked, so that rating leaves the training's random stream as it was
+        (a resumed run stays exact)."""
+        pool = [{"id": s.id, "weights": s.weights} for s in self.pool.snapshots]
+        trained_s = time.perf_counter() - self.started - self.rater.seconds
+        with torch.random.fork_rng(devices=[]):
+            self.elo = self.rater.rate(snap.weights, pool, snap.id, train_seconds=trained_s)
+
+    def _prune(self) -> None:
+        keep = {s.id for s in self.pool.snapshots} | set(self.opponent.tolist())
+        for snap_id in [i for i in self.nets if i not in keep]:
+            del self.nets[snap_id]
+
+    def metrics(
+        self, sum_over_ranks: Callable[[torch.Tensor], torch.Tensor] | None = None
+    ) -> dict[str, float]:
+        """Win/draw/loss rates of the learner in the training games finished since the last call, over
+        every collecting rank (`sum_over_ranks`), and the pool's size; games against the random player
+        (`random_prob`) apart, as `selfplay/random_*`: a training-time curve of what the benchmark judges."""
+        both = torch.tensor(np.concatenate([self.results, self.random_results]), dtype=torch.float64)
+        self.results[:] = 0
+        self.random_results[:] = 0
+        if sum_over_ranks is not None:
+            both = sum_over_ranks(both)
+        counts, random_counts = both[:3], both[3:]
+        games = float(counts.sum())
+        out = {"selfplay/games": games, "selfplay/pool_size": float(len(self.pool.snapshots))}
+        if self.elo is not None:
+            out["selfplay/elo"] = self.elo
+        if games:
+            wins, draws, losses = (counts / games).tolist()
+            out |= {"selfplay/win_rate": wins, "selfplay/draw_rate": draws, "selfplay/loss_rate": losses}
+        if self.random_prob > 0:
+            played = float(random_counts.sum())
+            out["selfplay/random_games"] = played
+            if played:
+                wins, draws, losses = (random_counts / played).tolist()
+                out |= {
+                    "selfplay/random_win_rate": wins,
+                    "selfplay/random_draw_rate": draws,
+                    "selfplay/random_loss_rate": losses,
+                }
+        return out
+
+    def state(self) -> dict[str, Any]:
+        return {
+            "pool": self.pool.state(),
+            "seat": torch.from_numpy(self.seat.copy()),
+            "opponent": torch.from_numpy(self.opponent.copy()),
+        }
+
+    def load_state(self, state: dict[str, Any], exact: bool) -> None:
+        """The pool always; the seats and opponents per copy only when the copies are the same ones."""
+        self.pool.load_state(state["pool"])
+        self.nets.clear()
+        if exact:
+            self.seat = np.asarray(state["seat"], dtype=np.int64).copy()
+            self.opponent = np.asarray(state["opponent"], dtype=np.int64).copy()
+        for e in range(self.num_envs):
+            if not self._playable(int(self.opponent[e])):
+                self.opponent[e] = self._draw()

@@ -1,0 +1,400 @@
+"""The PPO update: one policy on one batch, every trained policy of a run, the learning-rate schedule.
+
+Both strategies call `update_policies` on the ranks that learn (every coupled rank, the decoupled
+trainers); nothing here knows which role a rank plays. Anything that must agree across training ranks
+(the target-KL stop) goes through the `mean_across` function the caller passes in.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import torch
+from lightning.fabric import Fabric
+from omegaconf import DictConfig
+from tensordict import TensorDict
+
+from ppo_fabric.learn.accel import compiled, uses_cuda_graphs
+from ppo_fabric.learn.advantages import gae
+from ppo_fabric.learn.buffer import GAE_KEYS
+from ppo_fabric.learn.learners import Learner, metric_name, trained
+from ppo_fabric.learn.loss import (
+    entropy_loss,
+    importance_weights,
+    masked_mean,
+    normalize,
+    policy_loss,
+    value_loss,
+)
+from ppo_fabric.learn.optim import GradientStep, forward_module
+
+TRAIN_METRICS = (
+    "loss/policy",
+    "loss/value",
+    "loss/entropy",
+    "train/approx_kl",
+    "train/clip_fraction",
+    "train/explained_variance",
+    "train/epochs",
+)
+# Logged by the decoupled strategy, whose batches may come from an older policy version (policy lag):
+# the mean importance weight applied and the fraction of steps whose weight was truncated (1 and 0 when
+# the batch was on-policy or `algo.lag_objective=false`).
+LAG_METRICS = ("train/is_weight_mean", "train/is_truncated")
+
+
+class LossCoefs(NamedTuple):
+    """The loss settings as plain Python values: a DictConfig attribute read costs ~50 us, and a compiled
+    step specialises on constants (a tuple of them is guarded by value, once per call)."""
+
+    clip: float
+    clip_vloss: bool
+    norm_adv: bool
+    vf_coef: float
+    ent_coef: float
+
+
+def minibatch_losses(
+    model: Any,
+    obs: Any,
+    actions: torch.Tensor,
+    old_logp: torch.Tensor,
+    old_values: torch.Tensor,
+    advantages: torch.Tensor,
+    returns: torch.Tensor,
+    mask: torch.Tensor | None,
+    action_mask: torch.Tensor | None,
+    state: torch.Tensor | None,
+    starts: torch.Tensor | None,
+    coefs: LossCoefs,
+    weights: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Forward pass and PPO losses of one minibatch: (total loss, [policy, value, entropy], new log-probs).
+
+    The one definition of the step, run as it is (eager) or under `torch.compile` (`algo.compile`).
+    `mask`: steps that hold a transition (multi-agent); `action_mask`: the masks the rollout sampled
+    under; `state`/`starts`: recurrent sequences' initial states and episode starts. `weights`: the
+    decoupled objective's importance weights, with `old_logp`/`old_values` then the proximal policy's
+    (`proximal`); None for plain PPO.
+    """
+    if action_mask is not None:
+        new_logp, entropy, new_values = model(obs, actions, state, starts, action_mask)
+    elif state is not None:
+        new_logp, entropy, new_values = model(obs, actions, state, starts)
+    else:
+        new_logp, entropy, new_values = model(obs, actions)
+    adv = normalize(advantages, mask=mask) if coefs.norm_adv else advantages
+    pg = policy_loss(new_logp, old_logp, adv, coefs.clip, mask, weights)
+    vl = value_loss(new_values, old_values, returns, coefs.clip, coefs.clip_vloss, mask)
+    el = entropy_loss(entropy, mask)
+    loss = pg.add(vl, alpha=coefs.vf_coef).add(el, alpha=coefs.ent_coef)  # 2 autograd nodes instead of 4
+    return loss, torch.stack((pg, vl, el)), new_logp
+
+
+def step_function(model: Any, compile_step: bool) -> Callable[..., Any]:
+    """The minibatch step to run: `minibatch_losses` itself, or compiled for this model."""
+    return compiled(minibatch_losses, model) if compile_step else minibatch_losses
+
+
+class LagSettings(NamedTuple):
+    """The lag correction's settings as plain values, read once per update (`LossCoefs`' reason)."""
+
+    refresh: bool
+    vtrace: bool
+    objective: bool
+    weight_clip: float
+    gamma: float
+    gae_lambda: float
+
+    @classmethod
+    def of(cls, algo: DictConfig) -> LagSettings:
+        return cls(
+            bool(algo.get("lag_refresh_advantages", True)),
+            bool(algo.get("lag_vtrace", True)),
+            bool(algo.get("lag_objective", True)),
+            float(algo.get("lag_weight_clip", 1.0)),
+            float(algo.gamma),
+            float(algo.gae_lambda),
+        )
+
+
+def lagged_batch(
+    model: Any,
+    behaviour: TensorDict,
+    batch: TensorDict,
+    lag: LagSettings,
+    chunk: int,
+    layout: tuple[int, int] | None,
+) -> tuple[TensorDict, dict[str, float]]:
+    """What a batch collected by an older policy is learnt from, and the logged weight statistics.
+
+    One forward pass gives the proximal log-probs and values (the model as it is now), which replace the
+    behaviour policy's `values` (the centre of the clipped value loss). `lag.objective`: the proximal
+    log-probs replace the behaviour ones as the centre of the clip range, and `weights` holds each step's
+    truncated importance weight. `lag.refresh` (feed-forward, unmasked batches whose `layout` is known):
+    advantages and returns recomputed with the current critic, and with `lag.vtrace` each step's
+    lambda-return cut by V-trace's truncated importance ratio of the next step's action (the return of the
+    collector's later actions counts as far as the current policy would take them too). The caller's
+    `behaviour` batch is left as it was."""
+    prox_logp, prox_values = proximal(model, batch, chunk)
+    mask = batch["mask"] if "mask" in batch.keys() else None  # noqa: SIM118
+    out = batch.clone(recurse=False)
+    out["values"] = prox_values
+    stats = {LAG_METRICS[0]: 1.0, LAG_METRICS[1]: 0.0}
+    ratio = (prox_logp - batch["logprobs"]).exp()  # pi_proximal / pi_behaviour
+    if lag.objective:
+        weights, cut = importance_weights(ratio, lag.weight_clip)
+        figures = torch.stack((masked_mean(weights, mask), masked_mean(cut.to(weights.dtype), mask)))
+        stats = dict(zip(LAG_METRICS, figures.tolist(), strict=True))  # one device sync, not two
+        out["weights"], out["logprobs"] = weights, prox_logp
+    refresh = lag.refresh and layout is not None and mask is None and prox_values.dim() == 1
+    if refresh and GAE_KEYS[0] in behaviour.keys():  # noqa: SIM118
+        segments, envs = layout
+        rows = batch.batch_size[0] // envs
+        if rows * envs == batch.batch_size[0] and rows % segments == 0:
+            traces = None
+            if lag.vtrace:  # step t's trace is the next step's ratio (the last row's is never used)
+                traces = ratio.clamp(max=1.0).view(rows, envs).roll(-1, 0)
+            adv, ret = recomputed_advantages(behaviour, prox_values, (rows, envs), segments, lag, traces)
+            out["advantages"], out["returns"] = adv.reshape(-1), ret.reshape(-1)
+    return out, stats
+
+
+def recomputed_advantages(
+    behaviour: TensorDict,
+    values: torch.Tensor,
+    shape: tuple[int, int],
+    segments: int,
+    lag: LagSettings,
+    traces: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """GAE of a flat batch laid out as `segments` time-major pieces of rollout of shape [rows, envs], with
+    the current critic's `values`. A step bootstraps from the next row's value within its piece; where the
+    next observation is not in the batch (episode ends, the last row of a piece) from the collector's
+    bootstrap value (`next_values`), the one value here that stays the older critic's."""
+    rows, envs = shape
+    terminated = behaviour["terminated"].view(shape)
+    cut = behaviour["truncated"].view(shape)
+    if segments > 1:  # the last row of each piece but the last (that one bootstraps from `next_value`)
+        cut = cut.clone()
+        cut[rows // segments - 1 :: rows // segments] = True
+    old_next = behaviour["next_values"].view(shape)
+    return gae(
+        behaviour["rewards"].view(shape),
+        values.view(shape),
+        terminated,
+        cut,
+        old_next,
+        old_next[-1],
+        lag.gamma,
+        lag.gae_lambda,
+        traces=traces,
+    )
+
+
+PROXIMAL_CHUNK_FLOATS = 1 << 22  # observation floats per forward pass of `proximal` (16 MiB of float32)
+
+
+@torch.no_grad()
+def proximal(model: Any, batch: TensorDict, minibatch: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Log-probs and values of the batch's actions under the model as it is now (the proximal policy of the
+    decoupled objective), in as few forward passes as keep each chunk's observations within
+    `PROXIMAL_CHUNK_FLOATS` floats, and never smaller than the update's minibatches (a CartPole batch is
+    one pass, an Atari batch a few minibatches a pass)."""
+    keys = batch.keys()
+    obs = batch["obs"][:1]  # one unit: a step, or a recurrent sequence of them
+    leaves = obs.values(True, True) if isinstance(obs, TensorDict) else (obs,)  # Dict observations
+    unit_floats = max(1, sum(leaf.numel() for leaf in leaves))
+    chunk = max(minibatch, PROXIMAL_CHUNK_FLOATS // unit_floats)
+    n = batch.batch_size[0]
+    logps, values = [], []
+    for start in range(0, n, chunk):
+        part = batch[start : start + chunk] if chunk < n else batch
+        args = [part["obs"], part["actions"]]
+        if "initial_state" in keys or "action_mask" in keys:
+            recurrent = "initial_state" in keys
+            args += [part["initial_state"], part["starts"]] if recurrent else [None, None]
+            if "action_mask" in keys:
+                args.append(part["action_mask"])
+        logp, _, value = model(*args)
+        logps.append(logp)
+        values.append(value)
+    return (logps[0], values[0]) if len(logps) == 1 else (torch.cat(logps), torch.cat(values))
+
+
+def update_policy(
+    fabric: Fabric,
+    model: Any,
+    optimizer: Any,
+    batch: TensorDict,
+    algo: DictConfig,
+    mean_across_trainers: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    rank_minibatch: int | None = None,
+    lagged: bool | None = None,
+    layout: tuple[int, int] | None = None,
+) -> dict[str, float]:
+    """One PPO update: `update_epochs` passes over shuffled minibatches of this rank's batch.
+
+    `rank_minibatch` is this rank's share of `algo.minibatch_size` (all of it on a single rank), in steps.
+    The batch's units are single steps, or for recurrent policies whole sequences (`initial_state`,
+    `starts`), so a minibatch then holds `rank_minibatch / seq_len` sequences. A `mask` (multi-agent rows of
+    agents that had left) keeps absent steps out of every mean; an `action_mask` restricts log-probs and
+    entropies to the actions that were legal at each step.
+    With `target_kl` set, the KL estimate is averaged over all training ranks (`mean_across_trainers`)
+    before deciding to stop, so every rank runs the same number of backward passes (DDP would hang).
+
+    `lagged` (None: a strategy that never lags, and no `LAG_METRICS`): the batch was collected by an older
+    version of the policy than the model's (the decoupled pipeline). One forward pass then gives the proximal log-probs and values (the model now), and
+    `lagged_batch` corrects for the lag: with `algo.lag_refresh_advantages` the advantages and returns are
+    recomputed with the current critic; with `algo.lag_objective` the update optimises the decoupled PPO
+    objective: the clip range and the clipped value loss are centred on the proximal policy, and each step
+    is weighted by pi_proximal / pi_behaviour truncated at `algo.lag_weight_clip` (the KL and clip-fraction
+    statistics are then against the proximal policy). Otherwise (and for every on-policy batch) the update
+    is plain PPO, bit for bit. `layout`: (segments, envs) when the flat batch is `segments` time-major
+    pieces of rollout with `envs` steps per row, which lets `lagged_batch` recompute the advantages.
+    """
+    n = batch.batch_size[0]
+    keys = batch.keys()
+    recurrent, masked, action_masked = "initial_state" in keys, "mask" in keys, "action_mask" in keys
+    seq_len = batch["starts"].shape[1] if recurrent else 1
+    mb = (int(algo.minibatch_size) if rank_minibatch is None else rank_minibatch) // seq_len
+    coefs = LossCoefs(
+        float(algo.clip_coef),
+        bool(algo.clip_vloss),
+        bool(algo.norm_adv),
+        float(algo.vf_coef),
+        float(algo.ent_coef),
+    )
+    clip, max_norm = coefs.clip, float(algo.max_grad_norm)
+    target_kl = None if algo.target_kl is None else float(algo.target_kl)
+    step = step_function(model, bool(algo.get("compile", False)))
+    graphs = step is not minibatch_losses and uses_cuda_graphs(model)
+    # Eager steps call the module under Fabric's wrapper directly where the wrapper adds nothing (optim.py).
+    net = forward_module(fabric, model) if step is minibatch_losses else model
+    # Gradients are dropped by hand: `optimizer.zero_grad` spends ~40-100 us per call in its profiler and
+    # torch.compile wrappers, 5-8% of a CleanRL-sized minibatch step, to do what this loop does in ~1 us.
+    # Clipping and the Adam step skip Fabric's and torch's generic layers the same way (optim.py).
+    finish = GradientStep(fabric, model, optimizer, max_norm)
+    params = finish.params
+    losses: list[torch.Tensor] = []  # (policy, value, entropy) per minibatch
+    ratio_stats: list[torch.Tensor] = []  # (approx KL, clip fraction) per epoch
+    behaviour = batch
+    batch = batch.exclude(*GAE_KEYS) if GAE_KEYS[0] in keys else batch  # used by `lagged_batch` only
+    lag = LagSettings.of(algo) if lagged else None
+    lag_stats = {LAG_METRICS[0]: 1.0, LAG_METRICS[1]: 0.0}
+    if lag is not None and (lag.objective or lag.refresh):
+        batch, lag_stats = lagged_batch(net, behaviour, batch, lag, mb, layout)
+    epochs = 0
+    for _ in range(int(algo.update_epochs)):
+        shuffled = batch[torch.randperm(n, device=batch.device)]
+        obs, actions, old_logp = shuffled["obs"], shuffled["actions"], shuffled["logprobs"]
+        old_values, advantages, returns = shuffled["values"], shuffled["advantages"], shuffled["returns"]
+        step_weights = shuffled.get("weights", None)
+        masks = shuffled["mask"] if masked else None
+        action_masks = shuffled["action_mask"] if action_masked else None
+        states, starts = (shuffled["initial_state"], shuffled["starts"]) if recurrent else (None, None)
+        new_logps = []
+        for start in range(0, n, mb):
+            sl = slice(start, start + mb)
+            if graphs:  # a new replay may overwrite the last one's outputs: they are copied out below
+                torch.compiler.cudagraph_mark_step_begin()
+            loss, stats, new_logp = step(
+                net,
+                obs[sl],
+                actions[sl],
+                old_logp[sl],
+                old_values[sl],
+                advantages[sl],
+                returns[sl],
+                None if masks is None else masks[sl],
+                None if action_masks is None else action_masks[sl],
+                None if states is None else states[sl],
+                None if starts is None else starts[sl],
+                coefs,
+                *(() if step_weights is None else (step_weights[sl],)),
+            )
+            for p in params:
+                p.grad = None
+            fabric.backward(loss)
+            finish()  # clip to max_norm, then the optimiser step
+            new_logp, stats = new_logp.detach(), stats.detach()
+            new_logps.append(new_logp.clone() if graphs else new_logp)
+            losses.append(stats.clone() if graphs else stats)
+        epochs += 1
+        # The ratio statistics of the whole epoch at once: a dozen small ops per epoch, not per minibatch.
+        with torch.no_grad():
+            logratio = torch.cat(new_logps) - old_logp
+            ratio = logratio.exp()
+            approx_kl = masked_mean((ratio - 1) - logratio, masks)
+            clipfrac = masked_mean(((ratio - 1).abs() > clip).float(), masks)
+            ratio_stats.append(torch.stack((approx_kl, clipfrac)))
+        if target_kl is not None:
+            kl = approx_kl
+            if mean_across_trainers is not None:
+                kl = mean_across_trainers(kl)
+            if kl.item() > target_kl:
+                break
+    pg_mean, vl_mean, el_mean = torch.stack(losses).mean(0).tolist()
+    kl_mean, clipfrac_mean = torch.stack(ratio_stats).mean(0).tolist()
+    means = [pg_mean, vl_mean, -el_mean, kl_mean, clipfrac_mean]
+    values, returns = behaviour["values"], behaviour["returns"]
+    if masked:
+        values, returns = values[behaviour["mask"]], returns[behaviour["mask"]]
+    var_returns = returns.var() if returns.numel() > 1 else returns.new_zeros(())
+    explained = (1 - (returns - values).var() / var_returns).item() if var_returns > 0 else float("nan")
+    stats = dict(zip(TRAIN_METRICS, [*means, explained, epochs], strict=True))
+    return stats | lag_stats if lagged is not None else stats
+
+
+def lr_at(base_lr: float, anneal: bool, env_step: int, final_step: int) -> float:
+    """Linear annealing to zero over the run's env steps: a pure function of progress, so a resumed run
+    needs no schedule state and continues from the env step it reached."""
+    return base_lr * (1.0 - env_step / final_step) if anneal else base_lr
+
+
+def set_lr(optimizer: Any, lr: float) -> float:
+    for group in optimizer.param_groups:
+        group["lr"] = lr
+    return lr
+
+
+def update_policies(
+    fabric: Fabric,
+    learners: dict[str, Learner],
+    batches: dict[str, TensorDict],
+    algo: DictConfig,
+    env_step: int,
+    final_step: int,
+    mean_across: Callable[[torch.Tensor], torch.Tensor] | None,
+    rank_minibatch: int,
+    policy_lag: float | None = None,
+    layouts: dict[str, tuple[int, int]] | None = None,
+) -> dict[str, float]:
+    """One update of every trained policy on its batch, at progress `env_step` of `final_step`.
+
+    `policy_lag`: how many versions older than the learners' the batches' behaviour policy is (the
+    decoupled strategy's `train/policy_lag`); None where the strategy never lags (coupled). `layouts`:
+    per policy, how its flat batch lies in time (`update_policy`'s `layout`).
+
+    `rank_minibatch` counts env steps: a policy acting for k agents per env copy takes k times as many
+    samples per minibatch, so every policy makes the same number of gradient steps per update (and every
+    rank too: DDP needs it).
+    """
+    metrics: dict[str, float] = {}
+    for name in trained({n: learner.spec for n, learner in learners.items()}):
+        learner = learners[name]
+        lr = set_lr(learner.optimizer, lr_at(learner.spec.lr, bool(algo.anneal_lr), env_step, final_step))
+        stats = update_policy(
+            fabric,
+            learner.model,
+            learner.optimizer,
+            batches[name],
+            algo,
+            mean_across,
+            rank_minibatch * learner.spec.agents,
+            None if policy_lag is None else policy_lag > 0,
+            None if layouts is None else layouts.get(name),
+        )
+        metrics |= {metric_name(name, k): v for k, v in (stats | {"train/lr": lr}).items()}
+    return metrics

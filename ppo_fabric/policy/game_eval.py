@@ -1,0 +1,163 @@
+"""Evaluation of a two-player turn-based game's policy against an opponent: `python -m ppo_fabric.evaluate
+checkpoint=PATH opponent=random|snapshot:PATH|pool games=N`, win / draw / loss rates over N games with seats
+alternated, played by `games.play_games`. Kept apart from `evaluate` (episodes and returns) since nothing
+here is about returns: players, opponents and results."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+
+class GameEvalError(ValueError):
+    """Input a game evaluation cannot run with; `str()` is one line for the user."""
+
+
+OPPONENTS = "random, snapshot:<checkpoint> or pool"
+
+
+def is_aec_game(env_id: str) -> bool:
+    """Whether `env_id` names a PettingZoo AEC env (module with env(), or module:factory of one)."""
+    from ppo_fabric.games.play import aec_env_factory
+
+    try:
+        env = aec_env_factory(env_id)()
+    except Exception:  # not importable, or needs arguments: not something to suggest games for
+        return False
+    try:
+        return hasattr(env, "agent_iter")
+    finally:
+        env.close()
+
+
+def _playing_policy(state: dict[str, Any], policies: dict[str, Any], policy: str | None) -> str:
+    if policy is not None:
+        if policy not in policies:
+            raise GameEvalError(f"policy={policy} is not in this checkpoint (it has {', '.join(policies)})")
+        return policy
+    trained = ((state["config"].get("multiagent") or {}).get("policies_to_train")) or list(policies)
+    return next(p for p in policies if p in trained)
+
+
+def _player(agent: Any, deterministic: bool) -> Any:
+    """A policy as a game player: one that observed the whole `{"observation", "action_mask"}` dict (masks
+    off in training) gets it whole; one that observed `observation` alone gets the mask as its mask."""
+    from ppo_fabric.games.play import ACTION_MASK, PolicyPlayer
+
+    keys = getattr(agent.encoder, "keys", None)  # a Dict observation's keys (MultiEncoder)
+    sees_mask = isinstance(keys, list) and ACTION_MASK in keys
+    return PolicyPlayer(agent, deterministic, masked=not sees_mask)
+
+
+def opponent_players(
+    opponent: str, state: dict[str, Any], name: str, deterministic: bool, seed: int
+) -> list[tuple[str, Any]]:
+    """(label, player) of each opponent `opponent=` names; raises GameEvalError for anything else."""
+    from ppo_fabric.games.play import RandomPlayer
+    from ppo_fabric.runs import checkpoint as ckpt
+
+    if opponent == "random":
+        return [("random", RandomPlayer(seed + 1))]
+    if opponent.startswith("snapshot:"):
+        path = opponent.partition(":")[2]
+        try:
+            other_state, others = ckpt.load_policies(path, key="opponent=snapshot:")
+        except ValueError as exc:
+            raise GameEvalError(str(exc)) from exc
+        other = others.get(name) or (next(iter(others.values())) if len(others) == 1 else None)
+        if other is None:
+            raise GameEvalError(f"opponent={opponent} has no policy {name!r} (it has {', '.join(others)})")
+        return [(f"snapshot:{path}", _player(other, deterministic))]
+    if opponent == "pool":
+        pool = ckpt.pool_snapshots(state)
+        if not pool:
+            raise GameEvalError(
+                "opponent=pool: this checkpoint holds no self-play pool (selfplay.enabled=true)"
+            )
+        obs_spaces, action_spaces = ckpt.saved_spaces(state)
+        if state.get("multiagent"):
+            obs_spaces, action_spaces = obs_spaces[name], action_spaces[name]
+        players = []
+        for snap in pool:
+            try:
+                agent = ckpt.policy_from_weights(snap["weights"], obs_spaces, action_spaces, state, name)
+            except RuntimeError as exc:  # load_state_dict: weights of another model
+                raise GameEvalError(
+                    f"opponent=pool: snapshot {snap['id']} does not fit the policy ({exc})"
+                ) from exc
+            players.append((f"pool:{snap['id']}", _player(agent, deterministic)))
+        return players
+    raise GameEvalError(f"opponent={opponent} is unknown; choose {OPPONENTS}")
+
+
+def evaluate_games(
+    state: dict[str, Any],
+    policies: dict[str, Any],
+    checkpoint: str | Path,
+    opponent: str | None,
+    games: int,
+    deterministic: bool,
+    seed: int,
+    policy: str | None,
+) -> dict[str, Any]:
+    """Win / draw / loss rates of the checkpoint's policy against `opponent` over `games` games on the
+    checkpoint's two-player AEC game; with `pool`, the games are shared out evenly among the snapshots.
+    Greedy players (deterministic=true) on both sides replay the same two games: sample with
+    deterministic=false against a snapshot for a spread of games."""
+    from ppo_fabric.games.play import WIN, GameResults, aec_env_factory, play_games
+    from ppo_fabric.runs import checkpoint as ckpt
+
+    if opponent is None:
+        raise GameEvalError(f"policy= chooses who plays a game: set opponent= too ({OPPONENTS})")
+    if games <= 0:
+        raise GameEvalError(f"games={games} must be > 0")
+    env_cfg = state["config"]["env"]
+    if env_cfg.get("api") != "pettingzoo":
+        raise GameEvalError(
+            f"opponent= plays two-player PettingZoo AEC games; env.id={env_cfg['id']} is not one"
+        )
+    name = _playing_policy(state, policies, policy)
+    player = _player(policies[name], deterministic)
+    opponents = opponent_players(opponent, state, name, deterministic, seed)
+    try:
+        factory = aec_env_factory(str(env_cfg["id"]), dict(env_cfg.get("kwargs") or {}))
+        probe = factory()
+        probe.close()
+    except Exception as exc:
+        raise GameEvalError(f"opponent= needs a two-player AEC game: {exc}") from exc
+    if not hasattr(probe, "agent_iter"):
+        raise GameEvalError(f"opponent= plays AEC games; env.id={env_cfg['id']} is a Parallel env")
+    share = max(2, games // len(opponents))
+    start = time.perf_counter()
+    total = GameResults()
+    rows = {}
+    for i, (label, other) in enumerate(opponents):
+        try:
+            results = play_games(factory, player, other, share, seed + i * share)
+        except ValueError as exc:
+            raise GameEvalError(str(exc)) from exc
+        rows[label] = results.summary()
+        total.outcomes += results.outcomes
+        total.first_seats += results.first_seats
+        total.lengths += results.lengths
+        total.illegal_moves += results.illegal_moves
+    as_first = [o == WIN for o, s in zip(total.outcomes, total.first_seats, strict=True) if s == 0]
+    as_second = [o == WIN for o, s in zip(total.outcomes, total.first_seats, strict=True) if s == 1]
+    return {
+        "checkpoint": str(ckpt.resolve(checkpoint).resolve()),
+        "env_id": str(env_cfg["id"]),
+        "env_step": state.get("env_step"),
+        "policy": name,
+        "opponent": opponent,
+        "deterministic": deterministic,
+        "seed": seed,
+        **total.summary(),
+        "win_rate_moving_first": float(np.mean(as_first)) if as_first else None,
+        "win_rate_moving_second": float(np.mean(as_second)) if as_second else None,
+        "opponents": rows,
+        "wall_seconds": time.perf_counter() - start,
+        "video": None,
+    }

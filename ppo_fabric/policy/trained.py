@@ -1,0 +1,184 @@
+"""A trained policy to act with from Python: `ppo_fabric.load_policy(path)` and `Policy.predict`.
+
+    policy = ppo_fabric.load_policy("runs/2026-11-26/12-00-00")      # a run dir or a .ckpt file
+    action, state = policy.predict(obs)                                # one observation or a batch
+
+`predict` has Stable-Baselines3's shape so code written against SB3 acts with ours unchanged: NumPy in and
+out, the recurrent state carried by the caller (`episode_start` marks the rows whose episode just began),
+`deterministic=True` by default. What training did to the env's side of the loop is done here too, so a
+caller feeds raw env observations and gets env actions: observations are normalised with the run's frozen
+statistics (`env.normalize_obs`), action masks are honoured, and Box actions are clipped to the action
+space as the rollout clips them before `env.step`. Evaluation acts through the same method, so what a user
+scores and what `python -m ppo_fabric.evaluate` scores cannot diverge.
+
+Loading never runs code from the file: checkpoints are read with `torch.load(weights_only=True)`
+(`runs.checkpoint.load`) and the model is rebuilt from the config stored beside its weights.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import gymnasium as gym
+import numpy as np
+import torch
+from tensordict import TensorDict
+
+from ppo_fabric.envs.normalize import RunningMoments
+from ppo_fabric.models.agent import ActorCritic
+from ppo_fabric.runs import checkpoint as ckpt
+
+
+class Policy:
+    """One policy of a checkpoint, in eval mode on the CPU.
+
+    Attributes: `name` (`main` for a single-agent run, else the multi-agent policy's name), `model` (the
+    `ActorCritic`), `observation_space` and `action_space` (what the policy was trained on, before
+    normalisation), `mask_width` (None when trained without action masks), `recurrent`, `config` (the run's
+    config as a plain dict).
+    """
+
+    def __init__(
+        self,
+        model: ActorCritic,
+        observation_space: gym.Space,
+        action_space: gym.Space,
+        *,
+        name: str = "main",
+        obs_normalization: dict[str, Any] | None = None,
+        mask_width: int | None = None,
+        config: dict[str, Any] | None = None,
+    ) -> None:
+        self.model = model.eval()
+        self.name = name
+        self.observation_space = observation_space
+        self.action_space = action_space
+        self.mask_width = mask_width
+        self.config = config or {}
+        self.recurrent = model.core is not None
+        self._moments: RunningMoments | None = None
+        if obs_normalization is not None:
+            self._moments = RunningMoments(observation_space.shape)
+            self._moments.load_state_dict(obs_normalization)
+        box = isinstance(action_space, gym.spaces.Box)
+        self._clip = (action_space.low, action_space.high) if box else None
+
+    def __repr__(self) -> str:
+        return (
+            f"Policy(name={self.name!r}, observation_space={self.observation_space}, "
+            f"action_space={self.action_space}, recurrent={self.recurrent}, mask_width={self.mask_width})"
+        )
+
+    def initial_state(self, batch: int = 1) -> np.ndarray | None:
+        """The recurrent state a fresh episode starts from, [batch, *state_shape] (None: feed-forward)."""
+        state = self.model.initial_state(batch)
+        return None if state is None else state.numpy()
+
+    def predict(
+        self,
+        observation: Any,
+        state: np.ndarray | None = None,
+        episode_start: np.ndarray | None = None,
+        deterministic: bool = True,
+        action_mask: np.ndarray | None = None,
+    ) -> tuple[np.ndarray, np.ndarray | None]:
+        """(action, next state) for one observation or a batch of them.
+
+        `observation`: one env observation (an array of the observation space's shape, or a dict of them
+        for a Dict space) or a batch with a leading dimension. `state`: what the previous call returned
+        (None: a fresh episode; always None for a feed-forward policy). `episode_start` [batch] of bools:
+        rows whose episode just began start again from the initial state. `action_mask` [n] or
+        [batch, n], True where an action is legal. The action comes back as the env takes it: Box actions
+        clipped to the space; one observation in gives one action out (no batch dimension). The state keeps
+        its batch dimension ([1, ...] for one observation), as SB3's does.
+        """
+        batch, single = self._batch(observation)
+        n = next(iter(batch.values())).shape[0] if isinstance(batch, TensorDict) else batch.shape[0]
+        torch_state = None
+        if self.recurrent:
+            torch_state = self.model.initial_state(n) if state is None else torch.as_tensor(state)
+            if episode_start is not None:
+                starts = torch.as_tensor(np.asarray(episode_start, dtype=bool).reshape(-1))
+                torch_state = torch.where(
+                    starts.view(-1, *([1] * (torch_state.dim() - 1))),
+                    torch.zeros_like(torch_state),
+                    torch_state,
+                )
+        masks: tuple[torch.Tensor, ...] = ()
+        if action_mask is not None:
+            mask = torch.as_tensor(np.asarray(action_mask, dtype=bool))
+            masks = (mask.unsqueeze(0) if mask.dim() == 1 else mask,)
+        with torch.inference_mode():
+            action, _, _, next_state = self.model.act_with_state(batch, torch_state, deterministic, *masks)
+        out = action.numpy()
+        if self._clip is not None:
+            out = np.clip(out, *self._clip)
+        if single:
+            out = out[0]
+        new_state = None if next_state is None else next_state.numpy()
+        return out, new_state
+
+    def _batch(self, observation: Any) -> tuple[torch.Tensor | TensorDict, bool]:
+        """(the observation as the model's batch, whether it was a single observation)."""
+        space = self.observation_space
+        if isinstance(space, gym.spaces.Dict):
+            arrays = {k: np.asarray(v) for k, v in observation.items()}
+            single = all(arrays[k].shape == tuple(s.shape) for k, s in space.spaces.items())
+            if single:
+                arrays = {k: v[None] for k, v in arrays.items()}
+            n = next(iter(arrays.values())).shape[0]
+            parts = {k: torch.as_tensor(v, dtype=torch.float32) for k, v in arrays.items()}
+            return TensorDict(parts, batch_size=[n]), single
+        array = np.asarray(observation)
+        single = array.shape == tuple(space.shape or ())
+        if single:
+            array = array[None]
+        if self._moments is not None:
+            array = self._moments.normalize(array)
+        return torch.as_tensor(array, dtype=torch.float32), single
+
+
+def load_policies(path: str | Path) -> dict[str, Policy]:
+    """Every policy of a checkpoint (or a run directory's `checkpoints/last.ckpt`), by name: `main` for a
+    single-agent run. Raises ValueError (one line) for a file that is not a readable checkpoint."""
+    return checkpoint_policies(path)[1]
+
+
+def checkpoint_policies(path: str | Path) -> tuple[dict[str, Any], dict[str, Policy]]:
+    """(the checkpoint, its policies by name): for tools that also read the run's config or counters."""
+    state, models = ckpt.load_policies(path)
+    obs_spaces, action_spaces = ckpt.saved_spaces(state)
+    norm = ckpt.observation_normalization(state)
+    multi = bool(state.get("multiagent"))
+    policies = {}
+    for name, model in models.items():
+        policies[name] = Policy(
+            model,
+            obs_spaces[name] if multi else obs_spaces,
+            action_spaces[name] if multi else action_spaces,
+            name=name,
+            obs_normalization=None if multi else norm,
+            mask_width=ckpt.mask_width(state, name if multi else None),
+            config=state["config"],
+        )
+    return state, policies
+
+
+def load_policy(path: str | Path, policy: str | None = None) -> Policy:
+    """The policy of a checkpoint or a run directory, ready to `predict`.
+
+    A multi-agent checkpoint holds several: name one with `policy=` (a checkpoint with a single policy
+    needs none). Raises ValueError with a one-line message naming what is wrong.
+    """
+    policies = load_policies(path)
+    if policy is None:
+        if len(policies) > 1:
+            raise ValueError(
+                f"{path} holds the policies of a multi-agent run ({', '.join(policies)}); "
+                "choose one with load_policy(path, policy=NAME)"
+            )
+        return next(iter(policies.values()))
+    if policy not in policies:
+        raise ValueError(f"policy={policy!r} is not in {path} (it has {', '.join(policies)})")
+    return policies[policy]

@@ -1,0 +1,399 @@
+"""Atomic checkpoints and exact resume.
+
+A checkpoint holds the shared learner state (model, optimizer, counters) once, and per rank what makes
+its next rollout identical to an uninterrupted run: RNG states, the vector env (pickled when it can be,
+e.g. sync envs), the observation it acts on next, and its recent episodes.
+
+Loading never runs code: everything is plain data (dicts, lists, tuples, numbers, strings, tensors; spaces
+via `spaces.space_to_data`), read with `torch.load(weights_only=True)`. The one pickle, the vector env
+snapshot, is signed with this installation's key (`signing`) and unpickled only when the signature holds.
+"""
+
+from __future__ import annotations
+
+import io
+import itertools
+import os
+import pickle
+import pickletools
+import random
+import tempfile
+import warnings
+import zipfile
+from collections import deque
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import gymnasium as gym
+import numpy as np
+import torch
+from omegaconf import OmegaConf
+from tensordict import TensorDict
+
+from ppo_fabric.envs.spaces import space_from_data, space_to_data
+from ppo_fabric.runs import signing
+
+FORMAT_VERSION = 2  # 2: plain data only (weights_only loading), signed env snapshots
+ENV_STATES = ("restore", "fresh")  # what `load` does with the env snapshots (config key resume_env)
+
+
+def rng_state() -> dict[str, Any]:
+    """Torch, numpy and Python RNG states as tensors, numbers and lists (numpy's and Python's own states
+    are tuples holding arrays, which only a full unpickler reads)."""
+    kind, keys, pos, has_gauss, gauss = np.random.get_state(legacy=True)
+    version, internal, gauss_next = random.getstate()
+    cuda = (
+        torch.cuda.get_rng_state_all() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
+    )
+    return {
+        "torch": torch.get_rng_state(),
+        "cuda": cuda,  # one state per visible CUDA device, or None on a CPU run
+        "numpy": [kind, torch.from_numpy(keys.astype(np.int64)), int(pos), int(has_gauss), float(gauss)],
+        "python": [version, list(internal), gauss_next],
+    }
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    """Restore what `rng_state` saved; CUDA states only where the resuming run sees as many devices (a
+    GPU checkpoint resumed on a CPU, or the other way round, keeps this run's own CUDA seeds)."""
+    torch.set_rng_state(state["torch"])
+    cuda = state.get("cuda")
+    if cuda is not None and torch.cuda.is_available() and len(cuda) == torch.cuda.device_count():
+        torch.cuda.set_rng_state_all(cuda)
+    kind, keys, pos, has_gauss, gauss = state["numpy"]
+    np.random.set_state((kind, keys.numpy().astype(np.uint32), pos, has_gauss, gauss))
+    version, internal, gauss_next = state["python"]
+    random.setstate((version, tuple(internal), gauss_next))
+
+
+def pickle_envs(envs: gym.vector.VectorEnv) -> dict[str, Any] | None:
+    """The vector env's full state, pickled and signed with this installation's key, or None where it
+    cannot be pickled (async workers, some simulators)."""
+    try:
+        blob = pickle.dumps(envs)
+    except Exception:  # any env may refuse; resume then starts fresh episodes
+        return None
+    return {"pickle": torch.frombuffer(bytearray(blob), dtype=torch.uint8), "hmac": signing.sign(blob)}
+
+
+def _signed_pickle(snapshot: Any) -> bytes | None:
+    """The snapshot's pickle when it carries this installation's signature, else None (never unpickle it)."""
+    data = snapshot.get("pickle") if isinstance(snapshot, dict) else None
+    if not isinstance(data, torch.Tensor) or data.dtype != torch.uint8 or data.dim() != 1:
+        return None
+    blob = data.numpy().tobytes()
+    return blob if signing.verify(blob, snapshot.get("hmac")) else None
+
+
+def to_plain(obj: Any) -> Any:
+    """`obj` with numpy arrays and scalars, spaces, TensorDicts and deques turned into what
+    `torch.load(weights_only=True)` reads; containers already plain are returned as they are (model state
+    dicts keep their type and metadata). Raises TypeError for anything else, at save rather than at load."""
+    if isinstance(obj, np.generic):  # before float: np.float64 is one, yet pickles as a numpy object
+        return obj.item()
+    if obj is None or isinstance(obj, (bool, int, float, str, torch.Tensor)):
+        return obj
+    if isinstance(obj, np.ndarray):
+        return torch.from_numpy(obj.copy())
+    if isinstance(obj, gym.Space):
+        return space_to_data(obj)
+    if isinstance(obj, TensorDict):
+        return to_plain(obj.to_dict())
+    if isinstance(obj, Mapping):
+        plain = {key: to_plain(value) for key, value in obj.items()}
+        return obj if isinstance(obj, dict) and all(plain[k] is obj[k] for k in obj) else plain
+    if isinstance(obj, (list, tuple, deque)):
+        items = [to_plain(value) for value in obj]
+        return tuple(items) if isinstance(obj, tuple) else items
+    raise TypeError(f"a checkpoint cannot hold a {type(obj).__name__} (it would load only by running code)")
+
+
+def atomic_write(data: bytes, path: Path) -> None:
+    """Write to a temp file in the same directory, fsync, then rename: readers never see a partial file."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as fh:
+            fh.write(data)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def encode(state: dict[str, Any]) -> bytes:
+    """A checkpoint's bytes: the state as plain data, with the format version."""
+    buffer = io.BytesIO()
+    torch.save({"format": FORMAT_VERSION, **to_plain(state)}, buffer)
+    return buffer.getvalue()
+
+
+def numbered_name(env_step: int, run_id: str) -> str:
+    """`step_<env step>_<run id>.ckpt`: the env step orders a lineage; the id of the launch that wrote it
+    keeps a resumed run from overwriting what an earlier run wrote at the same step."""
+    return f"step_{env_step:012d}_{run_id}.ckpt"
+
+
+def parse_numbered(path: Path) -> tuple[int, str] | None:
+    parts = path.stem.split("_")
+    if len(parts) != 3 or parts[0] != "step" or not parts[1].isdigit():
+        return None
+    return int(parts[1]), parts[2]
+
+
+def in_lineage(env_step: int, run_id: str, lineage: list[list[Any]]) -> bool:
+    """Whether a numbered checkpoint belongs to this run's lineage: `lineage` lists [run id, env step it
+    started from] from the first run to this one, so an ancestor's checkpoints count up to the step the
+    next run resumed from (what it wrote after that belongs to another branch)."""
+    for (rid, _), nxt in zip(lineage, [*lineage[1:], None], strict=True):
+        if rid == run_id and (nxt is None or env_step <= int(nxt[1])):
+            return True
+    return False
+
+
+def save(
+    state: dict[str, Any],
+    ckpt_dir: Path,
+    numbered: bool,
+    keep: int,
+    protect: tuple[Path, ...] = (),
+) -> Path:
+    """Write `last.ckpt` and, when asked, the numbered copy, then prune this lineage's numbered copies to
+    the newest `keep` (0 keeps all). Never deleted: the file just written and those in `protect` (the
+    checkpoint the run resumed from). Other lineages' files in the same directory are left alone."""
+    data = encode(state)
+    kept = {p.resolve() for p in protect}
+    if numbered:
+        path = ckpt_dir / numbered_name(int(state["env_step"]), str(state["run_id"]))
+        atomic_write(data, path)
+        kept.add(path.resolve())
+        if keep > 0:
+            ours = []
+            for old in ckpt_dir.glob("step_*.ckpt"):
+                parsed = parse_numbered(old)
+                if parsed is not None and in_lineage(*parsed, state["lineage"]):
+                    ours.append((parsed[0], old))
+            for _, old in sorted(ours)[:-keep]:
+                if old.resolve() not in kept:
+                    old.unlink(missing_ok=True)
+    last = ckpt_dir / "last.ckpt"
+    atomic_write(data, last)
+    return last
+
+
+def load(path: str | Path, key: str = "resume", env_state: str = "restore") -> dict[str, Any]:
+    """Load a checkpoint written by `save` without running any code; raises ValueError with a one-line reason.
+
+    `key` is the argument the user gave the path as (`resume` for training, `checkpoint` for the
+    evaluate/export tools), so the message names what they typed. `env_state="restore"` refuses a
+    checkpoint holding an env snapshot that this installation did not sign; `"fresh"` drops every
+    snapshot (the envs then start fresh, everything else is restored).
+    """
+    if env_state not in ENV_STATES:
+        raise ValueError(f"resume_env={env_state!r} is not one of {', '.join(ENV_STATES)}")
+    path = Path(path)
+    where = f"{key}={str(path)!r}"
+    if path.is_dir():
+        raise ValueError(
+            f"{where} is a directory; point {key} at a .ckpt file such as {path / 'checkpoints' / 'last.ckpt'}"
+        )
+    if not path.is_file():
+        raise ValueError(f"{where}: no such checkpoint file")
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as exc:
+        old = _peek_format(path)
+        if old is not None and old < FORMAT_VERSION:
+            raise ValueError(_older_format(where, old)) from exc
+        refused = "Weights only load failed" in str(exc)
+        reason = "it holds objects that load only by running code" if refused else type(exc).__name__
+        raise ValueError(f"{where}: not a readable checkpoint ({reason})") from exc
+    version = state.get("format") if isinstance(state, dict) else None
+    if isinstance(version, int) and 0 < version < FORMAT_VERSION:
+        raise ValueError(_older_format(where, version))
+    if version != FORMAT_VERSION:
+        raise ValueError(f"{where}: not a ppo-fabric checkpoint (format {FORMAT_VERSION})")
+    missing = [k for k in _REQUIRED if k not in state]
+    if missing or not all(isinstance(rank, dict) for rank in state["ranks"]):
+        raise ValueError(
+            f"{where}: an incomplete ppo-fabric checkpoint (missing {', '.join(missing) or 'ranks'})"
+        )
+    for rank in state["ranks"]:
+        if rank.get("envs") is None:
+            continue
+        if env_state == "fresh":
+            rank["envs"] = None
+        elif _signed_pickle(rank["envs"]) is None:
+            raise ValueError(
+                f"{where}: its env snapshot was not signed on this installation (another machine or key); "
+                "continue with resume_env=fresh (fresh environments, everything else restored)"
+            )
+    return state
+
+
+_REQUIRED = ("config", "observation_space", "action_space", "agent", "iteration", "env_step", "ranks")
+
+
+def _older_format(where: str, version: int) -> str:
+    return (
+        f"{where} was written by an older ppo-fabric (format {version}); this one reads format "
+        f"{FORMAT_VERSION}, which loads without running code: start a new run or use the version that wrote it"
+    )
+
+
+_MEMO_OPS = ("PUT", "BINPUT", "LONG_BINPUT", "MEMOIZE", "GET", "BINGET", "LONG_BINGET")
+
+
+def _peek_format(path: Path) -> int | None:
+    """The `format` entry of a torch file that weights_only refused, read from the pickle's opcodes without
+    executing them (an older checkpoint then gets a clear message), or None."""
+    try:
+        with zipfile.ZipFile(path) as archive:
+            name = next(n for n in archive.namelist() if n.endswith("/data.pkl"))
+            ops = itertools.islice(pickletools.genops(archive.read(name)), 24)
+            args = [arg for op, arg, _ in ops if op.name not in _MEMO_OPS]  # memo indices are ints too
+    except Exception:  # not a zip, no pickle, bad opcodes: nothing to tell
+        return None
+    return next((b for a, b in itertools.pairwise(args) if a == "format" and isinstance(b, int)), None)
+
+
+def saved_spaces(state: dict[str, Any]) -> tuple[Any, Any]:
+    """(observation space, action space) of a loaded checkpoint; multi-agent: dicts policy -> space."""
+    obs, action = state["observation_space"], state["action_space"]
+    if state.get("multiagent"):
+        return {n: space_from_data(d) for n, d in obs.items()}, {
+            n: space_from_data(d) for n, d in action.items()
+        }
+    return space_from_data(obs), space_from_data(action)
+
+
+def restore_envs(snapshot: dict[str, Any] | None, fallback: Any) -> Any:
+    """Unpickle a saved vector env once its signature holds, or keep the freshly built one when there is
+    none (async or unpicklable envs, or resume_env=fresh). An unsigned snapshot raises ValueError unread."""
+    if snapshot is None:
+        warnings.warn(
+            "the checkpoint holds no env state (async or unpicklable envs, or resume_env=fresh): "
+            "episodes restart on resume",
+            stacklevel=2,
+        )
+        return fallback
+    blob = _signed_pickle(snapshot)
+    if blob is None:
+        raise ValueError("the env snapshot was not signed on this installation; it is never unpickled")
+    fallback.close()
+    # Guarded: `blob` is only non-None when its HMAC under this installation's key matched (_signed_pickle),
+    # i.e. this installation wrote it; a snapshot from anywhere else never reaches this line.
+    return pickle.loads(blob)
+
+
+def resolve(path: str | Path) -> Path:
+    """A checkpoint file, or a run directory standing for its `checkpoints/last.ckpt` (what users type)."""
+    path = Path(path)
+    last = path / "checkpoints" / "last.ckpt"
+    return last if path.is_dir() and last.is_file() else path
+
+
+def load_policy(path: str | Path, key: str = "checkpoint") -> tuple[dict[str, Any], Any]:
+    """(checkpoint, ActorCritic in eval mode on the CPU) of a single-agent run, rebuilt from the
+    checkpoint's own model config; raises ValueError (one line), also for a multi-agent checkpoint."""
+    state, policies = load_policies(path, key)
+    if state.get("multiagent"):
+        raise ValueError(
+            f"{key}={path} holds the policies of a multi-agent run ({', '.join(policies)}); this tool takes "
+            "single-agent checkpoints"
+        )
+    return state, next(iter(policies.values()))
+
+
+def load_policies(path: str | Path, key: str = "checkpoint") -> tuple[dict[str, Any], dict[str, Any]]:
+    """(checkpoint, {policy name: ActorCritic in eval mode on the CPU}), each rebuilt from the checkpoint's
+    own model config (a multi-agent run's per-policy overrides included), so evaluation and export need
+    nothing from the run that wrote it. A single-agent run has the one policy `main`; raises ValueError."""
+    from ppo_fabric.models.agent import ActorCritic
+
+    state = load(resolve(path), key=key, env_state="fresh")  # never unpickle: no env is restored here
+    obs_spaces, action_spaces = saved_spaces(state)
+    if not state.get("multiagent"):
+        return state, {"main": policy_from_weights(state["agent"], obs_spaces, action_spaces, state)}
+    policies: dict[str, ActorCritic] = {}
+    for name, weights in state["agent"].items():
+        policies[name] = policy_from_weights(weights, obs_spaces[name], action_spaces[name], state, name)
+    return state, policies
+
+
+def policy_model_config(state: dict[str, Any], policy: str | None = None) -> Any:
+    """The model config a policy of the checkpoint was built with: `model`, merged with the policy's own
+    `multiagent.policies.<name>.model` overrides (as `learners.policy_specs` does)."""
+    cfg = state["config"]
+    model = OmegaConf.create(cfg["model"])
+    own = ((cfg.get("multiagent") or {}).get("policies") or {}).get(policy or "") or {}
+    return OmegaConf.merge(model, own.get("model") or {})
+
+
+def policy_from_weights(
+    weights: dict[str, Any],
+    obs_space: Any,
+    action_space: Any,
+    state: dict[str, Any],
+    policy: str | None = None,
+) -> Any:
+    """An ActorCritic (eval mode, CPU) of the checkpoint's model config loaded with `weights` (the policy's
+    own, or a self-play snapshot's)."""
+    from ppo_fabric.models.agent import ActorCritic
+
+    agent = ActorCritic(obs_space, action_space, policy_model_config(state, policy))
+    agent.load_state_dict(weights)
+    return agent.eval()
+
+
+def mask_width(state: dict[str, Any], policy: str | None = None) -> int | None:
+    """The action-mask width a policy was trained with (None: no masks). Single-agent checkpoints record it
+    as `action_mask`; multi-agent ones as `action_masks` = {policy: width}, or else the game's own
+    masks are read from a turn-based env."""
+    if not state.get("multiagent"):
+        return state.get("action_mask")
+    if "action_masks" in state:
+        return (state["action_masks"] or {}).get(policy)
+    # Not recorded: a turn-based (AEC) game with algo.action_mask on trained every policy with the masks
+    # of its `{"observation", "action_mask"}` observations (the only multi-agent masks there are).
+    cfg = state["config"]
+    if str((cfg.get("algo") or {}).get("action_mask", "auto")) == "off":
+        return None
+    from ppo_fabric.games.play import aec_mask_width
+
+    return aec_mask_width(str(cfg["env"]["id"]), dict(cfg["env"].get("kwargs") or {}))
+
+
+def pool_snapshots(state: dict[str, Any]) -> list[dict[str, Any]]:
+    """The self-play opponent pool saved in a checkpoint, oldest first, as [{"id": int, "weights": state
+    dict}, ...]. Read from `selfplay.pool.snapshots` at the top level or in the first rank's part (each
+    entry's weights under `weights` or `policy`); [] when the checkpoint holds no pool."""
+    holders = [state, *(state.get("ranks") or [])]
+    for holder in holders:
+        selfplay = holder.get("selfplay") if isinstance(holder, dict) else None
+        if not isinstance(selfplay, dict):
+            continue
+        pool = selfplay.get("pool")
+        entries = pool.get("snapshots") if isinstance(pool, dict) else pool
+        if isinstance(entries, list) and entries:
+            return [
+                {"id": int(e.get("id", i)), "weights": e["weights"] if "weights" in e else e["policy"]}
+                for i, e in enumerate(entries)
+            ]
+    return []
+
+
+def observation_normalization(state: dict[str, Any]) -> dict[str, Any] | None:
+    """The observation statistics a run normalised with (identical on every collecting rank), or None."""
+    ranks = state.get("ranks") or [{}]
+    return (ranks[0].get("normalizers") or {}).get("NormalizeObservation")
+
+
+def run_dir_of(checkpoint: str | Path) -> Path:
+    """The run directory a checkpoint belongs to: `<run>/checkpoints/x.ckpt` -> `<run>`; a checkpoint kept
+    anywhere else counts its own directory as the run directory."""
+    path = resolve(checkpoint).resolve()
+    return path.parent.parent if path.parent.name == "checkpoints" else path.parent

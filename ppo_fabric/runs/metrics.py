@@ -1,0 +1,179 @@
+"""Metrics: episode statistics, TensorBoard/CSV/tracker logging and the progress bar (rank 0 only)."""
+
+from __future__ import annotations
+
+import csv
+import hashlib
+import json
+import sys
+import time
+import warnings
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+from omegaconf import DictConfig, OmegaConf
+
+from ppo_fabric.runs.trackers import Tracker, open_tracker
+
+
+def parameters_digest(*modules: torch.nn.Module) -> str:
+    """A hash of all parameters, to prove at the end of a run that every rank holds the same models."""
+    flat = torch.cat([p.detach().reshape(-1).cpu() for m in modules for p in m.parameters()])
+    return hashlib.sha256(flat.numpy().tobytes()).hexdigest()
+
+
+def episode_sums(returns: Iterable[float], lengths: Iterable[int]) -> torch.Tensor:
+    """[sum of returns, sum of lengths, count], ready for a SUM all-reduce."""
+    returns, lengths = list(returns), list(lengths)
+    return torch.tensor([sum(returns), float(sum(lengths)), float(len(returns))], dtype=torch.float64)
+
+
+def episode_means(sums: torch.Tensor) -> dict[str, float]:
+    total_ret, total_len, count = sums.tolist()
+    if count == 0:
+        return {}
+    return {"rollout/episode_return": total_ret / count, "rollout/episode_length": total_len / count}
+
+
+def final_mean_return(windows: list[Iterable[tuple[int, float, int]]], last: int = 20) -> float | None:
+    """Mean of the `last` episodes to finish across all ranks (ordered by the env step they ended at)."""
+    episodes = sorted((ep for window in windows for ep in window), key=lambda ep: ep[0])[-last:]
+    return sum(ep[1] for ep in episodes) / len(episodes) if episodes else None
+
+
+class CsvMetrics:
+    """metrics.csv that a resumed run appends to (Lightning's CSV logger deletes an existing file).
+
+    Columns are the union of every key logged; a new key rewrites the file once with the wider header.
+    """
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.keys: list[str] = []
+        if path.is_file():
+            with path.open(newline="") as fh:
+                self.keys = next(csv.reader(fh), [])
+
+    def log(self, metrics: Mapping[str, float], step: int) -> None:
+        row = {"step": step, **metrics}
+        new = [k for k in row if k not in self.keys]
+        if new:
+            self._rewrite(sorted([*self.keys, *new], key=lambda k: (k != "step", k)))
+        with self.path.open("a", newline="") as fh:
+            csv.DictWriter(fh, fieldnames=self.keys).writerow(row)
+
+    def _rewrite(self, keys: list[str]) -> None:
+        rows = []
+        if self.path.is_file():
+            with self.path.open(newline="") as fh:
+                rows = list(csv.DictReader(fh))
+        tmp = self.path.with_suffix(".csv.tmp")
+        with tmp.open("w", newline="") as fh:
+            writer = csv.DictWriter(fh, fieldnames=keys)
+            writer.writeheader()
+            writer.writerows(rows)
+        tmp.replace(self.path)
+        self.keys = keys
+
+
+class RunLogger:
+    """Writes metrics on rank 0 and stays silent elsewhere, so callers never branch on the rank.
+
+    Sinks: TensorBoard, metrics.csv and an experiment tracker (`logger=mlflow|wandb`, trackers.py), each
+    as the config says; every one gets the same rows keyed by env step."""
+
+    def __init__(self, run_dir: Path, cfg: DictConfig, total_steps: int, enabled: bool) -> None:
+        self.enabled = enabled
+        self.run_dir = run_dir
+        self.loggers: list[Any] = []
+        self.csv: CsvMetrics | None = None
+        self.tracker: Tracker | None = None
+        self.bar = None
+        if not enabled:
+            return
+        self.tracker = open_tracker(cfg, run_dir)
+        if cfg.logger.tensorboard:
+            from lightning.fabric.loggers import TensorBoardLogger
+
+            self.loggers.append(TensorBoardLogger(root_dir=run_dir, name="", version="tensorboard"))
+        self.csv = CsvMetrics(run_dir / "metrics.csv") if cfg.logger.csv else None
+        if sys.stdout.isatty():
+            from tqdm import tqdm
+
+            self.bar = tqdm(
+                total=total_steps, unit="step", unit_scale=True, dynamic_ncols=True, file=sys.stdout
+            )
+
+    def log(self, metrics: Mapping[str, float], step: int) -> None:
+        if not self.enabled:
+            return
+        for logger in self.loggers:
+            logger.log_metrics(dict(metrics), step=step)
+        if self.csv is not None:
+            self.csv.log(metrics, step)
+        if self.tracker is not None:
+            try:
+                self.tracker.log(metrics, step)
+            except Exception as exc:  # a tracker's server or store failing mid-run
+                self._drop_tracker(exc)
+
+    def progress(self, step: int, sps: float, mean_return: float | None) -> None:
+        if self.bar is None:
+            return
+        self.bar.n = step
+        ret = "-" if mean_return is None else f"{mean_return:.1f}"
+        self.bar.set_postfix_str(f"sps={sps:,.0f} return={ret}", refresh=False)
+        self.bar.refresh()
+
+    def close(self, summary: Mapping[str, Any] | None = None, exit_code: int = 0) -> None:
+        """End every sink. Called after summary.json and the learning curve are written (the tracker sends
+        them as artifacts); `exit_code` 128+N: the run stopped on signal N, to be resumed."""
+        if self.bar is not None:
+            self.bar.close()
+            self.bar = None
+        for logger in self.loggers:
+            logger.finalize("success" if exit_code == 0 else "interrupted")
+        self.loggers = []
+        if self.tracker is not None:
+            tracker, self.tracker = self.tracker, None
+            try:
+                tracker.close(self.run_dir, summary, exit_code)
+            except Exception as exc:
+                self.tracker = tracker
+                self._drop_tracker(exc)
+
+    def _drop_tracker(self, exc: Exception) -> None:
+        """A tracker that fails once the run is going is dropped with a warning, not the run: every row
+        is in metrics.csv, and a store or server going away says nothing about the training."""
+        warnings.warn(
+            f"ppo-fabric: {type(self.tracker).__name__} failed ({type(exc).__name__}: {exc}); "
+            "the run goes on without it (metrics.csv and summary.json hold everything)",
+            stacklevel=3,
+        )
+        self.tracker = None
+
+
+def write_json(path: Path, data: Mapping[str, Any]) -> None:
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
+    tmp.replace(path)
+
+
+def save_resolved_config(cfg: DictConfig, run_dir: Path) -> None:
+    (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
+
+
+class Stopwatch:
+    """Accumulates wall time per phase (collect, train, ...) for SPS and the time split."""
+
+    def __init__(self) -> None:
+        self.totals: dict[str, float] = {}
+        self._start = time.perf_counter()
+
+    def add(self, phase: str, seconds: float) -> None:
+        self.totals[phase] = self.totals.get(phase, 0.0) + seconds
+
+    def elapsed(self) -> float:
+        return time.perf_counter() - self._start

@@ -1,0 +1,381 @@
+"""What a run owns whatever its strategy: the run directory, logging and progress, the checkpoint rule,
+each collecting rank's part of a checkpoint, episode statistics, summary.json and the final line.
+
+A strategy builds one `RunSession` per process and tells it what happened (a log row, an update that
+finished, the end); the session decides what to write and where. Only the writing rank (global rank 0)
+touches the disk; every other rank goes through the same calls, so the strategies never branch on the
+rank for bookkeeping.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import sys
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any, NoReturn
+
+import torch
+from omegaconf import DictConfig
+
+from ppo_fabric.collect.rollout import RolloutCollector
+from ppo_fabric.envs.multiagent import SINGLE
+from ppo_fabric.envs.normalize import load_normalizer_state, normalizer_state, renormalized_reset
+from ppo_fabric.learn.learners import PolicySpec, metric_name
+from ppo_fabric.runs import checkpoint as ckpt
+from ppo_fabric.runs.metrics import (
+    RunLogger,
+    Stopwatch,
+    episode_means,
+    episode_sums,
+    final_mean_return,
+    save_resolved_config,
+    write_json,
+)
+from ppo_fabric.runs.plots import save_learning_curve
+
+Reduce = Callable[[torch.Tensor], torch.Tensor]
+
+
+class Stopped(Exception):  # noqa: N818 - a stop asked for, not an error
+    """The run stopped at an update boundary on SIGTERM/SIGINT, after writing a checkpoint every rank agrees on."""
+
+    def __init__(self, signum: int, env_step: int, checkpoint: Path) -> None:
+        super().__init__(f"stopped by {signal.Signals(signum).name} at {env_step} env steps")
+        self.signum, self.env_step, self.checkpoint = signum, env_step, checkpoint
+
+
+class StopSignals:
+    """SIGTERM and SIGINT (a cluster's preemption, Ctrl+C) only set a flag: the strategies agree on it at the
+    next update boundary, checkpoint and end with `Stopped`. A second signal ends the process at once."""
+
+    def __init__(self) -> None:
+        self.signum = 0
+        self._first = 0.0
+        self._previous: dict[int, Any] = {}
+
+    REPEAT_S = 2.0  # the same signal again within this: one signal delivered twice, not a second request
+
+    def _handle(self, signum: int, _frame: Any) -> None:
+        now = time.monotonic()
+        if self.signum:
+            # A cluster signals every process and the supervisor forwards the same signal to the group, so
+            # a rank may get one stop request twice; only a later or a different signal means "now".
+            if signum == self.signum and now - self._first < self.REPEAT_S:
+                return
+            os.write(2, f"ppo-fabric: second {signal.Signals(signum).name}, exiting now\n".encode())
+            os._exit(128 + signum)
+        self.signum, self._first = signum, now
+
+    @contextlib.contextmanager
+    def installed(self) -> Iterator[StopSignals]:
+        """Handlers for the duration of a run (signal handlers can only be set from the main thread)."""
+        self.signum = 0
+        if threading.current_thread() is threading.main_thread():
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                self._previous[sig] = signal.signal(sig, self._handle)
+        try:
+            yield self
+        finally:
+            for sig, handler in self._previous.items():
+                signal.signal(sig, handler)
+            self._previous.clear()
+
+
+STOP = StopSignals()  # signal handlers belong to the process, so one per process
+
+
+class RunSession:
+    """One process's view of the run: `writer` is the rank that writes (global rank 0).
+
+    Progress is counted in env steps: a resumed run continues from the checkpoint's env step with whatever
+    batch its own layout makes (`per_update` env steps per update over all collecting ranks), and ends, like
+    a fresh run, at the first update boundary at or past `algo.total_steps`. `update` numbers keep counting
+    across resumes; they pace logging and `checkpoint.every`.
+    """
+
+    def __init__(
+        self, cfg: DictConfig, run_dir: Path, writer: bool, per_update: int, resume: dict[str, Any] | None
+    ) -> None:
+        self.cfg, self.run_dir, self.writer, self.per_update = cfg, run_dir, writer, per_update
+        self.start_step = int(resume["env_step"]) if resume is not None else 0
+        self.start_update = int(resume["iteration"]) if resume is not None else 0
+        left = max(-(-(int(cfg.algo.total_steps) - self.start_step) // per_update), 0)
+        self.end_update = self.start_update + left
+        self.every, self.keep = int(cfg.checkpoint.every), int(cfg.checkpoint.keep)
+        self.every_seconds = 60.0 * float(cfg.checkpoint.every_minutes)
+        self.log_every = int(cfg.logger.log_every)
+        self.run_id = uuid.uuid4().hex[:8]
+        self.lineage = [
+            *(resume.get("lineage", []) if resume is not None else []),
+            [self.run_id, self.start_step],
+        ]
+        self.best_return = resume.get("best_return") if resume is not None else None
+        # seconds the run had trained before this process (its earlier parts, when resumed)
+        self.start_wall = float(resume.get("wall_s", 0.0)) if resume is not None else 0.0
+        self.protect = (Path(str(cfg.resume)),) if cfg.resume is not None else ()
+        self.last_checkpoint = self.start_update if resume is not None else -1
+        self._checkpoint_clock = time.monotonic()
+        if writer:
+            run_dir.mkdir(parents=True, exist_ok=True)
+            save_resolved_config(cfg, run_dir)
+        self.logger = RunLogger(run_dir, cfg, self.final_step, enabled=writer)
+        self.watch = Stopwatch()
+
+    # ------------------------------------------------------------------------------------------ progress
+    def env_step(self, update: int) -> int:
+        """Env steps done once `update` updates are (the run's start counts as its first)."""
+        return self.start_step + (update - self.start_update) * self.per_update
+
+    @property
+    def final_step(self) -> int:
+        """The env step the run ends at; the learning rate reaches 0 there."""
+        return self.env_step(self.end_update)
+
+    @property
+    def checkpoint_path(self) -> Path:
+        return self.run_dir / "checkpoints" / "last.ckpt"
+
+    def steps_since_start(self, update: int) -> int:
+        return self.env_step(update) - self.start_step
+
+    def wall_s(self) -> float:
+        """Seconds since the run started, the parts before a resume included (`time/wall_s`)."""
+        return self.start_wall + self.watch.elapsed()
+
+    def sps(self, update: int) -> float:
+        return self.steps_since_start(update) / self.watch.elapsed()
+
+    def log_due(self, update: int) -> bool:
+        return update % self.log_every == 0 or update == self.end_update
+
+    def log(self, update: int, metrics: dict[str, float], collector: RolloutCollector) -> None:
+        """A log row of the update just finished, with the SPS so far and the recent mean return."""
+        sps = self.sps(update)
+        recent = final_mean_return([collector.episodes.window])
+        row = metrics | {"time/sps": sps, "time/wall_s": self.wall_s()}
+        if recent is not None:
+            row["rollout/return_mean20"] = recent
+        env_step = self.env_step(update)
+        self.logger.log(row, env_step)
+        self.logger.progress(env_step, sps, recent)
+
+    # ----------------------------------------------------------------------------- boundary agreement
+    def boundary_flags(self) -> torch.Tensor:
+        """This rank's view at an update boundary: [signal that asks to stop (0: none), time-based checkpoint
+        due]. The strategy takes the maximum over the ranks that must agree, then calls `agreed`."""
+        clock_due = self.every_seconds > 0 and time.monotonic() - self._checkpoint_clock >= self.every_seconds
+        return torch.tensor([float(STOP.signum), float(clock_due)])
+
+    @staticmethod
+    def agreed(flags: torch.Tensor) -> tuple[int, bool]:
+        """(signal to stop on, or 0; whether a time-based checkpoint is due) from the reduced flags."""
+        signum, clock_due = flags.tolist()
+        return int(signum), bool(clock_due)
+
+    # ---------------------------------------------------------------------------------------- checkpoints
+    def checkpoint_due(self, update: int) -> bool:
+        """Every `checkpoint.every` updates, and always after the last one."""
+        return update == self.end_update or (self.every > 0 and update % self.every == 0)
+
+    def write_checkpoint(
+        self, learner: dict[str, Any], rank_states: list[dict[str, Any]], update: int
+    ) -> Path:
+        """`last.ckpt` (and a numbered copy when `checkpoint.every` or `every_minutes` is set), and
+        `best.ckpt` when the mean return of the recent episodes of every collecting rank is the best so far.
+        Every rank calls it (to keep its clock and counters); only the writer writes."""
+        self.last_checkpoint = update
+        self._checkpoint_clock = time.monotonic()
+        windows = [s["episodes"] for s in rank_states if "episodes" in s]
+        recent = final_mean_return(windows)
+        better = recent is not None and (self.best_return is None or recent > self.best_return)
+        if better:
+            self.best_return = recent
+        if not self.writer:
+            return self.checkpoint_path
+        state = learner | {
+            "iteration": update,
+            "env_step": self.env_step(update),
+            "world_size": len(rank_states),
+            "ranks": rank_states,
+            "run_id": self.run_id,
+            "lineage": self.lineage,
+            "best_return": self.best_return,
+            "wall_s": self.wall_s(),
+        }
+        numbered = self.every > 0 or self.every_seconds > 0
+        last = ckpt.save(state, self.checkpoint_path.parent, numbered, self.keep, self.protect)
+        if better:
+            ckpt.atomic_write(last.read_bytes(), last.parent / "best.ckpt")
+        return last
+
+    def stop(self, signum: int, update: int) -> NoReturn:
+        """After the stop checkpoint: close what the run opened and leave with `Stopped`."""
+        self.logger.close(exit_code=128 + signum)
+        raise Stopped(signum, self.env_step(update), self.checkpoint_path)
+
+    # ------------------------------------------------------------------------------------------- the end
+    def summary(
+        self,
+        strategy: str,
+        update: int,
+        players: list[dict[str, Any]],
+        digests: list[str],
+        time_split: dict[str, Any],
+        specs: dict[str, PolicySpec],
+        world_size: int,
+    ) -> dict[str, Any]:
+        """summary.json's content from every collecting rank's `end_of_run` part and every rank's digest."""
+        wall = self.watch.elapsed()
+        steps = self.steps_since_start(update)
+        summary = {
+            "strategy": strategy,
+            "env_id": str(self.cfg.env.id),
+            "world_size": world_size,
+            "seed": int(self.cfg.seed),
+            "iterations": self.end_update,
+            "total_env_steps": self.env_step(update),
+            "steps_this_run": steps,
+            "wall_seconds": wall,
+            "sps": steps / wall if wall > 0 else 0.0,
+            "final_mean_return": final_mean_return([p["window"] for p in players]),
+            "best_mean_return": self.best_return,
+            "episodes": sum(p["episodes"] for p in players),
+            "time_split": time_split,
+            "ranks_in_sync": len(set(digests)) == 1,
+            "run_dir": str(self.run_dir),
+            "checkpoint": str(self.checkpoint_path),
+            "resumed_from": None if self.cfg.resume is None else str(self.cfg.resume),
+        }
+        if list(specs) != [SINGLE]:
+            per_policy = policy_returns([p["policy_windows"] for p in players])
+            summary["policies"] = {
+                n: {"final_mean_return": per_policy.get(n), "agents_per_env": s.agents, "trained": s.trained}
+                for n, s in specs.items()
+            }
+        return summary
+
+    def finish(self, summary: dict[str, Any]) -> None:
+        """The writer saves summary.json and the learning curve, closes the logger (a tracker sends both)
+        and says the final line."""
+        if not self.writer:
+            self.logger.close()
+            return
+        write_json(self.run_dir / "summary.json", summary)
+        save_learning_curve(self.run_dir, title=str(self.cfg.env.id))
+        self.logger.close(summary)
+        ret = summary.get("final_mean_return")
+        ret_text = "n/a" if ret is None else f"{ret:.1f}"
+        print(
+            f"ppo-fabric: {summary['strategy']} {summary['env_id']}: {summary['total_env_steps']} steps in "
+            f"{summary['wall_seconds']:.1f}s ({summary['sps']:,.0f} steps/s), final mean return {ret_text}; "
+            f"outputs in {self.run_dir}",
+            file=sys.stdout,
+            flush=True,
+        )
+
+
+# ------------------------------------------------------------------------------ a collecting rank's state
+def collector_state(collector: RolloutCollector) -> dict[str, Any]:
+    """What one collecting rank needs to continue its rollouts exactly."""
+    return {
+        "rng": ckpt.rng_state(),
+        "num_envs": collector.num_envs,
+        "envs": ckpt.pickle_envs(collector.envs),
+        "normalizers": normalizer_state(collector.envs),  # also for async envs and for evaluation
+        "carry": collector.carry(),  # next observations, recurrent states
+        "episodes": list(collector.episodes.window),
+        "episode_count": collector.episodes.count,
+        "policy_episodes": {g.name: (list(g.episodes.window), g.episodes.count) for g in collector.groups},
+    } | ({} if collector.selfplay is None else {"selfplay": collector.selfplay.state()})
+
+
+def resume_collector(
+    collector: RolloutCollector, resume: dict[str, Any], rank: int, world: int, collecting: int
+) -> str | None:
+    """Continue this collecting rank from the checkpoint: exactly when the layout is the same (as many
+    processes, as many collecting ranks, as many envs each); otherwise with fresh envs and RNG but the
+    normaliser statistics (identical on every collecting rank) carried over. Returns the line to print in
+    that case (None when exact)."""
+    ranks = resume["ranks"]
+    saved = [state for state in ranks if "num_envs" in state]  # the collecting ranks' parts
+    same = len(ranks) == world and len(saved) == collecting
+    if same and all(int(state["num_envs"]) == collector.num_envs for state in saved):
+        restore_collector(collector, ranks[rank])
+        return None
+    if saved:
+        if collector.selfplay is not None and "selfplay" in saved[0]:  # the pool, without per-copy seats
+            collector.selfplay.load_state(saved[0]["selfplay"], exact=False)
+        load_normalizer_state(collector.envs, saved[0].get("normalizers", {}))
+        first = renormalized_reset(collector.envs, None)  # the next observation, with the loaded statistics
+        if first is not None and not collector.multiagent:
+            group = collector.groups[0]
+            group.next_obs = group.to_tensor(first, collector.device)
+    was = f"{len(saved)} collecting rank(s) x {saved[0]['num_envs'] if saved else '?'} envs"
+    return (
+        f"resume: the checkpoint has {was}, this run {collecting} x {collector.num_envs}; "
+        "envs start fresh, normaliser statistics carried over"
+    )
+
+
+def restore_collector(collector: RolloutCollector, state: dict[str, Any]) -> None:
+    snapshot = state["envs"]
+    if collector.asynchronous:  # another backend's envs (a gymnasium run's) cannot go on as an async pool
+        snapshot = None
+    collector.envs = ckpt.restore_envs(snapshot, collector.envs)
+    if snapshot is not None:
+        collector.restore_carry(state["carry"])
+    else:
+        load_normalizer_state(collector.envs, state.get("normalizers", {}))
+    collector.episodes.window.extend(state["episodes"])
+    collector.episodes.count = state["episode_count"]
+    if collector.multiagent:
+        for g in collector.groups:
+            window, count = state["policy_episodes"][g.name]
+            g.episodes.window.extend(window)
+            g.episodes.count = count
+    if collector.selfplay is not None and "selfplay" in state:
+        collector.selfplay.load_state(state["selfplay"], exact=state["envs"] is not None)
+    ckpt.set_rng_state(state["rng"])
+
+
+def end_of_run(collector: RolloutCollector) -> dict[str, Any]:
+    """A collecting rank's part of the summary: its recent episodes, their count, per policy windows."""
+    return {
+        "window": list(collector.episodes.window),
+        "episodes": collector.episodes.count,
+        "policy_windows": policy_windows(collector),
+    }
+
+
+# ------------------------------------------------------------------------------------------- episodes
+def episode_metrics(collector: RolloutCollector, sum_over_ranks: Reduce | None) -> dict[str, float]:
+    """Mean return and length of the episodes finished since the last call, over every collecting rank;
+    per policy too in multi-agent runs (an episode there is one agent's)."""
+    logs = [(SINGLE, collector.episodes)]
+    if collector.multiagent:
+        logs += [(g.name, g.episodes) for g in collector.groups]
+    sums = torch.stack([episode_sums(*log.drain()) for _, log in logs])
+    if sum_over_ranks is not None:
+        sums = sum_over_ranks(sums)
+    out: dict[str, float] = {}
+    for (name, _), row in zip(logs, sums, strict=True):
+        out |= {metric_name(name, k): v for k, v in episode_means(row).items()}
+    if collector.selfplay is not None:
+        out |= collector.selfplay.metrics(sum_over_ranks)
+    return out
+
+
+def policy_returns(windows: list[dict[str, list]]) -> dict[str, float | None]:
+    """Per policy `final_mean_return` from every collecting rank's `policy_windows`."""
+    names = windows[0].keys() if windows else []
+    return {n: final_mean_return([w[n] for w in windows]) for n in names}
+
+
+def policy_windows(collector: RolloutCollector) -> dict[str, list]:
+    return {g.name: list(g.episodes.window) for g in collector.groups} if collector.multiagent else {}

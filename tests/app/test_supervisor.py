@@ -1,0 +1,171 @@
+"""The supervisor of `python -m ppo_fabric`: a killed rank relaunched from the last checkpoint (coupled and
+decoupled), a failure without restarts ending the whole job, SIGTERM forwarded to the job, and `resume=auto`.
+
+Every process start costs seconds of imports on a small machine, so the runs are tiny CartPoles and the
+failure runs use `collectives.timeout=20`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+import ppo_fabric
+from ppo_fabric import cli
+from ppo_fabric.app.supervisor import last_logged_step, with_override
+from ppo_fabric.config.values import ConfigError
+from tests.conftest import assert_cli_failure, job_env, job_processes
+
+SMALL = ["logger.tensorboard=false", "env.num_envs=4", "algo.rollout_steps=32", "collectives.timeout=20"]
+
+
+def _python_m(run_dir: Path, *overrides: str) -> list[str]:
+    return [sys.executable, "-m", "ppo_fabric", *SMALL, *overrides, f"hydra.run.dir={run_dir}"]
+
+
+def _killed_once(rank: int, after: int, marker: Path) -> list[str]:
+    """Rank `rank` SIGKILLs itself after `after` steps of each env copy, on the first attempt only."""
+    return [
+        "env.id=tests.killing_env:KilledOnceCartPole-v0",
+        f"+env.kwargs.kill_rank={rank}",
+        f"+env.kwargs.kill_after={after}",
+        f"+env.kwargs.marker={marker}",
+    ]
+
+
+def _run(cmd: list[str], cwd: Path, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(cmd, cwd=cwd, env=job_env(), capture_output=True, text=True, timeout=timeout)
+
+
+def _assert_nothing_left(run_dir: Path, within: float = 10) -> None:
+    deadline = time.monotonic() + within
+    while job_processes(run_dir):
+        assert time.monotonic() < deadline, f"processes of the job outlived it: {job_processes(run_dir)}"
+        time.sleep(0.1)
+
+
+def _check_restarted_run(
+    proc: subprocess.CompletedProcess[str], run_dir: Path, steps: int, interval: int
+) -> None:
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    restarts = [line for line in proc.stderr.splitlines() if "restart 1/1" in line]
+    assert len(restarts) == 1 and "rank failure (exit" in restarts[0], proc.stderr[-3000:]
+    assert "last.ckpt at " in restarts[0], restarts[0]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["total_env_steps"] == steps, (
+        "the relaunched run ends by the same rule as an uninterrupted one"
+    )
+    assert summary["restarts"] == 1
+    assert 0 < summary["env_steps_redone"] <= interval, summary["env_steps_redone"]
+    _assert_nothing_left(run_dir)
+
+
+@pytest.mark.multiprocess
+def test_coupled_rank_killed_is_restarted_from_last_checkpoint(tmp_path: Path) -> None:
+    """2 ranks x 4 envs x 32 steps = 256 env steps per update; a checkpoint every 2 updates (512 steps);
+    rank 1 dies during the 6th update of 16."""
+    run_dir = tmp_path / "run"
+    cmd = _python_m(
+        run_dir, "fabric.devices=2", "restarts=1", "checkpoint.every=2", "algo.total_steps=4096",
+        *_killed_once(1, 5 * 32 + 5, tmp_path / "killed"),
+    )  # fmt: skip
+    proc = _run(cmd, tmp_path)
+    assert (tmp_path / "killed").exists(), "rank 1 was never killed"
+    _check_restarted_run(proc, run_dir, 4096, 512)
+
+
+@pytest.mark.multiprocess
+def test_decoupled_player_killed_is_restarted(tmp_path: Path) -> None:
+    """The player is rank 0, the job's first process: the trainer is left behind and must be ended.
+    4 envs x 32 steps = 128 env steps per update, a checkpoint every 256; `algo.pipeline=false` makes the
+    player log update k before it collects rollout k+1, so the kill (in the 6th rollout) follows the row of
+    update 5 and the checkpoint of update 4: 128 steps redone."""
+    run_dir = tmp_path / "run"
+    cmd = _python_m(
+        run_dir, "strategy=decoupled", "fabric.devices=2", "algo.minibatch_size=64", "algo.update_epochs=2",
+        "algo.pipeline=false", "restarts=1", "checkpoint.every=2", "algo.total_steps=2048",
+        *_killed_once(0, 5 * 32 + 5, tmp_path / "killed"),
+    )  # fmt: skip
+    proc = _run(cmd, tmp_path)
+    assert (tmp_path / "killed").exists(), "the player was never killed"
+    _check_restarted_run(proc, run_dir, 2048, 2 * 128)
+
+
+@pytest.mark.multiprocess
+def test_without_restarts_a_killed_rank_ends_the_job(tmp_path: Path) -> None:
+    """Rank 0 (the job's first process) dies: its orphaned rank 1 must not wait out the collectives."""
+    run_dir = tmp_path / "run"
+    cmd = _python_m(
+        run_dir, "fabric.devices=2", "algo.total_steps=100000", *_killed_once(0, 40, tmp_path / "killed")
+    )
+    started = time.monotonic()
+    proc = _run(cmd, tmp_path, timeout=90)
+    assert proc.returncode == 128 + signal.SIGKILL, proc.stderr[-3000:]
+    lines = [line for line in proc.stderr.splitlines() if "not restarting" in line]
+    assert lines == ["ppo-fabric: rank failure (exit 137); not restarting (restarts=0)"], proc.stderr[-3000:]
+    assert time.monotonic() - started < 60, "the orphaned rank was left to time out"
+    _assert_nothing_left(run_dir, within=1)
+
+
+@pytest.mark.multiprocess
+def test_sigterm_is_forwarded_to_the_job(tmp_path: Path) -> None:
+    """SIGTERM to the supervisor alone reaches the job's processes; no restart follows a signal stop and
+    nothing is left. (Which status the ranks end with is theirs to decide.)"""
+    run_dir = tmp_path / "run"
+    cmd = _python_m(run_dir, "fabric.devices=2", "algo.total_steps=10000000", "restarts=1", "logger=none")
+    proc = subprocess.Popen(cmd, cwd=tmp_path, env=job_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                            text=True)  # fmt: skip
+    try:
+        deadline = time.monotonic() + 60
+        while not (run_dir / "config.yaml").exists() or len(job_processes(run_dir)) < 3:
+            assert proc.poll() is None, proc.stderr.read() if proc.stderr else ""
+            assert time.monotonic() < deadline, "the run never started"
+            time.sleep(0.2)
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=40)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode != 0
+    assert "restart" not in err, err
+    _assert_nothing_left(run_dir, within=1)
+
+
+def test_resume_auto_needs_a_fixed_run_dir(capsys: pytest.CaptureFixture[str]) -> None:
+    assert_cli_failure(capsys, cli.main, ["resume=auto"], "resume=auto needs a stable run directory")
+
+
+def test_resume_auto_starts_fresh_then_continues(tmp_path: Path) -> None:
+    """The same command twice (a requeued job): the first starts, the second continues from last.ckpt."""
+    run_dir = tmp_path / "run"
+    args = ["resume=auto", f"hydra.run.dir={run_dir}", "logger.tensorboard=false", "algo.rollout_steps=32"]
+    assert ppo_fabric.run([*args, "algo.total_steps=512"])["total_env_steps"] == 512
+    assert last_logged_step(run_dir / "metrics.csv") == 512
+    assert ppo_fabric.run([*args, "algo.total_steps=1024"])["total_env_steps"] == 1024
+    steps = [int(line.split(",")[0]) for line in (run_dir / "metrics.csv").read_text().splitlines()[1:]]
+    assert steps == [256, 512, 768, 1024], "the second run continued where the first stopped"
+
+
+def test_restarts_need_the_supervisor(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="restarts=1 needs the supervisor"):
+        ppo_fabric.run(["restarts=1", "algo.total_steps=512", f"hydra.run.dir={tmp_path}"])
+    with pytest.raises(ConfigError, match="restarts=-1 is out of range"):
+        ppo_fabric.run(["restarts=-1", f"hydra.run.dir={tmp_path}"])
+
+
+def test_overrides_name_the_resolved_paths(tmp_path: Path) -> None:
+    """The job gets exactly one run directory and one resume, quoted when Hydra would misread the path."""
+    odd = tmp_path / "a b,c"
+    args = with_override(["hydra.run.dir=x", "seed=1", "++hydra.run.dir=y"], "hydra.run.dir", odd)
+    assert args == ["seed=1", f"hydra.run.dir='{odd}'"]
+    from ppo_fabric.config.values import compose
+
+    assert compose(args)[1] == str(odd)
+    assert os.fspath(tmp_path) in with_override(args, "resume", tmp_path)[-1]

@@ -1,0 +1,381 @@
+"""Every bad input must stop the run before any process or vector env starts, with one clear line.
+
+Users meet these messages on their very first typo, so each test checks three things: the error is a
+`ConfigError` (not a Hydra/OmegaConf/Fabric exception with a traceback), its text is a single line, and it
+names the offending key (plus the fix where there is an obvious one). A few cases go through the real CLI
+in a subprocess, because only there can we see the exit status, the stream the message goes to, and that
+nothing else (a traceback, a warning, a summary line) leaks out.
+
+Cases that once escaped validation (a traceback, a run that trained on `inf`, an unrelated message) are kept
+in `REGRESSIONS` so they stay fixed.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+import ppo_fabric
+from ppo_fabric.app.preflight import load
+from ppo_fabric.config.values import ConfigError, group_options
+
+# A run small enough to finish in well under a second: one rollout of the default CartPole, 4 envs x 128
+# steps. No env.id here: it would fill in the id that the `env=gym` case leaves missing.
+TINY = ["algo.total_steps=512", "logger=none"]
+BATCH_512 = ["algo.rollout_steps=128", "env.num_envs=4"]
+
+
+def _assert_one_line(message: str) -> None:
+    """A message the CLI prints after `ppo-fabric: error:` must fit on that one line and not be a dump."""
+    assert message, "empty error message"
+    assert message == message.strip(), f"leading/trailing whitespace: {message!r}"
+    assert "\n" not in message and "\r" not in message, f"multi-line message: {message!r}"
+    assert "Traceback" not in message, message
+
+
+def _config_error(overrides: list[str]) -> str:
+    """The one-line message `load` raises for `overrides` (fails the test if it raises anything else)."""
+    with pytest.raises(ConfigError) as info:
+        load(overrides)
+    message = str(info.value)
+    _assert_one_line(message)
+    return message
+
+
+# (overrides, fragments that must all appear in the message). The first fragment is always the key, so a
+# message that forgets to say *what* is wrong fails here.
+CASES: list[Any] = [
+    # env ids
+    pytest.param(
+        ["env.id=CartPol-v1"],
+        ["env.id='CartPol-v1'", "not a registered", "did you mean", "CartPole-v1"],
+        id="env-near-miss",
+    ),
+    pytest.param(
+        ["env.id=CartPole-v99"],
+        ["env.id='CartPole-v99'", "not a registered", "CartPole-v1"],
+        id="env-bad-version",
+    ),
+    pytest.param(["env.id=Zzqx-v0"], ["env.id='Zzqx-v0'", "not a registered"], id="env-unknown"),
+    pytest.param(
+        ["env.id=nosuch_mod_xyz:Env-v0"],
+        ["env.id='nosuch_mod_xyz:Env-v0'", "cannot import module", "nosuch_mod_xyz"],
+        id="env-module-missing",
+    ),
+    # config groups and keys
+    pytest.param(["env=nosuch"], ["env=nosuch", "unknown option", "available:", "cartpole"], id="group-env"),
+    pytest.param(["exp=nosuch"], ["exp=nosuch", "unknown option", "cleanrl_cartpole"], id="group-exp"),
+    pytest.param(["algo.foo=1"], ["algo.foo", "unknown config key", "+algo.foo="], id="key-nested"),
+    pytest.param(["foo=1"], ["foo", "unknown config key", "+foo="], id="key-top"),
+    # numbers: range
+    pytest.param(["algo.total_steps=0"], ["algo.total_steps=0", "out of range", "> 0"], id="total-steps-0"),
+    pytest.param(
+        ["algo.total_steps=-5"], ["algo.total_steps=-5", "out of range", "> 0"], id="total-steps-neg"
+    ),
+    pytest.param(["env.num_envs=0"], ["env.num_envs=0", "out of range", "> 0"], id="num-envs-0"),
+    pytest.param(["algo.lr=0"], ["algo.lr=0", "out of range", "> 0"], id="lr-0"),
+    pytest.param(["algo.lr=-1"], ["algo.lr=-1", "out of range", "> 0"], id="lr-neg"),
+    pytest.param(["seed=-1"], ["seed=-1", "out of range", ">= 0"], id="seed-neg"),
+    pytest.param(
+        ["env.max_episode_steps=0"], ["env.max_episode_steps=0", "out of range"], id="max-episode-steps-0"
+    ),
+    pytest.param(["algo.gamma=1.5"], ["algo.gamma=1.5", "[0, 1]"], id="gamma-high"),
+    pytest.param(["algo.gamma=-0.1"], ["algo.gamma=-0.1", "[0, 1]"], id="gamma-neg"),
+    pytest.param(["algo.gae_lambda=2"], ["algo.gae_lambda=2", "[0, 1]"], id="gae-lambda-high"),
+    pytest.param(["algo.gae_lambda=-0.5"], ["algo.gae_lambda=-0.5", "[0, 1]"], id="gae-lambda-neg"),
+    # numbers: type
+    pytest.param(["algo.lr=abc"], ["algo.lr='abc'", "must be a finite number"], id="lr-not-number"),
+    pytest.param(
+        ["algo.total_steps=abc"],
+        ["algo.total_steps='abc'", "must be a finite number"],
+        id="total-steps-not-number",
+    ),
+    pytest.param(["algo.lr=nan"], ["algo.lr=nan", "must be a finite number"], id="lr-nan"),
+    pytest.param(["algo.lr=null"], ["algo.lr", "required"], id="lr-null"),
+    pytest.param(["env.num_envs=2.5"], ["env.num_envs=2.5", "whole number"], id="num-envs-fraction"),
+    # batch layout, pinned to 128 rollout steps x 4 envs = 512 samples
+    pytest.param(
+        [*BATCH_512, "algo.minibatch_size=100"],
+        ["algo.minibatch_size=100", "does not divide", "512", "128"],
+        id="minibatch-not-divisor",
+    ),
+    pytest.param(
+        ["algo.minibatch_size=1"],
+        ["algo.minibatch_size", "at least 2", "algo.norm_adv"],
+        id="minibatch-1-norm-adv",
+    ),
+    pytest.param(
+        [*BATCH_512, "algo.total_steps=100"],
+        ["algo.total_steps=100", "smaller than one batch", "512"],
+        id="total-steps-below-batch",
+    ),
+    pytest.param(
+        ["strategy=decoupled"],
+        ["strategy=decoupled", "at least 2 processes", "fabric.devices"],
+        id="decoupled-one-process",
+    ),
+    # choices and booleans
+    pytest.param(["env.vector=foo"], ["env.vector='foo'", "sync", "async"], id="vector-choice"),
+    pytest.param(["strategy=foo"], ["strategy='foo'", "coupled", "decoupled"], id="strategy-choice"),
+    pytest.param(
+        ["model.activation=foo"], ["model.activation='foo'", "tanh", "relu"], id="activation-choice"
+    ),
+    pytest.param(
+        ["fabric.accelerator=tpu"], ["fabric.accelerator='tpu'", "cpu", "cuda"], id="accelerator-choice"
+    ),
+    pytest.param(["algo.anneal_lr=maybe"], ["algo.anneal_lr='maybe'", "true or false"], id="bool"),
+    pytest.param(["model.actor_hidden=[0]"], ["model.actor_hidden=[0]", "positive widths"], id="hidden-zero"),
+    pytest.param(
+        ["model.actor_hidden=64"], ["model.actor_hidden=64", "list of positive widths"], id="hidden-not-list"
+    ),
+    # override syntax
+    pytest.param(["seed=[1"], ["cannot parse override", "[1"], id="syntax-unclosed-list"),
+    pytest.param(["algo.lr"], ["cannot parse override", "algo.lr"], id="syntax-no-value"),
+    pytest.param(
+        ["multiagent.policy_mapping={x:a}"],
+        ["multiagent.policy_mapping", "single-agent", "PettingZoo"],
+        id="ma-map",
+    ),
+    pytest.param(
+        ["hydra.run.dir=/proc/x/run"], ["hydra.run.dir=/proc/x/run", "cannot be created"], id="run-dir-proc"
+    ),
+    # resume (paths that exist are covered by the tests below)
+    pytest.param(
+        ["resume=/nonexistent/ppo-fabric/last.ckpt"],
+        ["resume='/nonexistent/ppo-fabric/last.ckpt'", "no such checkpoint"],
+        id="resume-missing",
+    ),
+]
+
+
+@pytest.mark.parametrize(("overrides", "fragments"), CASES)
+def test_bad_config_is_one_line_naming_the_key(overrides: list[str], fragments: list[str]) -> None:
+    """Each bad override gives a single line that names the key and, where there is one, the fix."""
+    message = _config_error(overrides)
+    for fragment in fragments:
+        assert fragment in message, f"{fragment!r} missing from {message!r}"
+
+
+def test_unknown_group_option_lists_every_option() -> None:
+    """The user has to pick a valid option next, so all of them, not a sample, must be in the message."""
+    message = _config_error(["env=nosuch"])
+    for option in group_options("env"):
+        assert option in message, f"option {option!r} not listed in {message!r}"
+
+
+def test_python_api_raises_config_error() -> None:
+    """`ppo_fabric.run` is the documented API; it must raise the same `ConfigError`, not start training."""
+    with pytest.raises(ConfigError, match=r"algo\.lr=0 ") as info:
+        ppo_fabric.run(["algo.lr=0"])
+    _assert_one_line(str(info.value))
+
+
+# ------------------------------------------------------------------------------------- optional extras
+@pytest.mark.parametrize(
+    "overrides", [["env.id=LunarLander-v3"], ["env=lunarlander"]], ids=["env-id", "env-group"]
+)
+def test_missing_extra_names_the_pip_extra(overrides: list[str]) -> None:
+    """Without box2d, the one useful thing to say is which extra to install; gymnasium's text names a wheel."""
+    if importlib.util.find_spec("Box2D") is not None:
+        pytest.skip("box2d is installed here, so LunarLander builds")
+    message = _config_error(overrides)
+    assert "env.id='LunarLander-v3'" in message, message
+    assert "ppo-fabric[box2d]" in message, message
+
+
+# ---------------------------------------------------------------------------------------------- resume
+@pytest.fixture(scope="module")
+def finished_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A real checkpoint from the smallest CartPole run, so resume checks see what training writes."""
+    run_dir = tmp_path_factory.mktemp("trained") / "run"
+    summary = ppo_fabric.run(["env.id=CartPole-v1", *TINY, f"hydra.run.dir={run_dir}"])
+    checkpoint = Path(summary["checkpoint"])
+    assert checkpoint.is_file(), summary
+    return checkpoint
+
+
+def test_resume_garbage_file(tmp_path: Path) -> None:
+    """A file that is not a torch pickle must be refused up front, not fail after the processes start."""
+    garbage = tmp_path / "last.ckpt"
+    garbage.write_bytes(b"\x00\xffthis is not a checkpoint\x80" * 16)
+    message = _config_error([f"resume={garbage}"])
+    assert f"resume='{garbage}'" in message and "not a readable checkpoint" in message, message
+
+
+def test_resume_empty_file(tmp_path: Path) -> None:
+    """A zero-byte file (a copy interrupted early) must read as unreadable, not as an EOF traceback."""
+    empty = tmp_path / "last.ckpt"
+    empty.write_bytes(b"")
+    message = _config_error([f"resume={empty}"])
+    assert f"resume='{empty}'" in message and "not a readable checkpoint" in message, message
+
+
+def test_resume_foreign_torch_file(tmp_path: Path) -> None:
+    """A valid torch file from some other program loads fine; the format check must still refuse it."""
+    foreign = tmp_path / "model.pt"
+    torch.save({"state_dict": {}}, foreign)
+    message = _config_error([f"resume={foreign}"])
+    assert f"resume='{foreign}'" in message and "not a ppo-fabric checkpoint" in message, message
+
+
+def test_resume_other_env(finished_checkpoint: Path) -> None:
+    """Acrobot has other spaces than CartPole: loading those weights would crash or silently mislearn."""
+    message = _config_error([f"resume={finished_checkpoint}", "env.id=Acrobot-v1"])
+    for fragment in (f"resume='{finished_checkpoint}'", "CartPole-v1", "Acrobot-v1", "env.id"):
+        assert fragment in message, f"{fragment!r} missing from {message!r}"
+
+
+def test_resume_other_model(finished_checkpoint: Path) -> None:
+    """Different hidden widths mean the saved state dict cannot load into the new network."""
+    message = _config_error(
+        [f"resume={finished_checkpoint}", "model.actor_hidden=[32]", "algo.total_steps=1024"]
+    )
+    assert f"resume='{finished_checkpoint}'" in message and "model" in message, message
+
+
+def test_resume_already_finished(finished_checkpoint: Path) -> None:
+    """Resuming at the same budget would start Fabric just to do nothing; say how to train further."""
+    message = _config_error([f"resume={finished_checkpoint}", "algo.total_steps=512"])
+    assert "algo.total_steps=512" in message and "raise algo.total_steps" in message, message
+
+
+def test_resume_compatible_checkpoint_is_accepted(finished_checkpoint: Path) -> None:
+    """The guard against the cases above must not also refuse the legitimate resume."""
+    load([f"resume={finished_checkpoint}", "algo.total_steps=1024"])
+
+
+# ------------------------------------------------------------------------------ fixed gaps (regressions)
+_NO_CUDA = pytest.mark.skipif(
+    torch.cuda.is_available(), reason="a CUDA device is present, so fabric=gpu is valid"
+)
+
+
+def _case(overrides: list[str], key: str, *, forbidden: str = "", cuda_free: bool = False) -> Any:
+    """A case that once escaped validation (traceback, exit 0, or an unrelated message)."""
+    marks = [_NO_CUDA] if cuda_free else []
+    return pytest.param(overrides, key, forbidden, id=overrides[0], marks=marks)
+
+
+REGRESSIONS: list[Any] = [
+    _case(["env=gym"], "env.id"),
+    _case(["algo.lr=inf"], "algo.lr"),
+    _case(["algo.clip_coef=inf"], "algo.clip_coef"),
+    _case(["collectives.timeout=inf"], "collectives.timeout"),
+    _case(["fabric.precision=foo"], "fabric.precision"),
+    _case(["fabric.strategy=foo"], "fabric.strategy"),
+    _case(["fabric=gpu"], "fabric.accelerator", cuda_free=True),
+    _case(["model.encoder=foo"], "model.encoder", forbidden="env.id="),
+    _case(["env.kwargs=5"], "env.kwargs"),
+    _case(["seed=[1"], "seed=[1"),
+    _case(["=1"], "'=1'"),
+]
+
+
+@pytest.mark.parametrize(("overrides", "key", "forbidden"), REGRESSIONS)
+def test_validation_regressions(overrides: list[str], key: str, forbidden: str, tmp_path: Path) -> None:
+    """Through `run` (not `load`), since some of these once failed only after Fabric was built."""
+    with pytest.raises(ConfigError) as info:
+        ppo_fabric.run([*TINY, f"hydra.run.dir={tmp_path / 'run'}", *overrides])
+    message = str(info.value)
+    _assert_one_line(message)
+    assert key in message, f"{key!r} missing from {message!r}"
+    assert not forbidden or forbidden not in message, message
+
+
+def test_resume_names_the_changed_key(finished_checkpoint: Path) -> None:
+    """A user who changed one width needs to see which one."""
+    message = _config_error(
+        [f"resume={finished_checkpoint}", "model.actor_hidden=[32]", "algo.total_steps=1024"]
+    )
+    assert "model.actor_hidden=[32]" in message and "[64, 64]" in message, message
+
+
+def test_resume_directory_points_at_the_file(tmp_path: Path) -> None:
+    message = _config_error([f"resume={tmp_path}"])
+    assert "is a directory" in message and "last.ckpt" in message, message
+
+
+# ------------------------------------------------------------------------------------------------- CLI
+def _cli(args: list[str], cwd: Path) -> tuple[subprocess.CompletedProcess[str], float]:
+    """Run `python -m ppo_fabric` the way a user does, from an unrelated directory."""
+    env = {
+        k: v for k, v in os.environ.items() if k not in ("PPO_FABRIC_TRACEBACK", "LT_CLI_USED", "WORLD_SIZE")
+    }
+    start = time.monotonic()
+    proc = subprocess.run(
+        [sys.executable, "-m", "ppo_fabric", *args],
+        cwd=cwd,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    return proc, time.monotonic() - start
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize(
+    ("args", "fragment"),
+    [
+        pytest.param(["env.id=CartPol-v1"], "CartPole-v1", id="env-near-miss"),
+        pytest.param(["env=nosuch"], "available:", id="group-option"),
+        pytest.param(["seed=[1"], "cannot parse override", id="syntax"),
+        pytest.param(["resume=last.ckpt"], "not a readable checkpoint", id="resume-garbage-relative"),
+        pytest.param(
+            ["hydra.run.dir=/proc/ppo-fabric-run"],
+            "hydra.run.dir=/proc/ppo-fabric-run",
+            id="run-dir-uncreatable",
+        ),
+        pytest.param(
+            ["multiagent.policies={a:{},b:{}}"], "multiagent.policies", id="multiagent-on-gymnasium-env"
+        ),
+    ],
+)
+def test_cli_exits_2_with_one_stderr_line(args: list[str], fragment: str, tmp_path: Path) -> None:
+    """Scripts rely on exit 2 for usage errors; users must see one line, not a traceback or warnings."""
+    (tmp_path / "last.ckpt").write_bytes(b"garbage" * 8)  # relative to cwd, like a user typing a path
+    proc, elapsed = _cli(args, tmp_path)
+    assert proc.returncode == 2, (proc.returncode, proc.stderr)
+    assert proc.stdout == "", proc.stdout
+    lines = proc.stderr.splitlines()
+    assert len(lines) == 1, proc.stderr
+    assert lines[0].startswith("ppo-fabric: error: "), lines[0]
+    assert fragment in lines[0], lines[0]
+    assert elapsed < 30, f"took {elapsed:.1f}s to reject a config"
+    assert not (tmp_path / "runs").exists(), "a rejected config must not create a run directory"
+
+
+@pytest.mark.parametrize(
+    ("missing", "fragment"),
+    [
+        ("envpool", "env.backend=envpool needs EnvPool"),
+        ("dm_env", "does not import (No module named 'dm_env')"),
+    ],
+)
+def test_envpool_that_does_not_import_is_named(
+    monkeypatch: pytest.MonkeyPatch, missing: str, fragment: str
+) -> None:
+    """EnvPool missing, or installed without a dependency of its own (found, then failing to import): one
+    line that says which."""
+    import importlib
+
+    real = importlib.import_module
+
+    def import_module(name: str, *args: Any) -> Any:
+        if name == "envpool":
+            raise ModuleNotFoundError(f"No module named {missing!r}", name=missing)
+        return real(name, *args)
+
+    monkeypatch.setattr(importlib, "import_module", import_module)
+    with pytest.raises(ConfigError) as error:
+        load(["env.backend=envpool", "algo.total_steps=512"])
+    assert fragment in str(error.value) and "\n" not in str(error.value)

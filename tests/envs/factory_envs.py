@@ -1,0 +1,23 @@
+"""Envs that are not registered anywhere, named as `env.id=tests.envs.factory_envs:<callable>`."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import gymnasium as gym
+
+from ppo_fabric.envs.toy_multiagent import matching_v0
+
+
+def short_cartpole(**kwargs: Any) -> gym.Env:
+    """CartPole built by a plain function; `env.kwargs` arrive as its keyword arguments."""
+    return gym.make("CartPole-v1", max_episode_steps=kwargs.pop("limit", 100), **kwargs)
+
+
+def pettingzoo_matching(**kwargs: Any) -> Any:
+    """A PettingZoo Parallel env: right with env=pettingzoo, refused in one line without."""
+    return matching_v0(**kwargs)
+
+
+def not_an_env() -> object:
+    return object()

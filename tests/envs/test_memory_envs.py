@@ -1,0 +1,165 @@
+"""Memory tasks for recurrent policies: the `ProbeMemory-v0` probe and `env.mask_velocity`."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import gymnasium as gym
+import numpy as np
+import pytest
+import torch
+from gymnasium.utils.env_checker import check_env
+from omegaconf import DictConfig, OmegaConf
+
+import ppo_fabric
+from ppo_fabric.envs.make import (
+    VELOCITY_FREE_INDICES,
+    EnvError,
+    MaskVelocity,
+    env_name,
+    make_env,
+    make_vector_env,
+)
+from ppo_fabric.runs.checkpoint import saved_spaces
+from tests import probe_envs
+
+MEMORY = "tests.probe_envs:ProbeMemory-v0"
+
+
+def env_cfg(env_id: str, **overrides: Any) -> DictConfig:
+    """A hand-built `env` section, as make_env receives it after config composition."""
+    base = {"id": env_id, "num_envs": 2, "vector": "sync", "action_repeat": 1, "max_episode_steps": None,
+            "kwargs": {}, "mask_velocity": True}  # fmt: skip
+    return OmegaConf.create({**base, **overrides})
+
+
+def test_memory_probe_follows_the_gymnasium_api() -> None:
+    env = gym.make(MEMORY)
+    check_env(env.unwrapped, skip_render_check=True)
+    assert env.observation_space == gym.spaces.Box(-1.0, 1.0, (1,), "float32")
+    assert env.action_space == gym.spaces.Discrete(2)
+    assert "ProbeMemory-v0" in probe_envs.MEMORY_PROBES and "ProbeMemory-v0" not in probe_envs.PROBES
+
+
+@pytest.mark.parametrize("match", [True, False])
+def test_memory_probe_shows_the_cue_once_and_pays_at_the_last_step(match: bool) -> None:
+    env = gym.make(MEMORY)
+    cues = set()
+    for seed in range(20):
+        first, _ = env.reset(seed=seed)
+        cue = float(first[0])
+        assert cue in (-1.0, 1.0) and first.dtype == np.float32
+        cues.add(cue)
+        right = 1 if cue > 0 else 0
+        for t in range(1, probe_envs.ProbeMemory.LENGTH + 1):
+            last = t == probe_envs.ProbeMemory.LENGTH
+            # Before the last step the action does not matter: take the wrong one.
+            action = right if (last and match) else 1 - right
+            obs, reward, terminated, truncated, _ = env.step(action)
+            assert float(obs[0]) == 0.0  # the cue is gone after the first observation
+            assert not truncated and terminated == last
+            assert reward == ((1.0 if match else -1.0) if last else 0.0)
+    assert cues == {-1.0, 1.0}  # both cue signs appear over the seeds
+
+
+def test_memoryless_policy_earns_nothing_on_the_memory_probe() -> None:
+    """Any fixed last action is right for one cue and wrong for the other: expected return 0."""
+    env = gym.make(MEMORY)
+    for last_action in (0, 1):
+        total = 0.0
+        for seed in range(200):
+            env.reset(seed=seed)
+            for _ in range(probe_envs.ProbeMemory.LENGTH):
+                _, reward, terminated, _, _ = env.step(last_action)
+                total += float(reward)
+        assert abs(total / 200) < 0.2
+
+
+def test_env_name_drops_module_and_version() -> None:
+    assert env_name("CartPole-v1") == "CartPole"
+    assert env_name("my.module:LunarLander-v3") == "LunarLander"
+    assert env_name("Pendulum") == "Pendulum"
+
+
+def test_mask_velocity_keeps_cartpole_position_and_angle() -> None:
+    masked = make_env(env_cfg("CartPole-v1"))
+    full = make_env(env_cfg("CartPole-v1", mask_velocity=False))
+    assert isinstance(masked, MaskVelocity)
+    assert masked.observation_space.shape == (2,)
+    assert masked.observation_space.dtype == full.observation_space.dtype
+    np.testing.assert_array_equal(masked.observation_space.low, full.observation_space.low[[0, 2]])
+    np.testing.assert_array_equal(masked.observation_space.high, full.observation_space.high[[0, 2]])
+    obs, _ = masked.reset(seed=3)
+    ref, _ = full.reset(seed=3)
+    np.testing.assert_array_equal(obs, ref[[0, 2]])
+    for t in range(30):
+        obs, _, terminated, truncated, _ = masked.step(t % 2)
+        ref, _, ref_terminated, ref_truncated, _ = full.step(t % 2)
+        assert obs.shape == (2,) and obs.dtype == np.float32
+        np.testing.assert_array_equal(obs, ref[[0, 2]])
+        assert (terminated, truncated) == (ref_terminated, ref_truncated)
+        if terminated or truncated:
+            break
+    masked.close()
+    full.close()
+
+
+@pytest.mark.parametrize(("env_id", "kept"), [("Pendulum-v1", 2), ("MountainCar-v0", 1)])
+def test_mask_velocity_other_envs(env_id: str, kept: int) -> None:
+    env = make_env(env_cfg(env_id))
+    obs, _ = env.reset(seed=0)
+    assert env.observation_space.shape == (kept,) and obs.shape == (kept,)
+    assert env.observation_space.contains(obs)
+    env.close()
+
+
+def test_mask_velocity_lunarlander() -> None:
+    pytest.importorskip("Box2D")
+    env = make_env(env_cfg("LunarLander-v3"))
+    full = make_env(env_cfg("LunarLander-v3", mask_velocity=False))
+    obs, _ = env.reset(seed=0)
+    ref, _ = full.reset(seed=0)
+    assert env.observation_space.shape == (5,)
+    np.testing.assert_array_equal(obs, ref[list(VELOCITY_FREE_INDICES["LunarLander"])])
+    env.close()
+    full.close()
+
+
+def test_mask_velocity_in_a_vector_env() -> None:
+    envs, obs = make_vector_env(env_cfg("CartPole-v1"), seed=0, rank=0)
+    assert envs.single_observation_space.shape == (2,)
+    assert np.asarray(obs).shape == (2, 2)
+    envs.close()
+
+
+def test_mask_velocity_on_an_unsupported_env_is_an_env_error() -> None:
+    with pytest.raises(EnvError) as exc:
+        make_env(env_cfg("Acrobot-v1"))
+    message = str(exc.value)
+    assert "\n" not in message and "Acrobot-v1" in message
+    assert all(name in message for name in ("CartPole", "Pendulum", "LunarLander"))
+
+
+def test_mask_velocity_defaults_to_off() -> None:
+    cfg = env_cfg("CartPole-v1")
+    del cfg["mask_velocity"]
+    env = make_env(cfg)
+    assert env.observation_space.shape == (4,)
+    env.close()
+
+
+def test_short_run_with_masked_velocity(tmp_path: Path) -> None:
+    """`env.mask_velocity=true` composes from the config and the model is built for the masked space."""
+    summary = ppo_fabric.run(
+        [
+            "env=cartpole",
+            "env.mask_velocity=true",
+            "algo.total_steps=512",
+            "logger=none",
+            f"hydra.run.dir={tmp_path}",
+        ]
+    )
+    assert summary["total_env_steps"] == 512
+    state = torch.load(summary["checkpoint"], map_location="cpu", weights_only=True)
+    assert saved_spaces(state)[0].shape == (2,)

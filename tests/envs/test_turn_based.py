@@ -1,0 +1,181 @@
+"""Turn-based PettingZoo games (AEC): which rows act, where each player's rewards land, how each player's
+moves bootstrap from its own next move, legal moves only, and whole runs on tictactoe_v3.
+
+The routing test steps the scripted `turn_v0` game (rewards known move by move) through the real collector
+with a stand-in policy whose value is a known function of the observation, and compares the stored
+rewards, flags, mask and advantages with numbers worked out by hand in the comments.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from omegaconf import DictConfig
+
+import ppo_fabric
+from ppo_fabric import cli
+from ppo_fabric.collect.rollout import build_collector
+from ppo_fabric.config.values import compose
+from ppo_fabric.envs.multiagent import make_parallel_env
+from ppo_fabric.envs.turn_based import TurnBasedVectorEnv
+from ppo_fabric.learn.learners import policy_specs
+from tests.conftest import assert_cli_failure
+
+REPO = Path(__file__).resolve().parents[2]
+TURN = ["env=pettingzoo", "env.id=ppo_fabric.envs.toy_multiagent:turn_v0"]
+TICTACTOE = ["env=pettingzoo", "env.id=pettingzoo.classic.tictactoe_v3"]
+
+
+def _cfg(*extra: str) -> DictConfig:
+    cfg, _ = compose([*TURN, "env.num_envs=1", "algo.rollout_steps=7", "algo.minibatch_size=7", *extra])
+    return cfg
+
+
+class ValuePolicy:
+    """Stands in for ActorCritic: plays the first legal move, V(k, seat) = 1 + k + 3 * seat."""
+
+    recurrent = False
+
+    def sample(self, obs: torch.Tensor, state: Any, deterministic: bool = False, mask: Any = None) -> Any:
+        action = mask.to(torch.int64).argmax(1)
+        return action, torch.zeros(len(obs)), None
+
+    def get_value(self, obs: torch.Tensor, state: Any = None) -> torch.Tensor:
+        return 1 + obs[:, 0] + 3 * obs[:, 1]
+
+
+def test_aec_env_is_detected_and_masks_split_off() -> None:
+    cfg = _cfg()
+    specs = policy_specs(cfg)
+    spec = specs["shared"]
+    assert spec.agents == 2 and spec.action_mask == 3
+    assert spec.obs_space.shape == (2,)  # the `observation` key alone: the mask restricts actions instead
+    collector = build_collector(cfg, specs, 0, "cpu", None)
+    assert isinstance(collector.envs, TurnBasedVectorEnv) and collector.turn_based
+    assert collector.groups[0].alive.tolist() == [True, False]  # `first` opens
+    assert collector.groups[0].next_mask.tolist() == [[False, True, True], [True, True, True]]
+
+
+def test_rewards_reach_each_player_and_bootstrap_from_its_own_moves() -> None:
+    """turn_v0 with length 4 (two games' worth of moves in 7 steps), gamma 0.9, lambda 0.5.
+
+    step  mover   k  rewards (mover, other)      first's row            second's row
+    t0    first   0  +1, +0.5                    decides                0.5 before its first move: dropped
+    t1    second  1  +1, +0.5                    +0.5 -> its t0         decides
+    t2    first   2  +1, +0.5                    decides                +0.5 -> its t1
+    t3    second  3  +10 (last move), -10       -10 -> its t2, ended   decides, ended
+    t4    first   0  +1, +0.5 (new game)         decides                dropped (no move yet)
+    t5    second  1  +1, +0.5                    +0.5 -> its t4         decides
+    t6    first   2  +1, +0.5                    decides, then waits    +0.5 -> its t5
+
+    first: t0 r=1.5 V=1, t2 r=-9 V=3 terminated, t4 r=1.5 V=1, t6 r=1 V=3 but second's reply is not in
+    this rollout: t6 leaves training and t4 bootstraps from its value 3.
+      A(t4) = 1.5 + 0.9*3 - 1 = 3.2;  A(t2) = -9 - 3 = -12;  A(t0) = 1.5 + 0.9*3 - 1 + 0.45*(-12) = -2.2
+    second: t1 r=1.5 V=5, t3 r=10 V=7 terminated, t5 r=1.5 V=5; second moves next (k=3, V=7).
+      A(t5) = 1.5 + 0.9*7 - 5 = 2.8;  A(t3) = 10 - 7 = 3;  A(t1) = 1.5 + 0.9*7 - 5 + 0.45*3 = 4.15
+    """
+    cfg = _cfg("algo.gamma=0.9", "algo.gae_lambda=0.5")
+    collector = build_collector(cfg, policy_specs(cfg), 0, "cpu", None)
+    steps = collector.collect({"shared": ValuePolicy()}, 0)
+    assert steps == 7
+    s = collector.storages["shared"]
+    mask = s["mask"]
+    assert mask[:, 0].tolist() == [True, False, True, False, True, False, False]
+    assert mask[:, 1].tolist() == [False, True, False, True, False, True, False]
+    first, second = [0, 2, 4], [1, 3, 5]
+    assert s["rewards"][first, 0].tolist() == [1.5, -9.0, 1.5]
+    assert s["rewards"][second, 1].tolist() == [1.5, 10.0, 1.5]
+    assert s["terminated"][first, 0].tolist() == [False, True, False]
+    assert s["terminated"][second, 1].tolist() == [False, True, False]
+    assert s["values"][first, 0].tolist() == [1.0, 3.0, 1.0]
+    torch.testing.assert_close(s["advantages"][first, 0], torch.tensor([-2.2, -12.0, 3.2]))
+    torch.testing.assert_close(s["advantages"][second, 1], torch.tensor([4.15, 3.0, 2.8]))
+    torch.testing.assert_close(s["returns"][first, 0], torch.tensor([-1.2, -9.0, 4.2]))
+    # every stored action was legal under the stored mask, and each game ended for both players at once
+    legal = s["action_mask"].gather(2, s["actions"].unsqueeze(-1)).squeeze(-1)
+    assert legal[mask].all()
+    assert [ep[1:] for ep in collector.episodes.window] == [(-7.5, 2), (12.0, 2)]
+
+
+def test_rewards_route_to_the_waiting_player_in_tictactoe() -> None:
+    """Scripted tictactoe: player_1 takes the top row; player_2's -1 arrives during player_1's move."""
+    cfg, _ = compose([*TICTACTOE, "env.num_envs=1"])
+    specs = policy_specs(cfg)
+    assert specs["shared"].action_mask == 9
+    envs = TurnBasedVectorEnv(
+        [lambda: make_parallel_env(cfg.env)], {"shared": ["player_1", "player_2"]}, True
+    )
+    envs.reset(seed=[0])
+    rows = {"player_1": 0, "player_2": 1}
+    for cell, mover in [(0, "player_1"), (1, "player_2"), (3, "player_1"), (4, "player_2"), (6, "player_1")]:
+        assert envs.alive["shared"].tolist() == [mover == "player_1", mover == "player_2"]
+        actions = np.zeros(2, dtype=np.int64)
+        actions[rows[mover]] = cell
+        _, rew, term, _, info = envs.step([actions])[0]
+    assert rew.tolist() == [1.0, -1.0] and term.all() and info["_episode"].all()
+    assert info["acted"].tolist() == [True, False]
+    assert info["episode"]["l"].tolist() == [3, 2]  # each player's own moves
+
+
+def test_only_legal_moves_and_masks_off_fails(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """turn_v0 raises on an illegal move: a run with masks completes; with algo.action_mask=off the policy
+    (seeing the mask as an input only) soon plays one and the run fails."""
+    base = [
+        *TURN,
+        "env.num_envs=4",
+        "algo.rollout_steps=16",
+        "algo.minibatch_size=32",
+        "algo.total_steps=1024",
+    ]
+    summary = ppo_fabric.run([*base, "logger=none", f"hydra.run.dir={tmp_path / 'on'}"])
+    assert summary["total_env_steps"] == 1024
+    with pytest.raises(ValueError, match="illegal move"):
+        ppo_fabric.run([*base, "logger=none", "algo.action_mask=off", f"hydra.run.dir={tmp_path / 'off'}"])
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("strategy", ["coupled", "decoupled"])
+def test_tictactoe_selfplay_two_processes(tmp_path: Path, strategy: str) -> None:
+    """Self-play over two processes: two coupled ranks (each its own pool, results summed for the log), or
+    a player (keeps the pool) and a trainer (learns the learner's rows); all end with the same parameters."""
+    run_dir = tmp_path / "run"
+    cmd = [
+        sys.executable, "-m", "ppo_fabric", *TICTACTOE, f"strategy={strategy}", "fabric.devices=2",
+        "algo.players=1", "env.num_envs=4", "algo.rollout_steps=32", "algo.minibatch_size=64",
+        "algo.total_steps=1024", "logger=none", "selfplay.enabled=true", "selfplay.snapshot_every=2",
+        f"hydra.run.dir={run_dir}",
+    ]  # fmt: skip
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240, cwd=tmp_path, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["strategy"] == strategy and summary["ranks_in_sync"] is True
+    assert summary["total_env_steps"] == 1024
+
+
+@pytest.mark.parametrize(
+    ("override", "fragment"),
+    [
+        (["model=lstm"], "feed-forward policies only"),
+        (["selfplay.enabled=true", "selfplay.pool_size=0"], "selfplay.pool_size=0"),
+        (["selfplay.enabled=true", "selfplay.sampling=best"], "selfplay.sampling=best"),
+        (["selfplay.enabled=true", "selfplay.latest_prob=2"], "selfplay.latest_prob=2"),
+        (["selfplay.enabled=true", "selfplay.random_prob=-0.1"], "selfplay.random_prob=-0.1"),
+    ],
+)
+def test_turn_based_config_errors(
+    capsys: pytest.CaptureFixture[str], override: list[str], fragment: str
+) -> None:
+    assert_cli_failure(capsys, cli.main, [*TICTACTOE, *override], fragment)
+
+
+def test_selfplay_needs_a_turn_based_game(capsys: pytest.CaptureFixture[str]) -> None:
+    assert_cli_failure(capsys, cli.main, ["selfplay.enabled=true"], "two-player turn-based")

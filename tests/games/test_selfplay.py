@@ -1,0 +1,269 @@
+"""Self-play: opponent sampling (hand-computed PFSP weights), the pool's cap and plain-data state, which rows
+train when seats alternate, win/draw/loss counting, tictactoe runs, and the pool across a resume."""
+
+from __future__ import annotations
+
+import csv
+import io
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+import ppo_fabric
+from ppo_fabric.collect.rollout import build_collector
+from ppo_fabric.config.values import compose
+from ppo_fabric.games.play import PolicyPlayer, RandomPlayer, aec_env_factory, play_games
+from ppo_fabric.games.selfplay import (
+    RANDOM,
+    OpponentPool,
+    learner_scores,
+    pfsp_weights,
+    sampling_probabilities,
+)
+from ppo_fabric.learn.learners import policy_specs
+from ppo_fabric.models.agent import ActorCritic
+from ppo_fabric.runs import checkpoint as ckpt
+
+TICTACTOE = [
+    "env=pettingzoo", "env.id=pettingzoo.classic.tictactoe_v3", "env.num_envs=4", "algo.rollout_steps=32",
+    "algo.minibatch_size=64", "algo.update_epochs=2", "selfplay.enabled=true", "selfplay.snapshot_every=2",
+    "selfplay.pool_size=3", "seed=1",
+]  # fmt: skip
+
+
+# ------------------------------------------------------------------------------------------- sampling
+def test_learner_scores_are_smoothed_win_rates() -> None:
+    # (wins + draws/2 + 1) / (games + 2): 3 wins, 2 draws, 1 loss -> 5/8; no games -> 1/2
+    scores = learner_scores(np.array([3.0, 0.0]), np.array([2.0, 0.0]), np.array([1.0, 0.0]))
+    assert scores.tolist() == [0.625, 0.5]
+
+
+def test_pfsp_weights_favour_opponents_the_learner_loses_to() -> None:
+    # (1 - score)^2 = 0.5625, 0.25, 0.0625; sum 0.875
+    weights = pfsp_weights(np.array([0.25, 0.5, 0.75]), 2.0)
+    np.testing.assert_allclose(weights, [0.5625 / 0.875, 0.25 / 0.875, 0.0625 / 0.875])
+    np.testing.assert_allclose(pfsp_weights(np.array([0.25, 0.75]), 0.0), [0.5, 0.5])  # power 0: uniform
+
+
+def test_uniform_and_latest_sampling() -> None:
+    scores = np.full(4, 0.5)
+    np.testing.assert_allclose(sampling_probabilities("uniform", scores), [0.25] * 4)
+    np.testing.assert_allclose(
+        sampling_probabilities("latest", scores, latest_prob=0.7), [0.1, 0.1, 0.1, 0.7]
+    )
+    np.testing.assert_allclose(sampling_probabilities("latest", scores[:1], latest_prob=0.7), [1.0])
+
+
+def test_pool_samples_by_pfsp_from_recorded_results() -> None:
+    pool = OpponentPool(size=2, sampling="pfsp", power=2.0)
+    for version in range(3):  # the oldest leaves: ids 1 and 2 stay
+        pool.add({"w": torch.full((1,), float(version))}, version)
+    assert [s.id for s in pool.snapshots] == [1, 2]
+    for _ in range(6):
+        pool.record(1, 1)  # the learner beats snapshot 1 every time: score 7/8
+    pool.record(2, -1)  # and lost to snapshot 2 once: score 1/3
+    pool.record(0, 1)  # a snapshot that left the pool: ignored
+    w1, w2 = (1 - 7 / 8) ** 2, (1 - 1 / 3) ** 2
+    np.testing.assert_allclose(pool.probabilities(), [w1 / (w1 + w2), w2 / (w1 + w2)])
+    np.random.seed(0)
+    draws = [pool.sample() for _ in range(2000)]
+    assert abs(draws.count(2) / 2000 - w2 / (w1 + w2)) < 0.03
+
+
+def test_pool_state_is_plain_data(tmp_path: Path) -> None:
+    pool = OpponentPool(size=3)
+    pool.add({"a.weight": torch.ones(2, 2)}, 4)
+    pool.record(0, 0)
+    torch.save({"pool": pool.state()}, tmp_path / "pool.pt")
+    back = OpponentPool(size=3)
+    back.load_state(torch.load(tmp_path / "pool.pt", weights_only=True)["pool"])
+    assert back.next_id == 1 and back.snapshots[0].draws == 1 and back.snapshots[0].version == 4
+    assert torch.equal(back.snapshots[0].weights["a.weight"], torch.ones(2, 2))
+
+
+# ------------------------------------------------------------------------------------------ rollouts
+def test_only_the_learners_rows_train_and_seats_alternate() -> None:
+    """turn_v0 (4 moves, the last mover - `second` - wins), 2 copies, 7 steps. The learner opens as seat
+    0 in copy 0 and seat 1 in copy 1, and swaps seats when a game ends (after t3).
+
+    copy 0: game 1 learner=first (t0, t2; loses), game 2 learner=second (t5; moves next, so it trains)
+    copy 1: game 1 learner=second (t1, t3; wins), game 2 learner=first (t4; t6 awaits the reply: dropped)
+    """
+    cfg, _ = compose(
+        [
+            "env=pettingzoo",
+            "env.id=ppo_fabric.envs.toy_multiagent:turn_v0",
+            "env.num_envs=2",
+            "algo.rollout_steps=7",
+            "algo.minibatch_size=14",
+            "selfplay.enabled=true",
+        ]  # fmt: skip
+    )
+    specs = policy_specs(cfg)
+    spec = specs["shared"]
+    collector = build_collector(cfg, specs, 0, "cpu", None)
+    learner = ActorCritic(spec.obs_space, spec.action_space, spec.model)
+    collector.collect({"shared": learner}, 0)
+    mask = collector.storages["shared"]["mask"].T.tolist()  # [row][t], row = copy * 2 + seat
+    f, t = False, True
+    assert mask == [
+        [t, f, t, f, f, f, f],
+        [f, f, f, f, f, t, f],
+        [f, f, f, f, t, f, f],
+        [f, t, f, t, f, f, f],
+    ]
+    sp = collector.selfplay
+    assert sp.seat.tolist() == [1, 0]
+    assert sp.metrics() == {
+        "selfplay/games": 2.0, "selfplay/pool_size": 1.0, "selfplay/win_rate": 0.5, "selfplay/draw_rate": 0.0,
+        "selfplay/loss_rate": 0.5,
+    }  # fmt: skip
+    snap = sp.pool.snapshots[0]
+    assert (snap.wins, snap.draws, snap.losses) == (1, 0, 1)
+
+
+def test_random_opponent_plays_legal_moves_and_is_reported_apart() -> None:
+    """selfplay.random_prob=1: every game is against the random legal-move player. Its moves are legal
+    (tictactoe rejects an illegal one), uniform over the legal ones, no snapshot records a result, and the
+    learner's results come out as selfplay/random_*, not as pool games."""
+    cfg, _ = compose([*TICTACTOE, "selfplay.random_prob=1.0"])
+    specs = policy_specs(cfg)
+    spec = specs["shared"]
+    collector = build_collector(cfg, specs, 0, "cpu", None)
+    learner = ActorCritic(spec.obs_space, spec.action_space, spec.model)
+    collector.collect({"shared": learner}, 0)
+    sp = collector.selfplay
+    assert (sp.opponent == RANDOM).all()
+    snap = sp.pool.snapshots[0]
+    assert (snap.wins, snap.draws, snap.losses) == (0, 0, 0)
+    metrics = sp.metrics()
+    assert metrics["selfplay/games"] == 0 and metrics["selfplay/random_games"] > 0
+    rates = [metrics[f"selfplay/random_{k}_rate"] for k in ("win", "draw", "loss")]
+    assert sum(rates) == pytest.approx(1.0)
+    # uniform over the legal moves: 3 legal of 5, 30000 draws, each near 1/3
+    mask = torch.tensor([[True, False, True, False, True]]).expand(30000, 5)
+    counts = torch.bincount(sp._random_moves(30000, mask), minlength=5) / 30000
+    assert counts[[1, 3]].sum() == 0
+    torch.testing.assert_close(counts[[0, 2, 4]], torch.full((3,), 1 / 3), atol=0.02, rtol=0)
+
+
+def test_random_prob_mixes_the_random_player_into_the_draws() -> None:
+    """random_prob=0.25: about a quarter of draws are the random player, the rest pool snapshots."""
+    cfg, _ = compose([*TICTACTOE, "selfplay.random_prob=0.25"])
+    specs = policy_specs(cfg)
+    sp = build_collector(cfg, specs, 0, "cpu", None).selfplay
+    learner = ActorCritic(specs["shared"].obs_space, specs["shared"].action_space, specs["shared"].model)
+    sp.start(learner, 0)
+    np.random.seed(0)
+    draws = np.array([sp._draw() for _ in range(4000)])
+    assert set(np.unique(draws).tolist()) == {RANDOM, sp.pool.snapshots[0].id}
+    assert (draws == RANDOM).mean() == pytest.approx(0.25, abs=0.03)
+
+
+@pytest.mark.parametrize("noise", [0.0, 0.5])
+def test_opponent_noise_replaces_that_share_of_a_snapshots_moves(noise: float) -> None:
+    """A snapshot that always plays move 0 (its head biased there): with opponent_noise=0 every opponent
+    move is 0; with 0.5 about half are random legal moves (1/8 of those are 0 again), never illegal."""
+    cfg, _ = compose([*TICTACTOE, f"selfplay.opponent_noise={noise}"])
+    specs = policy_specs(cfg)
+    spec = specs["shared"]
+    sp = build_collector(cfg, specs, 0, "cpu", None).selfplay
+    stubborn = ActorCritic(spec.obs_space, spec.action_space, spec.model)
+    with torch.no_grad():
+        stubborn.head.linear.bias.copy_(torch.tensor([50.0] + [0.0] * 8))
+    sp.pool.snapshots.clear()
+    sp.start(stubborn, 0)
+    n = 4000
+    sp.num_envs, sp.seat = n, np.zeros(n, dtype=np.int64)  # the learner holds seat 0: rows 2e+1 are opponents
+    sp.opponent = np.full(n, sp.pool.snapshots[0].id)
+    movers = np.tile([False, True], n)
+    masks = torch.ones(2 * n, 9, dtype=torch.bool)
+    masks[1::2, 8] = False  # one illegal move for every opponent
+    obs = torch.zeros(2 * n, *spec.obs_space.shape)
+    actions = sp.act(obs, masks, np.full(2 * n, -1), movers)
+    moves = torch.from_numpy(actions[1::2])
+    assert (actions[0::2] == -1).all()  # the learner's rows are left as they were
+    assert (moves != 8).all()
+    expected = (1 - noise) + noise / 8  # the stubborn move, plus random draws that happen to pick it
+    assert (moves == 0).float().mean().item() == pytest.approx(expected, abs=0.03)
+
+
+# ----------------------------------------------------------------------------------------------- runs
+def _pool(path: Path) -> dict:
+    return ckpt.load(path)["ranks"][0]["selfplay"]["pool"]
+
+
+def test_selfplay_run_logs_results_and_pool_survives_resume(tmp_path: Path) -> None:
+    """8 updates, a snapshot every 2, pool of 3: the initial weights (id 0), then updates 2, 4, 6, 8 join
+    (ids 1-4) and ids 2, 3, 4 remain. Resumed after update 4, the run must continue the saved pool (a fresh
+    pool would restart the ids at 0) and end exactly as the uninterrupted run."""
+    run = [*TICTACTOE, "algo.total_steps=1024", "logger=none"]
+    full = ppo_fabric.run([*run, f"hydra.run.dir={tmp_path / 'full'}"])
+    assert full["total_env_steps"] == 1024
+    pool = _pool(tmp_path / "full" / "checkpoints" / "last.ckpt")
+    assert pool["next_id"] == 5 and [s["version"] for s in pool["snapshots"]] == [4, 6, 8]
+    assert sum(s["wins"] + s["draws"] + s["losses"] for s in pool["snapshots"]) > 0
+
+    part = tmp_path / "part"
+    ppo_fabric.run([*run, "checkpoint.every=4", "checkpoint.keep=0", f"hydra.run.dir={part}"])
+    middle = next(p for p in (part / "checkpoints").glob("step_*512_*.ckpt"))
+    assert [s["version"] for s in _pool(middle)["snapshots"]] == [0, 2, 4]
+    ppo_fabric.run([*run, f"resume={middle}", f"hydra.run.dir={tmp_path / 'resumed'}"])
+    resumed = _pool(tmp_path / "resumed" / "checkpoints" / "last.ckpt")
+    final = ckpt.load(tmp_path / "full" / "checkpoints" / "last.ckpt")["agent"]["shared"]
+    again = ckpt.load(tmp_path / "resumed" / "checkpoints" / "last.ckpt")["agent"]["shared"]
+    for key in final:  # seats, opponents, games in progress and RNG all continued exactly
+        torch.testing.assert_close(final[key], again[key], rtol=0, atol=0)
+    assert resumed["next_id"] == 5 and [s["version"] for s in resumed["snapshots"]] == [4, 6, 8]
+    for a, b in zip(pool["snapshots"], resumed["snapshots"], strict=True):
+        assert (a["wins"], a["draws"], a["losses"]) == (b["wins"], b["draws"], b["losses"])
+        for key in a["weights"]:
+            torch.testing.assert_close(a["weights"][key], b["weights"][key])
+
+
+def test_selfplay_metrics_in_the_csv(tmp_path: Path) -> None:
+    """Win/draw/loss rates every update; an Elo rating once the first snapshot after the start (update 2)
+    joined, rating it without touching the training's random stream (the same weights as a run without)."""
+    run = [*TICTACTOE, "algo.total_steps=512", "logger.tensorboard=false", "logger.log_every=1"]
+    ppo_fabric.run([*run, f"hydra.run.dir={tmp_path / 'elo'}"])
+    rows = list(csv.DictReader(io.StringIO((tmp_path / "elo" / "metrics.csv").read_text())))
+    assert len(rows) == 4 and all(float(r["selfplay/games"]) > 0 for r in rows)
+    rates = [float(rows[-1][f"selfplay/{k}_rate"]) for k in ("win", "draw", "loss")]
+    assert abs(sum(rates) - 1) < 1e-6
+    assert rows[0]["selfplay/elo"] == "" and np.isfinite(float(rows[-1]["selfplay/elo"]))
+    ppo_fabric.run([*run, "selfplay.elo=false", f"hydra.run.dir={tmp_path / 'plain'}"])
+    rated = ckpt.load(tmp_path / "elo" / "checkpoints" / "last.ckpt")["agent"]["shared"]
+    plain = ckpt.load(tmp_path / "plain" / "checkpoints" / "last.ckpt")["agent"]["shared"]
+    for key in rated:
+        torch.testing.assert_close(rated[key], plain[key], rtol=0, atol=0)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("strategy", ["coupled"])
+def test_selfplay_learns_to_beat_random_tictactoe(tmp_path: Path, strategy: str) -> None:
+    """A few thousand moves of self-play already beat a random player more often than chance (~50%
+    for a random policy with alternating seats)."""
+    ppo_fabric.run(
+        [
+            *TICTACTOE,
+            "algo.total_steps=12288",
+            "env.num_envs=8",
+            "algo.rollout_steps=64",
+            "algo.lr=1e-3",
+            "algo.minibatch_size=128",
+            "algo.update_epochs=4",
+            "logger=none",
+            f"strategy={strategy}",
+            f"hydra.run.dir={tmp_path}",
+        ]  # fmt: skip
+    )
+    state = ckpt.load(tmp_path / "checkpoints" / "last.ckpt")
+    cfg, _ = compose(["env=pettingzoo", "env.id=pettingzoo.classic.tictactoe_v3", "env.num_envs=16"])
+    spec = policy_specs(cfg)["shared"]
+    policy = ActorCritic(spec.obs_space, spec.action_space, spec.model)
+    policy.load_state_dict(state["agent"]["shared"])
+    player = PolicyPlayer(policy.eval(), deterministic=False, masked=True)
+    results = play_games(aec_env_factory(str(cfg.env.id)), player, RandomPlayer(0), 200, seed=7)
+    assert results.rate(1) > 0.6

@@ -1,0 +1,290 @@
+"""Action heads against torch.distributions, sampling statistics, and the ActorCritic's init and shapes."""
+
+from __future__ import annotations
+
+import math
+
+import gymnasium as gym
+import numpy as np
+import pytest
+import torch
+from omegaconf import DictConfig, OmegaConf
+from torch import nn
+from torch.distributions import Categorical, Normal
+
+from ppo_fabric.models.agent import ActorCritic, CategoricalHead, GaussianHead, action_shape_dtype
+
+IN_DIM = 6
+
+
+def model_cfg(**overrides: object) -> DictConfig:
+    cfg = {"encoder": "auto", "actor_hidden": [64, 64], "critic_hidden": [64, 64], "activation": "tanh"}
+    return OmegaConf.create(cfg | overrides)
+
+
+def sharpen(linear: nn.Linear, seed: int) -> None:
+    """Replace the 0.01-gain init with large weights so distributions are far from uniform (a stronger test)."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        linear.weight.copy_(torch.randn(linear.weight.shape, generator=g))
+        linear.bias.copy_(torch.randn(linear.bias.shape, generator=g))
+
+
+def categorical_head(nvec: list[int], seed: int = 0) -> CategoricalHead:
+    torch.manual_seed(seed)
+    head = CategoricalHead(IN_DIM, nvec)
+    sharpen(head.linear, seed)
+    return head
+
+
+def gaussian_head(action_dim: int, seed: int = 0) -> GaussianHead:
+    torch.manual_seed(seed)
+    head = GaussianHead(IN_DIM, action_dim)
+    sharpen(head.mean, seed)
+    with torch.no_grad():
+        head.log_std.copy_(torch.linspace(-1.0, 0.7, action_dim))
+    return head
+
+
+def reference_categorical(head: CategoricalHead, features: torch.Tensor) -> list[Categorical]:
+    logits = head.linear(features)
+    return [Categorical(logits=chunk) for chunk in logits.split(head.nvec, dim=-1)]
+
+
+# ------------------------------------------------------------------------------------- categorical
+@pytest.mark.parametrize("nvec", [[5], [3, 4, 2]])
+def test_categorical_log_prob_entropy_matches_torch(nvec: list[int]) -> None:
+    """Summed per-dimension log-prob and entropy equal torch.distributions.Categorical's."""
+    head = categorical_head(nvec)
+    features = torch.randn(32, IN_DIM)
+    dists = reference_categorical(head, features)
+    sampled = torch.stack([d.sample() for d in dists], -1)
+    actions = sampled.squeeze(-1) if len(nvec) == 1 else sampled
+    logp, ent = head.log_prob_entropy(features, actions)
+    exp_logp = sum(d.log_prob(sampled[:, i]) for i, d in enumerate(dists))
+    exp_ent = sum(d.entropy() for d in dists)
+    assert logp.shape == ent.shape == (32,)
+    torch.testing.assert_close(logp, exp_logp, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(ent, exp_ent, rtol=1e-5, atol=1e-5)
+    # the sharpened logits are far from uniform, so a uniform-distribution bug would show
+    assert ent.mean() < sum(math.log(n) for n in nvec) - 0.2
+
+
+@pytest.mark.parametrize("nvec", [[5], [3, 4, 2]])
+def test_categorical_sample_log_prob_consistent(nvec: list[int]) -> None:
+    """The log-prob returned with a sample is the log-prob of that sample as the update re-evaluates it."""
+    head = categorical_head(nvec, seed=1)
+    features = torch.randn(64, IN_DIM)
+    actions, logp = head.sample(features)
+    assert actions.dtype == torch.int64
+    assert actions.shape == ((64,) if len(nvec) == 1 else (64, len(nvec)))
+    re_logp, _ = head.log_prob_entropy(features, actions)
+    torch.testing.assert_close(logp, re_logp, rtol=0, atol=1e-6)
+    cols = actions.reshape(64, -1)
+    for i, n in enumerate(nvec):
+        assert ((cols[:, i] >= 0) & (cols[:, i] < n)).all()
+
+
+@pytest.mark.parametrize("nvec", [[5], [3, 4, 2]])
+def test_categorical_deterministic_is_argmax(nvec: list[int]) -> None:
+    """Deterministic actions are the modes of each dimension's logits."""
+    head = categorical_head(nvec, seed=2)
+    features = torch.randn(50, IN_DIM)
+    actions, logp = head.sample(features, deterministic=True)
+    dists = reference_categorical(head, features)
+    modes = torch.stack([d.logits.argmax(-1) for d in dists], -1)
+    assert torch.equal(actions.reshape(50, -1), modes)
+    exp_logp = sum(d.log_prob(modes[:, i]) for i, d in enumerate(dists))
+    torch.testing.assert_close(logp, exp_logp, rtol=1e-5, atol=1e-5)
+
+
+def chi_square(counts: torch.Tensor, probs: torch.Tensor) -> float:
+    expected = probs * counts.sum()
+    return float(((counts - expected) ** 2 / expected).sum())
+
+
+# chi-square critical values at p = 1e-4 for df = 1..4 (tables): seeded, so this is a fixed draw anyway
+_CHI2_CRIT = {1: 15.14, 2: 18.42, 3: 21.11, 4: 23.51}
+
+
+@pytest.mark.parametrize("nvec", [[5], [3, 4, 2]])
+def test_gumbel_max_frequencies_match_softmax(nvec: list[int]) -> None:
+    """Gumbel-max sampling draws each category with its softmax probability (per action dimension)."""
+    head = categorical_head(nvec, seed=3)
+    n = 200_000
+    features = torch.randn(1, IN_DIM).expand(n, IN_DIM)
+    torch.manual_seed(1234)
+    with torch.no_grad():
+        actions, _ = head.sample(features)
+        probs = [d.probs[0] for d in reference_categorical(head, features[:1])]
+    cols = actions.reshape(n, -1)
+    for i, (k, p) in enumerate(zip(nvec, probs, strict=True)):
+        counts = torch.bincount(cols[:, i], minlength=k).double()
+        assert chi_square(counts, p.double()) < _CHI2_CRIT[k - 1], (counts / n, p)
+        torch.testing.assert_close(counts / n, p.double(), rtol=0, atol=0.005)
+
+
+def test_gumbel_frequencies_test_can_fail() -> None:
+    """Guard on the chi-square check: uniform counts are rejected against the sharpened softmax."""
+    head = categorical_head([5], seed=3)
+    with torch.no_grad():
+        probs = reference_categorical(head, torch.randn(1, IN_DIM))[0].probs[0].double()
+    uniform = torch.full((5,), 200_000 / 5, dtype=torch.float64)
+    assert chi_square(uniform, probs) > _CHI2_CRIT[4]
+
+
+# ---------------------------------------------------------------------------------------- gaussian
+def test_gaussian_log_prob_entropy_matches_torch() -> None:
+    """Diagonal Gaussian log-prob and entropy equal Normal's, summed over action dimensions."""
+    head = gaussian_head(3)
+    features = torch.randn(40, IN_DIM)
+    actions = torch.randn(40, 3) * 2
+    logp, ent = head.log_prob_entropy(features, actions)
+    dist = Normal(head.mean(features), head.log_std.exp())
+    assert logp.shape == ent.shape == (40,)
+    torch.testing.assert_close(logp, dist.log_prob(actions).sum(-1), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(ent, dist.entropy().sum(-1), rtol=1e-5, atol=1e-5)
+
+
+def test_gaussian_sample_log_prob_consistent_and_deterministic_mean() -> None:
+    """Sampled log-probs match re-evaluation; deterministic actions are the mean."""
+    head = gaussian_head(2, seed=4)
+    features = torch.randn(64, IN_DIM)
+    actions, logp = head.sample(features)
+    assert actions.shape == (64, 2) and actions.dtype == torch.float32
+    torch.testing.assert_close(logp, head.log_prob_entropy(features, actions)[0], rtol=0, atol=1e-5)
+    mean_actions, mean_logp = head.sample(features, deterministic=True)
+    torch.testing.assert_close(mean_actions, head.mean(features), rtol=0, atol=0)
+    exp = Normal(head.mean(features), head.log_std.exp()).log_prob(mean_actions).sum(-1)
+    torch.testing.assert_close(mean_logp, exp, rtol=1e-5, atol=1e-5)
+
+
+def test_gaussian_sample_moments() -> None:
+    """Samples have the head's mean and std = exp(log_std) per dimension."""
+    head = gaussian_head(3, seed=5)
+    n = 100_000
+    features = torch.randn(1, IN_DIM).expand(n, IN_DIM)
+    torch.manual_seed(99)
+    with torch.no_grad():
+        actions, _ = head.sample(features)
+        mean, std = head.mean(features[:1])[0], head.log_std.exp()
+    # standard error of the mean is std/sqrt(n) ~ 0.006 std; 5 standard errors
+    torch.testing.assert_close(actions.mean(0), mean, rtol=0, atol=float(5 * std.max() / math.sqrt(n)))
+    torch.testing.assert_close(actions.std(0), std, rtol=0.02, atol=0)
+
+
+# ------------------------------------------------------------------------------------ actor-critic
+OBS = gym.spaces.Box(-1.0, 1.0, (4,), np.float32)
+
+
+def test_orthogonal_init_gains() -> None:
+    """Hidden layers gain sqrt(2), the policy output gain 0.01, the value output gain 1; biases zero."""
+    torch.manual_seed(0)
+    model = ActorCritic(OBS, gym.spaces.Discrete(3), model_cfg())
+    hidden = [m for body in (model.actor_body, model.critic_body) for m in body.layers]
+    assert len(hidden) == 4
+    for layer in hidden:
+        w = layer.weight.detach().double()
+        gram = w.T @ w if w.shape[0] >= w.shape[1] else w @ w.T  # the smaller Gram is gain^2 * I
+        torch.testing.assert_close(
+            gram, 2.0 * torch.eye(gram.shape[0], dtype=torch.float64), atol=1e-5, rtol=0
+        )
+    policy_w = model.head.linear.weight.detach().double()  # [3, 64]
+    torch.testing.assert_close(
+        policy_w @ policy_w.T, 1e-4 * torch.eye(3, dtype=torch.float64), atol=1e-9, rtol=0
+    )
+    value_w = model.value_out.weight.detach().double()  # [1, 64]
+    assert value_w.norm().item() == pytest.approx(1.0, abs=1e-5)
+    for layer in [*hidden, model.head.linear, model.value_out]:
+        assert torch.equal(layer.bias, torch.zeros_like(layer.bias))
+    # so the initial policy is near uniform: logits are O(0.01)
+    assert model.head.linear(torch.randn(128, 64)).abs().max() < 0.1
+
+
+def test_gaussian_policy_init() -> None:
+    """Box actions: the mean layer has gain 0.01 and log_std starts at 0 (std 1)."""
+    torch.manual_seed(0)
+    model = ActorCritic(OBS, gym.spaces.Box(-1.0, 1.0, (2,), np.float32), model_cfg())
+    w = model.head.mean.weight.detach().double()
+    torch.testing.assert_close(w @ w.T, 1e-4 * torch.eye(2, dtype=torch.float64), atol=1e-9, rtol=0)
+    assert torch.equal(model.head.log_std.detach(), torch.zeros(2))
+
+
+@pytest.mark.parametrize(
+    "space,action_shape",
+    [
+        (gym.spaces.Discrete(3), ()),
+        (gym.spaces.MultiDiscrete([3, 2, 4]), (3,)),
+        (gym.spaces.MultiDiscrete([3]), (1,)),
+        (gym.spaces.Box(-2.0, 2.0, (2,), np.float32), (2,)),
+    ],
+)
+def test_act_and_forward_shapes(space: gym.Space, action_shape: tuple[int, ...]) -> None:
+    """`act` and `forward` give one action, log-prob, value/entropy per observation, stored as declared."""
+    torch.manual_seed(0)
+    model = ActorCritic(OBS, space, model_cfg(actor_hidden=[32], critic_hidden=[16, 16], activation="relu"))
+    obs = torch.randn(7, 4)
+    with torch.no_grad():
+        action, logp, value = model.act(obs)
+        det_action, _, det_value = model.act(obs, deterministic=True)
+        new_logp, entropy, new_value = model(obs, action)
+    stored_shape, stored_dtype = action_shape_dtype(space)
+    assert stored_shape == action_shape
+    assert action.shape == det_action.shape == (7, *action_shape)
+    assert action.dtype == stored_dtype
+    for x in (logp, value, det_value, new_logp, entropy, new_value):
+        assert x.shape == (7,) and x.dtype == torch.float32 and torch.isfinite(x).all()
+    assert model.get_value(obs).shape == (7,)
+    torch.testing.assert_close(new_logp, logp, rtol=0, atol=1e-5)
+    torch.testing.assert_close(new_value, value, rtol=0, atol=1e-6)
+    if not isinstance(space, gym.spaces.Box):
+        assert space.contains(action[0].numpy().astype(np.int64) if action_shape else int(action[0]))
+
+
+def test_forward_backpropagates_into_every_parameter() -> None:
+    """One `forward` touches actor and critic (what DDP requires of the update's single pass)."""
+    torch.manual_seed(0)
+    model = ActorCritic(OBS, gym.spaces.Box(-1.0, 1.0, (2,), np.float32), model_cfg())
+    obs, actions = torch.randn(5, 4), torch.randn(5, 2)
+    logp, entropy, value = model(obs, actions)
+    (logp.sum() + entropy.sum() + value.sum()).backward()
+    for name, p in model.named_parameters():
+        assert p.grad is not None and p.grad.abs().sum() > 0, name
+
+
+def test_multi_dim_box_observation_is_flattened() -> None:
+    """A [2, 3] Box observation is flattened to 6 features."""
+    model = ActorCritic(gym.spaces.Box(-1.0, 1.0, (2, 3), np.float32), gym.spaces.Discrete(2), model_cfg())
+    action, logp, value = model.act(torch.randn(5, 2, 3))
+    assert action.shape == logp.shape == value.shape == (5,)
+
+
+@pytest.mark.parametrize(
+    "obs_space,action_space,cfg",
+    [
+        (gym.spaces.Dict({"x": gym.spaces.Discrete(3)}), gym.spaces.Discrete(2), model_cfg()),
+        (gym.spaces.Discrete(5), gym.spaces.Discrete(2), model_cfg()),
+        (gym.spaces.Box(0, 255, (16, 16, 3), np.uint8), gym.spaces.Discrete(2), model_cfg()),
+        (OBS, gym.spaces.Discrete(2), model_cfg(encoder="transformer")),
+        (OBS, gym.spaces.Box(-1.0, 1.0, (2, 2), np.float32), model_cfg()),
+        (OBS, gym.spaces.MultiDiscrete([[2, 3], [4, 5]]), model_cfg()),
+        (OBS, gym.spaces.MultiBinary(3), model_cfg()),
+        (OBS, gym.spaces.Tuple((gym.spaces.Discrete(2), gym.spaces.Discrete(3))), model_cfg()),
+    ],
+    ids=[
+        "dict-obs-discrete-key",
+        "discrete-obs",
+        "pixel-obs-too-small-for-cnn",
+        "unknown-encoder",
+        "2d-box-action",
+        "2d-multidiscrete",
+        "multibinary",
+        "tuple-action",
+    ],
+)
+def test_unsupported_spaces_raise_value_error(
+    obs_space: gym.Space, action_space: gym.Space, cfg: DictConfig
+) -> None:
+    """Spaces the networks cannot handle fail at construction with a ValueError, not later with a shape error."""
+    with pytest.raises(ValueError):
+        ActorCritic(obs_space, action_space, cfg)

@@ -1,0 +1,152 @@
+"""The public Python API: `ppo_fabric.load_policy(path)` and `Policy.predict`, checked against the
+policies' own outputs for feed-forward, normalised, Box, masked, recurrent and multi-agent checkpoints."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import gymnasium as gym
+import numpy as np
+import pytest
+import torch
+
+import ppo_fabric
+import tests.probe_envs  # noqa: F401  (registers the probe envs)
+from ppo_fabric.config.values import compose
+from ppo_fabric.envs.make import make_env
+from ppo_fabric.envs.normalize import RunningMoments
+from tests.policy.test_export_policies import LSTM, MASKED_ENV, _write
+
+BOX = (gym.spaces.Box(-1.0, 1.0, (3,), np.float32), gym.spaces.Box(-2.0, 2.0, (2,), np.float32))
+
+
+def _act(policy: ppo_fabric.Policy, obs: np.ndarray, **kw: object) -> np.ndarray:
+    with torch.no_grad():
+        return policy.model.act(torch.as_tensor(obs, dtype=torch.float32), True, **kw)[0].numpy()
+
+
+def test_feed_forward_one_observation_or_a_batch(tiny_run: Path) -> None:
+    policy = ppo_fabric.load_policy(tiny_run)
+    assert policy.name == "main" and not policy.recurrent and policy.initial_state() is None
+    obs = np.random.default_rng(0).normal(size=(6, 4)).astype(np.float32)
+    actions, state = policy.predict(obs)
+    assert state is None and actions.shape == (6,) and actions.dtype == np.int64
+    np.testing.assert_array_equal(actions, _act(policy, obs))
+    one, _ = policy.predict(obs[2])
+    assert one.shape == () and int(one) == actions[2]
+    assert (
+        ppo_fabric.load_policy(tiny_run / "checkpoints" / "last.ckpt").predict(obs)[0].tolist()
+        == actions.tolist()
+    )
+
+
+def test_observations_are_normalised_with_the_runs_statistics(tmp_path: Path) -> None:
+    moments = RunningMoments((3,))
+    moments.mean, moments.var, moments.count = np.array([5.0, -5.0, 0.0]), np.array([4.0, 1.0, 9.0]), 10.0
+    path = _write(
+        tmp_path / "n.ckpt",
+        ["env.id=Pendulum-v1"],
+        {"main": BOX},
+        ranks=[{"normalizers": {"NormalizeObservation": moments.state_dict()}}],
+    )
+    policy = ppo_fabric.load_policy(path)
+    raw = np.array([[6.0, -4.0, 3.0], [5.0, -5.0, 0.0]], np.float32)
+    got, _ = policy.predict(raw)
+    np.testing.assert_allclose(got, np.clip(_act(policy, moments.normalize(raw)), -2.0, 2.0), rtol=1e-6)
+    assert not np.allclose(got, np.clip(_act(policy, raw), -2.0, 2.0))  # the statistics made a difference
+
+
+def test_box_actions_are_clipped_as_the_env_receives_them(tmp_path: Path) -> None:
+    policy = ppo_fabric.load_policy(_write(tmp_path / "b.ckpt", ["env.id=Pendulum-v1"], {"main": BOX}))
+    with torch.no_grad():
+        policy.model.head.mean.weight.mul_(50.0)
+    obs = np.random.default_rng(1).uniform(-1, 1, size=(64, 3)).astype(np.float32)
+    raw = _act(policy, obs)
+    assert np.abs(raw).max() > 2.0  # the test's large head weights push some means out of bounds
+    got, _ = policy.predict(obs)
+    np.testing.assert_array_equal(got, np.clip(raw, -2.0, 2.0))
+    sampled, _ = policy.predict(obs, deterministic=False)
+    assert sampled.shape == (64, 2) and np.all(np.abs(sampled) <= 2.0)
+
+
+def test_action_masks_are_honoured(tmp_path: Path) -> None:
+    env = make_env(compose([f"env.id={MASKED_ENV}"])[0].env, action_mask=4)
+    path = _write(
+        tmp_path / "m.ckpt",
+        [f"env.id={MASKED_ENV}"],
+        {"main": (env.observation_space, env.action_space)},
+        action_mask=4,
+    )
+    policy = ppo_fabric.load_policy(path)
+    assert policy.mask_width == 4
+    differ = 0
+    for episode in range(3):
+        obs, info = env.reset(seed=episode)
+        done = False
+        while not done:
+            mask = np.asarray(info["action_mask"], dtype=bool)
+            action, _ = policy.predict(obs, action_mask=mask)
+            assert mask[int(action)]
+            assert int(action) == int(_act(policy, obs[None], action_mask=torch.as_tensor(mask)[None])[0])
+            differ += int(policy.predict(obs)[0]) != int(action)
+            obs, _, terminated, truncated, info = env.step(int(action))
+            done = terminated or truncated
+    assert differ > 0, "the mask never changed the greedy action: a dropped mask would go unseen"
+    env.close()
+
+
+def test_recurrent_state_is_carried_by_the_caller(tmp_path: Path) -> None:
+    env = gym.make("CartPole-v1")
+    path = _write(
+        tmp_path / "r.ckpt",
+        ["env.id=CartPole-v1", *LSTM],
+        {"main": (env.observation_space, env.action_space)},
+    )
+    policy = ppo_fabric.load_policy(path)
+    assert policy.recurrent and policy.initial_state(2).shape == (2, *policy.model.state_shape)
+    obs = np.random.default_rng(2).normal(size=(5, 2, 4)).astype(np.float32)  # 5 steps of a batch of 2
+    state, ref = None, None
+    for t in range(5):
+        action, state = policy.predict(obs[t], state)
+        with torch.no_grad():
+            want, _, _, ref = policy.model.act_with_state(torch.as_tensor(obs[t]), ref, True)
+        np.testing.assert_array_equal(action, want.numpy())
+        np.testing.assert_allclose(state, ref.numpy(), rtol=1e-6)
+    # episode_start: row 0 begins again from the initial state, row 1 keeps its own
+    restarted, after = policy.predict(obs[0], state, episode_start=np.array([True, False]))
+    fresh, fresh_state = policy.predict(obs[0][:1])
+    assert int(restarted[0]) == int(fresh[0])
+    np.testing.assert_allclose(after[:1], fresh_state, rtol=1e-6)
+    assert not np.allclose(after[1:], fresh_state)
+    one, one_state = policy.predict(obs[0][0])  # one observation: one action, state of a batch of one
+    assert one.shape == () and one_state.shape == (1, *policy.model.state_shape)
+    env.close()
+
+
+def test_multiagent_checkpoint_needs_a_policy_name(tmp_path: Path) -> None:
+    spaces = {"red": BOX, "blue": (gym.spaces.Box(-1.0, 1.0, (5,), np.float32), gym.spaces.Discrete(3))}
+    path = _write(
+        tmp_path / "ma.ckpt",
+        [
+            "env=pettingzoo",
+            "env.id=ppo_fabric.envs.toy_multiagent:teams_v0",
+            "multiagent.policies={red:{},blue:{}}",
+        ],
+        spaces,
+    )
+    with pytest.raises(ValueError, match=r"multi-agent run \(red, blue\); choose one with"):
+        ppo_fabric.load_policy(path)
+    with pytest.raises(ValueError, match="policy='green' is not in"):
+        ppo_fabric.load_policy(path, policy="green")
+    blue = ppo_fabric.load_policy(path, policy="blue")
+    assert blue.name == "blue" and blue.action_space == gym.spaces.Discrete(3)
+    obs = np.zeros((2, 5), np.float32)
+    np.testing.assert_array_equal(blue.predict(obs)[0], _act(blue, obs))
+
+
+def test_a_file_that_is_no_checkpoint_is_refused_in_one_line(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.ckpt"
+    bad.write_bytes(b"not a checkpoint")
+    with pytest.raises(ValueError) as info:
+        ppo_fabric.load_policy(bad)
+    assert "\n" not in str(info.value)

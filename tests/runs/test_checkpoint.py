@@ -1,0 +1,116 @@
+"""Checkpoints: exact resume, atomic writes, pruning, and never overwriting another run."""
+
+from __future__ import annotations
+
+import csv
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+import ppo_fabric
+from ppo_fabric.config.values import ConfigError
+from ppo_fabric.runs import checkpoint as ckpt
+from tests.conftest import numbered_checkpoint
+
+BASE = [
+    "logger.tensorboard=false",
+    "algo.total_steps=6144",
+    "seed=3",
+    "env.num_envs=4",
+    "algo.rollout_steps=64",
+]
+
+
+def _params(run_dir: Path) -> dict[str, torch.Tensor]:
+    return torch.load(run_dir / "checkpoints" / "last.ckpt", weights_only=True)["agent"]
+
+
+@pytest.mark.slow
+def test_resume_matches_uninterrupted_run(tmp_path: Path) -> None:
+    """Resumed at update 10 of 24, the run ends with bit-identical parameters (model, optimizer, LR
+    schedule, RNG and env state all restored)."""
+    ppo_fabric.run([*BASE, f"hydra.run.dir={tmp_path / 'full'}"])
+    ppo_fabric.run([*BASE, f"hydra.run.dir={tmp_path / 'part'}", "checkpoint.every=10", "checkpoint.keep=0"])
+    middle = numbered_checkpoint(tmp_path / "part", 10)
+    assert ckpt.load(middle)["env_step"] == 10 * 256
+    summary = ppo_fabric.run([*BASE, f"hydra.run.dir={tmp_path / 'resumed'}", f"resume={middle}"])
+    assert summary["total_env_steps"] == 6144 and summary["steps_this_run"] == 6144 - 2560
+    full, resumed = _params(tmp_path / "full"), _params(tmp_path / "resumed")
+    assert full.keys() == resumed.keys()
+    for key in full:
+        assert torch.equal(full[key], resumed[key]), key
+    # time/wall_s counts from the run's start: the resumed part continues from the checkpoint's clock
+    before = float(ckpt.load(middle)["wall_s"])
+    with (tmp_path / "resumed" / "metrics.csv").open(newline="") as fh:
+        walls = [float(row["time/wall_s"]) for row in csv.DictReader(fh) if row.get("time/wall_s")]
+    assert before > 0 and walls and walls[0] > before and walls == sorted(walls)
+
+
+@pytest.mark.slow
+def test_resume_changes_the_result_without_env_state(tmp_path: Path) -> None:
+    """Guard for the test above: dropping the saved env state must break equality, so the test can fail."""
+    ppo_fabric.run([*BASE, f"hydra.run.dir={tmp_path / 'full'}"])
+    ppo_fabric.run([*BASE, f"hydra.run.dir={tmp_path / 'part'}", "checkpoint.every=10"])
+    middle = numbered_checkpoint(tmp_path / "part", 10)
+    state = ckpt.load(middle)
+    state["ranks"][0]["envs"] = None
+    torch.save(state, tmp_path / "no_env.ckpt")
+    with pytest.warns(UserWarning, match="no env state"):
+        ppo_fabric.run([*BASE, f"hydra.run.dir={tmp_path / 'resumed'}", f"resume={tmp_path / 'no_env.ckpt'}"])
+    full, resumed = _params(tmp_path / "full"), _params(tmp_path / "resumed")
+    assert any(not torch.equal(full[k], resumed[k]) for k in full)
+
+
+def test_numbered_checkpoints_are_pruned(tmp_path: Path) -> None:
+    ppo_fabric.run([*BASE, f"hydra.run.dir={tmp_path}", "checkpoint.every=5", "checkpoint.keep=2"])
+    names = sorted(p.name for p in (tmp_path / "checkpoints").iterdir())
+    assert [n.split("_")[:2] for n in names] == [
+        ["best.ckpt"],
+        ["last.ckpt"],
+        ["step", f"{20 * 256:012d}"],
+        ["step", f"{24 * 256:012d}"],
+    ]
+
+
+def test_atomic_write_keeps_the_old_file_when_interrupted(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A crash between writing and renaming leaves the previous checkpoint intact and no temp file."""
+    target = tmp_path / "last.ckpt"
+    ckpt.atomic_write(b"old", target)
+
+    def crash(*_: object) -> None:
+        raise KeyboardInterrupt  # e.g. Ctrl-C or a kill during the rename
+
+    monkeypatch.setattr(os, "replace", crash)
+    with pytest.raises(KeyboardInterrupt):
+        ckpt.atomic_write(b"new" * 1000, target)
+    assert target.read_bytes() == b"old"
+    assert [p.name for p in tmp_path.iterdir()] == ["last.ckpt"]
+
+
+def test_used_run_dir_is_refused_but_can_be_continued(tmp_path: Path) -> None:
+    run = ["logger.tensorboard=false", "algo.total_steps=512", f"hydra.run.dir={tmp_path}"]
+    ppo_fabric.run(run)
+    with pytest.raises(ConfigError, match="already holds a run"):
+        ppo_fabric.run(run)
+    last = tmp_path / "checkpoints" / "last.ckpt"
+    ppo_fabric.run([*run[:1], "algo.total_steps=1024", f"hydra.run.dir={tmp_path}", f"resume={last}"])
+    with (tmp_path / "metrics.csv").open() as fh:
+        steps = [int(row["step"]) for row in csv.DictReader(fh)]
+    assert steps == [256, 512, 768, 1024], "the continued run must append to the metrics, not replace them"
+
+
+def test_async_envs_resume_with_fresh_episodes(tmp_path: Path) -> None:
+    """Async workers cannot be pickled: the checkpoint says so and resume restarts episodes, with a warning."""
+    run = [*BASE[:1], "env.vector=async", "env.num_envs=2", "algo.rollout_steps=64", "algo.minibatch_size=64"]
+    ppo_fabric.run([*run, "algo.total_steps=256", f"hydra.run.dir={tmp_path / 'a'}"])
+    last = tmp_path / "a" / "checkpoints" / "last.ckpt"
+    assert ckpt.load(last)["ranks"][0]["envs"] is None
+    with pytest.warns(UserWarning, match="no env state"):
+        summary = ppo_fabric.run(
+            [*run, "algo.total_steps=512", f"hydra.run.dir={tmp_path / 'b'}", f"resume={last}"]
+        )
+    assert summary["total_env_steps"] == 512

@@ -1,0 +1,199 @@
+"""Trustworthy runs: resume with another layout (progress in env steps), checkpoint lineage and retention,
+best.ckpt, time-based checkpoints, and SIGTERM/SIGINT stopping a multi-process run at an update boundary."""
+
+from __future__ import annotations
+
+import contextlib
+import csv
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+import ppo_fabric
+from ppo_fabric.runs import checkpoint as ckpt
+from tests.conftest import numbered_checkpoint
+
+REPO = Path(__file__).resolve().parents[2]
+TINY = ["logger.tensorboard=false", "env.num_envs=4", "algo.rollout_steps=64", "algo.minibatch_size=64"]
+
+
+def _env() -> dict[str, str]:
+    env = dict(os.environ, PYTHONPATH=str(REPO), PYTHONUNBUFFERED="1")
+    env.pop("LT_CLI_USED", None)
+    return env
+
+
+def _rows(run_dir: Path) -> list[dict[str, str]]:
+    with (run_dir / "metrics.csv").open() as fh:
+        return list(csv.DictReader(fh))
+
+
+def _steps(ckpt_dir: Path) -> list[tuple[int, str]]:
+    return sorted(ckpt.parse_numbered(p) for p in ckpt_dir.glob("step_*.ckpt"))  # type: ignore[type-var]
+
+
+@pytest.mark.multiprocess
+def test_two_ranks_resumed_on_one_with_another_batch(tmp_path: Path) -> None:
+    """2 ranks x 4 envs x 64 steps to half of 4096 env steps, resumed on 1 rank x 2 envs x 128 steps: the
+    run ends at 4096 env steps, the learning rate continues from half and ends near 0, and the normaliser
+    statistics carry over (the envs start fresh, said in one line)."""
+    first = tmp_path / "first"
+    common = [*TINY, "algo.total_steps=4096", "env.normalize_obs=true", "algo.lr=1e-3"]
+    cmd = [sys.executable, "-m", "ppo_fabric", "fabric.devices=2", *common, "checkpoint.every=4",
+           f"hydra.run.dir={first}", "collectives.timeout=30"]  # fmt: skip
+    proc = subprocess.run(cmd, cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    source = numbered_checkpoint(first, 4)
+    saved = ckpt.load(source)
+    assert saved["env_step"] == 4 * 512 and len(saved["ranks"]) == 2
+
+    second = tmp_path / "second"
+    overrides = [
+        *common,
+        "env.num_envs=2",
+        "algo.rollout_steps=128",
+        f"resume={source}",
+        f"hydra.run.dir={second}",
+    ]
+    summary = ppo_fabric.run(overrides)
+    assert summary["total_env_steps"] == 4096 and summary["steps_this_run"] == 2048
+    rows = _rows(second)
+    assert [int(r["step"]) for r in rows] == list(range(2048 + 256, 4096 + 1, 256))
+    lrs = [float(r["train/lr"]) for r in rows]
+    assert lrs[0] == pytest.approx(1e-3 * (1 - 2048 / 4096))
+    assert lrs[-1] == pytest.approx(1e-3 * 256 / 4096) and lrs[-1] < 0.1 * 1e-3
+    carried = ckpt.load(second / "checkpoints" / "last.ckpt")["ranks"][0]["normalizers"][
+        "NormalizeObservation"
+    ]
+    before = saved["ranks"][0]["normalizers"]["NormalizeObservation"]
+    assert carried["count"] > before["count"], "the resumed run must continue the saved statistics"
+
+
+@pytest.mark.slow
+def test_resume_never_stops_short_with_a_larger_batch(tmp_path: Path) -> None:
+    """3072 of 4096 env steps done, resumed with a 2048-step batch: one more update, ending past the target
+    (the first update boundary at or past algo.total_steps), never short of it."""
+    ppo_fabric.run([*TINY, "algo.total_steps=4096", "checkpoint.every=12", f"hydra.run.dir={tmp_path / 'a'}"])
+    source = numbered_checkpoint(tmp_path / "a", 12)
+    summary = ppo_fabric.run(
+        [
+            *TINY,
+            "algo.total_steps=4096",
+            "algo.rollout_steps=512",
+            f"resume={source}",
+            f"hydra.run.dir={tmp_path / 'b'}",
+        ]
+    )
+    assert summary["total_env_steps"] == 3072 + 2048
+
+
+@pytest.mark.slow
+def test_resume_then_prune_keeps_the_lineage_and_spares_other_branches(tmp_path: Path) -> None:
+    """A run writes checkpoints at updates 2, 4, 6, 8; resumed from update 4 into the same directory with
+    checkpoint.keep=1, the new branch keeps its newest file and the one it resumed from; the first run's
+    later files (another branch) are left alone and nothing is overwritten."""
+    run = [*TINY, "algo.total_steps=2048", "checkpoint.every=2", f"hydra.run.dir={tmp_path}"]
+    ppo_fabric.run([*run, "checkpoint.keep=0"])
+    first = _steps(tmp_path / "checkpoints")
+    assert [s for s, _ in first] == [512, 1024, 1536, 2048]
+    source = numbered_checkpoint(tmp_path, 4)
+    ppo_fabric.run([*run, "checkpoint.keep=1", f"resume={source}"])
+    after = _steps(tmp_path / "checkpoints")
+    (_, old_id), new_ids = first[0], {rid for _, rid in after} - {first[0][1]}
+    assert len(new_ids) == 1
+    new_id = new_ids.pop()
+    assert set(after) == {(1024, old_id), (1536, old_id), (2048, old_id), (2048, new_id)}
+    lineage = ckpt.load(tmp_path / "checkpoints" / "last.ckpt")["lineage"]
+    assert lineage == [[old_id, 0], [new_id, 1024]]
+
+
+def test_best_and_time_based_checkpoints(tmp_path: Path) -> None:
+    """checkpoint.every_minutes writes numbered checkpoints without checkpoint.every; best.ckpt holds the
+    best recent mean return seen at a checkpoint and evaluates like any checkpoint."""
+    summary = ppo_fabric.run(
+        [
+            *TINY,
+            "algo.total_steps=2048",
+            "checkpoint.every_minutes=1e-6",
+            "checkpoint.keep=0",
+            f"hydra.run.dir={tmp_path}",
+        ]
+    )
+    assert [s for s, _ in _steps(tmp_path / "checkpoints")] == list(range(256, 2049, 256))
+    best = ckpt.load(tmp_path / "checkpoints" / "best.ckpt")
+    returns = [
+        ckpt.load(p).get("best_return") for p in sorted((tmp_path / "checkpoints").glob("step_*.ckpt"))
+    ]
+    assert best["best_return"] == summary["best_mean_return"] == max(r for r in returns if r is not None)
+    ckpt.load_policy(tmp_path / "checkpoints" / "best.ckpt")
+
+
+# ----------------------------------------------------------------------------------------------- signals
+def _start(args: list[str], cwd: Path) -> subprocess.Popen[str]:
+    cmd = [sys.executable, "-m", "ppo_fabric", *args]
+    return subprocess.Popen(cmd, cwd=cwd, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)  # fmt: skip
+
+
+def _wait_for_rows(run_dir: Path, proc: subprocess.Popen[str], rows: int, limit: float = 90) -> None:
+    deadline = time.monotonic() + limit
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            pytest.fail(f"the run ended early: {proc.communicate()[1][-2000:]}")
+        with contextlib.suppress(FileNotFoundError):
+            if len(_rows(run_dir)) >= rows:
+                return
+        time.sleep(0.2)
+    pytest.fail("the run logged too few updates in time")
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize(
+    ("strategy", "extra", "signum"),
+    [
+        pytest.param("coupled", [], signal.SIGTERM, id="coupled-2-SIGTERM"),
+        pytest.param("decoupled", ["algo.pipeline=true"], signal.SIGINT, id="decoupled-1+1-pipelined-SIGINT"),
+    ],
+)
+def test_signal_stops_every_rank_with_a_checkpoint(
+    strategy: str, extra: list[str], signum: int, tmp_path: Path
+) -> None:
+    """The job (every process, as a cluster or a terminal sends it) gets the signal: the ranks agree to stop
+    at the next update boundary, write last.ckpt, and all exit with 128+signal and one line; the
+    checkpoint continues to the planned end."""
+    run_dir = tmp_path / "run"
+    common = [f"strategy={strategy}", "fabric.devices=2", *TINY, "collectives.timeout=20", *extra]
+    proc = _start([*common, "algo.total_steps=1000000", f"hydra.run.dir={run_dir}"], tmp_path)
+    try:
+        _wait_for_rows(run_dir, proc, rows=3)
+        os.killpg(proc.pid, signum)
+        _, err = proc.communicate(timeout=40)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 128 + signum, err[-2000:]
+    lines = [line for line in err.splitlines() if line.startswith("ppo-fabric:")]
+    assert len(lines) == 1 and f"stopped by {signal.Signals(signum).name}" in lines[0], err[-2000:]
+    deadline = time.monotonic() + 20  # collectives.timeout: every process of the job is gone by then
+    while time.monotonic() < deadline:
+        try:
+            os.killpg(proc.pid, 0)
+        except ProcessLookupError:
+            break
+        time.sleep(0.2)
+    else:
+        pytest.fail("a process of the job outlived the stop")
+    state = ckpt.load(run_dir / "checkpoints" / "last.ckpt")
+    assert state["env_step"] >= 3 * 256 and not (run_dir / "summary.json").exists()
+    stopped_at = state["env_step"]
+    total = stopped_at + 512
+    proc = _start([*common, f"algo.total_steps={total}", f"hydra.run.dir={run_dir}", "resume=" + str(run_dir / "checkpoints" / "last.ckpt")], tmp_path)  # fmt: skip
+    _, err = proc.communicate(timeout=90)
+    assert proc.returncode == 0, err[-2000:]
+    assert json.loads((run_dir / "summary.json").read_text())["total_env_steps"] == total

@@ -1,0 +1,143 @@
+"""Real multi-process runs on CPU (gloo): both launch paths, one run directory, identical parameters,
+and a failing or killed rank ending the whole job quickly instead of hanging."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import job_processes
+
+REPO = Path(__file__).resolve().parents[2]
+FABRIC = Path(sys.executable).parent / "fabric"
+SMALL = ["algo.total_steps=4096", "logger.tensorboard=false", "env.num_envs=4", "algo.rollout_steps=64"]
+
+
+def _env() -> dict[str, str]:
+    env = dict(os.environ, PYTHONPATH=str(REPO), PYTHONUNBUFFERED="1")
+    env.pop("LT_CLI_USED", None)
+    return env
+
+
+def _run(cmd: list[str], cwd: Path, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(cmd, cwd=cwd, env=_env(), capture_output=True, text=True, timeout=timeout)
+
+
+def _single_run_dir(cwd: Path) -> Path:
+    """The default run dir is timestamped per process; rank 0's choice must be the only one used."""
+    dirs = [p for p in (cwd / "runs").glob("*/*") if p.is_dir()]
+    assert len(dirs) == 1, f"ranks wrote to several run directories: {dirs}"
+    return dirs[0]
+
+
+def _check_summary(run_dir: Path, world_size: int) -> dict:
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["world_size"] == world_size
+    assert summary["strategy"] == "coupled"
+    assert summary["total_env_steps"] == 4096
+    assert summary["ranks_in_sync"] is True, "DDP ranks ended with different parameters"
+    assert summary["episodes"] > 0 and summary["final_mean_return"] is not None
+    assert (run_dir / "checkpoints" / "last.ckpt").is_file()
+    assert (run_dir / "metrics.csv").is_file() and (run_dir / "config.yaml").is_file()
+    return summary
+
+
+@pytest.mark.multiprocess
+def test_python_m_launches_two_processes(tmp_path: Path) -> None:
+    proc = _run([sys.executable, "-m", "ppo_fabric", "fabric.devices=2", *SMALL], tmp_path)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    _check_summary(_single_run_dir(tmp_path), 2)
+    assert proc.stdout.count("ppo-fabric: coupled") == 1, "only rank 0 prints the summary line"
+
+
+@pytest.mark.multiprocess
+def test_fabric_run_joins_existing_processes(tmp_path: Path) -> None:
+    cmd = [
+        str(FABRIC),
+        "run",
+        "--accelerator=cpu",
+        "--devices=2",
+        str(REPO / "ppo_fabric" / "ppo.py"),
+        *SMALL,
+    ]
+    proc = _run(cmd, tmp_path)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    _check_summary(_single_run_dir(tmp_path), 2)
+
+
+@pytest.mark.multiprocess
+def test_fabric_run_file_refuses_other_strategy(tmp_path: Path) -> None:
+    cmd = [sys.executable, str(REPO / "ppo_fabric" / "ppo.py"), "strategy=decoupled", *SMALL]
+    proc = _run(cmd, tmp_path, timeout=60)
+    assert proc.returncode == 2
+    assert "conflicts with the launched file" in proc.stderr
+
+
+@pytest.mark.multiprocess
+def test_failing_rank_ends_the_job(tmp_path: Path) -> None:
+    cmd = [
+        sys.executable, "-m", "ppo_fabric", "fabric.devices=2", "env.id=tests.failing_env:FailingCartPole-v0",
+        "algo.total_steps=100000", "logger=none", f"hydra.run.dir={tmp_path / 'run'}",
+    ]  # fmt: skip
+    start = time.monotonic()
+    proc = _run(cmd, tmp_path, timeout=120)
+    assert proc.returncode != 0
+    assert time.monotonic() - start < 60
+    assert "error on rank 1: RuntimeError: probe failure injected" in proc.stderr
+
+
+@pytest.mark.multiprocess
+def test_killed_launcher_leaves_no_orphans(tmp_path: Path) -> None:
+    """SIGKILL on the command-line process (the supervisor): the job's first process dies with it, and the
+    rank that one spawned must notice and exit, not wait forever."""
+    run_dir = tmp_path / "run"
+    cmd = [sys.executable, "-m", "ppo_fabric", "fabric.devices=2", "algo.total_steps=10000000", "logger=none",
+           f"hydra.run.dir={run_dir}"]  # fmt: skip
+    proc = subprocess.Popen(cmd, cwd=tmp_path, env=_env(), start_new_session=True,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)  # fmt: skip
+    try:
+        deadline = time.monotonic() + 90
+        while not (run_dir / "config.yaml").exists():  # training has started on rank 0
+            assert proc.poll() is None, proc.stderr.read() if proc.stderr else ""
+            assert time.monotonic() < deadline, "the run never started"
+            time.sleep(0.2)
+        time.sleep(1.0)
+        assert len(job_processes(run_dir)) == 3, "the supervisor and two ranks"
+        proc.kill()
+        proc.wait(timeout=10)
+        deadline = time.monotonic() + 60
+        while job_processes(run_dir):  # any process of the job still alive?
+            if time.monotonic() > deadline:
+                pytest.fail("a rank outlived the killed launcher by more than 60 s")
+            time.sleep(0.2)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        for pid in job_processes(run_dir):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+
+
+@pytest.mark.multiprocess
+def test_cli_process_ends_without_waiting_for_exit_hooks(tmp_path: Path) -> None:
+    """A finished run leaves its process at once, whatever exit hooks libraries registered (one of pygame's,
+    imported by gymnasium's Box2D envs, once hung a finished rank at interpreter shutdown for good). The
+    hook here would sleep for 10 minutes; the run must end well within the timeout, with its output."""
+    hook = (
+        "import atexit, runpy, time; atexit.register(time.sleep, 600); "
+        "runpy.run_module('ppo_fabric', run_name='__main__')"
+    )
+    started = time.monotonic()
+    proc = _run([sys.executable, "-c", hook, *SMALL], tmp_path, timeout=90)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "ppo-fabric: coupled" in proc.stdout, "the summary line was flushed before the process ended"
+    assert time.monotonic() - started < 90
+    _check_summary(_single_run_dir(tmp_path), 1)
