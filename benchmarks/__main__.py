@@ -1,0 +1,152 @@
+"""The benchmarks and tools by name: run from the repository root.
+
+    python -m benchmarks                 # list them (also: python -m benchmarks list)
+    python -m benchmarks NAME [args...]  # run benchmarks/NAME.py, the same as python benchmarks/NAME.py args...
+    python -m benchmarks all             # the `all` set in order (what `make bench` runs), one process each
+
+`TABLE` below is the one list of what is runnable, what `all` runs and with which arguments. `all` runs each
+entry as `python -m benchmarks NAME ARGS` in its own process; a failing one is reported and the rest still
+run, and the exit status is 1 if any failed. Standard library only: the GPU tools run on a machine whose
+python has the package's dependencies but no `.venv`.
+"""
+
+from __future__ import annotations
+
+import runpy
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import NamedTuple
+
+HERE = Path(__file__).resolve().parent
+
+
+class Entry(NamedTuple):
+    name: str  # benchmarks/<name>.py
+    purpose: str  # one line
+    kind: str  # "all": a benchmark `all` runs with `args`; "benchmark": not in `all`; "tool": not a benchmark
+    args: tuple[str, ...] = ()  # its arguments in `all`
+
+
+# In `all`'s order (make bench's); a script `all` runs twice with other arguments has a row for each run.
+TABLE: tuple[Entry, ...] = (
+    Entry("profile_split", "where the time of CleanRL's CartPole workload goes, phase by phase", "all"),
+    Entry("numpy_rollout", "the NumPy rollout actor against the torch one", "all"),
+    Entry(
+        "pipelined_vs_sb3",
+        "decoupled pipelined 1+1 vs Stable-Baselines3 (2-core target >= 4x)",
+        "all",
+        ("--rounds", "5"),
+    ),
+    Entry("cartpole_vs_sb3", "ppo-fabric vs Stable-Baselines3 on CleanRL's CartPole workload", "all"),
+    Entry(
+        "cartpole_vs_sb3",
+        "the same, SB3 with torch's default thread count",
+        "all",
+        ("--sb3-threads", "0", "--name", "cartpole_vs_sb3_default_threads"),
+    ),
+    Entry("decoupled_vs_coupled", "throughput of the strategies on one workload", "all"),
+    Entry("scaling", "throughput vs env.num_envs and fabric.devices", "all"),
+    Entry("fast_recipe", "the high-throughput recipe (exp=fast) next to CleanRL's workload", "all"),
+    Entry("cartpole_solve", "the default config solves CartPole-v1 in every layout", "all"),
+    Entry("lunarlander", "LunarLander-v3 reaches its target (200) with its env config", "all"),
+    Entry("policy_lag", "what the pipeline's policy lag costs in learning, and the correction", "all"),
+    Entry(
+        "lunarlander",
+        "Pendulum-v1 reaches its target (-200) with its env config",
+        "all",
+        ("--env", "pendulum", "--seeds", "2"),
+    ),
+    Entry("cartpole_lstm", "recurrent PPO on CartPole with the velocities hidden", "all", ("--seeds", "2")),
+    Entry("multiagent", "multi-agent PPO on PettingZoo envs (MPE spread, a two-team game)", "all"),
+    Entry("update_layers", "what the direct minibatch-step layers save (optim.GradientStep)", "benchmark"),
+    Entry("envpool_vs_gymnasium", "EnvPool vs gymnasium collection on CartPole", "benchmark"),
+    Entry("selfplay_games", "self-play on tictactoe and connect four vs a random player", "benchmark"),
+    Entry("gpu_check", "the CUDA paths (resume, resume across devices, SIGTERM, ...), PASS or FAIL", "tool"),
+    Entry("gpu_strategies", "coupled and decoupled on CUDA: SPS, GPU utilisation, time split", "tool"),
+    Entry("minibatch_step", "the Nature-CNN minibatch step: eager vs compiled vs one CUDA graph", "tool"),
+    Entry("checkouts_ab", "one training run on several checkouts (git worktrees), alternated", "tool"),
+)
+NAMES = tuple(dict.fromkeys(entry.name for entry in TABLE))
+ALL = tuple((entry.name, entry.args) for entry in TABLE if entry.kind == "all")
+# Retired one-off A/B scripts: their findings, results and commits are in benchmarks/README.md, "Retired".
+RETIRED = ("hot_path_ab", "tensordict_overhead", "elo_rating_cost", "trackers", "compile")
+
+
+def command(name: str, args: tuple[str, ...] | list[str]) -> str:
+    return " ".join(["python -m benchmarks", name, *args])
+
+
+def listing() -> str:
+    width = max(len(name) for name in NAMES)
+
+    def lines(kinds: tuple[str, ...]) -> list[str]:
+        rows = [e for e in TABLE if e.kind in kinds]
+        return [
+            f"{'*' if e.kind == 'all' else ' '} {e.name:<{width}}  {e.purpose}"
+            + (f"  [{' '.join(e.args)}]" if e.args else "")
+            for e in rows
+        ]
+
+    return "\n".join(
+        [
+            "benchmarks (python -m benchmarks NAME [args]; * = run by `python -m benchmarks all` = make bench,",
+            "in this order, with the [arguments] shown):",
+            *lines(("all", "benchmark")),
+            "",
+            "tools:",
+            *lines(("tool",)),
+        ]
+    )
+
+
+def run_script(name: str, args: list[str]) -> None:
+    """benchmarks/<name>.py as `python benchmarks/<name>.py args` runs it: its argv, its directory first on
+    sys.path (the scripts import `common`), `__name__ == "__main__"`; its SystemExit is ours."""
+    path = HERE / f"{name}.py"
+    sys.argv = [str(path), *args]
+    sys.path.insert(0, str(HERE))
+    runpy.run_path(str(path), run_name="__main__")
+
+
+def run_all() -> int:
+    """Every `all` entry in its own process, in order; one failing does not stop the rest."""
+    failed: list[str] = []
+    started = time.monotonic()
+    for i, (name, args) in enumerate(ALL, 1):
+        print(f"== [{i}/{len(ALL)}] {command(name, args)}", flush=True)
+        t0 = time.monotonic()
+        rc = subprocess.run([sys.executable, "-m", "benchmarks", name, *args], check=False).returncode
+        print(f"== [{i}/{len(ALL)}] exit {rc} after {time.monotonic() - t0:.0f} s", flush=True)
+        if rc != 0:
+            failed.append(f"{command(name, args)} (exit {rc})")
+    print(f"== all: {len(ALL) - len(failed)} of {len(ALL)} passed in {time.monotonic() - started:.0f} s")
+    for line in failed:
+        print(f"FAILED {line}")
+    return 1 if failed else 0
+
+
+def main(argv: list[str]) -> int:
+    if not argv or argv[0] in ("list", "-h", "--help"):
+        usage = __doc__.split("\n\n")[1] + "\n\n" if argv[:1] in (["-h"], ["--help"]) else ""
+        print(usage + listing())
+        return 0
+    name, args = argv[0], argv[1:]
+    if name == "all":
+        if args:
+            print("python -m benchmarks all takes no arguments", file=sys.stderr)
+            return 2
+        return run_all()
+    if name.endswith(".py"):  # python -m benchmarks scaling.py
+        name = name[:-3]
+    if name not in NAMES:
+        retired = " (retired: see benchmarks/README.md, Retired)" if name in RETIRED else ""
+        print(f"unknown benchmark {name!r}{retired}; one of: all, list, {', '.join(NAMES)}", file=sys.stderr)
+        return 2
+    run_script(name, args)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,168 @@
+"""The README and the docs site (docs/, mkdocs.yml) against the code: the README stays a front door, every
+relative link resolves, every documented `python -m ppo_fabric` command composes with keys that exist, the
+architecture page's layers are the ones tests/test_architecture.py enforces, and the generated
+configuration reference describes every key. `make test` also builds the site with `mkdocs build --strict`."""
+
+from __future__ import annotations
+
+import ast
+import importlib.util
+import re
+import shlex
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+from omegaconf import OmegaConf
+
+from ppo_fabric.config.values import ConfigError, check_values, compose
+from tests.test_architecture import LAYERS
+
+REPO = Path(__file__).resolve().parent.parent
+README = REPO / "README.md"
+PAGES = sorted((REPO / "docs").rglob("*.md"))
+DOCUMENTS = [README, *PAGES]
+FENCE = re.compile(r"^```.*?^```", re.S | re.M)
+LINK = re.compile(r"\]\(([^)\s]+)\)")
+GENERATED = re.compile(r"<!-- config-reference -->|^--8<--", re.M)  # headings made at build time
+COMMAND = re.compile(r"(?:python -m ppo_fabric|ppo-fabric|ppo_fabric/ppo(?:_decoupled)?\.py)(?=\s|$)(.*)")
+
+
+def hooks() -> ModuleType:
+    spec = importlib.util.spec_from_file_location("docs_hooks", REPO / "docs" / "hooks.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def slug(heading: str) -> str:
+    """Python-Markdown's toc anchor of a heading."""
+    text = re.sub(r"[^\w\s-]", "", heading.replace("`", "").strip().lower())
+    return re.sub(r"[\s]+", "-", text)
+
+
+def links(path: Path) -> list[str]:
+    """The link targets of a Markdown file outside code blocks and code spans."""
+    text = re.sub(r"`[^`\n]*`", "", FENCE.sub("", path.read_text()))
+    return LINK.findall(text)
+
+
+def test_readme_is_a_front_door() -> None:
+    lines = README.read_text().splitlines()
+    assert len(lines) <= 200, f"README.md has {len(lines)} lines; move detail into docs/"
+    assert any("make test" in line for line in lines), "CI runs the README's test command"
+
+
+@pytest.mark.parametrize("path", DOCUMENTS, ids=lambda p: str(p.relative_to(REPO)))
+def test_relative_links_point_at_files(path: Path) -> None:
+    broken = []
+    for target in links(path):
+        if re.match(r"[a-z]+:", target) or target.startswith("#"):
+            continue
+        file, _, anchor = target.partition("#")
+        resolved = (path.parent / file).resolve()
+        if not resolved.exists():
+            broken.append(target)
+        elif anchor and resolved.suffix == ".md" and not GENERATED.search(resolved.read_text()):
+            headings = re.findall(r"^#+ (.+)$", FENCE.sub("", resolved.read_text()), re.M)
+            if anchor not in {slug(h) for h in headings}:
+                broken.append(target)
+    assert broken == []
+
+
+def documented_overrides(text: str) -> list[list[str]]:
+    """The overrides of every plain training command in a Markdown text: in code blocks, code spans and
+    `ppo_fabric.run([...])` calls. Commands with shell variables, prompts, placeholders or Hydra flags
+    (-m, --cfg, --config-path, ...) are left out: they cannot be composed as they are."""
+    snippets = [line for block in FENCE.findall(text) for line in block.replace("\\\n", " ").splitlines()]
+    snippets += re.findall(r"`([^`\n]+)`", FENCE.sub("", text))
+    commands = []
+    for snippet in snippets:
+        match = COMMAND.search(snippet.split(" #")[0])
+        if match is None or "$" in snippet or "<" in snippet or "..." in snippet:
+            continue
+        words = shlex.split(match.group(1))
+        if words and all("=" in w and not w.startswith("-") for w in words):
+            commands.append(words)
+    for call in re.findall(r"ppo_fabric\.run\(\s*(\[.*?\])\s*\)", text, re.S):
+        if call != "[...]":  # prose naming the function
+            commands.append(ast.literal_eval(call))
+    return commands
+
+
+def compose_checked(overrides: list[str]) -> None:
+    cfg, _ = compose(overrides)
+    check_values(cfg)
+
+
+@pytest.mark.slow
+def test_documented_commands_compose() -> None:
+    commands = [(path, c) for path in DOCUMENTS for c in documented_overrides(path.read_text())]
+    assert len(commands) >= 40, "the command finder stopped finding the docs' commands"
+    failures = []
+    for path, overrides in commands:
+        try:
+            compose_checked(overrides)
+        except ConfigError as exc:
+            failures.append(f"{path.relative_to(REPO)}: {' '.join(overrides)}: {exc}")
+    assert failures == []
+
+
+def test_the_command_check_can_fail() -> None:
+    text = "```bash\npython -m ppo_fabric env=lunarlander algo.lrr=3e-4   # a typo\n```\n"
+    (overrides,) = documented_overrides(text)
+    assert overrides == ["env=lunarlander", "algo.lrr=3e-4"]
+    with pytest.raises(ConfigError, match="algo.lrr"):
+        compose_checked(overrides)
+    assert (
+        documented_overrides("`python -m ppo_fabric -m seed=1,2`, `python -m ppo_fabric <overrides>`") == []
+    )
+
+
+def test_architecture_page_draws_the_enforced_layers() -> None:
+    page = (REPO / "docs" / "architecture.md").read_text()
+    rows = re.findall(r"^\| (\d+) \| ([^|]+) \|", page, re.M)
+    assert [set(re.findall(r"`(\w+)`", names)) for _, names in rows] == LAYERS
+    assert [int(n) for n, _ in rows] == list(range(1, len(LAYERS) + 1))
+
+
+def flat_keys(node: object, prefix: str = "") -> list[str]:
+    if isinstance(node, dict) and node:
+        return [k for key, sub in node.items() for k in flat_keys(sub, f"{prefix}{key}.")]
+    return [prefix[:-1]]
+
+
+@pytest.mark.slow
+def test_configuration_reference_describes_every_key() -> None:
+    reference = hooks().config_reference()
+    rows = dict(re.findall(r"^\| `([^`]+)` \| `[^`]*` \| (.*) \|$", reference, re.M))
+    keys = flat_keys(OmegaConf.to_container(compose([])[0], resolve=False))
+    assert len(keys) > 50
+    assert [k for k in keys if k not in rows] == []
+    assert [k for k in keys if not rows[k].strip()] == [], "give these keys a comment in conf/ (or MEANINGS)"
+    for group in ("env", "exp", "model", "logger"):
+        for option in (REPO / "conf" / group).glob("*.yaml"):
+            assert f"#### `{group}={option.stem}`" in reference
+
+
+def test_comments_are_read_from_the_yaml_text(tmp_path: Path) -> None:
+    yaml = tmp_path / "opt.yaml"
+    yaml.write_text(
+        "# The option.\n# Two lines.\n\n"
+        "a: 1      # trailing\n"
+        "          # and continued\n"
+        "# above b\n"
+        "b:\n"
+        "  c: x    # nested | piped\n"
+        "defaults:\n  - d: e   # not a key\n"
+    )
+    header, meanings = hooks().file_comments(yaml, "g.")
+    assert header == "The option.\nTwo lines."
+    assert meanings == {"g.a": "trailing and continued", "g.b": "above b", "g.b.c": "nested | piped"}
+
+
+def test_files_from_outside_docs_exist() -> None:
+    outside = hooks().outside_files()
+    assert "notebooks/quickstart.ipynb" in outside and any(p.endswith(".png") for p in outside)
+    assert [p for p in outside if not (REPO / p).is_file()] == []
