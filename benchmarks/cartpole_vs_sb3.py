@@ -143,8 +143,8 @@ def child_ppo_fabric(
     # Imports first: `ppo_fabric.run` imports these lazily, and they must not count as training time.
     import gymnasium  # noqa: F401
     import hydra  # noqa: F401
-    import lightning.fabric  # noqa: F401
-    import lightning.fabric.loggers  # noqa: F401
+    import lightning_fabric  # noqa: F401
+    import lightning_fabric.loggers  # noqa: F401
     import tensordict  # noqa: F401
     import torch
 
@@ -354,7 +354,7 @@ def code_version() -> dict[str, Any]:
 def machine() -> dict[str, Any]:
     """What the figures were measured on; SPS means little without it."""
     import gymnasium
-    import lightning
+    import lightning_fabric as lightning
     import numpy
     import stable_baselines3
     import torch

@@ -31,7 +31,7 @@ from typing import Any
 import gymnasium as gym
 import numpy as np
 import torch
-from lightning.fabric import Fabric
+from lightning_fabric import Fabric
 from omegaconf import OmegaConf
 from tensordict import TensorDict
 

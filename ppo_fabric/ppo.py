@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from lightning.fabric import Fabric
+from lightning_fabric import Fabric
 from omegaconf import DictConfig
 
 from ppo_fabric.collect.rollout import build_collector, training_batches

@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 import torch
-from lightning.fabric import Fabric
+from lightning_fabric import Fabric
 from omegaconf import DictConfig
 from torch.nn.utils import parameters_to_vector, vector_to_parameters
 

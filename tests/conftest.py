@@ -80,9 +80,13 @@ def numbered_checkpoint(run_dir: Path, update: int) -> Path:
     return found[0]
 
 
-def job_env() -> dict[str, str]:
+def job_env(supervisor: bool = True) -> dict[str, str]:
     """The environment `python -m ppo_fabric` subprocesses run in: this checkout's package, unbuffered
-    output, and no `fabric run` marker inherited from the test process."""
+    output, and no `fabric run` marker inherited from the test process.
+
+    `supervisor=False`: the command runs the job itself, without the supervising parent process (what a
+    supervisor's relaunch runs), for tests of what the job does: a process and its imports fewer to start.
+    The supervisor's own behaviour (checks, signals, restarts, exit codes) is tested with it on."""
     env = dict(os.environ, PYTHONPATH=str(REPO), PYTHONUNBUFFERED="1")
     for name in (
         "LT_CLI_USED",
@@ -91,6 +95,8 @@ def job_env() -> dict[str, str]:
         "PPO_FABRIC_OWN_RUN_DIR",
     ):
         env.pop(name, None)
+    if not supervisor:
+        env["PPO_FABRIC_SUPERVISED"] = "1"
     return env
 
 
@@ -113,7 +119,12 @@ TIERS = ("multiprocess", "slow", "gpu")
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Every test no other tier claims is a `unit` test: `make test-fast` (`-m unit`) runs those."""
+    """Every test no other tier claims is a `unit` test: `make test-fast` (`-m unit`) runs those.
+
+    The long tiers run first (stable order within a tier): on two workers the last tests to finish are
+    then short unit tests, not a 40-second multi-process run that leaves the other core idle."""
     for item in items:
         if not any(item.get_closest_marker(tier) for tier in TIERS):
             item.add_marker(pytest.mark.unit)
+    rank = {"multiprocess": 0, "slow": 1, "gpu": 2}
+    items.sort(key=lambda item: min((rank[m.name] for m in item.iter_markers() if m.name in rank), default=3))

@@ -25,7 +25,6 @@ from typing import Any
 
 from omegaconf import DictConfig
 
-from ppo_fabric.app.preflight import load
 from ppo_fabric.compat.private import hydra_args_parser, run_hydra
 from ppo_fabric.config.arguments import fail
 from ppo_fabric.config.values import (
@@ -90,10 +89,13 @@ def precheck(invocation: Invocation, full: bool) -> None:
     sweep's shared overrides are composed here; each job is checked by the launcher before any starts."""
     path, name = invocation.config_path, invocation.config_name or CONFIG_NAME
     try:
+        # Composing first: a mistake in the command line itself is reported before torch and gymnasium
+        # are imported for the checks that need them (seconds; `--cfg` and sweeps never need them).
+        compose(without_sweeps(list(invocation.overrides)), path, name)
         if full:
+            from ppo_fabric.app.preflight import load
+
             load(list(invocation.overrides), path, name)
-        else:
-            compose(without_sweeps(list(invocation.overrides)), path, name)
     except ConfigError as exc:
         fail(str(exc))
 

@@ -17,10 +17,10 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 import torch
-from lightning.fabric import Fabric
-from lightning.fabric.plugins.precision import MixedPrecision
-from lightning.fabric.strategies import DDPStrategy
-from lightning.fabric.utilities.seed import seed_everything
+from lightning_fabric import Fabric
+from lightning_fabric.plugins.precision import MixedPrecision
+from lightning_fabric.strategies import DDPStrategy
+from lightning_fabric.utilities.seed import seed_everything
 from omegaconf import DictConfig
 from threadpoolctl import threadpool_limits
 from torch.nn.parallel import DistributedDataParallel

@@ -14,9 +14,9 @@ from typing import NoReturn
 
 def quiet_libraries() -> None:
     warnings.filterwarnings("ignore", message=".*is not a supported pipeline.*")
-    warnings.filterwarnings("ignore", category=UserWarning, module="lightning.fabric.*")
+    warnings.filterwarnings("ignore", category=UserWarning, module="lightning_fabric.*")
     warnings.filterwarnings("ignore", message=".*does not have many workers.*")
-    for name in ("lightning.fabric", "lightning_fabric", "lightning.fabric.utilities.seed"):
+    for name in ("lightning_fabric", "lightning_fabric.utilities.seed"):
         logging.getLogger(name).setLevel(logging.WARNING)
 
 

@@ -29,8 +29,6 @@ from omegaconf import DictConfig
 
 from ppo_fabric.app.process import quiet_libraries
 from ppo_fabric.config.values import OWN_RUN_DIR_ENV, under_fabric_run
-from ppo_fabric.runs.metrics import write_json
-from ppo_fabric.runs.resume import newest_checkpoint
 
 if TYPE_CHECKING:
     from ppo_fabric.app.hydra_app import Invocation
@@ -112,6 +110,8 @@ def record_restarts(summary_json: Path, restarts: int, redone: int) -> None:
         return
     summary = json.loads(summary_json.read_text())
     summary.update(restarts=restarts, env_steps_redone=redone)
+    from ppo_fabric.runs.metrics import write_json
+
     write_json(summary_json, summary)
 
 
@@ -224,6 +224,8 @@ def supervise(cfg: DictConfig, run_dir: Path, invocation: Invocation) -> int:
             say(f"rank failure (exit {status}); not restarting ({why})")
             return status
         restarts += 1
+        from ppo_fabric.runs.resume import newest_checkpoint  # torch: only when a relaunch needs it
+
         found = newest_checkpoint(run_dir)
         resumed_at = found[1] if found is not None else 0
         redone += max((last_logged_step(run_dir / "metrics.csv") or 0) - resumed_at, 0)

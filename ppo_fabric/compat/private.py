@@ -10,18 +10,31 @@ instead of in a run.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
-from torch import nn
+if TYPE_CHECKING:
+    import torch
+    from torch import nn
 
 # --------------------------------------------------------------------------------------------- torch
 # The kernels `torch.optim.Adam(fused=True).step()` and `clip_grad_norm_` call, without the per-call
-# grouping, profiler scope and hook checks around them (`learn.optim.GradientStep`).
-fused_adam_ = torch._fused_adam_
-foreach_norm = torch._foreach_norm
-foreach_mul_ = torch._foreach_mul_
-foreach_add_ = torch._foreach_add_
+# grouping, profiler scope and hook checks around them (`learn.optim.GradientStep`). Looked up on first
+# import (`from ppo_fabric.compat.private import fused_adam_`), so the command line's parsing, which
+# imports this module for Hydra's names, does not import torch.
+_TORCH_KERNELS = {
+    "fused_adam_": "_fused_adam_",
+    "foreach_norm": "_foreach_norm",
+    "foreach_mul_": "_foreach_mul_",
+    "foreach_add_": "_foreach_add_",
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _TORCH_KERNELS:
+        import torch
+
+        return getattr(torch, _TORCH_KERNELS[name])
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def optimizer_has_step_hooks(optimizer: torch.optim.Optimizer) -> bool:

@@ -29,7 +29,7 @@ from ppo_fabric.games.selfplay import check_selfplay
 from ppo_fabric.models.agent import ActorCritic
 
 if TYPE_CHECKING:
-    from lightning.fabric import Fabric
+    from lightning_fabric import Fabric
 
 
 @dataclass

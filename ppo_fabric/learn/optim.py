@@ -21,9 +21,9 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from lightning.fabric import Fabric
-from lightning.fabric.plugins.precision import Precision
-from lightning.fabric.strategies import Strategy
+from lightning_fabric import Fabric
+from lightning_fabric.plugins.precision import Precision
+from lightning_fabric.strategies import Strategy
 
 from ppo_fabric.compat.private import (
     fabric_inner_module,

@@ -11,7 +11,7 @@ from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import torch
-from lightning.fabric import Fabric
+from lightning_fabric import Fabric
 from omegaconf import DictConfig
 from tensordict import TensorDict
 

@@ -95,7 +95,7 @@ class RunLogger:
             return
         self.tracker = open_tracker(cfg, run_dir)
         if cfg.logger.tensorboard:
-            from lightning.fabric.loggers import TensorBoardLogger
+            from lightning_fabric.loggers import TensorBoardLogger
 
             self.loggers.append(TensorBoardLogger(root_dir=run_dir, name="", version="tensorboard"))
         self.csv = CsvMetrics(run_dir / "metrics.csv") if cfg.logger.csv else None

@@ -13,8 +13,8 @@ from typing import Any
 
 import pytest
 import torch
-from lightning.fabric import Fabric
-from lightning.fabric.plugins.precision import MixedPrecision
+from lightning_fabric import Fabric
+from lightning_fabric.plugins.precision import MixedPrecision
 from tensordict import TensorDict
 
 from ppo_fabric.app import launch as launch_module

@@ -13,7 +13,6 @@ from __future__ import annotations
 import copy
 import csv
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -22,7 +21,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from lightning.fabric import Fabric
+from lightning_fabric import Fabric
 from omegaconf import DictConfig, OmegaConf
 from tensordict import TensorDict
 
@@ -40,7 +39,7 @@ from ppo_fabric.learn.learners import policy_specs
 from ppo_fabric.learn.update import update_policy as train
 from ppo_fabric.models.agent import ActorCritic
 from ppo_fabric.runs import checkpoint as ckpt
-from tests.conftest import assert_cli_failure, numbered_checkpoint
+from tests.conftest import assert_cli_failure, job_env, numbered_checkpoint
 
 REPO = Path(__file__).resolve().parents[2]
 AGENTS = [f"agent_{i}" for i in range(3)]  # matching_v0's default n_agents=3, episode_length=8
@@ -420,9 +419,7 @@ def test_outputs_report_every_policy(teams_run: dict[str, Any]) -> None:
 
 # ------------------------------------------------------------------------------- multi-process runs
 def _subprocess_env() -> dict[str, str]:
-    env = dict(os.environ, PYTHONPATH=str(REPO), PYTHONUNBUFFERED="1")
-    env.pop("LT_CLI_USED", None)
-    return env
+    return job_env(supervisor=False)  # runs that must succeed: the supervisor is tested in tests/app
 
 
 def _run_processes(run_dir: Path, *overrides: str) -> dict[str, Any]:

@@ -8,8 +8,8 @@ import inspect
 
 import pytest
 import torch
-from lightning.fabric import Fabric
-from lightning.fabric.plugins.precision import Precision
+from lightning_fabric import Fabric
+from lightning_fabric.plugins.precision import Precision
 from torch import nn
 from torch.optim.optimizer import register_optimizer_step_post_hook
 

@@ -14,7 +14,7 @@ import gymnasium as gym
 import numpy as np
 import pytest
 import torch
-from lightning.fabric import Fabric
+from lightning_fabric import Fabric
 from omegaconf import OmegaConf
 from tensordict import TensorDict
 

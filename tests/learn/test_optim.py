@@ -8,7 +8,7 @@ import copy
 
 import pytest
 import torch
-from lightning.fabric import Fabric
+from lightning_fabric import Fabric
 from torch import nn
 
 from ppo_fabric.learn.optim import GradientStep, clip_grad_norm_, forward_module
@@ -117,7 +117,7 @@ def test_fp16_loss_scaling_keeps_fabrics_path() -> None:
     fused Adam would unscale inside its kernel, which Fabric's clipping refuses (NotImplementedError). So
     the learners get a plain Adam there, and GradientStep goes through Fabric, which unscales, clips,
     skips steps with inf gradients and updates the scale. (The CPU's GradScaler stands in for CUDA's.)"""
-    from lightning.fabric.plugins.precision import MixedPrecision
+    from lightning_fabric.plugins.precision import MixedPrecision
 
     from ppo_fabric.learn.learners import fused_adam_ok
 

@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 import torch
-from lightning.fabric import Fabric
+from lightning_fabric import Fabric
 from omegaconf import DictConfig, OmegaConf
 from tensordict import TensorDict
 

@@ -28,7 +28,7 @@ from ppo_fabric.app.preflight import load
 from ppo_fabric.config.values import ConfigError
 from ppo_fabric.models.agent import ActorCritic
 from ppo_fabric.runs.checkpoint import saved_spaces
-from tests.conftest import job_processes, numbered_checkpoint
+from tests.conftest import job_env, job_processes, numbered_checkpoint
 
 REPO = Path(__file__).resolve().parents[2]
 FABRIC = Path(sys.executable).parent / "fabric"
@@ -46,9 +46,7 @@ TIMEOUT = 20  # collectives.timeout for the failure tests: a lost peer must end 
 
 
 def _env() -> dict[str, str]:
-    env = dict(os.environ, PYTHONPATH=str(REPO), PYTHONUNBUFFERED="1")
-    env.pop("LT_CLI_USED", None)
-    return env
+    return job_env()
 
 
 def _python_m(devices: int, *overrides: str) -> list[str]:
@@ -69,7 +67,10 @@ def _fabric_run(devices: int, *overrides: str) -> list[str]:
 
 
 def _run(cmd: list[str], cwd: Path, timeout: float = 120) -> subprocess.CompletedProcess[str]:
-    proc = subprocess.run(cmd, cwd=cwd, env=_env(), capture_output=True, text=True, timeout=timeout)
+    """A run that must succeed, as the job runs it (its supervisor is tested in tests/app)."""
+    proc = subprocess.run(
+        cmd, cwd=cwd, env=job_env(supervisor=False), capture_output=True, text=True, timeout=timeout
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.count("ppo-fabric: decoupled") == 1, "only rank 0 prints the summary line"
     return proc
