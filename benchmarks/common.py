@@ -4,7 +4,6 @@ and the report files."""
 from __future__ import annotations
 
 import argparse
-import csv
 import json
 import os
 import platform
@@ -66,21 +65,22 @@ def machine() -> dict[str, Any]:
 
 def first_step_at(metrics_csv: Path, key: str, threshold: float) -> int | None:
     """Env step of the first logged update whose `key` reached `threshold` (None if never)."""
-    with metrics_csv.open(newline="") as fh:
-        for row in csv.DictReader(fh):
-            if row.get(key) and float(row[key]) >= threshold:
-                return int(row["step"])
-    return None
+    from ppo_fabric.runs.metrics_file import read_rows, series
+
+    return next(
+        (int(step) for step, value in series(read_rows(metrics_csv), key) if value >= threshold), None
+    )
 
 
 def learning_curve(metrics_csv: Path, key: str = "rollout/return_mean20") -> list[list[float]]:
     """[env step, `time/wall_s`, `key`] of every logged update that has `key`."""
-    with metrics_csv.open(newline="") as fh:
-        return [
-            [int(row["step"]), float(row["time/wall_s"]), float(row[key])]
-            for row in csv.DictReader(fh)
-            if row.get(key)
-        ]
+    from ppo_fabric.runs.metrics_file import read_rows
+
+    return [
+        [int(row["step"]), float(row["time/wall_s"]), float(row[key])]
+        for row in read_rows(metrics_csv)
+        if row.get(key)
+    ]
 
 
 def run_once(overrides: list[str], solved_return: float = 475.0, curve: bool = False) -> dict[str, Any]:

@@ -12,7 +12,6 @@ plays this part) nor the in-process `ppo_fabric.run()` has one.
 from __future__ import annotations
 
 import contextlib
-import csv
 import ctypes
 import json
 import os
@@ -29,6 +28,7 @@ from omegaconf import DictConfig
 
 from ppo_fabric.app.process import quiet_libraries
 from ppo_fabric.config.values import OWN_RUN_DIR_ENV, under_fabric_run
+from ppo_fabric.runs.metrics_file import read_rows, series
 
 if TYPE_CHECKING:
     from ppo_fabric.app.hydra_app import Invocation
@@ -94,14 +94,8 @@ def exit_status(returncode: int) -> int:
 
 def last_logged_step(metrics_csv: Path) -> int | None:
     """The env step of metrics.csv's last row: how far the failed attempt had come."""
-    if not metrics_csv.is_file():
-        return None
-    step = None
-    with metrics_csv.open(newline="") as fh:
-        for row in csv.DictReader(fh):
-            with contextlib.suppress(TypeError, ValueError):
-                step = int(float(row["step"]))
-    return step
+    steps = series(read_rows(metrics_csv), "step")
+    return int(steps[-1][0]) if steps else None
 
 
 def record_restarts(summary_json: Path, restarts: int, redone: int) -> None:

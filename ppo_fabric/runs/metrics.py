@@ -66,7 +66,7 @@ class CsvMetrics:
 
     def _rewrite(self, keys: list[str]) -> None:
         rows = []
-        if self.path.is_file():
+        if self.path.is_file():  # read strictly: a row lost here would be lost from the file
             with self.path.open(newline="") as fh:
                 rows = list(csv.DictReader(fh))
         tmp = self.path.with_suffix(".csv.tmp")

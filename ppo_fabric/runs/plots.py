@@ -6,10 +6,10 @@ a process-wide GUI backend, which a library called from a notebook or a headless
 
 from __future__ import annotations
 
-import csv
-import math
 import warnings
 from pathlib import Path
+
+from ppo_fabric.runs.metrics_file import read_rows, series
 
 RETURN_KEY = "rollout/episode_return"
 MEAN20_KEY = "rollout/return_mean20"
@@ -18,18 +18,8 @@ FILENAME = "learning_curve.png"
 
 def _read_series(path: Path, key: str) -> tuple[list[float], list[float]]:
     """(steps, values) of the rows of metrics.csv that have `key` (rows without finished episodes don't)."""
-    steps: list[float] = []
-    values: list[float] = []
-    with path.open(newline="") as fh:
-        for row in csv.DictReader(fh):
-            raw = row.get(key)
-            if raw in (None, ""):
-                continue
-            value = float(raw)
-            if math.isfinite(value):
-                steps.append(float(row["step"]))
-                values.append(value)
-    return steps, values
+    points = series(read_rows(path), key)
+    return [s for s, _ in points], [v for _, v in points]
 
 
 def plot_learning_curve(run_dir: Path, title: str | None = None) -> Path | None:

@@ -12,7 +12,6 @@ and exit 143); a second interrupt kills their process groups.
 from __future__ import annotations
 
 import contextlib
-import csv
 import json
 import math
 import os
@@ -25,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from ppo_fabric.app.jobs import RunProcess
+from ppo_fabric.runs.metrics_file import read_rows, series
 
 RETURN_COLUMN = "rollout/return_mean20"
 
@@ -50,20 +50,7 @@ class Outcome:
 def read_returns(path: Path) -> list[tuple[int, float]]:
     """(env step, recent mean return) of every row of a metrics.csv that has both; a row being written
     (or a file being rewritten with a wider header) is skipped and read at the next poll."""
-    try:
-        with path.open(newline="") as fh:
-            rows = list(csv.DictReader(fh))
-    except (OSError, csv.Error):
-        return []
-    curve = []
-    for row in rows:
-        try:
-            step, value = int(float(row["step"])), float(row[RETURN_COLUMN])
-        except (KeyError, TypeError, ValueError):
-            continue
-        if math.isfinite(value):
-            curve.append((step, value))
-    return curve
+    return [(int(step), value) for step, value in series(read_rows(path), RETURN_COLUMN)]
 
 
 class Reporter:

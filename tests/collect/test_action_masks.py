@@ -5,7 +5,6 @@ without a legal action."""
 
 from __future__ import annotations
 
-import csv
 import math
 import os
 import subprocess
@@ -26,6 +25,7 @@ from ppo_fabric.envs.make import ActionMaskInfo, EnvError, detect_action_mask, m
 from ppo_fabric.learn.buffer import training_batch
 from ppo_fabric.learn.learners import PolicySpec
 from ppo_fabric.models.agent import CategoricalHead
+from ppo_fabric.runs.metrics_file import read_rows
 from ppo_fabric.wire.protocol import BatchCodec, Header, Kind
 from tests import probe_envs
 
@@ -236,8 +236,8 @@ def test_decoupled_trainers_update_with_the_masks(tmp_path: Path) -> None:
     proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=180)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert not log.exists() or log.read_text() == ""
-    with (tmp_path / "run" / "metrics.csv").open(newline="") as fh:
-        rows = sorted((r for r in csv.DictReader(fh) if r.get("loss/entropy")), key=lambda r: int(r["step"]))
+    rows = read_rows(tmp_path / "run" / "metrics.csv")
+    rows = sorted((r for r in rows if r.get("loss/entropy")), key=lambda r: int(r["step"]))
     assert rows and float(rows[0]["loss/entropy"]) <= math.log(2) + 1e-3
 
 

@@ -11,7 +11,6 @@ the time of this file goes into the seven processes the multi-process runs start
 from __future__ import annotations
 
 import copy
-import csv
 import json
 import subprocess
 import sys
@@ -39,6 +38,7 @@ from ppo_fabric.learn.learners import policy_specs
 from ppo_fabric.learn.update import update_policy as train
 from ppo_fabric.models.agent import ActorCritic
 from ppo_fabric.runs import checkpoint as ckpt
+from ppo_fabric.runs.metrics_file import read_rows
 from tests.conftest import assert_cli_failure, job_env, numbered_checkpoint
 
 REPO = Path(__file__).resolve().parents[2]
@@ -396,8 +396,7 @@ def test_outputs_report_every_policy(teams_run: dict[str, Any]) -> None:
     for name in ("adversary", "agent"):
         assert isinstance(summary["policies"][name]["final_mean_return"], float)
         assert summary["policies"][name]["agents_per_env"] == 2
-    with (run_dir / "metrics.csv").open(newline="") as fh:
-        rows = list(csv.DictReader(fh))
+    rows = read_rows(run_dir / "metrics.csv")
     columns = set(rows[0])
     for key in (
         "loss/policy",

@@ -12,7 +12,6 @@ multi-process runs (4 launches of 2-3 processes each).
 
 from __future__ import annotations
 
-import csv
 import json
 import math
 import os
@@ -40,6 +39,7 @@ from ppo_fabric.learn.update import update_policy as train
 from ppo_fabric.models.agent import ActorCritic, RecurrentCore
 from ppo_fabric.policy import evaluate, export
 from ppo_fabric.runs import checkpoint as ckpt
+from ppo_fabric.runs.metrics_file import read_rows, series
 from tests.conftest import assert_cli_failure, cartpole_env_cfg, numbered_checkpoint, single_learner
 
 REPO = Path(__file__).resolve().parents[2]
@@ -321,10 +321,7 @@ LSTM = ["model=lstm", "model.lstm.hidden_size=32", "model.lstm.seq_len=6"]
 
 def _episode_returns(run_dir: Path) -> list[float]:
     """Per-update mean episode returns from metrics.csv."""
-    with (run_dir / "metrics.csv").open(newline="") as fh:
-        return [
-            float(r["rollout/episode_return"]) for r in csv.DictReader(fh) if r.get("rollout/episode_return")
-        ]
+    return [value for _, value in series(read_rows(run_dir / "metrics.csv"), "rollout/episode_return")]
 
 
 @pytest.fixture(scope="module")

@@ -3,8 +3,6 @@ train when seats alternate, win/draw/loss counting, tictactoe runs, and the pool
 
 from __future__ import annotations
 
-import csv
-import io
 from pathlib import Path
 
 import numpy as np
@@ -25,6 +23,7 @@ from ppo_fabric.games.selfplay import (
 from ppo_fabric.learn.learners import policy_specs
 from ppo_fabric.models.agent import ActorCritic
 from ppo_fabric.runs import checkpoint as ckpt
+from ppo_fabric.runs.metrics_file import read_rows
 
 TICTACTOE = [
     "env=pettingzoo", "env.id=pettingzoo.classic.tictactoe_v3", "env.num_envs=4", "algo.rollout_steps=32",
@@ -228,7 +227,7 @@ def test_selfplay_metrics_in_the_csv(tmp_path: Path) -> None:
     joined, rating it without touching the training's random stream (the same weights as a run without)."""
     run = [*TICTACTOE, "algo.total_steps=512", "logger.tensorboard=false", "logger.log_every=1"]
     ppo_fabric.run([*run, f"hydra.run.dir={tmp_path / 'elo'}"])
-    rows = list(csv.DictReader(io.StringIO((tmp_path / "elo" / "metrics.csv").read_text())))
+    rows = read_rows(tmp_path / "elo" / "metrics.csv")
     assert len(rows) == 4 and all(float(r["selfplay/games"]) > 0 for r in rows)
     rates = [float(rows[-1][f"selfplay/{k}_rate"]) for k in ("win", "draw", "loss")]
     assert abs(sum(rates) - 1) < 1e-6

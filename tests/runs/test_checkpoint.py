@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import csv
 import os
 from pathlib import Path
 
@@ -12,6 +11,7 @@ import torch
 import ppo_fabric
 from ppo_fabric.config.values import ConfigError
 from ppo_fabric.runs import checkpoint as ckpt
+from ppo_fabric.runs.metrics_file import read_rows, series
 from tests.conftest import numbered_checkpoint
 
 BASE = [
@@ -43,8 +43,7 @@ def test_resume_matches_uninterrupted_run(tmp_path: Path) -> None:
         assert torch.equal(full[key], resumed[key]), key
     # time/wall_s counts from the run's start: the resumed part continues from the checkpoint's clock
     before = float(ckpt.load(middle)["wall_s"])
-    with (tmp_path / "resumed" / "metrics.csv").open(newline="") as fh:
-        walls = [float(row["time/wall_s"]) for row in csv.DictReader(fh) if row.get("time/wall_s")]
+    walls = [wall for _, wall in series(read_rows(tmp_path / "resumed" / "metrics.csv"), "time/wall_s")]
     assert before > 0 and walls and walls[0] > before and walls == sorted(walls)
 
 
@@ -98,8 +97,7 @@ def test_used_run_dir_is_refused_but_can_be_continued(tmp_path: Path) -> None:
         ppo_fabric.run(run)
     last = tmp_path / "checkpoints" / "last.ckpt"
     ppo_fabric.run([*run[:1], "algo.total_steps=1024", f"hydra.run.dir={tmp_path}", f"resume={last}"])
-    with (tmp_path / "metrics.csv").open() as fh:
-        steps = [int(row["step"]) for row in csv.DictReader(fh)]
+    steps = [int(row["step"]) for row in read_rows(tmp_path / "metrics.csv")]
     assert steps == [256, 512, 768, 1024], "the continued run must append to the metrics, not replace them"
 
 

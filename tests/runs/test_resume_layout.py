@@ -4,7 +4,6 @@ best.ckpt, time-based checkpoints, and SIGTERM/SIGINT stopping a multi-process r
 from __future__ import annotations
 
 import contextlib
-import csv
 import json
 import os
 import signal
@@ -17,21 +16,19 @@ import pytest
 
 import ppo_fabric
 from ppo_fabric.runs import checkpoint as ckpt
-from tests.conftest import numbered_checkpoint
+from ppo_fabric.runs.metrics_file import read_rows
+from tests.conftest import job_env, numbered_checkpoint
 
 REPO = Path(__file__).resolve().parents[2]
 TINY = ["logger.tensorboard=false", "env.num_envs=4", "algo.rollout_steps=64", "algo.minibatch_size=64"]
 
 
 def _env() -> dict[str, str]:
-    env = dict(os.environ, PYTHONPATH=str(REPO), PYTHONUNBUFFERED="1")
-    env.pop("LT_CLI_USED", None)
-    return env
+    return job_env()
 
 
 def _rows(run_dir: Path) -> list[dict[str, str]]:
-    with (run_dir / "metrics.csv").open() as fh:
-        return list(csv.DictReader(fh))
+    return read_rows(run_dir / "metrics.csv")
 
 
 def _steps(ckpt_dir: Path) -> list[tuple[int, str]]:

@@ -9,7 +9,6 @@ Runs are in-process (`ppo_fabric.run`) 4-update CartPoles; stores live under tmp
 
 from __future__ import annotations
 
-import csv
 import json
 import struct
 import subprocess
@@ -25,6 +24,7 @@ import ppo_fabric
 from ppo_fabric import cli
 from ppo_fabric.config.values import ConfigError
 from ppo_fabric.runs.metrics import RunLogger
+from ppo_fabric.runs.metrics_file import read_rows
 from ppo_fabric.runs.trackers import IDS_FILE, flatten, open_tracker, wandb_mode
 from tests.conftest import assert_cli_failure, job_env
 
@@ -58,8 +58,7 @@ def shared_store(tmp_path_factory: pytest.TempPathFactory) -> str:
 
 
 def csv_rows(run_dir: Path) -> list[dict[str, str]]:
-    with (run_dir / "metrics.csv").open(newline="") as fh:
-        return list(csv.DictReader(fh))
+    return read_rows(run_dir / "metrics.csv")
 
 
 def csv_series(run_dir: Path, key: str) -> list[tuple[int, float]]:

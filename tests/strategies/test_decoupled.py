@@ -9,7 +9,6 @@ layout, and the first half of the resume test also covers the `fabric run` launc
 from __future__ import annotations
 
 import contextlib
-import csv
 import json
 import os
 import signal
@@ -28,6 +27,7 @@ from ppo_fabric.app.preflight import load
 from ppo_fabric.config.values import ConfigError
 from ppo_fabric.models.agent import ActorCritic
 from ppo_fabric.runs.checkpoint import saved_spaces
+from ppo_fabric.runs.metrics_file import read_rows
 from tests.conftest import job_env, job_processes, numbered_checkpoint
 
 REPO = Path(__file__).resolve().parents[2]
@@ -102,8 +102,7 @@ def _check_summary(run_dir: Path, players: int, trainers: int, pipeline: bool, t
 
 def _metrics(run_dir: Path) -> list[dict[str, str]]:
     """metrics.csv rows that carry training metrics, in step order."""
-    with (run_dir / "metrics.csv").open(newline="") as fh:
-        rows = [row for row in csv.DictReader(fh) if row.get("train/policy_lag")]
+    rows = [row for row in read_rows(run_dir / "metrics.csv") if row.get("train/policy_lag")]
     return sorted(rows, key=lambda row: int(row["step"]))
 
 

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import job_processes
+from tests.conftest import job_env, job_processes
 
 REPO = Path(__file__).resolve().parents[2]
 FABRIC = Path(sys.executable).parent / "fabric"
@@ -22,9 +22,7 @@ SMALL = ["algo.total_steps=4096", "logger.tensorboard=false", "env.num_envs=4", 
 
 
 def _env() -> dict[str, str]:
-    env = dict(os.environ, PYTHONPATH=str(REPO), PYTHONUNBUFFERED="1")
-    env.pop("LT_CLI_USED", None)
-    return env
+    return job_env()
 
 
 def _run(cmd: list[str], cwd: Path, timeout: float = 120) -> subprocess.CompletedProcess[str]:

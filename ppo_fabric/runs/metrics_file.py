@@ -1,0 +1,35 @@
+"""Reading a run's `metrics.csv`: the supervisor, the learning-curve plot, the tuner, the tests and the
+benchmarks all read it through these two functions, so what the file looks like (one row per logged update,
+a `step` column, empty cells where a row has no value of a key, a header that widens when a resumed run logs
+new keys) is known in one place. Only the standard library: the supervising process reads it too."""
+
+from __future__ import annotations
+
+import csv
+import math
+from collections.abc import Iterable
+from pathlib import Path
+
+
+def read_rows(path: str | Path) -> list[dict[str, str]]:
+    """Every row of a metrics.csv as a dict of strings; [] when the file is missing or is being rewritten
+    (a reader polling a live run reads it again at its next poll)."""
+    try:
+        with Path(path).open(newline="") as fh:
+            return list(csv.DictReader(fh))
+    except (OSError, csv.Error):
+        return []
+
+
+def series(rows: Iterable[dict[str, str]], key: str, x: str = "step") -> list[tuple[float, float]]:
+    """(x, value) of the rows where both `x` and `key` hold a finite number, in file order (rows without
+    finished episodes, say, have no return and are left out)."""
+    out = []
+    for row in rows:
+        try:
+            point = (float(row[x]), float(row[key]))
+        except (KeyError, TypeError, ValueError):
+            continue
+        if math.isfinite(point[0]) and math.isfinite(point[1]):
+            out.append(point)
+    return out
