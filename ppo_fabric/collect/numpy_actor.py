@@ -8,15 +8,16 @@ alternating with gymnasium, whose own code is NumPy (`benchmarks/numpy_rollout.p
 policy on the CPU acts through this class: the same arithmetic as `ActorCritic.sample`, on NumPy views of the
 same parameter tensors (no copies to keep in sync), while the values, GAE and every loss stay in torch.
 
-The random draws come from torch's generator, one call per rollout (`noise`; a few for very large rollouts,
-`noise_steps`), so the checkpointed torch RNG state is all an exact resume needs, as on the torch path.
-`algo.numpy_rollout=false` turns this off.
+The random draws are the head's own (`models.agent.rollout_noise`: torch's generator, one call per rollout, a
+few for very large ones), the same the torch rollout samples with, so `algo.numpy_rollout=false`, which
+turns this off, changes the speed and not the actions drawn; and the checkpointed torch RNG state is all an
+exact resume needs.
 """
 
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
 import numpy as np
 import torch
@@ -94,25 +95,6 @@ class NumpyActor:
             self.multi = head.multi  # MultiDiscrete: actions [R, dims], also for a single dimension
             self.width = int(bounds[-1])
         self.out = (_view(w).T, _view(b))
-
-    # Draws per torch call: a rollout's noise is drawn in blocks of steps of at most this many floats
-    # (4 MiB), not all at once (2048 steps x 64 envs x Discrete(4096) would be 2 GiB). One block covers
-    # a whole CartPole or MuJoCo rollout, so those still take one call per rollout.
-    NOISE_FLOATS = 1 << 20
-
-    def noise_steps(self, steps: int, rows: int) -> Iterator[np.ndarray]:
-        """The rollout's draws one step [rows, width] at a time, drawn `NOISE_FLOATS` at most per call."""
-        block = max(1, self.NOISE_FLOATS // max(1, rows * self.width))
-        for start in range(0, steps, block):
-            yield from self.noise(min(block, steps - start), rows)
-
-    def noise(self, steps: int, rows: int) -> np.ndarray:
-        """The whole rollout's random draws [steps, rows, width] from torch's generator: standard normals
-        (Gaussian head), or Gumbel noise -log(Exp(1)) for Gumbel-max sampling (categorical head)."""
-        shape = (steps, rows, self.width)
-        if self.gaussian:
-            return torch.randn(shape).numpy()
-        return torch.empty(shape).exponential_().log_().neg_().numpy()
 
     def features(self, obs: np.ndarray) -> np.ndarray:
         x = obs if obs.dtype == np.float32 else obs.astype(np.float32)  # pixels given to an MLP: uint8

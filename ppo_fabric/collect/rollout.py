@@ -26,7 +26,7 @@ from ppo_fabric.games.selfplay import SelfPlay
 from ppo_fabric.learn.advantages import compute_advantages
 from ppo_fabric.learn.buffer import STATE_KEY, MultiAgentRolloutBuffer, rollout_storage, training_batch
 from ppo_fabric.learn.learners import PolicySpec
-from ppo_fabric.models.agent import ActorCritic, Obs
+from ppo_fabric.models.agent import ActorCritic, Obs, rollout_noise
 
 
 @dataclass
@@ -239,23 +239,26 @@ class RolloutCollector:
         obs = [g.next_obs for g in groups]
         masks = [g.next_mask for g in groups]  # envs with action masks: the mask of each obs
         actors = [self._numpy_actor(g, policy) for g, policy in zip(groups, acting, strict=True)]
+        # Where the NumPy actor could act, the rollout's noise is drawn ahead for either actor (the same
+        # draws: `algo.numpy_rollout` changes the speed, not the actions).
         noises = [
-            None if a is None else a.noise_steps(num_steps, g.storage.batch_size[1])
-            for g, a in zip(groups, actors, strict=True)
+            rollout_noise(policy.head, num_steps, g.storage.batch_size[1]) if self._plain(g, policy) else None
+            for g, policy in zip(groups, acting, strict=True)
         ]
         for t in range(num_steps):
             env_actions, next_states = [], []
             for i, (g, policy) in enumerate(zip(groups, acting, strict=True)):
                 actor = actors[i]
                 if actor is not None:  # NumPy acts: written straight into the storage (on the CPU)
-                    env_action, g.host_logprobs[t] = actor.sample(g.host["obs"][t], next(noises[i]))
+                    env_action, g.host_logprobs[t] = actor.sample(g.host["obs"][t], next(noises[i]).numpy())
                     g.host_actions[t] = env_action
                     next_states.append(None)
                 else:
                     if self.asynchronous:  # only the ready envs act: the others' rows are never used
                         action, logprob, next_state = _sample_rows(policy, obs[i], g.alive)
                     elif masks[i] is None:
-                        action, logprob, next_state = policy.sample(obs[i], g.state)
+                        noise = None if noises[i] is None else next(noises[i]).to(self.device)
+                        action, logprob, next_state = policy.sample(obs[i], g.state, noise=noise)
                     else:
                         action, logprob, next_state = policy.sample(obs[i], g.state, False, masks[i])
                     actions, logprobs, states = outputs[i]
@@ -347,15 +350,18 @@ class RolloutCollector:
             self.buffer.mark_collected(num_steps)
         return num_steps * per_step
 
-    def _numpy_actor(self, g: Group, policy: ActorCritic) -> NumpyActor | None:
-        """The group's NumPy actor for this rollout, where its rows act plainly: every row at every step,
-        no action mask, no self-play opponents, observations in one host array that is the CPU storage."""
+    def _plain(self, g: Group, policy: ActorCritic) -> bool:
+        """Whether the group's rows act plainly, so the NumPy actor could act for them: every row at every
+        step, no action mask, no self-play opponents, observations in one host array that is the CPU
+        storage, and a policy the NumPy actor supports."""
         plain = not (
             self.asynchronous or self._staged or g.next_mask is not None or self.selfplay is not None
         )
-        if not (self.numpy_rollout and plain and isinstance(g.host["obs"], np.ndarray)):
-            return None
-        if unsupported(policy) is not None:
+        return plain and isinstance(g.host["obs"], np.ndarray) and unsupported(policy) is None
+
+    def _numpy_actor(self, g: Group, policy: ActorCritic) -> NumpyActor | None:
+        """The group's NumPy actor for this rollout (`algo.numpy_rollout`), where its rows act plainly."""
+        if not (self.numpy_rollout and self._plain(g, policy)):
             return None
         g.host_actions, g.host_logprobs = g.storage["actions"].numpy(), g.storage["logprobs"].numpy()
         return NumpyActor(policy)

@@ -8,7 +8,7 @@ environment step costs more than the whole 64x64 MLP forward, and the formulas a
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import gymnasium as gym
@@ -238,24 +238,47 @@ class CategoricalHead(nn.Module):
     def _split(self, logits: Tensor) -> list[Tensor]:
         return list(logits.split(self.nvec, dim=-1)) if self.multi else [logits]
 
+    @property
+    def noise_width(self) -> int:
+        """Random draws per row of a sample: one Gumbel variate per logit."""
+        return sum(self.nvec)
+
+    @staticmethod
+    def draw_noise(shape: tuple[int, ...]) -> Tensor:
+        """Gumbel noise -log(Exp(1)) from torch's generator: argmax(log-probs + noise) samples the policy."""
+        return torch.empty(shape).exponential_().log_().neg_()
+
     def sample(
-        self, features: Tensor, deterministic: bool = False, mask: Tensor | None = None
+        self,
+        features: Tensor,
+        deterministic: bool = False,
+        mask: Tensor | None = None,
+        noise: Tensor | None = None,
     ) -> tuple[Tensor, Tensor]:
+        """(actions, log-probs); `noise` [B, noise_width]: the Gumbel draws to sample with (the rollout
+        draws them ahead, as the NumPy actor does, so both sample the same actions), else drawn here."""
         logits = F.linear(features, *linear_parameters(self.linear))
         if mask is not None:
             logits = _masked(logits, mask)
         if not self.multi:
-            return self._sample(logits, deterministic)
+            return self._sample(logits, deterministic, noise)
+        parts = self._split(noise) if noise is not None else [None] * len(self.nvec)
         actions, logps = zip(
-            *(self._sample(part, deterministic) for part in self._split(logits)), strict=True
+            *(
+                self._sample(part, deterministic, g)
+                for part, g in zip(self._split(logits), parts, strict=True)
+            ),
+            strict=True,
         )
         return torch.stack(actions, -1), torch.stack(logps, -1).sum(-1)
 
     @staticmethod
-    def _sample(logits: Tensor, deterministic: bool) -> tuple[Tensor, Tensor]:
+    def _sample(logits: Tensor, deterministic: bool, gumbel: Tensor | None = None) -> tuple[Tensor, Tensor]:
         logp_all = logits.log_softmax(-1)
         if deterministic:
             a = logp_all.argmax(-1)
+        elif gumbel is not None:
+            a = (logp_all + gumbel).argmax(-1)
         else:  # Gumbel-max: one fused sample without building a distribution object
             a = (logp_all - torch.empty_like(logp_all).exponential_().log()).argmax(-1)
         return a, logp_all.gather(-1, a.unsqueeze(-1)).squeeze(-1)
@@ -316,12 +339,25 @@ class GaussianHead(nn.Module):
         self.mean = layer_init(nn.Linear(in_dim, action_dim), gain=0.01)
         self.log_std = nn.Parameter(torch.zeros(action_dim))
 
-    def sample(self, features: Tensor, deterministic: bool = False) -> tuple[Tensor, Tensor]:
+    @property
+    def noise_width(self) -> int:
+        """Random draws per row of a sample: one standard normal per action dimension."""
+        return int(self.log_std.shape[0])
+
+    @staticmethod
+    def draw_noise(shape: tuple[int, ...]) -> Tensor:
+        return torch.randn(shape)
+
+    def sample(
+        self, features: Tensor, deterministic: bool = False, noise: Tensor | None = None
+    ) -> tuple[Tensor, Tensor]:
+        """(actions, log-probs); `noise` [B, action_dim]: the standard normals to sample with, else drawn
+        here."""
         mean = F.linear(features, *linear_parameters(self.mean))
         if deterministic:
             action = mean
         else:
-            action = mean + self.log_std.exp() * torch.randn_like(mean)
+            action = mean + self.log_std.exp() * (torch.randn_like(mean) if noise is None else noise)
         return action, self._log_prob(mean, action)
 
     def _log_prob(self, mean: Tensor, action: Tensor) -> Tensor:
@@ -517,16 +553,24 @@ class ActorCritic(nn.Module):
         return action, logprob, self._value(critic), state
 
     def sample(
-        self, obs: Obs, state: Tensor | None, deterministic: bool = False, action_mask: Tensor | None = None
+        self,
+        obs: Obs,
+        state: Tensor | None,
+        deterministic: bool = False,
+        action_mask: Tensor | None = None,
+        noise: Tensor | None = None,
     ) -> tuple[Tensor, Tensor, Tensor | None]:
         """What the rollout needs at every step: (action, log-prob, state after this step). The critic's
         MLP is left out: the rollout evaluates it once over all its steps afterwards (`get_value` on the
-        stored observations and states), one batched forward instead of one per step."""
+        stored observations and states), one batched forward instead of one per step. `noise`: the
+        head's random draws for this step (`rollout_noise`), else drawn by the head."""
         actor, _, state = self._features(obs, state)
         if action_mask is None:
-            action, logprob = self.head.sample(self.actor_body.forward(actor), deterministic)
+            action, logprob = self.head.sample(self.actor_body.forward(actor), deterministic, noise=noise)
         else:
-            action, logprob = self.head.sample(self.actor_body.forward(actor), deterministic, action_mask)
+            action, logprob = self.head.sample(
+                self.actor_body.forward(actor), deterministic, action_mask, noise=noise
+            )
         return action, logprob, state
 
     def forward(
@@ -565,3 +609,19 @@ class ActorCritic(nn.Module):
                 values.unflatten(0, (batch, steps)),
             )
         return logprob, entropy, values
+
+
+# Draws per torch call: a rollout's noise is drawn in blocks of steps of at most this many floats (4 MiB),
+# not all at once (2048 steps x 64 envs x Discrete(4096) would be 2 GiB). One block covers a whole
+# CartPole or MuJoCo rollout, so those take one call per rollout.
+NOISE_FLOATS = 1 << 20
+
+
+def rollout_noise(head: nn.Module, steps: int, rows: int) -> Iterator[Tensor]:
+    """A rollout's random draws for `head`, one step [rows, noise_width] at a time, from torch's generator
+    in blocks of at most `NOISE_FLOATS`. The torch rollout and the NumPy actor both sample with these, so
+    `algo.numpy_rollout` changes how fast actions are computed, not which are drawn."""
+    width = head.noise_width
+    block = max(1, NOISE_FLOATS // max(1, rows * width))
+    for start in range(0, steps, block):
+        yield from head.draw_noise((min(block, steps - start), rows, width))

@@ -17,7 +17,8 @@ from ppo_fabric.collect.rollout import build_collector
 from ppo_fabric.config.values import ConfigError, compose
 from ppo_fabric.envs.multiagent import SINGLE
 from ppo_fabric.learn.learners import policy_specs
-from ppo_fabric.models.agent import ActorCritic
+from ppo_fabric.models import agent as agent_module
+from ppo_fabric.models.agent import ActorCritic, rollout_noise
 
 
 def model_cfg(**overrides: Any) -> Any:
@@ -56,6 +57,11 @@ def random_obs(space: gym.spaces.Box, rows: int) -> np.ndarray:
     return np.stack([space.sample() for _ in range(rows)])
 
 
+def _noise(policy: ActorCritic, steps: int, rows: int) -> np.ndarray:
+    """A rollout's draws for the policy's head, [steps, rows, width], as the rollout hands them out."""
+    return np.stack([d.numpy() for d in rollout_noise(policy.head, steps, rows)])
+
+
 @pytest.mark.parametrize("case", CASES)
 def test_log_probs_equal_the_torch_policys(case: str) -> None:
     """Every sampled action's log-prob is the one the update will compute for it (`ActorCritic.forward`)."""
@@ -65,7 +71,7 @@ def test_log_probs_equal_the_torch_policys(case: str) -> None:
     actor = NumpyActor(policy)
     obs = random_obs(obs_space, 64)
     obs_before, params_before = obs.copy(), [p.detach().clone() for p in policy.parameters()]
-    actions, logp = actor.sample(obs, actor.noise(1, 64)[0])
+    actions, logp = actor.sample(obs, _noise(policy, 1, 64)[0])
     # relu runs in place: on the layer's own output, never on the observations or a parameter view
     assert np.array_equal(obs, obs_before)
     assert all(torch.equal(a, b) for a, b in zip(policy.parameters(), params_before, strict=True))
@@ -90,7 +96,7 @@ def test_gumbel_max_samples_follow_the_softmax() -> None:
     actor = NumpyActor(policy)
     obs = random_obs(BOX4, 1)
     n = 40_000
-    noise = actor.noise(n, 1)
+    noise = _noise(policy, n, 1)
     counts = np.bincount([int(actor.sample(obs, noise[t])[0][0]) for t in range(n)], minlength=3)
     se = np.sqrt(probs * (1 - probs) / n)
     assert np.all(np.abs(counts / n - probs) < 4 * se), (counts / n, probs)
@@ -108,7 +114,7 @@ def test_log_probs_of_huge_logits_are_torchs(bias: list[float]) -> None:
         policy.head.linear.bias.copy_(torch.tensor(bias))
     actor = NumpyActor(policy)
     obs = random_obs(BOX4, 256)
-    actions, logp = actor.sample(obs, actor.noise(1, 256)[0])
+    actions, logp = actor.sample(obs, _noise(policy, 1, 256)[0])
     with torch.no_grad():
         expected, _, _ = policy(torch.from_numpy(obs), torch.from_numpy(actions))
     assert np.isfinite(logp).all() and {0, 1} <= set(actions.tolist())
@@ -120,7 +126,7 @@ def test_gaussian_actions_are_mean_plus_std_times_the_draw() -> None:
     policy = sharp_policy(obs_space, action_space, seed=3, **model)
     actor = NumpyActor(policy)
     obs = random_obs(obs_space, 8)
-    noise = actor.noise(1, 8)[0]
+    noise = _noise(policy, 1, 8)[0]
     actions, _ = actor.sample(obs, noise)
     with torch.no_grad():
         mean = policy.head.mean(policy.actor_body(torch.from_numpy(obs))).numpy()
@@ -130,34 +136,36 @@ def test_gaussian_actions_are_mean_plus_std_times_the_draw() -> None:
 
 def test_noise_comes_from_torchs_generator() -> None:
     """Seeding torch seeds the NumPy rollout too (checkpoints hold torch's RNG state, not NumPy's)."""
-    actor = NumpyActor(sharp_policy(BOX4, gym.spaces.Discrete(3), seed=0))
+    policy = sharp_policy(BOX4, gym.spaces.Discrete(3), seed=0)
     torch.manual_seed(7)
-    first = actor.noise(5, 4)
+    first = _noise(policy, 5, 4)
     torch.manual_seed(7)
-    np.testing.assert_array_equal(first, actor.noise(5, 4))
-    assert first.shape == (5, 4, 3) and not np.array_equal(first, actor.noise(5, 4))
+    np.testing.assert_array_equal(first, _noise(policy, 5, 4))
+    assert first.shape == (5, 4, 3) and not np.array_equal(first, _noise(policy, 5, 4))
 
 
 def test_noise_is_drawn_in_bounded_blocks(monkeypatch: Any) -> None:
     """A rollout's noise comes in blocks of at most NOISE_FLOATS draws (its memory does not grow with
     T x rows x actions), one step at a time, the same draws whatever the block size while one block holds
     the whole rollout, and reproducible from torch's seed when it does not."""
-    actor = NumpyActor(sharp_policy(BOX4, gym.spaces.Discrete(3), seed=0))
+    head = sharp_policy(BOX4, gym.spaces.Discrete(3), seed=0).head
     sizes = []
-    noise = actor.noise
-    monkeypatch.setattr(actor, "noise", lambda *a: sizes.append(a) or noise(*a))
+    draw = head.draw_noise
+    monkeypatch.setattr(head, "draw_noise", lambda shape: sizes.append(shape) or draw(shape))
     torch.manual_seed(7)
-    whole = list(actor.noise_steps(10, 4))
-    assert sizes == [(10, 4)]
+    whole = list(rollout_noise(head, 10, 4))
+    assert sizes == [(10, 4, 3)]
     torch.manual_seed(7)
-    np.testing.assert_array_equal(np.stack(whole), noise(10, 4))
-    monkeypatch.setattr(NumpyActor, "NOISE_FLOATS", 30)  # 2 steps of 4 rows x 3 actions per block
+    np.testing.assert_array_equal(torch.stack(whole).numpy(), draw((10, 4, 3)).numpy())
+    monkeypatch.setattr(agent_module, "NOISE_FLOATS", 30)  # 2 steps of 4 rows x 3 actions per block
     sizes.clear()
     torch.manual_seed(7)
-    blocks = list(actor.noise_steps(5, 4))
-    assert sizes == [(2, 4), (2, 4), (1, 4)] and [b.shape for b in blocks] == [(4, 3)] * 5
+    blocks = list(rollout_noise(head, 5, 4))
+    assert sizes == [(2, 4, 3), (2, 4, 3), (1, 4, 3)] and [b.shape for b in blocks] == [(4, 3)] * 5
     torch.manual_seed(7)
-    np.testing.assert_array_equal(np.stack(blocks), np.stack(list(actor.noise_steps(5, 4))))
+    np.testing.assert_array_equal(
+        torch.stack(blocks).numpy(), torch.stack(list(rollout_noise(head, 5, 4))).numpy()
+    )
 
 
 def test_policies_numpy_cannot_mirror_are_named() -> None:
@@ -213,8 +221,8 @@ def test_rollout_is_reproducible_and_the_switch_turns_it_off(monkeypatch: Any) -
     """Reproducible from torch's seed, also when the noise comes in several blocks (a 40-step rollout of 3
     envs in blocks of 3 steps), whose actions still carry their own log-probs."""
     runs = []
-    for floats in (NumpyActor.NOISE_FLOATS, NumpyActor.NOISE_FLOATS, 18, 18):
-        monkeypatch.setattr(NumpyActor, "NOISE_FLOATS", floats)
+    for floats in (agent_module.NOISE_FLOATS, agent_module.NOISE_FLOATS, 18, 18):
+        monkeypatch.setattr(agent_module, "NOISE_FLOATS", floats)
         collector, policy = collector_and_policy()
         torch.manual_seed(11)
         collector.collect(policy, 0)
@@ -224,6 +232,29 @@ def test_rollout_is_reproducible_and_the_switch_turns_it_off(monkeypatch: Any) -
     assert (runs[0] == runs[1]).all() and (runs[2] == runs[3]).all()
     monkeypatch.undo()
     assert_acts_in_torch("algo.numpy_rollout=false")
+
+
+@pytest.mark.parametrize("env", ["exp=cleanrl_cartpole", "env=pendulum"])
+def test_the_switch_changes_the_speed_not_the_actions(env: str) -> None:
+    """The torch and the NumPy actor sample with the same draws: from one seed, `algo.numpy_rollout` on
+    and off collect the same rollout (actions equal, or within float32 rounding for Box actions)."""
+    runs = []
+    for switch in ("true", "false"):
+        cfg, _ = compose([env, "env.num_envs=3", "algo.rollout_steps=40", f"algo.numpy_rollout={switch}"])
+        specs = policy_specs(cfg)
+        torch.manual_seed(0)
+        policy = ActorCritic(specs[SINGLE].obs_space, specs[SINGLE].action_space, cfg.model)
+        collector = build_collector(cfg, specs, 0, "cpu", None)
+        torch.manual_seed(11)
+        collector.collect(policy, 0)
+        runs.append(collector.storage.clone())
+        collector.envs.close()
+    numpy_run, torch_run = runs
+    if env == "env=pendulum":
+        torch.testing.assert_close(numpy_run["actions"], torch_run["actions"], rtol=1e-4, atol=1e-4)
+    else:
+        assert torch.equal(numpy_run["actions"], torch_run["actions"])
+    torch.testing.assert_close(numpy_run["logprobs"], torch_run["logprobs"], rtol=1e-4, atol=1e-4)
 
 
 def test_policies_without_a_numpy_twin_act_in_torch() -> None:
