@@ -250,14 +250,14 @@ class RolloutCollector:
             for i, (g, policy) in enumerate(zip(groups, acting, strict=True)):
                 actor = actors[i]
                 if actor is not None:  # NumPy acts: written straight into the storage (on the CPU)
-                    env_action, g.host_logprobs[t] = actor.sample(g.host["obs"][t], next(noises[i]).numpy())
+                    env_action, g.host_logprobs[t] = actor.sample(g.host["obs"][t], next(noises[i]))
                     g.host_actions[t] = env_action
                     next_states.append(None)
                 else:
                     if self.asynchronous:  # only the ready envs act: the others' rows are never used
                         action, logprob, next_state = _sample_rows(policy, obs[i], g.alive)
                     elif masks[i] is None:
-                        noise = None if noises[i] is None else next(noises[i]).to(self.device)
+                        noise = None if noises[i] is None else torch.from_numpy(next(noises[i]))
                         action, logprob, next_state = policy.sample(obs[i], g.state, noise=noise)
                     else:
                         action, logprob, next_state = policy.sample(obs[i], g.state, False, masks[i])

@@ -617,11 +617,12 @@ class ActorCritic(nn.Module):
 NOISE_FLOATS = 1 << 20
 
 
-def rollout_noise(head: nn.Module, steps: int, rows: int) -> Iterator[Tensor]:
+def rollout_noise(head: nn.Module, steps: int, rows: int) -> Iterator[np.ndarray]:
     """A rollout's random draws for `head`, one step [rows, noise_width] at a time, from torch's generator
-    in blocks of at most `NOISE_FLOATS`. The torch rollout and the NumPy actor both sample with these, so
-    `algo.numpy_rollout` changes how fast actions are computed, not which are drawn."""
+    in blocks of at most `NOISE_FLOATS`. The torch rollout (`torch.from_numpy`, no copy) and the NumPy actor
+    both sample with these, so `algo.numpy_rollout` changes how fast actions are computed, not which are
+    drawn. NumPy views of each block: a step's slice costs a fraction of a tensor view's."""
     width = head.noise_width
     block = max(1, NOISE_FLOATS // max(1, rows * width))
     for start in range(0, steps, block):
-        yield from head.draw_noise((min(block, steps - start), rows, width))
+        yield from head.draw_noise((min(block, steps - start), rows, width)).numpy()
