@@ -11,6 +11,8 @@ Runs each workload once per (variant, seed), each run in a fresh process, one at
 | `pipelined_no_vtrace` | the pipeline with `algo.lag_vtrace=false` (ablation, not run by default) |
 | `pipelined_objective_only` | the pipeline with `algo.lag_refresh_advantages=false` (ablation) |
 | `pipelined_refresh_only` | the pipeline with `algo.lag_objective=false algo.lag_vtrace=false` (ablation) |
+| `pipelined_lag0.5` | the pipeline with `algo.pipeline_lag=0.5`: players act with the parameters half-way through the update |
+| `pipelined_lag0.25` | the pipeline with `algo.pipeline_lag=0.25` |
 
 Workloads: `lunarlander` (`env=lunarlander`, 1M steps, threshold 200) and `halfcheetah` (`exp=mujoco`,
 HalfCheetah-v5, 1M steps, threshold 1500). Per run: the final and the best mean return of the last 20
@@ -62,6 +64,8 @@ VARIANTS: dict[str, list[str]] = {
         "algo.lag_objective=false",
         "algo.lag_vtrace=false",
     ],
+    "pipelined_lag0.5": [*DECOUPLED, "algo.pipeline=true", "algo.pipeline_lag=0.5"],
+    "pipelined_lag0.25": [*DECOUPLED, "algo.pipeline=true", "algo.pipeline_lag=0.25"],
 }
 DEFAULT_VARIANTS = ["coupled", "synchronous", "pipelined_uncorrected", "pipelined"]
 
