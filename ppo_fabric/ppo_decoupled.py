@@ -5,10 +5,7 @@ same rollout loop, storage and GAE as the coupled strategy; trainers the same up
 messages between them, in order, are the methods of `protocol.PlayerLink` and `protocol.TrainerLink`.
 
 With `algo.pipeline=true` a player collects rollout k+1 with the parameters it has while the trainers
-learn from rollout k, then loads the new parameters before sending: the policy lag is one update. With
-`algo.pipeline_lag` < 1 the first trainer also publishes the parameters part-way through each update
-(MIDWAY, after a fixed share of its gradient steps), and the players wait for those before their next
-rollout: the lag is then that fraction of an update, at the price of that wait. The lag
+learn from rollout k, then loads the new parameters before sending: the policy lag is one update. The lag
 is measured (each batch carries the parameter version it was collected with) and logged as
 `train/policy_lag`. A lagged batch's advantages are recomputed with the trainers' current critic, and
 it is learnt with the decoupled PPO objective, which centres the clip range on the trainers' parameters
@@ -47,7 +44,7 @@ from ppo_fabric.learn.learners import (
     policy_specs,
     trained,
 )
-from ppo_fabric.learn.update import LAG_METRICS, TRAIN_METRICS, Midway, update_policies
+from ppo_fabric.learn.update import LAG_METRICS, TRAIN_METRICS, update_policies
 from ppo_fabric.models.agent import ActorCritic
 from ppo_fabric.runs import checkpoint as ckpt
 from ppo_fabric.runs.metrics import parameters_digest
@@ -82,14 +79,6 @@ def session_for(fabric: Fabric, cfg: DictConfig, run_dir: Path, resume: dict | N
     """Both roles count progress the same way: env steps per update over all players."""
     per_update = int(cfg.algo.rollout_steps) * acting_envs(cfg.env) * int(cfg.algo.players)
     return RunSession(cfg, run_dir, fabric.global_rank == 0, per_update, resume)
-
-
-def midway_share(cfg: DictConfig) -> float:
-    """How far into each update the players' parameters come from (`1 - algo.pipeline_lag`): 0 without
-    MIDWAY messages (no pipeline, or a lag of one whole update)."""
-    if not bool(cfg.algo.pipeline):
-        return 0.0
-    return 1.0 - float(cfg.algo.get("pipeline_lag", 1.0))
 
 
 def gae_inputs(cfg: DictConfig) -> bool:
@@ -141,7 +130,6 @@ class Player:
     ) -> None:
         self.topo, self.world = topo, fabric.world_size
         self.pipeline = bool(cfg.algo.pipeline)
-        self.midway = midway_share(cfg) > 0  # the next rollout acts with MIDWAY parameters
         self.device = fabric.device  # the role's device (main)
         self.specs = specs = policy_specs(cfg)
         self.policies = {
@@ -165,8 +153,7 @@ class Player:
                 print(changed, flush=True)
         self.session = session_for(fabric, cfg, run_dir, resume)
         self.version = self.session.start_update  # the newest parameters received
-        self.behaviour = self.version  # the version the policy acts with (stamped on each batch) ...
-        self.behaviour_midway = False  # ... or part-way through the update from that version
+        self.behaviour = self.version  # the version the policy acts with (stamped on each batch)
         self.timed: set[int] = set()  # versions the players agreed to checkpoint by the clock
 
     def run(self) -> dict[str, Any]:
@@ -179,7 +166,6 @@ class Player:
             resumed = parameters_to_vector(self.params).clone()
             vector_to_parameters(self.in_flight["policy"].to(self.device), self.params)
             self.behaviour = int(self.in_flight["policy_version"])
-            self.behaviour_midway = bool(self.in_flight.get("policy_midway", False))
         for update in range(self.version, session.end_update):
             pipelined = self.pipeline and update > session.start_update
             signum, clock_due = self.agree()
@@ -197,24 +183,17 @@ class Player:
                 n: training_batch(collector.storages[n], self.specs[n].seq_len, self.gae_inputs)
                 for n in self.link.codecs
             }
-            self.link.send_data(
-                batches,
-                self.behaviour,
-                self.pipeline,
-                checkpoint_after=clock_due,
-                midway=self.behaviour_midway,
-            )
+            self.link.send_data(batches, self.behaviour, self.pipeline, checkpoint_after=clock_due)
             session.watch.add("send", time.perf_counter() - t0)
-            if pipelined:  # update `update - 1` finished meanwhile
-                self.version = self.behaviour = self.receive(snapshot)
-                self.behaviour_midway = False
+            if pipelined:
+                self.version = self.behaviour = self.receive(
+                    snapshot
+                )  # update `update - 1` finished meanwhile
             elif resumed is not None:
                 vector_to_parameters(resumed, self.params)
-                self.behaviour, self.behaviour_midway, resumed = self.version, False, None
+                self.behaviour, resumed = self.version, None
             if not self.pipeline:
                 self.version = self.behaviour = self.receive()
-            elif self.midway and update + 1 < session.end_update:  # the next rollout acts with these
-                self.behaviour, self.behaviour_midway = self.receive_midway(), True
         if self.pipeline and self.version < session.end_update:
             self.version = self.receive()
         self.link.send_stop(self.version)
@@ -251,15 +230,6 @@ class Player:
                 self.checkpoint(version, snapshot)
         return version
 
-    def receive_midway(self) -> int:
-        """MIDWAY: load the parameters part-way through the update in progress; returns the version that
-        update started from. Nothing is logged or checkpointed: the update has not finished."""
-        t0 = time.perf_counter()
-        version, flat, _ = self.link.receive_params(Kind.MIDWAY)
-        vector_to_parameters(flat.to(self.device), self.params)
-        self.session.watch.add("wait_params", time.perf_counter() - t0)
-        return version
-
     def checkpoint(self, version: int, snapshot: dict[str, Any] | None) -> None:
         """CHECKPOINT: every rank's part; the first trainer's holds the learners."""
         rank_state = snapshot if snapshot is not None else collector_state(self.collector)
@@ -269,12 +239,7 @@ class Player:
 
     def snapshot(self) -> dict[str, Any]:
         policy_now = parameters_to_vector(self.params).detach().cpu().clone()
-        acting = {
-            "policy": policy_now,
-            "policy_version": self.behaviour,
-            "policy_midway": self.behaviour_midway,
-        }
-        return collector_state(self.collector) | acting
+        return collector_state(self.collector) | {"policy": policy_now, "policy_version": self.behaviour}
 
     def stop(self, signum: int, pipelined: bool) -> NoReturn:
         """Stop at this boundary: take the update in flight (pipeline), tell the trainers, checkpoint the
@@ -283,7 +248,6 @@ class Player:
         if pipelined:  # the state from before the rollout not collected, as a pipelined checkpoint holds
             snapshot = self.snapshot()
             self.version = self.behaviour = self.receive(snapshot)
-            self.behaviour_midway = False
         self.link.send_stop(self.version, signum)
         if self.session.last_checkpoint < self.version:
             self.checkpoint(self.version, snapshot)
@@ -346,8 +310,6 @@ def trainer(
     layouts = {n: (len(topo.players), t.batch_size[1]) for n, t in templates.items()}
     session = session_for(fabric, cfg, run_dir, resume)
     version = session.start_update
-    share = midway_share(cfg)
-    no_metrics = torch.zeros(len(names))
 
     def mean_across(t: torch.Tensor) -> torch.Tensor:
         return link.mean(t.to(fabric.device))
@@ -366,10 +328,7 @@ def trainer(
         session.watch.add("wait_data", time.perf_counter() - t0)
         if headers[0].kind == Kind.STOP:
             break
-        lag = version - sum(h.version + share * h.midway for h in headers) / len(headers)
-        midway = None
-        if share > 0 and version + 1 < session.end_update:  # the players' next rollout waits for it
-            midway = Midway(share, lambda v=version: link.publish(params, no_metrics, v, Kind.MIDWAY))
+        lag = version - sum(h.version for h in headers) / len(headers)
         t0 = time.perf_counter()
         stats = update_policies(
             fabric,
@@ -382,7 +341,6 @@ def trainer(
             rank_minibatch,
             lag,
             layouts,
-            midway,
         )
         elapsed = time.perf_counter() - t0
         session.watch.add("train", elapsed)

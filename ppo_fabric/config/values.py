@@ -194,7 +194,6 @@ _RULES = (
     _Rule("algo.max_grad_norm", float, 0),
     _Rule("algo.target_kl", float, 0, strict_low=True, optional=True),
     _Rule("algo.lag_weight_clip", float, 0, strict_low=True),
-    _Rule("algo.pipeline_lag", float, 0, 1, strict_low=True),
     _Rule("algo.players", int, 1),
     _Rule("env.num_envs", int, 0, strict_low=True),
     _Rule("env.action_repeat", int, 1),

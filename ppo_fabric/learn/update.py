@@ -119,47 +119,6 @@ class LagSettings(NamedTuple):
         )
 
 
-class Midway:
-    """Runs `action` once, after `fraction` of an update's gradient steps have been taken.
-
-    The decoupled pipeline with `algo.pipeline_lag` < 1 publishes the parameters there, so the players'
-    next rollout acts with a policy that much of an update newer. The point is a gradient-step count fixed
-    before the update starts (`plan`), never a clock, so a resumed run publishes the same parameters. An
-    update that stops before the point (`algo.target_kl`) runs `action` at its end (`finish`)."""
-
-    def __init__(self, fraction: float, action: Callable[[], None]) -> None:
-        if not 0.0 < fraction < 1.0:
-            raise ValueError(f"Midway needs a fraction in (0, 1), got {fraction}")
-        self.fraction, self.action = fraction, action
-        self.at, self.taken, self.done = 1, 0, False
-
-    def plan(self, total_steps: int) -> None:
-        self.at, self.taken, self.done = max(1, round(self.fraction * total_steps)), 0, False
-
-    def step(self) -> None:
-        self.taken += 1
-        if not self.done and self.taken >= self.at:
-            self.finish()
-
-    def finish(self) -> None:
-        if not self.done:
-            self.done = True
-            self.action()
-
-
-def minibatch_units(batch: TensorDict, rank_minibatch: int) -> int:
-    """How many of the batch's units (steps, or recurrent sequences) one minibatch holds."""
-    keys = batch.keys()
-    seq_len = batch["starts"].shape[1] if "initial_state" in keys else 1
-    return rank_minibatch // seq_len
-
-
-def gradient_steps(batch: TensorDict, rank_minibatch: int, epochs: int) -> int:
-    """The gradient steps of a whole update of `epochs` passes over `batch` (none stopped early)."""
-    mb = minibatch_units(batch, rank_minibatch)
-    return epochs * -(-batch.batch_size[0] // mb)
-
-
 def lagged_batch(
     model: Any,
     behaviour: TensorDict,
@@ -274,7 +233,6 @@ def update_policy(
     rank_minibatch: int | None = None,
     lagged: bool | None = None,
     layout: tuple[int, int] | None = None,
-    on_step: Callable[[], None] | None = None,
 ) -> dict[str, float]:
     """One PPO update: `update_epochs` passes over shuffled minibatches of this rank's batch.
 
@@ -295,12 +253,12 @@ def update_policy(
     statistics are then against the proximal policy). Otherwise (and for every on-policy batch) the update
     is plain PPO, bit for bit. `layout`: (segments, envs) when the flat batch is `segments` time-major
     pieces of rollout with `envs` steps per row, which lets `lagged_batch` recompute the advantages.
-    `on_step` is called after every optimiser step (`Midway.step`).
     """
     n = batch.batch_size[0]
     keys = batch.keys()
     recurrent, masked, action_masked = "initial_state" in keys, "mask" in keys, "action_mask" in keys
-    mb = minibatch_units(batch, int(algo.minibatch_size) if rank_minibatch is None else rank_minibatch)
+    seq_len = batch["starts"].shape[1] if recurrent else 1
+    mb = (int(algo.minibatch_size) if rank_minibatch is None else rank_minibatch) // seq_len
     coefs = LossCoefs(
         float(algo.clip_coef),
         bool(algo.clip_vloss),
@@ -360,8 +318,6 @@ def update_policy(
                 p.grad = None
             fabric.backward(loss)
             finish()  # clip to max_norm, then the optimiser step
-            if on_step is not None:
-                on_step()
             new_logp, stats = new_logp.detach(), stats.detach()
             new_logps.append(new_logp.clone() if graphs else new_logp)
             losses.append(stats.clone() if graphs else stats)
@@ -414,7 +370,6 @@ def update_policies(
     rank_minibatch: int,
     policy_lag: float | None = None,
     layouts: dict[str, tuple[int, int]] | None = None,
-    midway: Midway | None = None,
 ) -> dict[str, float]:
     """One update of every trained policy on its batch, at progress `env_step` of `final_step`.
 
@@ -425,18 +380,9 @@ def update_policies(
     `rank_minibatch` counts env steps: a policy acting for k agents per env copy takes k times as many
     samples per minibatch, so every policy makes the same number of gradient steps per update (and every
     rank too: DDP needs it).
-
-    `midway` (the decoupled pipeline's early publication) counts the gradient steps of all the policies
-    together: its point is a fraction of the whole update, whichever policy is learning then.
     """
     metrics: dict[str, float] = {}
-    names = trained({n: learner.spec for n, learner in learners.items()})
-    if midway is not None:
-        epochs = int(algo.update_epochs)
-        midway.plan(
-            sum(gradient_steps(batches[n], rank_minibatch * learners[n].spec.agents, epochs) for n in names)
-        )
-    for name in names:
+    for name in trained({n: learner.spec for n, learner in learners.items()}):
         learner = learners[name]
         lr = set_lr(learner.optimizer, lr_at(learner.spec.lr, bool(algo.anneal_lr), env_step, final_step))
         stats = update_policy(
@@ -449,9 +395,6 @@ def update_policies(
             rank_minibatch * learner.spec.agents,
             None if policy_lag is None else policy_lag > 0,
             None if layouts is None else layouts.get(name),
-            None if midway is None else midway.step,
         )
         metrics |= {metric_name(name, k): v for k, v in (stats | {"train/lr": lr}).items()}
-    if midway is not None:
-        midway.finish()
     return metrics

@@ -20,13 +20,7 @@ have one method per message, in the order the messages happen:
     gather()           <--- CHECKPOINT -----> gather()             end-of-run summaries
 
 With `algo.pipeline=true` the player sends DATA of rollout k+1 before it waits for PARAMS of update k
-(asynchronously, over another group, so the order cannot deadlock). With `algo.pipeline_lag` < 1 the first
-trainer also publishes MIDWAY parameters part-way through each update but the last, and the player, after
-PARAMS, waits for them and acts with them in its next rollout:
-
-    send_data()        ---- DATA v ---------> receive_data()
-    receive_params()   <--- PARAMS v ------- publish()             end of the update before
-    receive_params()   <--- MIDWAY v ------- publish()             part-way through update v -> v+1
+(asynchronously, over another group, so the order cannot deadlock).
 
 Every message carries a header (kind, version) that the receiver checks, so the two sides can never
 silently disagree about what comes next (`ProtocolError`). Batches and parameters travel as CPU tensors
@@ -98,7 +92,6 @@ class Kind(IntEnum):
     PARAMS = 2
     CHECKPOINT = 3
     STOP = 4
-    MIDWAY = 5  # parameters part-way through an update (algo.pipeline_lag < 1), no metrics
 
 
 class ProtocolError(RuntimeError):
@@ -108,27 +101,24 @@ class ProtocolError(RuntimeError):
 class Header(NamedTuple):
     """What every DATA/STOP message starts with. `arg`: for DATA, 1 when a checkpoint is to follow the
     update on this batch (a time-based one, which only the players' clocks know of); for STOP, the signal
-    that stopped the run (0 at its planned end). `midway`: for DATA, 1 when it was collected with MIDWAY
-    parameters (part-way through the update from `version`), 0 with the parameters after `version`."""
+    that stopped the run (0 at its planned end)."""
 
     kind: Kind
     version: int
     arg: int = 0
-    midway: int = 0
 
 
-_HEADER_BYTES = 32  # four int64
+_HEADER_BYTES = 24  # three int64
 
 
 def _header(header: Header) -> torch.Tensor:
-    fields = [int(header.kind), header.version, header.arg, header.midway]
-    return torch.tensor(fields, dtype=torch.int64).view(torch.uint8)
+    return torch.tensor([int(header.kind), header.version, header.arg], dtype=torch.int64).view(torch.uint8)
 
 
 def _read_header(buf: torch.Tensor) -> Header:
-    kind, version, arg, midway = buf[:_HEADER_BYTES].view(torch.int64).tolist()
+    kind, version, arg = buf[:_HEADER_BYTES].view(torch.int64).tolist()
     try:
-        return Header(Kind(kind), version, arg, midway)
+        return Header(Kind(kind), version, arg)
     except ValueError as exc:
         raise ProtocolError(f"unknown message kind {kind}") from exc
 
@@ -283,33 +273,26 @@ class PlayerLink:
         self.num_params, self.num_metrics = num_params, num_metrics
         self._in_transit: list[_InFlight] = []
 
-    def receive_params(self, expect: Kind = Kind.PARAMS) -> tuple[int, torch.Tensor, torch.Tensor]:
-        """PARAMS: (version, flat parameters, the update's metrics averaged over trainers). MIDWAY
-        (`expect`): the version the update in progress started from, its parameters now, no metrics."""
+    def receive_params(self) -> tuple[int, torch.Tensor, torch.Tensor]:
+        """PARAMS: (version, flat parameters, the update's metrics averaged over trainers)."""
         buf = torch.empty(2 + self.num_params + self.num_metrics)
         dist.broadcast(buf, self.topo.first_trainer, group=self.topo.param_group)
         kind, version = int(buf[0]), int(buf[1])
-        if kind != expect:
-            raise ProtocolError(f"player {self.topo.rank} expected {expect.name}, got message kind {kind}")
+        if kind != Kind.PARAMS:
+            raise ProtocolError(f"player {self.topo.rank} expected PARAMS, got message kind {kind}")
         return version, buf[2 : 2 + self.num_params], buf[2 + self.num_params :]
 
     def send_data(
-        self,
-        batches: dict[str, TensorDict],
-        version: int,
-        asynchronous: bool,
-        checkpoint_after: bool,
-        midway: bool = False,
+        self, batches: dict[str, TensorDict], version: int, asynchronous: bool, checkpoint_after: bool
     ) -> None:
-        """DATA: each trained policy's batch, collected with parameters `version` (MIDWAY ones of the update
-        from `version` with `midway`), one shard per trainer; `checkpoint_after` asks for a checkpoint once
-        the trainers have updated on it.
+        """DATA: each trained policy's batch, collected with parameters `version`, one shard per trainer;
+        `checkpoint_after` asks for a checkpoint once the trainers have updated on it.
 
         Asynchronous sends return at once (the pipelined player then waits for PARAMS); the previous
         rollout's sends are finished first, so at most one rollout is in transit.
         """
         self.wait_sent()
-        header = Header(Kind.DATA, version, int(checkpoint_after), int(midway))
+        header = Header(Kind.DATA, version, int(checkpoint_after))
         for name, codec in self.codecs.items():
             sent = self._scatter(codec, codec.pack(batches[name], header), asynchronous)
             if sent is not None:
@@ -351,17 +334,14 @@ class TrainerLink:
         self.publishes = topo.rank == topo.first_trainer
         self.stage = HostStage(device)
 
-    def publish(
-        self, params: list[torch.nn.Parameter], metrics: torch.Tensor, version: int, kind: Kind = Kind.PARAMS
-    ) -> None:
-        """PARAMS: the flat float32 parameters after update `version`, then its METRICS, to every player.
-        MIDWAY (`kind`): the parameters part-way through the update from `version` (`metrics` unused)."""
+    def publish(self, params: list[torch.nn.Parameter], metrics: torch.Tensor, version: int) -> None:
+        """PARAMS: the flat float32 parameters after update `version`, then its METRICS, to every player."""
         if not self.publishes:
             return
         flat = parameters_to_vector(params).detach().float()
         n, m = flat.numel(), metrics.numel()
         message = self.stage.buffer("params", 2 + n + m, torch.float32)
-        message[0], message[1] = float(kind), float(version)
+        message[0], message[1] = float(Kind.PARAMS), float(version)
         message[2 : 2 + n].copy_(flat, non_blocking=self.stage.pinned)
         message[2 + n :].copy_(metrics.float(), non_blocking=self.stage.pinned)
         self.stage.fence()

@@ -156,12 +156,6 @@ def _wait_for_rows(run_dir: Path, proc: subprocess.Popen[str], rows: int, limit:
     [
         pytest.param("coupled", [], signal.SIGTERM, id="coupled-2-SIGTERM"),
         pytest.param("decoupled", ["algo.pipeline=true"], signal.SIGINT, id="decoupled-1+1-pipelined-SIGINT"),
-        pytest.param(
-            "decoupled",
-            ["algo.pipeline=true", "algo.pipeline_lag=0.5"],
-            signal.SIGTERM,
-            id="decoupled-1+1-midway-SIGTERM",
-        ),
     ],
 )
 def test_signal_stops_every_rank_with_a_checkpoint(
