@@ -42,7 +42,8 @@ import common  # noqa: E402
 
 from ppo_fabric.learn.accel import set_cuda_math  # noqa: E402
 from ppo_fabric.learn.learners import fused_adam_ok  # noqa: E402
-from ppo_fabric.learn.update import LossCoefs, minibatch_losses, update_policy  # noqa: E402
+from ppo_fabric.learn.settings import LossCoefs, UpdateSettings  # noqa: E402
+from ppo_fabric.learn.update import minibatch_losses, update_policy  # noqa: E402
 from ppo_fabric.models.agent import ActorCritic  # noqa: E402
 
 COEFS = LossCoefs(clip=0.1, clip_vloss=False, norm_adv=True, vf_coef=0.5, ent_coef=0.01)  # exp=atari's
@@ -101,12 +102,14 @@ def package_update(
     algo = OmegaConf.create(
         {"minibatch_size": args.minibatch, "update_epochs": args.epochs, "clip_coef": COEFS.clip,
          "clip_vloss": COEFS.clip_vloss, "norm_adv": COEFS.norm_adv, "vf_coef": COEFS.vf_coef,
-         "ent_coef": COEFS.ent_coef, "max_grad_norm": MAX_NORM, "target_kl": None, "compile": compile_step}
+         "ent_coef": COEFS.ent_coef, "max_grad_norm": MAX_NORM, "target_kl": None, "compile": compile_step,
+         "anneal_lr": False, "gamma": 0.99, "gae_lambda": 0.95}
     )  # fmt: skip
+    settings = UpdateSettings.of(algo)
     data = TensorDict(batch, batch_size=[args.batch], device=device)
 
     def update() -> None:
-        update_policy(fabric, model, optimizer, data, algo)
+        update_policy(fabric, model, optimizer, data, settings)
 
     return update
 

@@ -34,6 +34,7 @@ from ppo_fabric.collect.rollout import build_collector, training_batches  # noqa
 from ppo_fabric.config.values import training_layout  # noqa: E402
 from ppo_fabric.learn.learners import build_learners, policies_of, policy_specs  # noqa: E402
 from ppo_fabric.learn.optim import GradientStep, forward_module  # noqa: E402
+from ppo_fabric.learn.settings import UpdateSettings  # noqa: E402
 
 
 class LayeredStep(GradientStep):
@@ -72,7 +73,14 @@ def measure(exp: str, updates: int) -> dict[str, Any]:
                 batches = training_batches(collector, specs)
                 t = time.thread_time()
                 update.update_policies(
-                    fabric, learners, batches, cfg.algo, r * n, 10**9, None, layout.rank_minibatch
+                    fabric,
+                    learners,
+                    batches,
+                    UpdateSettings.of(cfg.algo),
+                    r * n,
+                    10**9,
+                    None,
+                    layout.rank_minibatch,
                 )
                 if r >= 2:  # the first updates create Adam's state and warm the caches
                     times[name].append(time.thread_time() - t)

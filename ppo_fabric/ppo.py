@@ -19,6 +19,7 @@ from omegaconf import DictConfig
 from ppo_fabric.collect.rollout import build_collector, training_batches
 from ppo_fabric.config.values import training_layout
 from ppo_fabric.learn.learners import build_learners, learners_state, policies_of, policy_specs
+from ppo_fabric.learn.settings import UpdateSettings
 from ppo_fabric.learn.update import update_policies
 from ppo_fabric.runs import checkpoint as ckpt
 from ppo_fabric.runs.metrics import parameters_digest
@@ -37,6 +38,7 @@ def main(fabric: Fabric, cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
 
     layout = training_layout(cfg, world)
     per_update = layout.env_steps
+    settings = UpdateSettings.of(cfg.algo)
     if resume is not None:
         changed = resume_collector(collector, resume, rank, world, world)
         if changed and rank == 0:
@@ -61,7 +63,7 @@ def main(fabric: Fabric, cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
             fabric,
             learners,
             training_batches(collector, specs),
-            cfg.algo,
+            settings,
             session.env_step(update),
             session.final_step,
             mean_across if world > 1 else None,

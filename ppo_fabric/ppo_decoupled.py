@@ -44,6 +44,7 @@ from ppo_fabric.learn.learners import (
     policy_specs,
     trained,
 )
+from ppo_fabric.learn.settings import UpdateSettings
 from ppo_fabric.learn.update import LAG_METRICS, TRAIN_METRICS, update_policies
 from ppo_fabric.models.agent import ActorCritic
 from ppo_fabric.runs import checkpoint as ckpt
@@ -310,6 +311,7 @@ def trainer(
     layouts = {n: (len(topo.players), t.batch_size[1]) for n, t in templates.items()}
     session = session_for(fabric, cfg, run_dir, resume)
     version = session.start_update
+    settings = UpdateSettings.of(cfg.algo)
 
     def mean_across(t: torch.Tensor) -> torch.Tensor:
         return link.mean(t.to(fabric.device))
@@ -334,7 +336,7 @@ def trainer(
             fabric,
             learners,
             batches,
-            cfg.algo,
+            settings,
             session.env_step(version),
             session.final_step,
             mean_across,

@@ -67,6 +67,16 @@ def single_learner(fabric: Any, cfg: DictConfig, obs_space: Any, action_space: A
     return build_learners(fabric, {SINGLE: spec}, None, float(cfg.algo.adam_eps))[SINGLE]
 
 
+def update_with_config(
+    fabric: Any, model: Any, optimizer: Any, batch: Any, algo: DictConfig, *args: Any, **kwargs: Any
+) -> dict[str, float]:
+    """`update.update_policy` with the settings read from an `algo` config, as the strategies read them."""
+    from ppo_fabric.learn.settings import UpdateSettings
+    from ppo_fabric.learn.update import update_policy
+
+    return update_policy(fabric, model, optimizer, batch, UpdateSettings.of(algo), *args, **kwargs)
+
+
 def numbered_checkpoint(run_dir: Path, update: int) -> Path:
     """The numbered checkpoint a run wrote after `update` updates (files are named by env step and run id)."""
     from ppo_fabric.runs import checkpoint as ckpt

@@ -8,11 +8,10 @@ trainers); nothing here knows which role a rank plays. Anything that must agree 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 from lightning_fabric import Fabric
-from omegaconf import DictConfig
 from tensordict import TensorDict
 
 from ppo_fabric.learn.accel import compiled, uses_cuda_graphs
@@ -28,6 +27,7 @@ from ppo_fabric.learn.loss import (
     value_loss,
 )
 from ppo_fabric.learn.optim import GradientStep, forward_module
+from ppo_fabric.learn.settings import LagSettings, LossCoefs, UpdateSettings
 
 TRAIN_METRICS = (
     "loss/policy",
@@ -42,17 +42,6 @@ TRAIN_METRICS = (
 # the mean importance weight applied and the fraction of steps whose weight was truncated (1 and 0 when
 # the batch was on-policy or `algo.lag_objective=false`).
 LAG_METRICS = ("train/is_weight_mean", "train/is_truncated")
-
-
-class LossCoefs(NamedTuple):
-    """The loss settings as plain Python values: a DictConfig attribute read costs ~50 us, and a compiled
-    step specialises on constants (a tuple of them is guarded by value, once per call)."""
-
-    clip: float
-    clip_vloss: bool
-    norm_adv: bool
-    vf_coef: float
-    ent_coef: float
 
 
 def minibatch_losses(
@@ -95,28 +84,6 @@ def minibatch_losses(
 def step_function(model: Any, compile_step: bool) -> Callable[..., Any]:
     """The minibatch step to run: `minibatch_losses` itself, or compiled for this model."""
     return compiled(minibatch_losses, model) if compile_step else minibatch_losses
-
-
-class LagSettings(NamedTuple):
-    """The lag correction's settings as plain values, read once per update (`LossCoefs`' reason)."""
-
-    refresh: bool
-    vtrace: bool
-    objective: bool
-    weight_clip: float
-    gamma: float
-    gae_lambda: float
-
-    @classmethod
-    def of(cls, algo: DictConfig) -> LagSettings:
-        return cls(
-            bool(algo.get("lag_refresh_advantages", True)),
-            bool(algo.get("lag_vtrace", True)),
-            bool(algo.get("lag_objective", True)),
-            float(algo.get("lag_weight_clip", 1.0)),
-            float(algo.gamma),
-            float(algo.gae_lambda),
-        )
 
 
 def lagged_batch(
@@ -228,7 +195,7 @@ def update_policy(
     model: Any,
     optimizer: Any,
     batch: TensorDict,
-    algo: DictConfig,
+    settings: UpdateSettings,
     mean_across_trainers: Callable[[torch.Tensor], torch.Tensor] | None = None,
     rank_minibatch: int | None = None,
     lagged: bool | None = None,
@@ -236,6 +203,7 @@ def update_policy(
 ) -> dict[str, float]:
     """One PPO update: `update_epochs` passes over shuffled minibatches of this rank's batch.
 
+    `settings`: the run's `algo` values (`UpdateSettings.of`, read once per run).
     `rank_minibatch` is this rank's share of `algo.minibatch_size` (all of it on a single rank), in steps.
     The batch's units are single steps, or for recurrent policies whole sequences (`initial_state`,
     `starts`), so a minibatch then holds `rank_minibatch / seq_len` sequences. A `mask` (multi-agent rows of
@@ -258,17 +226,10 @@ def update_policy(
     keys = batch.keys()
     recurrent, masked, action_masked = "initial_state" in keys, "mask" in keys, "action_mask" in keys
     seq_len = batch["starts"].shape[1] if recurrent else 1
-    mb = (int(algo.minibatch_size) if rank_minibatch is None else rank_minibatch) // seq_len
-    coefs = LossCoefs(
-        float(algo.clip_coef),
-        bool(algo.clip_vloss),
-        bool(algo.norm_adv),
-        float(algo.vf_coef),
-        float(algo.ent_coef),
-    )
-    clip, max_norm = coefs.clip, float(algo.max_grad_norm)
-    target_kl = None if algo.target_kl is None else float(algo.target_kl)
-    step = step_function(model, bool(algo.get("compile", False)))
+    mb = (settings.minibatch_size if rank_minibatch is None else rank_minibatch) // seq_len
+    coefs = settings.loss
+    clip, max_norm, target_kl = coefs.clip, settings.max_grad_norm, settings.target_kl
+    step = step_function(model, settings.compile)
     graphs = step is not minibatch_losses and uses_cuda_graphs(model)
     # Eager steps call the module under Fabric's wrapper directly where the wrapper adds nothing (optim.py).
     net = forward_module(fabric, model) if step is minibatch_losses else model
@@ -281,12 +242,12 @@ def update_policy(
     ratio_stats: list[torch.Tensor] = []  # (approx KL, clip fraction) per epoch
     behaviour = batch
     batch = batch.exclude(*GAE_KEYS) if GAE_KEYS[0] in keys else batch  # used by `lagged_batch` only
-    lag = LagSettings.of(algo) if lagged else None
+    lag = settings.lag if lagged else None
     lag_stats = {LAG_METRICS[0]: 1.0, LAG_METRICS[1]: 0.0}
     if lag is not None and (lag.objective or lag.refresh):
         batch, lag_stats = lagged_batch(net, behaviour, batch, lag, mb, layout)
     epochs = 0
-    for _ in range(int(algo.update_epochs)):
+    for _ in range(settings.update_epochs):
         shuffled = batch[torch.randperm(n, device=batch.device)]
         obs, actions, old_logp = shuffled["obs"], shuffled["actions"], shuffled["logprobs"]
         old_values, advantages, returns = shuffled["values"], shuffled["advantages"], shuffled["returns"]
@@ -363,7 +324,7 @@ def update_policies(
     fabric: Fabric,
     learners: dict[str, Learner],
     batches: dict[str, TensorDict],
-    algo: DictConfig,
+    settings: UpdateSettings,
     env_step: int,
     final_step: int,
     mean_across: Callable[[torch.Tensor], torch.Tensor] | None,
@@ -384,13 +345,13 @@ def update_policies(
     metrics: dict[str, float] = {}
     for name in trained({n: learner.spec for n, learner in learners.items()}):
         learner = learners[name]
-        lr = set_lr(learner.optimizer, lr_at(learner.spec.lr, bool(algo.anneal_lr), env_step, final_step))
+        lr = set_lr(learner.optimizer, lr_at(learner.spec.lr, settings.anneal_lr, env_step, final_step))
         stats = update_policy(
             fabric,
             learner.model,
             learner.optimizer,
             batches[name],
-            algo,
+            settings,
             mean_across,
             rank_minibatch * learner.spec.agents,
             None if policy_lag is None else policy_lag > 0,

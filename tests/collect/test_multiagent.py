@@ -35,11 +35,11 @@ from ppo_fabric.envs.toy_multiagent import MatchingGame, matching_v0
 from ppo_fabric.learn.advantages import compute_advantages
 from ppo_fabric.learn.buffer import STATE_KEY, rollout_storage, training_batch
 from ppo_fabric.learn.learners import policy_specs
-from ppo_fabric.learn.update import update_policy as train
 from ppo_fabric.models.agent import ActorCritic
 from ppo_fabric.runs import checkpoint as ckpt
 from ppo_fabric.runs.metrics_file import read_rows
 from tests.conftest import assert_cli_failure, job_env, numbered_checkpoint
+from tests.conftest import update_with_config as train
 
 REPO = Path(__file__).resolve().parents[2]
 AGENTS = [f"agent_{i}" for i in range(3)]  # matching_v0's default n_agents=3, episode_length=8

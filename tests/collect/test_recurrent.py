@@ -35,12 +35,12 @@ from ppo_fabric.envs.make import make_vector_env
 from ppo_fabric.learn import update as update_module
 from ppo_fabric.learn.buffer import STATE_KEY, rollout_storage, training_batch
 from ppo_fabric.learn.learners import Learner
-from ppo_fabric.learn.update import update_policy as train
 from ppo_fabric.models.agent import ActorCritic, RecurrentCore
 from ppo_fabric.policy import evaluate, export
 from ppo_fabric.runs import checkpoint as ckpt
 from ppo_fabric.runs.metrics_file import read_rows, series
 from tests.conftest import assert_cli_failure, cartpole_env_cfg, numbered_checkpoint, single_learner
+from tests.conftest import update_with_config as train
 
 REPO = Path(__file__).resolve().parents[2]
 STEPS, ENVS, SEQ = 32, 4, 8
@@ -69,7 +69,7 @@ def model_cfg(shared: bool = False) -> DictConfig:
 def algo_cfg(**overrides: object) -> DictConfig:
     algo = {"minibatch_size": N_STEPS, "update_epochs": 1, "lr": 2.5e-4, "adam_eps": 1e-5, "gamma": 0.99,
             "gae_lambda": 0.95, "norm_adv": True, "clip_coef": 0.2, "clip_vloss": False, "vf_coef": 0.5,
-            "ent_coef": 0.01, "max_grad_norm": 0.5, "target_kl": None}  # fmt: skip
+            "ent_coef": 0.01, "max_grad_norm": 0.5, "target_kl": None, "anneal_lr": False}  # fmt: skip
     return OmegaConf.create(algo | overrides)
 
 

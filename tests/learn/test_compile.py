@@ -22,8 +22,8 @@ import ppo_fabric
 from ppo_fabric.cli import main as cli_main
 from ppo_fabric.config.values import ConfigError
 from ppo_fabric.learn import accel
-from ppo_fabric.learn.update import minibatch_losses, set_lr, update_policy
-from tests.conftest import assert_cli_failure
+from ppo_fabric.learn.update import minibatch_losses, set_lr
+from tests.conftest import assert_cli_failure, update_with_config
 
 ALGO = OmegaConf.create(
     {
@@ -37,6 +37,9 @@ ALGO = OmegaConf.create(
         "max_grad_norm": 0.5,
         "target_kl": None,
         "compile": False,
+        "anneal_lr": False,
+        "gamma": 0.99,
+        "gae_lambda": 0.95,
     }
 )
 MODEL = OmegaConf.create(
@@ -81,7 +84,7 @@ def trained_copy(algo, model, batch, lrs):  # type: ignore[no-untyped-def]
     stats = []
     for lr in lrs:
         set_lr(optimizer, lr)
-        stats.append(update_policy(fabric, module, optimizer, batch, algo))
+        stats.append(update_with_config(fabric, module, optimizer, batch, algo))
     return [p.detach().clone() for p in module.parameters()], stats
 
 

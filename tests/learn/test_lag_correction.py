@@ -13,7 +13,9 @@ from tensordict import TensorDict
 from ppo_fabric.learn.advantages import compute_advantages, gae
 from ppo_fabric.learn.buffer import training_batch
 from ppo_fabric.learn.loss import importance_weights, policy_loss
-from ppo_fabric.learn.update import LAG_METRICS, LagSettings, recomputed_advantages, update_policy
+from ppo_fabric.learn.settings import UpdateSettings
+from ppo_fabric.learn.update import LAG_METRICS, recomputed_advantages
+from tests.conftest import update_with_config
 from tests.learn.test_ratio import (  # noqa: F401 (one_thread: the module's autouse fixture, as the CLI runs)
     ENVS,
     KEYS,
@@ -72,7 +74,7 @@ def _updated(seed: int, lagged: bool | None, **algo: object) -> tuple[dict[str, 
     storage = collect(agent, seed=seed)
     torch.manual_seed(seed + 100)  # the minibatch shuffles
     cfg = algo_cfg(minibatch_size=32, update_epochs=2, **algo)
-    stats = update_policy(fabric, model, optimizer, training_batch(storage), cfg, lagged=lagged)
+    stats = update_with_config(fabric, model, optimizer, training_batch(storage), cfg, lagged=lagged)
     return stats, params(agent)
 
 
@@ -118,7 +120,7 @@ def test_lagged_update_by_hand() -> None:
     behaviour = stale.clone()
 
     algo = algo_cfg(minibatch_size=n, update_epochs=1, clip_vloss=True, lag_weight_clip=1.0)
-    stats = update_policy(fabric, model, optimizer, stale, algo, lagged=True)
+    stats = update_with_config(fabric, model, optimizer, stale, algo, lagged=True)
 
     assert stats["train/clip_fraction"] == 0.0 and abs(stats["train/approx_kl"]) < 1e-7
     assert stats["train/is_weight_mean"] == pytest.approx(weights.mean().item(), rel=1e-5)
@@ -140,7 +142,7 @@ def test_lag_correction_changes_the_step() -> None:
     for correct in (True, False):
         fabric, model, optimizer, agent, stale, *_ = _lagged_batch(6, shift, 0.0)
         algo = algo_cfg(minibatch_size=32, update_epochs=1, lag_objective=correct)
-        stats = update_policy(fabric, model, optimizer, stale, algo, lagged=True)
+        stats = update_with_config(fabric, model, optimizer, stale, algo, lagged=True)
         results.append((stats, params(agent)))
     (corrected, p_corrected), (plain, p_plain) = results
     # plain PPO sees every step outside the clip range from the start; the correction none at first
@@ -203,7 +205,7 @@ def test_recomputed_advantages_are_gae_with_the_new_critic(seed: int) -> None:
     rewards, term, trunc, final_values = (
         storage[k] for k in ("rewards", "terminated", "truncated", "final_values")
     )
-    lag = LagSettings.of(algo_cfg(gamma=0.99, gae_lambda=0.95))
+    lag = UpdateSettings.of(algo_cfg(gamma=0.99, gae_lambda=0.95)).lag
     adv, ret = recomputed_advantages(storage.reshape(-1), new.reshape(-1), (12, 3), 1, lag, None)
     expected_adv, expected_ret = gae(rewards, new, term, trunc, final_values, next_value, 0.99, 0.95)
     torch.testing.assert_close(adv, expected_adv, rtol=0, atol=1e-12)
@@ -217,7 +219,7 @@ def test_recomputed_advantages_of_two_pieces() -> None:
     rewards, term, trunc, final_values = (
         storage[k] for k in ("rewards", "terminated", "truncated", "final_values")
     )
-    lag = LagSettings.of(algo_cfg(gamma=0.99, gae_lambda=0.95))
+    lag = UpdateSettings.of(algo_cfg(gamma=0.99, gae_lambda=0.95)).lag
     adv, _ = recomputed_advantages(storage.reshape(-1), new.reshape(-1), (12, 3), 2, lag, None)
     bootstrap = torch.where(term[5], 0.0, torch.where(trunc[5], final_values[5], storage["values"][6]))
     first, _ = gae(rewards[:6], new[:6], term[:6], trunc[:6], final_values[:6], bootstrap, 0.99, 0.95)
@@ -259,14 +261,14 @@ def test_lagged_update_learns_from_recomputed_advantages() -> None:
     algo = algo_cfg(minibatch_size=STEPS * ENVS, update_epochs=1, norm_adv=False, lag_objective=False)
     batch = training_batch(storage, gae_inputs=True)
 
-    stats = update_policy(fabric, model, optimizer, batch, algo, lagged=True, layout=(1, ENVS))
+    stats = update_with_config(fabric, model, optimizer, batch, algo, lagged=True, layout=(1, ENVS))
 
     assert stats["loss/value"] == pytest.approx(new_adv.pow(2).mean().item(), rel=1e-4)
     assert stats["loss/policy"] == pytest.approx(-new_adv.mean().item(), rel=1e-4, abs=1e-6)
     assert stats["train/is_weight_mean"] == 1.0  # no objective correction asked for
     # without the layout (how the batch lies in time) the stale advantages are learnt as they are
     fabric, model, optimizer, agent = fabric_learner(seed=7)
-    stats = update_policy(fabric, model, optimizer, batch, algo, lagged=True)
+    stats = update_with_config(fabric, model, optimizer, batch, algo, lagged=True)
     assert stats["loss/policy"] == pytest.approx(-old_adv.mean().item(), rel=1e-4, abs=1e-6)
 
 

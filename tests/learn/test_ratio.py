@@ -23,9 +23,9 @@ from tensordict import TensorDict
 from ppo_fabric.collect.rollout import RolloutCollector
 from ppo_fabric.envs.make import make_vector_env
 from ppo_fabric.learn.buffer import rollout_storage, training_batch
-from ppo_fabric.learn.update import update_policy as train
 from ppo_fabric.models.agent import ActorCritic
 from tests.conftest import cartpole_env_cfg, single_learner
+from tests.conftest import update_with_config as train
 
 STEPS, ENVS = 32, 4
 N = STEPS * ENVS
@@ -57,6 +57,7 @@ def algo_cfg(**overrides: object) -> DictConfig:
         "ent_coef": 0.01,
         "max_grad_norm": 0.5,
         "target_kl": None,
+        "anneal_lr": False,
     }
     return OmegaConf.create(algo | overrides)
 
