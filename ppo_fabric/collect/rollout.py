@@ -17,7 +17,8 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 from tensordict import TensorDict
 
-from ppo_fabric.collect.numpy_actor import NumpyActor, unsupported
+from ppo_fabric.collect.actors import Actor, acting_for
+from ppo_fabric.collect.numpy_actor import unsupported
 from ppo_fabric.envs.envpool_backend import is_async
 from ppo_fabric.envs.make import ACTION_MASK, EnvError, current_action_masks, make_vector_env
 from ppo_fabric.envs.multiagent import SINGLE, make_multiagent_vector_env
@@ -26,7 +27,7 @@ from ppo_fabric.games.selfplay import SelfPlay
 from ppo_fabric.learn.advantages import compute_advantages
 from ppo_fabric.learn.buffer import STATE_KEY, MultiAgentRolloutBuffer, rollout_storage, training_batch
 from ppo_fabric.learn.learners import PolicySpec
-from ppo_fabric.models.agent import ActorCritic, Obs, rollout_noise
+from ppo_fabric.models.agent import ActorCritic, Obs
 
 
 @dataclass
@@ -70,8 +71,6 @@ class Group:
     alive: np.ndarray | None = None  # multi-agent: rows whose agent is in the episode at the next step
     next_mask: torch.Tensor | None = None  # envs with action masks: the mask of `next_obs` [R, width]
     mask_starts: np.ndarray | None = None  # where each action dimension's entries start in a mask
-    host_actions: np.ndarray | None = None  # NumPy acting: views of the storage's actions and log-probs
-    host_logprobs: np.ndarray | None = None
 
     def to_tensor(self, obs: Any, device: torch.device) -> Obs:
         if isinstance(obs, dict):  # Dict observations: one tensor per key, with the storage's dtypes
@@ -106,7 +105,11 @@ class RolloutCollector:
         gae_lambda: float,
         reduce: Reduce | None = None,
         env_id: str = "?",
+        numpy_rollout: bool = True,
+        selfplay: SelfPlay | None = None,
     ) -> None:
+        """`numpy_rollout`: plain CPU MLP policies act through NumPy (`actors.NumpyRolloutActor`);
+        `selfplay`: two-player games against a pool of snapshots (the learner takes one seat)."""
         self.envs = envs
         self.env_id = env_id  # named by the error for a state without a legal action
         self.reduce = reduce  # merges normalisation statistics over the collecting ranks
@@ -145,15 +148,18 @@ class RolloutCollector:
         # All episodes (every agent's, in multi-agent envs): what `final_mean_return` reports overall.
         self.episodes = self.groups[0].episodes if not self.multiagent else EpisodeLog()
         self.num_envs = int(envs.num_envs)
-        self.buffer: Any = None  # multi-agent: the per-agent MultiAgentRolloutBuffer view of the storages
+        # multi-agent: the per-agent view of the storages
+        self.buffer = (
+            MultiAgentRolloutBuffer(storages, envs.groups, self.num_envs) if self.multiagent else None
+        )
         self.turn_based = bool(getattr(envs, "turn_based", False))  # AEC games: one agent moves per step
         # An async EnvPool: only the ready envs act at a step, their results arrive at a later one
         self.asynchronous = bool(getattr(envs, "asynchronous", False))
         # Where a decision's outcome may reach a row at a later step (`credit_waiting`)
         self.delayed = self.turn_based or self.asynchronous
         self.steps_per_tick = int(envs.batch_size) if self.asynchronous else self.num_envs  # env steps
-        self.selfplay: SelfPlay | None = None  # two-player games against a pool of snapshots
-        self.numpy_rollout = True  # `algo.numpy_rollout`: CPU MLP policies act through NumPy (numpy_actor.py)
+        self.selfplay = selfplay
+        self.numpy_rollout = numpy_rollout
 
     @property
     def storage(self) -> TensorDict:
@@ -230,44 +236,18 @@ class RolloutCollector:
         num_steps = groups[0].storage.batch_size[0]
         per_step = self.steps_per_tick
         settled: list[np.ndarray | None] = [None for _ in groups]  # async: envs not in flight at the end
-        # Policy outputs are kept per step and written with one stack per key: cheaper than T indexed writes.
-        outputs: list[tuple[list, ...]] = [([], [], []) for _ in groups]
         for g in groups:
             _put(g.host["obs"], 0, g.next_obs.cpu())
             if g.next_mask is not None:
                 g.host[ACTION_MASK][0] = g.next_mask.cpu().numpy()
         obs = [g.next_obs for g in groups]
         masks = [g.next_mask for g in groups]  # envs with action masks: the mask of each obs
-        actors = [self._numpy_actor(g, policy) for g, policy in zip(groups, acting, strict=True)]
-        # Where the NumPy actor could act, the rollout's noise is drawn ahead for either actor (the same
-        # draws: `algo.numpy_rollout` changes the speed, not the actions).
-        noises = [
-            rollout_noise(policy.head, num_steps, g.storage.batch_size[1]) if self._plain(g, policy) else None
-            for g, policy in zip(groups, acting, strict=True)
-        ]
+        actors = [self._actor(g, policy) for g, policy in zip(groups, acting, strict=True)]
         for t in range(num_steps):
             env_actions, next_states = [], []
-            for i, (g, policy) in enumerate(zip(groups, acting, strict=True)):
-                actor = actors[i]
-                if actor is not None:  # NumPy acts: written straight into the storage (on the CPU)
-                    env_action, g.host_logprobs[t] = actor.sample(g.host["obs"][t], next(noises[i]))
-                    g.host_actions[t] = env_action
-                    next_states.append(None)
-                else:
-                    if self.asynchronous:  # only the ready envs act: the others' rows are never used
-                        action, logprob, next_state = _sample_rows(policy, obs[i], g.alive)
-                    elif masks[i] is None:
-                        noise = None if noises[i] is None else torch.from_numpy(next(noises[i]))
-                        action, logprob, next_state = policy.sample(obs[i], g.state, noise=noise)
-                    else:
-                        action, logprob, next_state = policy.sample(obs[i], g.state, False, masks[i])
-                    actions, logprobs, states = outputs[i]
-                    actions.append(action)
-                    logprobs.append(logprob)
-                    if g.state is not None:
-                        states.append(g.state)
-                    next_states.append(next_state)
-                    env_action = action.cpu().numpy()
+            for i, g in enumerate(groups):
+                env_action, next_state = actors[i].act(t, obs[i], masks[i], g.state)
+                next_states.append(next_state)
                 if g.clip is not None:
                     env_action = np.clip(env_action, *g.clip)
                 # self-play: the opponents' seats play their snapshots' moves; only the learner trains
@@ -310,7 +290,7 @@ class RolloutCollector:
                         sp.episodes_ended(info["_episode"], ep["r"])
                 if t + 1 < num_steps:
                     _put(h["obs"], t + 1, next_obs)
-                    if actors[i] is None:  # NumPy reads the host row itself
+                    if not actors[i].reads_host:
                         obs[i] = _row(h["obs"], t + 1, self.device)  # a view on CPU: no copy
                 else:
                     obs[i] = g.to_tensor(next_obs, self.device)
@@ -321,15 +301,11 @@ class RolloutCollector:
                         masks[i] = _row(h[ACTION_MASK], t + 1, self.device)
                     else:
                         masks[i] = torch.from_numpy(step_masks).to(self.device)
-        for g, policy, (actions, logprobs, states), final, last_mask, decided, known in zip(
-            groups, acting, outputs, obs, masks, last, settled, strict=True
+        for g, policy, actor, final, last_mask, decided, known in zip(
+            groups, acting, actors, obs, masks, last, settled, strict=True
         ):
             s = g.storage
-            if actions:  # else NumPy wrote them
-                torch.stack(actions, out=s["actions"])
-                torch.stack(logprobs, out=s["logprobs"])
-            if states:
-                torch.stack(states, out=s[STATE_KEY])
+            actor.store(s)
             if self._staged:
                 for key, host in g.host.items():
                     _copy_in(s[key], host)
@@ -359,12 +335,11 @@ class RolloutCollector:
         )
         return plain and isinstance(g.host["obs"], np.ndarray) and unsupported(policy) is None
 
-    def _numpy_actor(self, g: Group, policy: ActorCritic) -> NumpyActor | None:
-        """The group's NumPy actor for this rollout (`algo.numpy_rollout`), where its rows act plainly."""
-        if not (self.numpy_rollout and self._plain(g, policy)):
-            return None
-        g.host_actions, g.host_logprobs = g.storage["actions"].numpy(), g.storage["logprobs"].numpy()
-        return NumpyActor(policy)
+    def _actor(self, g: Group, policy: ActorCritic) -> Actor:
+        """How the group's rows act in this rollout (`actors.acting_for`)."""
+        ready = (lambda: g.alive) if self.asynchronous else None  # noqa: E731 (read at each step)
+        plain = self._plain(g, policy)
+        return acting_for(policy, g.storage, g.host["obs"], plain, self.numpy_rollout, ready)
 
     def after_update(self, policies: Mapping[str, ActorCritic], version: int) -> None:
         """The learner reached update `version`: self-play takes a snapshot when one is due."""
@@ -446,17 +421,6 @@ def close_open_decisions(
     next_value[index] = storage["values"][steps, index]
 
 
-def _sample_rows(policy: ActorCritic, obs: torch.Tensor, rows: np.ndarray) -> tuple[torch.Tensor, ...]:
-    """An async pool's step: the policy acts for the `rows` that are ready only (feed-forward policies:
-    config refuses recurrent ones), the other rows get zeros, which the env ignores and `mask` hides."""
-    index = torch.from_numpy(np.flatnonzero(rows)).to(obs.device)
-    action, logprob, _ = policy.sample(obs[index], None)
-    actions = action.new_zeros((rows.size, *action.shape[1:]))
-    logprobs = logprob.new_zeros(rows.size)
-    actions[index], logprobs[index] = action, logprob
-    return actions, logprobs, None
-
-
 def _values(policy: ActorCritic, storage: TensorDict, chunk: int) -> torch.Tensor:
     """V(obs_t) for every stored step [T, E], from the state each step started with (recurrent), in
     batches of `chunk` rows: the same computation as the per-step critic, done once per rollout."""
@@ -534,17 +498,17 @@ def build_collector(
         masked = any(spec.action_mask is not None for spec in specs.values())
         envs, first = make_multiagent_vector_env(cfg.env, cfg.multiagent, int(cfg.seed), rank, masked)
         storage = {name: policy_storage(steps, copies, spec, device) for name, spec in specs.items()}
-    gamma, lam = float(algo.gamma), float(algo.gae_lambda)
-    collector = RolloutCollector(envs, first, storage, gamma, lam, reduce, str(cfg.env.id))
-    collector.numpy_rollout = bool(algo.get("numpy_rollout", True))
-    if collector.multiagent:
-        collector.buffer = MultiAgentRolloutBuffer(storage, envs.groups, envs.num_envs)
+    selfplay = None
     if cfg.get("selfplay") is not None and bool(cfg.selfplay.enabled):
         spec = next(iter(specs.values()))
-        collector.selfplay = SelfPlay(cfg.selfplay, spec, envs.num_envs, torch.device(device), rank)
+        selfplay = SelfPlay(cfg.selfplay, spec, envs.num_envs, torch.device(device), rank)
         if rank == 0 and bool(cfg.selfplay.get("elo", False)):
-            collector.selfplay.rater = snapshot_rater(cfg, spec)
-    return collector
+            selfplay.rater = snapshot_rater(cfg, spec)
+    gamma, lam = float(algo.gamma), float(algo.gae_lambda)
+    numpy_rollout = bool(algo.get("numpy_rollout", True))
+    return RolloutCollector(
+        envs, first, storage, gamma, lam, reduce, str(cfg.env.id), numpy_rollout, selfplay
+    )
 
 
 def snapshot_rater(cfg: DictConfig, spec: PolicySpec) -> Any:

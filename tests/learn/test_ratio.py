@@ -67,8 +67,7 @@ def collect(model: ActorCritic, seed: int = 0, numpy_rollout: bool = True) -> Te
     envs, first_obs = make_vector_env(env_cfg(), seed, 0)
     try:
         storage = rollout_storage(STEPS, ENVS, envs.single_observation_space, envs.single_action_space, "cpu")
-        collector = RolloutCollector(envs, first_obs, storage, 0.99, 0.95)
-        collector.numpy_rollout = numpy_rollout
+        collector = RolloutCollector(envs, first_obs, storage, 0.99, 0.95, numpy_rollout=numpy_rollout)
         assert collector.collect(model, 0) == N
     finally:
         envs.close()
