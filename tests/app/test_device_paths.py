@@ -34,7 +34,6 @@ def _fake_gpus(monkeypatch: pytest.MonkeyPatch, count: int) -> None:
 
 
 # ----------------------------------------------------------------------------- which device a role takes
-@pytest.mark.multiprocess
 def test_fabric_run_accelerator_still_places_the_trainers(monkeypatch: pytest.MonkeyPatch) -> None:
     """`fabric run --accelerator=cuda` with `algo.trainer_device=auto`: the job is built on the CPU, yet
     the trainers go where the checks before launch said (CUDA), not onto the CPU Fabric was built with."""
@@ -69,7 +68,6 @@ def _cpu_job(precision: str = "bf16-mixed") -> tuple[Fabric, GroupDDPStrategy]:
     return fabric, strategy
 
 
-@pytest.mark.multiprocess
 def test_trainer_takes_its_gpu_and_autocasts_there(monkeypatch: pytest.MonkeyPatch) -> None:
     """`take_device`: the current CUDA device is set (before any NCCL group or CUDA tensor), Fabric's
     device follows, and mixed precision autocasts on CUDA, not on the CPU Fabric was built for."""
@@ -85,7 +83,6 @@ def test_trainer_takes_its_gpu_and_autocasts_there(monkeypatch: pytest.MonkeyPat
     assert fabric._precision is precision  # Fabric's own reference, used by setup() and autocast()
 
 
-@pytest.mark.multiprocess
 @pytest.mark.filterwarnings("ignore:.*GradScaler is enabled, but CUDA is not available")
 @pytest.mark.parametrize(
     ("given", "mixed"),
@@ -110,7 +107,6 @@ def test_every_name_of_a_mixed_precision_autocasts_on_cuda(
     assert (plugin.scaler is not None) == (mixed == "16-mixed")
 
 
-@pytest.mark.multiprocess
 def test_cpu_role_touches_no_cuda(monkeypatch: pytest.MonkeyPatch) -> None:
     def refuse(_: Any) -> None:
         raise AssertionError("a CPU role must not select a CUDA device")
@@ -121,7 +117,6 @@ def test_cpu_role_touches_no_cuda(monkeypatch: pytest.MonkeyPatch) -> None:
     assert fabric.device == torch.device("cpu") and fabric.strategy.precision.device == "cpu"
 
 
-@pytest.mark.multiprocess
 def test_trainers_ddp_is_on_their_gpu_and_group(monkeypatch: pytest.MonkeyPatch) -> None:
     """Several trainers: DDP over the trainers' group with `device_ids` = the trainer's GPU; one trainer:
     no wrapper at all."""
