@@ -1,0 +1,222 @@
+"""Learning evidence over seeds on the standard suites, beside published references at the same budget.
+
+Each (suite, env, variant, seed) is one training run in a fresh process, one at a time. Results accumulate in
+`<out>/learning_<suite>.json` keyed by (env, variant, seed): a run already there is skipped, so a suite can be
+run over several sittings (`--force` re-runs). Each write rebuilds `learning_<suite>.md` (one row per env and
+variant: the final mean return over seeds, the reference, the wall time) and `learning_<suite>.png` (mean
+return against env steps, every seed).
+
+    python -m benchmarks learning --suite classic --seeds 5                # CartPole, Acrobot, Pendulum, ...
+    python -m benchmarks learning --suite classic --envs CartPole-v1 --seeds 5 --variants coupled pipelined
+    python -m benchmarks learning --suite mujoco --seeds 3                 # needs the mujoco extra
+    python -m benchmarks learning --suite classic --steps 20000 --out /tmp/learning   # smoke test
+
+Variants: `coupled` (1 process) and `pipelined` (decoupled, 1 player + 1 trainer, `algo.pipeline=true`).
+"Final" is the mean return of the run's last 20 episodes (`summary.json`'s `final_mean_return`), the
+training return with the stochastic policy, as CleanRL reports; RL Zoo's references evaluate the
+deterministic policy after training, which tends to score higher. The references are copied, with their
+budget and source, in `SUITES`; where ours runs a different budget or lacks a method the reference used,
+the `note` says so.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import common  # noqa: E402
+from common import RESULTS, run_once  # noqa: E402
+
+CLEANRL = "CleanRL ppo.py, docs.cleanrl.dev/rl-algorithms/ppo (500k steps)"
+CLEANRL_MUJOCO = (
+    "CleanRL ppo_continuous_action.py on the v4 envs, docs.cleanrl.dev/rl-algorithms/ppo (1M steps)"
+)
+ZOO = "RL Zoo benchmark.md (one run, deterministic evaluation)"
+
+
+@dataclass(frozen=True)
+class Task:
+    env: str
+    overrides: tuple[str, ...]
+    reference: tuple[float, float] | None  # mean, std
+    source: str
+    note: str = ""
+
+
+SUITES: dict[str, tuple[Task, ...]] = {
+    "classic": (
+        Task("CartPole-v1", ("exp=cleanrl_cartpole",), (490.04, 6.12), CLEANRL, "CleanRL's workload, 500k"),
+        Task("Acrobot-v1", ("env.id=Acrobot-v1", "algo.total_steps=500000"), (-86.36, 1.32), CLEANRL,
+             "CleanRL's ppo.py defaults, 500k"),
+        Task("Pendulum-v1", ("env=pendulum",), (-172.23, 104.16), f"{ZOO}, PPO 100k with gSDE",
+             "200k without gSDE"),
+        Task("MountainCarContinuous-v0", ("env.id=MountainCarContinuous-v0", "env.normalize_obs=true",
+             "env.normalize_reward=true", "algo.total_steps=500000"), (88.34, 2.57),
+             f"{ZOO}, PPO 20k with gSDE and tuned values", "the default values, no gSDE, 500k"),
+    ),
+    "box2d": (
+        Task("LunarLander-v3", ("env=lunarlander",), (242.12, 31.82), f"{ZOO}, PPO LunarLander-v2, 1M", "1M"),
+        Task("BipedalWalker-v3", ("exp=mujoco", "env.id=BipedalWalker-v3", "algo.total_steps=5000000"),
+             (213.30, 129.49), f"{ZOO}, PPO 5M", "exp=mujoco's values, 5M"),
+    ),
+    "mujoco": (
+        Task("HalfCheetah-v5", ("exp=mujoco",), (1442.64, 46.03), CLEANRL_MUJOCO, "v5, 1M"),
+        Task("Hopper-v5", ("exp=mujoco", "env.id=Hopper-v5"), (2382.86, 271.74), CLEANRL_MUJOCO, "v5, 1M"),
+        Task("Walker2d-v5", ("exp=mujoco", "env.id=Walker2d-v5"), (2287.95, 571.78), CLEANRL_MUJOCO, "v5, 1M"),
+    ),
+}  # fmt: skip
+VARIANTS: dict[str, tuple[str, ...]] = {
+    "coupled": ("strategy=coupled", "fabric.devices=1"),
+    "pipelined": ("strategy=decoupled", "fabric.devices=2", "algo.players=1", "algo.pipeline=true"),
+}
+CURVE_POINTS = 200  # a run's curve is thinned to about this many points in the results
+
+
+def thin(curve: list[list[float]], points: int = CURVE_POINTS) -> list[list[float]]:
+    """Every k-th point and the last, so a long run's curve stays a few kB in the results."""
+    if len(curve) <= points:
+        return curve
+    step = -(-len(curve) // points)
+    return [*curve[::step], *([curve[-1]] if (len(curve) - 1) % step else [])]
+
+
+def run_record(task: Task, variant: str, seed: int, steps: int | None) -> dict[str, Any]:
+    overrides = [*task.overrides, *VARIANTS[variant], f"seed={seed}"]
+    if steps:
+        overrides.append(f"algo.total_steps={steps}")
+    s = run_once(overrides, curve=True)
+    return {
+        "env": task.env,
+        "variant": variant,
+        "seed": seed,
+        "overrides": overrides,
+        "commit": common.git_commit(),
+        "total_env_steps": s["total_env_steps"],
+        "final_mean_return": s["final_mean_return"],
+        "wall_seconds": s["wall_seconds"],
+        "sps": s["sps"],
+        "curve": thin(s["curve"]),
+    }
+
+
+def mean_std(values: list[float]) -> str:
+    if not values:
+        return "n/a"
+    if len(values) == 1:
+        return f"{values[0]:.1f}"
+    return f"{statistics.mean(values):.1f} ± {statistics.stdev(values):.1f}"
+
+
+def markdown(suite: str, report: dict[str, Any], command: str) -> str:
+    runs, m = report["runs"], report["machine"]
+    lines = [
+        f"# Learning: the {suite} suite",
+        "",
+        f"Machine: {m['cpu']}, {m['cores']} cores, torch {m['torch']}. Final: mean return of the last 20 "
+        "training episodes at the end of each run, mean ± std over the seeds shown. Wall: the run's own "
+        "training time (process start-up excluded), mean over seeds.",
+        "",
+        "| env | variant | seeds | steps | final | reference | wall s | SPS | budget here |",
+        "|---|---|---|---:|---:|---:|---:|---:|---|",
+    ]
+    for task in SUITES[suite]:
+        for variant in VARIANTS:
+            mine = sorted(
+                (r for r in runs if (r["env"], r["variant"]) == (task.env, variant)), key=lambda r: r["seed"]
+            )
+            if not mine:
+                continue
+            ref = "n/a" if task.reference is None else f"{task.reference[0]:.1f} ± {task.reference[1]:.1f}"
+            finals = [r["final_mean_return"] for r in mine if r["final_mean_return"] is not None]
+            lines.append(
+                f"| {task.env} | {variant} | {','.join(str(r['seed']) for r in mine)} "
+                f"| {statistics.mean(r['total_env_steps'] for r in mine):,.0f} | {mean_std(finals)} | {ref} "
+                f"| {statistics.mean(r['wall_seconds'] for r in mine):.0f} "
+                f"| {statistics.mean(r['sps'] for r in mine):,.0f} | {task.note} |"
+            )
+    sources = sorted({t.source for t in SUITES[suite] if any(r["env"] == t.env for r in runs)})
+    commits = sorted({r["commit"] for r in runs})
+    lines += [
+        "",
+        "References: " + "; ".join(sources) + ".",
+        "",
+        f"Commits of the runs: {', '.join(commits)} (each run's own is in `learning_{suite}.json`). The last "
+        f"sitting: `{command}`.",
+        "",
+        f"![mean return against env steps](learning_{suite}.png)",
+        "",
+    ]
+    return "\n".join(lines)
+
+
+def plot(suite: str, report: dict[str, Any], path: Path) -> None:
+    """Mean return (last 20 episodes) against env steps: one panel per env, one colour per variant."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    envs = [t.env for t in SUITES[suite] if any(r["env"] == t.env for r in report["runs"])]
+    if not envs:
+        return
+    fig, axes = plt.subplots(1, len(envs), figsize=(5 * len(envs), 3.8), squeeze=False)
+    colours = dict(zip(VARIANTS, plt.rcParams["axes.prop_cycle"].by_key()["color"], strict=False))
+    for ax, env in zip(axes[0], envs, strict=True):
+        labelled: set[str] = set()
+        for r in report["runs"]:
+            if r["env"] != env or not r["curve"]:
+                continue
+            steps, _, returns = zip(*r["curve"], strict=True)
+            label = None if r["variant"] in labelled else r["variant"]
+            labelled.add(r["variant"])
+            ax.plot(steps, returns, color=colours[r["variant"]], alpha=0.7, linewidth=1.0, label=label)
+        ax.set_title(env)
+        ax.set_xlabel("env steps")
+        ax.set_ylabel("mean return, last 20 episodes")
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def main() -> None:
+    parser = common.argument_parser(__doc__)
+    parser.add_argument("--suite", choices=sorted(SUITES), required=True)
+    parser.add_argument("--envs", nargs="+", default=None, help="a subset of the suite's envs")
+    parser.add_argument("--variants", nargs="+", choices=list(VARIANTS), default=["coupled"])
+    parser.add_argument("--seeds", type=int, default=5, help="seeds 1..N")
+    parser.add_argument("--steps", type=int, default=None, help="env steps per run (default: the recipe's)")
+    parser.add_argument("--force", action="store_true", help="re-run runs already in the results")
+    parser.add_argument("--out", type=Path, default=RESULTS)
+    args = parser.parse_args()
+    tasks = [t for t in SUITES[args.suite] if args.envs is None or t.env in args.envs]
+    unknown = set(args.envs or ()) - {t.env for t in SUITES[args.suite]}
+    if unknown:
+        raise SystemExit(f"not in the {args.suite} suite: {sorted(unknown)}")
+    name = f"learning_{args.suite}"
+    path = args.out / f"{name}.json"
+    report = json.loads(path.read_text()) if path.is_file() else {"suite": args.suite, "runs": []}
+    report["machine"] = common.machine()
+    command = common.command_line(__file__)
+    for seed in range(1, args.seeds + 1):  # seed-major: a partial sitting covers every env
+        for task in tasks:
+            for variant in args.variants:
+                key = (task.env, variant, seed)
+                done = [r for r in report["runs"] if (r["env"], r["variant"], r["seed"]) == key]
+                if done and not args.force:
+                    continue
+                r = run_record(task, variant, seed, args.steps)
+                report["runs"] = [x for x in report["runs"] if x not in done] + [r]
+                print(f"{task.env} {variant} seed {seed}: final {r['final_mean_return']}, "
+                      f"{r['wall_seconds']:.0f} s", flush=True)  # fmt: skip
+                common.write_report(args.out, name, report, markdown(args.suite, report, command))
+                plot(args.suite, report, args.out / f"{name}.png")
+
+
+if __name__ == "__main__":
+    main()
