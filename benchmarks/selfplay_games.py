@@ -35,6 +35,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 from ppo_fabric.config.values import compose  # noqa: E402
 from ppo_fabric.games.play import PolicyPlayer, RandomPlayer, aec_env_factory, play_games  # noqa: E402
+from ppo_fabric.games.scripted import SearchPlayer, WinOrBlockPlayer  # noqa: E402
 from ppo_fabric.learn.learners import policy_specs  # noqa: E402
 from ppo_fabric.models.agent import ActorCritic  # noqa: E402
 from ppo_fabric.runs import checkpoint as ckpt  # noqa: E402
@@ -70,14 +71,17 @@ def train(game: str, run_dir: Path, steps: int | None, checkpoints: int, extra: 
     return {"summary": summary, "process_wall_s": wall, "checkpoints": found, "cfg": cfg}
 
 
-def win_rates(cfg: Any, path: Path, games: int, seed: int, greedy: bool = False) -> dict[str, float]:
+def win_rates(
+    cfg: Any, path: Path, games: int, seed: int, greedy: bool = False, opponent: Any = None
+) -> dict[str, float]:
     """Win / draw / loss rates of the checkpoint's policy (sampling, or its most likely move with `greedy`)
-    against a uniformly random legal player."""
+    against `opponent` (default: a uniformly random legal player)."""
     spec = policy_specs(cfg)["shared"]
     policy = ActorCritic(spec.obs_space, spec.action_space, spec.model)
     policy.load_state_dict(ckpt.load(path)["agent"]["shared"])
     player = PolicyPlayer(policy.eval(), deterministic=greedy, masked=True)
-    results = play_games(aec_env_factory(str(cfg.env.id)), player, RandomPlayer(seed), games, seed)
+    opponent = RandomPlayer(seed) if opponent is None else opponent
+    results = play_games(aec_env_factory(str(cfg.env.id)), player, opponent, games, seed)
     return {"win": results.rate(1), "draw": results.rate(0), "loss": results.rate(-1), "games": games}
 
 
@@ -91,6 +95,13 @@ def run_game(game: str, args: argparse.Namespace) -> dict[str, Any]:
         last_step, last = run["checkpoints"][-1]
         final = win_rates(cfg, last, args.games, seed=12345)
         greedy = win_rates(cfg, last, args.games, seed=12345, greedy=True)
+        scripted = {}  # Connect Four: greedy games against the players that think (games/scripted.py)
+        if game == "connect_four":
+            for name, opponent in (
+                ("win_or_block", WinOrBlockPlayer(12345)),
+                ("search:2", SearchPlayer(2, 12345)),
+            ):
+                scripted[name] = win_rates(cfg, last, args.games, seed=12345, greedy=True, opponent=opponent)
         curve.append({"step": last_step, **final})
     summary = run["summary"]
     train_s = float(summary.get("wall_seconds") or run["process_wall_s"])
@@ -105,6 +116,7 @@ def run_game(game: str, args: argparse.Namespace) -> dict[str, Any]:
         "sps": summary.get("sps"),
         "final_vs_random": final,
         "final_vs_random_greedy": greedy,
+        "final_vs_scripted_greedy": scripted,
         "curve": curve,
         "target": TARGETS[game],
         "torch_threads": torch.get_num_threads(),
@@ -121,14 +133,20 @@ def write(results: list[dict[str, Any]], out: Path, stem: str) -> None:
         "`python benchmarks/selfplay_games.py` (one agent's move = one env step; seats alternated; the final",
         "checkpoint plays 400 games, intermediate ones fewer).",
         "",
-        "| game | env steps | training wall (s) | win | draw | loss | greedy: win / draw / loss | target |",
-        "|---|---|---|---|---|---|---|---|",
+        "| game | env steps | training wall (s) | win | draw | loss | greedy: win / draw / loss "
+        "| greedy vs win_or_block / search:2 (win) | target |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for r in results:
         f, g = r["final_vs_random"], r["final_vs_random_greedy"]
+        scripted = r.get("final_vs_scripted_greedy") or {}
+        versus = " / ".join(
+            f"{scripted[k]['win']:.1%}" for k in ("win_or_block", "search:2") if k in scripted
+        )
         lines.append(
             f"| {r['env_id']} | {r['env_steps']:,} | {r['train_wall_s']} | {f['win']:.1%} | {f['draw']:.1%} "
-            f"| {f['loss']:.1%} | {g['win']:.1%} / {g['draw']:.1%} / {g['loss']:.1%} | {r['target']} |"
+            f"| {f['loss']:.1%} | {g['win']:.1%} / {g['draw']:.1%} / {g['loss']:.1%} | {versus or 'n/a'} "
+            f"| {r['target']} |"
         )
     (out / f"{stem}.md").write_text("\n".join(lines) + "\n")
     import matplotlib

@@ -31,7 +31,9 @@ USAGE = """usage: python -m ppo_fabric.evaluate checkpoint=PATH [key=value ...]
   video=false           record the first episode as eval.mp4 (needs: pip install 'ppo-fabric[video]')
   out=DIR               where eval.json (and eval.mp4) go; default: the checkpoint's run directory
   opponent=             two-player AEC games: random | snapshot:PATH (a checkpoint) | pool (the checkpoint's
-                        self-play snapshots); reports win / draw / loss rates over `games` games
+                        self-play snapshots) | win_or_block | search[:DEPTH] (scripted Connect Four players:
+                        take a win or block one; a DEPTH-ply search, default 2); reports win / draw / loss
+                        rates over `games` games
   games=100             games to play against the opponent (seats alternated; pool: shared among snapshots)
   policy=               multi-agent checkpoints: the policy that plays the game (default: the first trained)
 """

@@ -16,7 +16,8 @@ class GameEvalError(ValueError):
     """Input a game evaluation cannot run with; `str()` is one line for the user."""
 
 
-OPPONENTS = "random, snapshot:<checkpoint> or pool"
+OPPONENTS = "random, win_or_block, search[:DEPTH], snapshot:<checkpoint> or pool"
+SCRIPTED_GAMES = ("connect_four",)  # the games the scripted players (games/scripted.py) know
 
 
 def is_aec_game(env_id: str) -> bool:
@@ -61,6 +62,8 @@ def opponent_players(
 
     if opponent == "random":
         return [("random", RandomPlayer(seed + 1))]
+    if opponent == "win_or_block" or opponent.partition(":")[0] == "search":
+        return [(opponent, scripted_player(opponent, str(state["config"]["env"]["id"]), seed + 1))]
     if opponent.startswith("snapshot:"):
         path = opponent.partition(":")[2]
         try:
@@ -91,6 +94,18 @@ def opponent_players(
             players.append((f"pool:{snap['id']}", _player(agent, deterministic)))
         return players
     raise GameEvalError(f"opponent={opponent} is unknown; choose {OPPONENTS}")
+
+
+def scripted_player(opponent: str, env_id: str, seed: int) -> Any:
+    """`win_or_block` or `search[:DEPTH]` (default depth 2) on Connect Four; GameEvalError otherwise."""
+    from ppo_fabric.games.scripted import SearchPlayer, WinOrBlockPlayer
+
+    depth = opponent.partition(":")[2] or "2"
+    if opponent != "win_or_block" and (not depth.isdigit() or not 1 <= int(depth) <= 6):
+        raise GameEvalError(f"opponent={opponent}: the search depth is a whole number from 1 to 6")
+    if not any(game in env_id for game in SCRIPTED_GAMES):
+        raise GameEvalError(f"opponent={opponent} plays connect_four_v3 only, not env.id={env_id}")
+    return WinOrBlockPlayer(seed) if opponent == "win_or_block" else SearchPlayer(int(depth), seed)
 
 
 def evaluate_games(

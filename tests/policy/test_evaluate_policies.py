@@ -219,6 +219,8 @@ def test_games_against_a_snapshot_and_the_pool(tmp_path: Path) -> None:
     ("args", "fragment"),
     [
         pytest.param(["opponent=nobody"], "opponent=nobody is unknown", id="unknown-opponent"),
+        pytest.param(["opponent=win_or_block"], "plays connect_four_v3 only", id="scripted-on-tictactoe"),
+        pytest.param(["opponent=search:9"], "depth is a whole number from 1 to 6", id="scripted-depth"),
         pytest.param(["opponent=pool"], "holds no self-play pool", id="no-pool"),
         pytest.param(["opponent=random", "policy=red"], "policy=red is not in", id="unknown-policy"),
         pytest.param(["opponent=random", "games=0"], "games=0 must be > 0", id="no-games"),
