@@ -107,3 +107,55 @@ def run_once(overrides: list[str], solved_return: float = 475.0, curve: bool = F
         if curve:
             summary["curve"] = learning_curve(run_dir / "metrics.csv")
         return summary
+
+
+def mean_std(values: list[float]) -> str:
+    """`mean ± std` over seeds (one value as it is; none: n/a)."""
+    import statistics
+
+    if not values:
+        return "n/a"
+    if len(values) == 1:
+        return f"{values[0]:.1f}"
+    return f"{statistics.mean(values):.1f} ± {statistics.stdev(values):.1f}"
+
+
+def plot_curves(
+    runs: list[dict[str, Any]],
+    panel_key: str,
+    panels: list[str],
+    variants: tuple[str, ...],
+    x: int,
+    xlabel: str,
+    path: Path,
+    thresholds: dict[str, float] | None = None,
+) -> None:
+    """Every run's learning curve (`learning_curve` points: [step, wall s, return], x = 0 or 1), one panel
+    per value of the runs' `panel_key`, one colour per variant, a dotted line at each panel's threshold."""
+    if not panels:
+        return
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(panels), figsize=(5.5 * len(panels), 4.2), squeeze=False)
+    colours = dict(zip(variants, plt.rcParams["axes.prop_cycle"].by_key()["color"], strict=False))
+    for ax, panel in zip(axes[0], panels, strict=True):
+        labelled: set[str] = set()
+        for r in runs:
+            if r[panel_key] != panel or not r["curve"]:
+                continue
+            points = list(zip(*r["curve"], strict=True))
+            label = None if r["variant"] in labelled else r["variant"]
+            labelled.add(r["variant"])
+            ax.plot(points[x], points[2], color=colours[r["variant"]], alpha=0.75, linewidth=1.1, label=label)
+        if thresholds and panel in thresholds:
+            ax.axhline(thresholds[panel], color="grey", linestyle=":", linewidth=1)
+        ax.set_title(panel)
+        ax.set_xlabel(xlabel)
+        ax.set_ylabel("mean return, last 20 episodes")
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)

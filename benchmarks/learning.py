@@ -105,14 +105,6 @@ def run_record(task: Task, variant: str, seed: int, steps: int | None) -> dict[s
     }
 
 
-def mean_std(values: list[float]) -> str:
-    if not values:
-        return "n/a"
-    if len(values) == 1:
-        return f"{values[0]:.1f}"
-    return f"{statistics.mean(values):.1f} ± {statistics.stdev(values):.1f}"
-
-
 def markdown(suite: str, report: dict[str, Any], command: str) -> str:
     runs, m = report["runs"], report["machine"]
     lines = [
@@ -136,7 +128,7 @@ def markdown(suite: str, report: dict[str, Any], command: str) -> str:
             finals = [r["final_mean_return"] for r in mine if r["final_mean_return"] is not None]
             lines.append(
                 f"| {task.env} | {variant} | {','.join(str(r['seed']) for r in mine)} "
-                f"| {statistics.mean(r['total_env_steps'] for r in mine):,.0f} | {mean_std(finals)} | {ref} "
+                f"| {statistics.mean(r['total_env_steps'] for r in mine):,.0f} | {common.mean_std(finals)} | {ref} "
                 f"| {statistics.mean(r['wall_seconds'] for r in mine):.0f} "
                 f"| {statistics.mean(r['sps'] for r in mine):,.0f} | {task.note} |"
             )
@@ -157,32 +149,8 @@ def markdown(suite: str, report: dict[str, Any], command: str) -> str:
 
 def plot(suite: str, report: dict[str, Any], path: Path) -> None:
     """Mean return (last 20 episodes) against env steps: one panel per env, one colour per variant."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     envs = [t.env for t in SUITES[suite] if any(r["env"] == t.env for r in report["runs"])]
-    if not envs:
-        return
-    fig, axes = plt.subplots(1, len(envs), figsize=(5 * len(envs), 3.8), squeeze=False)
-    colours = dict(zip(VARIANTS, plt.rcParams["axes.prop_cycle"].by_key()["color"], strict=False))
-    for ax, env in zip(axes[0], envs, strict=True):
-        labelled: set[str] = set()
-        for r in report["runs"]:
-            if r["env"] != env or not r["curve"]:
-                continue
-            steps, _, returns = zip(*r["curve"], strict=True)
-            label = None if r["variant"] in labelled else r["variant"]
-            labelled.add(r["variant"])
-            ax.plot(steps, returns, color=colours[r["variant"]], alpha=0.7, linewidth=1.0, label=label)
-        ax.set_title(env)
-        ax.set_xlabel("env steps")
-        ax.set_ylabel("mean return, last 20 episodes")
-        ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    common.plot_curves(report["runs"], "env", envs, tuple(VARIANTS), 0, "env steps", path)
 
 
 def main() -> None:

@@ -98,14 +98,6 @@ def run_record(workload: str, variant: str, seed: int, steps: int | None) -> dic
     }
 
 
-def _mean_std(values: list[float]) -> str:
-    if not values:
-        return "n/a"
-    if len(values) == 1:
-        return f"{values[0]:.1f}"
-    return f"{statistics.mean(values):.1f} ± {statistics.stdev(values):.1f}"
-
-
 def _mean(values: list[float | None], fmt: str) -> str:
     """Mean over the runs that got there, with how many did."""
     got = [v for v in values if v is not None]
@@ -134,8 +126,8 @@ def table(runs: list[dict[str, Any]], workload: str) -> list[str]:
         reached = sum(r["step_at_threshold"] is not None for r in mine)
         lines.append(
             f"| {variant} | {','.join(str(r['seed']) for r in mine)} "
-            f"| {_mean_std([r['final_mean_return'] for r in mine if r['final_mean_return'] is not None])} "
-            f"| {_mean_std([r['best_mean_return'] for r in mine if r['best_mean_return'] is not None])} "
+            f"| {common.mean_std([r['final_mean_return'] for r in mine if r['final_mean_return'] is not None])} "
+            f"| {common.mean_std([r['best_mean_return'] for r in mine if r['best_mean_return'] is not None])} "
             f"| {reached}/{len(mine)} | {_mean([r['step_at_threshold'] for r in mine], ',.0f')} "
             f"| {_mean([r['wall_at_threshold'] for r in mine], '.0f')} "
             f"| {statistics.mean(r['wall_seconds'] for r in mine):.0f} "
@@ -179,35 +171,11 @@ def markdown(report: dict[str, Any], command: str) -> str:
 
 def plot(report: dict[str, Any], path: Path) -> None:
     """Mean return (last 20 episodes) against wall time, one panel per workload, one colour per variant."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     workloads = [w for w in WORKLOADS if any(r["workload"] == w for r in report["runs"])]
-    if not workloads:
-        return
-    fig, axes = plt.subplots(1, len(workloads), figsize=(6.5 * len(workloads), 4.5), squeeze=False)
-    colours = dict(
-        zip((*VARIANTS, *RETIRED), plt.rcParams["axes.prop_cycle"].by_key()["color"], strict=False)
+    thresholds = {w: t for w, (_, t) in WORKLOADS.items()}
+    common.plot_curves(
+        report["runs"], "workload", workloads, (*VARIANTS, *RETIRED), 1, "wall time (s)", path, thresholds
     )
-    for ax, workload in zip(axes[0], workloads, strict=True):
-        labelled: set[str] = set()
-        for r in report["runs"]:
-            if r["workload"] != workload or not r["curve"]:
-                continue
-            _, walls, returns = zip(*r["curve"], strict=True)
-            label = None if r["variant"] in labelled else r["variant"]
-            labelled.add(r["variant"])
-            ax.plot(walls, returns, color=colours[r["variant"]], alpha=0.8, linewidth=1.2, label=label)
-        ax.axhline(WORKLOADS[workload][1], color="grey", linestyle=":", linewidth=1)
-        ax.set_title(workload)
-        ax.set_xlabel("wall time (s)")
-        ax.set_ylabel("mean return, last 20 episodes")
-        ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
 
 
 def main() -> None:
