@@ -11,7 +11,7 @@ ARGS   ?=
 $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
 	$(PIP) install -c constraints.txt torch==2.13.0
-	$(PIP) install -c constraints.txt -e '.[dev,video,onnx,atari,mujoco,mpe,mlflow,wandb,tune,envpool,docs]'
+	$(PIP) install -c constraints.txt -e '.[dev,video,onnx,atari,minatar,mujoco,mpe,mlflow,wandb,tune,envpool,docs]'
 	touch $(STAMP)
 
 # PPO on CartPole-v1 with the default config (add overrides with ARGS="env.id=Acrobot-v1 ...").

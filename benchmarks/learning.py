@@ -9,6 +9,7 @@ return against env steps, every seed).
     python -m benchmarks learning --suite classic --seeds 5                # CartPole, Acrobot, Pendulum, ...
     python -m benchmarks learning --suite classic --envs CartPole-v1 --seeds 5 --variants coupled pipelined
     python -m benchmarks learning --suite mujoco --seeds 3                 # needs the mujoco extra
+    python -m benchmarks learning --suite minatar --seeds 3 --variants coupled pipelined   # exp=minatar, 5M
     python -m benchmarks learning --suite classic --steps 20000 --out /tmp/learning   # smoke test
 
 Variants: `coupled` (1 process) and `pipelined` (decoupled, 1 player + 1 trainer, `algo.pipeline=true`).
@@ -37,6 +38,7 @@ CLEANRL_MUJOCO = (
     "CleanRL ppo_continuous_action.py on the v4 envs, docs.cleanrl.dev/rl-algorithms/ppo (1M steps)"
 )
 ZOO = "RL Zoo benchmark.md (one run, deterministic evaluation)"
+MINATAR = "MinAtar: Young and Tian 2019 (arXiv 1903.03176) report curves, not a table, for DQN and AC(lambda)"
 
 
 @dataclass(frozen=True)
@@ -69,6 +71,11 @@ SUITES: dict[str, tuple[Task, ...]] = {
         Task("HalfCheetah-v5", ("exp=mujoco",), (1442.64, 46.03), CLEANRL_MUJOCO, "v5, 1M"),
         Task("Hopper-v5", ("exp=mujoco", "env.id=Hopper-v5"), (2382.86, 271.74), CLEANRL_MUJOCO, "v5, 1M"),
         Task("Walker2d-v5", ("exp=mujoco", "env.id=Walker2d-v5"), (2287.95, 571.78), CLEANRL_MUJOCO, "v5, 1M"),
+    ),
+    "minatar": (
+        Task("MinAtar/Breakout-v1", ("exp=minatar",), None, MINATAR, "5M"),
+        Task("MinAtar/SpaceInvaders-v1", ("exp=minatar", "env.id=MinAtar/SpaceInvaders-v1"), None, MINATAR,
+             "5M"),
     ),
 }  # fmt: skip
 VARIANTS: dict[str, tuple[str, ...]] = {

@@ -29,6 +29,7 @@ from ppo_fabric.envs.normalize import (
 # Which pip extra provides the simulator behind an env id, so a missing one is named in the error.
 _EXTRA_BY_PREFIX = {
     "ALE/": "atari",
+    "MinAtar/": "minatar",
     "LunarLander": "box2d",
     "BipedalWalker": "box2d",
     "CarRacing": "box2d",
@@ -226,6 +227,12 @@ def _import_env_module(env_id: str) -> Any:
             gym.register_envs(ale_py)
         except ImportError as exc:
             raise EnvError(f"env.id={env_id!r} needs Atari: pip install 'ppo-fabric[atari]'") from exc
+    if env_id.split(":")[-1].startswith("MinAtar/") and env_id.split(":")[-1] not in gym.registry:
+        try:  # MinAtar registers its ids through an entry point that gymnasium 1.x no longer loads
+            from minatar.gym import register_envs
+        except ImportError as exc:
+            raise EnvError(f"env.id={env_id!r} needs MinAtar: pip install 'ppo-fabric[minatar]'") from exc
+        register_envs()
     return factory
 
 

@@ -161,6 +161,38 @@ class NatureCNN(nn.Module):
         return torch.relu(self.linear(self._conv(x)))
 
 
+class GridCNN(nn.Module):
+    """The MinAtar network (Young and Tian 2019): one conv layer of 16 3x3 filters, stride 1, then a
+    linear layer of 128 units, ReLU after each. Sized for small grids of object channels (MinAtar's 10x10
+    frames), where the Nature CNN's 8x8 stride-4 kernel would not fit and would lose the one-cell detail
+    the games turn on.
+
+    Observations are [H, W, C] (gymnasium's and MinAtar's layout; bool or float channels), or [H, W] for
+    one channel; they are cast to float32 here, so bool frames need no wrapper.
+    """
+
+    def __init__(self, space: gym.spaces.Box, filters: int = 16, features: int = 128) -> None:
+        super().__init__()
+        if not isinstance(space, gym.spaces.Box) or len(space.shape) not in (2, 3):
+            raise ValueError(
+                f"model.encoder=grid needs a grid observation space ([H, W, C] or [H, W]), got {space}; "
+                "use model.encoder=auto"
+            )
+        shape = tuple(int(d) for d in space.shape)
+        self.add_channel = len(shape) == 2
+        channels, height, width = (1, *shape) if self.add_channel else (shape[2], shape[0], shape[1])
+        if height < 3 or width < 3:
+            raise ValueError(f"observation {shape} is smaller than the 3x3 kernel of model.encoder=grid")
+        self.conv = _conv_init(nn.Conv2d(channels, filters, 3, stride=1))
+        self.linear = layer_init(nn.Linear(filters * (height - 2) * (width - 2), features))
+        self.out_dim = features
+
+    def forward(self, obs: Tensor) -> Tensor:
+        x = obs.float()
+        x = x.unsqueeze(1) if self.add_channel else x.permute(0, 3, 1, 2)
+        return torch.relu(self.linear(torch.relu(self.conv(x)).flatten(1)))
+
+
 class MultiEncoder(nn.Module):
     """Dict observations: a Nature CNN per image key, the other (Box) keys flattened; features concatenated
     in the space's key order. Vector keys get no layers of their own: the actor and critic MLPs (or, with
@@ -190,6 +222,7 @@ EncoderFactory = Callable[[gym.Space, DictConfig], nn.Module]
 ENCODERS: dict[str, EncoderFactory] = {
     "mlp": lambda space, cfg: FlattenEncoder(space),
     "cnn": lambda space, cfg: NatureCNN(space),
+    "grid": lambda space, cfg: GridCNN(space),
     "multi": lambda space, cfg: MultiEncoder(space),
 }
 
@@ -197,7 +230,8 @@ ENCODERS: dict[str, EncoderFactory] = {
 def select_encoder(space: gym.Space, name: str) -> str:
     """Resolve `model.encoder=auto` from the observation space; explain what is not supported.
 
-    auto: `cnn` for image Boxes (uint8, 2-D or 3-D), `mlp` for other Boxes, `multi` for Dict spaces.
+    auto: `cnn` for image Boxes (uint8, 2-D or 3-D), `grid` for bool [H, W, C] Boxes (MinAtar's object
+    channels), `mlp` for other Boxes, `multi` for Dict spaces.
     """
     if name != "auto" and name not in ENCODERS:
         raise ValueError(f"model.encoder={name!r} is unknown; choose one of auto, {', '.join(ENCODERS)}")
@@ -211,7 +245,9 @@ def select_encoder(space: gym.Space, name: str) -> str:
             "(gymnasium.wrappers.FlattenObservation) or a Dict of Boxes"
         )
     if name == "auto":
-        return "cnn" if is_image_space(space) else "mlp"
+        if is_image_space(space):
+            return "cnn"
+        return "grid" if space.dtype == np.bool_ and len(space.shape) == 3 else "mlp"
     if name == "multi":
         raise ValueError("model.encoder=multi is for Dict observations; use auto")
     return name
