@@ -98,6 +98,15 @@ def run_record(workload: str, variant: str, seed: int, steps: int | None) -> dic
     }
 
 
+def late_mean(curve: list[list[float]]) -> float | None:
+    """Mean return over the last third of a run's env steps: where a run settles, steadier than the last
+    point (one noisy mean of 20 episodes) or the best one (the top of an oscillation)."""
+    if not curve:
+        return None
+    tail = [point[2] for point in curve if point[0] >= curve[-1][0] * 2 / 3]
+    return statistics.mean(tail)
+
+
 def _mean(values: list[float | None], fmt: str) -> str:
     """Mean over the runs that got there, with how many did."""
     got = [v for v in values if v is not None]
@@ -112,9 +121,9 @@ def table(runs: list[dict[str, Any]], workload: str) -> list[str]:
     lines = [
         f"### {workload} (threshold {threshold:g})",
         "",
-        f"| variant | seeds | final | best | reached {threshold:g} | env step at {threshold:g} | "
+        f"| variant | seeds | final | best | last third | reached {threshold:g} | env step at {threshold:g} | "
         f"wall s at {threshold:g} | wall s (run) | SPS |",
-        "|---|---|---:|---:|:---:|---:|---:|---:|---:|",
+        "|---|---|---:|---:|---:|:---:|---:|---:|---:|---:|",
     ]
     for variant in (*VARIANTS, *RETIRED):
         mine = sorted(
@@ -128,6 +137,7 @@ def table(runs: list[dict[str, Any]], workload: str) -> list[str]:
             f"| {variant} | {','.join(str(r['seed']) for r in mine)} "
             f"| {common.mean_std([r['final_mean_return'] for r in mine if r['final_mean_return'] is not None])} "
             f"| {common.mean_std([r['best_mean_return'] for r in mine if r['best_mean_return'] is not None])} "
+            f"| {common.mean_std([v for v in (late_mean(r['curve']) for r in mine) if v is not None])} "
             f"| {reached}/{len(mine)} | {_mean([r['step_at_threshold'] for r in mine], ',.0f')} "
             f"| {_mean([r['wall_at_threshold'] for r in mine], '.0f')} "
             f"| {statistics.mean(r['wall_seconds'] for r in mine):.0f} "
@@ -149,7 +159,8 @@ def markdown(report: dict[str, Any], command: str) -> str:
         "# Policy lag: coupled, synchronous and pipelined decoupled",
         "",
         f"Machine: {m['cpu']}, {m['cores']} cores, torch {m['torch']}. Decoupled runs: 1 player + 1 trainer. "
-        "Final and best: mean return of the last 20 episodes (mean ± std over seeds); the step and wall "
+        "Final and best: mean return of the last 20 episodes (mean ± std over seeds); last third: its mean "
+        "over the last third of the run's env steps; the step and wall "
         "time at the threshold are means over the seeds that reached it. Wall times are the runs' own "
         "`time/wall_s` (process start-up excluded).",
         "",
