@@ -12,6 +12,7 @@ Writes benchmarks/results/cartpole_lstm.{json,md,png}.
 
     .venv/bin/python benchmarks/cartpole_lstm.py                       # 1 seed x 2 models, the exp's 200k steps each
     .venv/bin/python benchmarks/cartpole_lstm.py --seeds 3
+    .venv/bin/python benchmarks/cartpole_lstm.py --seeds 3 --task zeroed     # or noisy; results of their own
     .venv/bin/python benchmarks/cartpole_lstm.py --steps 500000            # longer than the exp's budget
     .venv/bin/python benchmarks/cartpole_lstm.py --steps 20000 --out /tmp/cl   # smoke test
     .venv/bin/python benchmarks/cartpole_lstm.py -- env.num_envs=16           # extra overrides after --
@@ -41,6 +42,21 @@ MEAN20 = "rollout/return_mean20"
 # model name in the report -> overrides on top of exp=cartpole_lstm (which takes model=lstm's defaults, so
 # swapping the model group leaves everything else as it is).
 MODELS: dict[str, list[str]] = {"lstm": [], "mlp": ["model=mlp"]}
+# The partially observed task: `dropped` is the exp's own (velocities removed from the observation); the
+# others keep the recipe and change what is hidden. Each task writes its own results (`cartpole_lstm` for
+# `dropped`, `cartpole_lstm_<task>` for the others).
+TASKS: dict[str, list[str]] = {
+    "dropped": [],
+    "zeroed": ["env.mask_velocity=zero"],  # velocities read 0, the observation keeps its 4 entries
+    "noisy": ["env.mask_velocity=false", "env.observation_noise=0.1"],  # all 4 entries, each with N(0, 0.1^2)
+}
+TITLES = {"dropped": "velocities dropped", "zeroed": "velocities zeroed", "noisy": "noisy observations"}
+TASK_WORDS = {
+    "dropped": "observes only the cart position and pole angle (`env.mask_velocity=true`)",
+    "zeroed": "sees the velocities as zeros (`env.mask_velocity=zero`)",
+    "noisy": "observes all four entries with Gaussian noise of std 0.1 added (`env.mask_velocity=false "
+    "env.observation_noise=0.1`)",
+}
 
 
 def read_curve(metrics_csv: Path) -> list[tuple[int, float]]:
@@ -54,9 +70,11 @@ def read_curve(metrics_csv: Path) -> list[tuple[int, float]]:
     return curve
 
 
-def run_one(model: str, seed: int, steps: int | None, extra: list[str]) -> dict[str, Any]:
+def run_one(
+    model: str, seed: int, steps: int | None, extra: list[str], task: str = "dropped"
+) -> dict[str, Any]:
     """One training run in a fresh process (as a user launches it); its figures and learning curve."""
-    overrides = ["exp=cartpole_lstm", *MODELS[model], f"seed={seed}"]
+    overrides = ["exp=cartpole_lstm", *MODELS[model], *TASKS[task], f"seed={seed}"]
     overrides += [f"algo.total_steps={steps}"] if steps else []
     overrides += extra
     load_before = os.getloadavg()[0]
@@ -89,7 +107,7 @@ def run_one(model: str, seed: int, steps: int | None, extra: list[str]) -> dict[
     }
 
 
-def plot(runs: list[dict[str, Any]], out: Path) -> None:
+def plot(runs: list[dict[str, Any]], out: Path, task: str = "dropped") -> None:
     """rollout/return_mean20 against env steps, one line per run (LSTM blue, MLP orange). Drawn on an Agg
     canvas through the object API, as ppo_fabric/runs/plots.py does, so no GUI backend is ever picked."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
@@ -107,7 +125,7 @@ def plot(runs: list[dict[str, Any]], out: Path) -> None:
     ax.axhline(SOLVED, color="grey", ls="--", lw=1, label=f"{SOLVED:g} (solved)")
     ax.set_xlabel("env steps")
     ax.set_ylabel("mean return of the last 20 episodes")
-    ax.set_title("CartPole-v1, velocities hidden (exp=cartpole_lstm)")
+    ax.set_title(f"CartPole-v1, {TITLES[task]} (exp=cartpole_lstm)")
     ax.set_ylim(0, 600)  # headroom above 500 for the legend
     ax.grid(alpha=0.3)
     ax.legend(loc="upper center", ncols=3, fontsize="small")
@@ -129,11 +147,11 @@ def markdown(report: dict[str, Any], command: str) -> str:
     extra = f" Extra overrides: `{' '.join(report['extra_overrides'])}`." if report["extra_overrides"] else ""
     busy = [r for r in report["runs"] if max(r["load_before"], r["load_after"]) > 1.5]
     lines = [
-        "# Recurrent PPO on CartPole-v1 with the velocities hidden (`exp=cartpole_lstm`)",
+        f"# Recurrent PPO on a partially observed CartPole-v1 (`exp=cartpole_lstm`, task `{report['task']}`)",
         "",
         f"Machine: {m['cpu']}, {m['cores']} cores, torch {m['torch']}, one torch thread per process; "
-        f"commit {report['commit']}. `exp=cartpole_lstm` observes only the cart position and pole angle "
-        "(`env.mask_velocity=true`), with RL-Zoo's RecurrentPPO settings for CartPoleNoVel (separate actor "
+        f"commit {report['commit']}. The policy {TASK_WORDS[report['task']]}, "
+        "with RL-Zoo's RecurrentPPO settings for CartPoleNoVel (separate actor "
         "and critic LSTMs of 64, "
         "sequences of 16 steps, observation and reward normalisation); the `mlp` rows run the same "
         f"experiment with `model=mlp` (64x64 actor and critic MLPs), everything else unchanged."
@@ -159,7 +177,7 @@ def markdown(report: dict[str, Any], command: str) -> str:
             if busy
             else []
         ),  # fmt: skip
-        "![learning curves](cartpole_lstm.png)" if report["png"] else "",
+        f"![learning curves]({report['png']})" if report["png"] else "",
         "",
         f"Command: `{command}`",
         "",
@@ -174,6 +192,7 @@ def main() -> None:
     )
     parser.add_argument("--seeds", type=int, default=1, help="seeds 1..N, one run per model each")
     parser.add_argument("--only", choices=["both", *MODELS], default="both", help="run one model only")
+    parser.add_argument("--task", choices=list(TASKS), default="dropped", help="what the observation hides")
     parser.add_argument("--out", type=Path, default=RESULTS, help="where cartpole_lstm.{json,md,png} go")
     parser.add_argument("extra", nargs="*", help="overrides for every run, after --")
     args = parser.parse_args()
@@ -181,17 +200,18 @@ def main() -> None:
     runs = []
     for seed in range(1, args.seeds + 1):
         for model in models:
-            r = run_one(model, seed, args.steps, args.extra)
+            r = run_one(model, seed, args.steps, args.extra, args.task)
             runs.append(r)
             print(f"model={model} seed {seed}: {r['total_env_steps']:,} steps, final {_fmt(r['final_mean_return'])}, "
                   f"first mean20 >= 475 at {r['first_step_mean20_at_475']}, {r['sps']:,.0f} SPS, "
                   f"{r['wall_seconds']:.0f} s", flush=True)  # fmt: skip
     args.out.mkdir(parents=True, exist_ok=True)
-    png = args.out / "cartpole_lstm.png"
-    plot(runs, png)
-    report = {"experiment": "cartpole_lstm", "steps": args.steps, "extra_overrides": args.extra,
+    name = "cartpole_lstm" if args.task == "dropped" else f"cartpole_lstm_{args.task}"
+    png = args.out / f"{name}.png"
+    plot(runs, png, args.task)
+    report = {"experiment": "cartpole_lstm", "task": args.task, "steps": args.steps, "extra_overrides": args.extra,
               "machine": common.machine(), "commit": common.git_commit(), "png": png.name, "runs": runs}  # fmt: skip
-    common.write_report(args.out, "cartpole_lstm", report, markdown(report, common.command_line(__file__)))
+    common.write_report(args.out, name, report, markdown(report, common.command_line(__file__)))
 
 
 if __name__ == "__main__":

@@ -139,9 +139,16 @@ def _check_multiagent(cfg: DictConfig) -> None:
         )
     if str(cfg.env.get("backend", "gymnasium")) != "gymnasium":
         raise ConfigError(f"PettingZoo envs run with env.backend=gymnasium, not {cfg.env.backend}")
-    for key in ("normalize_obs", "normalize_reward", "mask_velocity"):
+    for key, off in (
+        ("normalize_obs", "false"),
+        ("normalize_reward", "false"),
+        ("mask_velocity", "false"),
+        ("observation_noise", "0"),
+    ):
         if cfg.env.get(key, False):
-            raise ConfigError(f"env.{key}=true is not supported for PettingZoo envs yet; set env.{key}=false")
+            raise ConfigError(
+                f"env.{key}={cfg.env.get(key)} is not supported for PettingZoo envs yet; set env.{key}={off}"
+            )
     try:
         settings = policy_settings(cfg.multiagent)
     except EnvError as exc:

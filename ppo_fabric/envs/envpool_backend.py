@@ -116,7 +116,7 @@ def check_settings(env_cfg: DictConfig) -> None:
         )
     if preprocess == "atari" and not is_atari(env_id):
         raise EnvPoolError("env.preprocess=atari needs an ALE environment (env.id=ALE/<Game>-v5)")
-    for key, off in (("action_repeat", 1), ("mask_velocity", False)):
+    for key, off in (("action_repeat", 1), ("mask_velocity", False), ("observation_noise", 0.0)):
         if env_cfg.get(key, off) not in (off, None):
             raise EnvPoolError(f"env.{key}={env_cfg.get(key)} is not supported with env.backend=envpool")
     envpool = import_envpool()

@@ -83,30 +83,75 @@ def env_name(env_id: str) -> str:
     return re.sub(r"-v\d+$", "", env_id.split(":")[-1])
 
 
-class MaskVelocity(gym.ObservationWrapper):
-    """Keep only the position-like entries of a known env's observation (`VELOCITY_FREE_INDICES`).
+MASK_MODES = ("drop", "zero")  # env.mask_velocity: true is "drop"
 
-    The observation space becomes a Box of the kept entries' bounds, so the model is built for them.
+
+def mask_velocity_mode(value: Any) -> str | None:
+    """`env.mask_velocity` as a mode: None (false), "drop" (true or "drop") or "zero"; EnvError otherwise."""
+    if value is None or value is False:
+        return None
+    if value is True:
+        return "drop"
+    if isinstance(value, str) and value in MASK_MODES:
+        return value
+    raise EnvError(f"env.mask_velocity={value!r}: choose false, true (drop), drop or zero")
+
+
+class MaskVelocity(gym.ObservationWrapper):
+    """Hide the velocities of a known env's observation (`VELOCITY_FREE_INDICES` lists what stays).
+
+    `mode="drop"`: the observation keeps the position-like entries only, and the space becomes a Box of
+    their bounds, so the model is built for them. `mode="zero"`: the observation keeps its shape and the
+    velocity entries read 0 (a network that was built for the full observation sees constant inputs there).
     Raises EnvError for an env that is not in the table.
     """
 
-    def __init__(self, env: gym.Env, env_id: str | None = None) -> None:
+    def __init__(self, env: gym.Env, env_id: str | None = None, mode: str = "drop") -> None:
         super().__init__(env)
         env_id = env_id if env_id is not None else (env.spec.id if env.spec is not None else "")
         indices = VELOCITY_FREE_INDICES.get(env_name(env_id))
         space = env.observation_space
         if indices is None:
             supported = ", ".join(VELOCITY_FREE_INDICES)
-            raise EnvError(f"env.mask_velocity=true supports only {supported}, not env.id={env_id!r}")
+            raise EnvError(f"env.mask_velocity supports only {supported}, not env.id={env_id!r}")
         if not isinstance(space, gym.spaces.Box) or len(space.shape) != 1 or max(indices) >= space.shape[0]:
-            raise EnvError(f"env.mask_velocity=true: env.id={env_id!r} has an unexpected observation space")
+            raise EnvError(f"env.mask_velocity: env.id={env_id!r} has an unexpected observation space")
         self.indices = np.asarray(indices, dtype=np.int64)
-        self.observation_space = gym.spaces.Box(
-            space.low[self.indices], space.high[self.indices], (len(indices),), space.dtype
-        )
+        self.mode = mode
+        if mode == "zero":
+            self.keep = np.zeros(space.shape, dtype=space.dtype)
+            self.keep[self.indices] = 1
+            low, high = np.where(self.keep, space.low, 0), np.where(self.keep, space.high, 0)
+            self.observation_space = gym.spaces.Box(low, high, space.shape, space.dtype)
+        else:
+            self.observation_space = gym.spaces.Box(
+                space.low[self.indices], space.high[self.indices], (len(indices),), space.dtype
+            )
 
     def observation(self, observation: np.ndarray) -> np.ndarray:
+        if self.mode == "zero":
+            return np.asarray(observation) * self.keep
         return np.asarray(observation)[self.indices]
+
+
+class ObservationNoise(gym.ObservationWrapper):
+    """Gaussian noise of standard deviation `std` added to every entry of a flat Box observation, drawn
+    from the env's own generator, so a seeded run repeats. A partially observed task of a third kind (after
+    dropped and zeroed velocities): a memory helps to average the noise out. The space widens to the reals."""
+
+    def __init__(self, env: gym.Env, std: float) -> None:
+        super().__init__(env)
+        space = env.observation_space
+        if not isinstance(space, gym.spaces.Box) or not np.issubdtype(space.dtype, np.floating):
+            raise EnvError(f"env.observation_noise needs a float Box observation space, got {space}")
+        if not std > 0:
+            raise EnvError(f"env.observation_noise={std}: a standard deviation > 0 (0 turns it off)")
+        self.std = float(std)
+        self.observation_space = gym.spaces.Box(-np.inf, np.inf, space.shape, space.dtype)
+
+    def observation(self, observation: np.ndarray) -> np.ndarray:
+        obs = np.asarray(observation)
+        return (obs + self.np_random.normal(0.0, self.std, obs.shape)).astype(obs.dtype)
 
 
 ACTION_MASK = "action_mask"  # the Dict observation key and the info key the conventions use
@@ -285,12 +330,16 @@ def make_env(env_cfg: DictConfig, render_mode: str | None = None, action_mask: i
         raise EnvError(f"env.id={env_id!r}: {str(exc).splitlines()[0]}") from exc
     except TypeError as exc:
         raise EnvError(f"env.id={env_id!r} rejected env.kwargs: {str(exc)[:120]}") from exc
-    if env_cfg.get("mask_velocity", False):
-        try:
-            env = MaskVelocity(env, env_id)
-        except EnvError:
-            env.close()
-            raise
+    try:
+        mode = mask_velocity_mode(env_cfg.get("mask_velocity", False))
+        if mode is not None:
+            env = MaskVelocity(env, env_id, mode)
+        noise = float(env_cfg.get("observation_noise", 0.0) or 0.0)
+        if noise != 0.0:
+            env = ObservationNoise(env, noise)
+    except EnvError:
+        env.close()
+        raise
     if preprocess == "atari":
         try:
             env = atari.wrap_atari(env)

@@ -278,9 +278,9 @@ def make_multiagent_vector_env(
 ) -> tuple[Any, dict[str, np.ndarray]]:
     """The rank's vector env over `env.num_envs` copies, already reset; returns (envs, first observations).
     A turn-based (AEC) env gets `turn_based.TurnBasedVectorEnv`, with its action masks when `masked`."""
-    for key in ("normalize_obs", "normalize_reward", "mask_velocity"):
+    for key in ("normalize_obs", "normalize_reward", "mask_velocity", "observation_noise"):
         if env_cfg.get(key, False):
-            raise EnvError(f"env.{key}=true is not supported for PettingZoo envs yet")
+            raise EnvError(f"env.{key}={env_cfg.get(key)} is not supported for PettingZoo envs yet")
     # partial, not a lambda: checkpoints pickle the vector env
     factories = [partial(make_parallel_env, env_cfg) for _ in range(int(env_cfg.num_envs))]
     probe = factories[0]()

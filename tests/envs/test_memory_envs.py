@@ -126,6 +126,50 @@ def test_mask_velocity_lunarlander() -> None:
     full.close()
 
 
+def test_zeroed_velocities_keep_the_shape_and_read_zero() -> None:
+    zeroed = make_env(env_cfg("CartPole-v1", mask_velocity="zero"))
+    full = make_env(env_cfg("CartPole-v1", mask_velocity=False))
+    assert zeroed.observation_space.shape == (4,)
+    np.testing.assert_array_equal(zeroed.observation_space.low[[1, 3]], [0.0, 0.0])
+    np.testing.assert_array_equal(zeroed.observation_space.high[[0, 2]], full.observation_space.high[[0, 2]])
+    obs, _ = zeroed.reset(seed=5)
+    ref, _ = full.reset(seed=5)
+    for t in range(20):
+        assert zeroed.observation_space.contains(obs)
+        np.testing.assert_array_equal(obs, [ref[0], 0.0, ref[2], 0.0])
+        assert ref[1] != 0.0 or ref[3] != 0.0  # the full observation does move
+        obs, *_ = zeroed.step(t % 2)
+        ref, *_ = full.step(t % 2)
+    # "drop" is what true has always meant
+    assert make_env(env_cfg("CartPole-v1", mask_velocity="drop")).observation_space.shape == (2,)
+    with pytest.raises(EnvError, match="choose false, true"):
+        make_env(env_cfg("CartPole-v1", mask_velocity="hide"))
+
+
+def test_observation_noise_is_seeded_gaussian_noise_on_every_entry() -> None:
+    cfg = env_cfg("CartPole-v1", mask_velocity=False, observation_noise=0.5)
+    noisy, again = make_env(cfg), make_env(cfg)
+    errors = []
+    obs, _ = noisy.reset(seed=11)
+    twin, _ = again.reset(seed=11)
+    for t in range(400):
+        errors.append(obs - np.asarray(noisy.unwrapped.state, dtype=np.float32))  # the true state
+        np.testing.assert_array_equal(obs, twin)  # one seed, one noise
+        assert obs.dtype == np.float32 and noisy.observation_space.contains(obs)
+        obs, _, done, cut, _ = noisy.step(t % 2)
+        twin, *_ = again.step(t % 2)
+        if done or cut:
+            obs, _ = noisy.reset()
+            twin, _ = again.reset()
+    errors = np.asarray(errors)
+    assert np.all(np.abs(errors.mean(axis=0)) < 0.1) and np.all(np.abs(errors.std(axis=0) - 0.5) < 0.06)
+    # with dropped velocities the noise lands on the entries that are left
+    both = make_env(env_cfg("CartPole-v1", observation_noise=0.1))
+    assert both.observation_space.shape == (2,)
+    with pytest.raises(EnvError, match="standard deviation > 0"):
+        make_env(env_cfg("CartPole-v1", observation_noise=-1.0))
+
+
 def test_mask_velocity_in_a_vector_env() -> None:
     envs, obs = make_vector_env(env_cfg("CartPole-v1"), seed=0, rank=0)
     assert envs.single_observation_space.shape == (2,)
