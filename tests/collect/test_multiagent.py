@@ -567,6 +567,11 @@ def test_exact_resume_mid_episode(tmp_path: Path) -> None:
             "env.normalize_obs",
             id="normalize-obs-unsupported",
         ),
+        pytest.param(
+            ["env.observation_noise=0.1"],
+            "env.observation_noise=0.1 is not supported for PettingZoo envs yet; set env.observation_noise=0",
+            id="observation-noise-unsupported",
+        ),
     ],
 )
 def test_multiagent_config_errors(

@@ -262,9 +262,10 @@ def test_decoupled_run_on_envpool(tmp_path: Path) -> None:
         (["env.backend=envpool", "env.envpool.batch_size=3"], ["env.envpool.batch_size=3", "must divide", "async"]),
         (["env.backend=ray"], ["env.backend='ray'", "gymnasium, envpool"]),
         (["env.backend=envpool", "env.action_repeat=2"], ["env.action_repeat=2", "env.backend=envpool"]),
+        (["env.backend=envpool", "env.observation_noise=0.1"], ["env.observation_noise=0.1", "env.backend=envpool"]),
         (["env=pettingzoo", "env.backend=envpool"], ["PettingZoo", "env.backend=gymnasium"]),
     ],
-    ids=["id-not-in-envpool", "async", "unknown-backend", "action-repeat", "pettingzoo"],
+    ids=["id-not-in-envpool", "async", "unknown-backend", "action-repeat", "observation-noise", "pettingzoo"],
 )  # fmt: skip
 def test_bad_settings_are_one_line(overrides: list[str], fragments: list[str]) -> None:
     with pytest.raises(ConfigError) as info:
