@@ -61,6 +61,7 @@ TABLE: tuple[Entry, ...] = (
     Entry("cartpole_lstm", "recurrent PPO on CartPole with the velocities hidden", "all", ("--seeds", "2")),
     Entry("multiagent", "multi-agent PPO on PettingZoo envs (MPE spread, a two-team game)", "all"),
     Entry("learning", "multi-seed learning on the standard suites beside published references", "benchmark"),
+    Entry("time_to_score", "wall-clock to a score: coupled, decoupled pipelined and SB3", "benchmark"),
     Entry("update_layers", "what the direct minibatch-step layers save (optim.GradientStep)", "benchmark"),
     Entry("envpool_vs_gymnasium", "EnvPool vs gymnasium collection on CartPole", "benchmark"),
     Entry("selfplay_games", "self-play on tictactoe and connect four vs a random player", "benchmark"),

@@ -1,0 +1,264 @@
+"""Wall-clock to a score, side by side: ppo-fabric coupled, ppo-fabric decoupled pipelined and SB3's PPO.
+
+The figure the decoupled design exists for: on this machine, in one sitting, how long until the mean return
+of the last 20 episodes first reaches a threshold near the published score. Each (workload, variant, seed)
+is one run in a fresh process, one at a time:
+
+| variant | what runs |
+|---|---|
+| `coupled` | `python -m ppo_fabric <workload> strategy=coupled fabric.devices=1` (1 process) |
+| `pipelined` | `... strategy=decoupled fabric.devices=2 algo.players=1 algo.pipeline=true` (1 player + 1 trainer) |
+| `sb3` | Stable-Baselines3 `PPO` configured from the same composed config (`cartpole_vs_sb3.sb3_settings`), 1 process |
+
+Workloads (threshold): `lunarlander` (`env=lunarlander`, 200), `halfcheetah` (`exp=mujoco`, 1500),
+`hopper` (`exp=mujoco env.id=Hopper-v5`, 2000), `breakout` (`exp=minatar`, 25; no SB3 row: SB3 has no network
+for 10x10 frames). SB3 gets the recipe's normalisation through `VecNormalize` (observations and rewards, both
+clipped at 10, as ppo-fabric's). Wall time: ppo-fabric's `time/wall_s` (since the run started, start-up of
+the interpreter excluded) and, for SB3, seconds since the env was built, read at the end of each rollout.
+Results accumulate in `<out>/time_to_score.json` keyed by (workload, variant, seed): a run already there is
+skipped (`--force` re-runs), so a sitting can be split; timings compare only within one sitting on an idle
+machine, which the report's load column shows.
+
+    python -m benchmarks time_to_score --workloads lunarlander --seeds 3
+    python -m benchmarks time_to_score --workloads lunarlander --seeds 1 --steps 20000 --out /tmp/tts   # smoke
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections import deque
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import common  # noqa: E402
+from common import RESULTS, run_once  # noqa: E402
+
+WORKLOADS: dict[str, tuple[list[str], float]] = {
+    "lunarlander": (["env=lunarlander"], 200.0),
+    "halfcheetah": (["exp=mujoco"], 1500.0),
+    "hopper": (["exp=mujoco", "env.id=Hopper-v5"], 2000.0),
+    "breakout": (["exp=minatar"], 25.0),
+}
+VARIANTS: dict[str, list[str]] = {
+    "coupled": ["strategy=coupled", "fabric.devices=1"],
+    "pipelined": ["strategy=decoupled", "fabric.devices=2", "algo.players=1", "algo.pipeline=true"],
+    "sb3": [],
+}
+NO_SB3 = ("breakout",)
+WINDOW = 20
+
+
+def flat_workload(overrides: list[str]) -> dict[str, Any]:
+    """The composed config as the flat `group.key` -> value dict `cartpole_vs_sb3.sb3_settings` reads."""
+    from omegaconf import OmegaConf
+
+    from ppo_fabric.config.values import compose
+
+    cfg, _ = compose(overrides)
+    flat = OmegaConf.to_container(cfg, resolve=True)
+    out: dict[str, Any] = {}
+    for group in ("env", "algo", "model"):
+        for key, value in flat[group].items():
+            out[f"{group}.{key}"] = value
+    return out
+
+
+def child_sb3(workload: str, seed: int, steps: int | None, result: Path) -> None:
+    """One SB3 run in this process; writes its curve ([env step, wall s, mean20]) and summary to `result`."""
+    import torch
+    from cartpole_vs_sb3 import sb3_settings, warm_up_torch
+    from stable_baselines3 import PPO
+    from stable_baselines3.common.callbacks import BaseCallback
+    from stable_baselines3.common.env_util import make_vec_env
+    from stable_baselines3.common.utils import LinearSchedule
+    from stable_baselines3.common.vec_env import DummyVecEnv, VecNormalize
+    from torch import nn
+
+    base, _ = WORKLOADS[workload]
+    w = flat_workload([*base, *([f"algo.total_steps={steps}"] if steps else [])])
+    torch.set_num_threads(1)  # as ppo-fabric's torch_threads=1 default
+    warm_up_torch()
+
+    class Curve(BaseCallback):
+        """Mean return of the last 20 finished episodes and the wall time, at the end of each rollout."""
+
+        def __init__(self, start: float) -> None:
+            super().__init__()
+            self.start, self.window, self.curve = start, deque(maxlen=WINDOW), []
+
+        def _on_step(self) -> bool:
+            for info in self.locals["infos"]:
+                if "episode" in info:
+                    self.window.append(float(info["episode"]["r"]))  # Monitor's raw return
+            return True
+
+        def _on_rollout_end(self) -> None:
+            if self.window:
+                mean = sum(self.window) / len(self.window)
+                self.curve.append([self.num_timesteps, time.perf_counter() - self.start, mean])
+
+    start = time.perf_counter()
+    env_kwargs = dict(w["env.kwargs"] or {})
+    if w["env.max_episode_steps"] is not None:
+        env_kwargs["max_episode_steps"] = int(w["env.max_episode_steps"])
+    env = make_vec_env(w["env.id"], n_envs=int(w["env.num_envs"]), seed=seed, vec_env_cls=DummyVecEnv,
+                       env_kwargs=env_kwargs)  # fmt: skip
+    if w["env.normalize_obs"] or w["env.normalize_reward"]:
+        env = VecNormalize(env, norm_obs=bool(w["env.normalize_obs"]), norm_reward=bool(w["env.normalize_reward"]),
+                           clip_obs=10.0, clip_reward=10.0, gamma=float(w["algo.gamma"]))  # fmt: skip
+    model = PPO("MlpPolicy", env, **sb3_settings(w, nn, LinearSchedule), seed=seed, device="cpu", verbose=0)
+    callback = Curve(start)
+    model.learn(total_timesteps=int(w["algo.total_steps"]), callback=callback)
+    wall = time.perf_counter() - start
+    env.close()
+    window = callback.window
+    summary = {
+        "total_env_steps": int(model.num_timesteps),
+        "final_mean_return": sum(window) / len(window) if window else None,
+        "wall_seconds": wall,
+        "sps": model.num_timesteps / wall,
+        "curve": callback.curve,
+    }
+    result.write_text(json.dumps(summary))
+
+
+def run_sb3(workload: str, seed: int, steps: int | None) -> dict[str, Any]:
+    with tempfile.TemporaryDirectory() as tmp:
+        result = Path(tmp) / "result.json"
+        cmd = [sys.executable, __file__, "--child", workload, "--seed", str(seed), "--result", str(result)]
+        cmd += ["--steps", str(steps)] if steps else []
+        proc = subprocess.run(cmd, capture_output=True, text=True)
+        if proc.returncode != 0:
+            raise SystemExit(f"SB3 run failed: {' '.join(cmd)}\n{proc.stderr[-2000:]}")
+        return json.loads(result.read_text())
+
+
+def run_record(workload: str, variant: str, seed: int, steps: int | None) -> dict[str, Any]:
+    base, threshold = WORKLOADS[workload]
+    overrides = [*base, *VARIANTS[variant], f"seed={seed}", *([f"algo.total_steps={steps}"] if steps else [])]
+    load_before = os.getloadavg()[0]
+    s = run_sb3(workload, seed, steps) if variant == "sb3" else run_once(overrides, threshold, curve=True)
+    first = next((point for point in s["curve"] if point[2] >= threshold), None)
+    return {
+        "workload": workload,
+        "variant": variant,
+        "seed": seed,
+        "overrides": overrides,
+        "commit": common.git_commit(),
+        "total_env_steps": s["total_env_steps"],
+        "final_mean_return": s["final_mean_return"],
+        "best_mean_return": max((point[2] for point in s["curve"]), default=None),
+        "threshold": threshold,
+        "step_at_threshold": None if first is None else first[0],
+        "wall_at_threshold": None if first is None else first[1],
+        "wall_seconds": s["wall_seconds"],
+        "sps": s["sps"],
+        "load": [load_before, os.getloadavg()[0]],
+        "curve": s["curve"],
+    }
+
+
+def _mean(values: list[float | None], fmt: str) -> str:
+    got = [v for v in values if v is not None]
+    if not got:
+        return "never"
+    shown = format(statistics.mean(got), fmt)
+    return shown if len(got) == len(values) else f"{shown} ({len(got)}/{len(values)})"
+
+
+def markdown(report: dict[str, Any], command: str) -> str:
+    runs, m = report["runs"], report["machine"]
+    lines = [
+        "# Time to score: coupled, decoupled pipelined and Stable-Baselines3",
+        "",
+        f"Machine: {m['cpu']}, {m['cores']} cores, torch {m['torch']}. Pipelined: 1 player + 1 trainer. "
+        "Wall s at the threshold: mean over the seeds that reached it (how many in brackets). Final and "
+        "best: mean return of the last 20 episodes, mean ± std over seeds. Load: the 1-minute load average "
+        "before and after each run, highest of the row (above ~2.2 on 2 cores something else ran).",
+        "",
+    ]
+    for workload, (_, threshold) in WORKLOADS.items():
+        mine = [r for r in runs if r["workload"] == workload]
+        if not mine:
+            continue
+        lines += [
+            f"### {workload} (threshold {threshold:g})",
+            "",
+            f"| variant | seeds | wall s at {threshold:g} | env step at {threshold:g} | final | best | wall s (run) "
+            "| SPS | load |",
+            "|---|---|---:|---:|---:|---:|---:|---:|---:|",
+        ]
+        for variant in VARIANTS:
+            rows = sorted((r for r in mine if r["variant"] == variant), key=lambda r: r["seed"])
+            if not rows:
+                continue
+            lines.append(
+                f"| {variant} | {','.join(str(r['seed']) for r in rows)} "
+                f"| {_mean([r['wall_at_threshold'] for r in rows], '.0f')} "
+                f"| {_mean([r['step_at_threshold'] for r in rows], ',.0f')} "
+                f"| {common.mean_std([r['final_mean_return'] for r in rows if r['final_mean_return'] is not None])} "
+                f"| {common.mean_std([r['best_mean_return'] for r in rows if r['best_mean_return'] is not None])} "
+                f"| {statistics.mean(r['wall_seconds'] for r in rows):.0f} "
+                f"| {statistics.mean(r['sps'] for r in rows):,.0f} | {max(max(r['load']) for r in rows):.1f} |"
+            )
+        lines.append("")
+    commits = sorted({r["commit"] for r in runs})
+    lines += [
+        f"Commits of the runs: {', '.join(commits)} (each run's own is in `time_to_score.json`). "
+        f"The last sitting: `{command}`.",
+        "",
+        "![return against wall time](time_to_score.png)",
+        "",
+    ]
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = common.argument_parser(__doc__)
+    parser.add_argument("--workloads", nargs="+", choices=list(WORKLOADS), default=["lunarlander"])
+    parser.add_argument("--variants", nargs="+", choices=list(VARIANTS), default=list(VARIANTS))
+    parser.add_argument("--seeds", type=int, default=3, help="seeds 1..N")
+    parser.add_argument("--steps", type=int, default=None, help="env steps per run (default: the recipe's)")
+    parser.add_argument("--force", action="store_true", help="re-run runs already in the results")
+    parser.add_argument("--out", type=Path, default=RESULTS)
+    parser.add_argument("--child", choices=list(WORKLOADS), help=argparse.SUPPRESS)
+    parser.add_argument("--seed", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--result", type=Path, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.child:
+        child_sb3(args.child, args.seed, args.steps, args.result)
+        return
+    path = args.out / "time_to_score.json"
+    report = json.loads(path.read_text()) if path.is_file() else {"runs": []}
+    report["machine"] = common.machine()
+    command = common.command_line(__file__)
+    for seed in range(1, args.seeds + 1):  # seed-major, the variants alternating within a seed
+        for workload in args.workloads:
+            for variant in args.variants:
+                if variant == "sb3" and workload in NO_SB3:
+                    continue
+                key = (workload, variant, seed)
+                done = [r for r in report["runs"] if (r["workload"], r["variant"], r["seed"]) == key]
+                if done and not args.force:
+                    continue
+                r = run_record(workload, variant, seed, args.steps)
+                report["runs"] = [x for x in report["runs"] if x not in done] + [r]
+                print(f"{workload} {variant} seed {seed}: wall at {r['threshold']:g}: {r['wall_at_threshold']}, "
+                      f"final {r['final_mean_return']}, {r['wall_seconds']:.0f} s", flush=True)  # fmt: skip
+                common.write_report(args.out, "time_to_score", report, markdown(report, command))
+                workloads = [w for w in WORKLOADS if any(x["workload"] == w for x in report["runs"])]
+                thresholds = {w: t for w, (_, t) in WORKLOADS.items()}
+                common.plot_curves(report["runs"], "workload", workloads, tuple(VARIANTS), 1, "wall time (s)",
+                                   args.out / "time_to_score.png", thresholds)  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
