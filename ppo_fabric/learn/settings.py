@@ -68,7 +68,7 @@ class UpdateSettings:
             ),
             lag=LagSettings(
                 bool(algo.get("lag_refresh_advantages", True)),
-                bool(algo.get("lag_vtrace", True)),
+                bool(algo.get("lag_vtrace", False)),
                 bool(algo.get("lag_objective", True)),
                 float(algo.get("lag_weight_clip", 1.0)),
                 float(algo.gamma),
