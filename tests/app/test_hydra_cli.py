@@ -131,7 +131,7 @@ def test_help_lists_our_groups_and_common_overrides(capsys: pytest.CaptureFixtur
     out = capsys.readouterr().out
     for text in (
         "env: atari, cartpole",
-        "model: cnn, lstm, mlp",
+        "model: cnn, grid, lstm, mlp",
         "fabric.devices=2",
         "resume=auto",
         "-m seed=",
