@@ -109,6 +109,46 @@ def run_once(overrides: list[str], solved_return: float = 475.0, curve: bool = F
         return summary
 
 
+def threshold_figures(summary: dict[str, Any], threshold: float) -> dict[str, Any]:
+    """A run's figures against a threshold, from its summary and `curve` ([env step, wall s, mean20]):
+    final and best mean return, and the env step and wall time at which the mean first reached it."""
+    curve = summary["curve"]
+    first = next((point for point in curve if point[2] >= threshold), None)
+    return {
+        "total_env_steps": summary["total_env_steps"],
+        "final_mean_return": summary["final_mean_return"],
+        "best_mean_return": max((point[2] for point in curve), default=None),
+        "threshold": threshold,
+        "step_at_threshold": None if first is None else first[0],
+        "wall_at_threshold": None if first is None else first[1],
+        "wall_seconds": summary["wall_seconds"],
+        "sps": summary["sps"],
+        "curve": curve,
+    }
+
+
+def mean_reached(values: list[float | None], fmt: str) -> str:
+    """Mean over the runs that got there (None: did not), with how many did when not all."""
+    import statistics
+
+    got = [v for v in values if v is not None]
+    if not got:
+        return "never"
+    shown = format(statistics.mean(got), fmt)
+    return shown if len(got) == len(values) else f"{shown} ({len(got)}/{len(values)})"
+
+
+def runs_to_replace(report: dict[str, Any], force: bool, **key: Any) -> list[dict[str, Any]] | None:
+    """The runs of a resumable report with these key values, which a new run replaces; None when there
+    are some and `force` is off (the run is skipped)."""
+    done = [r for r in report["runs"] if all(r[k] == v for k, v in key.items())]
+    return None if done and not force else done
+
+
+def replace_runs(report: dict[str, Any], done: list[dict[str, Any]], record: dict[str, Any]) -> None:
+    report["runs"] = [r for r in report["runs"] if r not in done] + [record]
+
+
 def mean_std(values: list[float]) -> str:
     """`mean ± std` over seeds (one value as it is; none: n/a)."""
     import statistics

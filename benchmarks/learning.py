@@ -182,12 +182,11 @@ def main() -> None:
     for seed in range(1, args.seeds + 1):  # seed-major: a partial sitting covers every env
         for task in tasks:
             for variant in args.variants:
-                key = (task.env, variant, seed)
-                done = [r for r in report["runs"] if (r["env"], r["variant"], r["seed"]) == key]
-                if done and not args.force:
+                done = common.runs_to_replace(report, args.force, env=task.env, variant=variant, seed=seed)
+                if done is None:
                     continue
                 r = run_record(task, variant, seed, args.steps)
-                report["runs"] = [x for x in report["runs"] if x not in done] + [r]
+                common.replace_runs(report, done, r)
                 print(f"{task.env} {variant} seed {seed}: final {r['final_mean_return']}, "
                       f"{r['wall_seconds']:.0f} s", flush=True)  # fmt: skip
                 common.write_report(args.out, name, report, markdown(args.suite, report, command))

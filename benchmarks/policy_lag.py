@@ -75,24 +75,8 @@ def run_record(workload: str, variant: str, seed: int, steps: int | None) -> dic
     if steps:
         overrides.append(f"algo.total_steps={steps}")
     s = run_once(overrides, solved_return=threshold, curve=True)
-    curve = s["curve"]
-    first = next((point for point in curve if point[2] >= threshold), None)
-    return {
-        "workload": workload,
-        "variant": variant,
-        "seed": seed,
-        "overrides": overrides,
-        "commit": common.git_commit(),
-        "total_env_steps": s["total_env_steps"],
-        "final_mean_return": s["final_mean_return"],
-        "best_mean_return": max((point[2] for point in curve), default=None),
-        "threshold": threshold,
-        "step_at_threshold": None if first is None else first[0],
-        "wall_at_threshold": None if first is None else first[1],
-        "wall_seconds": s["wall_seconds"],
-        "sps": s["sps"],
-        "curve": curve,
-    }
+    meta = {"workload": workload, "variant": variant, "seed": seed, "overrides": overrides}
+    return {**meta, "commit": common.git_commit(), **common.threshold_figures(s, threshold)}
 
 
 def late_mean(curve: list[list[float]]) -> float | None:
@@ -102,15 +86,6 @@ def late_mean(curve: list[list[float]]) -> float | None:
         return None
     tail = [point[2] for point in curve if point[0] >= curve[-1][0] * 2 / 3]
     return statistics.mean(tail)
-
-
-def _mean(values: list[float | None], fmt: str) -> str:
-    """Mean over the runs that got there, with how many did."""
-    got = [v for v in values if v is not None]
-    if not got:
-        return "never"
-    shown = format(statistics.mean(got), fmt)
-    return shown if len(got) == len(values) else f"{shown} ({len(got)}/{len(values)})"
 
 
 def table(runs: list[dict[str, Any]], workload: str) -> list[str]:
@@ -135,8 +110,8 @@ def table(runs: list[dict[str, Any]], workload: str) -> list[str]:
             f"| {common.mean_std([r['final_mean_return'] for r in mine if r['final_mean_return'] is not None])} "
             f"| {common.mean_std([r['best_mean_return'] for r in mine if r['best_mean_return'] is not None])} "
             f"| {common.mean_std([v for v in (late_mean(r['curve']) for r in mine) if v is not None])} "
-            f"| {reached}/{len(mine)} | {_mean([r['step_at_threshold'] for r in mine], ',.0f')} "
-            f"| {_mean([r['wall_at_threshold'] for r in mine], '.0f')} "
+            f"| {reached}/{len(mine)} | {common.mean_reached([r['step_at_threshold'] for r in mine], ',.0f')} "
+            f"| {common.mean_reached([r['wall_at_threshold'] for r in mine], '.0f')} "
             f"| {statistics.mean(r['wall_seconds'] for r in mine):.0f} "
             f"| {statistics.mean(r['sps'] for r in mine):,.0f} |"
         )
@@ -205,12 +180,13 @@ def main() -> None:
     for seed in range(1, args.seeds + 1):  # seed-major: a partial sitting covers every variant
         for workload in args.workloads:
             for variant in args.variants:
-                key = (workload, variant, seed)
-                done = [r for r in report["runs"] if (r["workload"], r["variant"], r["seed"]) == key]
-                if done and not args.force:
+                done = common.runs_to_replace(
+                    report, args.force, workload=workload, variant=variant, seed=seed
+                )
+                if done is None:
                     continue
                 r = run_record(workload, variant, seed, args.steps)
-                report["runs"] = [x for x in report["runs"] if x not in done] + [r]
+                common.replace_runs(report, done, r)
                 print(
                     f"{workload} {variant} seed {seed}: final {r['final_mean_return']}, best "
                     f"{r['best_mean_return']}, at threshold step {r['step_at_threshold']} wall "

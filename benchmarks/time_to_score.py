@@ -146,32 +146,9 @@ def run_record(workload: str, variant: str, seed: int, steps: int | None) -> dic
     overrides = [*base, *VARIANTS[variant], f"seed={seed}", *([f"algo.total_steps={steps}"] if steps else [])]
     load_before = os.getloadavg()[0]
     s = run_sb3(workload, seed, steps) if variant == "sb3" else run_once(overrides, threshold, curve=True)
-    first = next((point for point in s["curve"] if point[2] >= threshold), None)
-    return {
-        "workload": workload,
-        "variant": variant,
-        "seed": seed,
-        "overrides": overrides,
-        "commit": common.git_commit(),
-        "total_env_steps": s["total_env_steps"],
-        "final_mean_return": s["final_mean_return"],
-        "best_mean_return": max((point[2] for point in s["curve"]), default=None),
-        "threshold": threshold,
-        "step_at_threshold": None if first is None else first[0],
-        "wall_at_threshold": None if first is None else first[1],
-        "wall_seconds": s["wall_seconds"],
-        "sps": s["sps"],
-        "load": [load_before, os.getloadavg()[0]],
-        "curve": s["curve"],
-    }
-
-
-def _mean(values: list[float | None], fmt: str) -> str:
-    got = [v for v in values if v is not None]
-    if not got:
-        return "never"
-    shown = format(statistics.mean(got), fmt)
-    return shown if len(got) == len(values) else f"{shown} ({len(got)}/{len(values)})"
+    meta = {"workload": workload, "variant": variant, "seed": seed, "overrides": overrides}
+    figures = common.threshold_figures(s, threshold)
+    return {**meta, "commit": common.git_commit(), **figures, "load": [load_before, os.getloadavg()[0]]}
 
 
 def markdown(report: dict[str, Any], command: str) -> str:
@@ -202,8 +179,8 @@ def markdown(report: dict[str, Any], command: str) -> str:
                 continue
             lines.append(
                 f"| {variant} | {','.join(str(r['seed']) for r in rows)} "
-                f"| {_mean([r['wall_at_threshold'] for r in rows], '.0f')} "
-                f"| {_mean([r['step_at_threshold'] for r in rows], ',.0f')} "
+                f"| {common.mean_reached([r['wall_at_threshold'] for r in rows], '.0f')} "
+                f"| {common.mean_reached([r['step_at_threshold'] for r in rows], ',.0f')} "
                 f"| {common.mean_std([r['final_mean_return'] for r in rows if r['final_mean_return'] is not None])} "
                 f"| {common.mean_std([r['best_mean_return'] for r in rows if r['best_mean_return'] is not None])} "
                 f"| {statistics.mean(r['wall_seconds'] for r in rows):.0f} "
@@ -245,12 +222,13 @@ def main() -> None:
             for variant in args.variants:
                 if variant == "sb3" and workload in NO_SB3:
                     continue
-                key = (workload, variant, seed)
-                done = [r for r in report["runs"] if (r["workload"], r["variant"], r["seed"]) == key]
-                if done and not args.force:
+                done = common.runs_to_replace(
+                    report, args.force, workload=workload, variant=variant, seed=seed
+                )
+                if done is None:
                     continue
                 r = run_record(workload, variant, seed, args.steps)
-                report["runs"] = [x for x in report["runs"] if x not in done] + [r]
+                common.replace_runs(report, done, r)
                 print(f"{workload} {variant} seed {seed}: wall at {r['threshold']:g}: {r['wall_at_threshold']}, "
                       f"final {r['final_mean_return']}, {r['wall_seconds']:.0f} s", flush=True)  # fmt: skip
                 common.write_report(args.out, "time_to_score", report, markdown(report, command))

@@ -82,7 +82,6 @@ def test_missing_minatar_names_the_extra(monkeypatch: pytest.MonkeyPatch) -> Non
         make_env(cfg.env)
 
 
-@pytest.mark.slow
 def test_minatar_trains_end_to_end(tmp_path: Path) -> None:
     summary = ppo_fabric.run(
         [
