@@ -42,7 +42,8 @@ def git_commit() -> str:
     def git(*args: str) -> str:
         return subprocess.run(["git", *args], cwd=root, capture_output=True, text=True).stdout.strip()
 
-    head = git("rev-parse", "--short", "HEAD") or "unknown"
+    # a copy of the tree without .git (a lent GPU machine) names its commit in PPO_FABRIC_COMMIT
+    head = git("rev-parse", "--short", "HEAD") or os.environ.get("PPO_FABRIC_COMMIT", "unknown")
     return head + ("+dirty" if git("status", "--porcelain", "--", "ppo_fabric", "conf") else "")
 
 

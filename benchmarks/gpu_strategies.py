@@ -55,14 +55,16 @@ WORKLOADS: dict[str, tuple[str, list[str], tuple[str, ...], str]] = {
     "cartpole": ("CartPole-v1, 64 envs", ["env=cartpole", "env.num_envs=64", "algo.minibatch_size=512"],
                  (), "steps"),
     "lunarlander": ("LunarLander-v3, 16 envs", ["env=lunarlander"], ("Box2D",), "steps"),
-    "atari": ("Pong-v5, 16 async envs", ["exp=atari", "env.num_envs=16", "env.vector=async"],
-              ("ale_py", "cv2"), "atari_steps"),
+    "atari": ("Pong-v5", ["exp=atari", "env.num_envs=32", "env.vector=async"], ("ale_py", "cv2"), "atari_steps"),
 }  # fmt: skip
+# Env overrides of the decoupled rows, after the workload's: a player is one process, so it steps its envs in
+# turn (sync) and the players are the parallelism; 32 async envs in each of 14 players would be 448 processes.
+DECOUPLED_ENVS: dict[str, list[str]] = {"atari": ["env.vector=sync", "env.num_envs=8"]}
 SMI_QUERY = "timestamp,index,utilization.gpu,memory.used"
 
 
 # EnvPool vs gymnasium collection on Pong (`--only envpool`): variant -> overrides after ENVPOOL_PONG.
-ENVPOOL_PONG = ["exp=atari", "env.num_envs=16", "strategy=coupled"]
+ENVPOOL_PONG = ["exp=atari", "env.num_envs=32", "strategy=coupled"]
 ENVPOOL_VARIANTS = {
     "gymnasium AsyncVectorEnv, GPU": ["env.backend=gymnasium", "env.vector=async"],
     "EnvPool, GPU": ["env.backend=envpool"],
@@ -88,13 +90,13 @@ def envpool_rows(steps: int, commit: str, dry_run: bool, extra: list[str]) -> li
             s = run_once(run, solved_return=math.inf)
             exited = time.time()
         name = variant.replace("GPU", "CPU dry run") if dry_run else variant
-        rows.append({"key": "envpool", "workload": "Pong-v5, 16 envs", "variant_key": ENVPOOL_KEYS[variant],
+        rows.append({"key": "envpool", "workload": "Pong-v5, 32 envs", "variant_key": ENVPOOL_KEYS[variant],
                      "variant": name, "overrides": run,
                      "commit": commit, "steps": s["steps_this_run"], "sps": s["sps"],
                      "wall_seconds": s["wall_seconds"], "time_split": s["time_split"], "split": split(s),
                      "gpu": None if dry_run else sampler.stats(exited - s["wall_seconds"], exited),
                      "final_mean_return": s["final_mean_return"], "ranks_in_sync": s.get("ranks_in_sync")})  # fmt: skip
-        print(f"Pong-v5, 16 envs {name:34s} {s['sps']:10,.0f} SPS  collect {_fmt(rows[-1]['split']['collect'], '.2f')} "
+        print(f"Pong-v5, 32 envs {name:34s} {s['sps']:10,.0f} SPS  collect {_fmt(rows[-1]['split']['collect'], '.2f')} "
               f"train {_fmt(rows[-1]['split']['train'], '.2f')}", flush=True)  # fmt: skip
     return rows
 
@@ -118,6 +120,14 @@ def variants(gpus: int, players: list[int], dry_run: bool = False) -> dict[str, 
             f"decoupled, 1 GPU trainer + {k} CPU player{'s' if k > 1 else ''}",
             ["strategy=decoupled", "fabric=cpu", f"fabric.devices={k + 1}", f"algo.players={k}",
              "algo.player_device=cpu", f"algo.trainer_device={trainer}"], False)  # fmt: skip
+    if players:  # the most players again with the trainer's minibatch step compiled (CUDA graphs)
+        k = max(players)
+        name, overrides, _ = out[f"decoupled-gpu-{k}"]
+        out[f"decoupled-gpu-{k}-compile"] = (
+            f"{name}, algo.compile=true",
+            [*overrides, "algo.compile=true"],
+            False,
+        )
     if gpus >= 2:
         out["decoupled-gpus"] = (
             f"decoupled, {gpus} GPU trainers + {gpus} CPU players",
@@ -414,7 +424,8 @@ def main() -> None:
             if on_cpu:
                 steps = max(1, round(steps * args.cpu_steps_frac))
             threads = [f"torch_threads={args.cpu_threads}"] if on_cpu and args.cpu_threads is not None else []
-            run = [*overrides, *extra, *threads, f"algo.total_steps={steps}", *args.extra]
+            envs = DECOUPLED_ENVS.get(key, []) if "strategy=decoupled" in extra else []
+            run = [*overrides, *envs, *extra, *threads, f"algo.total_steps={steps}", *args.extra]
             with GpuSampler() as sampler:
                 s = run_once(run, solved_return=math.inf)
                 exited = time.time()  # before the sampler stops (which may take a few seconds)

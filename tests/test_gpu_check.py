@@ -137,7 +137,14 @@ def test_gpu_strategies_has_a_compiled_row(gs) -> None:  # type: ignore[no-untyp
     the CPU in a dry run)."""
     table = gs.variants(1, [1, 2])
     gpu_rows = gs.chosen(table, ["gpu"])
-    assert gpu_rows == ["coupled-gpu", "coupled-gpu-compile", "decoupled-gpu-1", "decoupled-gpu-2"]
+    assert gpu_rows == [
+        "coupled-gpu",
+        "coupled-gpu-compile",
+        "decoupled-gpu-1",
+        "decoupled-gpu-2",
+        "decoupled-gpu-2-compile",
+    ]
+    assert table["decoupled-gpu-2-compile"][1] == [*table["decoupled-gpu-2"][1], "algo.compile=true"]
     _, overrides, on_cpu = table["coupled-gpu-compile"]
     assert overrides == ["strategy=coupled", "fabric=gpu", "algo.compile=true"] and not on_cpu
     assert gs.variants(1, [1], dry_run=True)["coupled-gpu-compile"][1][1] == "fabric=cpu"
