@@ -42,8 +42,11 @@ def git_commit() -> str:
     def git(*args: str) -> str:
         return subprocess.run(["git", *args], cwd=root, capture_output=True, text=True).stdout.strip()
 
-    # a copy of the tree without .git (a lent GPU machine) names its commit in PPO_FABRIC_COMMIT
-    head = git("rev-parse", "--short", "HEAD") or os.environ.get("PPO_FABRIC_COMMIT", "unknown")
+    # a copy of the tree sent elsewhere (a lent GPU machine) may carry an older .git: PPO_FABRIC_COMMIT names it
+    named = os.environ.get("PPO_FABRIC_COMMIT")
+    if named:
+        return named
+    head = git("rev-parse", "--short", "HEAD") or "unknown"
     return head + ("+dirty" if git("status", "--porcelain", "--", "ppo_fabric", "conf") else "")
 
 

@@ -74,12 +74,17 @@ ENVPOOL_KEYS = {"gymnasium AsyncVectorEnv, GPU": "gymnasium-async", "EnvPool, GP
 ENVPOOL_DRY_STEPS = 2048
 
 
-def envpool_rows(steps: int, commit: str, dry_run: bool, extra: list[str]) -> list[dict[str, Any]]:
-    """The EnvPool vs gymnasium rows (`--only envpool`), one fresh process each; on the CPU when `dry_run`.
-    Rows missing their extra (atari for gymnasium, envpool) are left out with a printed note."""
+def envpool_rows(
+    steps: int, commit: str, dry_run: bool, extra: list[str], keys: list[str] | None = None
+) -> list[dict[str, Any]]:
+    """The EnvPool vs gymnasium rows (`--only envpool`; `keys` picks some by variant key), one fresh process
+    each; on the CPU when `dry_run`. Rows missing their extra (atari for gymnasium, envpool) are left out with
+    a printed note."""
     rows = []
     needs = {"gymnasium AsyncVectorEnv, GPU": ("ale_py", "cv2"), "EnvPool, GPU": ("envpool",)}
     for variant, overrides in ENVPOOL_VARIANTS.items():
+        if keys is not None and ENVPOOL_KEYS[variant] not in keys:
+            continue
         missing = [mod for mod in needs[variant] if importlib.util.find_spec(mod) is None]
         if missing:
             print(f"{variant}: skipped, {', '.join(missing)} not installed", flush=True)
@@ -328,11 +333,13 @@ def write(out: Path, report: dict[str, Any], name: str = "gpu-strategies") -> No
     (out / f"{name}.md").write_text(markdown(report))
 
 
-def redone(workloads: list[str], keys: list[str]) -> set[tuple[str, str]]:
+def redone(
+    workloads: list[str], keys: list[str], envpool_keys: list[str] | None = None
+) -> set[tuple[str, str]]:
     """The (workload, variant key) pairs of the rows a run with these `--only` and `--variants` makes."""
     pairs = {(w, v) for w in workloads if w in WORKLOADS for v in keys}
     if "envpool" in workloads:
-        pairs |= {("envpool", v) for v in ENVPOOL_KEYS.values()}
+        pairs |= {("envpool", v) for v in (envpool_keys or ENVPOOL_KEYS.values())}
     return pairs
 
 
@@ -357,6 +364,8 @@ def main() -> None:
     parser.add_argument("--cpu-threads", type=int, default=None,
                         help="torch_threads of the CPU rows (default: the config's 1; 0 lets torch decide)")  # fmt: skip
     parser.add_argument("--envpool-steps", type=int, default=500_000, help="env steps of each EnvPool row")
+    parser.add_argument("--envpool-variants", nargs="+", choices=list(ENVPOOL_KEYS.values()), default=None,
+                        help="these EnvPool rows only (default both); the others are kept")  # fmt: skip
     parser.add_argument("--envpool-dry-run", action="store_true",
                         help="the EnvPool rows on the CPU, 2,048 steps, no CUDA needed, nothing written")  # fmt: skip
     parser.add_argument("--only", nargs="+", choices=[*WORKLOADS, "envpool"],
@@ -373,7 +382,7 @@ def main() -> None:
     import torch
 
     if args.envpool_dry_run:
-        envpool_rows(ENVPOOL_DRY_STEPS, common.git_commit(), True, args.extra)
+        envpool_rows(ENVPOOL_DRY_STEPS, common.git_commit(), True, args.extra, args.envpool_variants)
         return
     if not torch.cuda.is_available() and not args.dry_run:
         raise SystemExit(
@@ -391,7 +400,7 @@ def main() -> None:
     if unknown:
         parser.error(f"unknown --variants {sorted(unknown)}; choose from gpu, cpu, {', '.join(table)}")
     selected = args.only or list(WORKLOADS)
-    rows = kept_rows(args.out / f"{name}.json", m, redone(selected, keys))
+    rows = kept_rows(args.out / f"{name}.json", m, redone(selected, keys, args.envpool_variants))
     notes = []
     if args.dry_run:
         notes.append("dry run: every GPU role ran on the CPU (fabric=cpu, algo.trainer_device=cpu); the figures "
@@ -410,7 +419,9 @@ def main() -> None:
     command = common.command_line(__file__)
     report = {"machine": m, "command": command, "rows": rows, "notes": notes}
     if "envpool" in selected:
-        report["rows"] += envpool_rows(args.envpool_steps, m["commit"], False, args.extra)
+        report["rows"] += envpool_rows(
+            args.envpool_steps, m["commit"], False, args.extra, args.envpool_variants
+        )
         write(args.out, report, name)
     for key in (k for k in selected if k in WORKLOADS):
         workload, overrides, modules, budget = WORKLOADS[key]

@@ -147,15 +147,17 @@ def build_learners(
         saved = None if resume is None else (resume["agent"][name] if multi else resume["agent"])
         if saved is not None:
             agent.load_state_dict(saved)
+        # Moved here, not by Fabric: a decoupled trainer's device is its role's (GroupDDPStrategy.take_device)
+        # while the job's accelerator stays the CPU one, whose device check refuses `cuda` in `to_device`.
+        agent = agent.to(fabric.device)
         if not spec.trained:  # acts only: no optimiser, no DDP
-            agent = fabric.to_device(agent)
             learners[name] = Learner(agent, None, agent, spec)
             continue
         # fused: one kernel for all parameters instead of ~10 ops per tensor (2.6x faster update step on CPU)
         optimizer = torch.optim.Adam(
             agent.parameters(), lr=spec.lr, eps=adam_eps, fused=fused_adam_ok(fabric)
         )
-        model, wrapped = fabric.setup(agent, optimizer)
+        model, wrapped = fabric.setup(agent, optimizer, move_to_device=False)
         if resume is not None:
             optimizer.load_state_dict(resume["optimizer"][name] if multi else resume["optimizer"])
         learners[name] = Learner(model, wrapped, model.module, spec)

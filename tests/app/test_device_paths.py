@@ -7,6 +7,7 @@ What a real GPU must still prove (NCCL, pinned memory, non-blocking copies) is `
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import os
 from typing import Any
@@ -20,7 +21,9 @@ from tensordict import TensorDict
 from ppo_fabric.app import launch as launch_module
 from ppo_fabric.app.launch import GroupDDPStrategy, build_fabric
 from ppo_fabric.app.preflight import load
-from ppo_fabric.config.values import requested
+from ppo_fabric.config.values import compose, requested
+from ppo_fabric.envs.multiagent import SINGLE
+from ppo_fabric.learn.learners import build_learners, policy_specs
 from ppo_fabric.runs import checkpoint as ckpt
 from ppo_fabric.wire.placement import check_local_rank, role_map, trainer_kind
 from ppo_fabric.wire.protocol import BatchCodec, Header, HostStage, Kind, Topology, TrainerLink
@@ -81,6 +84,33 @@ def test_trainer_takes_its_gpu_and_autocasts_there(monkeypatch: pytest.MonkeyPat
     precision = fabric.strategy.precision
     assert isinstance(precision, MixedPrecision) and precision.device == "cuda"
     assert fabric._precision is precision  # Fabric's own reference, used by setup() and autocast()
+
+
+def test_trainer_builds_its_model_on_a_device_the_cpu_job_refuses(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A trainer that took a device other than the CPU job's gets its model and optimiser there: Fabric's
+    own module move (`fabric.to_device`, and `fabric.setup` by default) asks the job's CPU accelerator,
+    which raised "Device should be CPU, got cuda:0" on the first real GPU trainer. The meta device stands
+    in for CUDA: the CPU accelerator refuses it the same way, and moving a model there needs no GPU."""
+    for name in ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "LOCAL_RANK", "NODE_RANK", "RANK"):
+        monkeypatch.delenv(name, raising=False)  # the launch below sets them; restored afterwards
+    strategy = GroupDDPStrategy(timeout=datetime.timedelta(seconds=30))
+    fabric = Fabric(accelerator="cpu", devices=1, strategy=strategy, precision="32-true")
+    fabric.launch()  # a job of one process: a gloo group of one, in this process
+    try:
+        strategy.use_group(torch.distributed.group.WORLD, 1)  # one trainer: no DDP wrapper
+        strategy.take_device(fabric, torch.device("meta"), "32-true")
+        with pytest.raises(ValueError, match="Device should be CPU"):  # what Fabric's own move does
+            fabric.to_device(torch.nn.Linear(2, 2))
+        cfg, _ = compose(DECOUPLED)
+        learner = build_learners(fabric, policy_specs(cfg), None, 1e-5)[SINGLE]
+        assert {p.device.type for p in learner.policy.parameters()} == {"meta"}
+        assert learner.optimizer.param_groups[0]["params"][0].device.type == "meta"
+        specs = policy_specs(cfg)
+        specs[SINGLE] = dataclasses.replace(specs[SINGLE], trained=False)  # a policy that only acts
+        acting = build_learners(fabric, specs, None, 1e-5)[SINGLE]
+        assert next(acting.policy.parameters()).device.type == "meta"
+    finally:
+        torch.distributed.destroy_process_group()
 
 
 @pytest.mark.filterwarnings("ignore:.*GradScaler is enabled, but CUDA is not available")
