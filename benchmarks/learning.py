@@ -13,6 +13,8 @@ return against env steps, every seed).
     python -m benchmarks learning --suite classic --steps 20000 --out /tmp/learning   # smoke test
 
 Variants: `coupled` (1 process) and `pipelined` (decoupled, 1 player + 1 trainer, `algo.pipeline=true`).
+A run that `time_to_score.py` already trained with the same overrides (its MuJoCo coupled and pipelined runs
+at the recipe's budget) is taken from `results/time_to_score.json` instead of trained again (`--reuse`).
 "Final" is the mean return of the run's last 20 episodes (`summary.json`'s `final_mean_return`), the
 training return with the stochastic policy, as CleanRL reports; RL Zoo's references evaluate the
 deterministic policy after training, which tends to score higher. The references are copied, with their
@@ -112,6 +114,24 @@ def run_record(task: Task, variant: str, seed: int, steps: int | None) -> dict[s
     }
 
 
+def reused_record(
+    task: Task, variant: str, seed: int, steps: int | None, paths: list[Path]
+) -> dict[str, Any] | None:
+    """This run as another benchmark already ran it (the same overrides, full budget, e.g. `time_to_score.py`'s
+    coupled and pipelined MuJoCo runs), so a run is trained once and reported by both; None when none did."""
+    overrides = [*task.overrides, *VARIANTS[variant], f"seed={seed}"]
+    if steps:
+        overrides.append(f"algo.total_steps={steps}")
+    for path in paths:
+        for r in json.loads(path.read_text()).get("runs", []) if path.is_file() else []:
+            if r.get("overrides") == overrides and not r.get("stopped") and r.get("curve"):
+                return {"env": task.env, "variant": variant, "seed": seed, "overrides": overrides,
+                        "commit": r["commit"], "total_env_steps": r["total_env_steps"],
+                        "final_mean_return": r["final_mean_return"], "wall_seconds": r["wall_seconds"],
+                        "sps": r["sps"], "curve": thin(r["curve"]), "run_by": path.name}  # fmt: skip
+    return None
+
+
 def markdown(suite: str, report: dict[str, Any], command: str) -> str:
     runs, m = report["runs"], report["machine"]
     lines = [
@@ -141,10 +161,20 @@ def markdown(suite: str, report: dict[str, Any], command: str) -> str:
             )
     sources = sorted({t.source for t in SUITES[suite] if any(r["env"] == t.env for r in runs)})
     commits = sorted({r["commit"] for r in runs})
+    reused = sorted({r["run_by"] for r in runs if r.get("run_by")})
     lines += [
         "",
         "References: " + "; ".join(sources) + ".",
         "",
+        *(
+            [
+                f"Runs trained by another benchmark with the same overrides and taken from its report: "
+                f"{', '.join(reused)} (`run_by` in the JSON).",
+                "",
+            ]
+            if reused
+            else []
+        ),  # fmt: skip
         f"Commits of the runs: {', '.join(commits)} (each run's own is in `learning_{suite}.json`). The last "
         f"sitting: `{command}`.",
         "",
@@ -169,6 +199,9 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=None, help="env steps per run (default: the recipe's)")
     parser.add_argument("--force", action="store_true", help="re-run runs already in the results")
     parser.add_argument("--out", type=Path, default=RESULTS)
+    parser.add_argument("--reuse", nargs="*", type=Path, default=[RESULTS / "time_to_score.json"],
+                        help="reports whose runs with the same overrides are taken instead of training again "
+                        "(default: time_to_score.json; none: --reuse with no path)")  # fmt: skip
     args = parser.parse_args()
     tasks = [t for t in SUITES[args.suite] if args.envs is None or t.env in args.envs]
     unknown = set(args.envs or ()) - {t.env for t in SUITES[args.suite]}
@@ -185,7 +218,9 @@ def main() -> None:
                 done = common.runs_to_replace(report, args.force, env=task.env, variant=variant, seed=seed)
                 if done is None:
                     continue
-                r = run_record(task, variant, seed, args.steps)
+                r = reused_record(task, variant, seed, args.steps, args.reuse) or run_record(
+                    task, variant, seed, args.steps
+                )
                 common.replace_runs(report, done, r)
                 print(f"{task.env} {variant} seed {seed}: final {r['final_mean_return']}, "
                       f"{r['wall_seconds']:.0f} s", flush=True)  # fmt: skip

@@ -20,6 +20,10 @@ skipped (`--force` re-runs), so a sitting can be split; timings compare only wit
 machine, which the report's load column shows.
 
     python -m benchmarks time_to_score --workloads lunarlander --seeds 3
+    python -m benchmarks time_to_score --workloads halfcheetah hopper --seeds 3 --sb3-stop --sb3-cap 900
+
+`--sb3-stop` ends an SB3 run once it reaches the threshold and `--sb3-cap S` after S seconds (a full SB3
+MuJoCo run takes ~15 minutes on 2 cores); such runs show their time to the threshold, not a final return.
     python -m benchmarks time_to_score --workloads lunarlander --seeds 1 --steps 20000 --out /tmp/tts   # smoke
 """
 
@@ -71,8 +75,13 @@ def flat_workload(overrides: list[str]) -> dict[str, Any]:
     return out
 
 
-def child_sb3(workload: str, seed: int, steps: int | None, result: Path) -> None:
-    """One SB3 run in this process; writes its curve ([env step, wall s, mean20]) and summary to `result`."""
+def child_sb3(
+    workload: str, seed: int, steps: int | None, result: Path, stop_at: float | None, cap_s: float | None
+) -> None:
+    """One SB3 run in this process; writes its curve ([env step, wall s, mean20]) and summary to `result`.
+    With `stop_at` it stops once the mean reaches it; with `cap_s`, after that many seconds (SB3's
+    per-step cost on 2 cores makes a full MuJoCo run ~15 minutes, and the time to the threshold is what
+    this benchmark compares)."""
     import torch
     from cartpole_vs_sb3 import sb3_settings, warm_up_torch
     from stable_baselines3 import PPO
@@ -93,17 +102,22 @@ def child_sb3(workload: str, seed: int, steps: int | None, result: Path) -> None
         def __init__(self, start: float) -> None:
             super().__init__()
             self.start, self.window, self.curve = start, deque(maxlen=WINDOW), []
+            self.stopped: str | None = None  # why the run ended early: "threshold" or "wall cap"
 
         def _on_step(self) -> bool:
             for info in self.locals["infos"]:
                 if "episode" in info:
                     self.window.append(float(info["episode"]["r"]))  # Monitor's raw return
-            return True
+            if self.stopped is None and cap_s is not None and time.perf_counter() - self.start > cap_s:
+                self.stopped = "wall cap"
+            return self.stopped is None  # False ends `learn`
 
         def _on_rollout_end(self) -> None:
             if self.window:
                 mean = sum(self.window) / len(self.window)
                 self.curve.append([self.num_timesteps, time.perf_counter() - self.start, mean])
+                if stop_at is not None and mean >= stop_at:
+                    self.stopped = "threshold"
 
     start = time.perf_counter()
     env_kwargs = dict(w["env.kwargs"] or {})
@@ -126,29 +140,49 @@ def child_sb3(workload: str, seed: int, steps: int | None, result: Path) -> None
         "wall_seconds": wall,
         "sps": model.num_timesteps / wall,
         "curve": callback.curve,
+        "stopped": callback.stopped,
     }
     result.write_text(json.dumps(summary))
 
 
-def run_sb3(workload: str, seed: int, steps: int | None) -> dict[str, Any]:
+def run_sb3(workload: str, seed: int, steps: int | None, stop: bool, cap_s: float | None) -> dict[str, Any]:
     with tempfile.TemporaryDirectory() as tmp:
         result = Path(tmp) / "result.json"
         cmd = [sys.executable, __file__, "--child", workload, "--seed", str(seed), "--result", str(result)]
         cmd += ["--steps", str(steps)] if steps else []
+        cmd += ["--sb3-stop"] if stop else []
+        cmd += ["--sb3-cap", str(cap_s)] if cap_s is not None else []
         proc = subprocess.run(cmd, capture_output=True, text=True)
         if proc.returncode != 0:
             raise SystemExit(f"SB3 run failed: {' '.join(cmd)}\n{proc.stderr[-2000:]}")
         return json.loads(result.read_text())
 
 
-def run_record(workload: str, variant: str, seed: int, steps: int | None) -> dict[str, Any]:
+def run_record(
+    workload: str,
+    variant: str,
+    seed: int,
+    steps: int | None,
+    sb3_stop: bool = False,
+    sb3_cap: float | None = None,
+) -> dict[str, Any]:
     base, threshold = WORKLOADS[workload]
     overrides = [*base, *VARIANTS[variant], f"seed={seed}", *([f"algo.total_steps={steps}"] if steps else [])]
     load_before = os.getloadavg()[0]
-    s = run_sb3(workload, seed, steps) if variant == "sb3" else run_once(overrides, threshold, curve=True)
+    if variant == "sb3":
+        s = run_sb3(workload, seed, steps, sb3_stop, sb3_cap)
+    else:
+        s = run_once(overrides, threshold, curve=True)
     meta = {"workload": workload, "variant": variant, "seed": seed, "overrides": overrides}
     figures = common.threshold_figures(s, threshold)
-    return {**meta, "commit": common.git_commit(), **figures, "load": [load_before, os.getloadavg()[0]]}
+    stopped = {"stopped": s["stopped"]} if s.get("stopped") else {}
+    return {
+        **meta,
+        "commit": common.git_commit(),
+        **figures,
+        **stopped,
+        "load": [load_before, os.getloadavg()[0]],
+    }
 
 
 def markdown(report: dict[str, Any], command: str) -> str:
@@ -173,20 +207,34 @@ def markdown(report: dict[str, Any], command: str) -> str:
             "| SPS | load |",
             "|---|---|---:|---:|---:|---:|---:|---:|---:|",
         ]
+        stopped = []
         for variant in VARIANTS:
             rows = sorted((r for r in mine if r["variant"] == variant), key=lambda r: r["seed"])
             if not rows:
                 continue
+            whole = [
+                r for r in rows if not r.get("stopped")
+            ]  # final and best only of runs that ran their budget
+            final = common.mean_std(
+                [r["final_mean_return"] for r in whole if r["final_mean_return"] is not None]
+            )
+            best = common.mean_std(
+                [r["best_mean_return"] for r in whole if r["best_mean_return"] is not None]
+            )
             lines.append(
                 f"| {variant} | {','.join(str(r['seed']) for r in rows)} "
                 f"| {common.mean_reached([r['wall_at_threshold'] for r in rows], '.0f')} "
                 f"| {common.mean_reached([r['step_at_threshold'] for r in rows], ',.0f')} "
-                f"| {common.mean_std([r['final_mean_return'] for r in rows if r['final_mean_return'] is not None])} "
-                f"| {common.mean_std([r['best_mean_return'] for r in rows if r['best_mean_return'] is not None])} "
+                f"| {final if whole else 'stopped'} | {best if whole else 'stopped'} "
                 f"| {statistics.mean(r['wall_seconds'] for r in rows):.0f} "
                 f"| {statistics.mean(r['sps'] for r in rows):,.0f} | {max(max(r['load']) for r in rows):.1f} |"
             )
+            stopped += [f"{variant} seed {r['seed']} at {r['wall_seconds']:.0f} s ({r['stopped']})"
+                        for r in rows if r.get("stopped")]  # fmt: skip
         lines.append("")
+        if stopped:
+            lines += ["Stopped before their budget (`--sb3-stop`: at the threshold; `--sb3-cap`: at the wall "
+                      "cap, the threshold not reached): " + "; ".join(stopped) + ".", ""]  # fmt: skip
     commits = sorted({r["commit"] for r in runs})
     lines += [
         f"Commits of the runs: {', '.join(commits)} (each run's own is in `time_to_score.json`). "
@@ -205,13 +253,16 @@ def main() -> None:
     parser.add_argument("--seeds", type=int, default=3, help="seeds 1..N")
     parser.add_argument("--steps", type=int, default=None, help="env steps per run (default: the recipe's)")
     parser.add_argument("--force", action="store_true", help="re-run runs already in the results")
+    parser.add_argument("--sb3-stop", action="store_true", help="SB3 runs stop once they reach the threshold")
+    parser.add_argument("--sb3-cap", type=float, default=None, help="SB3 runs stop after this many seconds")
     parser.add_argument("--out", type=Path, default=RESULTS)
     parser.add_argument("--child", choices=list(WORKLOADS), help=argparse.SUPPRESS)
     parser.add_argument("--seed", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--result", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
-        child_sb3(args.child, args.seed, args.steps, args.result)
+        stop_at = WORKLOADS[args.child][1] if args.sb3_stop else None
+        child_sb3(args.child, args.seed, args.steps, args.result, stop_at, args.sb3_cap)
         return
     path = args.out / "time_to_score.json"
     report = json.loads(path.read_text()) if path.is_file() else {"runs": []}
@@ -227,7 +278,7 @@ def main() -> None:
                 )
                 if done is None:
                     continue
-                r = run_record(workload, variant, seed, args.steps)
+                r = run_record(workload, variant, seed, args.steps, args.sb3_stop, args.sb3_cap)
                 common.replace_runs(report, done, r)
                 print(f"{workload} {variant} seed {seed}: wall at {r['threshold']:g}: {r['wall_at_threshold']}, "
                       f"final {r['final_mean_return']}, {r['wall_seconds']:.0f} s", flush=True)  # fmt: skip
