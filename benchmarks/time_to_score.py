@@ -221,9 +221,14 @@ def markdown(report: dict[str, Any], command: str) -> str:
             best = common.mean_std(
                 [r["best_mean_return"] for r in whole if r["best_mean_return"] is not None]
             )
+            wall_at = common.mean_reached([r["wall_at_threshold"] for r in rows], ".0f")
+            if all(r["wall_at_threshold"] is None and r.get("stopped") == "wall cap" for r in rows):
+                wall_at = (
+                    f"> {min(r['wall_seconds'] for r in rows):.0f} (cap)"  # stopped before getting there
+                )
             lines.append(
                 f"| {variant} | {','.join(str(r['seed']) for r in rows)} "
-                f"| {common.mean_reached([r['wall_at_threshold'] for r in rows], '.0f')} "
+                f"| {wall_at} "
                 f"| {common.mean_reached([r['step_at_threshold'] for r in rows], ',.0f')} "
                 f"| {final if whole else 'stopped'} | {best if whole else 'stopped'} "
                 f"| {statistics.mean(r['wall_seconds'] for r in rows):.0f} "

@@ -55,5 +55,7 @@ def test_stopped_sb3_runs_show_no_final_return(monkeypatch: pytest.MonkeyPatch) 
     cells = [c.strip() for c in sb3.strip("|").split("|")]
     assert cells[2] == "290 (1/2)" and cells[4] == cells[5] == "stopped"
     assert "sb3 seed 1 at 300 s (threshold); sb3 seed 2 at 300 s (wall cap)" in md
+    capped = tts.markdown({"runs": runs[2:], "machine": {"cpu": "x", "cores": 2, "torch": "t"}}, "cmd")
+    assert "| sb3 | 2 | > 300 (cap) | never |" in capped
     pipelined = next(line for line in md.splitlines() if line.startswith("| pipelined "))
     assert "1800" in pipelined
