@@ -86,13 +86,14 @@ def test_trainer_takes_its_gpu_and_autocasts_there(monkeypatch: pytest.MonkeyPat
     assert fabric._precision is precision  # Fabric's own reference, used by setup() and autocast()
 
 
-def test_trainer_builds_its_model_on_a_device_the_cpu_job_refuses(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_trainer_builds_its_model_on_a_device_the_cpu_job_refuses() -> None:
     """A trainer that took a device other than the CPU job's gets its model and optimiser there: Fabric's
     own module move (`fabric.to_device`, and `fabric.setup` by default) asks the job's CPU accelerator,
     which raised "Device should be CPU, got cuda:0" on the first real GPU trainer. The meta device stands
     in for CUDA: the CPU accelerator refuses it the same way, and moving a model there needs no GPU."""
-    for name in ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "LOCAL_RANK", "NODE_RANK", "RANK"):
-        monkeypatch.delenv(name, raising=False)  # the launch below sets them; restored afterwards
+    # The launch below sets MASTER_PORT, WORLD_SIZE, LOCAL_RANK, ... in this process; left behind, they would
+    # make every later job this test process starts believe it is one of its ranks already (1/2 clients joined).
+    environment = dict(os.environ)
     strategy = GroupDDPStrategy(timeout=datetime.timedelta(seconds=30))
     fabric = Fabric(accelerator="cpu", devices=1, strategy=strategy, precision="32-true")
     fabric.launch()  # a job of one process: a gloo group of one, in this process
@@ -111,6 +112,8 @@ def test_trainer_builds_its_model_on_a_device_the_cpu_job_refuses(monkeypatch: p
         assert next(acting.policy.parameters()).device.type == "meta"
     finally:
         torch.distributed.destroy_process_group()
+        os.environ.clear()
+        os.environ.update(environment)
 
 
 @pytest.mark.filterwarnings("ignore:.*GradScaler is enabled, but CUDA is not available")
