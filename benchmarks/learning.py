@@ -162,19 +162,11 @@ def markdown(suite: str, report: dict[str, Any], command: str) -> str:
     sources = sorted({t.source for t in SUITES[suite] if any(r["env"] == t.env for r in runs)})
     commits = sorted({r["commit"] for r in runs})
     reused = sorted({r["run_by"] for r in runs if r.get("run_by")})
+    lines += ["", "References: " + "; ".join(sources) + ".", ""]
+    if reused:
+        lines += [f"Runs trained by another benchmark with the same overrides and taken from its report: "
+                  f"{', '.join(reused)} (`run_by` in the JSON).", ""]  # fmt: skip
     lines += [
-        "",
-        "References: " + "; ".join(sources) + ".",
-        "",
-        *(
-            [
-                f"Runs trained by another benchmark with the same overrides and taken from its report: "
-                f"{', '.join(reused)} (`run_by` in the JSON).",
-                "",
-            ]
-            if reused
-            else []
-        ),  # fmt: skip
         f"Commits of the runs: {', '.join(commits)} (each run's own is in `learning_{suite}.json`). The last "
         f"sitting: `{command}`.",
         "",

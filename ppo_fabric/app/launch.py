@@ -54,9 +54,9 @@ class GroupDDPStrategy(DDPStrategy):
     over mixed CPU/CUDA devices fails), so the job is a CPU job and a trainer moves to its GPU with
     `take_device`: `fabric.device` and tensors' `fabric.to_device` then use it, and mixed precision
     autocasts on that device. Modules are moved with `.to(fabric.device)` and set up with
-    `move_to_device=False`: Fabric's own module move asks the job's (CPU) accelerator, which refuses CUDA. Players never join the group. A group of one trainer gets no DDP wrapper at
-    all: it has nothing to synchronise, and DDP's forward/backward hooks would still cost ~120 us per
-    minibatch step.
+    `move_to_device=False`: Fabric's own module move asks the job's (CPU) accelerator, which refuses CUDA.
+    Players never join the group. A group of one trainer gets no DDP wrapper at all: it has nothing to
+    synchronise, and DDP's forward/backward hooks would still cost ~120 us per minibatch step.
     """
 
     def __init__(self, timeout: datetime.timedelta, start_method: str = "popen", **ddp_kwargs: Any) -> None:
