@@ -8,13 +8,16 @@ import json
 import os
 import platform
 import shlex
+import signal
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 from typing import Any
 
 RESULTS = Path(__file__).resolve().parent / "results"
+STOP_GRACE_S = 15.0  # a run stopped at its timeout gets this long to checkpoint and end before it is killed
 
 
 def argument_parser(doc: str | None) -> argparse.ArgumentParser:
@@ -87,10 +90,52 @@ def learning_curve(metrics_csv: Path, key: str = "rollout/return_mean20") -> lis
     ]
 
 
-def run_once(overrides: list[str], solved_return: float = 475.0, curve: bool = False) -> dict[str, Any]:
+def steady_sps(metrics_csv: Path) -> float | None:
+    """Env steps per second over the second half of the run's logged wall time (`time/wall_s`): the rate of a
+    long run, without the start-up, the first update's compilation and the warm-up a short run's SPS
+    carries. None with fewer than two logged rows in that half."""
+    from ppo_fabric.runs.metrics_file import read_rows, series
+
+    points = series(read_rows(metrics_csv), "time/wall_s")  # (step, wall s)
+    if len(points) < 3:
+        return None
+    half = points[-1][1] / 2
+    later = [p for p in points if p[1] >= half]
+    if len(later) < 2 or later[-1][1] <= later[0][1]:
+        return None
+    return (later[-1][0] - later[0][0]) / (later[-1][1] - later[0][1])
+
+
+def stopped_summary(metrics_csv: Path, timeout: float) -> dict[str, Any]:
+    """What a run stopped at `timeout` seconds had done, from its metrics.csv (summary.json is written only at
+    the end): env steps, SPS and wall seconds of the last logged update, and the summed `time/*_s` columns
+    as its time split. `stopped_after_s` marks the figures as those of a run cut short."""
+    from ppo_fabric.runs.metrics_file import read_rows, series
+
+    rows = read_rows(metrics_csv)
+    if not rows:
+        raise SystemExit(f"benchmark run stopped after {timeout:.0f} s before it logged an update")
+    last = rows[-1]
+    split = {name: sum(v for _, v in series(rows, f"time/{name}_s")) for name in ("collect", "train")}
+    returns = series(rows, "rollout/return_mean20")
+    return {"steps_this_run": int(float(last["step"])), "total_env_steps": int(float(last["step"])),
+            "sps": float(last["time/sps"]), "wall_seconds": float(last["time/wall_s"]),
+            "time_split": {k: v for k, v in split.items() if v}, "stopped_after_s": timeout,
+            "final_mean_return": returns[-1][1] if returns else None}  # fmt: skip
+
+
+def run_once(
+    overrides: list[str], solved_return: float = 475.0, curve: bool = False, timeout: float | None = None
+) -> dict[str, Any]:
     """Train in a fresh process (as a user would launch it) and return its summary.json, plus the env
-    step at which the mean of the last 20 episodes first reached `solved_return` and, with `curve`, the
-    learning curve (`learning_curve`)."""
+    step at which the mean of the last 20 episodes first reached `solved_return`, `sps_steady`
+    (`steady_sps`) and, with `curve`, the learning curve (`learning_curve`).
+
+    With `timeout`, a run still going after that many seconds is stopped as a cluster would stop it
+    (SIGTERM: it checkpoints at the next update and ends; its process group is killed `STOP_GRACE_S` later
+    if not)
+    and the figures are those of its last logged update (`stopped_summary`): a benchmark on a machine
+    lent for minutes keeps a row for every run it started."""
     with tempfile.TemporaryDirectory() as tmp:
         run_dir = Path(tmp) / "run"
         cmd = [
@@ -101,10 +146,26 @@ def run_once(overrides: list[str], solved_return: float = 475.0, curve: bool = F
             f"hydra.run.dir={run_dir}",
             *overrides,
         ]
-        proc = subprocess.run(cmd, capture_output=True, text=True)
-        if proc.returncode != 0:
-            raise SystemExit(f"benchmark run failed: {' '.join(cmd)}\n{proc.stderr[-2000:]}")
-        summary = json.loads((run_dir / "summary.json").read_text())
+        started = time.monotonic()
+        proc = subprocess.Popen(
+            cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
+        )
+        try:
+            _, stderr = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.communicate(timeout=STOP_GRACE_S)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.communicate()
+            summary = stopped_summary(run_dir / "metrics.csv", float(timeout or 0))
+        else:
+            if proc.returncode != 0:
+                raise SystemExit(f"benchmark run failed: {' '.join(cmd)}\n{stderr[-2000:]}")
+            summary = json.loads((run_dir / "summary.json").read_text())
+        summary["process_seconds"] = time.monotonic() - started  # start-up and shutdown included
+        summary["sps_steady"] = steady_sps(run_dir / "metrics.csv")
         summary["solved_step"] = first_step_at(
             run_dir / "metrics.csv", "rollout/return_mean20", solved_return
         )

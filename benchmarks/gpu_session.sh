@@ -1,24 +1,47 @@
 #!/usr/bin/env bash
-# Everything a short GPU lease should prove, in one command, most important first, each step bounded so that a
-# lease cut short still returns what finished (each script rewrites its report after every row or check):
-#   1. gpu_check.py        every CUDA path: resume (same device, CPU<->GPU), SIGTERM, compile on/off, EnvPool
-#                          Pong, CPU players feeding a GPU trainer;
-#   2. minibatch_step.py   the Nature-CNN minibatch step eager / compiled / one CUDA graph;
-#   3. gpu_strategies.py   Pong: 1 GPU trainer + K CPU players (K from PLAYERS), the most players again with
-#                          the compiled step, then coupled on the GPU with gymnasium's async envs and with
-#                          EnvPool (32 envs each), ATARI_STEPS env steps per row.
-# Reports go to OUT_DIR (flat: gpu_check.json, minibatch_step.{json,md}, gpu-strategies.{json,md}).
+# Everything a short GPU lease should prove, in one command, each part bounded so that a lease cut short still
+# returns what finished (each script rewrites its report after every row or check). The parts, in PARTS order
+# (default "check step layouts envpool"):
+#   check     gpu_check.py: every CUDA path (resume on one device and CPU<->GPU, SIGTERM, compile on/off,
+#             EnvPool Pong, CPU players feeding a GPU trainer); CHECKS names some of them (default all);
+#   step      minibatch_step.py: the Nature-CNN minibatch step eager / compiled / one CUDA graph;
+#   layouts   gpu_strategies.py on Pong: the decoupled layouts of LAYOUTS (default: 1 GPU trainer + K CPU
+#             players for K in PLAYERS, the most players with the players acting on the GPU, and 2 EnvPool
+#             players acting on the GPU), ATARI_STEPS env steps per row;
+#   envpool   gpu_strategies.py: coupled Pong on the GPU with EnvPool (32 envs), the layouts' baseline; add
+#             gymnasium's async envs with ENVPOOL_VARIANTS="gymnasium-async envpool";
+#   startup   where one process's start-up goes (import torch, first CUDA op, import lightning, import the
+#             strategies), printed: a job's start-up is what each of its processes pays.
+# Each Pong run is stopped after RUN_S seconds (default 120) and reports its last logged update, so a row
+# exists for every run started even where the machine starts processes slowly; each part's limit is CHECK_S,
+# STEP_S, LAYOUT_S, ENVPOOL_S. Reports go to OUT_DIR (flat: gpu_check.json, minibatch_step.{json,md},
+# gpu-strategies.{json,md}).
 #
 #     bash benchmarks/gpu_session.sh OUT_DIR [ATARI_STEPS]        (PY=python3 by default, PLAYERS="4 8 14")
-#     bash .whl/remote.sh bash benchmarks/gpu_session.sh "$OUT" 120000    (on a lent machine without network)
+#     bash .whl/remote.sh bash benchmarks/gpu_session.sh "$OUT" 500000    (on a lent machine without network)
 set -u
 out=${1:?usage: gpu_session.sh OUT_DIR [ATARI_STEPS]}
-steps=${2:-120000}
+steps=${2:-500000}
 py=${PY:-python3}
 players=${PLAYERS:-4 8 14}
 most=$(printf '%s\n' $players | sort -n | tail -1)
+layouts=${LAYOUTS:-decoupled-envpool-2 $(for k in $(printf '%s\n' $players | sort -rn); do
+    printf 'decoupled-gpu-%s ' "$k"; [ "$k" = "$most" ] && printf 'decoupled-gpuplay-%s ' "$k"; done)}
+run_s=${RUN_S:-120}
 mkdir -p "$out"
 cd "$(dirname "$0")/.." || exit 1
+
+startup_probe='import time
+t = time.perf_counter()
+def lap(what):
+    global t
+    now = time.perf_counter()
+    print(f"startup: {what} {now - t:.1f} s", flush=True)
+    t = now
+import torch; lap("import torch")
+torch.zeros(1, device="cuda" if torch.cuda.is_available() else "cpu").sum().item(); lap("first CUDA op")
+import lightning_fabric; lap("import lightning_fabric")
+import ppo_fabric.ppo, ppo_fabric.ppo_decoupled; lap("import the strategies")'
 
 step() {  # step SECONDS COMMAND...: run it, at most SECONDS, and say how it ended
     local limit=$1 start=$SECONDS
@@ -28,12 +51,24 @@ step() {  # step SECONDS COMMAND...: run it, at most SECONDS, and say how it end
     echo "=== rc=$? after $((SECONDS - start)) s: $*"
 }
 
-step "${CHECK_S:-240}" "$py" benchmarks/gpu_check.py --out "$out/gpu_check.json"
-step "${STEP_S:-150}" "$py" benchmarks/minibatch_step.py --out "$out"
-variants=()
-for k in $players; do variants+=("decoupled-gpu-$k"); done
-variants+=("decoupled-gpu-$most-compile")
-# shellcheck disable=SC2086
-step "${LAYOUT_S:-360}" "$py" benchmarks/gpu_strategies.py --only atari --players $players \
-    --variants "${variants[@]}" --atari-steps "$steps" --out "$out"
-step "${ENVPOOL_S:-150}" "$py" benchmarks/gpu_strategies.py --only envpool --envpool-steps "$steps" --out "$out"
+for part in ${PARTS:-check step layouts envpool}; do
+    case $part in
+    check)
+        # shellcheck disable=SC2086
+        step "${CHECK_S:-360}" "$py" benchmarks/gpu_check.py --out "$out/gpu_check.json" ${CHECKS:+--only $CHECKS}
+        ;;
+    step) step "${STEP_S:-150}" "$py" benchmarks/minibatch_step.py --out "$out" ;;
+    layouts)
+        # shellcheck disable=SC2086
+        step "${LAYOUT_S:-600}" "$py" benchmarks/gpu_strategies.py --only atari --players $players \
+            --envpool-players 2 --variants $layouts --atari-steps "$steps" --run-timeout "$run_s" --out "$out"
+        ;;
+    envpool)
+        # shellcheck disable=SC2086
+        step "${ENVPOOL_S:-150}" "$py" benchmarks/gpu_strategies.py --only envpool --envpool-steps "$steps" \
+            --envpool-variants ${ENVPOOL_VARIANTS:-envpool} --run-timeout "$run_s" --out "$out"
+        ;;
+    startup) step 60 "$py" - <<<"$startup_probe" ;;
+    *) echo "unknown part $part (startup, check, step, layouts, envpool)" >&2; exit 2 ;;
+    esac
+done

@@ -1,33 +1,40 @@
 """Coupled and decoupled on a CUDA machine: SPS, GPU utilisation and the collect / transfer / train time split.
 
 Workloads: CartPole-v1 with 64 envs, LunarLander-v3 (its config's 16 envs) and Atari Pong (`exp=atari`
-with 16 async envs, one process per env for a 16-core machine). For each it runs these variants (keys for
+with 32 async envs, one process per env for a 16-core machine). For each it runs these variants (keys for
 `--variants`), one run at a time, each in a fresh process:
   - coupled-gpu: coupled on the GPU (`fabric=gpu`, 1 process),
   - coupled-gpu-compile: the same with `algo.compile=true` (the minibatch step compiled, CUDA graphs),
   - decoupled-gpu-K: decoupled, K CPU players feeding 1 GPU trainer (`strategy=decoupled fabric=cpu
     fabric.devices=K+1 algo.players=K algo.player_device=cpu algo.trainer_device=cuda`), K from
-    `--players` (1 2 4 6),
+    `--players` (1 2 4 6); on Pong each player steps 8 envs in turn (the players are the parallelism),
+  - decoupled-gpuplay-K: the same with the players acting on the GPU (`algo.player_device=auto`), stepping
+    their envs on the CPU,
+  - decoupled-envpool-K: K players acting on the GPU, each collecting from one EnvPool of the workload's
+    envs whose threads share the cores left after one per process (`env.backend=envpool`), K from
+    `--envpool-players` (2),
+  - decoupled-gpu-K-compile: the most players again with the trainer's step compiled,
   - decoupled-gpus: with 2 or more GPUs, one trainer per GPU and as many CPU players,
   - coupled-cpu, decoupled-cpu: coupled and decoupled (1 player + 1 trainer) on the CPU (`fabric=cpu`),
     the same machine's reference.
-`--variants gpu` selects the GPU rows, `cpu` the CPU rows (default: all). Each run is `--steps` env steps
-(500k; Pong `--atari-steps`, also 500k): CartPole's GPU rows (`--only cartpole --variants gpu`, 6 runs)
-fit a 10-minute command; split Pong over several (`--only atari --variants coupled-gpu decoupled-gpu-1`,
-...), each keeping the other rows of the report.
+`--variants gpu` selects the GPU rows, `cpu` the CPU rows (default: all); named keys run in the order named.
+Each run is `--steps` env steps (500k; Pong `--atari-steps`, also 500k). `--run-timeout S` stops a run after
+S seconds (SIGTERM, as a cluster would) and reports its last logged update, marked as stopped: on a machine
+lent for minutes every run started keeps a row. Every row also has the steady SPS (the second half of the
+run's logged wall time, no start-up or warm-up) and its start-up seconds.
 While a run executes, `nvidia-smi` samples every GPU's utilisation and memory every 500 ms ("n/a" without
 nvidia-smi). Workloads whose extra is not installed (LunarLander: box2d; Atari: atari) are skipped with a
 note. Writes benchmarks/results/gpu-strategies.{json,md}, after every run (a killed job keeps its rows).
 Needs a CUDA device; `--dry-run` runs the same layouts with every GPU role on the CPU instead (to check the
 script on any machine, with a small `--steps`) and writes gpu-strategies-dryrun.{json,md}.
 
-`--only envpool`: Pong (`exp=atari`, 16 envs, coupled on the GPU) collected by gymnasium's AsyncVectorEnv
+`--only envpool`: Pong (`exp=atari`, 32 envs, coupled on the GPU) collected by gymnasium's AsyncVectorEnv
 (one process per env) and by EnvPool (`env.backend=envpool`, C++ threads), `--envpool-steps` (500k) each.
-`--envpool-dry-run` runs those two rows on the CPU for 2,048 steps without CUDA, printing them and writing
-nothing: it proves the commands before a GPU node is booked.
+`--envpool-dry-run` runs those two rows on the CPU for 4,096 steps (one batch) without CUDA, printing them
+and writing nothing: it proves the commands before a GPU node is booked.
 
     .venv/bin/python benchmarks/gpu_strategies.py [--steps 500000] [--atari-steps 500000] [--only atari]
-        [--variants gpu|cpu|KEY ...] [--players 1 2 4 6] [--dry-run]
+        [--variants gpu|cpu|KEY ...] [--players 1 2 4 6] [--envpool-players 2] [--run-timeout S] [--dry-run]
     .venv/bin/python benchmarks/gpu_strategies.py --only envpool [--envpool-steps 500000] [--envpool-dry-run]
 """
 
@@ -36,6 +43,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import math
+import os
 import shutil
 import signal
 import subprocess
@@ -71,11 +79,16 @@ ENVPOOL_VARIANTS = {
 }
 # each EnvPool row's `variant_key`, so that a rerun of `--only envpool` replaces its rows instead of adding
 ENVPOOL_KEYS = {"gymnasium AsyncVectorEnv, GPU": "gymnasium-async", "EnvPool, GPU": "envpool"}
-ENVPOOL_DRY_STEPS = 2048
+ENVPOOL_DRY_STEPS = 4096  # one batch: 32 envs x 128 steps
 
 
 def envpool_rows(
-    steps: int, commit: str, dry_run: bool, extra: list[str], keys: list[str] | None = None
+    steps: int,
+    commit: str,
+    dry_run: bool,
+    extra: list[str],
+    keys: list[str] | None = None,
+    timeout: float | None = None,
 ) -> list[dict[str, Any]]:
     """The EnvPool vs gymnasium rows (`--only envpool`; `keys` picks some by variant key), one fresh process
     each; on the CPU when `dry_run`. Rows missing their extra (atari for gymnasium, envpool) are left out with
@@ -92,7 +105,7 @@ def envpool_rows(
         fabric = "fabric=cpu" if dry_run else "fabric=gpu"
         run = [*ENVPOOL_PONG, *overrides, fabric, f"algo.total_steps={steps}", *extra]
         with GpuSampler() as sampler:
-            s = run_once(run, solved_return=math.inf)
+            s = run_once(run, solved_return=math.inf, timeout=timeout)
             exited = time.time()
         name = variant.replace("GPU", "CPU dry run") if dry_run else variant
         rows.append({"key": "envpool", "workload": "Pong-v5, 32 envs", "variant_key": ENVPOOL_KEYS[variant],
@@ -100,6 +113,8 @@ def envpool_rows(
                      "commit": commit, "steps": s["steps_this_run"], "sps": s["sps"],
                      "wall_seconds": s["wall_seconds"], "time_split": s["time_split"], "split": split(s),
                      "gpu": None if dry_run else sampler.stats(exited - s["wall_seconds"], exited),
+                     "sps_steady": s.get("sps_steady"), "stopped_after_s": s.get("stopped_after_s"),
+                     "process_seconds": s.get("process_seconds"),
                      "final_mean_return": s["final_mean_return"], "ranks_in_sync": s.get("ranks_in_sync")})  # fmt: skip
         print(f"Pong-v5, 32 envs {name:34s} {s['sps']:10,.0f} SPS  collect {_fmt(rows[-1]['split']['collect'], '.2f')} "
               f"train {_fmt(rows[-1]['split']['train'], '.2f')}", flush=True)  # fmt: skip
@@ -107,12 +122,21 @@ def envpool_rows(
 
 
 VARIANT_GROUPS = {
-    "gpu": ("coupled-gpu", "coupled-gpu-compile", "decoupled-gpu-", "decoupled-gpus"),
+    "gpu": (
+        "coupled-gpu",
+        "coupled-gpu-compile",
+        "decoupled-gpu-",
+        "decoupled-gpuplay-",
+        "decoupled-envpool-",
+        "decoupled-gpus",
+    ),
     "cpu": ("coupled-cpu", "decoupled-cpu"),
 }
 
 
-def variants(gpus: int, players: list[int], dry_run: bool = False) -> dict[str, tuple[str, list[str], bool]]:
+def variants(
+    gpus: int, players: list[int], dry_run: bool = False, envpool_players: tuple[int, ...] = ()
+) -> dict[str, tuple[str, list[str], bool]]:
     """Variant key -> (name, overrides, runs on the CPU only). The CPU rows are there so that each GPU
     figure has a reference taken on the same machine. A dry run puts every GPU role on the CPU."""
     gpu_fabric, trainer = ("cpu", "cpu") if dry_run else ("gpu", "cuda")
@@ -125,6 +149,21 @@ def variants(gpus: int, players: list[int], dry_run: bool = False) -> dict[str, 
             f"decoupled, 1 GPU trainer + {k} CPU player{'s' if k > 1 else ''}",
             ["strategy=decoupled", "fabric=cpu", f"fabric.devices={k + 1}", f"algo.players={k}",
              "algo.player_device=cpu", f"algo.trainer_device={trainer}"], False)  # fmt: skip
+    # the same players acting on the GPU (one CUDA context each), stepping their envs on the CPU
+    for k in players:
+        out[f"decoupled-gpuplay-{k}"] = (
+            f"decoupled, 1 GPU trainer + {k} player{'s' if k > 1 else ''} acting on the GPU",
+            ["strategy=decoupled", "fabric=cpu", f"fabric.devices={k + 1}", f"algo.players={k}",
+             f"algo.player_device={'cpu' if dry_run else 'auto'}", f"algo.trainer_device={trainer}"], False)  # fmt: skip
+    # few players, each an EnvPool of C++ threads sharing the cores, acting on the GPU
+    for k in envpool_players:
+        threads = max(1, ((os.cpu_count() or 2) - k - 1) // k)
+        out[f"decoupled-envpool-{k}"] = (
+            f"decoupled, 1 GPU trainer + {k} EnvPool player{'s' if k > 1 else ''} "
+            f"({threads} thread{'s' if threads > 1 else ''} each) acting on the GPU",
+            ["strategy=decoupled", "fabric=cpu", f"fabric.devices={k + 1}", f"algo.players={k}",
+             f"algo.player_device={'cpu' if dry_run else 'auto'}", f"algo.trainer_device={trainer}",
+             "env.backend=envpool", f"env.envpool.num_threads={threads}"], False)  # fmt: skip
     if players:  # the most players again with the trainer's minibatch step compiled (CUDA graphs)
         k = max(players)
         name, overrides, _ = out[f"decoupled-gpu-{k}"]
@@ -145,16 +184,19 @@ def variants(gpus: int, players: list[int], dry_run: bool = False) -> dict[str, 
 
 
 def chosen(all_variants: dict[str, Any], asked: list[str] | None) -> list[str]:
-    """The variant keys `--variants` names (groups `gpu`/`cpu` expanded), in the table's order."""
+    """The variant keys `--variants` names, in the order named (a group, `gpu`/`cpu`, expands in the table's
+    order): a job cut short has run the rows named first."""
     if not asked:
         return list(all_variants)
-    wanted = set()
+    out: list[str] = []
     for name in asked:
         prefixes = VARIANT_GROUPS.get(name, (name,))
-        wanted |= {
-            k for k in all_variants if any(k == p or (p.endswith("-") and k.startswith(p)) for p in prefixes)
-        }
-    return [k for k in all_variants if k in wanted]
+        out += [
+            k
+            for k in all_variants
+            if k not in out and any(k == p or (p.endswith("-") and k.startswith(p)) for p in prefixes)
+        ]
+    return out
 
 
 class GpuSampler:
@@ -286,6 +328,11 @@ def _per_gpu(row: dict[str, Any], key: str) -> str:
     return ", ".join(f"{i}: {_fmt(s[key])}" for i, s in gpu.items())
 
 
+def _startup(row: dict[str, Any]) -> float | None:
+    life = row.get("process_seconds")
+    return None if life is None else life - row["wall_seconds"]
+
+
 def markdown(report: dict[str, Any]) -> str:
     m = report["machine"]
     gpus = ", ".join(f"{g.get('name')} ({g.get('memory.total')} MiB, driver {g.get('driver_version')})"
@@ -303,17 +350,24 @@ def markdown(report: dict[str, Any]) -> str:
         "util and max memory (MiB, every process on the GPU) over the whole process. Time split as fractions "
         "of the wall time: coupled, rank 0's collect and train (no transfer: host-device copies are in "
         "collect); decoupled, the player's collect, its send + wait for parameters (transfer, and any wait "
-        "for the trainer) and the trainer's train, which overlap with the pipeline on.",
+        "for the trainer) and the trainer's train, which overlap with the pipeline on. Steady SPS: env steps "
+        "per second over the second half of the run's logged wall time (no start-up, compilation or "
+        "warm-up): the rate of a long run. A row marked 'stopped at S s' is a run the benchmark ended "
+        "after S seconds (`--run-timeout`): its figures are those of its last logged update, its split "
+        "the summed per-update collect and train seconds. Start-up: seconds from launching the job to the "
+        "start of its training loop (the process's life less the loop's wall time; shutdown included).",
         "",
-        "| workload | variant | env steps | SPS | GPU util % loop / all | GPU util max % | GPU mem max MiB | "
-        "collect | send+wait | train | final mean return |",
-        "|---|---|---:|---:|---|---|---|---:|---:|---:|---:|",
+        "| workload | variant | env steps | SPS | steady SPS | start-up s | GPU util % loop / all | "
+        "GPU util max % | GPU mem max MiB | collect | send+wait | train | final mean return |",
+        "|---|---|---:|---:|---:|---:|---|---|---|---:|---:|---:|---:|",
     ]
     for r in report["rows"]:
         s = r["split"]
         util = "n/a" if not r["gpu"] else f"{_per_gpu(r, 'util_mean_loop')} / {_per_gpu(r, 'util_mean')}"
+        stopped = f" (stopped at {r['stopped_after_s']:.0f} s)" if r.get("stopped_after_s") else ""
         lines.append(
-            f"| {r['workload']} | {r['variant']} | {r['steps']:,} | {r['sps']:,.0f} | {util} | "
+            f"| {r['workload']} | {r['variant']}{stopped} | {r['steps']:,} | {r['sps']:,.0f} | "
+            f"{_fmt(r.get('sps_steady'), ',.0f')} | {_fmt(_startup(r))} | {util} | "
             f"{_per_gpu(r, 'util_max')} | {_per_gpu(r, 'mem_max_mib')} | {_fmt(s['collect'], '.2f')} | "
             f"{'-' if s['transfer'] is None else _fmt(s['transfer'], '.2f')} | {_fmt(s['train'], '.2f')} | "
             f"{_fmt(r['final_mean_return'], '.1f')} |"
@@ -367,13 +421,19 @@ def main() -> None:
     parser.add_argument("--envpool-variants", nargs="+", choices=list(ENVPOOL_KEYS.values()), default=None,
                         help="these EnvPool rows only (default both); the others are kept")  # fmt: skip
     parser.add_argument("--envpool-dry-run", action="store_true",
-                        help="the EnvPool rows on the CPU, 2,048 steps, no CUDA needed, nothing written")  # fmt: skip
+                        help="the EnvPool rows on the CPU, 4,096 steps, no CUDA needed, nothing written")  # fmt: skip
     parser.add_argument("--only", nargs="+", choices=[*WORKLOADS, "envpool"],
                         help="these workloads only; the output's rows of the others are kept")  # fmt: skip
     parser.add_argument("--variants", nargs="+", default=None,
                         help="variant keys or groups (gpu, cpu); default all; the other rows are kept")  # fmt: skip
     parser.add_argument("--players", nargs="+", type=int, default=[1, 2, 4, 6],
-                        help="K of the decoupled-gpu-K rows: CPU players feeding one GPU trainer")  # fmt: skip
+                        help="K of the decoupled-gpu-K rows (CPU players feeding one GPU trainer) and of the "
+                        "decoupled-gpuplay-K rows (the players act on the GPU)")  # fmt: skip
+    parser.add_argument("--envpool-players", nargs="+", type=int, default=[2],
+                        help="K of the decoupled-envpool-K rows: K EnvPool players acting on the GPU")  # fmt: skip
+    parser.add_argument("--run-timeout", type=float, default=None,
+                        help="stop a run after this many seconds and report its last logged update "
+                        "(the row says so); default: none")  # fmt: skip
     parser.add_argument("--dry-run", action="store_true",
                         help="every GPU role on the CPU: checks the script anywhere (use a small --steps)")  # fmt: skip
     parser.add_argument("--out", type=Path, default=RESULTS)
@@ -394,7 +454,7 @@ def main() -> None:
     gpu_name = info[0]["name"] if info else (torch.cuda.get_device_name(0) if gpus else "none (dry run)")
     m = common.machine() | {"gpu": gpu_name, "gpus": gpus, "gpu_info": info, "commit": common.git_commit()}
     name = "gpu-strategies-dryrun" if args.dry_run else "gpu-strategies"
-    table = variants(gpus, args.players, args.dry_run)
+    table = variants(gpus, args.players, args.dry_run, tuple(args.envpool_players))
     keys = chosen(table, args.variants)
     unknown = set(args.variants or []) - set(VARIANT_GROUPS) - set(table)
     if unknown:
@@ -420,7 +480,7 @@ def main() -> None:
     report = {"machine": m, "command": command, "rows": rows, "notes": notes}
     if "envpool" in selected:
         report["rows"] += envpool_rows(
-            args.envpool_steps, m["commit"], False, args.extra, args.envpool_variants
+            args.envpool_steps, m["commit"], False, args.extra, args.envpool_variants, args.run_timeout
         )
         write(args.out, report, name)
     for key in (k for k in selected if k in WORKLOADS):
@@ -435,14 +495,17 @@ def main() -> None:
             if on_cpu:
                 steps = max(1, round(steps * args.cpu_steps_frac))
             threads = [f"torch_threads={args.cpu_threads}"] if on_cpu and args.cpu_threads is not None else []
-            envs = DECOUPLED_ENVS.get(key, []) if "strategy=decoupled" in extra else []
+            pooled = any(o == "env.backend=envpool" for o in extra)
+            envs = DECOUPLED_ENVS.get(key, []) if "strategy=decoupled" in extra and not pooled else []
             run = [*overrides, *envs, *extra, *threads, f"algo.total_steps={steps}", *args.extra]
             with GpuSampler() as sampler:
-                s = run_once(run, solved_return=math.inf)
+                s = run_once(run, solved_return=math.inf, timeout=args.run_timeout)
                 exited = time.time()  # before the sampler stops (which may take a few seconds)
             row = {"key": key, "workload": workload, "variant_key": variant_key, "variant": variant,
                    "overrides": run, "commit": m["commit"],
                    "steps": s["steps_this_run"], "sps": s["sps"], "wall_seconds": s["wall_seconds"],
+                   "sps_steady": s.get("sps_steady"), "stopped_after_s": s.get("stopped_after_s"),
+                   "process_seconds": s.get("process_seconds"),
                    "time_split": s["time_split"], "split": split(s),
                    "gpu": sampler.stats(exited - s["wall_seconds"], exited),
                    "final_mean_return": s["final_mean_return"], "ranks_in_sync": s.get("ranks_in_sync"),

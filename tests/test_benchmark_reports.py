@@ -59,3 +59,25 @@ def test_stopped_sb3_runs_show_no_final_return(monkeypatch: pytest.MonkeyPatch) 
     assert "| sb3 | 2 | > 300 (cap) | never |" in capped
     pipelined = next(line for line in md.splitlines() if line.startswith("| pipelined "))
     assert "1800" in pipelined
+
+
+def test_a_run_stopped_at_its_timeout_reports_its_last_logged_update(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    common = _script(monkeypatch, "common")
+    csv = tmp_path / "metrics.csv"
+    rows = [  # step, time/wall_s, time/sps, time/collect_s, time/train_s, rollout/return_mean20
+        (1000, 10.0, 100.0, 4.0, 6.0, ""), (2000, 20.0, 100.0, 4.0, 6.0, "-20.5"),
+        (4000, 30.0, 133.3, 4.0, 6.0, ""), (6000, 40.0, 150.0, 4.0, 6.0, "-19.0"),
+    ]  # fmt: skip
+    csv.write_text("step,time/wall_s,time/sps,time/collect_s,time/train_s,rollout/return_mean20\n"
+                   + "".join(",".join(map(str, r)) + "\n" for r in rows))  # fmt: skip
+    s = common.stopped_summary(csv, 45.0)
+    assert (s["steps_this_run"], s["sps"], s["wall_seconds"], s["stopped_after_s"]) == (6000, 150.0, 40.0, 45.0)
+    assert s["time_split"] == {"collect": 16.0, "train": 24.0} and s["final_mean_return"] == -19.0
+    # the second half of 40 s of logged wall time: steps 2000 -> 6000 over 20 s -> 30 s -> 40 s
+    assert common.steady_sps(csv) == pytest.approx((6000 - 2000) / (40.0 - 20.0))
+    csv.write_text("step,time/wall_s,time/sps\n1000,10.0,100.0\n")
+    assert common.steady_sps(csv) is None
+    with pytest.raises(SystemExit, match="before it logged an update"):
+        common.stopped_summary(tmp_path / "none.csv", 45.0)

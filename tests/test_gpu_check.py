@@ -142,6 +142,8 @@ def test_gpu_strategies_has_a_compiled_row(gs) -> None:  # type: ignore[no-untyp
         "coupled-gpu-compile",
         "decoupled-gpu-1",
         "decoupled-gpu-2",
+        "decoupled-gpuplay-1",
+        "decoupled-gpuplay-2",
         "decoupled-gpu-2-compile",
     ]
     assert table["decoupled-gpu-2-compile"][1] == [*table["decoupled-gpu-2"][1], "algo.compile=true"]
@@ -150,12 +152,30 @@ def test_gpu_strategies_has_a_compiled_row(gs) -> None:  # type: ignore[no-untyp
     assert gs.variants(1, [1], dry_run=True)["coupled-gpu-compile"][1][1] == "fabric=cpu"
 
 
+def test_layouts_run_in_the_order_named_and_envpool_players_share_the_cores(gs, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """A lease cut short has run the rows named first; EnvPool players act on the GPU and split the cores
+    left after one core per process among their pools."""
+    monkeypatch.setattr(gs.os, "cpu_count", lambda: 16)
+    table = gs.variants(1, [4, 14], envpool_players=(2,))
+    asked = ["decoupled-envpool-2", "decoupled-gpu-14", "decoupled-gpuplay-14", "decoupled-gpu-4"]
+    assert gs.chosen(table, asked) == asked
+    assert gs.chosen(table, ["decoupled-gpu-4", "gpu"])[:2] == ["decoupled-gpu-4", "coupled-gpu"]
+    name, overrides, on_cpu = table["decoupled-envpool-2"]
+    assert "2 EnvPool players (6 threads each)" in name and not on_cpu
+    assert {"algo.players=2", "fabric.devices=3", "algo.player_device=auto", "algo.trainer_device=cuda",
+            "env.backend=envpool", "env.envpool.num_threads=6"} <= set(overrides)  # fmt: skip
+    assert "algo.player_device=auto" in table["decoupled-gpuplay-14"][1]
+    assert "algo.player_device=cpu" in table["decoupled-gpu-14"][1]
+    dry = gs.variants(1, [4], dry_run=True, envpool_players=(2,))
+    assert {"algo.player_device=cpu", "algo.trainer_device=cpu"} <= set(dry["decoupled-envpool-2"][1])
+
+
 def test_envpool_rows_are_replaced_by_a_rerun(gs, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:  # type: ignore[no-untyped-def]
     """A report split over several jobs keeps the rows a job does not redo; rerunning `--only envpool`
     replaces the EnvPool rows (they once had no variant key, so every rerun added two more)."""
     summary = {"steps_this_run": 2048, "sps": 100.0, "wall_seconds": 2.0, "final_mean_return": -21.0,
                "time_split": {"collect": 1.0, "train": 0.5}}  # fmt: skip
-    monkeypatch.setattr(gs, "run_once", lambda overrides, solved_return: summary)
+    monkeypatch.setattr(gs, "run_once", lambda overrides, solved_return, timeout=None: summary)
     real = importlib.util.find_spec
     monkeypatch.setattr(
         importlib.util,
