@@ -106,6 +106,11 @@ def steady_sps(metrics_csv: Path) -> float | None:
     return (later[-1][0] - later[0][0]) / (later[-1][1] - later[0][1])
 
 
+class LoggedNothing(SystemExit):
+    """A run stopped at its timeout before it logged an update: there is no figure to report (a benchmark
+    that can say so and go on catches it; one that cannot ends with the message)."""
+
+
 def stopped_summary(metrics_csv: Path, timeout: float) -> dict[str, Any]:
     """What a run stopped at `timeout` seconds had done, from its metrics.csv (summary.json is written only at
     the end): env steps, SPS and wall seconds of the last logged update, and the summed `time/*_s` columns
@@ -114,7 +119,7 @@ def stopped_summary(metrics_csv: Path, timeout: float) -> dict[str, Any]:
 
     rows = read_rows(metrics_csv)
     if not rows:
-        raise SystemExit(f"benchmark run stopped after {timeout:.0f} s before it logged an update")
+        raise LoggedNothing(f"benchmark run stopped after {timeout:.0f} s before it logged an update")
     last = rows[-1]
     split = {name: sum(v for _, v in series(rows, f"time/{name}_s")) for name in ("collect", "train")}
     returns = series(rows, "rollout/return_mean20")

@@ -11,7 +11,8 @@
 #   envpool   gpu_strategies.py: coupled Pong on the GPU with EnvPool (32 envs), the layouts' baseline; add
 #             gymnasium's async envs with ENVPOOL_VARIANTS="gymnasium-async envpool";
 #   startup   where one process's start-up goes (import torch, first CUDA op, import lightning, import the
-#             strategies), printed: a job's start-up is what each of its processes pays.
+#             strategies), printed: a job's start-up is what each of its processes pays; then the same in
+#             STARTUP_COPIES (15) processes at once, as a 14-player job starts them.
 # Each Pong run is stopped after RUN_S seconds (default 120) and reports its last logged update, so a row
 # exists for every run started even where the machine starts processes slowly; each part's limit is CHECK_S,
 # STEP_S, LAYOUT_S, ENVPOOL_S. Reports go to OUT_DIR (flat: gpu_check.json, minibatch_step.{json,md},
@@ -68,7 +69,13 @@ for part in ${PARTS:-check step layouts envpool}; do
         step "${ENVPOOL_S:-150}" "$py" benchmarks/gpu_strategies.py --only envpool --envpool-steps "$steps" \
             --envpool-variants ${ENVPOOL_VARIANTS:-envpool} --run-timeout "$run_s" --out "$out"
         ;;
-    startup) step 60 "$py" - <<<"$startup_probe" ;;
+    startup)
+        step 60 "$py" - <<<"$startup_probe"
+        # the same in as many processes at once as a 14-player job starts: contention shows as longer laps
+        # shellcheck disable=SC2016
+        step 120 bash -c '(for _ in $(seq "$1"); do "$2" - <<<"$3" & done; wait) | sort | uniq -c' _ \
+            "${STARTUP_COPIES:-15}" "$py" "$startup_probe"
+        ;;
     *) echo "unknown part $part (startup, check, step, layouts, envpool)" >&2; exit 2 ;;
     esac
 done

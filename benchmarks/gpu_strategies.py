@@ -292,7 +292,7 @@ def split(summary: dict[str, Any]) -> dict[str, float | None]:
                    "transfer": player.get("send", 0.0) + player.get("wait_params", 0.0),
                    "train": trainer.get("train", 0.0)}  # fmt: skip
     else:
-        seconds = {"collect": t.get("collect", 0.0), "transfer": None, "train": t.get("train", 0.0)}
+        seconds = {"collect": t.get("collect"), "transfer": None, "train": t.get("train")}  # None: not logged
     wall = summary["wall_seconds"]
     out: dict[str, float | None] = {f"{k}_s": v for k, v in seconds.items()}
     out |= {k: (v / wall if v is not None and wall > 0 else None) for k, v in seconds.items()}
@@ -369,7 +369,7 @@ def markdown(report: dict[str, Any]) -> str:
             f"| {r['workload']} | {r['variant']}{stopped} | {r['steps']:,} | {r['sps']:,.0f} | "
             f"{_fmt(r.get('sps_steady'), ',.0f')} | {_fmt(_startup(r))} | {util} | "
             f"{_per_gpu(r, 'util_max')} | {_per_gpu(r, 'mem_max_mib')} | {_fmt(s['collect'], '.2f')} | "
-            f"{'-' if s['transfer'] is None else _fmt(s['transfer'], '.2f')} | {_fmt(s['train'], '.2f')} | "
+            f"{'-' if 'strategy=coupled' in r['overrides'] else _fmt(s['transfer'], '.2f')} | {_fmt(s['train'], '.2f')} | "
             f"{_fmt(r['final_mean_return'], '.1f')} |"
         )
     lines += ["", "Overrides of each row (`run_once` adds `logger.tensorboard=false hydra.run.dir=<tmp>`) and its "
@@ -498,9 +498,15 @@ def main() -> None:
             pooled = any(o == "env.backend=envpool" for o in extra)
             envs = DECOUPLED_ENVS.get(key, []) if "strategy=decoupled" in extra and not pooled else []
             run = [*overrides, *envs, *extra, *threads, f"algo.total_steps={steps}", *args.extra]
-            with GpuSampler() as sampler:
-                s = run_once(run, solved_return=math.inf, timeout=args.run_timeout)
-                exited = time.time()  # before the sampler stops (which may take a few seconds)
+            try:
+                with GpuSampler() as sampler:
+                    s = run_once(run, solved_return=math.inf, timeout=args.run_timeout)
+                    exited = time.time()  # before the sampler stops (which may take a few seconds)
+            except common.LoggedNothing as stopped:  # no row to write; the next layout may still fit
+                notes.append(f"{workload} / {variant}: no row, {stopped}")
+                write(args.out, report, name)
+                print(f"{workload:24s} {variant:38s} {stopped}", flush=True)
+                continue
             row = {"key": key, "workload": workload, "variant_key": variant_key, "variant": variant,
                    "overrides": run, "commit": m["commit"],
                    "steps": s["steps_this_run"], "sps": s["sps"], "wall_seconds": s["wall_seconds"],

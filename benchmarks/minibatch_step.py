@@ -191,13 +191,29 @@ def main() -> None:
         variants["graph"] = lambda: graph_update(graph_step(device, args.minibatch), batch, args)
     for name, build in variants.items():
         t0 = time.perf_counter()
-        update = build()  # the graph variant captures here
-        built = time.perf_counter() - t0
-        ms, first = time_updates(update, device, args)
+        try:
+            update = build()  # the graph variant captures here
+            built = time.perf_counter() - t0
+            ms, first = time_updates(update, device, args)
+        except Exception as err:  # noqa: BLE001 - a CUDA error poisons the context: report it, run no more
+            rows[name] = {"error": f"{type(err).__name__}: {str(err).splitlines()[0]}"}
+            print(f"{name}: FAILED {rows[name]['error']}", flush=True)
+            write(args, device, rows)
+            raise
         rows[name] = {"ms_per_step": ms, "first_update_s": first + built}
         print(f"{name}: {ms:.3f} ms per minibatch step (first update {first:.1f} s)", flush=True)
+        write(args, device, rows)  # after every variant: a job cut short keeps what it measured
+
+
+def write(args: Any, device: torch.device, rows: dict[str, dict[str, Any]]) -> None:
     m = common.machine()
     where = torch.cuda.get_device_name(device) if device.type == "cuda" else f"CPU: {m['cpu']}"
+
+    def row(name: str, v: dict[str, Any]) -> str:
+        if "error" in v:
+            return f"| {name} | failed: {v['error']} | |"
+        return f"| {name} | {v['ms_per_step']:.3f} | {v['first_update_s']:.1f} |"
+
     md = "\n".join(
         [
             "# Nature-CNN PPO minibatch step",
@@ -208,7 +224,7 @@ def main() -> None:
             "",
             "| variant | ms per minibatch step | set-up + first update s (compile, capture) |",
             "|---|---:|---:|",
-            *(f"| {k} | {v['ms_per_step']:.3f} | {v['first_update_s']:.1f} |" for k, v in rows.items()),
+            *(row(k, v) for k, v in rows.items()),
             "",
             "Target: <= 1.5 ms per step on an H100.",
             "",

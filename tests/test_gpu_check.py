@@ -191,3 +191,27 @@ def test_envpool_rows_are_replaced_by_a_rerun(gs, tmp_path: Path, monkeypatch: p
     keys = gs.chosen(gs.variants(1, [1]), None)
     assert gs.kept_rows(path, machine, gs.redone(["envpool"], keys)) == [cartpole]
     assert gs.kept_rows(path, machine, gs.redone(["cartpole"], keys)) == rows[1:]
+
+
+def test_a_layout_that_logged_nothing_leaves_a_note_and_the_next_runs(
+    gs, tmp_path: Path, monkeypatch
+) -> None:  # type: ignore[no-untyped-def]
+    """A job whose processes take longer to start than `--run-timeout` gives no figures: the report says so
+    and the benchmark goes on to the next layout instead of ending (one lease lost three rows that way)."""
+    summary = {"steps_this_run": 4096, "sps": 100.0, "wall_seconds": 40.0, "final_mean_return": 9.0,
+               "time_split": {"collect": 1.0, "train": 0.5}}  # fmt: skip
+
+    def run_once(overrides: list[str], solved_return: float, timeout: float | None = None) -> dict:
+        assert timeout == 5.0
+        if "algo.players=1" in overrides:
+            raise gs.common.LoggedNothing("benchmark run stopped after 5 s before it logged an update")
+        return summary
+
+    monkeypatch.setattr(gs, "run_once", run_once)
+    monkeypatch.setattr(sys, "argv", ["gpu_strategies.py", "--dry-run", "--only", "cartpole", "--players", "1",
+                                      "--variants", "decoupled-gpu-1", "coupled-gpu", "--run-timeout", "5",
+                                      "--out", str(tmp_path)])  # fmt: skip
+    gs.main()
+    report = json.loads((tmp_path / "gpu-strategies-dryrun.json").read_text())
+    assert [r["variant_key"] for r in report["rows"]] == ["coupled-gpu"]
+    assert any("1 CPU player: no row, benchmark run stopped after 5 s" in n for n in report["notes"])
