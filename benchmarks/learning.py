@@ -11,6 +11,7 @@ return against env steps, every seed).
     python -m benchmarks learning --suite mujoco --seeds 3                 # needs the mujoco extra
     python -m benchmarks learning --suite minatar --seeds 3 --variants coupled pipelined   # exp=minatar, 5M
     python -m benchmarks learning --suite classic --steps 20000 --out /tmp/learning   # smoke test
+    python -m benchmarks learning --suite classic --envs CartPole-v1 --out DIR -- algo.vf_coef=0.25   # a recipe change
 
 Variants: `coupled` (1 process) and `pipelined` (decoupled, 1 player + 1 trainer, `algo.pipeline=true`).
 A run that `time_to_score.py` already trained with the same overrides (its MuJoCo coupled and pipelined runs
@@ -95,10 +96,20 @@ def thin(curve: list[list[float]], points: int = CURVE_POINTS) -> list[list[floa
     return [*curve[::step], *([curve[-1]] if (len(curve) - 1) % step else [])]
 
 
-def run_record(task: Task, variant: str, seed: int, steps: int | None) -> dict[str, Any]:
+def run_overrides(
+    task: Task, variant: str, seed: int, steps: int | None, extra: tuple[str, ...] = ()
+) -> list[str]:
+    """A run's overrides: the task's recipe, the variant's layout, the seed, the budget, then `extra`."""
     overrides = [*task.overrides, *VARIANTS[variant], f"seed={seed}"]
     if steps:
         overrides.append(f"algo.total_steps={steps}")
+    return [*overrides, *extra]
+
+
+def run_record(
+    task: Task, variant: str, seed: int, steps: int | None, extra: tuple[str, ...] = ()
+) -> dict[str, Any]:
+    overrides = run_overrides(task, variant, seed, steps, extra)
     s = run_once(overrides, curve=True)
     return {
         "env": task.env,
@@ -115,13 +126,11 @@ def run_record(task: Task, variant: str, seed: int, steps: int | None) -> dict[s
 
 
 def reused_record(
-    task: Task, variant: str, seed: int, steps: int | None, paths: list[Path]
+    task: Task, variant: str, seed: int, steps: int | None, paths: list[Path], extra: tuple[str, ...] = ()
 ) -> dict[str, Any] | None:
     """This run as another benchmark already ran it (the same overrides, full budget, e.g. `time_to_score.py`'s
     coupled and pipelined MuJoCo runs), so a run is trained once and reported by both; None when none did."""
-    overrides = [*task.overrides, *VARIANTS[variant], f"seed={seed}"]
-    if steps:
-        overrides.append(f"algo.total_steps={steps}")
+    overrides = run_overrides(task, variant, seed, steps, extra)
     for path in paths:
         for r in json.loads(path.read_text()).get("runs", []) if path.is_file() else []:
             if r.get("overrides") == overrides and not r.get("stopped") and r.get("curve"):
@@ -161,6 +170,9 @@ def markdown(suite: str, report: dict[str, Any], command: str) -> str:
             )
     sources = sorted({t.source for t in SUITES[suite] if any(r["env"] == t.env for r in runs)})
     commits = sorted({r["commit"] for r in runs})
+    if report.get("extra"):
+        lines += ["", f"Every run here adds `{' '.join(report['extra'])}` to its recipe: the recipe changed, not "
+                  "the suite's own rows (those are in `benchmarks/results/`)."]  # fmt: skip
     reused = sorted({r["run_by"] for r in runs if r.get("run_by")})
     lines += ["", "References: " + "; ".join(sources) + ".", ""]
     if reused:
@@ -194,7 +206,12 @@ def main() -> None:
     parser.add_argument("--reuse", nargs="*", type=Path, default=[RESULTS / "time_to_score.json"],
                         help="reports whose runs with the same overrides are taken instead of training again "
                         "(default: time_to_score.json; none: --reuse with no path)")  # fmt: skip
+    parser.add_argument("extra", nargs="*", help="overrides added to every run (after --); needs an --out of "
+                        "its own, as they change the recipe")  # fmt: skip
     args = parser.parse_args()
+    extra = tuple(args.extra)
+    if extra and args.out.resolve() == RESULTS.resolve():
+        parser.error("overrides after -- change the recipe: write their runs elsewhere with --out DIR")
     tasks = [t for t in SUITES[args.suite] if args.envs is None or t.env in args.envs]
     unknown = set(args.envs or ()) - {t.env for t in SUITES[args.suite]}
     if unknown:
@@ -202,7 +219,9 @@ def main() -> None:
     name = f"learning_{args.suite}"
     path = args.out / f"{name}.json"
     report = json.loads(path.read_text()) if path.is_file() else {"suite": args.suite, "runs": []}
-    report["machine"] = common.machine()
+    if report.get("extra", []) != list(extra) and report["runs"]:
+        parser.error(f"{path} holds runs with the overrides {report.get('extra', [])}, not {list(extra)}")
+    report["machine"], report["extra"] = common.machine(), list(extra)
     command = common.command_line(__file__)
     for seed in range(1, args.seeds + 1):  # seed-major: a partial sitting covers every env
         for task in tasks:
@@ -210,8 +229,8 @@ def main() -> None:
                 done = common.runs_to_replace(report, args.force, env=task.env, variant=variant, seed=seed)
                 if done is None:
                     continue
-                r = reused_record(task, variant, seed, args.steps, args.reuse) or run_record(
-                    task, variant, seed, args.steps
+                r = reused_record(task, variant, seed, args.steps, args.reuse, extra) or run_record(
+                    task, variant, seed, args.steps, extra
                 )
                 common.replace_runs(report, done, r)
                 print(f"{task.env} {variant} seed {seed}: final {r['final_mean_return']}, "
