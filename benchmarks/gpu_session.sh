@@ -4,7 +4,7 @@
 # (default "check step layouts envpool"):
 #   check     gpu_check.py: every CUDA path (resume on one device and CPU<->GPU, SIGTERM, compile on/off,
 #             EnvPool Pong, CPU players feeding a GPU trainer); CHECKS names some of them (default all);
-#   step      minibatch_step.py: the Nature-CNN minibatch step eager / compiled / one CUDA graph;
+#   step      minibatch_step.py: the Nature-CNN minibatch step eager / compiled, then one CUDA graph alone;
 #   layouts   gpu_strategies.py on Pong: the decoupled layouts of LAYOUTS (default: 1 GPU trainer + K CPU
 #             players for K in PLAYERS, the most players with the players acting on the GPU, and 2 EnvPool
 #             players acting on the GPU), ATARI_STEPS env steps per row;
@@ -58,7 +58,10 @@ for part in ${PARTS:-check step layouts envpool}; do
         # shellcheck disable=SC2086
         step "${CHECK_S:-360}" "$py" benchmarks/gpu_check.py --out "$out/gpu_check.json" ${CHECKS:+--only $CHECKS}
         ;;
-    step) step "${STEP_S:-150}" "$py" benchmarks/minibatch_step.py --out "$out" ;;
+    step)  # the CUDA-graph variant in a process of its own, away from the compiled variant's CUDA graphs
+        step "${STEP_S:-150}" "$py" benchmarks/minibatch_step.py --variants eager compiled --out "$out"
+        step 60 "$py" benchmarks/minibatch_step.py --variants graph --out "$out"
+        ;;
     layouts)
         # shellcheck disable=SC2086
         step "${LAYOUT_S:-600}" "$py" benchmarks/gpu_strategies.py --only atari --players $players \

@@ -18,10 +18,12 @@ pass small sizes for a dry run (the CUDA graph row is skipped):
 
     python benchmarks/minibatch_step.py [--device cuda] [--updates 5]
     python benchmarks/minibatch_step.py --device cpu --batch 64 --minibatch 32 --epochs 1 --updates 2
+    python benchmarks/minibatch_step.py --variants graph     # one variant alone; the report keeps the others
 """
 
 from __future__ import annotations
 
+import json
 import sys
 import time
 from collections.abc import Callable
@@ -49,6 +51,7 @@ from ppo_fabric.models.agent import ActorCritic  # noqa: E402
 COEFS = LossCoefs(clip=0.1, clip_vloss=False, norm_adv=True, vf_coef=0.5, ent_coef=0.01)  # exp=atari's
 MAX_NORM, LR, ACTIONS = 0.5, 2.5e-4, 6
 KEYS = ("obs", "actions", "logprobs", "values", "advantages", "returns")
+VARIANTS = ("eager", "compiled", "graph")  # graph: CUDA only
 
 
 def make_model(device: torch.device) -> ActorCritic:
@@ -173,6 +176,9 @@ def main() -> None:
     p.add_argument("--epochs", type=int, default=4)
     p.add_argument("--updates", type=int, default=5, help="timed updates after one warm-up update")
     p.add_argument("--out", type=Path, default=common.RESULTS)
+    p.add_argument("--variants", nargs="+", choices=VARIANTS, default=list(VARIANTS),
+                   help="these variants only, each in this process (one per process isolates a variant from "
+                   "the CUDA state the others leave); the report keeps the other rows of the same device")  # fmt: skip
     args = p.parse_args()
     if args.device == "cuda" and not torch.cuda.is_available():
         print("SKIP minibatch_step: no CUDA device; --device cpu runs a dry run on the CPU")
@@ -182,13 +188,14 @@ def main() -> None:
     device = torch.device(args.device)
     set_cuda_math(True)  # what a run gets by default (fabric.tf32=true); a no-op without CUDA
     batch = make_batch(args.batch, device)
-    rows = {}
+    rows = earlier_rows(args, device)
     variants: dict[str, Callable[[], Callable[[], None]]] = {
         "eager": lambda: package_update(device, False, batch, args),
         "compiled": lambda: package_update(device, True, batch, args),
     }
     if device.type == "cuda":
         variants["graph"] = lambda: graph_update(graph_step(device, args.minibatch), batch, args)
+    variants = {k: v for k, v in variants.items() if k in args.variants}
     for name, build in variants.items():
         t0 = time.perf_counter()
         try:
@@ -203,6 +210,24 @@ def main() -> None:
         rows[name] = {"ms_per_step": ms, "first_update_s": first + built}
         print(f"{name}: {ms:.3f} ms per minibatch step (first update {first:.1f} s)", flush=True)
         write(args, device, rows)  # after every variant: a job cut short keeps what it measured
+
+
+def report_name(device: torch.device) -> str:
+    return "minibatch_step" if device.type == "cuda" else "minibatch_step_cpu_dry_run"
+
+
+def earlier_rows(args: Any, device: torch.device) -> dict[str, dict[str, Any]]:
+    """The rows of the variants this run does not redo, from the report it replaces, when that report was made
+    on the same device with the same sizes (a variant run alone adds its row to the others)."""
+    path = args.out / f"{report_name(device)}.json"
+    if set(args.variants) == set(VARIANTS) or not path.is_file():
+        return {}
+    old = json.loads(path.read_text())
+    where = torch.cuda.get_device_name(device) if device.type == "cuda" else old.get("device")
+    sizes = ("batch", "minibatch", "epochs", "updates")
+    if old.get("device") != where or any(old["args"].get(k) != getattr(args, k) for k in sizes):
+        return {}
+    return {k: v for k, v in old["rows"].items() if k not in args.variants}
 
 
 def write(args: Any, device: torch.device, rows: dict[str, dict[str, Any]]) -> None:
@@ -224,13 +249,13 @@ def write(args: Any, device: torch.device, rows: dict[str, dict[str, Any]]) -> N
             "",
             "| variant | ms per minibatch step | set-up + first update s (compile, capture) |",
             "|---|---:|---:|",
-            *(row(k, v) for k, v in rows.items()),
+            *(row(k, rows[k]) for k in VARIANTS if k in rows),
             "",
             "Target: <= 1.5 ms per step on an H100.",
             "",
         ]
     )
-    name = "minibatch_step" if device.type == "cuda" else "minibatch_step_cpu_dry_run"
+    name = report_name(device)
     common.write_report(args.out, name, {"device": where, "args": vars(args) | {"out": str(args.out)},
                                          "machine": m, "rows": rows}, md)  # fmt: skip
 
