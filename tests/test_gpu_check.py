@@ -215,3 +215,24 @@ def test_a_layout_that_logged_nothing_leaves_a_note_and_the_next_runs(
     report = json.loads((tmp_path / "gpu-strategies-dryrun.json").read_text())
     assert [r["variant_key"] for r in report["rows"]] == ["coupled-gpu"]
     assert any("1 CPU player: no row, benchmark run stopped after 5 s" in n for n in report["notes"])
+
+
+def test_minibatch_step_run_alone_keeps_the_other_variants_rows(tmp_path: Path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """`--variants graph` in a process of its own adds its row to the eager and compiled rows of the same
+    device and sizes; a report of other sizes is not mixed in."""
+    import argparse
+
+    import torch
+
+    ms = _script(monkeypatch, "minibatch_step")
+    sizes = {"batch": 64, "minibatch": 32, "epochs": 1, "updates": 2}
+    old = {"eager": {"ms_per_step": 3.0}, "compiled": {"ms_per_step": 1.5}}
+    (tmp_path / "minibatch_step_cpu_dry_run.json").write_text(
+        json.dumps({"device": "CPU: x", "args": sizes, "rows": old})
+    )
+    args = argparse.Namespace(out=tmp_path, variants=["compiled"], **sizes)
+    assert ms.earlier_rows(args, torch.device("cpu")) == {"eager": {"ms_per_step": 3.0}}
+    args.variants = list(ms.VARIANTS)  # every variant: nothing kept
+    assert ms.earlier_rows(args, torch.device("cpu")) == {}
+    args.variants, args.batch = ["graph"], 128  # other sizes: nothing kept
+    assert ms.earlier_rows(args, torch.device("cpu")) == {}
