@@ -208,8 +208,10 @@ def child_ppo_fabric(
 def sb3_settings(w: dict[str, Any], nn: Any, schedule: Any) -> dict[str, Any]:
     """SB3 `PPO(...)` keyword arguments for ppo-fabric's workload `w` (flat keys, see resolved_workload).
 
-    Equivalences: ppo-fabric's value loss is vf_coef * MSE, clamped around the rollout's value when
-    `clip_vloss`, which is SB3's `F.mse_loss` with `clip_range_vf`; `norm_adv` is per minibatch in both;
+    Equivalences: ppo-fabric's value loss is vf_coef * MSE, SB3's `F.mse_loss`; with `clip_vloss` ours takes
+    the larger of the clipped and unclipped errors (CleanRL's) where SB3's `clip_range_vf` keeps the clipped
+    one only, the nearest SB3 has (the compute is the same, the gradient can differ); `norm_adv` is per
+    minibatch in both;
     both init orthogonally (sqrt 2 hidden, 0.01 policy head, 1 value head) and bootstrap truncated
     episodes from the final observation's value.
     """

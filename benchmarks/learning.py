@@ -56,7 +56,7 @@ class Task:
 SUITES: dict[str, tuple[Task, ...]] = {
     "classic": (
         Task("CartPole-v1", ("exp=cleanrl_cartpole", "algo.total_steps=500000"), (490.04, 6.12), CLEANRL,
-             "CleanRL's workload (SB3's value loss), 500k"),
+             "CleanRL's workload (its value loss), 500k"),
         Task("Acrobot-v1", ("env.id=Acrobot-v1", "algo.total_steps=500000"), (-86.36, 1.32), CLEANRL,
              "CleanRL's ppo.py defaults, 500k"),
         Task("Pendulum-v1", ("env=pendulum",), (-172.23, 104.16), f"{ZOO}, PPO 100k with gSDE",
