@@ -39,7 +39,9 @@ TABLE: tuple[Entry, ...] = (
         "all",
         ("--rounds", "5"),
     ),
-    Entry("sb3_parity", "ppo-fabric's PPO update against SB3's from one rollout, parameter by parameter", "all"),
+    Entry(
+        "sb3_parity", "ppo-fabric's PPO update against SB3's from one rollout, parameter by parameter", "all"
+    ),
     Entry(
         "sb3_parity",
         "the same on a Gaussian policy (Hopper, normalisation off)",
