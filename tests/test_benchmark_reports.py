@@ -73,7 +73,12 @@ def test_a_run_stopped_at_its_timeout_reports_its_last_logged_update(
     csv.write_text("step,time/wall_s,time/sps,time/collect_s,time/train_s,rollout/return_mean20\n"
                    + "".join(",".join(map(str, r)) + "\n" for r in rows))  # fmt: skip
     s = common.stopped_summary(csv, 45.0)
-    assert (s["steps_this_run"], s["sps"], s["wall_seconds"], s["stopped_after_s"]) == (6000, 150.0, 40.0, 45.0)
+    assert (s["steps_this_run"], s["sps"], s["wall_seconds"], s["stopped_after_s"]) == (
+        6000,
+        150.0,
+        40.0,
+        45.0,
+    )
     assert s["time_split"] == {"collect": 16.0, "train": 24.0} and s["final_mean_return"] == -19.0
     # the second half of 40 s of logged wall time: steps 2000 -> 6000 over 20 s -> 30 s -> 40 s
     assert common.steady_sps(csv) == pytest.approx((6000 - 2000) / (40.0 - 20.0))
