@@ -138,9 +138,8 @@ def run_once(
 
     With `timeout`, a run still going after that many seconds is stopped as a cluster would stop it
     (SIGTERM: it checkpoints at the next update and ends; its process group is killed `STOP_GRACE_S` later
-    if not)
-    and the figures are those of its last logged update (`stopped_summary`): a benchmark on a machine
-    lent for minutes keeps a row for every run it started."""
+    if not) and the figures are those of its last logged update (`stopped_summary`): a benchmark on a
+    machine lent for minutes keeps a row for every run it started."""
     with tempfile.TemporaryDirectory() as tmp:
         run_dir = Path(tmp) / "run"
         cmd = [
@@ -164,7 +163,9 @@ def run_once(
             except subprocess.TimeoutExpired:
                 os.killpg(proc.pid, signal.SIGKILL)
                 proc.communicate()
-            summary = stopped_summary(run_dir / "metrics.csv", float(timeout or 0))
+            summary = stopped_summary(
+                run_dir / "metrics.csv", float(timeout or 0)
+            )  # timeout is set: only it expires
         else:
             if proc.returncode != 0:
                 raise SystemExit(f"benchmark run failed: {' '.join(cmd)}\n{stderr[-2000:]}")

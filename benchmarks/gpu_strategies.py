@@ -110,12 +110,8 @@ def envpool_rows(
         name = variant.replace("GPU", "CPU dry run") if dry_run else variant
         rows.append({"key": "envpool", "workload": "Pong-v5, 32 envs", "variant_key": ENVPOOL_KEYS[variant],
                      "variant": name, "overrides": run,
-                     "commit": commit, "steps": s["steps_this_run"], "sps": s["sps"],
-                     "wall_seconds": s["wall_seconds"], "time_split": s["time_split"], "split": split(s),
-                     "gpu": None if dry_run else sampler.stats(exited - s["wall_seconds"], exited),
-                     "sps_steady": s.get("sps_steady"), "stopped_after_s": s.get("stopped_after_s"),
-                     "process_seconds": s.get("process_seconds"),
-                     "final_mean_return": s["final_mean_return"], "ranks_in_sync": s.get("ranks_in_sync")})  # fmt: skip
+                     "commit": commit, **figures(s),
+                     "gpu": None if dry_run else sampler.stats(exited - s["wall_seconds"], exited)})  # fmt: skip
         print(f"Pong-v5, 32 envs {name:34s} {s['sps']:10,.0f} SPS  collect {_fmt(rows[-1]['split']['collect'], '.2f')} "
               f"train {_fmt(rows[-1]['split']['train'], '.2f')}", flush=True)  # fmt: skip
     return rows
@@ -144,26 +140,30 @@ def variants(
     out["coupled-gpu-compile"] = (
         "coupled, GPU, algo.compile=true",
         ["strategy=coupled", f"fabric={gpu_fabric}", "algo.compile=true"], False)  # fmt: skip
+    on_gpu = "cpu" if dry_run else "auto"  # players acting where the trainer is (the CPU in a dry run)
+
+    def decoupled(players: int, trainers: int, player_device: str, *extra: str) -> list[str]:
+        return ["strategy=decoupled", "fabric=cpu", f"fabric.devices={players + trainers}",
+                f"algo.players={players}", f"algo.player_device={player_device}",
+                f"algo.trainer_device={trainer}", *extra]  # fmt: skip
+
+    def plural(n: int, word: str) -> str:
+        return f"{n} {word}{'s' if n > 1 else ''}"
+
     for k in players:
         out[f"decoupled-gpu-{k}"] = (
-            f"decoupled, 1 GPU trainer + {k} CPU player{'s' if k > 1 else ''}",
-            ["strategy=decoupled", "fabric=cpu", f"fabric.devices={k + 1}", f"algo.players={k}",
-             "algo.player_device=cpu", f"algo.trainer_device={trainer}"], False)  # fmt: skip
+            f"decoupled, 1 GPU trainer + {plural(k, 'CPU player')}", decoupled(k, 1, "cpu"), False)  # fmt: skip
     # the same players acting on the GPU (one CUDA context each), stepping their envs on the CPU
     for k in players:
         out[f"decoupled-gpuplay-{k}"] = (
-            f"decoupled, 1 GPU trainer + {k} player{'s' if k > 1 else ''} acting on the GPU",
-            ["strategy=decoupled", "fabric=cpu", f"fabric.devices={k + 1}", f"algo.players={k}",
-             f"algo.player_device={'cpu' if dry_run else 'auto'}", f"algo.trainer_device={trainer}"], False)  # fmt: skip
-    # few players, each an EnvPool of C++ threads sharing the cores, acting on the GPU
+            f"decoupled, 1 GPU trainer + {plural(k, 'player')} acting on the GPU", decoupled(k, 1, on_gpu), False)  # fmt: skip
+    # few players, each an EnvPool of C++ threads sharing the cores left after one per process
     for k in envpool_players:
         threads = max(1, ((os.cpu_count() or 2) - k - 1) // k)
         out[f"decoupled-envpool-{k}"] = (
-            f"decoupled, 1 GPU trainer + {k} EnvPool player{'s' if k > 1 else ''} "
-            f"({threads} thread{'s' if threads > 1 else ''} each) acting on the GPU",
-            ["strategy=decoupled", "fabric=cpu", f"fabric.devices={k + 1}", f"algo.players={k}",
-             f"algo.player_device={'cpu' if dry_run else 'auto'}", f"algo.trainer_device={trainer}",
-             "env.backend=envpool", f"env.envpool.num_threads={threads}"], False)  # fmt: skip
+            f"decoupled, 1 GPU trainer + {plural(k, 'EnvPool player')} ({plural(threads, 'thread')} each) "
+            "acting on the GPU",
+            decoupled(k, 1, on_gpu, "env.backend=envpool", f"env.envpool.num_threads={threads}"), False)  # fmt: skip
     if players:  # the most players again with the trainer's minibatch step compiled (CUDA graphs)
         k = max(players)
         name, overrides, _ = out[f"decoupled-gpu-{k}"]
@@ -174,9 +174,7 @@ def variants(
         )
     if gpus >= 2:
         out["decoupled-gpus"] = (
-            f"decoupled, {gpus} GPU trainers + {gpus} CPU players",
-            ["strategy=decoupled", "fabric=cpu", f"fabric.devices={2 * gpus}", f"algo.players={gpus}",
-             "algo.player_device=cpu", f"algo.trainer_device={trainer}"], False)  # fmt: skip
+            f"decoupled, {gpus} GPU trainers + {gpus} CPU players", decoupled(gpus, gpus, "cpu"), False)  # fmt: skip
     out["coupled-cpu"] = ("coupled, CPU", ["strategy=coupled", "fabric=cpu"], True)
     out["decoupled-cpu"] = (
         "decoupled, CPU (1 player + 1 trainer)", ["strategy=decoupled", "fabric=cpu", "fabric.devices=2"], True)  # fmt: skip
@@ -275,6 +273,14 @@ def _number(text: str) -> float | None:
 
 def _mean(values: list[float]) -> float | None:
     return sum(values) / len(values) if values else None
+
+
+def figures(s: dict[str, Any]) -> dict[str, Any]:
+    """A row's figures from a run's summary (`run_once`): the same keys for every row of the report."""
+    return {"steps": s["steps_this_run"], "sps": s["sps"], "sps_steady": s.get("sps_steady"),
+            "wall_seconds": s["wall_seconds"], "process_seconds": s.get("process_seconds"),
+            "stopped_after_s": s.get("stopped_after_s"), "time_split": s["time_split"], "split": split(s),
+            "final_mean_return": s["final_mean_return"], "ranks_in_sync": s.get("ranks_in_sync")}  # fmt: skip
 
 
 def split(summary: dict[str, Any]) -> dict[str, float | None]:
@@ -508,14 +514,8 @@ def main() -> None:
                 print(f"{workload:24s} {variant:38s} {stopped}", flush=True)
                 continue
             row = {"key": key, "workload": workload, "variant_key": variant_key, "variant": variant,
-                   "overrides": run, "commit": m["commit"],
-                   "steps": s["steps_this_run"], "sps": s["sps"], "wall_seconds": s["wall_seconds"],
-                   "sps_steady": s.get("sps_steady"), "stopped_after_s": s.get("stopped_after_s"),
-                   "process_seconds": s.get("process_seconds"),
-                   "time_split": s["time_split"], "split": split(s),
-                   "gpu": sampler.stats(exited - s["wall_seconds"], exited),
-                   "final_mean_return": s["final_mean_return"], "ranks_in_sync": s.get("ranks_in_sync"),
-                   "roles": s.get("roles")}  # fmt: skip
+                   "overrides": run, "commit": m["commit"], **figures(s),
+                   "gpu": sampler.stats(exited - s["wall_seconds"], exited), "roles": s.get("roles")}  # fmt: skip
             report["rows"].append(row)
             write(args.out, report, name)
             sp = row["split"]

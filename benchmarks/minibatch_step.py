@@ -223,16 +223,19 @@ def earlier_rows(args: Any, device: torch.device) -> dict[str, dict[str, Any]]:
     if set(args.variants) == set(VARIANTS) or not path.is_file():
         return {}
     old = json.loads(path.read_text())
-    where = torch.cuda.get_device_name(device) if device.type == "cuda" else old.get("device")
     sizes = ("batch", "minibatch", "epochs", "updates")
-    if old.get("device") != where or any(old["args"].get(k) != getattr(args, k) for k in sizes):
+    if old.get("device") != device_name(device) or any(old["args"].get(k) != getattr(args, k) for k in sizes):
         return {}
     return {k: v for k, v in old["rows"].items() if k not in args.variants}
 
 
+def device_name(device: torch.device) -> str:
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else f"CPU: {common.cpu_model()}"
+
+
 def write(args: Any, device: torch.device, rows: dict[str, dict[str, Any]]) -> None:
     m = common.machine()
-    where = torch.cuda.get_device_name(device) if device.type == "cuda" else f"CPU: {m['cpu']}"
+    where = device_name(device)
 
     def row(name: str, v: dict[str, Any]) -> str:
         if "error" in v:

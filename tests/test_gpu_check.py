@@ -228,7 +228,7 @@ def test_minibatch_step_run_alone_keeps_the_other_variants_rows(tmp_path: Path, 
     sizes = {"batch": 64, "minibatch": 32, "epochs": 1, "updates": 2}
     old = {"eager": {"ms_per_step": 3.0}, "compiled": {"ms_per_step": 1.5}}
     (tmp_path / "minibatch_step_cpu_dry_run.json").write_text(
-        json.dumps({"device": "CPU: x", "args": sizes, "rows": old})
+        json.dumps({"device": ms.device_name(torch.device("cpu")), "args": sizes, "rows": old})
     )
     args = argparse.Namespace(out=tmp_path, variants=["compiled"], **sizes)
     assert ms.earlier_rows(args, torch.device("cpu")) == {"eager": {"ms_per_step": 3.0}}
