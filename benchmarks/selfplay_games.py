@@ -7,8 +7,9 @@ alternated (the trained policy samples from its distribution). Records env steps
 env step), the training wall time, the win / draw / loss rates, and the win-rate curve over env steps.
 Writes benchmarks/results/selfplay_games.{json,md,png}.
 
-Targets (issue 18, 2 CPU cores): connect_four_v3 wins >= 95% of 400 games within 30 minutes of training;
-tictactoe_v3 loses at most 1% of 400 games.
+Targets (2 CPU cores): connect_four_v3 wins >= 95% of 400 games within 30 minutes of training, and its
+greedy policy >= 60% of 400 games against the scripted win_or_block player within 60 minutes; tictactoe_v3
+loses at most 1% of 400 games.
 
     .venv/bin/python benchmarks/selfplay_games.py                        # both games, the recipes' steps
     .venv/bin/python benchmarks/selfplay_games.py --only tictactoe
@@ -42,7 +43,10 @@ from ppo_fabric.runs import checkpoint as ckpt  # noqa: E402
 
 RESULTS = REPO / "benchmarks" / "results"
 GAMES = {"tictactoe": "tictactoe", "connect_four": "connect_four"}  # name -> recipe (conf/exp)
-TARGETS = {"tictactoe": "loses <= 1% of 400 games", "connect_four": "wins >= 95% of 400 games in 30 min"}
+TARGETS = {
+    "tictactoe": "loses <= 1% of 400 games",
+    "connect_four": "wins >= 95% of 400 games in 30 min; greedy >= 60% vs win_or_block in 60 min",
+}
 
 
 def train(game: str, run_dir: Path, steps: int | None, checkpoints: int, extra: list[str]) -> dict[str, Any]:

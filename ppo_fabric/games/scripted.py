@@ -11,6 +11,8 @@ Both take PettingZoo `connect_four_v3` observations as `games.play` hands them: 
 mover's pieces, plane 1 the opponent's, row 5 the bottom. Positions are bitboards (the classic Connect Four
 layout: 7 bits per column, bit 0 the bottom cell, the top bit of each column always empty), so a search of
 depth 4 takes milliseconds in plain Python.
+
+`scripted_player(name, seed)` builds one by the name `evaluate opponent=` and `selfplay.scripted` take.
 """
 
 from __future__ import annotations
@@ -120,11 +122,15 @@ def _legal(mask: np.ndarray | None, heights: list[int]) -> list[int]:
     return [c for c in range(COLS) if heights[c] < ROWS and (mask is None or mask[c])]
 
 
+NAMES = "win_or_block or search[:DEPTH] (DEPTH 1-6, default 2)"
+GAMES = ("connect_four",)  # the games these players know (a substring of env.id)
+
+
 class WinOrBlockPlayer:
     """Win now if it can, else block the opponent's immediate win, else a random legal move."""
 
     def __init__(self, seed: int = 0) -> None:
-        self.rng = np.random.default_rng(seed)
+        self.rng = np.random.default_rng(seed)  # a self-play run saves and restores its state
 
     def __call__(self, observation: Any, mask: np.ndarray | None) -> int:
         mine, theirs, heights = position(observation)
@@ -159,3 +165,15 @@ class SearchPlayer:
             heights[col] -= 1
         top = max(values.values())
         return int(self.rng.choice([c for c, v in values.items() if v == top]))
+
+
+def scripted_player(name: str, seed: int = 0) -> WinOrBlockPlayer | SearchPlayer:
+    """`win_or_block` or `search[:DEPTH]` (default depth 2); ValueError with a one-line message otherwise."""
+    kind, _, depth = name.partition(":")
+    if name == "win_or_block":
+        return WinOrBlockPlayer(seed)
+    if kind == "search" and (depth == "" or (depth.isdigit() and 1 <= int(depth) <= 6)):
+        return SearchPlayer(int(depth or 2), seed)
+    if kind == "search":
+        raise ValueError(f"{name}: the search depth is a whole number from 1 to 6")
+    raise ValueError(f"{name} is not a scripted player; choose {NAMES}")

@@ -14,6 +14,12 @@ player instead: an anchor that never leaves, so the learner keeps meeting the sc
 leads to (pure self-play narrows to the lines its snapshots play and forgets them, measured in
 benchmarks/results/selfplay_*.md). Those games are reported apart (`selfplay/random_*`).
 
+With `selfplay.scripted_prob` > 0 that share of episodes is played against the scripted player
+`selfplay.scripted` names (`win_or_block`, `search:DEPTH`: games/scripted.py, the players `evaluate
+opponent=` measures against): an opponent that punishes every missed threat from the first update, which
+snapshots of a weak learner never do. Reported apart as `selfplay/scripted_*`; its random choices come from
+a generator of its own whose state checkpoints keep.
+
 Seats alternate per episode in each copy. The seat -> policy mapping therefore changes from episode to
 episode: the rollout's `mask` keeps only the learner's decisions (`learner_rows`), the only rows trained.
 The pool's snapshots and win statistics are plain tensors and numbers (`state`/`load_state`), saved with
@@ -41,6 +47,7 @@ from ppo_fabric.models.agent import ActorCritic
 SAMPLING = ("uniform", "latest", "pfsp")
 WIN, DRAW, LOSS = 1, 0, -1
 RANDOM = -2  # the opponent id of a copy playing the uniformly random legal-move player
+SCRIPTED = -3  # the opponent id of a copy playing the scripted player (selfplay.scripted)
 
 
 # ---------------------------------------------------------------------------------------------- config
@@ -65,10 +72,26 @@ def check_selfplay(cfg: DictConfig, specs: dict[str, Any], turn_based: bool) -> 
             raise EnvError(f"selfplay.{key}={value} must be a positive integer")
     if sp.get("sampling") not in SAMPLING:
         raise EnvError(f"selfplay.sampling={sp.get('sampling')} must be one of {', '.join(SAMPLING)}")
-    for key in ("latest_prob", "random_prob", "opponent_noise"):
+    for key in ("latest_prob", "random_prob", "scripted_prob", "opponent_noise"):
         value = sp.get(key, 0.0)
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value <= 1:
             raise EnvError(f"selfplay.{key}={value} must be a number in [0, 1]")
+    if sp.get("random_prob", 0.0) + sp.get("scripted_prob", 0.0) > 1:
+        raise EnvError(
+            f"selfplay.random_prob={sp.get('random_prob')} + selfplay.scripted_prob={sp.get('scripted_prob')} "
+            "must be at most 1"
+        )
+    if sp.get("scripted_prob", 0.0) > 0:
+        from ppo_fabric.games import scripted
+
+        try:
+            scripted.scripted_player(str(sp.get("scripted")))
+        except ValueError as exc:
+            raise EnvError(f"selfplay.scripted={exc}") from exc
+        if not any(game in str(cfg.env.id) for game in scripted.GAMES):
+            raise EnvError(
+                f"selfplay.scripted={sp.get('scripted')} plays connect_four_v3 only, not env.id={cfg.env.id}"
+            )
     if not isinstance(sp.get("elo", False), bool):
         raise EnvError(f"selfplay.elo={sp.get('elo')} must be true or false")
     power = sp.get("pfsp_power")
@@ -189,6 +212,12 @@ class OpponentPool:
         ][-self.size :]
 
 
+def _rates(prefix: str, counts: torch.Tensor) -> dict[str, float]:
+    """`{prefix}win_rate`, `draw_rate`, `loss_rate` of [wins, draws, losses]."""
+    wins, draws, losses = (counts / counts.sum()).tolist()
+    return {f"{prefix}win_rate": wins, f"{prefix}draw_rate": draws, f"{prefix}loss_rate": losses}
+
+
 # ----------------------------------------------------------------------------------- the acting side
 class SelfPlay:
     """One collecting rank's opponents: which seat the learner holds and which snapshot it meets in each
@@ -200,6 +229,13 @@ class SelfPlay:
             int(sp_cfg.pool_size), str(sp_cfg.sampling), float(sp_cfg.latest_prob), float(sp_cfg.pfsp_power)
         )
         self.random_prob = float(sp_cfg.get("random_prob", 0.0))
+        self.scripted_prob = float(sp_cfg.get("scripted_prob", 0.0))
+        self.scripted: Any = None  # the scripted player (selfplay.scripted), when scripted_prob > 0
+        if self.scripted_prob > 0:
+            from ppo_fabric.games.scripted import scripted_player
+
+            # seeded from numpy's global generator (seeded per run and rank): a seeded run repeats
+            self.scripted = scripted_player(str(sp_cfg.scripted), int(np.random.randint(2**31)))
         self.noise = float(sp_cfg.get("opponent_noise", 0.0))
         self.spec, self.device, self.num_envs = spec, device, num_envs
         self.seat = (np.arange(num_envs) + rank) % 2  # the learner's seat in each copy
@@ -207,6 +243,7 @@ class SelfPlay:
         self.nets: dict[int, ActorCritic] = {}
         self.results = np.zeros(3, dtype=np.int64)  # wins, draws, losses since the last metrics()
         self.random_results = np.zeros(3, dtype=np.int64)  # the same, against the random player
+        self.scripted_results = np.zeros(3, dtype=np.int64)  # the same, against the scripted player
         self.rater: Any = None  # an elo.EloRater where this rank rates the snapshots (rank 0)
         self.elo: float | None = None  # the newest snapshot's rating
         self.started = time.perf_counter()
@@ -220,13 +257,20 @@ class SelfPlay:
                 self.opponent[e] = self._draw()
 
     def _playable(self, opponent: int) -> bool:
+        if opponent == SCRIPTED:
+            return self.scripted is not None
         return opponent == RANDOM or self.pool.get(opponent) is not None
 
     def _draw(self) -> int:
-        """The next opponent: the random player with probability `random_prob`, else a pool snapshot (both
-        drawn with numpy's global generator, which checkpoints save and restore)."""
-        if self.random_prob > 0 and np.random.random() < self.random_prob:
-            return RANDOM
+        """The next opponent: the random player with probability `random_prob`, the scripted one with
+        `scripted_prob`, else a pool snapshot (drawn with numpy's global generator, which checkpoints save and
+        restore; one uniform number picks among the three, none when both shares are 0)."""
+        if self.random_prob > 0 or self.scripted_prob > 0:
+            u = np.random.random()
+            if u < self.random_prob:
+                return RANDOM
+            if u < self.random_prob + self.scripted_prob:
+                return SCRIPTED
         return self.pool.sample()
 
     def opponent_to_move(self, movers: np.ndarray) -> np.ndarray:
@@ -265,6 +309,8 @@ class SelfPlay:
             mask = None if masks is None else masks[rows]
             if snap_id == RANDOM:
                 chosen = self._random_moves(len(copies), mask)
+            elif snap_id == SCRIPTED:
+                chosen = self._scripted_moves(obs[rows], mask)
             else:
                 chosen, _, _ = self._net(int(snap_id)).sample(obs[rows], None, False, mask)
                 if self.noise > 0:  # some of the snapshot's moves are random ones
@@ -272,6 +318,13 @@ class SelfPlay:
                     chosen = torch.where(swap, self._random_moves(len(copies), mask), chosen)
             actions[rows.cpu().numpy()] = chosen.cpu().numpy()
         return actions
+
+    def _scripted_moves(self, obs: Any, mask: torch.Tensor | None) -> torch.Tensor:
+        """The scripted player's move in each row (plain Python per board: milliseconds per update)."""
+        boards = np.asarray(obs.cpu())
+        legal = None if mask is None else mask.cpu().numpy()
+        moves = [self.scripted(boards[i], None if legal is None else legal[i]) for i in range(len(boards))]
+        return torch.tensor(moves, dtype=torch.long, device=self.device)
 
     def _random_moves(self, n: int, mask: torch.Tensor | None) -> torch.Tensor:
         """Uniform over each row's legal moves (over the whole Discrete space without masks), drawn from
@@ -290,6 +343,8 @@ class SelfPlay:
             outcome = WIN if ret > 0 else LOSS if ret < 0 else DRAW
             if self.opponent[e] == RANDOM:
                 self.random_results[1 - outcome] += 1  # WIN -> 0, DRAW -> 1, LOSS -> 2
+            elif self.opponent[e] == SCRIPTED:
+                self.scripted_results[1 - outcome] += 1
             else:
                 self.pool.record(int(self.opponent[e]), outcome)
                 self.results[1 - outcome] += 1
@@ -324,43 +379,47 @@ class SelfPlay:
     ) -> dict[str, float]:
         """Win/draw/loss rates of the learner in the training games finished since the last call, over
         every collecting rank (`sum_over_ranks`), and the pool's size; games against the random player
-        (`random_prob`) apart, as `selfplay/random_*`: a training-time curve of what the benchmark judges."""
-        both = torch.tensor(np.concatenate([self.results, self.random_results]), dtype=torch.float64)
-        self.results[:] = 0
-        self.random_results[:] = 0
+        (`random_prob`) and the scripted one (`scripted_prob`) apart, as `selfplay/random_*` and
+        `selfplay/scripted_*`: training-time curves of what the benchmark judges."""
+        groups = (self.results, self.random_results, self.scripted_results)
+        every = torch.tensor(np.concatenate(groups), dtype=torch.float64)
+        for counts in groups:
+            counts[:] = 0
         if sum_over_ranks is not None:
-            both = sum_over_ranks(both)
-        counts, random_counts = both[:3], both[3:]
+            every = sum_over_ranks(every)
+        counts, random_counts, scripted_counts = every[:3], every[3:6], every[6:]
         games = float(counts.sum())
         out = {"selfplay/games": games, "selfplay/pool_size": float(len(self.pool.snapshots))}
         if self.elo is not None:
             out["selfplay/elo"] = self.elo
         if games:
-            wins, draws, losses = (counts / games).tolist()
-            out |= {"selfplay/win_rate": wins, "selfplay/draw_rate": draws, "selfplay/loss_rate": losses}
-        if self.random_prob > 0:
-            played = float(random_counts.sum())
-            out["selfplay/random_games"] = played
-            if played:
-                wins, draws, losses = (random_counts / played).tolist()
-                out |= {
-                    "selfplay/random_win_rate": wins,
-                    "selfplay/random_draw_rate": draws,
-                    "selfplay/random_loss_rate": losses,
-                }
+            out |= _rates("selfplay/", counts)
+        for prefix, share, played in (
+            ("selfplay/random_", self.random_prob, random_counts),
+            ("selfplay/scripted_", self.scripted_prob, scripted_counts),
+        ):
+            if share > 0:
+                out[f"{prefix}games"] = float(played.sum())
+                if played.sum():
+                    out |= _rates(prefix, played)
         return out
 
     def state(self) -> dict[str, Any]:
-        return {
+        out = {
             "pool": self.pool.state(),
             "seat": torch.from_numpy(self.seat.copy()),
             "opponent": torch.from_numpy(self.opponent.copy()),
         }
+        if self.scripted is not None:  # its generator's state: plain ints and strings
+            out["scripted_rng"] = self.scripted.rng.bit_generator.state
+        return out
 
     def load_state(self, state: dict[str, Any], exact: bool) -> None:
         """The pool always; the seats and opponents per copy only when the copies are the same ones."""
         self.pool.load_state(state["pool"])
         self.nets.clear()
+        if self.scripted is not None and "scripted_rng" in state:
+            self.scripted.rng.bit_generator.state = state["scripted_rng"]
         if exact:
             self.seat = np.asarray(state["seat"], dtype=np.int64).copy()
             self.opponent = np.asarray(state["opponent"], dtype=np.int64).copy()

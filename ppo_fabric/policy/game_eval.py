@@ -17,7 +17,6 @@ class GameEvalError(ValueError):
 
 
 OPPONENTS = "random, win_or_block, search[:DEPTH], snapshot:<checkpoint> or pool"
-SCRIPTED_GAMES = ("connect_four",)  # the games the scripted players (games/scripted.py) know
 
 
 def is_aec_game(env_id: str) -> bool:
@@ -98,14 +97,15 @@ def opponent_players(
 
 def scripted_player(opponent: str, env_id: str, seed: int) -> Any:
     """`win_or_block` or `search[:DEPTH]` (default depth 2) on Connect Four; GameEvalError otherwise."""
-    from ppo_fabric.games.scripted import SearchPlayer, WinOrBlockPlayer
+    from ppo_fabric.games import scripted
 
-    depth = opponent.partition(":")[2] or "2"
-    if opponent != "win_or_block" and (not depth.isdigit() or not 1 <= int(depth) <= 6):
-        raise GameEvalError(f"opponent={opponent}: the search depth is a whole number from 1 to 6")
-    if not any(game in env_id for game in SCRIPTED_GAMES):
+    try:
+        player = scripted.scripted_player(opponent, seed)
+    except ValueError as exc:
+        raise GameEvalError(f"opponent={exc}") from exc
+    if not any(game in env_id for game in scripted.GAMES):
         raise GameEvalError(f"opponent={opponent} plays connect_four_v3 only, not env.id={env_id}")
-    return WinOrBlockPlayer(seed) if opponent == "win_or_block" else SearchPlayer(int(depth), seed)
+    return player
 
 
 def evaluate_games(

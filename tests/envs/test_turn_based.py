@@ -169,6 +169,14 @@ def test_tictactoe_selfplay_two_processes(tmp_path: Path, strategy: str) -> None
         (["selfplay.enabled=true", "selfplay.sampling=best"], "selfplay.sampling=best"),
         (["selfplay.enabled=true", "selfplay.latest_prob=2"], "selfplay.latest_prob=2"),
         (["selfplay.enabled=true", "selfplay.random_prob=-0.1"], "selfplay.random_prob=-0.1"),
+        (["selfplay.enabled=true", "selfplay.scripted_prob=1.5"], "selfplay.scripted_prob=1.5"),
+        (["selfplay.enabled=true", "selfplay.random_prob=0.6", "selfplay.scripted_prob=0.6"], "at most 1"),
+        (["selfplay.enabled=true", "selfplay.scripted_prob=0.2"], "plays connect_four_v3 only"),
+        (
+            ["selfplay.enabled=true", "selfplay.scripted_prob=0.2", "selfplay.scripted=search:9"],
+            "from 1 to 6",
+        ),
+        (["selfplay.enabled=true", "selfplay.scripted_prob=0.2", "selfplay.scripted=minimax"], "minimax"),
     ],
 )
 def test_turn_based_config_errors(

@@ -13,8 +13,10 @@ import ppo_fabric
 from ppo_fabric.collect.rollout import build_collector
 from ppo_fabric.config.values import compose
 from ppo_fabric.games.play import PolicyPlayer, RandomPlayer, aec_env_factory, play_games
+from ppo_fabric.games.scripted import WinOrBlockPlayer
 from ppo_fabric.games.selfplay import (
     RANDOM,
+    SCRIPTED,
     OpponentPool,
     learner_scores,
     pfsp_weights,
@@ -25,6 +27,11 @@ from ppo_fabric.models.agent import ActorCritic
 from ppo_fabric.runs import checkpoint as ckpt
 from ppo_fabric.runs.metrics_file import read_rows
 
+CONNECT_FOUR = [
+    "env=pettingzoo", "env.id=pettingzoo.classic.connect_four_v3", "env.num_envs=4", "algo.rollout_steps=32",
+    "algo.minibatch_size=64", "algo.update_epochs=2", "selfplay.enabled=true", "selfplay.snapshot_every=2",
+    "selfplay.pool_size=3", "seed=1",
+]  # fmt: skip
 TICTACTOE = [
     "env=pettingzoo", "env.id=pettingzoo.classic.tictactoe_v3", "env.num_envs=4", "algo.rollout_steps=32",
     "algo.minibatch_size=64", "algo.update_epochs=2", "selfplay.enabled=true", "selfplay.snapshot_every=2",
@@ -159,6 +166,55 @@ def test_random_prob_mixes_the_random_player_into_the_draws() -> None:
     draws = np.array([sp._draw() for _ in range(4000)])
     assert set(np.unique(draws).tolist()) == {RANDOM, sp.pool.snapshots[0].id}
     assert (draws == RANDOM).mean() == pytest.approx(0.25, abs=0.03)
+
+
+def test_scripted_opponent_takes_its_win_and_blocks_and_is_reported_apart() -> None:
+    """selfplay.scripted_prob=1 on Connect Four: every game is against win_or_block. On hand-built boards
+    its move is the win (column 3 completes its vertical three) or else the block (column 5 stops the
+    learner's row of three); its games end as selfplay/scripted_*, never as pool games."""
+    cfg, _ = compose([*CONNECT_FOUR, "selfplay.scripted_prob=1.0", "selfplay.scripted=win_or_block"])
+    specs = policy_specs(cfg)
+    spec = specs["shared"]
+    collector = build_collector(cfg, specs, 0, "cpu", None)
+    learner = ActorCritic(spec.obs_space, spec.action_space, spec.model)
+    collector.collect({"shared": learner}, 0)
+    sp = collector.selfplay
+    assert (sp.opponent == SCRIPTED).all()
+    assert isinstance(sp.scripted, WinOrBlockPlayer)
+    metrics = sp.metrics()
+    assert metrics["selfplay/games"] == 0 and metrics["selfplay/scripted_games"] > 0
+    assert sum(metrics[f"selfplay/scripted_{k}_rate"] for k in ("win", "draw", "loss")) == pytest.approx(1.0)
+    # two copies, the learner in seat 0: rows 1 and 3 are the scripted player's, seen from its side
+    sp.num_envs, sp.seat, sp.opponent = 2, np.zeros(2, dtype=np.int64), np.full(2, SCRIPTED)
+    obs = torch.zeros(4, 6, 7, 2)
+    obs[1, 3:6, 3, 0] = 1  # copy 0: three of its own in column 3 (rows 5, 4, 3 from the top)
+    obs[1, 5, 0:3, 1] = 1  # and the learner's three on the bottom row, which it could also block
+    obs[3, 5, 2:5, 1] = 1  # copy 1: only the learner's three in a row (columns 2-4): block at 1 or 5
+    obs[3, 5, 1, 0] = 1  # column 1 taken by its own piece: the block is at column 5
+    masks = torch.ones(4, 7, dtype=torch.bool)
+    actions = sp.act(obs, masks, np.full(4, -1), np.array([False, True, False, True]))
+    assert actions.tolist() == [-1, 3, -1, 5]
+
+
+def test_scripted_opponent_mixes_into_the_draws_and_its_generator_resumes() -> None:
+    """random_prob=0.2, scripted_prob=0.3: about those shares of draws are the random and the scripted
+    player, the rest the pool. The scripted player's generator travels in state(): a SelfPlay that loads it
+    makes the same random choices next."""
+    cfg, _ = compose([*CONNECT_FOUR, "selfplay.random_prob=0.2", "selfplay.scripted_prob=0.3"])
+    specs = policy_specs(cfg)
+    sp = build_collector(cfg, specs, 0, "cpu", None).selfplay
+    learner = ActorCritic(specs["shared"].obs_space, specs["shared"].action_space, specs["shared"].model)
+    sp.start(learner, 0)
+    np.random.seed(0)
+    draws = np.array([sp._draw() for _ in range(4000)])
+    assert (draws == RANDOM).mean() == pytest.approx(0.2, abs=0.03)
+    assert (draws == SCRIPTED).mean() == pytest.approx(0.3, abs=0.03)
+    assert (draws >= 0).mean() == pytest.approx(0.5, abs=0.03)
+    saved = sp.state()
+    other = build_collector(cfg, specs, 0, "cpu", None).selfplay
+    other.load_state(saved, exact=True)
+    empty = np.zeros((6, 7, 2))
+    assert [sp.scripted(empty, None) for _ in range(20)] == [other.scripted(empty, None) for _ in range(20)]
 
 
 @pytest.mark.parametrize("noise", [0.0, 0.5])
