@@ -68,7 +68,7 @@ SUITES: dict[str, tuple[Task, ...]] = {
     "box2d": (
         Task("LunarLander-v3", ("env=lunarlander",), (242.12, 31.82), f"{ZOO}, PPO LunarLander-v2, 1M", "1M"),
         Task("BipedalWalker-v3", ("exp=mujoco", "env.id=BipedalWalker-v3", "algo.total_steps=5000000"),
-             (213.30, 129.49), f"{ZOO}, PPO 5M", "exp=mujoco's values, 5M"),
+             (213.30, 129.49), f"{ZOO}, PPO BipedalWalker-v3, 5M", "exp=mujoco's values, 5M"),
     ),
     "mujoco": (
         Task("HalfCheetah-v5", ("exp=mujoco",), (1442.64, 46.03), CLEANRL_MUJOCO, "v5, 1M"),
