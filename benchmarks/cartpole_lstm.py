@@ -13,6 +13,7 @@ Writes benchmarks/results/cartpole_lstm.{json,md,png}.
     .venv/bin/python benchmarks/cartpole_lstm.py                       # 1 seed x 2 models, the exp's 200k steps each
     .venv/bin/python benchmarks/cartpole_lstm.py --seeds 3
     .venv/bin/python benchmarks/cartpole_lstm.py --seeds 3 --task zeroed     # or noisy; results of their own
+    .venv/bin/python benchmarks/cartpole_lstm.py --seeds 5 --first-seed 4 --only lstm --out DIR   # held-out seeds
     .venv/bin/python benchmarks/cartpole_lstm.py --steps 500000            # longer than the exp's budget
     .venv/bin/python benchmarks/cartpole_lstm.py --steps 20000 --out /tmp/cl   # smoke test
     .venv/bin/python benchmarks/cartpole_lstm.py -- env.num_envs=16           # extra overrides after --
@@ -190,7 +191,8 @@ def main() -> None:
     parser.add_argument(
         "--steps", type=int, default=None, help="env steps per run (default: the exp's, 200k)"
     )
-    parser.add_argument("--seeds", type=int, default=1, help="seeds 1..N, one run per model each")
+    parser.add_argument("--seeds", type=int, default=1, help="how many seeds, one run per model each")
+    parser.add_argument("--first-seed", type=int, default=1, help="seeds FIRST..FIRST+N-1 (held-out checks)")
     parser.add_argument("--only", choices=["both", *MODELS], default="both", help="run one model only")
     parser.add_argument("--task", choices=list(TASKS), default="dropped", help="what the observation hides")
     parser.add_argument("--out", type=Path, default=RESULTS, help="where cartpole_lstm.{json,md,png} go")
@@ -198,7 +200,7 @@ def main() -> None:
     args = parser.parse_args()
     models = list(MODELS) if args.only == "both" else [args.only]
     runs = []
-    for seed in range(1, args.seeds + 1):
+    for seed in range(args.first_seed, args.first_seed + args.seeds):
         for model in models:
             r = run_one(model, seed, args.steps, args.extra, args.task)
             runs.append(r)
