@@ -1,7 +1,7 @@
 """Does recurrent PPO solve CartPole with the velocities hidden, where a feed-forward policy cannot?
 
 Runs `python -m ppo_fabric exp=cartpole_lstm` (CartPole-v1 with `env.mask_velocity=true`: cart position
-and pole angle only; separate actor and critic LSTMs of 64, RL-Zoo's RecurrentPPO settings, the exp's
+and pole angle only; separate actor and critic LSTMs of 64, RL-Zoo's RecurrentPPO settings with 10 epochs, the exp's
 200k steps) and the same experiment
 with `model=mlp` (everything else kept: the same masked observations, normalisation and PPO
 settings), once per seed, each in a fresh process, one at a time. Records the final mean return (last 20
@@ -152,8 +152,8 @@ def markdown(report: dict[str, Any], command: str) -> str:
         "",
         f"Machine: {m['cpu']}, {m['cores']} cores, torch {m['torch']}, one torch thread per process; "
         f"commit {report['commit']}. The policy {TASK_WORDS[report['task']]}, "
-        "with RL-Zoo's RecurrentPPO settings for CartPoleNoVel (separate actor "
-        "and critic LSTMs of 64, "
+        "with RL-Zoo's RecurrentPPO settings for CartPoleNoVel but 10 epochs per update, not 20 (separate "
+        "actor and critic LSTMs of 64, "
         "sequences of 16 steps, observation and reward normalisation); the `mlp` rows run the same "
         f"experiment with `model=mlp` (64x64 actor and critic MLPs), everything else unchanged."
         f"{extra} Solved: mean return of the last 20 episodes (mean20) >= {SOLVED:g}.",
