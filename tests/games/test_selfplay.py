@@ -196,7 +196,7 @@ def test_scripted_opponent_takes_its_win_and_blocks_and_is_reported_apart() -> N
     assert actions.tolist() == [-1, 3, -1, 5]
 
 
-def test_scripted_opponent_mixes_into_the_draws_and_its_generator_resumes() -> None:
+def test_scripted_opponent_mixes_into_the_draws_and_its_generator_resumes(tmp_path: Path) -> None:
     """random_prob=0.2, scripted_prob=0.3: about those shares of draws are the random and the scripted
     player, the rest the pool. The scripted player's generator travels in state(): a SelfPlay that loads it
     makes the same random choices next."""
@@ -210,7 +210,8 @@ def test_scripted_opponent_mixes_into_the_draws_and_its_generator_resumes() -> N
     assert (draws == RANDOM).mean() == pytest.approx(0.2, abs=0.03)
     assert (draws == SCRIPTED).mean() == pytest.approx(0.3, abs=0.03)
     assert (draws >= 0).mean() == pytest.approx(0.5, abs=0.03)
-    saved = sp.state()
+    torch.save(sp.state(), tmp_path / "selfplay.pt")  # as a checkpoint holds it: plain data only
+    saved = torch.load(tmp_path / "selfplay.pt", weights_only=True)
     other = build_collector(cfg, specs, 0, "cpu", None).selfplay
     other.load_state(saved, exact=True)
     empty = np.zeros((6, 7, 2))
