@@ -18,6 +18,7 @@ from ppo_fabric.games.selfplay import (
     RANDOM,
     SCRIPTED,
     OpponentPool,
+    SelfPlay,
     learner_scores,
     pfsp_weights,
     sampling_probabilities,
@@ -37,6 +38,20 @@ TICTACTOE = [
     "algo.minibatch_size=64", "algo.update_epochs=2", "selfplay.enabled=true", "selfplay.snapshot_every=2",
     "selfplay.pool_size=3", "seed=1",
 ]  # fmt: skip
+
+
+def _selfplay(overrides: list[str], collect: bool = False) -> SelfPlay:
+    """The SelfPlay of a fresh collector with a fresh learner: after one rollout (`collect`) or just started."""
+    cfg, _ = compose(overrides)
+    specs = policy_specs(cfg)
+    spec = specs["shared"]
+    collector = build_collector(cfg, specs, 0, "cpu", None)
+    learner = ActorCritic(spec.obs_space, spec.action_space, spec.model)
+    if collect:
+        collector.collect({"shared": learner}, 0)
+    else:
+        collector.selfplay.start(learner, 0)
+    return collector.selfplay
 
 
 # ------------------------------------------------------------------------------------------- sampling
@@ -134,13 +149,7 @@ def test_random_opponent_plays_legal_moves_and_is_reported_apart() -> None:
     """selfplay.random_prob=1: every game is against the random legal-move player. Its moves are legal
     (tictactoe rejects an illegal one), uniform over the legal ones, no snapshot records a result, and the
     learner's results come out as selfplay/random_*, not as pool games."""
-    cfg, _ = compose([*TICTACTOE, "selfplay.random_prob=1.0"])
-    specs = policy_specs(cfg)
-    spec = specs["shared"]
-    collector = build_collector(cfg, specs, 0, "cpu", None)
-    learner = ActorCritic(spec.obs_space, spec.action_space, spec.model)
-    collector.collect({"shared": learner}, 0)
-    sp = collector.selfplay
+    sp = _selfplay([*TICTACTOE, "selfplay.random_prob=1.0"], collect=True)
     assert (sp.opponent == RANDOM).all()
     snap = sp.pool.snapshots[0]
     assert (snap.wins, snap.draws, snap.losses) == (0, 0, 0)
@@ -157,11 +166,7 @@ def test_random_opponent_plays_legal_moves_and_is_reported_apart() -> None:
 
 def test_random_prob_mixes_the_random_player_into_the_draws() -> None:
     """random_prob=0.25: about a quarter of draws are the random player, the rest pool snapshots."""
-    cfg, _ = compose([*TICTACTOE, "selfplay.random_prob=0.25"])
-    specs = policy_specs(cfg)
-    sp = build_collector(cfg, specs, 0, "cpu", None).selfplay
-    learner = ActorCritic(specs["shared"].obs_space, specs["shared"].action_space, specs["shared"].model)
-    sp.start(learner, 0)
+    sp = _selfplay([*TICTACTOE, "selfplay.random_prob=0.25"])
     np.random.seed(0)
     draws = np.array([sp._draw() for _ in range(4000)])
     assert set(np.unique(draws).tolist()) == {RANDOM, sp.pool.snapshots[0].id}
@@ -172,13 +177,9 @@ def test_scripted_opponent_takes_its_win_and_blocks_and_is_reported_apart() -> N
     """selfplay.scripted_prob=1 on Connect Four: every game is against win_or_block. On hand-built boards
     its move is the win (column 3 completes its vertical three) or else the block (column 5 stops the
     learner's row of three); its games end as selfplay/scripted_*, never as pool games."""
-    cfg, _ = compose([*CONNECT_FOUR, "selfplay.scripted_prob=1.0", "selfplay.scripted=win_or_block"])
-    specs = policy_specs(cfg)
-    spec = specs["shared"]
-    collector = build_collector(cfg, specs, 0, "cpu", None)
-    learner = ActorCritic(spec.obs_space, spec.action_space, spec.model)
-    collector.collect({"shared": learner}, 0)
-    sp = collector.selfplay
+    sp = _selfplay(
+        [*CONNECT_FOUR, "selfplay.scripted_prob=1.0", "selfplay.scripted=win_or_block"], collect=True
+    )
     assert (sp.opponent == SCRIPTED).all()
     assert isinstance(sp.scripted, WinOrBlockPlayer)
     metrics = sp.metrics()
@@ -200,11 +201,8 @@ def test_scripted_opponent_mixes_into_the_draws_and_its_generator_resumes(tmp_pa
     """random_prob=0.2, scripted_prob=0.3: about those shares of draws are the random and the scripted
     player, the rest the pool. The scripted player's generator travels in state(): a SelfPlay that loads it
     makes the same random choices next."""
-    cfg, _ = compose([*CONNECT_FOUR, "selfplay.random_prob=0.2", "selfplay.scripted_prob=0.3"])
-    specs = policy_specs(cfg)
-    sp = build_collector(cfg, specs, 0, "cpu", None).selfplay
-    learner = ActorCritic(specs["shared"].obs_space, specs["shared"].action_space, specs["shared"].model)
-    sp.start(learner, 0)
+    overrides = [*CONNECT_FOUR, "selfplay.random_prob=0.2", "selfplay.scripted_prob=0.3"]
+    sp = _selfplay(overrides)
     np.random.seed(0)
     draws = np.array([sp._draw() for _ in range(4000)])
     assert (draws == RANDOM).mean() == pytest.approx(0.2, abs=0.03)
@@ -212,7 +210,7 @@ def test_scripted_opponent_mixes_into_the_draws_and_its_generator_resumes(tmp_pa
     assert (draws >= 0).mean() == pytest.approx(0.5, abs=0.03)
     torch.save(sp.state(), tmp_path / "selfplay.pt")  # as a checkpoint holds it: plain data only
     saved = torch.load(tmp_path / "selfplay.pt", weights_only=True)
-    other = build_collector(cfg, specs, 0, "cpu", None).selfplay
+    other = _selfplay(overrides)
     other.load_state(saved, exact=True)
     empty = np.zeros((6, 7, 2))
     assert [sp.scripted(empty, None) for _ in range(20)] == [other.scripted(empty, None) for _ in range(20)]
