@@ -20,6 +20,7 @@ loses at most 1% of 400 games.
 from __future__ import annotations
 
 import argparse
+import csv
 import json
 import os
 import re
@@ -89,13 +90,31 @@ def win_rates(
     return {"win": results.rate(1), "draw": results.rate(0), "loss": results.rate(-1), "games": games}
 
 
+def wall_at(metrics: Path, step: int) -> float | None:
+    """`time/wall_s` of the last update at or before env step `step` (the training time a checkpoint took)."""
+    wall = None
+    with metrics.open() as f:
+        for row in csv.DictReader(f):
+            if row.get("time/wall_s") and int(float(row["step"])) <= step:
+                wall = round(float(row["time/wall_s"]), 1)
+    return wall
+
+
 def run_game(game: str, args: argparse.Namespace) -> dict[str, Any]:
     with tempfile.TemporaryDirectory() as tmp:
         run = train(game, Path(tmp) / "run", args.steps, args.checkpoints, args.overrides)
         cfg = run["cfg"]
+        metrics = Path(tmp) / "run" / "metrics.csv"
         curve = []
         for step, path in run["checkpoints"][:-1]:
-            curve.append({"step": step, **win_rates(cfg, path, args.curve_games, seed=step)})
+            point = {"step": step, "wall_s": wall_at(metrics, step)}
+            point.update(win_rates(cfg, path, args.curve_games, seed=step))
+            if game == "connect_four":  # the thinking opponent's curve: greedy, as the target is judged
+                wb = win_rates(
+                    cfg, path, args.curve_games, seed=step, greedy=True, opponent=WinOrBlockPlayer(step)
+                )
+                point["greedy_vs_win_or_block"] = wb["win"]
+            curve.append(point)
         last_step, last = run["checkpoints"][-1]
         final = win_rates(cfg, last, args.games, seed=12345)
         greedy = win_rates(cfg, last, args.games, seed=12345, greedy=True)
@@ -106,7 +125,10 @@ def run_game(game: str, args: argparse.Namespace) -> dict[str, Any]:
                 ("search:2", SearchPlayer(2, 12345)),
             ):
                 scripted[name] = win_rates(cfg, last, args.games, seed=12345, greedy=True, opponent=opponent)
-        curve.append({"step": last_step, **final})
+        point = {"step": last_step, "wall_s": wall_at(metrics, last_step), **final}
+        if scripted:
+            point["greedy_vs_win_or_block"] = scripted["win_or_block"]["win"]
+        curve.append(point)
     summary = run["summary"]
     train_s = float(summary.get("wall_seconds") or run["process_wall_s"])
     return {
@@ -152,6 +174,16 @@ def write(results: list[dict[str, Any]], out: Path, stem: str) -> None:
             f"| {f['loss']:.1%} | {g['win']:.1%} / {g['draw']:.1%} / {g['loss']:.1%} | {versus or 'n/a'} "
             f"| {r['target']} |"
         )
+    for r in results:  # the curve against win_or_block, where measured: when the 60% target is first met
+        wb = [c for c in r["curve"] if "greedy_vs_win_or_block" in c]
+        if wb:
+            points = ", ".join(
+                f"{c['step'] / 1e6:.2f}M: {c['greedy_vs_win_or_block']:.0%}"
+                + (f" ({c['wall_s']:.0f} s)" if c.get("wall_s") is not None else "")
+                for c in wb
+            )
+            lines += ["", f"{r['env_id']}, greedy games won against win_or_block along training "
+                      f"(env steps: win rate (training wall)): {points}."]  # fmt: skip
     (out / f"{stem}.md").write_text("\n".join(lines) + "\n")
     import matplotlib
 
@@ -163,7 +195,11 @@ def write(results: list[dict[str, Any]], out: Path, stem: str) -> None:
         steps = [c["step"] for c in r["curve"]]
         ax.plot(steps, [c["win"] for c in r["curve"]], marker="o", label="win")
         ax.plot(steps, [c["loss"] for c in r["curve"]], marker="x", label="loss")
-        ax.set_title(f"{r['env_id']} vs random")
+        wb = [(c["step"], c["greedy_vs_win_or_block"]) for c in r["curve"] if "greedy_vs_win_or_block" in c]
+        if wb:
+            ax.plot(*zip(*wb, strict=True), marker="s", label="greedy win vs win_or_block")
+            ax.axhline(0.6, color="grey", linestyle=":", linewidth=1)
+        ax.set_title(f"{r['env_id']} vs random" + (" and win_or_block" if wb else ""))
         ax.set_xlabel("env steps (moves)")
         ax.set_ylim(-0.02, 1.02)
         ax.grid(alpha=0.3)
