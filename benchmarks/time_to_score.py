@@ -12,8 +12,9 @@ is one run in a fresh process, one at a time:
 
 Workloads (threshold): `lunarlander` (`env=lunarlander`, 200), `halfcheetah` (`exp=mujoco`, 1500),
 `hopper` (`exp=mujoco env.id=Hopper-v5`, 2000), `breakout` (`exp=minatar`, 12: below the 15 the recipe reached
-at 5M on seed 1, with no published PPO figure at that budget; no SB3 row: SB3 has no network for 10x10 frames). SB3 gets the recipe's normalisation through `VecNormalize` (observations and rewards, both
-clipped at 10, as ppo-fabric's). Wall time: ppo-fabric's `time/wall_s` (since the run started, start-up of
+at 5M on seed 1, with no published PPO figure at that budget; SB3's features extractor there is ppo-fabric's
+own `GridCNN`, as SB3's CNN needs 36x36 frames). SB3 gets the recipe's normalisation through `VecNormalize`
+(observations and rewards, both clipped at 10, as ppo-fabric's). Wall time: ppo-fabric's `time/wall_s` (since the run started, start-up of
 the interpreter excluded) and, for SB3, seconds since the env was built, read at the end of each rollout.
 Results accumulate in `<out>/time_to_score.json` keyed by (workload, variant, seed): a run already there is
 skipped (`--force` re-runs), so a sitting can be split; timings compare only within one sitting on an idle
@@ -56,7 +57,6 @@ VARIANTS: dict[str, list[str]] = {
     "pipelined": ["strategy=decoupled", "fabric.devices=2", "algo.players=1", "algo.pipeline=true"],
     "sb3": [],
 }
-NO_SB3 = ("breakout",)
 WINDOW = 20
 
 
@@ -73,6 +73,25 @@ def flat_workload(overrides: list[str]) -> dict[str, Any]:
         for key, value in flat[group].items():
             out[f"{group}.{key}"] = value
     return out
+
+
+def grid_extractor() -> type:
+    """An SB3 features extractor that is ppo-fabric's `GridCNN` (model=grid, the MinAtar network) itself, so
+    both libraries train the same network on 10x10 frames; SB3's heads sit on its 128 features as ours do."""
+    from stable_baselines3.common.torch_layers import BaseFeaturesExtractor
+
+    from ppo_fabric.models.agent import GridCNN
+
+    class GridExtractor(BaseFeaturesExtractor):
+        def __init__(self, observation_space: Any) -> None:
+            net = GridCNN(observation_space)
+            super().__init__(observation_space, net.out_dim)
+            self.net = net
+
+        def forward(self, obs: Any) -> Any:
+            return self.net(obs)
+
+    return GridExtractor
 
 
 def child_sb3(
@@ -119,6 +138,10 @@ def child_sb3(
                 if stop_at is not None and mean >= stop_at:
                     self.stopped = "threshold"
 
+    if str(w["env.id"]).startswith("MinAtar/"):
+        from minatar.gym import register_envs
+
+        register_envs()  # as ppo-fabric's env factory does: gymnasium 1.x no longer loads MinAtar's entry point
     start = time.perf_counter()
     env_kwargs = dict(w["env.kwargs"] or {})
     if w["env.max_episode_steps"] is not None:
@@ -128,7 +151,12 @@ def child_sb3(
     if w["env.normalize_obs"] or w["env.normalize_reward"]:
         env = VecNormalize(env, norm_obs=bool(w["env.normalize_obs"]), norm_reward=bool(w["env.normalize_reward"]),
                            clip_obs=10.0, clip_reward=10.0, gamma=float(w["algo.gamma"]))  # fmt: skip
-    model = PPO("MlpPolicy", env, **sb3_settings(w, nn, LinearSchedule), seed=seed, device="cpu", verbose=0)
+    settings = sb3_settings(w, nn, LinearSchedule)
+    if (
+        w["model.encoder"] == "grid"
+    ):  # MinAtar: SB3's CNN needs 36x36 frames; give it ppo-fabric's grid network
+        settings["policy_kwargs"]["features_extractor_class"] = grid_extractor()
+    model = PPO("MlpPolicy", env, **settings, seed=seed, device="cpu", verbose=0)
     callback = Curve(start)
     model.learn(total_timesteps=int(w["algo.total_steps"]), callback=callback)
     wall = time.perf_counter() - start
@@ -276,8 +304,6 @@ def main() -> None:
     for seed in range(1, args.seeds + 1):  # seed-major, the variants alternating within a seed
         for workload in args.workloads:
             for variant in args.variants:
-                if variant == "sb3" and workload in NO_SB3:
-                    continue
                 done = common.runs_to_replace(
                     report, args.force, workload=workload, variant=variant, seed=seed
                 )
