@@ -41,14 +41,19 @@ CLEANRL_MUJOCO = (
     "CleanRL ppo_continuous_action.py on the v4 envs, docs.cleanrl.dev/rl-algorithms/ppo (1M steps)"
 )
 ZOO = "RL Zoo benchmark.md (one run, deterministic evaluation)"
-MINATAR = "MinAtar: Young and Tian 2019 (arXiv 1903.03176) report curves, not a table, for DQN and AC(lambda)"
+MINATAR = (
+    "gymnax README's table of its gymnax-blines PPO checkpoints (github.com/RobertTLange/gymnax, one run each, "
+    "10M steps, gymnax's own MinAtar: no sticky actions, episodes capped at 1,000 steps, gamma 0.999, an MLP "
+    "of 2x256); no table at 5M with MinAtar's sticky actions was found (Young and Tian 2019, arXiv 1903.03176, "
+    "report curves of DQN and AC(lambda))"
+)
 
 
 @dataclass(frozen=True)
 class Task:
     env: str
     overrides: tuple[str, ...]
-    reference: tuple[float, float] | None  # mean, std
+    reference: tuple[float, float | None] | None  # mean, std (None: one run)
     source: str
     note: str = ""
 
@@ -76,9 +81,9 @@ SUITES: dict[str, tuple[Task, ...]] = {
         Task("Walker2d-v5", ("exp=mujoco", "env.id=Walker2d-v5"), (2287.95, 571.78), CLEANRL_MUJOCO, "v5, 1M"),
     ),
     "minatar": (
-        Task("MinAtar/Breakout-v1", ("exp=minatar",), None, MINATAR, "5M"),
-        Task("MinAtar/SpaceInvaders-v1", ("exp=minatar", "env.id=MinAtar/SpaceInvaders-v1"), None, MINATAR,
-             "5M"),
+        Task("MinAtar/Breakout-v1", ("exp=minatar",), (28.0, None), MINATAR, "5M (reference: 10M)"),
+        Task("MinAtar/SpaceInvaders-v1", ("exp=minatar", "env.id=MinAtar/SpaceInvaders-v1"), (131.0, None),
+             MINATAR, "5M (reference: 10M)"),
     ),
 }  # fmt: skip
 VARIANTS: dict[str, tuple[str, ...]] = {
@@ -160,7 +165,10 @@ def markdown(suite: str, report: dict[str, Any], command: str) -> str:
             )
             if not mine:
                 continue
-            ref = "n/a" if task.reference is None else f"{task.reference[0]:.1f} ± {task.reference[1]:.1f}"
+            ref = "n/a" if task.reference is None else f"{task.reference[0]:.1f}"
+            ref += (
+                "" if task.reference is None or task.reference[1] is None else f" ± {task.reference[1]:.1f}"
+            )
             finals = [r["final_mean_return"] for r in mine if r["final_mean_return"] is not None]
             lines.append(
                 f"| {task.env} | {variant} | {','.join(str(r['seed']) for r in mine)} "
