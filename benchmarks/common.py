@@ -180,9 +180,21 @@ def run_once(
         return summary
 
 
+CURVE_POINTS = 200  # a run's curve is thinned to about this many points in the results
+
+
+def thin(curve: list[list[float]], points: int = CURVE_POINTS) -> list[list[float]]:
+    """Every k-th point and the last, so a long run's curve stays a few kB in the results."""
+    if len(curve) <= points:
+        return curve
+    step = -(-len(curve) // points)
+    return [*curve[::step], *([curve[-1]] if (len(curve) - 1) % step else [])]
+
+
 def threshold_figures(summary: dict[str, Any], threshold: float) -> dict[str, Any]:
     """A run's figures against a threshold, from its summary and `curve` ([env step, wall s, mean20]):
-    final and best mean return, and the env step and wall time at which the mean first reached it."""
+    final and best mean return, and the env step and wall time at which the mean first reached it (all from
+    the whole curve; the curve kept for the plot is thinned to ~500 points, a 5M-step run has ~2,400)."""
     curve = summary["curve"]
     first = next((point for point in curve if point[2] >= threshold), None)
     return {
@@ -194,7 +206,7 @@ def threshold_figures(summary: dict[str, Any], threshold: float) -> dict[str, An
         "wall_at_threshold": None if first is None else first[1],
         "wall_seconds": summary["wall_seconds"],
         "sps": summary["sps"],
-        "curve": curve,
+        "curve": thin(curve, 500),
     }
 
 

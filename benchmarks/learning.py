@@ -34,7 +34,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402
-from common import RESULTS, run_once  # noqa: E402
+from common import RESULTS, run_once, thin  # noqa: E402
 
 CLEANRL = "CleanRL ppo.py, docs.cleanrl.dev/rl-algorithms/ppo (500k steps)"
 CLEANRL_MUJOCO = (
@@ -90,15 +90,6 @@ VARIANTS: dict[str, tuple[str, ...]] = {
     "coupled": ("strategy=coupled", "fabric.devices=1"),
     "pipelined": ("strategy=decoupled", "fabric.devices=2", "algo.players=1", "algo.pipeline=true"),
 }
-CURVE_POINTS = 200  # a run's curve is thinned to about this many points in the results
-
-
-def thin(curve: list[list[float]], points: int = CURVE_POINTS) -> list[list[float]]:
-    """Every k-th point and the last, so a long run's curve stays a few kB in the results."""
-    if len(curve) <= points:
-        return curve
-    step = -(-len(curve) // points)
-    return [*curve[::step], *([curve[-1]] if (len(curve) - 1) % step else [])]
 
 
 def run_overrides(
