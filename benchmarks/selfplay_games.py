@@ -90,24 +90,27 @@ def win_rates(
     return {"win": results.rate(1), "draw": results.rate(0), "loss": results.rate(-1), "games": games}
 
 
-def wall_at(metrics: Path, step: int) -> float | None:
-    """`time/wall_s` of the last update at or before env step `step` (the training time a checkpoint took)."""
-    wall = None
+def wall_times(metrics: Path) -> list[tuple[int, float]]:
+    """(env step, `time/wall_s`) of every update in the run's metrics.csv, read once."""
     with metrics.open() as f:
-        for row in csv.DictReader(f):
-            if row.get("time/wall_s") and int(float(row["step"])) <= step:
-                wall = round(float(row["time/wall_s"]), 1)
-    return wall
+        rows = csv.DictReader(f)
+        return [(int(float(r["step"])), float(r["time/wall_s"])) for r in rows if r.get("time/wall_s")]
+
+
+def wall_at(walls: list[tuple[int, float]], step: int) -> float | None:
+    """The wall time of the last update at or before env step `step` (the training time a checkpoint took)."""
+    before = [wall for at, wall in walls if at <= step]
+    return round(before[-1], 1) if before else None
 
 
 def run_game(game: str, args: argparse.Namespace) -> dict[str, Any]:
     with tempfile.TemporaryDirectory() as tmp:
         run = train(game, Path(tmp) / "run", args.steps, args.checkpoints, args.overrides)
         cfg = run["cfg"]
-        metrics = Path(tmp) / "run" / "metrics.csv"
+        walls = wall_times(Path(tmp) / "run" / "metrics.csv")
         curve = []
         for step, path in run["checkpoints"][:-1]:
-            point = {"step": step, "wall_s": wall_at(metrics, step)}
+            point = {"step": step, "wall_s": wall_at(walls, step)}
             point.update(win_rates(cfg, path, args.curve_games, seed=step))
             if game == "connect_four":  # the thinking opponent's curve: greedy, as the target is judged
                 wb = win_rates(
@@ -125,7 +128,7 @@ def run_game(game: str, args: argparse.Namespace) -> dict[str, Any]:
                 ("search:2", SearchPlayer(2, 12345)),
             ):
                 scripted[name] = win_rates(cfg, last, args.games, seed=12345, greedy=True, opponent=opponent)
-        point = {"step": last_step, "wall_s": wall_at(metrics, last_step), **final}
+        point = {"step": last_step, "wall_s": wall_at(walls, last_step), **final}
         if scripted:
             point["greedy_vs_win_or_block"] = scripted["win_or_block"]["win"]
         curve.append(point)

@@ -152,9 +152,8 @@ def child_sb3(
         env = VecNormalize(env, norm_obs=bool(w["env.normalize_obs"]), norm_reward=bool(w["env.normalize_reward"]),
                            clip_obs=10.0, clip_reward=10.0, gamma=float(w["algo.gamma"]))  # fmt: skip
     settings = sb3_settings(w, nn, LinearSchedule)
-    if (
-        w["model.encoder"] == "grid"
-    ):  # MinAtar: SB3's CNN needs 36x36 frames; give it ppo-fabric's grid network
+    # MinAtar: SB3's CNN needs 36x36 frames, so SB3 gets ppo-fabric's grid network as its features extractor
+    if w["model.encoder"] == "grid":
         settings["policy_kwargs"]["features_extractor_class"] = grid_extractor()
     model = PPO("MlpPolicy", env, **settings, seed=seed, device="cpu", verbose=0)
     callback = Curve(start)
