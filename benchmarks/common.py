@@ -108,7 +108,12 @@ def steady_sps(metrics_csv: Path) -> float | None:
 
 class LoggedNothing(SystemExit):
     """A run stopped at its timeout before it logged an update: there is no figure to report (a benchmark
-    that can say so and go on catches it; one that cannot ends with the message)."""
+    that can say so and go on catches it; one that cannot ends with the message). `trace` is the run's
+    timestamped stderr (`job_trace.Trace.text`), the processes' stacks at the stop included."""
+
+    def __init__(self, message: str, trace: str = "") -> None:
+        super().__init__(message)
+        self.trace = trace
 
 
 def stopped_summary(metrics_csv: Path, timeout: float) -> dict[str, Any]:
@@ -150,25 +155,38 @@ def run_once(
             f"hydra.run.dir={run_dir}",
             *overrides,
         ]
+        import job_trace  # beside this file, on the path of every script that imports common
+
+        from ppo_fabric.runs.metrics_file import read_rows
+
+        # a run with a timeout may be stopped before it logs anything: trace it, so that it says why
+        where = Path(tmp) / "trace"
+        env = job_trace.traced_env(where) if timeout is not None else None
         started = time.monotonic()
         proc = subprocess.Popen(
-            cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
+            cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True, env=env
         )
+        trace = job_trace.Trace(proc, started, where)
         try:
-            _, stderr = proc.communicate(timeout=timeout)
+            proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
+            if not (run_dir / "metrics.csv").is_file() or not read_rows(run_dir / "metrics.csv"):
+                job_trace.dump_stacks(proc.pid)  # nothing logged yet: where is every process?
             proc.send_signal(signal.SIGTERM)
             try:
-                proc.communicate(timeout=STOP_GRACE_S)
+                proc.wait(timeout=STOP_GRACE_S)
             except subprocess.TimeoutExpired:
                 os.killpg(proc.pid, signal.SIGKILL)
-                proc.communicate()
-            summary = stopped_summary(
-                run_dir / "metrics.csv", float(timeout or 0)
-            )  # timeout is set: only it expires
+                proc.wait()
+            trace.join()
+            try:
+                summary = stopped_summary(run_dir / "metrics.csv", float(timeout or 0))
+            except LoggedNothing as nothing:
+                raise LoggedNothing(f"{nothing}: {trace.digest()}", trace.text()) from None
         else:
+            trace.join()
             if proc.returncode != 0:
-                raise SystemExit(f"benchmark run failed: {' '.join(cmd)}\n{stderr[-2000:]}")
+                raise SystemExit(f"benchmark run failed: {' '.join(cmd)}\n{trace.stderr()[-2000:]}")
             summary = json.loads((run_dir / "summary.json").read_text())
         summary["process_seconds"] = time.monotonic() - started  # start-up and shutdown included
         summary["sps_steady"] = steady_sps(run_dir / "metrics.csv")

@@ -5,6 +5,8 @@
 #   check     gpu_check.py: every CUDA path (resume on one device and CPU<->GPU, SIGTERM, compile on/off,
 #             EnvPool Pong, CPU players feeding a GPU trainer); CHECKS names some of them (default all);
 #   step      minibatch_step.py: the Nature-CNN minibatch step eager / compiled, then one CUDA graph alone;
+#   graph     the CUDA-graph step alone, and if it fails, again with CUDA_LAUNCH_BLOCKING=1 (the failing kernel's
+#             own stack instead of the next synchronisation's);
 #   layouts   gpu_strategies.py on Pong: the decoupled layouts of LAYOUTS (default: 1 GPU trainer + K CPU
 #             players for K in PLAYERS, the most players with the players acting on the GPU, and 2 EnvPool
 #             players acting on the GPU), ATARI_STEPS env steps per row;
@@ -44,12 +46,14 @@ torch.zeros(1, device="cuda" if torch.cuda.is_available() else "cpu").sum().item
 import lightning_fabric; lap("import lightning_fabric")
 import ppo_fabric.ppo, ppo_fabric.ppo_decoupled; lap("import the strategies")'
 
-step() {  # step SECONDS COMMAND...: run it, at most SECONDS, and say how it ended
-    local limit=$1 start=$SECONDS
+step() {  # step SECONDS COMMAND...: run it, at most SECONDS, say how it ended and return its status
+    local limit=$1 start=$SECONDS rc
     shift
     echo "=== $* (limit ${limit} s)"
     timeout -k 10 "$limit" "$@"
-    echo "=== rc=$? after $((SECONDS - start)) s: $*"
+    rc=$?
+    echo "=== rc=$rc after $((SECONDS - start)) s: $*"
+    return $rc
 }
 
 for part in ${PARTS:-check step layouts envpool}; do
@@ -61,6 +65,10 @@ for part in ${PARTS:-check step layouts envpool}; do
     step)  # the CUDA-graph variant in a process of its own, away from the compiled variant's CUDA graphs
         step "${STEP_S:-150}" "$py" benchmarks/minibatch_step.py --variants eager compiled --out "$out"
         step 60 "$py" benchmarks/minibatch_step.py --variants graph --out "$out"
+        ;;
+    graph)
+        step 60 "$py" benchmarks/minibatch_step.py --variants graph --out "$out" ||
+            CUDA_LAUNCH_BLOCKING=1 step 60 "$py" benchmarks/minibatch_step.py --variants graph --out "$out"
         ;;
     layouts)
         # shellcheck disable=SC2086
@@ -79,6 +87,6 @@ for part in ${PARTS:-check step layouts envpool}; do
         step 120 bash -c '(for _ in $(seq "$1"); do "$2" - <<<"$3" & done; wait) | sort | uniq -c' _ \
             "${STARTUP_COPIES:-15}" "$py" "$startup_probe"
         ;;
-    *) echo "unknown part $part (startup, check, step, layouts, envpool)" >&2; exit 2 ;;
+    *) echo "unknown part $part (startup, check, step, graph, layouts, envpool)" >&2; exit 2 ;;
     esac
 done

@@ -20,7 +20,9 @@ with 32 async envs, one process per env for a 16-core machine). For each it runs
 `--variants gpu` selects the GPU rows, `cpu` the CPU rows (default: all); named keys run in the order named.
 Each run is `--steps` env steps (500k; Pong `--atari-steps`, also 500k). `--run-timeout S` stops a run after
 S seconds (SIGTERM, as a cluster would) and reports its last logged update, marked as stopped: on a machine
-lent for minutes every run started keeps a row. Every row also has the steady SPS (the second half of the
+lent for minutes every run started keeps a row. A run stopped before its first update has none: its note
+says how far its processes got and `trace-<variant>.log` holds its timestamped stderr and every process's
+stacks at the stop (`job_trace.py`). Every row also has the steady SPS (the second half of the
 run's logged wall time, no start-up or warm-up) and its start-up seconds.
 While a run executes, `nvidia-smi` samples every GPU's utilisation and memory every 500 ms ("n/a" without
 nvidia-smi). Workloads whose extra is not installed (LunarLander: box2d; Atari: atari) are skipped with a
@@ -509,7 +511,10 @@ def main() -> None:
                     s = run_once(run, solved_return=math.inf, timeout=args.run_timeout)
                     exited = time.time()  # before the sampler stops (which may take a few seconds)
             except common.LoggedNothing as stopped:  # no row to write; the next layout may still fit
-                notes.append(f"{workload} / {variant}: no row, {stopped}")
+                log = args.out / f"trace-{variant_key}.log"  # its stderr, timestamped, and its stacks
+                args.out.mkdir(parents=True, exist_ok=True)
+                log.write_text(stopped.trace)
+                notes.append(f"{workload} / {variant}: no row, {stopped} (trace: {log.name})")
                 write(args.out, report, name)
                 print(f"{workload:24s} {variant:38s} {stopped}", flush=True)
                 continue

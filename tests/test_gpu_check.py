@@ -204,7 +204,9 @@ def test_a_layout_that_logged_nothing_leaves_a_note_and_the_next_runs(
     def run_once(overrides: list[str], solved_return: float, timeout: float | None = None) -> dict:
         assert timeout == 5.0
         if "algo.players=1" in overrides:
-            raise gs.common.LoggedNothing("benchmark run stopped after 5 s before it logged an update")
+            raise gs.common.LoggedNothing(
+                "benchmark run stopped after 5 s before it logged an update", "0.1 up\n"
+            )
         return summary
 
     monkeypatch.setattr(gs, "run_once", run_once)
@@ -215,6 +217,7 @@ def test_a_layout_that_logged_nothing_leaves_a_note_and_the_next_runs(
     report = json.loads((tmp_path / "gpu-strategies-dryrun.json").read_text())
     assert [r["variant_key"] for r in report["rows"]] == ["coupled-gpu"]
     assert any("1 CPU player: no row, benchmark run stopped after 5 s" in n for n in report["notes"])
+    assert (tmp_path / "trace-decoupled-gpu-1.log").read_text() == "0.1 up\n"  # what the stopped run wrote
 
 
 def test_minibatch_step_run_alone_keeps_the_other_variants_rows(tmp_path: Path, monkeypatch) -> None:  # type: ignore[no-untyped-def]

@@ -1,0 +1,101 @@
+"""benchmarks/job_trace.py: a benchmark run stopped before its first update says where its processes were.
+
+A traced process tree (a parent and a child in a session of its own, as the supervisor starts a job) marks
+each interpreter's start and the start of a marked import, and writes every process's stack on SIGUSR1 and
+goes on; `common.run_once` with a timeout puts that trace in its `LoggedNothing`."""
+
+from __future__ import annotations
+
+import importlib.util
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+pytestmark = pytest.mark.multiprocess
+
+
+def _script(monkeypatch: pytest.MonkeyPatch, name: str):  # type: ignore[no-untyped-def]
+    monkeypatch.syspath_prepend(str(REPO / "benchmarks"))
+    spec = importlib.util.spec_from_file_location(name, REPO / "benchmarks" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, name, module)
+    spec.loader.exec_module(module)
+    return module
+
+
+CHILD = "import sys, time; import ale_py; print('imported', file=sys.stderr, flush=True); time.sleep(60)"
+PARENT = (
+    "import subprocess, sys, time; "
+    f"subprocess.Popen([sys.executable, '-c', {CHILD!r}], start_new_session=True); time.sleep(60)"
+)
+
+
+def test_a_traced_process_tree_marks_its_start_and_dumps_every_stack(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    jt = _script(monkeypatch, "job_trace")
+    env = jt.traced_env(tmp_path / "trace")
+    started = time.monotonic()
+    proc = subprocess.Popen(
+        [sys.executable, "-c", PARENT], stderr=subprocess.PIPE, text=True, env=env, start_new_session=True
+    )
+    trace = jt.Trace(proc, started, tmp_path / "trace")
+    try:
+        deadline = time.monotonic() + 30
+        while not any(line == "imported" for _, line in trace.lines) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        children = jt.descendants(proc.pid)
+        assert len(children) == 1  # the child left the parent's session, and is still found
+        jt.dump_stacks(proc.pid)
+        assert proc.poll() is None  # SIGUSR1 wrote the stacks; it did not end the process
+    finally:
+        for pid in [proc.pid, *jt.descendants(proc.pid)]:
+            subprocess.run(["kill", "-9", str(pid)], check=False)
+        proc.wait()
+        trace.join()
+    digest = trace.digest()
+    assert digest.startswith("2 processes up (first ")
+    assert "1 importing ale_py" in digest and "importing torch" not in digest
+    assert digest.endswith("stacks of 2: 2 at <string>:1 in <module>"), trace.text()
+    stacks = trace.stacks()  # one file per process: fifteen processes on one pipe would interleave
+    assert sorted(stacks) == sorted([proc.pid, *children]) and "<frozen" not in " ".join(stacks.values())
+    assert trace.text().count("--- stacks of pid ") == 2
+
+
+def test_where_a_process_stood_is_its_main_threads_innermost_project_frame(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    jt = _script(monkeypatch, "job_trace")
+    dump = """Thread 0x00007f0000000001 (most recent call first):
+  File "/usr/lib/python3.12/threading.py", line 355 in wait
+  File "/x/ppo_fabric/app/launch.py", line 40 in watch
+
+Current thread 0x00007f0000000002 (most recent call first):
+  File "/x/site-packages/torch/distributed/distributed_c10d.py", line 2000 in recv
+  File "/x/ppo_fabric/wire/protocol.py", line 120 in receive_params
+  File "/x/ppo_fabric/ppo_decoupled.py", line 300 in player
+  File "<string>", line 1 in <module>"""
+    assert jt.where_stopped(dump) == "wire/protocol.py:120 in receive_params"
+    assert jt.where_stopped(
+        dump.replace("ppo_fabric", "lib")
+    ) == "torch/distributed/distributed_c10d.py:2000 in recv".replace("torch/distributed/", "distributed/")
+    assert (
+        jt.where_stopped("Current thread 0x1 (most recent call first):\n  <no Python frame>")
+        == "no Python frame"
+    )
+
+
+def test_a_run_stopped_before_its_first_update_says_how_far_its_processes_got(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    common = _script(monkeypatch, "common")
+    with pytest.raises(common.LoggedNothing) as stopped:
+        common.run_once(["exp=fast", "algo.total_steps=100000000"], timeout=1.0)
+    message = str(stopped.value)
+    assert message.startswith("benchmark run stopped after 1 s before it logged an update: ")
+    assert " processes up (first " in message and "; stacks of " in message
+    assert "[trace] pid" in stopped.value.trace and "--- stacks of pid " in stopped.value.trace
