@@ -189,6 +189,8 @@ def run_once(
                 raise SystemExit(f"benchmark run failed: {' '.join(cmd)}\n{trace.stderr()[-2000:]}")
             summary = json.loads((run_dir / "summary.json").read_text())
         summary["process_seconds"] = time.monotonic() - started  # start-up and shutdown included
+        if env is not None:  # traced: how its processes started, in one line
+            summary["start_up_trace"] = trace.digest()
         summary["sps_steady"] = steady_sps(run_dir / "metrics.csv")
         summary["solved_step"] = first_step_at(
             run_dir / "metrics.csv", "rollout/return_mean20", solved_return

@@ -282,7 +282,8 @@ def figures(s: dict[str, Any]) -> dict[str, Any]:
     return {"steps": s["steps_this_run"], "sps": s["sps"], "sps_steady": s.get("sps_steady"),
             "wall_seconds": s["wall_seconds"], "process_seconds": s.get("process_seconds"),
             "stopped_after_s": s.get("stopped_after_s"), "time_split": s["time_split"], "split": split(s),
-            "final_mean_return": s["final_mean_return"], "ranks_in_sync": s.get("ranks_in_sync")}  # fmt: skip
+            "final_mean_return": s["final_mean_return"], "ranks_in_sync": s.get("ranks_in_sync"),
+            "start_up_trace": s.get("start_up_trace")}  # fmt: skip
 
 
 def split(summary: dict[str, Any]) -> dict[str, float | None]:
@@ -528,6 +529,8 @@ def main() -> None:
                   f"(max {_per_gpu(row, 'util_max')}), mem {_per_gpu(row, 'mem_max_mib')} MiB  collect "
                   f"{_fmt(sp['collect'], '.2f')} send+wait {_fmt(sp['transfer'], '.2f')} train {_fmt(sp['train'], '.2f')}",
                   flush=True)  # fmt: skip
+            if row["start_up_trace"]:
+                print(f"{'':24s} start-up: {row['start_up_trace']}", flush=True)
     write(args.out, report, name)
     print(markdown(report))
 
