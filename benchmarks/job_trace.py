@@ -32,7 +32,7 @@ from pathlib import Path
 MARKS = ("torch", "lightning_fabric", "ppo_fabric.ppo", "ppo_fabric.ppo_decoupled", "ale_py", "envpool")
 STACKS_SIGNAL = signal.SIGUSR1
 STACKS_WAIT_S = 3.0  # how long the processes get to write their stacks before the run is stopped
-ALE_BANNER = "A.L.E: Arcade Learning Environment"  # written once per ALE env the job builds
+ALE_BANNER = "A.L.E: Arcade Learning Environment"  # written once by each process that builds an ALE env
 
 SITECUSTOMIZE = f'''"""Written by benchmarks/job_trace.py for one traced benchmark run."""
 import faulthandler, os, signal, sys
@@ -101,7 +101,7 @@ class Trace:
 
     def digest(self) -> str:
         """One line: the processes up and the last of them, then for each start-up stage how many processes
-        reached it and when the last did, the ALE envs built, and where the processes that wrote their
+        reached it and when the last did, the processes loading ALE, and where the processes that wrote their
         stacks stood (`where_stopped`)."""
 
         def stage(what: str, times: list[float]) -> str | None:
@@ -112,7 +112,7 @@ class Trace:
 
         parts = [stage("processes up", marked(" up"))]
         parts += [stage(f"importing {mark}", marked(f" importing {mark}")) for mark in MARKS]
-        parts.append(stage("ALE envs built", [t for t, line in self.lines if ALE_BANNER in line]))
+        parts.append(stage("loading ALE", [t for t, line in self.lines if ALE_BANNER in line]))
         stacks = self.stacks()
         if stacks:
             places: dict[str, int] = {}

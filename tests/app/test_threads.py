@@ -27,3 +27,30 @@ def test_torch_threads_sets_numpys_blas_threads_too() -> None:
             assert set(blas_threads()) == {1}
         finally:
             torch.set_num_threads(torch_before)
+
+
+def test_torch_threads_hold_for_the_checks_every_process_runs(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each process of a job checks the config by building the env and the model; fifteen processes each
+    taking every core for that oversubscribed a 16-core node for ~100 s before training. The limit is set
+    before those checks."""
+    from omegaconf import OmegaConf
+
+    from ppo_fabric.app import launch
+    from ppo_fabric.config.values import ConfigError
+
+    seen: list[int] = []
+
+    def prepare(cfg: object, run_dir: str) -> dict:
+        seen.append(torch.get_num_threads())
+        raise ConfigError("checked")
+
+    monkeypatch.setattr(launch, "prepare", prepare)
+    torch_before = torch.get_num_threads()
+    with threadpool_limits(2, user_api="blas"):
+        try:
+            torch.set_num_threads(2)
+            with pytest.raises(ConfigError, match="checked"):
+                launch.train(OmegaConf.create({"torch_threads": 1}), lambda *a: {}, "unused")
+        finally:
+            torch.set_num_threads(torch_before)
+    assert seen == [1]
