@@ -161,7 +161,7 @@ def run_once(
 
         # a run with a timeout may be stopped before it logs anything: trace it, so that it says why
         where = Path(tmp) / "trace"
-        env = job_trace.traced_env(where) if timeout is not None else None
+        env = job_trace.traced_env(where, time.time() + timeout) if timeout is not None else None
         started = time.monotonic()
         proc = subprocess.Popen(
             cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True, env=env

@@ -10,7 +10,8 @@ the supervisor, each rank, any env worker) that
   an audit hook that looks at import events only;
 - registers `faulthandler` for SIGUSR1: `dump_stacks` sends it to every process of the job before the
   run is stopped, and each writes its threads' Python stacks to a file of its own beside the
-  sitecustomize (`stacks-<pid>.txt`: fifteen processes writing to one pipe at once would interleave).
+  sitecustomize (`stacks-<pid>.txt`: fifteen processes writing to one pipe at once would interleave),
+  and once by itself at the run's deadline, in case a library has taken SIGUSR1 over.
 
 `Trace` reads the run's stderr on a thread and stamps each line with the seconds since launch; `digest`
 turns the markers and the stacks into one line (how many processes were up, importing what, by when, and
@@ -32,13 +33,16 @@ from pathlib import Path
 MARKS = ("torch", "lightning_fabric", "ppo_fabric.ppo", "ppo_fabric.ppo_decoupled", "ale_py", "envpool")
 STACKS_SIGNAL = signal.SIGUSR1
 STACKS_WAIT_S = 3.0  # how long the processes get to write their stacks before the run is stopped
+DEADLINE_ENV = "PPO_FABRIC_TRACE_DEADLINE"  # epoch seconds at which every traced process writes its stacks
 ALE_BANNER = "A.L.E: Arcade Learning Environment"  # written once by each process that builds an ALE env
 
 SITECUSTOMIZE = f'''"""Written by benchmarks/job_trace.py for one traced benchmark run."""
-import faulthandler, os, signal, sys
+import faulthandler, os, signal, sys, time
 
 _stacks = open(os.path.join(os.path.dirname(__file__), f"stacks-{{os.getpid()}}.txt"), "w")
 faulthandler.register(signal.{STACKS_SIGNAL.name}, file=_stacks, all_threads=True)
+if os.environ.get("{DEADLINE_ENV}"):  # also at the run's deadline, should a library take the signal over
+    faulthandler.dump_traceback_later(max(0.1, float(os.environ["{DEADLINE_ENV}"]) - time.time()), file=_stacks)
 _marks = set({MARKS!r})
 
 
@@ -53,12 +57,16 @@ os.write(2, f"[trace] pid {{os.getpid()}} up\\n".encode())
 '''
 
 
-def traced_env(where: Path) -> dict[str, str]:
+def traced_env(where: Path, deadline: float | None = None) -> dict[str, str]:
     """The environment for a traced run: this process's, with `where` (a fresh directory that will hold the
-    sitecustomize) first on PYTHONPATH."""
+    sitecustomize) first on PYTHONPATH. With `deadline` (time.time() seconds), every process also writes its
+    stacks then by itself (`faulthandler.dump_traceback_later`): on the H100 machine the ranks of a job wrote
+    none on SIGUSR1 while its supervisor did, so the signal alone is not relied on."""
     where.mkdir(parents=True, exist_ok=True)
     (where / "sitecustomize.py").write_text(SITECUSTOMIZE)
     env = dict(os.environ)
+    if deadline is not None:
+        env[DEADLINE_ENV] = f"{deadline:.3f}"
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(where), env.get("PYTHONPATH")) if p)
     return env
 

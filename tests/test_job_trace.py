@@ -99,3 +99,25 @@ def test_a_run_stopped_before_its_first_update_says_how_far_its_processes_got(
     assert message.startswith("benchmark run stopped after 1 s before it logged an update: ")
     assert " processes up (first " in message and "; stacks of " in message
     assert "[trace] pid" in stopped.value.trace and "--- stacks of pid " in stopped.value.trace
+
+
+def test_a_traced_process_writes_its_stacks_at_the_deadline_without_a_signal(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """On the H100 machine the ranks of a job wrote no stacks on SIGUSR1: the deadline needs no signal."""
+    jt = _script(monkeypatch, "job_trace")
+    env = jt.traced_env(tmp_path / "trace", deadline=time.time() + 1.0)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", "import time; time.sleep(60)"], env=env, stderr=subprocess.PIPE, text=True
+    )
+    trace = jt.Trace(proc, time.monotonic(), tmp_path / "trace")
+    try:
+        deadline = time.monotonic() + 20
+        while not trace.stacks() and time.monotonic() < deadline:
+            time.sleep(0.1)
+    finally:
+        proc.kill()
+        proc.wait()
+        trace.join()
+    assert list(trace.stacks()) == [proc.pid]
+    assert trace.digest().endswith("stacks of 1: 1 at <string>:1 in <module>")
