@@ -31,6 +31,12 @@ Three action-mask probes follow, one per convention the rollout detects (`algo.a
    the `illegal_log` file when given, for runs in other processes) and ends the episode with -1; nothing
    is asserted, so runs without masks complete too. Episodes last `LENGTH` steps: the best return is 4.
 
+One pickling probe follows, for resume:
+
+9. `ProbeResetFirst-v0`: pickles as gymnasium's Box2D and MuJoCo envs do (`EzPickle`: rebuilt from its
+   constructor arguments, so an unpickled copy was never reset) and, like Box2D, refuses a step before
+   `reset`. Episodes last `LENGTH` steps; the reward is 1 for action 1.
+
 Importing this module registers them, so `env.id=tests.probe_envs:ProbeConstant-v0` works: gymnasium (and
 ppo_fabric's env builder) imports the module named before the colon. Every episode ends with
 `terminated=True`, never `truncated`, so the learner must bootstrap with zero after the last step.
@@ -42,6 +48,7 @@ from typing import Any
 
 import gymnasium as gym
 import numpy as np
+from gymnasium.utils import EzPickle
 
 
 class _Probe(gym.Env):
@@ -321,6 +328,27 @@ class ProbeNoLegalAction(ProbeMaskedInfo):
         return np.zeros(4, dtype=np.int8) if self._t >= 1 else super()._mask()
 
 
+class ProbeResetFirst(_Probe, EzPickle):
+    """Pickled by its constructor arguments (EzPickle), and a step before `reset` fails, as Box2D's does."""
+
+    LENGTH = 40
+
+    def __init__(self) -> None:
+        _Probe.__init__(self, 2)
+        EzPickle.__init__(self)
+        self._t: int | None = None
+
+    def reset(self, *, seed: int | None = None, options: dict[str, Any] | None = None) -> tuple[Any, dict]:
+        super().reset(seed=seed)
+        self._t = 0
+        return self._obs(0.0), {}
+
+    def step(self, action: Any) -> tuple[Any, float, bool, bool, dict]:
+        assert self._t is not None, "step before reset"
+        self._t += 1
+        return self._obs(self._t / self.LENGTH), float(action == 1), self._t >= self.LENGTH, False, {}
+
+
 PROBES: dict[str, type[_Probe]] = {
     "ProbeConstant-v0": ProbeConstant,
     "ProbeObsDependent-v0": ProbeObsDependent,
@@ -341,6 +369,15 @@ MASKED_PROBES: dict[str, type[gym.Env]] = {
     "ProbeNoLegalAction-v0": ProbeNoLegalAction,
 }
 
-for _env_id, _cls in {**PROBES, **CONTINUOUS_PROBES, **MEMORY_PROBES, **MASKED_PROBES}.items():
+# Also apart: it tests how a run pickles its envs, not learning.
+PICKLE_PROBES: dict[str, type[gym.Env]] = {"ProbeResetFirst-v0": ProbeResetFirst}
+
+for _env_id, _cls in {
+    **PROBES,
+    **CONTINUOUS_PROBES,
+    **MEMORY_PROBES,
+    **MASKED_PROBES,
+    **PICKLE_PROBES,
+}.items():
     if _env_id not in gym.registry:  # re-importing (e.g. under another module name) must not warn
         gym.register(id=_env_id, entry_point=f"{__name__}:{_cls.__name__}")

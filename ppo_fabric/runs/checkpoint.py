@@ -69,12 +69,41 @@ def set_rng_state(state: dict[str, Any]) -> None:
 
 def pickle_envs(envs: gym.vector.VectorEnv) -> dict[str, Any] | None:
     """The vector env's full state, pickled and signed with this installation's key, or None where it
-    cannot be pickled (async workers, some simulators)."""
+    cannot be pickled (async workers, some simulators) or its pickle would not hold its state
+    (`pickle_keeps_state`)."""
+    if not pickle_keeps_state(envs):
+        return None
     try:
         blob = pickle.dumps(envs)
     except Exception:  # any env may refuse; resume then starts fresh episodes
         return None
     return {"pickle": torch.frombuffer(bytearray(blob), dtype=torch.uint8), "hmac": signing.sign(blob)}
+
+
+def pickle_keeps_state(envs: Any) -> bool:
+    """False when an env of `envs` is rebuilt from its constructor arguments when unpickled (gymnasium's
+    `EzPickle`: the Box2D, MuJoCo and Atari envs, PettingZoo's classic games). Such a pickle holds a
+    new env that was never reset, not the episode in progress: a Box2D env then fails its first step, a
+    MuJoCo one goes on from its initial pose. Resume must start fresh episodes there instead.
+
+    Walks the vector env's wrappers (`.env`) down to the object holding the sub-envs (`.envs`), then each
+    sub-env's wrappers (gymnasium's and PettingZoo's both keep the wrapped env in `.env`). A holder with a
+    `__setstate__` of its own restores its envs itself and is trusted."""
+    from gymnasium.utils import EzPickle
+
+    def chain(obj: Any) -> list[Any]:
+        out: list[Any] = []
+        while obj is not None and len(out) < 64 and not any(obj is seen for seen in out):
+            out.append(obj)
+            obj = getattr(obj, "env", None)
+        return out
+
+    layers = chain(envs)
+    holder = next((layer for layer in layers if isinstance(getattr(layer, "envs", None), list)), None)
+    if holder is not None and "__setstate__" in vars(type(holder)):
+        return True  # it restores its envs itself (turn_based.TurnBasedVectorEnv replays each game's moves)
+    subs = [] if holder is None else holder.envs
+    return not any(isinstance(layer, EzPickle) for obj in [*layers, *subs] for layer in chain(obj))
 
 
 def _signed_pickle(snapshot: Any) -> bytes | None:
@@ -275,18 +304,22 @@ def restore_envs(snapshot: dict[str, Any] | None, fallback: Any) -> Any:
     none (async or unpicklable envs, or resume_env=fresh). An unsigned snapshot raises ValueError unread."""
     if snapshot is None:
         warnings.warn(
-            "the checkpoint holds no env state (async or unpicklable envs, or resume_env=fresh): "
-            "episodes restart on resume",
+            "the checkpoint holds no env state (async or unpicklable envs, envs whose pickle does not keep "
+            "their state, or resume_env=fresh): episodes restart on resume",
             stacklevel=2,
         )
         return fallback
     blob = _signed_pickle(snapshot)
     if blob is None:
         raise ValueError("the env snapshot was not signed on this installation; it is never unpickled")
-    fallback.close()
     # Guarded: `blob` is only non-None when its HMAC under this installation's key matched (_signed_pickle),
     # i.e. this installation wrote it; a snapshot from anywhere else never reaches this line.
-    return pickle.loads(blob)
+    restored = pickle.loads(blob)
+    if not pickle_keeps_state(restored):  # written before such envs were left out: new envs, never reset
+        restored.close()
+        return restore_envs(None, fallback)
+    fallback.close()
+    return restored
 
 
 def resolve(path: str | Path) -> Path:

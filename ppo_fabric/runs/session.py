@@ -327,8 +327,10 @@ def restore_collector(collector: RolloutCollector, state: dict[str, Any]) -> Non
     snapshot = state["envs"]
     if collector.asynchronous:  # another backend's envs (a gymnasium run's) cannot go on as an async pool
         snapshot = None
-    collector.envs = ckpt.restore_envs(snapshot, collector.envs)
-    if snapshot is not None:
+    fresh = collector.envs
+    collector.envs = ckpt.restore_envs(snapshot, fresh)
+    restored = collector.envs is not fresh  # the fresh envs come back where the snapshot holds no state
+    if restored:
         collector.restore_carry(state["carry"])
     else:
         load_normalizer_state(collector.envs, state.get("normalizers", {}))
@@ -340,7 +342,7 @@ def restore_collector(collector: RolloutCollector, state: dict[str, Any]) -> Non
             g.episodes.window.extend(window)
             g.episodes.count = count
     if collector.selfplay is not None and "selfplay" in state:
-        collector.selfplay.load_state(state["selfplay"], exact=state["envs"] is not None)
+        collector.selfplay.load_state(state["selfplay"], exact=restored)
     ckpt.set_rng_state(state["rng"])
 
 
