@@ -82,7 +82,7 @@ def pickle_envs(envs: gym.vector.VectorEnv) -> dict[str, Any] | None:
 
 def pickle_keeps_state(envs: Any) -> bool:
     """False when an env of `envs` is rebuilt from its constructor arguments when unpickled (gymnasium's
-    `EzPickle`: the Box2D, MuJoCo and Atari envs, PettingZoo's classic games). Such a pickle holds a
+    `EzPickle`: the Box2D, MuJoCo and Atari envs, PettingZoo's envs). Such a pickle holds a
     new env that was never reset, not the episode in progress: a Box2D env then fails its first step, a
     MuJoCo one goes on from its initial pose. Resume must start fresh episodes there instead.
 
