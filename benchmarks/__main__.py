@@ -76,6 +76,9 @@ TABLE: tuple[Entry, ...] = (
     Entry("selfplay_games", "self-play on tictactoe and connect four vs a random player", "benchmark"),
     Entry("gpu_check", "the CUDA paths (resume, resume across devices, SIGTERM, ...), PASS or FAIL", "tool"),
     Entry("gpu_strategies", "coupled and decoupled on CUDA: SPS, GPU utilisation, time split", "tool"),
+    Entry(
+        "atari_to_score", "an Atari game to a score (Pong: 18) at a GPU layout, wall time and curve", "tool"
+    ),
     Entry("minibatch_step", "the Nature-CNN minibatch step: eager vs compiled vs one CUDA graph", "tool"),
     Entry("checkouts_ab", "one training run on several checkouts (git worktrees), alternated", "tool"),
 )

@@ -1,0 +1,129 @@
+"""An Atari game to a score on a GPU machine, at one of `gpu_strategies.py`'s layouts: the wall time and env steps
+until the mean return of the last 20 episodes first reaches the threshold (Pong: 18), and the curve.
+
+The layout is a `gpu_strategies.py` variant key (default `decoupled-envpool-3`, the fastest layout measured
+on one H100 + 16 cores: 3 EnvPool players of 32 envs acting on the GPU + 1 GPU trainer, 10.5k env steps/s),
+with that script's Pong workload (`exp=atari`, 32 envs) and overrides, so the two report the same runs. The
+lr anneals over `--steps` (the recipe's 10M would leave it near its start at a 5M budget). `--run-timeout`
+stops the run (SIGTERM) after that many seconds and reports its last logged update: a lease of minutes
+still returns the curve so far. Each run is one row of `<out>/atari_to_score.{json,md}` (a rerun of the same
+layout, game and seed replaces its row) and of `atari_to_score.png` (return against wall seconds).
+
+    python3 benchmarks/atari_to_score.py --steps 5000000 --run-timeout 480 --out OUT     # on the GPU machine
+    .venv/bin/python benchmarks/atari_to_score.py --dry-run --steps 8192 --out /tmp/ats   # the command, on a CPU
+
+`--dry-run` puts every GPU role on the CPU (`gpu_strategies.variants(dry_run=True)`), to prove the command
+before a GPU machine is booked; its report is `atari_to_score_dryrun`.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import common  # noqa: E402
+import gpu_strategies  # noqa: E402
+from common import RESULTS, run_once  # noqa: E402
+
+# Marks for Pong, as published (hardware mostly unstated): they set the threshold's context, not a like-for-like.
+MARKS = (
+    "CleanRL's ppo_atari_envpool.py reports Pong ~20 within 10M steps in ~5-10 minutes "
+    "(docs.cleanrl.dev/rl-algorithms/ppo); rl_games + EnvPool ~2 minutes (EnvPool's README, hardware unstated)"
+)
+
+
+def overrides(layout: str, env_id: str, steps: int, seed: int, dry_run: bool, extra: list[str]) -> list[str]:
+    """The layout's overrides exactly as `gpu_strategies.py` composes them for its Pong rows, then the game,
+    the budget and the seed."""
+    table = gpu_strategies.variants(1, list(range(1, 17)), dry_run, envpool_players=tuple(range(1, 9)))
+    if layout not in table:
+        raise SystemExit(f"unknown layout {layout!r}; one of {', '.join(sorted(table))}")
+    _, workload, _, _ = gpu_strategies.WORKLOADS["atari"]
+    _, extra_layout, _ = table[layout]
+    pooled = "env.backend=envpool" in extra_layout
+    envs = (
+        gpu_strategies.DECOUPLED_ENVS["atari"] if "strategy=decoupled" in extra_layout and not pooled else []
+    )
+    return [*workload, *envs, *extra_layout, f"env.id={env_id}", f"algo.total_steps={steps}", f"seed={seed}",
+            *extra]  # fmt: skip
+
+
+def record(summary: dict[str, Any], threshold: float) -> dict[str, Any]:
+    """A run's row: `common.threshold_figures` plus the steady rate, the start-up and where the time went."""
+    return {**common.threshold_figures(summary, threshold), "sps_steady": summary.get("sps_steady"),
+            "process_seconds": summary.get("process_seconds"), "stopped_after_s": summary.get("stopped_after_s"),
+            "split": gpu_strategies.split(summary), "start_up_trace": summary.get("start_up_trace")}  # fmt: skip
+
+
+def _fmt(value: float | None, spec: str, none: str = "n/a") -> str:
+    return none if value is None else format(value, spec)
+
+
+def markdown(report: dict[str, Any]) -> str:
+    m = report["machine"]
+    gpus = ", ".join(g.get("name", "?") for g in report.get("gpus", [])) or "none (dry run)"
+    lines = [
+        "# An Atari game to a score at a GPU layout",
+        "",
+        f"Machine: {m['cpu']}, {m['cores']} cores, GPU {gpus}, torch {m['torch']}, Python {m['python']}.",
+        "Return: mean of the last 20 training episodes (stochastic policy, as CleanRL reports). Wall: the "
+        "run's `time/wall_s` (interpreter start-up excluded; `start-up s` is the rest of the process's life).",
+        "",
+        "| game | layout | seed | env steps | threshold | steps to it | wall s to it | final | best | "
+        "steady SPS | start-up s | commit |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|",
+    ]
+    for r in report["runs"]:
+        start = None if r.get("process_seconds") is None else r["process_seconds"] - r["wall_seconds"]
+        stopped = f" (stopped at {r['stopped_after_s']:.0f} s)" if r.get("stopped_after_s") else ""
+        lines.append(
+            f"| {r['env_id']} | {r['layout']}{stopped} | {r['seed']} | {r['total_env_steps']:,} | "
+            f"{r['threshold']:g} | {_fmt(r['step_at_threshold'], ',', 'never')} | {_fmt(r['wall_at_threshold'], '.0f', 'never')} | "
+            f"{_fmt(r['final_mean_return'], '.1f')} | {_fmt(r['best_mean_return'], '.1f')} | "
+            f"{_fmt(r['sps_steady'], ',.0f')} | {_fmt(start, '.0f')} | {r['commit']} |"
+        )
+    lines += ["", f"Published marks: {MARKS}.", "", f"Command: `{report['command']}`", ""]
+    lines += [f"Overrides of `{r['layout']}`: `{' '.join(r['overrides'])}`" for r in report["runs"][-1:]]
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    p = common.argument_parser(__doc__)
+    p.add_argument("--layout", default="decoupled-envpool-3", help="a gpu_strategies.py variant key")
+    p.add_argument("--env-id", default="ALE/Pong-v5")
+    p.add_argument("--threshold", type=float, default=18.0)
+    p.add_argument("--steps", type=int, default=5_000_000, help="env steps (the lr anneals over them)")
+    p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--run-timeout", type=float, default=None, help="stop the run after this many seconds")
+    p.add_argument("--dry-run", action="store_true", help="every GPU role on the CPU")
+    p.add_argument("--out", type=Path, default=RESULTS)
+    p.add_argument("extra", nargs="*", help="overrides after the layout's (after --)")
+    args = p.parse_args()
+    import torch
+
+    if not args.dry_run and not torch.cuda.is_available():
+        print("SKIP atari_to_score: no CUDA device (--dry-run runs the command on the CPU)")
+        return
+    run = overrides(args.layout, args.env_id, args.steps, args.seed, args.dry_run, args.extra)
+    name = "atari_to_score_dryrun" if args.dry_run else "atari_to_score"
+    path = args.out / f"{name}.json"
+    report = json.loads(path.read_text()) if path.is_file() else {"runs": []}
+    report |= {"machine": common.machine(), "gpus": gpu_strategies.gpu_info(),
+               "command": common.command_line(__file__)}  # fmt: skip
+    print(f"atari_to_score: {' '.join(run)}", flush=True)
+    summary = run_once(run, solved_return=args.threshold, curve=True, timeout=args.run_timeout)
+    row = {"env_id": args.env_id, "layout": args.layout, "seed": args.seed, "overrides": run,
+           "commit": common.git_commit(), **record(summary, args.threshold)}  # fmt: skip
+    key = ("env_id", "layout", "seed")
+    report["runs"] = [r for r in report["runs"] if any(r[k] != row[k] for k in key)] + [row]
+    common.write_report(args.out, name, report, markdown(report))
+    common.plot_curves([{**r, "variant": r["layout"]} for r in report["runs"]], "env_id",
+                       sorted({r["env_id"] for r in report["runs"]}), tuple(sorted({r["layout"] for r in report["runs"]})),
+                       1, "wall seconds", args.out / f"{name}.png", {args.env_id: args.threshold})  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
