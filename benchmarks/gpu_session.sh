@@ -12,6 +12,8 @@
 #             players acting on the GPU), ATARI_STEPS env steps per row;
 #   envpool   gpu_strategies.py: coupled Pong on the GPU with EnvPool (32 envs), the layouts' baseline; add
 #             gymnasium's async envs with ENVPOOL_VARIANTS="gymnasium-async envpool";
+#   score     atari_to_score.py: Pong to a return of 18 at the best layout (3 EnvPool players + 1 GPU trainer),
+#             SCORE_STEPS env steps (4.5M), the run stopped after SCORE_RUN_S seconds (500);
 #   startup   where one process's start-up goes (import torch, first CUDA op, import lightning, import the
 #             strategies), printed: a job's start-up is what each of its processes pays; then the same in
 #             STARTUP_COPIES (15) processes at once, as a 14-player job starts them.
@@ -80,6 +82,10 @@ for part in ${PARTS:-check step layouts envpool}; do
         step "${ENVPOOL_S:-150}" "$py" benchmarks/gpu_strategies.py --only envpool --envpool-steps "$steps" \
             --envpool-variants ${ENVPOOL_VARIANTS:-envpool} --run-timeout "$run_s" --out "$out"
         ;;
+    score)
+        step $((${SCORE_RUN_S:-500} + 40)) "$py" benchmarks/atari_to_score.py --steps "${SCORE_STEPS:-4500000}" \
+            --run-timeout "${SCORE_RUN_S:-500}" --out "$out"
+        ;;
     startup)
         step 60 "$py" - <<<"$startup_probe"
         # the same in as many processes at once as a 14-player job starts: contention shows as longer laps
@@ -87,6 +93,6 @@ for part in ${PARTS:-check step layouts envpool}; do
         step 120 bash -c '(for _ in $(seq "$1"); do "$2" - <<<"$3" & done; wait) | sort | uniq -c' _ \
             "${STARTUP_COPIES:-15}" "$py" "$startup_probe"
         ;;
-    *) echo "unknown part $part (startup, check, step, graph, layouts, envpool)" >&2; exit 2 ;;
+    *) echo "unknown part $part (startup, check, step, graph, layouts, envpool, score)" >&2; exit 2 ;;
     esac
 done
