@@ -86,3 +86,33 @@ def test_a_run_stopped_at_its_timeout_reports_its_last_logged_update(
     assert common.steady_sps(csv) is None
     with pytest.raises(SystemExit, match="before it logged an update"):
         common.stopped_summary(tmp_path / "none.csv", 45.0)
+
+
+def test_atari_to_score_runs_gpu_strategies_layout_and_reports_the_threshold(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    ats = _script(monkeypatch, "atari_to_score")
+    gs = _script(monkeypatch, "gpu_strategies")
+    run = ats.overrides("decoupled-envpool-3", "ALE/Breakout-v5", 4_500_000, 2, False, ["algo.lr=1e-4"])
+    _, layout, _ = gs.variants(1, [3], False, (3,))["decoupled-envpool-3"]
+    assert run == [*gs.WORKLOADS["atari"][1], *layout, "env.id=ALE/Breakout-v5", "algo.total_steps=4500000",
+                   "seed=2", "algo.lr=1e-4"]  # fmt: skip
+    # CPU players step 8 sync envs each, as gpu_strategies' rows do; a dry run puts the trainer on the CPU
+    cpu = ats.overrides("decoupled-gpu-14", "ALE/Pong-v5", 10, 1, True, [])
+    assert "env.num_envs=8" in cpu and "algo.players=14" in cpu and "algo.trainer_device=cpu" in cpu
+    with pytest.raises(SystemExit, match="unknown layout 'nope'"):
+        ats.overrides("nope", "ALE/Pong-v5", 10, 1, False, [])
+    summary = {"curve": [[1000, 10.0, -21.0], [2000, 20.0, 18.5], [3000, 30.0, 17.0]], "total_env_steps": 3000,
+               "final_mean_return": 17.0, "wall_seconds": 30.0, "sps": 100.0, "sps_steady": 110.0,
+               "process_seconds": 75.0, "time_split": {"collect": 20.0, "train": 9.0}}  # fmt: skip
+    row = {"env_id": "ALE/Pong-v5", "layout": "coupled-gpu", "seed": 1, "overrides": ["x"], "commit": "abc1234",
+           **ats.record(summary, 18.0)}  # fmt: skip
+    assert (row["step_at_threshold"], row["wall_at_threshold"], row["best_mean_return"]) == (2000, 20.0, 18.5)
+    md = ats.markdown({"runs": [row], "machine": {"cpu": "x", "cores": 16, "torch": "t", "python": "3"},
+                       "gpus": [{"name": "H100"}], "command": "cmd"})  # fmt: skip
+    assert (
+        "| ALE/Pong-v5 | coupled-gpu | 1 | 3,000 | 18 | 2,000 | 20 | 17.0 | 18.5 | 110 | 45 | abc1234 |" in md
+    )
+    never = ats.markdown({"runs": [{**row, **ats.record({**summary, "curve": summary["curve"][:1]}, 18.0)}],
+                          "machine": {"cpu": "x", "cores": 2, "torch": "t", "python": "3"}, "command": "c"})  # fmt: skip
+    assert "| 18 | never | never |" in never and "GPU none (dry run)" in never
