@@ -298,6 +298,11 @@ def markdown(report: dict[str, Any], command: str) -> str:
     if spread_runs:
         s = spread_runs[0]["overrides"]
         tail = f"Spread run overrides: `{' '.join(s)}`. "
+        over = [r["policies"]["shared"] for r in spread_runs if "shared" in r["policies"]]
+        if len(over) > 1:  # the figure the recipe's comment states
+            tail += (f"Over the {len(over)} spread seeds: final mean return "
+                     f"{common.mean_std([v['final_mean_return'] for v in over])}, last 10 updates "
+                     f"{common.mean_std([v['last10_updates_return'] for v in over])}. ")  # fmt: skip
     lines = [
         "# Multi-agent PPO on PettingZoo envs (`exp=mpe_spread`, `teams_v0`)",
         "",
