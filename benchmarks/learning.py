@@ -129,7 +129,9 @@ def reused_record(
     task: Task, variant: str, seed: int, steps: int | None, paths: list[Path], extra: tuple[str, ...] = ()
 ) -> dict[str, Any] | None:
     """This run as another benchmark already ran it (the same overrides, full budget, e.g. `time_to_score.py`'s
-    coupled and pipelined MuJoCo runs), so a run is trained once and reported by both; None when none did."""
+    coupled and pipelined MuJoCo runs), so a run is trained once and reported by both; None when none did.
+    A `learning_<suite>.json` found there is this benchmark's own sitting (`--seed-list` side by side): its
+    run is gathered as it is, marked with the sitting's report instead of another benchmark's name."""
     overrides = run_overrides(task, variant, seed, steps, extra)
     for path in paths:
         for r in json.loads(path.read_text()).get("runs", []) if path.is_file() else []:
@@ -137,7 +139,8 @@ def reused_record(
                 return {"env": task.env, "variant": variant, "seed": seed, "overrides": overrides,
                         "commit": r["commit"], "total_env_steps": r["total_env_steps"],
                         "final_mean_return": r["final_mean_return"], "wall_seconds": r["wall_seconds"],
-                        "sps": r["sps"], "curve": thin(r["curve"]), "run_by": path.name}  # fmt: skip
+                        "sps": r["sps"], "curve": thin(r["curve"]),
+                        **({"sitting": str(path)} if path.name.startswith("learning_") else {"run_by": path.name})}  # fmt: skip
     return None
 
 

@@ -37,6 +37,11 @@ def test_learning_takes_a_run_with_the_same_overrides(
     assert learning.reused_record(task, "pipelined", 2, 50_000, [report]) is None  # another budget
     report.write_text(json.dumps({"runs": [_tts_run(same, stopped="threshold")]}))
     assert learning.reused_record(task, "pipelined", 2, None, [report]) is None  # never reached its budget
+    sitting = tmp_path / "s2" / "learning_mujoco.json"  # a --seed-list sitting of this benchmark, gathered
+    sitting.parent.mkdir()
+    sitting.write_text(json.dumps({"runs": [_tts_run(same)]}))
+    r = learning.reused_record(task, "pipelined", 2, None, [sitting])
+    assert r is not None and r["sitting"] == str(sitting) and "run_by" not in r
 
 
 def test_stopped_sb3_runs_show_no_final_return(monkeypatch: pytest.MonkeyPatch) -> None:
