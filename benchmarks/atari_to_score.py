@@ -41,14 +41,8 @@ def overrides(layout: str, env_id: str, steps: int, seed: int, dry_run: bool, ex
     table = gpu_strategies.variants(1, list(range(1, 17)), dry_run, envpool_players=tuple(range(1, 9)))
     if layout not in table:
         raise SystemExit(f"unknown layout {layout!r}; one of {', '.join(sorted(table))}")
-    _, workload, _, _ = gpu_strategies.WORKLOADS["atari"]
-    _, extra_layout, _ = table[layout]
-    pooled = "env.backend=envpool" in extra_layout
-    envs = (
-        gpu_strategies.DECOUPLED_ENVS["atari"] if "strategy=decoupled" in extra_layout and not pooled else []
-    )
-    return [*workload, *envs, *extra_layout, f"env.id={env_id}", f"algo.total_steps={steps}", f"seed={seed}",
-            *extra]  # fmt: skip
+    run = gpu_strategies.layout_overrides("atari", table[layout][1])
+    return [*run, f"env.id={env_id}", f"algo.total_steps={steps}", f"seed={seed}", *extra]
 
 
 def record(summary: dict[str, Any], threshold: float) -> dict[str, Any]:

@@ -183,6 +183,14 @@ def variants(
     return out
 
 
+def layout_overrides(workload: str, layout: list[str]) -> list[str]:
+    """A row's overrides before its budget: the workload's, the env layout of its decoupled rows (players
+    stepping sync envs; an EnvPool player keeps the workload's envs), then the layout's own."""
+    pooled = "env.backend=envpool" in layout
+    envs = DECOUPLED_ENVS.get(workload, []) if "strategy=decoupled" in layout and not pooled else []
+    return [*WORKLOADS[workload][1], *envs, *layout]
+
+
 def chosen(all_variants: dict[str, Any], asked: list[str] | None) -> list[str]:
     """The variant keys `--variants` names, in the order named (a group, `gpu`/`cpu`, expands in the table's
     order): a job cut short has run the rows named first."""
@@ -493,7 +501,7 @@ def main() -> None:
         )
         write(args.out, report, name)
     for key in (k for k in selected if k in WORKLOADS):
-        workload, overrides, modules, budget = WORKLOADS[key]
+        workload, _, modules, budget = WORKLOADS[key]
         missing = [mod for mod in modules if importlib.util.find_spec(mod) is None]
         if missing:
             notes.append(f"{workload}: skipped, {', '.join(missing)} not installed")
@@ -504,9 +512,7 @@ def main() -> None:
             if on_cpu:
                 steps = max(1, round(steps * args.cpu_steps_frac))
             threads = [f"torch_threads={args.cpu_threads}"] if on_cpu and args.cpu_threads is not None else []
-            pooled = any(o == "env.backend=envpool" for o in extra)
-            envs = DECOUPLED_ENVS.get(key, []) if "strategy=decoupled" in extra and not pooled else []
-            run = [*overrides, *envs, *extra, *threads, f"algo.total_steps={steps}", *args.extra]
+            run = [*layout_overrides(key, extra), *threads, f"algo.total_steps={steps}", *args.extra]
             try:
                 with GpuSampler() as sampler:
                     s = run_once(run, solved_return=math.inf, timeout=args.run_timeout)
