@@ -6,8 +6,9 @@ on one H100 + 16 cores: 3 EnvPool players of 32 envs acting on the GPU + 1 GPU t
 with that script's Pong workload (`exp=atari`, 32 envs) and overrides, so the two report the same runs. The
 lr anneals over `--steps` (the recipe's 10M would leave it near its start at a 5M budget). `--run-timeout`
 stops the run (SIGTERM) after that many seconds and reports its last logged update: a lease of minutes
-still returns the curve so far. Each run is one row of `<out>/atari_to_score.{json,md}` (a rerun of the same
-layout, game and seed replaces its row) and of `atari_to_score.png` (return against wall seconds).
+still returns the curve so far. Overrides after `--` change the recipe; `--label` names that variant. Each
+run is one row of `<out>/atari_to_score.{json,md}` (a rerun of the same layout, label, game and seed replaces
+its row) and one curve of `atari_to_score.png` (return against wall seconds).
 
     python3 benchmarks/atari_to_score.py --steps 5000000 --run-timeout 480 --out OUT     # on the GPU machine
     .venv/bin/python benchmarks/atari_to_score.py --dry-run --steps 8192 --out /tmp/ats   # the command, on a CPU
@@ -52,6 +53,18 @@ def record(summary: dict[str, Any], threshold: float) -> dict[str, Any]:
             "split": gpu_strategies.split(summary), "start_up_trace": summary.get("start_up_trace")}  # fmt: skip
 
 
+def variant(run: dict[str, Any]) -> str:
+    """The layout, and the label of its extra overrides when the run has one."""
+    return f"{run['layout']} {run['label']}" if run.get("label") else run["layout"]
+
+
+def merged(runs: list[dict[str, Any]], row: dict[str, Any]) -> list[dict[str, Any]]:
+    """`runs` with `row` added last, in place of an earlier run of the same game, layout, label and seed (rows
+    written before labels existed count as unlabelled)."""
+    key = ("env_id", "layout", "label", "seed")
+    return [r for r in runs if any(r.get(k, "") != row.get(k, "") for k in key)] + [row]
+
+
 def _fmt(value: float | None, spec: str, none: str = "n/a") -> str:
     return none if value is None else format(value, spec)
 
@@ -74,13 +87,13 @@ def markdown(report: dict[str, Any]) -> str:
         start = None if r.get("process_seconds") is None else r["process_seconds"] - r["wall_seconds"]
         stopped = f" (stopped at {r['stopped_after_s']:.0f} s)" if r.get("stopped_after_s") else ""
         lines.append(
-            f"| {r['env_id']} | {r['layout']}{stopped} | {r['seed']} | {r['total_env_steps']:,} | "
+            f"| {r['env_id']} | {variant(r)}{stopped} | {r['seed']} | {r['total_env_steps']:,} | "
             f"{r['threshold']:g} | {_fmt(r['step_at_threshold'], ',', 'never')} | {_fmt(r['wall_at_threshold'], '.0f', 'never')} | "
             f"{_fmt(r['final_mean_return'], '.1f')} | {_fmt(r['best_mean_return'], '.1f')} | "
             f"{_fmt(r['sps_steady'], ',.0f')} | {_fmt(start, '.0f')} | {r['commit']} |"
         )
     lines += ["", f"Published marks: {MARKS}.", "", f"Command: `{report['command']}`", ""]
-    lines += [f"Overrides of `{r['layout']}`: `{' '.join(r['overrides'])}`" for r in report["runs"][-1:]]
+    lines += [f"Overrides of `{variant(r)}`: `{' '.join(r['overrides'])}`" for r in report["runs"]]
     return "\n".join(lines) + "\n"
 
 
@@ -91,7 +104,11 @@ def main() -> None:
     p.add_argument("--threshold", type=float, default=18.0)
     p.add_argument("--steps", type=int, default=5_000_000, help="env steps (the lr anneals over them)")
     p.add_argument("--seed", type=int, default=1)
+    p.add_argument(
+        "--label", default="", help="names a variant of the layout (its extra overrides) in the table"
+    )
     p.add_argument("--run-timeout", type=float, default=None, help="stop the run after this many seconds")
+    p.add_argument("--keep-metrics", type=Path, default=None, help="copy the run's metrics.csv to this path")
     p.add_argument("--dry-run", action="store_true", help="every GPU role on the CPU")
     p.add_argument("--out", type=Path, default=RESULTS)
     p.add_argument("extra", nargs="*", help="overrides after the layout's (after --)")
@@ -108,14 +125,19 @@ def main() -> None:
     report |= {"machine": common.machine(), "gpus": gpu_strategies.gpu_info(),
                "command": common.command_line(__file__)}  # fmt: skip
     print(f"atari_to_score: {' '.join(run)}", flush=True)
-    summary = run_once(run, solved_return=args.threshold, curve=True, timeout=args.run_timeout)
-    row = {"env_id": args.env_id, "layout": args.layout, "seed": args.seed, "overrides": run,
+    summary = run_once(
+        run,
+        solved_return=args.threshold,
+        curve=True,
+        timeout=args.run_timeout,
+        keep_metrics=args.keep_metrics,
+    )
+    row = {"env_id": args.env_id, "layout": args.layout, "label": args.label, "seed": args.seed, "overrides": run,
            "commit": common.git_commit(), **record(summary, args.threshold)}  # fmt: skip
-    key = ("env_id", "layout", "seed")
-    report["runs"] = [r for r in report["runs"] if any(r[k] != row[k] for k in key)] + [row]
+    report["runs"] = merged(report["runs"], row)
     common.write_report(args.out, name, report, markdown(report))
-    common.plot_curves([{**r, "variant": r["layout"]} for r in report["runs"]], "env_id",
-                       sorted({r["env_id"] for r in report["runs"]}), tuple(sorted({r["layout"] for r in report["runs"]})),
+    runs = [{**r, "variant": variant(r)} for r in report["runs"]]
+    common.plot_curves(runs, "env_id", sorted({r["env_id"] for r in runs}), tuple(sorted({r["variant"] for r in runs})),
                        1, "wall seconds", args.out / f"{name}.png", {args.env_id: args.threshold})  # fmt: skip
 
 

@@ -8,6 +8,7 @@ import json
 import os
 import platform
 import shlex
+import shutil
 import signal
 import subprocess
 import sys
@@ -135,7 +136,11 @@ def stopped_summary(metrics_csv: Path, timeout: float) -> dict[str, Any]:
 
 
 def run_once(
-    overrides: list[str], solved_return: float = 475.0, curve: bool = False, timeout: float | None = None
+    overrides: list[str],
+    solved_return: float = 475.0,
+    curve: bool = False,
+    timeout: float | None = None,
+    keep_metrics: Path | None = None,
 ) -> dict[str, Any]:
     """Train in a fresh process (as a user would launch it) and return its summary.json, plus the env
     step at which the mean of the last 20 episodes first reached `solved_return`, `sps_steady`
@@ -144,7 +149,8 @@ def run_once(
     With `timeout`, a run still going after that many seconds is stopped as a cluster would stop it
     (SIGTERM: it checkpoints at the next update and ends; its process group is killed `STOP_GRACE_S` later
     if not) and the figures are those of its last logged update (`stopped_summary`): a benchmark on a
-    machine lent for minutes keeps a row for every run it started."""
+    machine lent for minutes keeps a row for every run it started. `keep_metrics`: where to copy the run's
+    metrics.csv (every logged metric of every update), which the run's temporary folder otherwise takes."""
     with tempfile.TemporaryDirectory() as tmp:
         run_dir = Path(tmp) / "run"
         cmd = [
@@ -197,6 +203,9 @@ def run_once(
         )
         if curve:
             summary["curve"] = learning_curve(run_dir / "metrics.csv")
+        if keep_metrics is not None:
+            keep_metrics.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(run_dir / "metrics.csv", keep_metrics)
         return summary
 
 

@@ -121,3 +121,14 @@ def test_atari_to_score_runs_gpu_strategies_layout_and_reports_the_threshold(
     never = ats.markdown({"runs": [{**row, **ats.record({**summary, "curve": summary["curve"][:1]}, 18.0)}],
                           "machine": {"cpu": "x", "cores": 2, "torch": "t", "python": "3"}, "command": "c"})  # fmt: skip
     assert "| 18 | never | never |" in never and "GPU none (dry run)" in never
+    # a labelled variant of the layout is its own row; a rerun with the same label replaces it
+    labelled = {**row, "label": "rollout32", "overrides": ["y"]}
+    runs = ats.merged([row], labelled)
+    assert runs == [row, labelled] and ats.merged(runs, {**labelled, "commit": "def5678"})[0] == row
+    assert ats.merged(runs, {**row, "label": ""}) == [labelled, {**row, "label": ""}]
+    md = ats.markdown({"runs": runs, "machine": {"cpu": "x", "cores": 16, "torch": "t", "python": "3"},
+                       "gpus": [{"name": "H100"}], "command": "cmd"})  # fmt: skip
+    assert (
+        "| ALE/Pong-v5 | coupled-gpu rollout32 | 1 |" in md
+        and "Overrides of `coupled-gpu rollout32`: `y`" in md
+    )
