@@ -29,10 +29,13 @@ import common  # noqa: E402
 import gpu_strategies  # noqa: E402
 from common import RESULTS, run_once  # noqa: E402
 
-# Marks for Pong, as published (hardware mostly unstated): they set the threshold's context, not a like-for-like.
+# Marks for Pong, as published (hardware mostly unstated): they set the threshold's context. Like for like only
+# without sticky actions, and on other machines.
 MARKS = (
     "CleanRL's ppo_atari_envpool.py reports Pong ~20 within 10M steps in ~5-10 minutes "
-    "(docs.cleanrl.dev/rl-algorithms/ppo); rl_games + EnvPool ~2 minutes (EnvPool's README, hardware unstated)"
+    "(docs.cleanrl.dev/rl-algorithms/ppo); rl_games + EnvPool ~2 minutes (EnvPool's README, hardware unstated). "
+    "Both run EnvPool's defaults, without sticky actions; `exp=atari` keeps ALE v5's (repeat_action_probability "
+    "0.25) unless a run says otherwise (`+env.kwargs.repeat_action_probability=0`, label `no-sticky`)"
 )
 
 

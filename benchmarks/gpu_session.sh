@@ -13,7 +13,9 @@
 #   envpool   gpu_strategies.py: coupled Pong on the GPU with EnvPool (32 envs), the layouts' baseline; add
 #             gymnasium's async envs with ENVPOOL_VARIANTS="gymnasium-async envpool";
 #   score     atari_to_score.py: Pong to a return of 18 at the best layout (3 EnvPool players + 1 GPU trainer),
-#             SCORE_STEPS env steps (4.5M), the run stopped after SCORE_RUN_S seconds (500);
+#             the lr annealed over SCORE_STEPS env steps (10M, CleanRL's), the run stopped after SCORE_RUN_S
+#             seconds (500); by default without sticky actions, as the published marks run (SCORE_EXTRA,
+#             label SCORE_LABEL: "no-sticky"); SCORE_EXTRA= SCORE_LABEL= runs exp=atari's ALE v5 dynamics;
 #   startup   where one process's start-up goes (import torch, first CUDA op, import lightning, import the
 #             strategies), printed: a job's start-up is what each of its processes pays; then the same in
 #             STARTUP_COPIES (15) processes at once, as a 14-player job starts them.
@@ -83,8 +85,13 @@ for part in ${PARTS:-check step layouts envpool}; do
             --envpool-variants ${ENVPOOL_VARIANTS:-envpool} --run-timeout "$run_s" --out "$out"
         ;;
     score)
-        step $((${SCORE_RUN_S:-500} + 40)) "$py" benchmarks/atari_to_score.py --steps "${SCORE_STEPS:-4500000}" \
-            --run-timeout "${SCORE_RUN_S:-500}" --out "$out"
+        # the published marks' dynamics unless told otherwise (SCORE_LABEL= SCORE_EXTRA= for exp=atari's own)
+        label=${SCORE_LABEL-no-sticky}
+        # shellcheck disable=SC2086
+        step $((${SCORE_RUN_S:-500} + 40)) "$py" benchmarks/atari_to_score.py --steps "${SCORE_STEPS:-10000000}" \
+            --run-timeout "${SCORE_RUN_S:-500}" --label "$label" --out "$out" \
+            --keep-metrics "$out/atari_to_score${label:+_$label}.metrics.csv" \
+            -- ${SCORE_EXTRA-+env.kwargs.repeat_action_probability=0}
         ;;
     startup)
         step 60 "$py" - <<<"$startup_probe"
