@@ -5,7 +5,7 @@ machine load hits both alike, each in a fresh process, one at a time, with a fix
 default 200k: long enough that start-up is not in the SPS, which counts training steps over the run's own
 clock). Records SPS, collection and training seconds, the final mean return, the CPU seconds the run's
 processes used (user + sys, start-up included) and the 1-minute load average before it: on a machine shared
-with other work, wall-clock SPS moves with the load, CPU seconds per env step much less. The target of issue 17:
+with other work, wall-clock SPS moves with the load, CPU seconds per env step much less. The target:
 on 2 CPU cores, EnvPool >= 1.5x gymnasium's SPS on `exp=fast`. Writes benchmarks/results/envpool_cpu.{json,md}.
 
 `--stepping`: the env stepping alone, no policy and no training (what the backend changes): `exp=fast`'s

@@ -4,7 +4,8 @@
 # (default "check step layouts envpool"):
 #   check     gpu_check.py: every CUDA path (resume on one device and CPU<->GPU, SIGTERM, compile on/off,
 #             EnvPool Pong, CPU players feeding a GPU trainer); CHECKS names some of them (default all);
-#   step      minibatch_step.py: the Nature-CNN minibatch step eager / compiled, then one CUDA graph alone;
+#   step      minibatch_step.py: the Nature-CNN minibatch step eager / compiled, then one CUDA graph alone,
+#             then the whole step under tensordict's CudaGraphModule alone, and compiled inside it alone;
 #   graph     the CUDA-graph step alone, and if it fails, again with CUDA_LAUNCH_BLOCKING=1 (the failing kernel's
 #             own stack instead of the next synchronisation's);
 #   layouts   gpu_strategies.py on Pong: the decoupled layouts of LAYOUTS (default: 1 GPU trainer + K CPU
@@ -69,6 +70,8 @@ for part in ${PARTS:-check step layouts envpool}; do
     step)  # the CUDA-graph variant in a process of its own, away from the compiled variant's CUDA graphs
         step "${STEP_S:-150}" "$py" benchmarks/minibatch_step.py --variants eager compiled --out "$out"
         step 60 "$py" benchmarks/minibatch_step.py --variants graph --out "$out"
+        step 60 "$py" benchmarks/minibatch_step.py --variants tdgraph --out "$out"
+        step 120 "$py" benchmarks/minibatch_step.py --variants tdgraph-compiled --out "$out"
         ;;
     graph)
         step 60 "$py" benchmarks/minibatch_step.py --variants graph --out "$out" ||

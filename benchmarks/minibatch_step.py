@@ -12,8 +12,13 @@ backward, gradient clipping at 0.5, Adam) and reports milliseconds per minibatch
   graph     CUDA only: the whole step (forward, losses, backward, clipping, `Adam(capturable=True)` with
             a tensor lr) captured in one `torch.cuda.CUDAGraph`; each minibatch is copied into the static
             input buffers before `replay()`. The floor a step can reach when launches cost nothing.
+  tdgraph   the same whole step recorded and replayed by tensordict's `CudaGraphModule` (the public API
+            LeanRL's compiled PPO uses), which copies each minibatch into its buffers and checks the inputs
+            itself: whether a library-level whole-step graph can match `graph` (without CUDA it runs the
+            step directly, which the CPU dry run exercises);
+  tdgraph-compiled  CUDA only: `CudaGraphModule(torch.compile(step))`, the compiled kernels in one graph.
 
-Target (issue 17): <= 1.5 ms per step on an H100. TF32 is on on CUDA, as `fabric.tf32` defaults. On a CPU
+Target: <= 1.5 ms per step on an H100. TF32 is on on CUDA, as `fabric.tf32` defaults. On a CPU
 pass small sizes for a dry run (the CUDA graph row is skipped):
 
     python benchmarks/minibatch_step.py [--device cuda] [--updates 5]
@@ -51,7 +56,7 @@ from ppo_fabric.models.agent import ActorCritic  # noqa: E402
 COEFS = LossCoefs(clip=0.1, clip_vloss=False, norm_adv=True, vf_coef=0.5, ent_coef=0.01)  # exp=atari's
 MAX_NORM, LR, ACTIONS = 0.5, 2.5e-4, 6
 KEYS = ("obs", "actions", "logprobs", "values", "advantages", "returns")
-VARIANTS = ("eager", "compiled", "graph")  # graph: CUDA only
+VARIANTS = ("eager", "compiled", "graph", "tdgraph", "tdgraph-compiled")  # graph, tdgraph-compiled: CUDA only
 
 
 def make_model(device: torch.device) -> ActorCritic:
@@ -172,6 +177,38 @@ def graph_step(device: torch.device, minibatch: int) -> Callable[[dict[str, torc
     return step
 
 
+def tdgraph_step(model: ActorCritic, compile_body: bool) -> Callable[[dict[str, torch.Tensor]], None]:
+    """`graph_step`'s whole step, recorded by `tensordict.nn.CudaGraphModule` (optionally around
+    `torch.compile` of it). The step drops the gradients itself, so the recorded backward writes them
+    afresh at each replay instead of adding to the last ones. Without CUDA, `capturable` Adam is not
+    available and `CudaGraphModule` calls the step directly."""
+    from tensordict.nn import CudaGraphModule
+
+    params = list(model.parameters())
+    device = params[0].device
+    capturable = device.type == "cuda"
+    lr: float | torch.Tensor = torch.tensor(LR, device=device) if capturable else LR
+    optimizer = torch.optim.Adam(params, lr=lr, eps=1e-5, capturable=capturable, foreach=True)
+
+    def body(*tensors: torch.Tensor) -> torch.Tensor:
+        for p in params:
+            p.grad = None
+        loss, stats, _ = minibatch_losses(model, *tensors, None, None, None, None, COEFS)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, MAX_NORM, foreach=True)
+        optimizer.step()
+        return stats.detach()
+
+    fn = torch.compile(body) if compile_body else body
+    # the module holds `body`, whose closure holds the model, the optimiser and the lr the graph uses
+    module = CudaGraphModule(fn, warmup=3 if compile_body else 2, device=device if capturable else None)
+
+    def step(mb: dict[str, torch.Tensor]) -> None:
+        module(*(mb[k] for k in KEYS))
+
+    return step
+
+
 def main() -> None:
     p = common.argument_parser(__doc__)
     p.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
@@ -197,8 +234,12 @@ def main() -> None:
         "eager": lambda: package_update(device, False, batch, args),
         "compiled": lambda: package_update(device, True, batch, args),
     }
+    variants["tdgraph"] = lambda: graph_update(tdgraph_step(make_model(device), False), batch, args)
     if device.type == "cuda":
         variants["graph"] = lambda: graph_update(graph_step(device, args.minibatch), batch, args)
+        variants["tdgraph-compiled"] = lambda: graph_update(
+            tdgraph_step(make_model(device), True), batch, args
+        )
     variants = {k: v for k, v in variants.items() if k in args.variants}
     for name, build in variants.items():
         t0 = time.perf_counter()

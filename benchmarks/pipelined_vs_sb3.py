@@ -1,4 +1,4 @@
-"""The decoupled pipelined 1+1 layout against Stable-Baselines3 on CleanRL's CartPole workload (issue 17's
+"""The decoupled pipelined 1+1 layout against Stable-Baselines3 on CleanRL's CartPole workload (the
 2-core target: >= 4x SB3's SPS).
 
 Alternates, one run at a time: SB3 through `cartpole_vs_sb3.py --only sb3 --seeds 1` (its own child process,
