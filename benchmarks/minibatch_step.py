@@ -138,56 +138,16 @@ def graph_update(
     return update
 
 
-def graph_step(device: torch.device, minibatch: int) -> Callable[[dict[str, torch.Tensor]], None]:
-    """The whole step in one CUDA graph: no host sync anywhere in it (clip without error_if_nonfinite,
-    capturable Adam with its lr as a tensor, which an annealed schedule would `fill_` between updates)."""
-    model = make_model(device)
+def whole_step(model: ActorCritic) -> tuple[Callable[..., torch.Tensor], tuple[Any, ...]]:
+    """The step a graph records, on `model`'s device: forward, losses, backward, clipping (no host sync:
+    without error_if_nonfinite) and Adam, capturable with its lr as a tensor on CUDA (an annealed schedule
+    would `fill_` it between updates). It takes the minibatch's `KEYS` tensors and returns the loss
+    statistics. It drops the gradients first, so a recorded backward writes them afresh at each replay
+    instead of adding to the last ones. Also returned: what the graph's memory belongs to (model,
+    optimiser, lr), which whoever replays it must keep alive."""
     params = list(model.parameters())
-    lr = torch.tensor(LR, device=device)
-    optimizer = torch.optim.Adam(params, lr=lr, eps=1e-5, capturable=True, foreach=True)
-    static = make_batch(minibatch, device)
-
-    def body() -> None:
-        loss, _, _ = minibatch_losses(model, *(static[k] for k in KEYS), None, None, None, None, COEFS)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(params, MAX_NORM, foreach=True)
-        optimizer.step()
-
-    side = torch.cuda.Stream(device)
-    side.wait_stream(torch.cuda.current_stream(device))
-    with torch.cuda.stream(side):  # warm-up outside the graph: optimizer state, cuBLAS/cuDNN workspaces
-        for _ in range(3):
-            optimizer.zero_grad(set_to_none=True)
-            body()
-    torch.cuda.current_stream(device).wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    optimizer.zero_grad(set_to_none=True)
-    with torch.cuda.graph(graph):
-        body()
-
-    # The graph reads and writes the memory of the model, the optimiser's state and the lr, but holds no
-    # reference to them: `step` must. Freed when this function returned, their blocks went to the update's next
-    # allocations (the shuffled batch), which each replay's Adam step then overwrote, so a later copy put
-    # garbage into the static actions: the out-of-range gather index three leases saw at a replay.
-    def step(mb: dict[str, torch.Tensor], _alive: tuple[Any, ...] = (model, optimizer, lr)) -> None:
-        for k in KEYS:
-            static[k].copy_(mb[k], non_blocking=True)
-        graph.replay()
-
-    return step
-
-
-def tdgraph_step(model: ActorCritic, compile_body: bool) -> Callable[[dict[str, torch.Tensor]], None]:
-    """`graph_step`'s whole step, recorded by `tensordict.nn.CudaGraphModule` (optionally around
-    `torch.compile` of it). The step drops the gradients itself, so the recorded backward writes them
-    afresh at each replay instead of adding to the last ones. Without CUDA, `capturable` Adam is not
-    available and `CudaGraphModule` calls the step directly."""
-    from tensordict.nn import CudaGraphModule
-
-    params = list(model.parameters())
-    device = params[0].device
-    capturable = device.type == "cuda"
-    lr: float | torch.Tensor = torch.tensor(LR, device=device) if capturable else LR
+    capturable = params[0].device.type == "cuda"  # capturable Adam needs CUDA
+    lr: float | torch.Tensor = torch.tensor(LR, device=params[0].device) if capturable else LR
     optimizer = torch.optim.Adam(params, lr=lr, eps=1e-5, capturable=capturable, foreach=True)
 
     def body(*tensors: torch.Tensor) -> torch.Tensor:
@@ -199,9 +159,48 @@ def tdgraph_step(model: ActorCritic, compile_body: bool) -> Callable[[dict[str, 
         optimizer.step()
         return stats.detach()
 
+    return body, (model, optimizer, lr)
+
+
+def graph_step(device: torch.device, minibatch: int) -> Callable[[dict[str, torch.Tensor]], None]:
+    """`whole_step` in one `torch.cuda.CUDAGraph`, captured by hand."""
+    body, alive = whole_step(make_model(device))
+    static = make_batch(minibatch, device)
+    inputs = [static[k] for k in KEYS]
+    side = torch.cuda.Stream(device)
+    side.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(side):  # warm-up outside the graph: optimizer state, cuBLAS/cuDNN workspaces
+        for _ in range(3):
+            body(*inputs)
+    torch.cuda.current_stream(device).wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        body(*inputs)
+
+    # The graph reads and writes the memory of the model, the optimiser's state and the lr, but holds no
+    # reference to them: `step` must. Freed when this function returned, their blocks went to the update's next
+    # allocations (the shuffled batch), which each replay's Adam step then overwrote, so a later copy put
+    # garbage into the static actions: the out-of-range gather index three leases saw at a replay.
+    def step(mb: dict[str, torch.Tensor], _alive: tuple[Any, ...] = alive) -> None:
+        for k in KEYS:
+            static[k].copy_(mb[k], non_blocking=True)
+        graph.replay()
+
+    return step
+
+
+def tdgraph_step(model: ActorCritic, compile_body: bool) -> Callable[[dict[str, torch.Tensor]], None]:
+    """`graph_step`'s whole step, recorded by `tensordict.nn.CudaGraphModule` (optionally around
+    `torch.compile` of it). Without CUDA, `CudaGraphModule` calls the step directly."""
+    from tensordict.nn import CudaGraphModule
+
+    body, _ = whole_step(model)
     fn = torch.compile(body) if compile_body else body
     # the module holds `body`, whose closure holds the model, the optimiser and the lr the graph uses
-    module = CudaGraphModule(fn, warmup=3 if compile_body else 2, device=device if capturable else None)
+    device = next(model.parameters()).device
+    module = CudaGraphModule(
+        fn, warmup=3 if compile_body else 2, device=device if device.type == "cuda" else None
+    )
 
     def step(mb: dict[str, torch.Tensor]) -> None:
         module(*(mb[k] for k in KEYS))
@@ -233,8 +232,8 @@ def main() -> None:
     variants: dict[str, Callable[[], Callable[[], None]]] = {
         "eager": lambda: package_update(device, False, batch, args),
         "compiled": lambda: package_update(device, True, batch, args),
+        "tdgraph": lambda: graph_update(tdgraph_step(make_model(device), False), batch, args),
     }
-    variants["tdgraph"] = lambda: graph_update(tdgraph_step(make_model(device), False), batch, args)
     if device.type == "cuda":
         variants["graph"] = lambda: graph_update(graph_step(device, args.minibatch), batch, args)
         variants["tdgraph-compiled"] = lambda: graph_update(
