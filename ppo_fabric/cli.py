@@ -17,6 +17,7 @@ from ppo_fabric.app import supervisor
 from ppo_fabric.app.hydra_app import Invocation, run_app
 from ppo_fabric.app.process import end_process
 from ppo_fabric.config.arguments import fail
+from ppo_fabric.config.faults import FAULT_EXIT, RunFault
 from ppo_fabric.config.values import ConfigError, check_values, compose, under_fabric_run
 
 if TYPE_CHECKING:
@@ -71,6 +72,9 @@ def _task(cfg: DictConfig, invocation: Invocation) -> int:
         train(cfg, run_dir)
     except ConfigError as exc:
         fail(str(exc))
+    except RunFault as fault:  # a 1-process run that went wrong: its cause in one line, exit non-zero
+        supervisor.say(f"error: {fault}")
+        return FAULT_EXIT
     return 0
 
 

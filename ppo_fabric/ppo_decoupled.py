@@ -58,6 +58,7 @@ from ppo_fabric.wire.placement import (
     role_map,
     trainer_kind,
 )
+from ppo_fabric.wire.progress import PROGRESS
 from ppo_fabric.wire.protocol import (
     BatchCodec,
     Kind,
@@ -110,6 +111,7 @@ def main(fabric: Fabric, cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
     roles = role_map(fabric.world_size, strategy.num_nodes, int(cfg.algo.players))
     role = roles[fabric.global_rank]
     check_local_rank(role, fabric.local_rank)
+    PROGRESS.label = f"{'player' if role.plays else 'trainer'} rank {fabric.global_rank}"
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     trains_on = trainer_kind(str(cfg.algo.trainer_device), requested(cfg, "accelerator"), gpus > 0)
     kind = player_kind(str(cfg.algo.player_device), trains_on) if role.plays else trains_on
@@ -139,7 +141,7 @@ class Player:
         self.params = all_parameters(self.policies)
         # normalisation statistics are merged over players
         self.collector = build_collector(
-            cfg, specs, topo.rank, self.device, sum_reduce(topo.player_group, "cpu")
+            cfg, specs, topo.rank, self.device, sum_reduce(topo.player_group, "cpu"), role="player rank"
         )
         self.names = metric_names(specs)
         codecs = codecs_for(specs, self.collector.storages, len(topo.trainers), cfg)

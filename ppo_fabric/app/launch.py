@@ -27,12 +27,17 @@ from torch.nn.parallel import DistributedDataParallel
 
 from ppo_fabric.app.preflight import prepare
 from ppo_fabric.app.process import end_process, quiet_libraries
+from ppo_fabric.app.supervisor import SUPERVISED_ENV
 from ppo_fabric.compat.private import set_fabric_precision
 from ppo_fabric.config.arguments import fail
+from ppo_fabric.config.faults import FAULT_EXIT, RunFault
 from ppo_fabric.config.values import ConfigError, under_fabric_run
 from ppo_fabric.learn.accel import set_cuda_math
+from ppo_fabric.runs import lock as run_lock
 from ppo_fabric.runs.session import STOP, Stopped
+from ppo_fabric.runs.watchdog import Watchdog
 from ppo_fabric.wire.placement import small_model_warning
+from ppo_fabric.wire.progress import PROGRESS
 from ppo_fabric.wire.protocol import end_process_group
 
 StrategyMain = Callable[[Fabric, DictConfig, Path], dict[str, Any]]
@@ -173,14 +178,20 @@ def launch(
     if own != run_dir:  # Hydra made this rank's own (timestamped) output directory: leave none behind
         with contextlib.suppress(OSError):
             own.rmdir()
+    # One run per directory: rank 0 locks it (a supervised job's supervisor holds it already), every rank
+    # raises rank 0's refusal; released when `main` ends, however it ends (before any os._exit below).
+    held = run_lock.hold_for_ranks(fabric, run_dir, take=not os.environ.get(SUPERVISED_ENV))
     warning = None
     if "parameters" in facts:
         warning = small_model_warning(int(facts["parameters"]), str(facts["train_device"]))
     if warning is not None and fabric.global_rank == 0:
         os.write(2, f"ppo-fabric: {warning}\n".encode())
     seed_everything(int(cfg.seed) + fabric.global_rank, verbose=False)
+    PROGRESS.label = f"rank {fabric.global_rank}"  # the decoupled strategy names the role too
+    stall_s = float(cfg.get("stall_timeout", 0) or 0)
+    watchdog = Watchdog(run_dir, stall_s, fabric.world_size).start()
     try:
-        with STOP.installed():
+        with STOP.installed(), held:
             summary = main(fabric, cfg, run_dir)
     except Stopped as stop:
         if fabric.global_rank == 0:
@@ -195,16 +206,40 @@ def launch(
             os.write(2, f"ppo-fabric: interrupted{hint}\n".encode())
         os._exit(130)
     except Exception as exc:
+        watchdog.stop()
         if fabric.world_size == 1:
-            raise
-        rank = fabric.global_rank
+            raise  # the command line (or the caller of ppo_fabric.run) reports it
         if os.environ.get("PPO_FABRIC_TRACEBACK"):
             traceback.print_exc()
         # one write per line: ranks failing together must not interleave their messages
-        os.write(2, f"ppo-fabric: error on rank {rank}: {describe_failure(exc)}\n".encode())
-        os._exit(1)  # do not wait in atexit hooks for peers that may be stuck in a collective
+        line = failure_line(exc, watchdog, float(cfg.collectives.timeout))
+        if line is not None:
+            os.write(2, f"ppo-fabric: error: {line}\n".encode())
+        os._exit(FAULT_EXIT)  # do not wait in atexit hooks for peers that may be stuck in a collective
+    watchdog.stop()
     end_process_group()
     return summary
+
+
+def failure_line(exc: BaseException, watchdog: Watchdog, timeout_s: float) -> str | None:
+    """The line a rank of a multi-process job ends with: a fault's own line (which names its rank), a
+    collective that timed out as the stuck rank it waited for (every process's stacks in the run
+    directory; None when another rank already reports it), anything else as this rank's error."""
+    if isinstance(exc, RunFault):
+        text = str(exc)
+        return (
+            text if text.split(":")[0].split(",")[0].endswith(PROGRESS.label) else f"{PROGRESS.label}: {text}"
+        )
+    text = describe_failure(exc)
+    if timed_out(exc):
+        return watchdog.collective_timeout(f"its wait outlasted collectives.timeout={timeout_s:g} s")
+    return f"{PROGRESS.label}: {text}"
+
+
+def timed_out(exc: BaseException) -> bool:
+    """Whether a collective gave up waiting (gloo and NCCL say so in their messages)."""
+    text = f"{type(exc).__name__}: {exc}"
+    return "timed out" in text.lower() or "timeout" in text.lower()
 
 
 def train(cfg: DictConfig, main: StrategyMain, run_dir: str | Path | None = None) -> dict[str, Any]:
@@ -240,6 +275,9 @@ def run_script(strategy: str, main: StrategyMain) -> NoReturn:
             train(cfg, main)
         except ConfigError as exc:
             fail(str(exc))
+        except RunFault as fault:  # a 1-process job: its cause in one line
+            os.write(2, f"ppo-fabric: error: {fault}\n".encode())
+            return FAULT_EXIT
         return 0
 
     args = [*(a for a in args if not a.startswith("strategy=")), f"strategy={strategy}"]

@@ -14,6 +14,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from ppo_fabric.config.values import (
+    SUPERVISED_ENV,
     ConfigError,
     check_layout,
     check_run_dir,
@@ -30,6 +31,7 @@ from ppo_fabric.envs.multiagent import is_multiagent, policy_settings
 from ppo_fabric.learn.learners import policy_specs, spaces_of
 from ppo_fabric.models.agent import ACTIVATIONS, ActorCritic
 from ppo_fabric.runs import checkpoint as ckpt
+from ppo_fabric.runs.lock import refuse_if_held
 from ppo_fabric.runs.resume import resolve_auto
 from ppo_fabric.runs.trackers import check as check_tracker
 from ppo_fabric.wire.placement import role_map, trainer_kind, trainers_per_node
@@ -50,10 +52,20 @@ def prepare(cfg: DictConfig, run_dir: str) -> dict[str, Any]:
     """Check a composed config for a run in `run_dir`; returns the facts `check` found.
 
     `resume=auto` is resolved first, so the checks see the checkpoint it stands for."""
+    if _speaks_first():
+        refuse_if_held(run_dir)  # a live run's directory: named before any other check says otherwise
     auto = resolve_auto(cfg, run_dir)
     facts = check(cfg)
     check_run_dir(cfg, run_dir, auto=auto)
     return facts
+
+
+def _speaks_first() -> bool:
+    """The process that takes the run directory's lock before anything starts: the command line's (not a
+    supervised job's, whose supervisor holds it, nor a `fabric run` rank, whose rank 0 takes it at launch
+    while the other ranks may still be checking)."""
+    ranks = (os.environ.get(name, "0") or "0" for name in ("RANK", "LOCAL_RANK", "NODE_RANK"))
+    return not (os.environ.get(SUPERVISED_ENV) or under_fabric_run()) and all(r == "0" for r in ranks)
 
 
 def check(cfg: DictConfig) -> dict[str, Any]:

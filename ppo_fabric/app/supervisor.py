@@ -27,13 +27,13 @@ from typing import TYPE_CHECKING
 from omegaconf import DictConfig
 
 from ppo_fabric.app.process import quiet_libraries
-from ppo_fabric.config.values import OWN_RUN_DIR_ENV, under_fabric_run
+from ppo_fabric.config.values import OWN_RUN_DIR_ENV, SUPERVISED_ENV, ConfigError, under_fabric_run
+from ppo_fabric.runs import lock
 from ppo_fabric.runs.metrics_file import read_rows, series
 
 if TYPE_CHECKING:
     from ppo_fabric.app.hydra_app import Invocation
 
-SUPERVISED_ENV = "PPO_FABRIC_SUPERVISED"  # every process of a supervised job: run it, do not supervise
 SUPERVISOR_PID_ENV = "PPO_FABRIC_SUPERVISOR_PID"  # the job's first process only: die with this parent
 SIGNAL_STOPS = (130, 143)  # SIGINT / SIGTERM stops: the user or the cluster asked, never restarted
 CONFIG_REFUSED = 2  # a relaunch whose config was refused fails the same way every time
@@ -195,9 +195,24 @@ class Job:
 
 def supervise(cfg: DictConfig, run_dir: Path, invocation: Invocation) -> int:
     """Run the job of a checked config under supervision in `run_dir`; returns the exit status for the
-    command. The job is the same command line (`--config-*` flags, overrides) with `hydra.run.dir` fixed."""
+    command. The job is the same command line (`--config-*` flags, overrides) with `hydra.run.dir` fixed.
+
+    The supervisor holds the run directory's lock (`runs.lock`) for all attempts, so that no other run
+    writes there between a failure and its relaunch; the job's processes do not lock. A directory in use by
+    a live run is refused like a config mistake: one line, status 2 (returned: a sweep goes on)."""
     quiet_libraries()
     run_dir = Path(run_dir).resolve()
+    try:
+        held = lock.acquire(run_dir)
+    except ConfigError as exc:
+        print(f"ppo-fabric: error: {exc}", file=sys.stderr, flush=True)  # as config.arguments.fail
+        return CONFIG_REFUSED
+    with held:
+        return _attempts(cfg, run_dir, invocation)
+
+
+def _attempts(cfg: DictConfig, run_dir: Path, invocation: Invocation) -> int:
+    """The job's first attempt and its relaunches; returns the exit status for the command."""
     allowed = int(cfg.restarts)
     flags = invocation.flags
     base = with_override(list(invocation.overrides), "hydra.run.dir", run_dir)
@@ -218,9 +233,9 @@ def supervise(cfg: DictConfig, run_dir: Path, invocation: Invocation) -> int:
             say(f"rank failure (exit {status}); not restarting ({why})")
             return status
         restarts += 1
-        from ppo_fabric.runs.resume import newest_checkpoint  # torch: only when a relaunch needs it
+        from ppo_fabric.runs.resume import newest_checkpoint, report_skipped  # torch: only for a relaunch
 
-        found = newest_checkpoint(run_dir)
+        found = newest_checkpoint(run_dir, lambda path, why: report_skipped(run_dir, path, why, by="restart"))
         resumed_at = found[1] if found is not None else 0
         redone += max((last_logged_step(run_dir / "metrics.csv") or 0) - resumed_at, 0)
         if found is None:

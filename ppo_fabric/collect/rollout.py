@@ -6,6 +6,7 @@ each trained policy's batch.
 
 from __future__ import annotations
 
+import sys
 from collections import deque
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -20,7 +21,15 @@ from tensordict import TensorDict
 from ppo_fabric.collect.actors import Actor, acting_for
 from ppo_fabric.collect.numpy_actor import unsupported
 from ppo_fabric.envs.envpool_backend import is_async
-from ppo_fabric.envs.make import ACTION_MASK, EnvError, current_action_masks, make_vector_env
+from ppo_fabric.envs.guard import RESTART_INFO, EnvFault, NonFiniteData, nonfinite_rows
+from ppo_fabric.envs.make import (
+    ACTION_MASK,
+    EnvError,
+    current_action_masks,
+    make_vector_env,
+    on_error,
+    restart_note,
+)
 from ppo_fabric.envs.multiagent import SINGLE, make_multiagent_vector_env
 from ppo_fabric.envs.normalize import Reduce, sync_normalizers
 from ppo_fabric.games.selfplay import SelfPlay
@@ -28,6 +37,7 @@ from ppo_fabric.learn.advantages import compute_advantages
 from ppo_fabric.learn.buffer import STATE_KEY, MultiAgentRolloutBuffer, rollout_storage, training_batch
 from ppo_fabric.learn.learners import PolicySpec
 from ppo_fabric.models.agent import ActorCritic, Obs
+from ppo_fabric.wire.progress import PROGRESS
 
 
 @dataclass
@@ -107,10 +117,17 @@ class RolloutCollector:
         env_id: str = "?",
         numpy_rollout: bool = True,
         selfplay: SelfPlay | None = None,
+        label: str = "rank 0",
+        max_restarts: int | None = None,
     ) -> None:
         """`numpy_rollout`: plain CPU MLP policies act through NumPy (`actors.NumpyRolloutActor`);
-        `selfplay`: two-player games against a pool of snapshots (the learner takes one seat)."""
+        `selfplay`: two-player games against a pool of snapshots (the learner takes one seat).
+        `label` names this rank in the one-line faults (`player rank 1`); `max_restarts`: the sub-envs
+        are rebuilt when they fail (`env.on_error=restart`), at most this many times in the run."""
         self.envs = envs
+        self.label = label
+        self.max_restarts = max_restarts
+        self.restarts = 0  # sub-envs rebuilt so far in the run (carried over by checkpoints)
         self.env_id = env_id  # named by the error for a state without a legal action
         self.reduce = reduce  # merges normalisation statistics over the collecting ranks
         self.multiagent = isinstance(storage, dict)
@@ -209,6 +226,44 @@ class RolloutCollector:
             return self.envs.step(actions)
         return [self.envs.step(actions[0])]
 
+    def _checked_step(self, actions: list[np.ndarray], at: int) -> list[tuple[Any, ...]]:
+        """`_step`, with what went wrong in it as one `EnvFault` line naming this rank, the env and `at`,
+        the env step the results belong to. Single-agent vector envs check their raw values themselves
+        (`guard.FiniteCheck`); the PettingZoo vector envs' per-policy arrays are checked here."""
+        try:
+            results = self._step(actions)
+        except NonFiniteData as bad:
+            raise EnvFault(f"{self.label}, env {bad.index}: {bad.what} at env step {at:,}") from None
+        except EnvFault as fault:
+            raise EnvFault(f"{self.label}: {fault} (env step {at:,})") from None
+        except Exception as exc:  # noqa: BLE001 - the user's env code: its error, named, ends the run
+            text = f"{type(exc).__name__}: {exc}".strip().splitlines()[0]
+            raise EnvFault(f"{self.label}: env.step raised {text} at env step {at:,}") from exc
+        if self.multiagent:
+            for g, (obs, rewards, *_rest) in zip(self.groups, results, strict=True):
+                found = nonfinite_rows(obs, rewards)
+                if found is not None:
+                    agents = self.envs.groups[g.name]
+                    row, what = found
+                    where = f"env {row // len(agents)}, agent {agents[row % len(agents)]!r}"
+                    raise EnvFault(f"{self.label}, {where}: {what} at env step {at:,}")
+        return results
+
+    def _count_restarts(self, info: dict[str, Any], at: int) -> None:
+        """Sub-envs rebuilt at this step (`guard.RecreateOnError`): one line each; past `max_restarts` in
+        the run the last cause ends it."""
+        for j in np.flatnonzero(info["_" + RESTART_INFO]):
+            self.restarts += 1
+            cause = info[RESTART_INFO][j]
+            where = f"{self.label}, env {j}: {cause} at env step {at:,}"
+            if self.max_restarts is None or self.restarts > self.max_restarts:
+                raise EnvFault(f"{where}; more than env.max_restarts={self.max_restarts} restarts in the run")
+            print(
+                f"ppo-fabric: {where}; env rebuilt (restart {self.restarts} of {self.max_restarts})",
+                file=sys.stderr,
+                flush=True,
+            )
+
     @torch.inference_mode()
     def collect(self, policies: ActorCritic | Mapping[str, ActorCritic], env_step: int) -> int:
         """Fill the storage with T steps of every env, then compute GAE in it; returns env steps taken.
@@ -243,7 +298,9 @@ class RolloutCollector:
         obs = [g.next_obs for g in groups]
         masks = [g.next_mask for g in groups]  # envs with action masks: the mask of each obs
         actors = [self._actor(g, policy) for g, policy in zip(groups, acting, strict=True)]
+        mark = PROGRESS.mark  # the stall watchdog's heartbeat: one per step (runs/watchdog.py)
         for t in range(num_steps):
+            mark("acting")
             env_actions, next_states = [], []
             for i, g in enumerate(groups):
                 env_action, next_state = actors[i].act(t, obs[i], masks[i], g.state)
@@ -256,10 +313,13 @@ class RolloutCollector:
                 env_actions.append(env_action)
                 if g.alive is not None:
                     g.host["mask"][t] = g.alive if sp is None else g.alive & sp.learner_rows()
-            results = self._step(env_actions)
+            mark("env.step")
+            results = self._checked_step(env_actions, env_step + (t + 1) * per_step)
             for i, (g, policy, result) in enumerate(zip(groups, acting, results, strict=True)):
                 h = g.host
                 next_obs, h["rewards"][t], h["terminated"][t], h["truncated"][t], info = result
+                if RESTART_INFO in info:
+                    self._count_restarts(info, env_step + (t + 1) * per_step)
                 term, trunc = h["terminated"][t], h["truncated"][t]
                 next_state = next_states[i]
                 if trunc.any():
@@ -485,19 +545,30 @@ def build_collector(
     rank: int,
     device: torch.device | str,
     reduce: Reduce | None,
+    role: str = "rank",
 ) -> RolloutCollector:
     """The rank's envs and rollout storage: [T, E] for a gymnasium env; for a PettingZoo env one storage
-    per policy, [T, E * its agents per copy], with the `mask` of steps that hold a transition."""
+    per policy, [T, E * its agents per copy], with the `mask` of steps that hold a transition. `role` names
+    the rank in fault lines (`player rank 1`)."""
     algo = cfg.algo
     steps, copies = int(algo.rollout_steps), int(cfg.env.num_envs)
-    if list(specs) == [SINGLE]:
-        width = specs[SINGLE].action_mask
-        envs, first = make_vector_env(cfg.env, int(cfg.seed), rank, float(algo.gamma), reduce, width)
-        storage: Any = policy_storage(steps, copies, specs[SINGLE], device, is_async(cfg.env))
-    else:
-        masked = any(spec.action_mask is not None for spec in specs.values())
-        envs, first = make_multiagent_vector_env(cfg.env, cfg.multiagent, int(cfg.seed), rank, masked)
-        storage = {name: policy_storage(steps, copies, spec, device) for name, spec in specs.items()}
+    label = f"{role} {rank}"
+    single = list(specs) == [SINGLE]
+    note = restart_note(cfg.env, multiagent=not single)
+    if note is not None and rank == 0:
+        print(f"ppo-fabric: {note}", file=sys.stderr, flush=True)
+    restart = on_error(cfg.env) == "restart" and note is None
+    try:
+        if single:
+            width = specs[SINGLE].action_mask
+            envs, first = make_vector_env(cfg.env, int(cfg.seed), rank, float(algo.gamma), reduce, width)
+            storage: Any = policy_storage(steps, copies, specs[SINGLE], device, is_async(cfg.env))
+        else:
+            masked = any(spec.action_mask is not None for spec in specs.values())
+            envs, first = make_multiagent_vector_env(cfg.env, cfg.multiagent, int(cfg.seed), rank, masked)
+            storage = {name: policy_storage(steps, copies, spec, device) for name, spec in specs.items()}
+    except NonFiniteData as bad:
+        raise EnvFault(f"{label}, env {bad.index}: {bad.what} at its first reset") from None
     selfplay = None
     if cfg.get("selfplay") is not None and bool(cfg.selfplay.enabled):
         spec = next(iter(specs.values()))
@@ -506,8 +577,19 @@ def build_collector(
             selfplay.rater = snapshot_rater(cfg, spec)
     gamma, lam = float(algo.gamma), float(algo.gae_lambda)
     numpy_rollout = bool(algo.get("numpy_rollout", True))
+    max_restarts = int(cfg.env.get("max_restarts", 100)) if restart else None
     return RolloutCollector(
-        envs, first, storage, gamma, lam, reduce, str(cfg.env.id), numpy_rollout, selfplay
+        envs,
+        first,
+        storage,
+        gamma,
+        lam,
+        reduce,
+        str(cfg.env.id),
+        numpy_rollout,
+        selfplay,
+        label,
+        max_restarts,
     )
 
 

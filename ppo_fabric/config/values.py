@@ -23,6 +23,7 @@ ACCELERATORS = ("cpu", "cuda", "gpu", "mps", "auto")
 # Set by the supervisor (supervisor.py) on the job it starts: the run directory it owns, which a relaunch
 # without a checkpoint may reuse although the failed attempt already wrote into it.
 OWN_RUN_DIR_ENV = "PPO_FABRIC_OWN_RUN_DIR"
+SUPERVISED_ENV = "PPO_FABRIC_SUPERVISED"  # every process of a supervised job: run it, do not supervise
 
 
 class ConfigError(ValueError):
@@ -180,6 +181,10 @@ _RULES = (
     _Rule("seed", int, 0),
     _Rule("torch_threads", int, 0),
     _Rule("restarts", int, 0),
+    _Rule("stall_timeout", float, 0, optional=True),
+    _Rule("algo.max_skipped_updates", int, 0, optional=True),
+    _Rule("algo.max_param_abs", float, 0, optional=True),
+    _Rule("env.max_restarts", int, 0, optional=True),
     _Rule("algo.total_steps", int, 0, strict_low=True),
     _Rule("algo.rollout_steps", int, 0, strict_low=True),
     _Rule("algo.minibatch_size", int, 0, strict_low=True),
@@ -215,6 +220,7 @@ _CHOICES = {
     "strategy": STRATEGIES,
     "resume_env": ("restore", "fresh"),
     "env.vector": ("sync", "async"),
+    "env.on_error": ("raise", "restart", None),
     "fabric.accelerator": ACCELERATORS,
     "algo.player_device": ("cpu", "auto"),
     "algo.trainer_device": ("auto", "cpu", "cuda"),

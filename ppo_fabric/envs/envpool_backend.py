@@ -46,6 +46,7 @@ from gymnasium.vector.utils import batch_space
 from omegaconf import DictConfig, OmegaConf
 
 from ppo_fabric.config.values import acting_envs
+from ppo_fabric.envs.guard import check_step
 
 BACKENDS = ("gymnasium", "envpool")
 INSTALL_HINT = "pip install 'ppo-fabric[envpool]'"
@@ -319,7 +320,9 @@ class EnvPoolVectorEnv(VectorEnv):
         obs, _ = self.pool.reset()
         self.stepped = True  # a second reset of the same pool would not repeat this one
         self.game_returns[:] = 0.0
-        return self._as_space(obs), {}
+        obs = self._as_space(obs)
+        check_step(obs, np.zeros(self.num_envs), {})
+        return obs, {}
 
     def step(self, actions: Any) -> tuple[Any, np.ndarray, np.ndarray, np.ndarray, dict[str, Any]]:
         obs, rewards, terminated, truncated, info = self.pool.step(np.asarray(actions))
@@ -345,7 +348,9 @@ class EnvPoolVectorEnv(VectorEnv):
                 self.game_returns[order] += np.asarray(reset_info["reward"], dtype=np.float64)
             out["final_obs"] = final
             out["_final_obs"] = done
-        return self._as_space(obs), np.asarray(rewards, dtype=np.float64), terminated, truncated, out
+        obs, rewards = self._as_space(obs), np.asarray(rewards, dtype=np.float64)
+        check_step(obs, rewards, out)  # raw values, before any normalisation (envs/guard.py)
+        return obs, rewards, terminated, truncated, out
 
     def _as_space(self, obs: np.ndarray) -> np.ndarray:
         """Observations in the dtype of the space the policy was built for (no copy when it is the pool's)."""
@@ -425,7 +430,9 @@ class AsyncEnvPoolVectorEnv(EnvPoolVectorEnv):
         self.game_returns[:] = 0.0
         self.ready.clear()
         self._receive(_Results(self.num_envs))
-        return self._as_space(self.obs.copy()), self._info({})
+        obs = self._as_space(self.obs.copy())
+        check_step(obs, np.zeros(self.num_envs), {})
+        return obs, self._info({})
 
     def step(self, actions: Any) -> tuple[Any, np.ndarray, np.ndarray, np.ndarray, dict[str, Any]]:
         acting = np.flatnonzero(self.alive).astype(np.int32)
@@ -441,6 +448,7 @@ class AsyncEnvPoolVectorEnv(EnvPoolVectorEnv):
             out["episode"] = {"r": results.ep_r, "l": results.ep_l, "t": np.zeros(self.num_envs)}
             out["_episode"] = results.finished
         obs = self._as_space(self.obs.copy())
+        check_step(obs, results.rewards, out)
         return obs, results.rewards, results.terminated, results.truncated, self._info(out)
 
     def _info(self, out: dict[str, Any]) -> dict[str, Any]:

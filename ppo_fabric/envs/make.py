@@ -16,6 +16,7 @@ from gymnasium.vector import AsyncVectorEnv, AutoresetMode, SyncVectorEnv, Vecto
 from omegaconf import DictConfig, OmegaConf
 
 from ppo_fabric.envs import atari, envpool_backend
+from ppo_fabric.envs.guard import ON_ERROR, FiniteCheck, restartable
 from ppo_fabric.envs.normalize import (
     NormalizeObservation,
     NormalizeReward,
@@ -421,9 +422,35 @@ def _backend_vector_env(env_cfg: DictConfig, action_mask: int | None) -> VectorE
     # partial, not a lambda: the vector env keeps its factories, and checkpoints pickle the vector env.
     args = (env_cfg,) if action_mask is None else (env_cfg, None, action_mask)
     fns: list[Callable[[], gym.Env]] = [partial(make_env, *args) for _ in range(int(env_cfg.num_envs))]
+    if on_error(env_cfg) == "restart":  # each sub-env rebuilt from its factory when it fails (guard.py)
+        fns = [partial(restartable, fn) for fn in fns]
     cls = AsyncVectorEnv if env_cfg.vector == "async" else SyncVectorEnv
-    envs = cls(fns, autoreset_mode=AutoresetMode.SAME_STEP)
+    # Raw values are checked below everything else, normalisation included (guard.py); EnvPool's vector
+    # envs check their own.
+    envs = FiniteCheck(cls(fns, autoreset_mode=AutoresetMode.SAME_STEP))
     return atari.wrap_vector(envs, _preprocess(env_cfg))
+
+
+def on_error(env_cfg: DictConfig) -> str:
+    """`env.on_error` (hand-built configs without the key: raise), checked."""
+    value = str(env_cfg.get("on_error", "raise") or "raise")
+    if value not in ON_ERROR:
+        raise EnvError(f"env.on_error={value!r} is not one of {', '.join(ON_ERROR)}")
+    return value
+
+
+def restart_note(env_cfg: DictConfig, multiagent: bool = False) -> str | None:
+    """The start-up line of a run that asked for `env.on_error=restart` on a backend that cannot rebuild one
+    env of its vector env (EnvPool's pool, the PettingZoo vector envs); None where restarts work."""
+    if on_error(env_cfg) != "restart":
+        return None
+    if multiagent:
+        return (
+            "env.on_error=restart: PettingZoo envs are not rebuilt one at a time; an env error ends the run"
+        )
+    if _backend(env_cfg) == "envpool":
+        return "env.on_error=restart: EnvPool cannot rebuild one env of its pool; an env error ends the run"
+    return None
 
 
 def _backend(env_cfg: DictConfig) -> str:

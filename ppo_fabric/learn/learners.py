@@ -122,6 +122,7 @@ class Learner:
     optimizer: Any
     policy: ActorCritic
     spec: PolicySpec
+    skip_streak: int = 0  # updates in a row with skipped minibatch steps (`update.check_skips`)
 
 
 def fused_adam_ok(fabric: Fabric) -> bool:

@@ -46,6 +46,18 @@ def clip_grad_norm_(grads: list[torch.Tensor], max_norm: float) -> torch.Tensor:
     return total
 
 
+def grad_norm(grads: list[torch.Tensor]) -> torch.Tensor:
+    """The 2-norm of all gradients together (what `clip_grad_norm_` computes), without clipping."""
+    return torch.linalg.vector_norm(torch.stack(foreach_norm(grads, 2.0)), 2.0)
+
+
+def finite_flag(total: torch.Tensor, loss: torch.Tensor | None) -> torch.Tensor:
+    """1.0 when the gradient norm (and `loss`, when given) is finite, else 0.0, as a float32 tensor on
+    their device: no host sync, so a step can be skipped inside the fused Adam kernel (`found_inf`)."""
+    value = total if loss is None else total + loss.detach()
+    return torch.isfinite(value).to(torch.float32)
+
+
 def _plain_precision(fabric: Fabric, methods: tuple[str, ...]) -> bool:
     precision = fabric.strategy.precision
     return all(getattr(type(precision), name) is getattr(Precision, name) for name in methods)
@@ -85,7 +97,10 @@ def _plain_fused_adam(optimizer: Any) -> bool:
 
 
 class GradientStep:
-    """Clip the gradients to `max_norm` (<= 0: no clipping) and step the optimiser, after `backward`.
+    """Clip the gradients to `max_norm` (<= 0: no clipping) and step the optimiser, after `backward`;
+    a step whose gradient norm (or `loss`) is not finite is skipped, parameters and optimiser state
+    untouched. `__call__` returns 1.0 for a step taken, 0.0 for one skipped (a tensor: no host sync on the
+    direct path, whose fused Adam kernel skips the step itself, as it does for a gradient scaler's inf).
 
     Built once per update (an optimiser state loaded since is picked up by the next update's). The direct
     path holds each parameter group's lists of parameters and Adam states; it is taken on a call where
@@ -114,7 +129,7 @@ class GradientStep:
             groups.append((group, params, lists))
         return groups
 
-    def __call__(self) -> None:
+    def __call__(self, loss: torch.Tensor | None = None) -> torch.Tensor:
         if self.direct and self._groups is None:
             self._groups = self._states()
         grads = [p.grad for p in self.params]
@@ -124,18 +139,14 @@ class GradientStep:
             or any(g is None for g in grads)
             or not all(isinstance(group["lr"], float) for group, _, _ in groups)
         ):
-            if self.max_norm > 0:
-                self.fabric.clip_gradients(
-                    self.model, self.optimizer, max_norm=self.max_norm, error_if_nonfinite=False
-                )
-            self.optimizer.step()
-            return
+            return self._layered(loss)
         with torch.no_grad():
-            if self.max_norm > 0:
-                clip_grad_norm_(grads, self.max_norm)
+            total = clip_grad_norm_(grads, self.max_norm) if self.max_norm > 0 else grad_norm(grads)
+            taken = finite_flag(total, loss)
+            skipped = 1.0 - taken  # the kernel's `found_inf`: 1.0 leaves parameters and states as they are
             for group, params, (exp_avgs, exp_avg_sqs, steps) in groups:
                 beta1, beta2 = group["betas"]
-                foreach_add_(steps, 1)
+                foreach_add_(steps, [taken] * len(steps))  # a skipped step does not count
                 fused_adam_(
                     params,
                     [p.grad for p in params],
@@ -151,5 +162,24 @@ class GradientStep:
                     eps=group["eps"],
                     maximize=group["maximize"],
                     grad_scale=None,
-                    found_inf=None,
+                    found_inf=skipped,
                 )
+        return taken
+
+    def _layered(self, loss: torch.Tensor | None) -> torch.Tensor:
+        """Through Fabric: clipping, then `optimizer.step()` unless the norm is not finite (one host sync,
+        on this path only). A gradient scaler (16-mixed) skips such steps itself and must see every one to
+        lower its scale, so with one the step is always called."""
+        grads = [p.grad for p in self.params if p.grad is not None]
+        if self.max_norm > 0:
+            total = self.fabric.clip_gradients(
+                self.model, self.optimizer, max_norm=self.max_norm, error_if_nonfinite=False
+            )
+        else:
+            total = grad_norm(grads) if grads else None
+        if total is None:  # nothing to step on
+            total = torch.zeros((), device=self.fabric.device)
+        taken = finite_flag(total.detach(), loss)
+        if getattr(self.fabric.strategy.precision, "scaler", None) is not None or bool(taken):
+            self.optimizer.step()
+        return taken

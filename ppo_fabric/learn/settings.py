@@ -49,6 +49,8 @@ class UpdateSettings:
     compile: bool
     loss: LossCoefs
     lag: LagSettings
+    max_skipped_updates: int = 3  # updates in a row with non-finite minibatch steps that end the run
+    max_param_abs: float = 1e6  # a parameter beyond this magnitude after an update ends the run (0: off)
 
     @classmethod
     def of(cls, algo: DictConfig) -> UpdateSettings:
@@ -74,4 +76,6 @@ class UpdateSettings:
                 float(algo.gamma),
                 float(algo.gae_lambda),
             ),
+            max_skipped_updates=int(algo.get("max_skipped_updates", 3)),
+            max_param_abs=float(algo.get("max_param_abs", 1e6)),
         )

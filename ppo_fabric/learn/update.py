@@ -14,6 +14,8 @@ import torch
 from lightning_fabric import Fabric
 from tensordict import TensorDict
 
+from ppo_fabric.compat.private import foreach_norm
+from ppo_fabric.config.faults import RunFault
 from ppo_fabric.learn.accel import compiled, uses_cuda_graphs
 from ppo_fabric.learn.advantages import gae
 from ppo_fabric.learn.buffer import GAE_KEYS
@@ -28,6 +30,7 @@ from ppo_fabric.learn.loss import (
 )
 from ppo_fabric.learn.optim import GradientStep, forward_module
 from ppo_fabric.learn.settings import LagSettings, LossCoefs, UpdateSettings
+from ppo_fabric.wire.progress import PROGRESS
 
 TRAIN_METRICS = (
     "loss/policy",
@@ -37,7 +40,15 @@ TRAIN_METRICS = (
     "train/clip_fraction",
     "train/explained_variance",
     "train/epochs",
+    "train/skipped_steps",
 )
+LOSS_TERMS = ("loss/policy", "loss/value", "loss/entropy")  # the order of a minibatch step's `stats`
+
+
+class UpdateDiverged(RunFault):
+    """Consecutive updates whose minibatch steps had non-finite losses or gradients: the run ends."""
+
+
 # Logged by the decoupled strategy, whose batches may come from an older policy version (policy lag):
 # the mean importance weight applied and the fraction of steps whose weight was truncated (1 and 0 when
 # the batch was on-policy or `algo.lag_objective=false`).
@@ -238,6 +249,10 @@ def update_policy(
     # Clipping and the Adam step skip Fabric's and torch's generic layers the same way (optim.py).
     finish = GradientStep(fabric, model, optimizer, max_norm)
     params = finish.params
+    # Several training ranks all-reduce their gradients, so the norm decides alike on each; a rank's own
+    # loss would not (a loss that is not finite makes its gradients, and so everyone's, not finite).
+    own_loss = mean_across_trainers is None
+    taken: list[torch.Tensor] = []  # 1.0 per minibatch step taken, 0.0 per step skipped (not finite)
     losses: list[torch.Tensor] = []  # (policy, value, entropy) per minibatch
     ratio_stats: list[torch.Tensor] = []  # (approx KL, clip fraction) per epoch
     behaviour = batch
@@ -257,6 +272,7 @@ def update_policy(
         states, starts = (shuffled["initial_state"], shuffled["starts"]) if recurrent else (None, None)
         new_logps = []
         for start in range(0, n, mb):
+            PROGRESS.mark("update")  # the stall watchdog's heartbeat
             sl = slice(start, start + mb)
             if graphs:  # a new replay may overwrite the last one's outputs: they are copied out below
                 torch.compiler.cudagraph_mark_step_begin()
@@ -278,7 +294,7 @@ def update_policy(
             for p in params:
                 p.grad = None
             fabric.backward(loss)
-            finish()  # clip to max_norm, then the optimiser step
+            taken.append(finish(loss if own_loss else None))  # clip, then the optimiser step if finite
             new_logp, stats = new_logp.detach(), stats.detach()
             new_logps.append(new_logp.clone() if graphs else new_logp)
             losses.append(stats.clone() if graphs else stats)
@@ -296,7 +312,12 @@ def update_policy(
                 kl = mean_across_trainers(kl)
             if kl.item() > target_kl:
                 break
-    pg_mean, vl_mean, el_mean = torch.stack(losses).mean(0).tolist()
+    stacked = torch.stack(losses)
+    skipped = len(taken) - int(torch.stack(taken).sum().item())
+    if skipped:  # the losses of the steps taken (those skipped may hold NaN/inf)
+        finite = torch.isfinite(stacked).all(1)
+        stacked = stacked[finite] if bool(finite.any()) else stacked
+    pg_mean, vl_mean, el_mean = stacked.mean(0).tolist()
     kl_mean, clipfrac_mean = torch.stack(ratio_stats).mean(0).tolist()
     means = [pg_mean, vl_mean, -el_mean, kl_mean, clipfrac_mean]
     values, returns = behaviour["values"], behaviour["returns"]
@@ -304,8 +325,35 @@ def update_policy(
         values, returns = values[behaviour["mask"]], returns[behaviour["mask"]]
     var_returns = returns.var() if returns.numel() > 1 else returns.new_zeros(())
     explained = (1 - (returns - values).var() / var_returns).item() if var_returns > 0 else float("nan")
-    stats = dict(zip(TRAIN_METRICS, [*means, explained, epochs], strict=True))
+    stats = dict(zip(TRAIN_METRICS, [*means, explained, epochs, skipped], strict=True))
+    if skipped:
+        stats["skip_cause"] = nonfinite_term(torch.stack(losses))  # type: ignore[assignment]
+        stats["steps"] = len(taken)
     return stats | lag_stats if lagged is not None else stats
+
+
+def nonfinite_term(losses: torch.Tensor) -> str:
+    """The first loss term that was not finite in some minibatch step ([steps, 3] `stats`), else the
+    gradient norm (finite losses whose gradients overflowed)."""
+    bad = (~torch.isfinite(losses)).any(0).tolist()
+    return next((name for name, b in zip(LOSS_TERMS, bad, strict=True) if b), "the gradient norm")
+
+
+def check_magnitude(learner: Learner, limit: float, env_step: int) -> None:
+    """A parameter beyond `limit` in magnitude (0: no limit) ends the run with `UpdateDiverged`: an update
+    that diverged (`algo.lr=1e9`) can leave every value finite and the policy destroyed, which a check for
+    NaN never sees. Healthy PPO networks keep their weights within a few hundred; the default limit is 1e6.
+    One fused norm over all parameters and one host read per update."""
+    if limit <= 0:
+        return
+    params = [p.detach() for p in learner.policy.parameters()]
+    peak = float(torch.stack(foreach_norm(params, float("inf"))).max()) if params else 0.0
+    if peak > limit or peak != peak:  # noqa: PLR0124 - NaN compares unequal to itself
+        raise UpdateDiverged(
+            f"policy {learner.spec.name!r}: the update on the rollout from env step {env_step:,} left a parameter of "
+            f"magnitude {peak:.3g}, beyond algo.max_param_abs={limit:g}: the update diverged (a learning "
+            "rate too high?); checkpoints keep their earlier values"
+        )
 
 
 def lr_at(base_lr: float, anneal: bool, env_step: int, final_step: int) -> float:
@@ -357,5 +405,22 @@ def update_policies(
             None if policy_lag is None else policy_lag > 0,
             None if layouts is None else layouts.get(name),
         )
+        check_skips(learner, stats, settings.max_skipped_updates, env_step)
+        check_magnitude(learner, settings.max_param_abs, env_step)
         metrics |= {metric_name(name, k): v for k, v in (stats | {"train/lr": lr}).items()}
     return metrics
+
+
+def check_skips(learner: Learner, stats: dict[str, Any], limit: int, env_step: int) -> None:
+    """Count the updates in a row with skipped (non-finite) minibatch steps; `limit` of them (0: never)
+    end the run with `UpdateDiverged` naming the loss term. Removes the cause from `stats` (not a metric)."""
+    cause, steps = stats.pop("skip_cause", None), stats.pop("steps", None)
+    learner.skip_streak = learner.skip_streak + 1 if cause is not None else 0
+    if cause is None or limit <= 0 or learner.skip_streak < limit:
+        return
+    raise UpdateDiverged(
+        f"policy {learner.spec.name!r}: {learner.skip_streak} updates in a row had minibatch steps with "
+        f"{cause} not finite ({int(stats['train/skipped_steps'])} of {steps} steps skipped in the last, at "
+        f"env step {env_step:,}); parameters and checkpoints keep their last finite values "
+        f"(algo.max_skipped_updates={limit})"
+    )

@@ -266,6 +266,47 @@ def load(path: str | Path, key: str = "resume", env_state: str = "restore") -> d
 _REQUIRED = ("config", "observation_space", "action_space", "agent", "iteration", "env_step", "ranks")
 
 
+def _nonfinite(obj: Any, where: str = "") -> tuple[str, torch.Tensor] | None:
+    """(dotted key path, tensor) of the first floating-point tensor in `obj` holding a NaN or an inf."""
+    if isinstance(obj, torch.Tensor):
+        floating = obj.is_floating_point() or obj.is_complex()
+        return (where, obj) if floating and not bool(torch.isfinite(obj).all()) else None
+    if isinstance(obj, Mapping):
+        if obj.get("type") == "Box" and "low" in obj:  # a stored space: unbounded is -inf/inf by design
+            return None
+        items: Any = obj.items()
+    elif isinstance(obj, (list, tuple, deque)):
+        items = enumerate(obj)
+    else:
+        return None  # numbers and strings: a -inf "best return so far" is a value, not a broken model
+    for key, value in items:
+        found = _nonfinite(value, f"{where}.{key}" if where else str(key))
+        if found is not None:
+            return found
+    return None
+
+
+def nonfinite_tensor(state: Any) -> str | None:
+    """The dotted key path (e.g. `agent.actor.0.weight`, list items by index) of the first floating-point
+    tensor in a checkpoint's state (nested dicts, lists, tuples) that holds a NaN or an inf, or None.
+
+    A diverged update leaves such weights behind; a run resumed from them only produces NaNs, so
+    `resume=auto` passes over such a checkpoint, and a run should refuse to write one. Not checked, being
+    legitimately infinite: stored Box spaces (`space_to_data`: unbounded dimensions are -inf/inf) and plain
+    numbers (e.g. an initial `-inf` best return); only tensors elsewhere count."""
+    found = _nonfinite(state)
+    return None if found is None else found[0]
+
+
+def nonfinite_reason(state: Any) -> str | None:
+    """`nonfinite_tensor`'s finding as the reason a person reads, e.g. `agent.actor.0.weight holds NaN`."""
+    found = _nonfinite(state)
+    if found is None:
+        return None
+    where, tensor = found
+    return f"{where} holds {'NaN' if bool(torch.isnan(tensor).any()) else 'inf'}"
+
+
 def _older_format(where: str, version: int) -> str:
     return (
         f"{where} was written by an older ppo-fabric (format {version}); this one reads format "

@@ -24,6 +24,7 @@ import torch
 from omegaconf import DictConfig
 
 from ppo_fabric.collect.rollout import RolloutCollector
+from ppo_fabric.config.faults import RunFault
 from ppo_fabric.envs.multiagent import SINGLE
 from ppo_fabric.envs.normalize import load_normalizer_state, normalizer_state, renormalized_reset
 from ppo_fabric.learn.learners import PolicySpec, metric_name
@@ -38,6 +39,7 @@ from ppo_fabric.runs.metrics import (
     write_json,
 )
 from ppo_fabric.runs.plots import save_learning_curve
+from ppo_fabric.wire.progress import PROGRESS
 
 Reduce = Callable[[torch.Tensor], torch.Tensor]
 
@@ -48,6 +50,10 @@ class Stopped(Exception):  # noqa: N818 - a stop asked for, not an error
     def __init__(self, signum: int, env_step: int, checkpoint: Path) -> None:
         super().__init__(f"stopped by {signal.Signals(signum).name} at {env_step} env steps")
         self.signum, self.env_step, self.checkpoint = signum, env_step, checkpoint
+
+
+class CheckpointFault(RunFault):
+    """A checkpoint that must not or could not be written; the files already there are left as they were."""
 
 
 class StopSignals:
@@ -156,6 +162,7 @@ class RunSession:
 
     def log(self, update: int, metrics: dict[str, float], collector: RolloutCollector) -> None:
         """A log row of the update just finished, with the SPS so far and the recent mean return."""
+        PROGRESS.mark("logging")  # trackers may wait on the network
         sps = self.sps(update)
         recent = final_mean_return([collector.episodes.window])
         row = metrics | {"time/sps": sps, "time/wall_s": self.wall_s()}
@@ -189,6 +196,7 @@ class RunSession:
         """`last.ckpt` (and a numbered copy when `checkpoint.every` or `every_minutes` is set), and
         `best.ckpt` when the mean return of the recent episodes of every collecting rank is the best so far.
         Every rank calls it (to keep its clock and counters); only the writer writes."""
+        PROGRESS.mark("checkpoint")
         self.last_checkpoint = update
         self._checkpoint_clock = time.monotonic()
         windows = [s["episodes"] for s in rank_states if "episodes" in s]
@@ -209,10 +217,25 @@ class RunSession:
             "wall_s": self.wall_s(),
         }
         numbered = self.every > 0 or self.every_seconds > 0
-        last = ckpt.save(state, self.checkpoint_path.parent, numbered, self.keep, self.protect)
-        if better:
-            ckpt.atomic_write(last.read_bytes(), last.parent / "best.ckpt")
+        bad = ckpt.nonfinite_reason(state)
+        if bad is not None:  # never over a good file: last.ckpt, best.ckpt and the numbered ones stay
+            raise CheckpointFault(
+                f"the checkpoint at env step {self.env_step(update):,} was not written: {bad}; {self._kept()}"
+            )
+        try:
+            last = ckpt.save(state, self.checkpoint_path.parent, numbered, self.keep, self.protect)
+            if better:
+                ckpt.atomic_write(last.read_bytes(), last.parent / "best.ckpt")
+        except OSError as exc:  # a full disk, permissions: the temp file is gone, the old file intact
+            raise CheckpointFault(
+                f"could not write the checkpoint at env step {self.env_step(update):,} "
+                f"({type(exc).__name__}: {exc}); {self._kept()}"
+            ) from exc
         return last
+
+    def _kept(self) -> str:
+        path = self.checkpoint_path
+        return f"the last good checkpoint is {path}" if path.is_file() else "no checkpoint was written before"
 
     def stop(self, signum: int, update: int) -> NoReturn:
         """After the stop checkpoint: close what the run opened and leave with `Stopped`."""
@@ -246,6 +269,7 @@ class RunSession:
             "final_mean_return": final_mean_return([p["window"] for p in players]),
             "best_mean_return": self.best_return,
             "episodes": sum(p["episodes"] for p in players),
+            "env_restarts": sum(int(p.get("env_restarts", 0)) for p in players),
             "time_split": time_split,
             "ranks_in_sync": len(set(digests)) == 1,
             "run_dir": str(self.run_dir),
@@ -292,6 +316,7 @@ def collector_state(collector: RolloutCollector) -> dict[str, Any]:
         "episodes": list(collector.episodes.window),
         "episode_count": collector.episodes.count,
         "policy_episodes": {g.name: (list(g.episodes.window), g.episodes.count) for g in collector.groups},
+        "env_restarts": collector.restarts,
     } | ({} if collector.selfplay is None else {"selfplay": collector.selfplay.state()})
 
 
@@ -336,6 +361,7 @@ def restore_collector(collector: RolloutCollector, state: dict[str, Any]) -> Non
         load_normalizer_state(collector.envs, state.get("normalizers", {}))
     collector.episodes.window.extend(state["episodes"])
     collector.episodes.count = state["episode_count"]
+    collector.restarts = int(state.get("env_restarts", 0))
     if collector.multiagent:
         for g in collector.groups:
             window, count = state["policy_episodes"][g.name]
@@ -352,6 +378,7 @@ def end_of_run(collector: RolloutCollector) -> dict[str, Any]:
         "window": list(collector.episodes.window),
         "episodes": collector.episodes.count,
         "policy_windows": policy_windows(collector),
+        "env_restarts": collector.restarts,
     }
 
 
@@ -370,6 +397,9 @@ def episode_metrics(collector: RolloutCollector, sum_over_ranks: Reduce | None) 
         out |= {metric_name(name, k): v for k, v in episode_means(row).items()}
     if collector.selfplay is not None:
         out |= collector.selfplay.metrics(sum_over_ranks)
+    if collector.max_restarts is not None:  # env.on_error=restart: sub-envs rebuilt so far, all ranks
+        restarts = torch.tensor([float(collector.restarts)])
+        out["env/restarts"] = float((restarts if sum_over_ranks is None else sum_over_ranks(restarts))[0])
     return out
 
 

@@ -44,6 +44,8 @@ import torch.distributed as dist
 from tensordict import TensorDict
 from torch.nn.utils import parameters_to_vector
 
+from ppo_fabric.wire.progress import PROGRESS
+
 
 def distributed() -> bool:
     return dist.is_available() and dist.is_initialized()
@@ -55,7 +57,8 @@ def all_gather_objects(obj: Any, group: Any = None) -> list[Any]:
     if not distributed():
         return [obj]
     out: list[Any] = [None] * dist.get_world_size(group)
-    dist.all_gather_object(out, obj, group=group)
+    with PROGRESS.waiting_for("the other ranks (gather)"):
+        dist.all_gather_object(out, obj, group=group)
     return out
 
 
@@ -66,7 +69,8 @@ def sum_reduce(group: Any, device: Any) -> Callable[[np.ndarray], np.ndarray] | 
 
     def reduce(values: np.ndarray) -> np.ndarray:
         tensor = torch.from_numpy(values).to(device)
-        dist.all_reduce(tensor, group=group)
+        with PROGRESS.waiting_for("the other ranks (sum)"):
+            dist.all_reduce(tensor, group=group)
         return tensor.cpu().numpy()
 
     return reduce
@@ -77,7 +81,8 @@ def max_over(values: torch.Tensor, device: Any, group: Any = None) -> torch.Tens
     if not distributed() or dist.get_world_size(group) == 1:
         return values
     out = values.to(device)
-    dist.all_reduce(out, op=dist.ReduceOp.MAX, group=group)
+    with PROGRESS.waiting_for("the other ranks (update boundary)"):
+        dist.all_reduce(out, op=dist.ReduceOp.MAX, group=group)
     return out.cpu()
 
 
@@ -276,7 +281,8 @@ class PlayerLink:
     def receive_params(self) -> tuple[int, torch.Tensor, torch.Tensor]:
         """PARAMS: (version, flat parameters, the update's metrics averaged over trainers)."""
         buf = torch.empty(2 + self.num_params + self.num_metrics)
-        dist.broadcast(buf, self.topo.first_trainer, group=self.topo.param_group)
+        with PROGRESS.waiting_for("parameters from the trainers"):
+            dist.broadcast(buf, self.topo.first_trainer, group=self.topo.param_group)
         kind, version = int(buf[0]), int(buf[1])
         if kind != Kind.PARAMS:
             raise ProtocolError(f"player {self.topo.rank} expected PARAMS, got message kind {kind}")
@@ -306,8 +312,9 @@ class PlayerLink:
         self._scatter(codec, codec.empty(Header(Kind.STOP, version, signum)), asynchronous=False)
 
     def wait_sent(self) -> None:
-        for message in self._in_transit:
-            message.wait()
+        with PROGRESS.waiting_for("the trainers to take the last batch"):
+            for message in self._in_transit:
+                message.wait()
         self._in_transit = []
 
     def sum_over_players(self, values: torch.Tensor) -> torch.Tensor:
@@ -322,7 +329,8 @@ class PlayerLink:
         # player may come after some trainers. Trainer k (in `topo.trainers` order) gets shard k.
         to = {trainer: shard for trainer, shard in zip(self.topo.trainers, shards, strict=True)}
         pieces = [to.get(r, mine) for r in dist.get_process_group_ranks(group)]
-        work = dist.scatter(mine, pieces, src=self.topo.rank, group=group, async_op=asynchronous)
+        with PROGRESS.waiting_for("the trainers to take a batch"):
+            work = dist.scatter(mine, pieces, src=self.topo.rank, group=group, async_op=asynchronous)
         return _InFlight(work, [mine, *shards]) if asynchronous else None
 
 
@@ -345,7 +353,8 @@ class TrainerLink:
         message[2 : 2 + n].copy_(flat, non_blocking=self.stage.pinned)
         message[2 + n :].copy_(metrics.float(), non_blocking=self.stage.pinned)
         self.stage.fence()
-        dist.broadcast(message, self.topo.first_trainer, group=self.topo.param_group)
+        with PROGRESS.waiting_for("the players to take the parameters"):
+            dist.broadcast(message, self.topo.first_trainer, group=self.topo.param_group)
 
     def receive_data(self, device: torch.device) -> tuple[list[Header], dict[str, TensorDict]]:
         """DATA from every player for every trained policy, concatenated per policy; or STOP (no batches).
@@ -367,7 +376,8 @@ class TrainerLink:
         headers, parts = [], []
         for player in self.topo.players:
             buf = self.stage.buffer((id(codec), player), codec.shard_bytes, torch.uint8)
-            dist.scatter(buf, None, src=player, group=self.topo.data_groups[player])
+            with PROGRESS.waiting_for(f"a batch from player rank {player}"):
+                dist.scatter(buf, None, src=player, group=self.topo.data_groups[player])
             header, part = codec.unpack(buf, device, non_blocking=self.stage.pinned)
             headers.append(header)
             parts.append(part)

@@ -24,6 +24,7 @@ import ppo_fabric
 from ppo_fabric import cli
 from ppo_fabric.collect.rollout import build_collector
 from ppo_fabric.config.values import compose
+from ppo_fabric.envs.guard import EnvFault
 from ppo_fabric.envs.multiagent import make_parallel_env
 from ppo_fabric.envs.turn_based import TurnBasedVectorEnv
 from ppo_fabric.learn.learners import policy_specs
@@ -137,7 +138,7 @@ def test_only_legal_moves_and_masks_off_fails(tmp_path: Path, capsys: pytest.Cap
     ]
     summary = ppo_fabric.run([*base, "logger=none", f"hydra.run.dir={tmp_path / 'on'}"])
     assert summary["total_env_steps"] == 1024
-    with pytest.raises(ValueError, match="illegal move"):
+    with pytest.raises(EnvFault, match="env.step raised ValueError: illegal move"):
         ppo_fabric.run([*base, "logger=none", "algo.action_mask=off", f"hydra.run.dir={tmp_path / 'off'}"])
 
 

@@ -164,6 +164,7 @@ KEYS = {
     "train/clip_fraction",
     "train/explained_variance",
     "train/epochs",
+    "train/skipped_steps",
 }
 
 

@@ -349,7 +349,7 @@ def test_failing_player_ends_the_job(tmp_path: Path, launcher: Callable[..., lis
         except subprocess.TimeoutExpired:
             pytest.fail("the job did not end within 60 s although its player failed after 50 steps")
         assert proc.returncode != 0
-        assert "error on rank 0: RuntimeError: probe failure injected" in stderr, stderr[-2000:]
+        assert "error: player rank 0: env.step raised RuntimeError: probe failure" in stderr, stderr[-2000:]
         _assert_job_gone(tmp_path / "run", within=TIMEOUT + 10)
     finally:
         with contextlib.suppress(ProcessLookupError):

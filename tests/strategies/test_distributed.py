@@ -89,7 +89,7 @@ def test_failing_rank_ends_the_job(tmp_path: Path) -> None:
     proc = _run(cmd, tmp_path, timeout=120)
     assert proc.returncode != 0
     assert time.monotonic() - start < 60
-    assert "error on rank 1: RuntimeError: probe failure injected" in proc.stderr
+    assert "error: rank 1: env.step raised RuntimeError: probe failure injected" in proc.stderr
 
 
 @pytest.mark.multiprocess

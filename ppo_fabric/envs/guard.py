@@ -1,0 +1,182 @@
+"""What arrives from an env is checked at the boundary: finite observations and rewards, and (with
+`env.on_error=restart`) a sub-env that fails is recreated instead of ending the run.
+
+A NaN observation or an inf reward does not crash anything by itself: it flows into the advantages, the
+losses and the parameters, and the run ends "successfully" with every checkpoint NaN. So every vector step
+is checked once, vectorised, on the raw values (below any normalisation, which would turn an inf into a
+NaN or clip it away): `FiniteCheck` for gymnasium and EnvPool vector envs, `nonfinite_rows` for the
+PettingZoo vector envs' per-policy arrays. A failing check raises `NonFiniteData`; the collector, which
+knows the rank, the role and the env step, turns it into the one-line `EnvFault` the run ends with.
+
+`RecreateOnError` wraps each gymnasium sub-env when the user asked for recovery: an exception from `step`
+or `reset`, or a non-finite value, closes the env, builds a fresh one from the same factory and ends the
+episode as truncated (reward 0, the last good observation as its final one), so the bad transition never
+reaches training. The fresh env's first reset reports `env_restart` in its info: the collector counts it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+from typing import Any
+
+import gymnasium as gym
+import numpy as np
+from gymnasium.vector import VectorWrapper
+
+from ppo_fabric.config.faults import RunFault
+
+ON_ERROR = ("raise", "restart")
+RESTART_INFO = "env_restart"  # info key of a reset that followed a restart: the cause, one line
+RESET_TRIES = 3  # a recreated env that fails its reset this many times in a row ends the run
+
+
+class NonFiniteData(Exception):  # noqa: N818 - a finding handed up, made into an EnvFault by the collector
+    """`what` (`observation["pos"] holds NaN`, `reward holds +inf`) was found at env `index` of a step."""
+
+    def __init__(self, index: int, what: str) -> None:
+        super().__init__(f"env {index}: {what}")
+        self.index, self.what = index, what
+
+
+class EnvFault(RunFault):
+    """An env sent bad data, failed, or failed too often to be restarted: the run ends with this line."""
+
+
+def _kind(values: np.ndarray) -> str:
+    """`NaN`, `+inf` or `-inf`: the first non-finite value's kind."""
+    bad = values[~np.isfinite(values)]
+    v = bad.flat[0]
+    return "NaN" if np.isnan(v) else ("+inf" if v > 0 else "-inf")
+
+
+def _bad_rows(values: Any) -> np.ndarray | None:
+    """Rows (first axis) holding a non-finite value, or None when every value is finite (or integer)."""
+    array = np.asarray(values)
+    if array.dtype.kind not in "fc":  # uint8 pixels, int positions: nothing to check
+        return None
+    if np.isfinite(array).all():  # the common case: one pass, no allocation kept
+        return None
+    flat = array.reshape(array.shape[0], -1) if array.ndim > 1 else array.reshape(-1, 1)
+    return np.flatnonzero(~np.isfinite(flat).all(1))
+
+
+def nonfinite_rows(obs: Any, rewards: Any) -> tuple[int, str] | None:
+    """(first row, what) of a vector step's observations (an array or a dict of arrays) and rewards that
+    holds a non-finite value; None when every value is finite."""
+    parts = (
+        [(f'observation["{k}"]', v) for k, v in obs.items()]
+        if isinstance(obs, dict)
+        else [("observation", obs)]
+    )
+    found: tuple[int, str] | None = None
+    for name, values in [*parts, ("reward", rewards)]:
+        rows = _bad_rows(values)
+        if rows is not None and (found is None or rows[0] < found[0]):
+            found = (int(rows[0]), f"{name} holds {_kind(np.asarray(values)[rows[0]])}")
+    return found
+
+
+def nonfinite_value(obs: Any, reward: Any = 0.0) -> str | None:
+    """What is not finite in one env's observation and reward (`observation holds NaN`), or None."""
+    if isinstance(obs, dict):
+        batch: Any = {k: np.asarray(v)[None] for k, v in obs.items()}
+    else:
+        batch = np.asarray(obs)[None]
+    found = nonfinite_rows(batch, np.asarray([reward], dtype=np.float64))
+    return None if found is None else found[1]
+
+
+def check_step(obs: Any, rewards: Any, info: dict[str, Any]) -> None:
+    """Raise `NonFiniteData` for a vector step (or reset, with zero rewards) whose observations, rewards
+    or truncated episodes' final observations hold a NaN or an inf. Rows are env indices (gymnasium's
+    vector envs, and EnvPool's, whose async pool keeps a row per env too)."""
+    found = nonfinite_rows(obs, rewards)
+    if found is not None:
+        raise NonFiniteData(*found)
+    if "_final_obs" in info:
+        for j in np.flatnonzero(info["_final_obs"]):
+            what = nonfinite_value(info["final_obs"][j])
+            if what is not None:
+                raise NonFiniteData(int(j), what.replace("observation", "final observation", 1))
+
+
+class FiniteCheck(VectorWrapper):
+    """`check_step` on every step and reset of a gymnasium vector env (EnvPool's call it themselves)."""
+
+    def reset(self, **kwargs: Any) -> tuple[Any, dict[str, Any]]:
+        obs, info = self.env.reset(**kwargs)
+        check_step(obs, np.zeros(self.num_envs), info)
+        return obs, info
+
+    def step(self, actions: Any) -> tuple[Any, Any, Any, Any, dict[str, Any]]:
+        obs, rewards, terminated, truncated, info = self.env.step(actions)
+        check_step(obs, rewards, info)
+        return obs, rewards, terminated, truncated, info
+
+
+class RecreateOnError(gym.Wrapper):
+    """One sub-env that is rebuilt from `factory` when it raises or returns a non-finite value.
+
+    The failing step ends the episode as truncated with reward 0 and the last good observation as its
+    final observation (what the rollout bootstraps from); the vector env then resets the new env as it
+    resets any env whose episode ended, and that reset's info carries the cause under `RESTART_INFO`.
+    A reset that fails is retried with a fresh env up to `RESET_TRIES` times, then raises `EnvFault`.
+    """
+
+    def __init__(self, factory: Callable[[], gym.Env]) -> None:
+        super().__init__(factory())
+        self.factory = factory
+        self.last_obs: Any = None
+        self.pending: str | None = None  # the cause of a restart not yet reported
+
+    def _recreate(self, cause: str) -> None:
+        with contextlib.suppress(Exception):  # a broken env may fail to close too
+            self.env.close()
+        self.env = self.factory()
+        self.pending = cause if self.pending is None else self.pending
+
+    def reset(self, **kwargs: Any) -> tuple[Any, dict[str, Any]]:
+        for attempt in range(RESET_TRIES):
+            try:
+                obs, info = self.env.reset(**kwargs)
+                what = nonfinite_value(obs)
+                if what is None:
+                    break
+                cause = f"reset returned bad data ({what})"
+            except Exception as exc:  # noqa: BLE001 - any failure of user code is what this recovers from
+                cause = f"reset raised {_one_line(exc)}"
+            if attempt + 1 == RESET_TRIES:
+                raise EnvFault(f"{cause}, {RESET_TRIES} times in a row with a recreated env")
+            self._recreate(cause)
+            kwargs.pop("seed", None)  # the fresh env draws its own seed
+        self.last_obs = obs
+        if self.pending is not None:
+            info = {**info, RESTART_INFO: self.pending}
+            self.pending = None
+        return obs, info
+
+    def step(self, action: Any) -> tuple[Any, float, bool, bool, dict[str, Any]]:
+        try:
+            obs, reward, terminated, truncated, info = self.env.step(action)
+            what = nonfinite_value(obs, reward)
+        except Exception as exc:  # noqa: BLE001 - see reset
+            what = None
+            self._recreate(f"step raised {_one_line(exc)}")
+            return self.last_obs, 0.0, False, True, {}
+        if what is not None:
+            self._recreate(f"step returned bad data ({what})")
+            return self.last_obs, 0.0, False, True, {}
+        self.last_obs = obs
+        return obs, reward, terminated, truncated, info
+
+
+def _one_line(exc: BaseException) -> str:
+    text = f"{type(exc).__name__}: {exc}".strip()
+    return text.splitlines()[0] if text else type(exc).__name__
+
+
+def restartable(factory: Callable[[], gym.Env]) -> gym.Env:
+    """`factory`'s env, rebuilt by `RecreateOnError` when it fails (a module-level function so that a
+    `functools.partial` of it pickles, as checkpoints pickle the vector env's factories)."""
+    return RecreateOnError(factory)

@@ -1,0 +1,239 @@
+"""One run per run directory: a lock file that a run holds while it writes there.
+
+Two runs writing into one directory (a requeued job whose first attempt still runs, the same command
+typed twice, `resume=auto` pointed at a live run) overwrite each other's `last.ckpt`, interleave their
+metrics and leave a run that neither of them trained. The first to start takes `<run dir>/ppo-fabric.lock`;
+the second is refused in one line naming the owner, before it starts any process or trains a step.
+
+The lock is a file created with O_CREAT|O_EXCL (one creator wins, on local file systems and on NFS v3+,
+where cluster run directories often live and `flock` is emulated or unreliable), holding the owner's pid,
+host, start time and command line as JSON, so that the refusal can say which run to wait for. A run killed
+without its exit hooks (SIGKILL, the OOM killer, a node lost) leaves the file behind: on the same host a
+dead pid proves it stale, and the next run takes it over with one line saying so. On another host liveness
+cannot be checked, so such a lock is honoured until a person deletes it.
+
+Who takes it: the supervisor of `python -m ppo_fabric`, once for all of the job's attempts (its job's
+processes do not lock), else global rank 0 of the job (`fabric run`, torchrun, `ppo_fabric.run()`, see
+`hold_for_ranks`). A sweep's jobs and a study's trials each run in a directory of their own.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import datetime
+import json
+import os
+import shlex
+import socket
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from types import TracebackType
+from typing import TYPE_CHECKING
+
+from ppo_fabric.config.values import ConfigError
+
+if TYPE_CHECKING:
+    from lightning_fabric import Fabric
+
+LOCK_NAME = "ppo-fabric.lock"
+# A lock file that does not parse may be one that its owner has created but not written yet (the JSON
+# follows the O_EXCL create within microseconds): only one older than this counts as garbled.
+WRITING_GRACE_S = 1.0
+
+
+@dataclass(frozen=True)
+class Owner:
+    """What a lock file says about the run holding it: enough for a person to find that run."""
+
+    pid: int
+    host: str
+    started: str  # ISO time, local time zone
+    command: str
+
+    @classmethod
+    def this_process(cls) -> Owner:
+        started = datetime.datetime.now().astimezone().isoformat(timespec="seconds")
+        return cls(os.getpid(), socket.gethostname(), started, shlex.join(sys.orig_argv))
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self)) + "\n"
+
+    @classmethod
+    def parse(cls, text: str) -> Owner | None:
+        """The owner a lock file names, or None for a file that is not one of ours (garbled, truncated)."""
+        try:
+            data = json.loads(text)
+            owner = cls(int(data["pid"]), str(data["host"]), str(data["started"]), str(data["command"]))
+        except (ValueError, TypeError, KeyError):
+            return None
+        return owner if owner.pid > 0 else None
+
+    def alive(self) -> bool | None:
+        """Whether the owner still runs: None on another host, where its pid means nothing here."""
+        if self.host != socket.gethostname():
+            return None
+        try:
+            os.kill(self.pid, 0)
+        except ProcessLookupError:
+            return False
+        except PermissionError:  # another user's process: alive
+            return True
+        return True
+
+
+class RunDirLock:
+    """A held lock: `release()` (or leaving the `with` block) deletes the file while it is still ours;
+    the interpreter's exit releases it too, for a process that ends without reaching either."""
+
+    def __init__(self, path: Path, owner: Owner) -> None:
+        self.path, self.owner = path, owner
+        self.released = False
+        atexit.register(self.release)
+
+    def release(self) -> None:
+        """Delete the lock file if it still names this process: a run that took over a lock it thought
+        stale must never lose it to the process it took it from, and a forked child (an env worker)
+        inheriting this object never releases its parent's lock."""
+        if self.released or os.getpid() != self.owner.pid:
+            return
+        self.released = True
+        atexit.unregister(self.release)
+        with contextlib.suppress(OSError, UnicodeDecodeError):
+            found = Owner.parse(self.path.read_text())
+            if found is not None and (found.pid, found.host) == (self.owner.pid, self.owner.host):
+                self.path.unlink()
+
+    def __enter__(self) -> RunDirLock:
+        return self
+
+    def __exit__(
+        self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.release()
+
+
+def say(text: str) -> None:
+    os.write(2, f"ppo-fabric: {text}\n".encode())  # one write: never interleaved with another process's line
+
+
+def acquire(run_dir: str | Path) -> RunDirLock:
+    """Take the lock of `run_dir` for this process; raises ConfigError (one line naming the owner) while a
+    live run, or a run on another host, holds it. A stale or garbled lock is taken over with one line."""
+    run_dir = Path(run_dir).resolve()
+    path = run_dir / LOCK_NAME
+    with contextlib.suppress(OSError):  # one that cannot be made is named by the create below
+        run_dir.mkdir(parents=True, exist_ok=True)
+    me = Owner.this_process()
+    took_over: str | None = None  # the line to print once the stale file is replaced by ours
+    deadline = time.monotonic() + 4 * WRITING_GRACE_S
+    while time.monotonic() < deadline:
+        try:
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        except FileExistsError:
+            stale = _stale(path, run_dir)
+            if stale is not None and _move_aside(path, stale[0]):
+                took_over = stale[1]
+            continue  # created, moved or removed in between by another process: look again
+        except OSError as exc:  # a read-only or full file system, no permission
+            raise ConfigError(
+                f"hydra.run.dir={run_dir}: cannot create its lock file {path} "
+                f"({exc.strerror or type(exc).__name__}); choose a directory this user can write"
+            ) from exc
+        with os.fdopen(fd, "w") as fh:
+            fh.write(me.to_json())
+            fh.flush()
+            os.fsync(fh.fileno())
+        if took_over is not None:
+            say(took_over)
+        return RunDirLock(path, me)
+    raise ConfigError(
+        f"hydra.run.dir={run_dir}: could not take its lock {path} (other processes kept taking it); "
+        "try again, or choose another directory"
+    )
+
+
+def refuse_if_held(run_dir: str | Path) -> None:
+    """Raise ConfigError (naming the owner) when a live run holds `run_dir`'s lock; nothing else. The
+    checks before a run call it first, so a second run into a live run's directory hears that, not that
+    the directory "already holds a run" or that its checkpoint is behind; `acquire` takes the lock later."""
+    run_dir = Path(run_dir).resolve()
+    path = run_dir / LOCK_NAME
+    if path.is_file():
+        _stale(path, run_dir)
+
+
+def _stale(path: Path, run_dir: Path) -> tuple[str | None, str] | None:
+    """(text, line saying it is taken over) of an existing lock file that is stale: its owner is gone, or
+    the file is garbled (text None: not even readable). None when it vanished meanwhile or is still being
+    written. Raises ConfigError when its owner may be running."""
+    try:
+        text: str | None = path.read_text()
+        age = time.time() - path.stat().st_mtime
+    except FileNotFoundError:
+        return None
+    except (OSError, UnicodeDecodeError):  # unreadable (permissions, I/O, binary junk): garbled
+        text, age = None, WRITING_GRACE_S
+    owner = Owner.parse(text) if text is not None else None
+    if owner is None:
+        if age < WRITING_GRACE_S:
+            time.sleep(0.05)  # its owner may be writing it
+            return None
+        return text, f"took over the lock of {run_dir} (its lock file {path} was unreadable)"
+    alive = owner.alive()
+    if alive is False:
+        return (
+            text,
+            f"took over the lock of {run_dir} from pid {owner.pid} on {owner.host} (no longer running)",
+        )
+    who = f"pid {owner.pid} on {owner.host}, started {owner.started}"
+    what = "a live run" if alive else "a run on another host"
+    raise ConfigError(
+        f"hydra.run.dir={run_dir} is in use by {what} ({who}); wait for it, or choose another directory "
+        f"(delete {path} if that run is gone)"
+    )
+
+
+def _move_aside(path: Path, stale: str | None) -> bool:
+    """Remove a stale lock file, unless another process replaced it meanwhile (two runs taking over the
+    same stale lock): renamed first (only one process can), then deleted only if it still is the file
+    judged stale; a fresh lock moved by mistake is put back. Returns whether the stale file was removed."""
+    aside = path.with_name(f"{path.name}.{os.getpid()}.stale")
+    try:
+        os.rename(path, aside)
+    except FileNotFoundError:
+        return False
+    try:
+        try:
+            replaced = aside.read_text() != stale
+        except (OSError, UnicodeDecodeError):
+            replaced = stale is not None
+        if replaced:
+            with contextlib.suppress(OSError):
+                os.link(aside, path)  # put back; fails only if yet another run holds the lock by now
+    finally:
+        with contextlib.suppress(OSError):
+            aside.unlink(missing_ok=True)
+    return not replaced
+
+
+def hold_for_ranks(
+    fabric: Fabric, run_dir: Path, take: bool = True
+) -> contextlib.AbstractContextManager[object]:
+    """The lock of a job's run directory, taken by global rank 0 (`take=False`: someone else holds it,
+    e.g. the job's supervisor); returns what releases it (a no-op on the other ranks). Every rank learns
+    rank 0's outcome, so a refusal is the same ConfigError on all of them rather than rank 0 failing alone
+    while its peers wait in a collective."""
+    held: RunDirLock | None = None
+    refusal: str | None = None
+    if take and fabric.global_rank == 0:
+        try:
+            held = acquire(run_dir)
+        except ConfigError as exc:
+            refusal = str(exc)
+    refusal = fabric.broadcast(refusal, src=0)
+    if refusal is not None:
+        raise ConfigError(refusal)
+    return held if held is not None else contextlib.nullcontext()

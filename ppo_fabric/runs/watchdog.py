@@ -1,0 +1,179 @@
+"""The stall watchdog: a rank that makes no progress for `stall_timeout` seconds ends the job, naming
+itself, its role and where it is stuck, with every process's Python stacks in the run directory.
+
+A stuck simulator (an env whose `step` never returns) used to hang a 1-process run for ever and end a
+decoupled job with gloo's "Timed out waiting 30000ms for send operation" naming nobody. Here every
+process runs a daemon thread that reads `wire.progress.PROGRESS` once a second:
+
+- when this process has been *busy* (not waiting on a peer) without a mark for longer than the timeout,
+  it claims the job's end (a file created exclusively, so one process speaks), writes its stacks, gives
+  the others a moment to write theirs, prints one line (`player rank 1: no progress for 600 s, in
+  env.step (my_env.py:42, in step)`) and leaves with `FAULT_EXIT`, which the supervisor's `restarts=N`
+  relaunches from the last checkpoint;
+- when another process claimed the end (a stall, or a collective that timed out), it writes its own
+  stacks and leaves too, so that nothing of the job is left running.
+
+A collective that times out goes through `collective_timeout`: the waiting rank asks every process for
+its stacks and names the busy rank that has gone longest without progress, instead of gloo's message.
+The thread cannot run while C code holds the GIL for ever; such a hang is left to `collectives.timeout`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import faulthandler
+import json
+import os
+import sys
+import threading
+import time
+import traceback
+from pathlib import Path
+
+from ppo_fabric.config.faults import FAULT_EXIT
+from ppo_fabric.wire.progress import PROGRESS
+
+CLAIM = ".stall-claim"  # in the run directory: which stall directory this job's end writes its stacks to
+POLL_S = 1.0
+SETTLE_S = 3.0  # how long the claiming process waits for the others' stacks before it leaves
+
+
+def where_stuck() -> str:
+    """`env.step (my_env.py:42, in step)`: what the main thread was marked doing, and its innermost frame."""
+    frame = sys._current_frames().get(threading.main_thread().ident or -1)
+    place = ""
+    if frame is not None:
+        last = traceback.extract_stack(frame)[-1]
+        place = f" ({Path(last.filename).name}:{last.lineno}, in {last.name})"
+    return f"{PROGRESS.doing}{place}"
+
+
+class Watchdog:
+    """One per process, for the run in `run_dir`; `start()` once the run directory is known, `stop()` at
+    the end (also on the way out of a failure)."""
+
+    def __init__(self, run_dir: Path, timeout_s: float, world_size: int) -> None:
+        self.run_dir, self.timeout_s, self.world_size = run_dir, timeout_s, world_size
+        self.started = time.time()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self.answered: str | None = None  # the stall directory this process wrote its stacks into
+
+    # ------------------------------------------------------------------------------------------- life
+    def start(self) -> Watchdog:
+        PROGRESS.mark("start-up")
+        if self.timeout_s > 0 or self.world_size > 1:  # with several processes: answer the others' claims
+            self._thread = threading.Thread(target=self._watch, name="ppo-fabric-watchdog", daemon=True)
+            self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def _watch(self) -> None:
+        while not self._stop.wait(POLL_S):
+            claimed = self._claimed()
+            if claimed is not None:
+                self._answer(claimed)
+                os._exit(FAULT_EXIT)  # the job is ending: leave nothing running
+            idle = time.monotonic() - PROGRESS.at
+            if self.timeout_s > 0 and not PROGRESS.waiting and idle > self.timeout_s:
+                line = f"{PROGRESS.label}: no progress for {idle:.0f} s, in {where_stuck()}"
+                self.end_job(line + f" (stall_timeout={self.timeout_s:g})")
+
+    # ------------------------------------------------------------------------------------ the job's end
+    def _claimed(self) -> Path | None:
+        """The stall directory another process of this job claimed (after this one started), if any."""
+        claim = self.run_dir / CLAIM
+        try:
+            if claim.stat().st_mtime < self.started - 1:
+                return None  # an earlier attempt's (a relaunch goes on in the same directory)
+            name = claim.read_text().strip()
+        except (OSError, ValueError):
+            return None
+        return self.run_dir / name if name else None
+
+    def _claim(self) -> Path | None:
+        """Claim the job's end: the stall directory to write stacks into, or None when another process
+        claimed it first."""
+        stamp = time.strftime("%Y%m%d-%H%M%S")
+        target = self.run_dir / f"stall-{stamp}"
+        claim = self.run_dir / CLAIM
+        with contextlib.suppress(FileNotFoundError):
+            if claim.stat().st_mtime < self.started - 1:
+                claim.unlink()  # an earlier attempt's
+        try:
+            fd = os.open(claim, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+        except FileExistsError:
+            return None
+        with os.fdopen(fd, "w") as fh:
+            fh.write(target.name)
+        return target
+
+    def _answer(self, target: Path, note: str = "") -> None:
+        """This process's stacks (every thread) and its progress, once, into `target`."""
+        if self.answered == target.name:
+            return
+        self.answered = target.name
+        target.mkdir(parents=True, exist_ok=True)
+        idle = time.monotonic() - PROGRESS.at
+        status = {
+            "label": PROGRESS.label,
+            "doing": PROGRESS.doing,
+            "waiting": PROGRESS.waiting,
+            "idle_s": round(idle, 1),
+            "where": where_stuck(),
+            "pid": os.getpid(),
+        }
+        path = target / f"{PROGRESS.label.replace(' ', '-')}.txt"
+        with open(path, "w") as fh:
+            fh.write(json.dumps(status) + "\n" + (note + "\n" if note else "") + "\n")
+            fh.flush()
+            faulthandler.dump_traceback(fh, all_threads=True)
+
+    def _others(self, target: Path) -> list[dict]:
+        """The statuses the processes wrote into `target` (waiting up to SETTLE_S for all of them)."""
+        deadline = time.monotonic() + (SETTLE_S if self.world_size > 1 else 0.0)
+        while True:
+            files = sorted(target.glob("*.txt"))
+            if len(files) >= self.world_size or time.monotonic() >= deadline:
+                break
+            time.sleep(0.1)
+        out = []
+        for path in files:
+            with contextlib.suppress(OSError, ValueError):
+                out.append(json.loads(path.read_text().splitlines()[0]))
+        return out
+
+    def end_job(self, line: str) -> None:
+        """Claim the end, write the stacks, print `line` and leave (from the watchdog thread)."""
+        target = self._claim()
+        if target is None:  # another process is ending the job: answer it instead
+            claimed = self._claimed()
+            if claimed is not None:
+                self._answer(claimed)
+            os._exit(FAULT_EXIT)
+        self._answer(target, note=line)
+        self._others(target)
+        os.write(2, f"ppo-fabric: error: {line}; stacks in {target}\n".encode())
+        os._exit(FAULT_EXIT)
+
+    def collective_timeout(self, cause: str) -> str | None:
+        """A collective of this rank timed out: ask every process for its stacks and name the one stuck
+        (the busy one longest without progress); returns the line to end with, None when another process
+        claimed the job's end first (it reports)."""
+        target = self._claim()
+        if target is None:
+            claimed = self._claimed()
+            if claimed is not None:
+                self._answer(claimed)
+            return None
+        self._answer(target, note=cause)
+        statuses = [s for s in self._others(target) if s.get("label") != PROGRESS.label]
+        busy = sorted((s for s in statuses if not s.get("waiting")), key=lambda s: -float(s["idle_s"]))
+        head = f"{PROGRESS.label}: {cause}"
+        if busy:
+            stuck = busy[0]
+            seen = f"{PROGRESS.label}'s {cause.removeprefix('its ')}"
+            head = f"{stuck['label']}: no progress for {stuck['idle_s']:.0f} s, in {stuck['where']} ({seen})"
+        return f"{head}; stacks in {target}"

@@ -1,0 +1,152 @@
+"""The env boundary (envs/guard.py): non-finite observations and rewards are found where they arrive and
+named (which key, which env, what value), a sub-env that fails is rebuilt with `env.on_error=restart`, and
+the collector turns either into one line naming the rank, the env and the env step."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import gymnasium as gym
+import numpy as np
+import pytest
+from gymnasium.vector import AutoresetMode, SyncVectorEnv
+from omegaconf import OmegaConf
+
+from ppo_fabric.collect.rollout import RolloutCollector
+from ppo_fabric.envs.guard import (
+    RESTART_INFO,
+    EnvFault,
+    FiniteCheck,
+    NonFiniteData,
+    RecreateOnError,
+    nonfinite_rows,
+)
+from ppo_fabric.envs.make import make_vector_env
+from ppo_fabric.learn.buffer import rollout_storage
+from ppo_fabric.models.agent import ActorCritic
+from tests.conftest import cartpole_env_cfg
+from tests.faulty_env import FaultyCartPole
+
+pytestmark = pytest.mark.unit
+
+
+def test_nonfinite_rows_names_the_first_row_key_and_kind() -> None:
+    obs = np.zeros((4, 3), dtype=np.float32)
+    assert nonfinite_rows(obs, np.zeros(4)) is None
+    obs[2, 1], obs[3, 0] = np.nan, np.inf
+    assert nonfinite_rows(obs, np.zeros(4)) == (2, "observation holds NaN")
+    assert nonfinite_rows(np.zeros((4, 3)), np.array([0, 0, 0, -np.inf])) == (3, "reward holds -inf")
+    rewards = np.array([0.0, np.inf, 0, 0])
+    assert nonfinite_rows(obs, rewards) == (1, "reward holds +inf")  # the first row wins
+    pos = np.zeros((2, 2))
+    pos[1, 0] = np.inf
+    found = nonfinite_rows({"img": np.full((2, 4, 4), 255, np.uint8), "pos": pos}, np.zeros(2))
+    assert found == (1, 'observation["pos"] holds +inf')  # integer pixels are never checked
+
+
+def _vector(fault: str, after: int, envs: int = 3, **kw: Any) -> SyncVectorEnv:
+    """Sub-env 1 goes wrong at its `after`-th step, the others never."""
+    fns = [
+        (lambda i=i: FaultyCartPole(fault=fault if i == 1 else "none", after=after, **kw))
+        for i in range(envs)
+    ]
+    return SyncVectorEnv(fns, autoreset_mode=AutoresetMode.SAME_STEP)
+
+
+@pytest.mark.parametrize(
+    ("fault", "what"), [("nan_obs", "observation holds NaN"), ("inf_reward", "reward holds +inf")]
+)
+def test_finite_check_raises_with_the_env_index(fault: str, what: str) -> None:
+    envs = FiniteCheck(_vector(fault, after=3))
+    envs.reset(seed=0)
+    for _ in range(2):
+        envs.step(np.zeros(3, dtype=np.int64))
+    with pytest.raises(NonFiniteData) as found:
+        envs.step(np.zeros(3, dtype=np.int64))
+    assert (found.value.index, found.value.what) == (1, what)
+
+
+def test_recreate_on_error_ends_the_episode_and_reports_the_cause() -> None:
+    built: list[FaultyCartPole] = []
+
+    def factory() -> gym.Env:
+        env = FaultyCartPole(fault="raise", after=2)
+        built.append(env)
+        return env
+
+    envs = SyncVectorEnv([lambda: RecreateOnError(factory)], autoreset_mode=AutoresetMode.SAME_STEP)
+    obs0, _ = envs.reset(seed=0)
+    obs1, *_ = envs.step(np.zeros(1, dtype=np.int64))
+    obs, reward, terminated, truncated, info = envs.step(np.zeros(1, dtype=np.int64))
+    assert len(built) == 2  # the failing env was replaced
+    assert truncated[0] and not terminated[0] and reward[0] == 0.0
+    assert np.array_equal(info["final_obs"][0], obs1[0])  # the last good observation, bootstrapped from
+    assert info["_" + RESTART_INFO][0]
+    assert info[RESTART_INFO][0] == "step raised RuntimeError: simulator crashed (injected by the test env)"
+    obs, *_, info = envs.step(np.zeros(1, dtype=np.int64))
+    assert RESTART_INFO not in info  # reported once
+
+
+def test_recreate_gives_up_after_resets_that_keep_failing() -> None:
+    class Broken(FaultyCartPole):
+        def reset(self, **kwargs: Any) -> Any:
+            raise OSError("simulator license expired")
+
+    with pytest.raises(EnvFault, match=r"reset raised OSError: simulator license expired, 3 times in a row"):
+        RecreateOnError(Broken).reset(seed=0)
+
+
+def _collector(env_cfg: Any, restarts: int | None = None) -> RolloutCollector:
+    envs, first = make_vector_env(env_cfg, 0, 0)
+    storage = rollout_storage(8, 4, envs.single_observation_space, envs.single_action_space, "cpu")
+    return RolloutCollector(envs, first, storage, 0.99, 0.95, label="player rank 1", max_restarts=restarts)
+
+
+def _policy(collector: RolloutCollector) -> ActorCritic:
+    cfg = OmegaConf.create(
+        {"encoder": "auto", "actor_hidden": [8], "critic_hidden": [8], "activation": "tanh"}
+    )
+    return ActorCritic(collector.envs.single_observation_space, collector.envs.single_action_space, cfg)
+
+
+def _faulty(fault: str, after: int, **extra: Any) -> Any:
+    cfg = cartpole_env_cfg(4, 500, **extra)
+    cfg.id = "tests.faulty_env:FaultyCartPole-v0"
+    cfg.kwargs = {"fault": fault, "after": after}
+    return cfg
+
+
+@pytest.mark.parametrize(
+    ("fault", "line"),
+    [
+        ("nan_obs", "player rank 1, env 0: observation holds NaN at env step 44"),  # 11th vector step x 4
+        ("inf_reward", "player rank 1, env 0: reward holds +inf at env step 44"),
+        (
+            "raise",
+            "player rank 1: env.step raised RuntimeError: simulator crashed (injected by the test env)",
+        ),
+    ],
+)
+def test_the_collector_names_rank_env_and_step(fault: str, line: str) -> None:
+    collector = _collector(_faulty(fault, after=11))
+    policy = _policy(collector)
+    collector.collect(policy, 0)  # 8 steps: fine
+    with pytest.raises(EnvFault) as raised:
+        collector.collect(policy, 32)
+    assert str(raised.value).startswith(line), raised.value
+    collector.envs.close()
+
+
+def test_restarts_are_counted_and_bounded() -> None:
+    """Every sub-env fails at its 6th step: four restarts at env step 24, four more 5 steps after each new
+    env's reset; with env.max_restarts=6 the second round ends the run."""
+    collector = _collector(_faulty("nan_obs", after=6, on_error="restart"), restarts=6)
+    policy = _policy(collector)
+    collector.collect(policy, 0)
+    assert collector.restarts == 4
+    stored = collector.storage
+    assert np.isfinite(stored["obs"].numpy()).all() and np.isfinite(stored["rewards"].numpy()).all()
+    assert stored["truncated"][5].all() and (stored["rewards"][5] == 0).all()  # the bad step, cut
+    with pytest.raises(EnvFault, match=r"more than env.max_restarts=6 restarts in the run"):
+        collector.collect(policy, 32)
+    collector.envs.close()

@@ -1,0 +1,73 @@
+"""A CartPole that goes wrong on purpose, for the fault tests (`env.id=tests.faulty_env:FaultyCartPole-v0`).
+
+`fault`: `nan_obs` (one observation entry NaN), `inf_reward`, `raise` (step raises), `hang` (step sleeps for
+ever, a stuck simulator) or `none`; it strikes at the `after`-th step of each env instance (a recreated env
+starts counting again), on rank `rank` (-1: every rank), for `times` steps in a row (0: from then on).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Any
+
+import gymnasium as gym
+import numpy as np
+from gymnasium.envs.classic_control import CartPoleEnv
+
+
+class FaultyCartPole(CartPoleEnv):
+    def __init__(
+        self,
+        fault: str = "none",
+        after: int = 50,
+        rank: int = -1,
+        times: int = 0,
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(**kwargs)
+        here = int(os.environ.get("LOCAL_RANK", os.environ.get("RANK", "0")))
+        self.fault = fault if rank < 0 or here == rank else "none"
+        self.after, self.times, self.steps = after, times, 0
+
+    def step(self, action: Any) -> Any:
+        obs, reward, terminated, truncated, info = super().step(action)
+        self.steps += 1
+        striking = self.steps >= self.after and (self.times == 0 or self.steps < self.after + self.times)
+        if not striking or self.fault == "none":
+            return obs, reward, terminated, truncated, info
+        if self.fault == "nan_obs":
+            obs = np.array(obs, dtype=np.float32)
+            obs[2] = np.nan
+        elif self.fault == "inf_reward":
+            reward = float("inf")
+        elif self.fault == "raise":
+            raise RuntimeError("simulator crashed (injected by the test env)")
+        elif self.fault == "hang":
+            while True:
+                time.sleep(1)
+        return obs, reward, terminated, truncated, info
+
+
+gym.register("FaultyCartPole-v0", entry_point=FaultyCartPole, max_episode_steps=500)
+
+
+def nan_matching_v0(after: int = 10, agent: str = "agent_1", **kwargs: Any) -> Any:
+    """PettingZoo's side: matching_v0 (3 agents) whose `agent` observes NaN from its `after`-th step on."""
+    from ppo_fabric.envs.toy_multiagent import MatchingGame
+
+    class NanMatching(MatchingGame):
+        steps = 0
+
+        def _observe(self, who: str) -> np.ndarray:
+            obs = super()._observe(who)
+            if who == agent and self.steps >= after:
+                obs = obs.copy()
+                obs[0] = np.nan
+            return obs
+
+        def step(self, actions: dict[str, Any]) -> Any:
+            self.steps += 1
+            return super().step(actions)
+
+    return NanMatching(**kwargs)

@@ -1,0 +1,129 @@
+"""A run that goes wrong ends with its cause in one line and its checkpoints intact: bad env data (NaN
+observations, inf rewards), an update that diverges, a checkpoint that holds NaN or cannot be written; or,
+with `env.on_error=restart`, it goes on and counts the restarts. In-process single-rank runs (~1 s each);
+the multi-process cases are in tests/strategies/test_faults_distributed.py."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+import ppo_fabric
+from ppo_fabric.config.values import compose
+from ppo_fabric.envs.guard import EnvFault
+from ppo_fabric.learn.update import UpdateDiverged
+from ppo_fabric.runs import checkpoint as ckpt
+from ppo_fabric.runs.metrics_file import read_rows, series
+from ppo_fabric.runs.session import CheckpointFault, RunSession
+
+# 4 envs x 32 steps: 128 env steps an update, each env's 32nd, 64th, 96th... step ends one
+SMALL = [
+    "logger.tensorboard=false",
+    "env.num_envs=4",
+    "algo.rollout_steps=32",
+    "algo.minibatch_size=64",
+    "algo.update_epochs=2",
+    "algo.total_steps=1024",
+]
+FAULTY = "env.id=tests.faulty_env:FaultyCartPole-v0"
+
+
+def _run(tmp_path: Path, *overrides: str) -> dict:
+    return ppo_fabric.run([*SMALL, f"hydra.run.dir={tmp_path}", *overrides])
+
+
+def _finite(path: Path) -> None:
+    state = ckpt.load(path, env_state="fresh")
+    assert ckpt.nonfinite_tensor(state) is None, path
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("fault", "what"), [("nan_obs", "observation holds NaN"), ("inf_reward", "reward holds +inf")]
+)
+def test_bad_env_data_ends_the_run_and_keeps_the_last_checkpoint(
+    tmp_path: Path, fault: str, what: str
+) -> None:
+    """Each env's 70th step is bad: update 3's rollout (env steps 256-384) stops at env step 4 x 70."""
+    with pytest.raises(EnvFault) as raised:
+        _run(tmp_path, FAULTY, f"+env.kwargs.fault={fault}", "+env.kwargs.after=70", "checkpoint.every=1")
+    assert str(raised.value) == f"rank 0, env 0: {what} at env step 280"
+    last = tmp_path / "checkpoints" / "last.ckpt"
+    assert ckpt.load(last, env_state="fresh")["env_step"] == 256  # update 2's, untouched
+    _finite(last)
+
+
+@pytest.mark.slow
+def test_restart_mode_rebuilds_failing_envs_and_counts_them(tmp_path: Path) -> None:
+    """Every env raises at its 100th step and at every 100th step of each rebuilt env: the run finishes,
+    counts the restarts in metrics.csv and summary.json, and never learns from a bad value."""
+    summary = _run(
+        tmp_path, FAULTY, "+env.kwargs.fault=raise", "+env.kwargs.after=100", "env.on_error=restart"
+    )
+    assert summary["total_env_steps"] == 1024 and summary["env_restarts"] == 8  # 256 steps: 2 per env
+    restarts = [v for _, v in series(read_rows(tmp_path / "metrics.csv"), "env/restarts")]
+    assert restarts[-1] == 8 and restarts == sorted(restarts)
+    _finite(tmp_path / "checkpoints" / "last.ckpt")
+
+
+@pytest.mark.slow
+def test_a_diverging_update_ends_the_run_before_any_checkpoint(tmp_path: Path) -> None:
+    with pytest.raises(UpdateDiverged, match=r"beyond algo.max_param_abs=1e\+06: the update diverged"):
+        _run(tmp_path, "algo.lr=1e9", "checkpoint.every=1")
+    assert not (tmp_path / "checkpoints").exists()
+
+
+def _session(tmp_path: Path) -> RunSession:
+    cfg, _ = compose([*SMALL, f"hydra.run.dir={tmp_path}"])
+    return RunSession(cfg, tmp_path, True, 128, None)
+
+
+def _state(value: float) -> dict:
+    return {"agent": {"w": torch.full((2, 2), value)}, "optimizer": {}}
+
+
+def test_a_nonfinite_checkpoint_is_never_written(tmp_path: Path) -> None:
+    session = _session(tmp_path)
+    good = session.write_checkpoint(_state(1.0), [{}], 1)
+    before = good.read_bytes()
+    with pytest.raises(CheckpointFault, match=r"at env step 256 was not written: agent.w holds NaN; "):
+        session.write_checkpoint(_state(math.nan), [{}], 2)
+    assert good.read_bytes() == before
+    assert sorted(p.name for p in good.parent.iterdir()) == ["last.ckpt"]  # no temp file, no best.ckpt
+    session.logger.close()
+
+
+def test_a_failed_write_keeps_the_previous_checkpoint(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    session = _session(tmp_path)
+    good = session.write_checkpoint(_state(1.0), [{}], 1)
+    before = good.read_bytes()
+    real_replace = ckpt.os.replace
+
+    def full_disk(src: str, dst: str) -> None:
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(ckpt.os, "replace", full_disk)
+    with pytest.raises(CheckpointFault) as raised:
+        session.write_checkpoint(_state(2.0), [{}], 2)
+    monkeypatch.setattr(ckpt.os, "replace", real_replace)
+    assert str(raised.value) == (
+        "could not write the checkpoint at env step 256 (OSError: [Errno 28] No space left on device); "
+        f"the last good checkpoint is {good}"
+    )
+    assert good.read_bytes() == before
+    assert sorted(p.name for p in good.parent.iterdir()) == ["last.ckpt"]
+    session.logger.close()
+
+
+@pytest.mark.slow
+def test_a_nan_observation_of_one_agent_names_the_agent(tmp_path: Path) -> None:
+    """PettingZoo parallel envs: the policy's rows are checked together; the line names the env copy and
+    the agent (every copy's agent_1 sees NaN at its 10th step: the first vector step that returns it)."""
+    with pytest.raises(EnvFault) as raised:
+        _run(tmp_path, "env=pettingzoo", "env.id=tests.faulty_env:nan_matching_v0")
+    assert str(raised.value) == "rank 0, env 0, agent 'agent_1': observation holds NaN at env step 40"

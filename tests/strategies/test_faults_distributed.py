@@ -1,0 +1,102 @@
+"""Faults in real jobs (`python -m ppo_fabric`, gloo on CPU): bad env data on a player, a stuck env in a
+1-process and in a 2-process job (the watchdog, and a collective that times out), and restarts counted
+over the ranks. Each job ends with one line naming the rank, its role and the cause, exit 1, every
+process's stacks in the run directory for a stall, and nothing left running."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import job_env, job_processes
+
+pytestmark = pytest.mark.multiprocess
+
+SMALL = ["logger.tensorboard=false", "env.num_envs=4", "algo.rollout_steps=32", "algo.minibatch_size=64",
+         "algo.update_epochs=2", "env.id=tests.faulty_env:FaultyCartPole-v0"]  # fmt: skip
+DECOUPLED = ["strategy=decoupled", "fabric.devices=2"]
+
+
+def _job(
+    tmp_path: Path, *overrides: str, supervisor: bool = False
+) -> tuple[subprocess.CompletedProcess, float]:
+    """The job, by default without the supervising parent (a process start fewer; the supervisor only
+    relays the exit status, which tests/app/test_supervisor.py covers)."""
+    run_dir = tmp_path / "run"
+    cmd = [sys.executable, "-m", "ppo_fabric", *SMALL, *overrides, f"hydra.run.dir={run_dir}"]
+    started = time.monotonic()
+    env = job_env(supervisor=supervisor)
+    proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+    took = time.monotonic() - started
+    deadline = time.monotonic() + 10
+    while job_processes(run_dir):
+        assert time.monotonic() < deadline, f"processes of the job outlived it: {job_processes(run_dir)}"
+        time.sleep(0.1)
+    return proc, took
+
+
+def _errors(proc: subprocess.CompletedProcess) -> list[str]:
+    return [line for line in proc.stderr.splitlines() if line.startswith("ppo-fabric: error: ")]
+
+
+def test_nan_observation_on_a_player_ends_the_job(tmp_path: Path) -> None:
+    proc, _ = _job(tmp_path, *DECOUPLED, "+env.kwargs.fault=nan_obs", "+env.kwargs.after=70")
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    assert _errors(proc)[0] == (
+        "ppo-fabric: error: player rank 0, env 0: observation holds NaN at env step 280"
+    ), proc.stderr[-3000:]
+    assert not (tmp_path / "run" / "summary.json").exists()
+
+
+def _stacks(run_dir: Path) -> dict[str, str]:
+    (stall,) = run_dir.glob("stall-*")
+    return {path.stem: path.read_text() for path in stall.glob("*.txt")}
+
+
+def test_a_stuck_env_ends_a_one_process_job_within_the_stall_timeout(tmp_path: Path) -> None:
+    proc, took = _job(
+        tmp_path, "+env.kwargs.fault=hang", "+env.kwargs.after=70", "stall_timeout=3", supervisor=True
+    )
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    (line,) = _errors(proc)
+    assert line.startswith("ppo-fabric: error: rank 0: no progress for "), line
+    assert "s, in env.step (faulty_env.py:" in line and ", in step) (stall_timeout=3); stacks in " in line
+    stacks = _stacks(tmp_path / "run")
+    assert list(stacks) == ["rank-0"] and "faulty_env.py" in stacks["rank-0"]
+    assert took < 60, took
+
+
+@pytest.mark.parametrize("how", ["watchdog", "collective timeout"])
+def test_a_stuck_player_is_named_with_every_rank_stacks(tmp_path: Path, how: str) -> None:
+    """With the watchdog the player names itself; with it off, the trainer's wait times out first and it
+    names the player from the stacks every process wrote."""
+    timing = ["stall_timeout=3"] if how == "watchdog" else ["stall_timeout=0", "collectives.timeout=6"]
+    proc, _ = _job(tmp_path, *DECOUPLED, "+env.kwargs.fault=hang", "+env.kwargs.after=70", *timing)
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    line = _errors(proc)[0]
+    assert line.startswith("ppo-fabric: error: player rank 0: no progress for "), proc.stderr[-3000:]
+    assert "in env.step (faulty_env.py:" in line, line
+    if how == "collective timeout":
+        assert "(trainer rank 1's wait outlasted collectives.timeout=6 s)" in line, line
+    stacks = _stacks(tmp_path / "run")
+    assert sorted(stacks) == ["player-rank-0", "trainer-rank-1"], stacks
+    assert "faulty_env.py" in stacks["player-rank-0"]
+    if how == "watchdog":  # the trainer answered the player's claim while it waited for the batch
+        assert '"waiting": true' in stacks["trainer-rank-1"]
+
+
+def test_restarts_are_summed_over_the_ranks(tmp_path: Path) -> None:
+    """Coupled, 2 ranks: every env of rank 1 raises at its 100th step and is rebuilt."""
+    proc, _ = _job(
+        tmp_path, "fabric.devices=2", "algo.total_steps=2048", "+env.kwargs.fault=raise",
+        "+env.kwargs.after=100", "+env.kwargs.rank=1", "env.on_error=restart",
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["env_restarts"] == 8  # rank 1's 4 envs x 256 steps: 2 each
+    assert proc.stderr.count("env rebuilt (restart") == 8
