@@ -74,6 +74,7 @@ TABLE: tuple[Entry, ...] = (
     Entry("update_layers", "what the direct minibatch-step layers save (optim.GradientStep)", "benchmark"),
     Entry("envpool_vs_gymnasium", "EnvPool vs gymnasium collection on CartPole", "benchmark"),
     Entry("selfplay_games", "self-play on tictactoe and connect four vs a random player", "benchmark"),
+    Entry("chaos", "LunarLander pipelined to 1M with faults injected, against undisturbed runs", "benchmark"),
     Entry("gpu_check", "the CUDA paths (resume, resume across devices, SIGTERM, ...), PASS or FAIL", "tool"),
     Entry("gpu_strategies", "coupled and decoupled on CUDA: SPS, GPU utilisation, time split", "tool"),
     Entry(

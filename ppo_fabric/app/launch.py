@@ -170,11 +170,23 @@ def launch(
     """Start the processes and run `main` on each; returns this rank's summary."""
     fabric = build_fabric(cfg, facts["world_size"])
     set_cuda_math(bool(cfg.fabric.get("tf32", True)))  # process-wide; a no-op without CUDA
-    if not under_fabric_run():  # under `fabric run` the processes exist and are set up already
-        fabric.launch()
-    # Every process composed the config itself (at its own time); rank 0's run directory wins.
     own = Path(run_dir_template).resolve()
-    run_dir = Path(fabric.broadcast(str(own), src=0))
+    try:
+        if not under_fabric_run():  # under `fabric run` the processes exist and are set up already
+            fabric.launch()
+        # Every process composed the config itself (at its own time); rank 0's run directory wins.
+        run_dir = Path(fabric.broadcast(str(own), src=0))
+    except Exception as exc:
+        if fabric.world_size == 1 or not timed_out(exc):
+            raise
+        text = f"{type(exc).__name__}: {exc}".strip().splitlines()[0]
+        os.write(
+            2,
+            f"ppo-fabric: error: the job's {fabric.world_size} processes did not all meet within "
+            f"collectives.timeout={float(cfg.collectives.timeout):g} s ({text}); a machine that starts "
+            "processes slowly needs a longer timeout\n".encode(),
+        )
+        os._exit(FAULT_EXIT)
     if own != run_dir:  # Hydra made this rank's own (timestamped) output directory: leave none behind
         with contextlib.suppress(OSError):
             own.rmdir()
