@@ -75,6 +75,11 @@ TABLE: tuple[Entry, ...] = (
     Entry("envpool_vs_gymnasium", "EnvPool vs gymnasium collection on CartPole", "benchmark"),
     Entry("selfplay_games", "self-play on tictactoe and connect four vs a random player", "benchmark"),
     Entry("chaos", "LunarLander pipelined to 1M with faults injected, against undisturbed runs", "benchmark"),
+    Entry(
+        "fault_checks_cost",
+        "what the fault checks cost on CleanRL's CartPole workload, piece by piece",
+        "benchmark",
+    ),
     Entry("gpu_check", "the CUDA paths (resume, resume across devices, SIGTERM, ...), PASS or FAIL", "tool"),
     Entry("gpu_strategies", "coupled and decoupled on CUDA: SPS, GPU utilisation, time split", "tool"),
     Entry(

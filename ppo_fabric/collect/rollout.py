@@ -21,7 +21,7 @@ from tensordict import TensorDict
 from ppo_fabric.collect.actors import Actor, acting_for
 from ppo_fabric.collect.numpy_actor import unsupported
 from ppo_fabric.envs.envpool_backend import is_async
-from ppo_fabric.envs.guard import RESTART_INFO, EnvFault, NonFiniteData, nonfinite_rows
+from ppo_fabric.envs.guard import RESTART_INFO, EnvFault, NonFiniteData, find_nonfinite
 from ppo_fabric.envs.make import (
     ACTION_MASK,
     EnvError,
@@ -241,7 +241,7 @@ class RolloutCollector:
             raise EnvFault(f"{self.label}: env.step raised {text} at env step {at:,}") from exc
         if self.multiagent:
             for g, (obs, rewards, *_rest) in zip(self.groups, results, strict=True):
-                found = nonfinite_rows(obs, rewards)
+                found = find_nonfinite(obs, rewards)
                 if found is not None:
                     agents = self.envs.groups[g.name]
                     row, what = found
@@ -300,7 +300,6 @@ class RolloutCollector:
         actors = [self._actor(g, policy) for g, policy in zip(groups, acting, strict=True)]
         mark = PROGRESS.mark  # the stall watchdog's heartbeat: one per step (runs/watchdog.py)
         for t in range(num_steps):
-            mark("acting")
             env_actions, next_states = [], []
             for i, g in enumerate(groups):
                 env_action, next_state = actors[i].act(t, obs[i], masks[i], g.state)

@@ -17,6 +17,7 @@ reaches training. The fresh env's first reset reports `env_restart` in its info:
 from __future__ import annotations
 
 import contextlib
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -87,18 +88,42 @@ def nonfinite_value(obs: Any, reward: Any = 0.0) -> str | None:
     return None if found is None else found[1]
 
 
+def _surely_finite(values: Any) -> bool:
+    """True when every value is finite, found in one BLAS call: the dot product of the values with
+    themselves is finite exactly when they all are (short of a square beyond float range, ~1e19 in float32,
+    which only sends the caller to the exact check). Integer arrays (pixels) are finite. ~1.5 us for a
+    vector step's observations, a third of `np.isfinite(...).all()` with its temporary."""
+    if isinstance(values, dict):
+        return all(_surely_finite(v) for v in values.values())
+    array = np.asarray(values)
+    if array.dtype.kind != "f":
+        return array.dtype.kind != "c" or bool(np.isfinite(array).all())
+    flat = array.reshape(-1)
+    return math.isfinite(flat @ flat)
+
+
+def find_nonfinite(obs: Any, rewards: Any) -> tuple[int, str] | None:
+    """`nonfinite_rows`, searched only when the quick test (`_surely_finite`) finds something."""
+    if _surely_finite(obs) and _surely_finite(rewards):
+        return None
+    return nonfinite_rows(obs, rewards)
+
+
 def check_step(obs: Any, rewards: Any, info: dict[str, Any]) -> None:
     """Raise `NonFiniteData` for a vector step (or reset, with zero rewards) whose observations, rewards
     or truncated episodes' final observations hold a NaN or an inf. Rows are env indices (gymnasium's
-    vector envs, and EnvPool's, whose async pool keeps a row per env too)."""
-    found = nonfinite_rows(obs, rewards)
+    vector envs, and EnvPool's, whose async pool keeps a row per env too). The common case, all finite,
+    costs one dot product per array; only a suspect step is searched row by row."""
+    found = find_nonfinite(obs, rewards)
     if found is not None:
         raise NonFiniteData(*found)
     if "_final_obs" in info:
         for j in np.flatnonzero(info["_final_obs"]):
-            what = nonfinite_value(info["final_obs"][j])
-            if what is not None:
-                raise NonFiniteData(int(j), what.replace("observation", "final observation", 1))
+            final = info["final_obs"][j]
+            if not _surely_finite(final):
+                what = nonfinite_value(final)
+                if what is not None:
+                    raise NonFiniteData(int(j), what.replace("observation", "final observation", 1))
 
 
 class FiniteCheck(VectorWrapper):

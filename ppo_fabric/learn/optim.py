@@ -24,6 +24,7 @@ import torch
 from lightning_fabric import Fabric
 from lightning_fabric.plugins.precision import Precision
 from lightning_fabric.strategies import Strategy
+from torch.nn.utils import get_total_norm
 
 from ppo_fabric.compat.private import (
     fabric_inner_module,
@@ -47,15 +48,16 @@ def clip_grad_norm_(grads: list[torch.Tensor], max_norm: float) -> torch.Tensor:
 
 
 def grad_norm(grads: list[torch.Tensor]) -> torch.Tensor:
-    """The 2-norm of all gradients together (what `clip_grad_norm_` computes), without clipping."""
-    return torch.linalg.vector_norm(torch.stack(foreach_norm(grads, 2.0)), 2.0)
+    """The 2-norm of all gradients together, without clipping (`algo.max_grad_norm=0`): torch's public
+    `get_total_norm`, off the direct path's hot loop (which clips, and has the norm then)."""
+    return get_total_norm(grads, 2.0)
 
 
-def finite_flag(total: torch.Tensor, loss: torch.Tensor | None) -> torch.Tensor:
-    """1.0 when the gradient norm (and `loss`, when given) is finite, else 0.0, as a float32 tensor on
-    their device: no host sync, so a step can be skipped inside the fused Adam kernel (`found_inf`)."""
-    value = total if loss is None else total + loss.detach()
-    return torch.isfinite(value).to(torch.float32)
+def nonfinite_flag(total: torch.Tensor) -> torch.Tensor:
+    """1.0 when the gradient norm is NaN or infinite, else 0.0: a float32 tensor on its device, made in two
+    ops and no host sync (`total - total` is 0 or NaN), as the fused Adam kernel's `found_inf` takes it. A
+    loss that is not finite shows here too: its gradients are not finite either."""
+    return torch.nan_to_num(total - total, nan=1.0)
 
 
 def _plain_precision(fabric: Fabric, methods: tuple[str, ...]) -> bool:
@@ -98,9 +100,11 @@ def _plain_fused_adam(optimizer: Any) -> bool:
 
 class GradientStep:
     """Clip the gradients to `max_norm` (<= 0: no clipping) and step the optimiser, after `backward`;
-    a step whose gradient norm (or `loss`) is not finite is skipped, parameters and optimiser state
-    untouched. `__call__` returns 1.0 for a step taken, 0.0 for one skipped (a tensor: no host sync on the
-    direct path, whose fused Adam kernel skips the step itself, as it does for a gradient scaler's inf).
+    a step whose gradient norm is not finite is skipped, parameters and Adam's moments untouched.
+    `__call__` returns 1.0 for a step skipped, 0.0 for one taken, as a tensor: the direct path never waits
+    for the device, its fused Adam kernel skips the step itself (`found_inf`, as for a gradient scaler's
+    inf). Adam's step count is advanced before the kernel as always; `settle()` gives the skipped steps'
+    counts back once the update knows it skipped some (rare), instead of one more op per minibatch step.
 
     Built once per update (an optimiser state loaded since is picked up by the next update's). The direct
     path holds each parameter group's lists of parameters and Adam states; it is taken on a call where
@@ -114,6 +118,7 @@ class GradientStep:
         self.direct = _plain_layers(fabric, optimizer) and _plain_fused_adam(inner)
         self.params = [p for group in inner.param_groups for p in group["params"]]
         self._groups: list[tuple[dict[str, Any], list[torch.Tensor], list[list[torch.Tensor]]]] | None = None
+        self._counted: list[torch.Tensor] = []  # the direct path's skip flags: steps it counted anyway
 
     def _states(self) -> list[tuple[dict[str, Any], list[torch.Tensor], list[list[torch.Tensor]]]] | None:
         """Per group: (options, params, [exp_avgs, exp_avg_sqs, steps]); None until every state exists."""
@@ -129,7 +134,7 @@ class GradientStep:
             groups.append((group, params, lists))
         return groups
 
-    def __call__(self, loss: torch.Tensor | None = None) -> torch.Tensor:
+    def __call__(self) -> torch.Tensor:
         if self.direct and self._groups is None:
             self._groups = self._states()
         grads = [p.grad for p in self.params]
@@ -139,14 +144,14 @@ class GradientStep:
             or any(g is None for g in grads)
             or not all(isinstance(group["lr"], float) for group, _, _ in groups)
         ):
-            return self._layered(loss)
+            return self._layered()
         with torch.no_grad():
             total = clip_grad_norm_(grads, self.max_norm) if self.max_norm > 0 else grad_norm(grads)
-            taken = finite_flag(total, loss)
-            skipped = 1.0 - taken  # the kernel's `found_inf`: 1.0 leaves parameters and states as they are
+            skipped = nonfinite_flag(total)  # the kernel's `found_inf`: 1.0 leaves everything as it is
+            self._counted.append(skipped)
             for group, params, (exp_avgs, exp_avg_sqs, steps) in groups:
                 beta1, beta2 = group["betas"]
-                foreach_add_(steps, [taken] * len(steps))  # a skipped step does not count
+                foreach_add_(steps, 1)
                 fused_adam_(
                     params,
                     [p.grad for p in params],
@@ -164,9 +169,20 @@ class GradientStep:
                     grad_scale=None,
                     found_inf=skipped,
                 )
-        return taken
+        return skipped
 
-    def _layered(self, loss: torch.Tensor | None) -> torch.Tensor:
+    def settle(self) -> None:
+        """Give back the step counts of the direct path's skipped steps (after the update, which read how
+        many it skipped): Adam's state is then what it would be had those steps never been tried."""
+        if not self._counted:
+            return
+        back = float(torch.stack(self._counted).sum())
+        self._counted = []
+        if back and self._groups is not None:
+            for _, _, (_, _, steps) in self._groups:
+                foreach_add_(steps, -back)
+
+    def _layered(self) -> torch.Tensor:
         """Through Fabric: clipping, then `optimizer.step()` unless the norm is not finite (one host sync,
         on this path only). A gradient scaler (16-mixed) skips such steps itself and must see every one to
         lower its scale, so with one the step is always called."""
@@ -179,7 +195,7 @@ class GradientStep:
             total = grad_norm(grads) if grads else None
         if total is None:  # nothing to step on
             total = torch.zeros((), device=self.fabric.device)
-        taken = finite_flag(total.detach(), loss)
-        if getattr(self.fabric.strategy.precision, "scaler", None) is not None or bool(taken):
-            self.optimizer.step()
-        return taken
+        skipped = nonfinite_flag(total.detach().float())
+        if getattr(self.fabric.strategy.precision, "scaler", None) is not None or not bool(skipped):
+            self.optimizer.step()  # a scaler skips a non-finite step itself, counting nothing
+        return skipped
