@@ -41,6 +41,15 @@ class ChaosLunarLander(LunarLander):
         super().__init__(**kwargs)
         self.state_dir = Path(state_dir) if state_dir else None
         self.gap, self.burst = int(gap), int(burst)
+        self.resetting = False
+
+    def reset(self, **kwargs: Any) -> Any:
+        """LunarLander's reset takes a step of its own: that one is no env step of the run's, no fault."""
+        self.resetting = True
+        try:
+            return super().reset(**kwargs)
+        finally:
+            self.resetting = False
 
     def _claim(self) -> str | None:
         """The next fault not yet fired, claimed by this env; None when all have fired or another env of
@@ -61,7 +70,7 @@ class ChaosLunarLander(LunarLander):
 
     def step(self, action: Any) -> Any:
         obs, reward, terminated, truncated, info = super().step(action)
-        if self.state_dir is None:
+        if self.state_dir is None or self.resetting:
             return obs, reward, terminated, truncated, info
         _Process.since += 1
         if _Process.burst_left > 0:
