@@ -18,7 +18,8 @@ __all__ = ["Policy", "load_policy", "run"]
 def run(overrides: list[str]) -> dict[str, Any]:
     """Train with Hydra-style overrides, e.g. `run(["env.id=Acrobot-v1", "algo.total_steps=1e5"])`; returns
     the run's summary (what `summary.json` holds). A config that cannot run raises `ConfigError` (a
-    ValueError with a one-line message)."""
+    ValueError with a one-line message); a run that goes wrong raises `ppo_fabric.config.faults.RunFault`
+    (bad env data, a diverged update, a checkpoint that could not be written), its message one line."""
     from ppo_fabric.cli import run as _run
 
     return _run(overrides)
