@@ -128,7 +128,10 @@ def main() -> None:
     pieces = alternated(
         {
             "boundary check (one vector step)": (lambda: None, lambda: check_step(*stepped[:2], stepped[4])),
-            "the wrapper's indirection": (lambda: vector.step, lambda: passing.env.step),
+            "the wrapper's indirection (attribute lookup only)": (
+                lambda: vector.step,
+                lambda: passing.env.step,
+            ),
             "heartbeat mark": (lambda: None, lambda: PROGRESS.mark("env.step")),
             "minibatch step end (skip flag, found_inf)": (kernels_only, finish),
             "magnitude check (per update)": (lambda: None, lambda: check_magnitude(learner, 1e6, 0)),
@@ -140,7 +143,7 @@ def main() -> None:
     minibatches = int(cfg.algo.update_epochs) * (steps * envs // int(cfg.algo.minibatch_size))
     per_iteration_us = (
         steps * pieces["boundary check (one vector step)"]["cost_us"]
-        + steps * pieces["the wrapper's indirection"]["cost_us"]
+        + steps * pieces["the wrapper's indirection (attribute lookup only)"]["cost_us"]
         + steps * pieces["heartbeat mark"]["cost_us"]
         + minibatches * pieces["minibatch step end (skip flag, found_inf)"]["cost_us"]
         + pieces["magnitude check (per update)"]["cost_us"]
@@ -158,7 +161,7 @@ def main() -> None:
         f"{args.repeats} alternated blocks of 2,000 calls.", "",
         "| piece | without (us) | with (us) | cost (us) | per iteration |", "|---|---:|---:|---:|---:|",
     ]  # fmt: skip
-    counts = {"boundary check (one vector step)": steps, "the wrapper's indirection": steps, "heartbeat mark": steps,
+    counts = {"boundary check (one vector step)": steps, "the wrapper's indirection (attribute lookup only)": steps, "heartbeat mark": steps,
               "minibatch step end (skip flag, found_inf)": minibatches, "magnitude check (per update)": 1}  # fmt: skip
     for name, p in pieces.items():
         lines.append(

@@ -186,7 +186,6 @@ class RecreateOnError(gym.Wrapper):
             obs, reward, terminated, truncated, info = self.env.step(action)
             what = nonfinite_value(obs, reward)
         except Exception as exc:  # noqa: BLE001 - see reset
-            what = None
             self._recreate(f"step raised {_one_line(exc)}")
             return self.last_obs, 0.0, False, True, {}
         if what is not None:
