@@ -23,13 +23,10 @@ CONF = ROOT / "conf"
 MARKER = "<!-- config-reference -->"
 LINK = re.compile(r"(\]\()([^)\s#]+)")
 GROUPS = ["algo", "env", "model", "fabric", "logger", "selfplay", "exp"]  # conf/config.yaml's defaults
-# Where the conf/ comments' `README "<section>"` now lives.
-SECTIONS = {
-    "Compiled update": "../how-to/gpu.md#compiled-update-and-cuda-math",
-    "NumPy rollout": "../performance.md#numpy-rollout",
-    "Policy lag": "../how-to/strategies.md#policy-lag",
-    "EnvPool backend": "../how-to/pixels.md#envpool-backend",
-}
+# A conf/ comment's pointer at a docs page (`docs/how-to/pixels.md#envpool-backend`): (page, anchor).
+DOCS_REF = re.compile(r"\bdocs/((?:[\w-]+/)*[\w-]+\.md)(?:#([\w-]+))?")
+FENCE = re.compile(r"^```.*?^```", re.S | re.M)
+HERE = "reference"  # the configuration reference's folder in docs/, which its links are relative to
 # Meanings of the keys conf/ leaves without a comment.
 MEANINGS = {
     "algo.update_epochs": "passes over the batch per update",
@@ -154,10 +151,31 @@ def composed(overrides: list[str]) -> dict[str, Any]:
     return flat(OmegaConf.to_container(compose(overrides)[0], resolve=False))
 
 
+def headings(page: str) -> dict[str, str]:
+    """Anchor -> title of the headings of docs/`page` (outside code blocks), anchors as the toc extension
+    makes them (mkdocs.yml keeps its default slugify); the first heading, the page's title, also under ""."""
+    from markdown.extensions.toc import slugify
+
+    titles: dict[str, str] = {}
+    for title in re.findall(r"^#{1,6} (.+?)\s*#*$", FENCE.sub("", (ROOT / "docs" / page).read_text()), re.M):
+        plain = re.sub(r"\[([^]]*)\]\([^)]*\)", r"\1", title).replace("`", "")
+        titles.setdefault("", plain)
+        titles.setdefault(slugify(plain, "-"), plain)
+    return titles
+
+
 def text(comment: str) -> str:
-    """A conf/ comment as Markdown: its README sections as links to the docs pages now holding them."""
-    linked = re.sub(r'README "([^"]+)"', lambda m: f"[{m[1]}]({SECTIONS.get(m[1], '')})", comment)
-    return linked.replace("<", "&lt;")
+    """A conf/ comment as Markdown: its pointers at docs pages (`docs/PAGE.md#ANCHOR`) as links titled with
+    the heading they point at (mkdocs' strict build then checks page and anchor)."""
+
+    def link(match: re.Match[str]) -> str:
+        page, anchor = match[1], match[2] or ""
+        path = ROOT / "docs" / page
+        title = headings(page).get(anchor) if path.is_file() else None
+        target = posixpath.relpath(page, HERE) + (f"#{anchor}" if anchor else "")
+        return f"[{title or match[0]}]({target})"
+
+    return DOCS_REF.sub(link, comment).replace("<", "&lt;")
 
 
 def table(rows: dict[str, Any], meanings: dict[str, str], head: str = "default") -> str:

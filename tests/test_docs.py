@@ -1,18 +1,22 @@
 """The README and the docs site (docs/, mkdocs.yml) against the code: the README stays a front door, every
 relative link resolves, every documented `python -m ppo_fabric` command composes with keys that exist, the
-architecture page's layers are the ones tests/test_architecture.py enforces, and the generated
-configuration reference describes every key. `make test` also builds the site with `mkdocs build --strict`."""
+architecture page's layers are the ones tests/test_architecture.py enforces, the generated
+configuration reference describes every key, and conf/ and the notebooks point at docs pages and headings
+that exist (never at README sections). `make test` also builds the site with `mkdocs build --strict`."""
 
 from __future__ import annotations
 
 import ast
+import functools
 import importlib.util
+import json
 import re
 import shlex
 from pathlib import Path
 from types import ModuleType
 
 import pytest
+from markdown.extensions.toc import slugify
 from omegaconf import OmegaConf
 
 from ppo_fabric.config.values import ConfigError, check_values, compose
@@ -37,9 +41,10 @@ def hooks() -> ModuleType:
 
 
 def slug(heading: str) -> str:
-    """Python-Markdown's toc anchor of a heading."""
-    text = re.sub(r"[^\w\s-]", "", heading.replace("`", "").strip().lower())
-    return re.sub(r"[\s]+", "-", text)
+    """Python-Markdown's toc anchor of a heading: its text (links, code spans and emphasis as plain text)
+    through the toc extension's default slugify, which mkdocs.yml keeps (`toc: permalink: true` only)."""
+    text = re.sub(r"\[([^]]*)\]\([^)]*\)", r"\1", heading).replace("`", "").replace("**", "")
+    return slugify(text.strip(), "-")
 
 
 def links(path: Path) -> list[str]:
@@ -166,3 +171,112 @@ def test_files_from_outside_docs_exist() -> None:
     outside = hooks().outside_files()
     assert "notebooks/quickstart.ipynb" in outside and any(p.endswith(".png") for p in outside)
     assert [p for p in outside if not (REPO / p).is_file()] == []
+
+
+# --------------------------------------------------------------- pointers from conf/ and the notebooks
+# `docs/how-to/pixels.md#envpool-backend`: a docs page and one of its headings, as conf/ comments and the
+# notebooks cite them (docs/hooks.py turns those in conf/ into links in the configuration reference).
+DOCS_REF = re.compile(r"\bdocs/((?:[\w-]+/)*[\w-]+\.md)(?:#([\w-]+))?")
+RESULT_REF = re.compile(r"\bbenchmarks/[\w/*.-]*\w")  # a benchmark script, result file or glob of them
+CONF_FILES = sorted((REPO / "conf").rglob("*.yaml"))
+NOTEBOOKS = sorted((REPO / "notebooks").glob("*.ipynb"))
+SNIPPET = re.compile(r'^--8<-- "([^"]+)"$', re.M)
+
+
+def anchors(markdown: str) -> set[str]:
+    """The toc anchors of a Markdown text's headings outside code blocks; a repeated one gets `_1`, `_2`,
+    ... as Python-Markdown numbers them."""
+    found: set[str] = set()
+    for heading in re.findall(r"^#{1,6} (.+?)\s*#*$", FENCE.sub("", markdown), re.M):
+        base = anchor = slug(heading)
+        n = 0
+        while anchor in found:
+            n += 1
+            anchor = f"{base}_{n}"
+        found.add(anchor)
+    return found
+
+
+def page_text(page: str, generated: bool = False) -> str:
+    """docs/`page` as the site renders it: snippets (`--8<-- "path"`) included; with `generated`, the
+    configuration reference's marker replaced by the tables docs/hooks.py makes at build time (seconds)."""
+    text = SNIPPET.sub(lambda m: (REPO / m[1]).read_text(), (REPO / "docs" / page).read_text())
+    return text.replace("<!-- config-reference -->", generated_reference()) if generated else text
+
+
+@functools.cache
+def generated_reference() -> str:
+    return hooks().config_reference()
+
+
+def pointer_text(path: Path) -> str:
+    """What a conf/ file or a notebook says: the YAML text whole (comments, help template); a notebook's
+    cells' sources, outputs left out."""
+    if path.suffix == ".ipynb":
+        return "\n".join("".join(cell["source"]) for cell in json.loads(path.read_text())["cells"])
+    return path.read_text()
+
+
+def has_anchor(page: str, anchor: str, generated: bool) -> bool:
+    """Whether docs/`page` has the heading `anchor`; true, unchecked, for a page with generated headings
+    unless `generated`."""
+    text = page_text(page)
+    if anchor in anchors(text):
+        return True
+    if not GENERATED.search(text):
+        return False
+    return not generated or anchor in anchors(page_text(page, generated=True))
+
+
+def broken_pointers(text: str, generated: bool = False) -> list[str]:
+    """The docs pointers of `text` whose page or heading does not exist, the benchmark paths that match no
+    file, and every mention of a README (its sections move; a docs page and heading is what to cite). An
+    anchor of a page with generated headings is checked only with `generated` (it builds the tables)."""
+    broken = [f"README: {line.strip()}" for line in text.splitlines() if "README" in line]
+    for match in DOCS_REF.finditer(text):
+        page, anchor = match[1], match[2]
+        if not (REPO / "docs" / page).is_file():
+            broken.append(f"no page: {match[0]}")
+        elif anchor and not has_anchor(page, anchor, generated):
+            broken.append(f"no heading: {match[0]}")
+    broken += [f"no file: {m[0]}" for m in RESULT_REF.finditer(text) if not any(REPO.glob(m[0]))]
+    return broken
+
+
+@pytest.mark.parametrize("path", [*CONF_FILES, *NOTEBOOKS], ids=lambda p: str(p.relative_to(REPO)))
+def test_conf_and_notebooks_point_at_docs_headings_that_exist(path: Path) -> None:
+    assert broken_pointers(pointer_text(path)) == []
+
+
+@pytest.mark.slow
+def test_pointers_into_the_generated_reference_exist() -> None:
+    """Anchors of the configuration reference's generated tables (`#defaults`, `#env`, ...)."""
+    cited = [
+        m[0]
+        for path in [*CONF_FILES, *NOTEBOOKS]
+        for m in DOCS_REF.finditer(pointer_text(path))
+        if m[2] and GENERATED.search(page_text(m[1]))
+    ]
+    assert cited, "nothing cites the generated reference's headings: this test checks nothing"
+    assert broken_pointers("\n".join(cited), generated=True) == []
+
+
+def test_the_pointer_check_can_fail() -> None:
+    assert (
+        broken_pointers(
+            "backend: gymnasium  # envpool: docs/how-to/pixels.md#envpool-backend, docs/performance.md\n"
+            "# docs/reference/configuration.md#normalisation; benchmarks/results/learning_classic.md\n"
+        )
+        == []
+    )
+    assert broken_pointers(
+        '# README "EnvPool backend"\n'
+        "# docs/how-to/pixels.md#envpool (the heading is EnvPool backend)\n"
+        "# docs/how-to/nosuch.md#x; benchmarks/results/nosuch*.md\n"
+    ) == [
+        'README: # README "EnvPool backend"',
+        "no heading: docs/how-to/pixels.md#envpool",
+        "no page: docs/how-to/nosuch.md#x",
+        "no file: benchmarks/results/nosuch*.md",
+    ]
+    assert anchors("# A\n## `env`\n```\n# not a heading\n```\n## env\n") == {"a", "env", "env_1"}

@@ -46,7 +46,7 @@ from gymnasium.vector.utils import batch_space
 from omegaconf import DictConfig, OmegaConf
 
 from ppo_fabric.config.values import acting_envs
-from ppo_fabric.envs.guard import check_step
+from ppo_fabric.envs.guard import check_step, error_line
 
 BACKENDS = ("gymnasium", "envpool")
 INSTALL_HINT = "pip install 'ppo-fabric[envpool]'"
@@ -214,7 +214,7 @@ def make_pool(
         Exception
     ) as exc:  # EnvPool raises assorted types (AssertionError, KeyError, TypeError) for bad kwargs
         raise EnvPoolError(
-            f"env.id={env_id!r} with env.backend=envpool rejected its options: {str(exc).splitlines()[0][:160]}"
+            f"env.id={env_id!r} with env.backend=envpool rejected its options: {error_line(exc)}"
         ) from exc
 
 

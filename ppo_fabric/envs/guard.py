@@ -200,6 +200,17 @@ def _one_line(exc: BaseException) -> str:
     return text.splitlines()[0] if text else type(exc).__name__
 
 
+def error_line(exc: BaseException, limit: int = 300) -> str:
+    """The first non-empty line of `exc`'s message (its type name when it has none), whole: one longer than
+    `limit` characters is cut at the last space before it, with "...", never inside a word."""
+    line = next((ln.strip() for ln in str(exc).splitlines() if ln.strip()), type(exc).__name__)
+    if len(line) <= limit:
+        return line
+    cut = line[: limit - 3].rstrip()
+    space = cut.rfind(" ")
+    return (cut[:space].rstrip() if space > 0 else cut) + "..."
+
+
 def restartable(factory: Callable[[], gym.Env]) -> gym.Env:
     """`factory`'s env, rebuilt by `RecreateOnError` when it fails (a module-level function so that a
     `functools.partial` of it pickles, as checkpoints pickle the vector env's factories)."""

@@ -16,7 +16,7 @@ from gymnasium.vector import AsyncVectorEnv, AutoresetMode, SyncVectorEnv, Vecto
 from omegaconf import DictConfig, OmegaConf
 
 from ppo_fabric.envs import atari, envpool_backend
-from ppo_fabric.envs.guard import ON_ERROR, FiniteCheck, restartable
+from ppo_fabric.envs.guard import ON_ERROR, FiniteCheck, error_line, restartable
 from ppo_fabric.envs.normalize import (
     NormalizeObservation,
     NormalizeReward,
@@ -262,10 +262,19 @@ def _import_env_module(env_id: str) -> Any:
         try:
             module = importlib.import_module(module_name)
         except ImportError as exc:
-            raise EnvError(f"env.id={env_id!r}: cannot import module {module_name!r} ({exc})") from exc
+            raise EnvError(
+                f"env.id={env_id!r}: cannot import module {module_name!r} ({error_line(exc)})"
+            ) from exc
+        except Exception as exc:  # the module itself fails: a SyntaxError, an error at import time
+            raise EnvError(
+                f"env.id={env_id!r}: cannot import module {module_name!r}, it raised "
+                f"{type(exc).__name__}: {error_line(exc)}"
+            ) from exc
         candidate = getattr(module, attr, None)
         if callable(candidate) and attr not in gym.registry:
             factory = candidate
+        elif not _registered(attr):
+            _refuse_missing_callable(env_id, module, attr, candidate)
     if env_id.split(":")[-1].startswith("ALE/"):
         try:
             import ale_py
@@ -280,6 +289,26 @@ def _import_env_module(env_id: str) -> Any:
             raise EnvError(f"env.id={env_id!r} needs MinAtar: pip install 'ppo-fabric[minatar]'") from exc
         register_envs()
     return factory
+
+
+def _registered(name: str) -> bool:
+    """Whether gymnasium knows `name` as an id, or as an env name in any version (`CartPole`)."""
+    return name in gym.registry or any(spec.name == name for spec in gym.registry.values())
+
+
+def _refuse_missing_callable(env_id: str, module: Any, attr: str, candidate: Any) -> None:
+    """EnvError for `module:attr` whose `attr` is no callable of the module and no env it registered, when
+    `attr` reads as a Python name (`make_envv`); an id-like `attr` (`MyEnv-v0`) is left to gymnasium's
+    registry, whose error names the closest registered ids."""
+    if not attr.isidentifier():
+        return
+    where = f"env.id={env_id!r}: module {module.__name__!r}"
+    if candidate is not None:
+        raise EnvError(f"{where} has {attr!r}, but it is not callable ({type(candidate).__name__})")
+    names = [n for n in dir(module) if not n.startswith("_") and callable(getattr(module, n, None))]
+    close = difflib.get_close_matches(attr, names, n=3, cutoff=0.6)
+    hint = f"; did you mean {', '.join(close)}?" if close else ""
+    raise EnvError(f"{where} has no attribute {attr!r} (no callable, no registered env of that name){hint}")
 
 
 def _gymnasium_factory(env_id: str, factory: Callable[..., Any]) -> Callable[..., gym.Env]:
@@ -321,16 +350,25 @@ def make_env(env_cfg: DictConfig, render_mode: str | None = None, action_mask: i
         env = gym.make(target, **kwargs)
     except gym.error.DependencyNotInstalled as exc:
         extra = extra_for(env_id)
-        hint = f"pip install 'ppo-fabric[{extra}]'" if extra else str(exc).splitlines()[0]
+        hint = f"pip install 'ppo-fabric[{extra}]'" if extra else error_line(exc)
         raise EnvError(f"env.id={env_id!r} needs an optional dependency: {hint}") from exc
     except (gym.error.NameNotFound, gym.error.VersionNotFound, gym.error.UnregisteredEnv) as exc:
         close = difflib.get_close_matches(env_id.split(":")[-1], list(gym.registry), n=3, cutoff=0.75)
         hint = f"; did you mean {', '.join(close)}?" if close else "; see gymnasium.pprint_registry()"
         raise EnvError(f"env.id={env_id!r} is not a registered gymnasium environment{hint}") from exc
     except gym.error.Error as exc:
-        raise EnvError(f"env.id={env_id!r}: {str(exc).splitlines()[0]}") from exc
+        raise EnvError(f"env.id={env_id!r}: {error_line(exc)}") from exc
+    except EnvError:
+        raise  # a factory's result refused in one line already (_gymnasium_factory)
     except TypeError as exc:
-        raise EnvError(f"env.id={env_id!r} rejected env.kwargs: {str(exc)[:120]}") from exc
+        raise EnvError(f"env.id={env_id!r} rejected env.kwargs: {error_line(exc)}") from exc
+    except (ValueError, AssertionError) as exc:  # a value the env refuses (LunarLander's gravity=5)
+        if not env_cfg.kwargs:
+            raise  # the env's own failure, not the user's kwargs: its traceback is what helps
+        given = OmegaConf.to_container(env_cfg.kwargs, resolve=True)
+        raise EnvError(
+            f"env.id={env_id!r} with env.kwargs={given}: {type(exc).__name__}: {error_line(exc)}"
+        ) from exc
     try:
         mode = mask_velocity_mode(env_cfg.get("mask_velocity", False))
         if mode is not None:

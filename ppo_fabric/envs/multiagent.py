@@ -21,6 +21,7 @@ import numpy as np
 from omegaconf import DictConfig, OmegaConf
 from pettingzoo import AECEnv
 
+from ppo_fabric.envs.guard import error_line
 from ppo_fabric.envs.make import EnvError, env_action, env_seeds
 from ppo_fabric.envs.turn_based import TurnBasedVectorEnv, split_observation_space
 
@@ -43,7 +44,9 @@ def make_parallel_env(env_cfg: DictConfig) -> Any:
         module = importlib.import_module(module_name)
     except ImportError as exc:
         hint = " (pip install 'ppo-fabric[mpe]')" if module_name.startswith("mpe2") else ""
-        raise EnvError(f"env.id={env_id!r}: cannot import module {module_name!r}{hint} ({exc})") from exc
+        raise EnvError(
+            f"env.id={env_id!r}: cannot import module {module_name!r}{hint} ({error_line(exc)})"
+        ) from exc
     if not attr:  # Parallel first: modules offering both (MPE) keep the simultaneous-move API
         attr = "parallel_env" if callable(getattr(module, "parallel_env", None)) else "env"
     factory = getattr(module, attr, None)
@@ -56,7 +59,7 @@ def make_parallel_env(env_cfg: DictConfig) -> Any:
     try:
         env = factory(**kwargs)
     except TypeError as exc:
-        raise EnvError(f"env.id={env_id!r} rejects env.kwargs={kwargs}: {exc}") from exc
+        raise EnvError(f"env.id={env_id!r} rejects env.kwargs={kwargs}: {error_line(exc)}") from exc
     if not hasattr(env, "possible_agents") or not hasattr(env, "step"):
         raise EnvError(f"env.id={env_id!r} did not return a PettingZoo Parallel or AEC API env")
     return env

@@ -17,6 +17,7 @@ Loading never runs code from the file: checkpoints are read with `torch.load(wei
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -63,6 +64,11 @@ class Policy:
             self._moments.load_state_dict(obs_normalization)
         box = isinstance(action_space, gym.spaces.Box)
         self._clip = (action_space.low, action_space.high) if box else None
+        # The shapes an observation is checked against in `predict` (a tuple comparison per call).
+        dict_space = isinstance(observation_space, gym.spaces.Dict)
+        subspaces = observation_space.spaces.items() if dict_space else ()
+        self._shapes: dict[str, tuple[int, ...]] = {k: tuple(sub.shape or ()) for k, sub in subspaces}
+        self._shape = tuple(observation_space.shape or ())
 
     def __repr__(self) -> str:
         return (
@@ -121,22 +127,54 @@ class Policy:
 
     def _batch(self, observation: Any) -> tuple[torch.Tensor | TensorDict, bool]:
         """(the observation as the model's batch, whether it was a single observation)."""
-        space = self.observation_space
-        if isinstance(space, gym.spaces.Dict):
-            arrays = {k: np.asarray(v) for k, v in observation.items()}
-            single = all(arrays[k].shape == tuple(s.shape) for k, s in space.spaces.items())
-            if single:
-                arrays = {k: v[None] for k, v in arrays.items()}
-            n = next(iter(arrays.values())).shape[0]
-            parts = {k: torch.as_tensor(v, dtype=torch.float32) for k, v in arrays.items()}
-            return TensorDict(parts, batch_size=[n]), single
+        if isinstance(self.observation_space, gym.spaces.Dict):
+            return self._dict_batch(observation)
         array = np.asarray(observation)
-        single = array.shape == tuple(space.shape or ())
+        single = array.shape == self._shape
         if single:
             array = array[None]
+        elif array.shape[1:] != self._shape:
+            raise ValueError(
+                f"Policy.predict: observation of shape {array.shape} does not fit the observation space of "
+                f"shape {self._shape}: give one observation {self._shape} or a batch {_batched(self._shape)}"
+            )
         if self._moments is not None:
             array = self._moments.normalize(array)
         return torch.as_tensor(array, dtype=torch.float32), single
+
+    def _dict_batch(self, observation: Any) -> tuple[TensorDict, bool]:
+        """`_batch` for a Dict observation space: every key of the space, all one observation or all a
+        batch of the same size."""
+        if not isinstance(observation, Mapping) or self._shapes.keys() - observation.keys():
+            given = sorted(observation) if isinstance(observation, Mapping) else type(observation).__name__
+            raise ValueError(
+                f"Policy.predict: the observation space is a Dict of {sorted(self._shapes)}, given {given}"
+            )
+        arrays = {k: np.asarray(observation[k]) for k in self._shapes}
+        single = all(arrays[k].shape == shape for k, shape in self._shapes.items())
+        if single:
+            arrays = {k: v[None] for k, v in arrays.items()}
+        else:
+            for key, shape in self._shapes.items():
+                if arrays[key].shape[1:] != shape:
+                    raise ValueError(
+                        f"Policy.predict: observation[{key!r}] of shape {arrays[key].shape} does not fit the "
+                        f"observation space's {shape}: give one observation {shape} or a batch "
+                        f"{_batched(shape)}, for every key alike"
+                    )
+            sizes = {k: v.shape[0] if v.ndim else None for k, v in arrays.items()}
+            if len(set(sizes.values())) != 1:
+                raise ValueError(
+                    f"Policy.predict: the keys of a batch of observations differ in size: {sizes}"
+                )
+        n = next(iter(arrays.values())).shape[0]
+        parts = {k: torch.as_tensor(v, dtype=torch.float32) for k, v in arrays.items()}
+        return TensorDict(parts, batch_size=[n]), single
+
+
+def _batched(shape: tuple[int, ...]) -> str:
+    """`(n, 4)` for the shape (4,): how a batch of observations of `shape` reads in a message."""
+    return f"({', '.join(('n', *map(str, shape)))})"
 
 
 def load_policies(path: str | Path) -> dict[str, Policy]:

@@ -21,3 +21,13 @@ def pettingzoo_matching(**kwargs: Any) -> Any:
 
 def not_an_env() -> object:
     return object()
+
+
+def sized_cartpole(size: int = 4) -> gym.Env:
+    """Refuses a bad value of its keyword argument with a ValueError, as envs check their settings."""
+    if size < 1:
+        raise ValueError(f"size must be at least 1, got {size}")
+    return gym.make("CartPole-v1")
+
+
+NOT_CALLABLE = 3  # named as env.id=...:NOT_CALLABLE: refused as no callable

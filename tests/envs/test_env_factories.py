@@ -14,6 +14,7 @@ import pytest
 from omegaconf import DictConfig
 
 from ppo_fabric.config.values import compose
+from ppo_fabric.envs.guard import error_line
 from ppo_fabric.envs.make import EnvError, make_env
 from tests.conftest import REPO, job_env
 
@@ -43,13 +44,62 @@ def test_factory_env_gets_kwargs_and_the_time_limit() -> None:
     [
         ("pettingzoo_matching", "returned a PettingZoo env: add env=pettingzoo"),
         ("not_an_env", "returned object, not a gymnasium.Env"),
-        ("missing_function", "is not a registered gymnasium environment"),
+        ("missing_function", f"module '{FACTORY}' has no attribute 'missing_function'"),
+        ("short_cartpol", "has no attribute 'short_cartpol'.*; did you mean short_cartpole"),
+        ("NOT_CALLABLE", r"has 'NOT_CALLABLE', but it is not callable \(int\)"),
+        ("Missing-v0", ":Missing-v0' is not a registered gymnasium environment"),  # an id: the registry's
     ],
 )
 def test_factory_that_gives_no_gymnasium_env_fails_in_one_line(name: str, fragment: str) -> None:
     with pytest.raises(EnvError, match=fragment) as info:
         make_env(_env_cfg(f"{FACTORY}:{name}"))
     assert "\n" not in str(info.value)
+    assert name.endswith("-v0") or "registered gymnasium environment" not in str(info.value)
+
+
+@pytest.mark.parametrize(
+    ("source", "fragment"),
+    [
+        (
+            "import nosuch_dependency_xyz\n",
+            r"cannot import module 'user_envs' \(No module named 'nosuch_dependency_xyz'\)",
+        ),
+        ("raise RuntimeError('no config file\\nmore')\n", "it raised RuntimeError: no config file$"),
+        ("def make_env(:\n", "it raised SyntaxError: "),
+    ],
+)
+def test_a_module_that_does_not_import_is_named_with_its_error(
+    source: str, fragment: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    (tmp_path / "user_envs.py").write_text(source)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, "user_envs", raising=False)
+    with pytest.raises(EnvError, match=fragment) as info:
+        make_env(_env_cfg("user_envs:make_env"))
+    assert "\n" not in str(info.value) and "registered" not in str(info.value)
+
+
+def test_rejected_kwargs_give_the_envs_whole_error_on_one_line() -> None:
+    with pytest.raises(TypeError) as raw:
+        gym.make("CartPole-v1", a_keyword_cartpole_does_not_take=1)
+    whole = str(raw.value).splitlines()[0]
+    assert len(whole) > 120  # the length the message used to be cut at, mid-word
+    with pytest.raises(EnvError) as info:
+        make_env(_env_cfg("CartPole-v1", "+env.kwargs.a_keyword_cartpole_does_not_take=1"))
+    assert str(info.value) == f"env.id='CartPole-v1' rejected env.kwargs: {whole}"
+    with pytest.raises(EnvError) as value:  # a value the env refuses: its own message, named as such
+        make_env(_env_cfg(f"{FACTORY}:sized_cartpole", "+env.kwargs.size=0"))
+    assert str(value.value) == (
+        f"env.id='{FACTORY}:sized_cartpole' with env.kwargs={{'size': 0}}: "
+        "ValueError: size must be at least 1, got 0"
+    )
+
+
+def test_error_line_cuts_a_long_message_at_a_word_boundary() -> None:
+    assert error_line(ValueError("short\nsecond line")) == "short"
+    assert error_line(AssertionError()) == "AssertionError"
+    cut = error_line(ValueError("word " * 100), limit=50)
+    assert len(cut) <= 50 and cut.endswith("word...") and "\n" not in cut
 
 
 @pytest.mark.multiprocess

@@ -15,6 +15,7 @@ import tests.probe_envs  # noqa: F401  (registers the probe envs)
 from ppo_fabric.config.values import compose
 from ppo_fabric.envs.make import make_env
 from ppo_fabric.envs.normalize import RunningMoments
+from ppo_fabric.models.agent import ActorCritic
 from tests.policy.test_export_policies import LSTM, MASKED_ENV, _write
 
 BOX = (gym.spaces.Box(-1.0, 1.0, (3,), np.float32), gym.spaces.Box(-2.0, 2.0, (2,), np.float32))
@@ -150,3 +151,45 @@ def test_a_file_that_is_no_checkpoint_is_refused_in_one_line(tmp_path: Path) -> 
     with pytest.raises(ValueError) as info:
         ppo_fabric.load_policy(bad)
     assert "\n" not in str(info.value)
+
+
+def test_a_wrong_sized_observation_names_both_shapes(tmp_path: Path) -> None:
+    """Not torch's `mat1 and mat2 shapes cannot be multiplied`: the expected and the given shape."""
+    policy = ppo_fabric.load_policy(_write(tmp_path / "s.ckpt", ["env.id=Pendulum-v1"], {"main": BOX}))
+    for bad, given in [
+        (np.zeros(4, np.float32), r"\(4,\)"),  # another env's observation
+        (np.zeros((5, 4), np.float32), r"\(5, 4\)"),
+        (np.zeros((2, 5, 3), np.float32), r"\(2, 5, 3\)"),  # a batch of batches
+        (np.float32(0.0), r"\(\)"),
+    ]:
+        with pytest.raises(ValueError, match=rf"observation of shape {given} does not fit .* shape \(3,\)"):
+            policy.predict(bad)
+    assert policy.predict(np.zeros(3, np.float32))[0].shape == (2,)
+    assert policy.predict([[0.0, 0.0, 0.0]] * 2)[0].shape == (2, 2)  # a list batch still works
+
+
+def test_a_dict_observation_is_checked_key_by_key() -> None:
+    space = gym.spaces.Dict(
+        {
+            "pos": gym.spaces.Box(-1.0, 1.0, (2,), np.float32),
+            "goal": gym.spaces.Box(-1.0, 1.0, (3,), np.float32),
+        }
+    )
+    cfg = compose(["env.id=CartPole-v1"])[0]
+    policy = ppo_fabric.Policy(
+        ActorCritic(space, gym.spaces.Discrete(2), cfg.model), space, gym.spaces.Discrete(2)
+    )
+    one = {"pos": np.zeros(2, np.float32), "goal": np.zeros(3, np.float32)}
+    assert policy.predict(one)[0].shape == ()
+    batch = {"pos": np.zeros((4, 2), np.float32), "goal": np.zeros((4, 3), np.float32)}
+    assert policy.predict(batch)[0].shape == (4,)
+    with pytest.raises(ValueError, match=r"Dict of \['goal', 'pos'\], given \['pos'\]"):
+        policy.predict({"pos": one["pos"]})
+    with pytest.raises(ValueError, match=r"observation\['goal'\] of shape \(4,\) does not fit .*\(3,\)"):
+        policy.predict({**one, "goal": np.zeros(4, np.float32)})
+    with pytest.raises(
+        ValueError, match=r"observation\['goal'\] of shape \(3,\)"
+    ):  # one key single, one batched
+        policy.predict({**batch, "goal": one["goal"]})
+    with pytest.raises(ValueError, match="differ in size"):
+        policy.predict({**batch, "goal": np.zeros((5, 3), np.float32)})
