@@ -118,8 +118,8 @@ class LoggedNothing(SystemExit):
 
 
 def stopped_summary(metrics_csv: Path, timeout: float) -> dict[str, Any]:
-    """What a run stopped at `timeout` seconds had done, from its metrics.csv (summary.json is written only at
-    the end): env steps, SPS and wall seconds of the last logged update, and the summed `time/*_s` columns
+    """What a run stopped at `timeout` seconds had done, from its metrics.csv (the benchmark kills it, so it
+    may have written no summary.json, and an interrupted one would not say where the timeout fell): env steps, SPS and wall seconds of the last logged update, and the summed `time/*_s` columns
     as its time split. `stopped_after_s` marks the figures as those of a run cut short."""
     from ppo_fabric.runs.metrics_file import read_rows, series
 

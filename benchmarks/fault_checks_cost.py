@@ -67,6 +67,7 @@ def main() -> None:
     from ppo_fabric.envs.make import make_env
     from ppo_fabric.learn.learners import build_learners, policies_of, policy_specs
     from ppo_fabric.learn.optim import GradientStep, clip_grad_norm_
+    from ppo_fabric.learn.schedule import LrSchedule
     from ppo_fabric.learn.settings import UpdateSettings
     from ppo_fabric.learn.update import check_magnitude, update_policies
     from ppo_fabric.wire.progress import PROGRESS
@@ -93,7 +94,9 @@ def main() -> None:
     def iteration() -> None:
         collector.collect(policies, 0)
         batches = training_batches(collector, specs)
-        update_policies(fabric, learners, batches, settings, 0, 10**9, None, layout.rank_minibatch)
+        update_policies(
+            fabric, learners, batches, settings, 0, LrSchedule(10**9), None, layout.rank_minibatch
+        )
 
     iteration()
     iteration_ms = statistics.median(per_call(iteration, 3) for _ in range(args.repeats)) / 1000

@@ -36,6 +36,7 @@ from ppo_fabric.config.values import training_layout  # noqa: E402
 from ppo_fabric.envs.multiagent import SINGLE  # noqa: E402
 from ppo_fabric.learn.learners import build_learners, policies_of, policy_specs  # noqa: E402
 from ppo_fabric.learn.loss import entropy_loss, normalize, policy_loss, value_loss  # noqa: E402
+from ppo_fabric.learn.schedule import LrSchedule  # noqa: E402
 from ppo_fabric.learn.settings import UpdateSettings  # noqa: E402
 from ppo_fabric.learn.update import update_policies  # noqa: E402
 
@@ -145,7 +146,7 @@ def main() -> None:
         collector.collect(policies, it * steps_per_iter)
         t1 = time.perf_counter()
         update_policies(fabric, learners, training_batches(collector, specs), UpdateSettings.of(cfg.algo), it * steps_per_iter,
-                        10**6 * steps_per_iter, None, layout.rank_minibatch)  # fmt: skip
+                        LrSchedule(10**6 * steps_per_iter), None, layout.rank_minibatch)  # fmt: skip
         t2 = time.perf_counter()
         if it >= warmup:
             collect_s += t1 - t0

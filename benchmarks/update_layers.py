@@ -34,6 +34,7 @@ from ppo_fabric.collect.rollout import build_collector, training_batches  # noqa
 from ppo_fabric.config.values import training_layout  # noqa: E402
 from ppo_fabric.learn.learners import build_learners, policies_of, policy_specs  # noqa: E402
 from ppo_fabric.learn.optim import GradientStep, forward_module  # noqa: E402
+from ppo_fabric.learn.schedule import LrSchedule  # noqa: E402
 from ppo_fabric.learn.settings import UpdateSettings  # noqa: E402
 
 
@@ -78,7 +79,7 @@ def measure(exp: str, updates: int) -> dict[str, Any]:
                     batches,
                     UpdateSettings.of(cfg.algo),
                     r * n,
-                    10**9,
+                    LrSchedule(10**9),
                     None,
                     layout.rank_minibatch,
                 )

@@ -15,14 +15,23 @@ __version__ = "0.1.0"
 __all__ = ["Policy", "load_policy", "run"]
 
 
-def run(overrides: list[str]) -> dict[str, Any]:
+def run(overrides: list[str], env: Any = None) -> dict[str, Any]:
     """Train with Hydra-style overrides, e.g. `run(["env.id=Acrobot-v1", "algo.total_steps=1e5"])`; returns
-    the run's summary (what `summary.json` holds). A config that cannot run raises `ConfigError` (a
-    ValueError with a one-line message); a run that goes wrong raises `ppo_fabric.config.faults.RunFault`
-    (bad env data, a diverged update, a checkpoint that could not be written), its message one line."""
-    from ppo_fabric.cli import run as _run
+    the run's summary (what `summary.json` holds). `env`: an env factory, a module-level function or class
+    returning a gymnasium env (the same as `env.id=module:name`).
 
-    return _run(overrides)
+    A config that cannot run raises `ConfigError` (a ValueError with a one-line message, raised from here:
+    no traceback through the package); a run that goes wrong raises `ppo_fabric.config.faults.RunFault`
+    (bad env data, a diverged update, a checkpoint that could not be written), its message one line. With
+    `resume=auto` and a fixed `hydra.run.dir` the call can be repeated: it continues the run, or returns the
+    finished run's summary."""
+    from ppo_fabric.cli import run as _run
+    from ppo_fabric.config.values import ConfigError
+
+    try:
+        return _run(overrides, env)
+    except ConfigError as exc:
+        raise ConfigError(str(exc)) from None
 
 
 def load_policy(path: str | Path, policy: str | None = None) -> Policy:

@@ -6,6 +6,7 @@ and `ppo_fabric.run([...])`, the run in-process. Every path trains through one `
 
 from __future__ import annotations
 
+import json
 import sys
 from dataclasses import replace
 from pathlib import Path
@@ -14,10 +15,11 @@ from typing import TYPE_CHECKING, Any, NoReturn
 from omegaconf import DictConfig
 
 from ppo_fabric.app import supervisor
-from ppo_fabric.app.hydra_app import Invocation, run_app
+from ppo_fabric.app.hydra_app import Invocation, run_app, settled_overrides
 from ppo_fabric.app.process import end_process
 from ppo_fabric.config.arguments import fail
-from ppo_fabric.config.faults import FAULT_EXIT, RunFault
+from ppo_fabric.config.faults import FAULT_EXIT, RunComplete, RunFault
+from ppo_fabric.config.tuned import quoted
 from ppo_fabric.config.values import ConfigError, check_values, compose, under_fabric_run
 
 if TYPE_CHECKING:
@@ -34,26 +36,57 @@ def strategy_of(cfg: DictConfig) -> StrategyMain:
     return main
 
 
-def train(cfg: DictConfig, run_dir: str | Path | None = None) -> dict[str, Any]:
+def train(
+    cfg: DictConfig, run_dir: str | Path | None = None, overrides: list[str] | None = None
+) -> dict[str, Any]:
     """Train the composed `cfg` in this process (Fabric launches more for fabric.devices>1) and return rank
-    0's summary; `run_dir` defaults to the Hydra run's output directory. Raises `ConfigError`."""
+    0's summary; `run_dir` defaults to the Hydra run's output directory, `overrides` (what a resume may
+    change of the run's own config) to the Hydra run's. Raises `ConfigError`."""
     from ppo_fabric.app import launch
 
-    return launch.train(cfg, strategy_of(cfg), run_dir)
+    return launch.train(cfg, strategy_of(cfg), run_dir, overrides)
 
 
-def run(overrides: list[str]) -> dict[str, Any]:
+def env_reference(env: Any) -> str:
+    """`env.id` for an env factory handed in from Python: `module:name`, which every process of the run
+    (and `load_policy` later) rebuilds by importing, so only a module-level function or class will do."""
+    if isinstance(env, str):
+        return env
+    module, name = getattr(env, "__module__", None), getattr(env, "__qualname__", "")
+    if not callable(env) or module is None or not name.isidentifier():
+        raise ConfigError(
+            f"env={env!r} is not a module-level function or class; every process rebuilds the env by "
+            "importing it, so define the factory at the top level of a module (a notebook's own cells count)"
+        )
+    found = getattr(sys.modules.get(module), name, None)
+    if found is not env:
+        raise ConfigError(f"env={env!r}: {module}.{name} does not name it; define it at a module's top level")
+    return f"{module}:{name}"
+
+
+def run(overrides: list[str], env: Any = None) -> dict[str, Any]:
     """Train in this process; returns rank 0's summary. This is the Python API: `ppo_fabric.run([...])`.
 
-    Raises `ConfigError` for a config that cannot run."""
-    cfg, run_dir = compose(list(overrides))
+    `env`: an env factory (a module-level function or class returning a gymnasium env), the same as
+    `env.id=module:name`. Raises `ConfigError` for a config that cannot run; a `resume=auto` run that is
+    complete says so and returns its summary."""
+    overrides = list(overrides)
+    if env is not None:
+        overrides.append(f"env.id={quoted(env_reference(env))}")
+    overrides = settled_overrides(overrides)
+    cfg, run_dir = compose(overrides)
     check_values(cfg)
     if int(cfg.restarts) > 0:
         raise ConfigError(
             f"restarts={cfg.restarts} needs the supervisor of python -m ppo_fabric / ppo-fabric; "
             "ppo_fabric.run() trains in this process"
         )
-    return train(cfg, run_dir)
+    try:
+        return train(cfg, run_dir, overrides)
+    except RunComplete as done:
+        supervisor.say(str(done))
+        summary = Path(run_dir) / "summary.json"
+        return json.loads(summary.read_text()) if summary.is_file() else {}
 
 
 def _task(cfg: DictConfig, invocation: Invocation) -> int:
@@ -72,6 +105,9 @@ def _task(cfg: DictConfig, invocation: Invocation) -> int:
         train(cfg, run_dir)
     except ConfigError as exc:
         fail(str(exc))
+    except RunComplete as done:  # checked before Hydra made the directory; here for a fabric-run rank
+        supervisor.say(str(done))
+        return 0
     except RunFault as fault:  # a 1-process run that went wrong: its cause in one line, exit non-zero
         supervisor.say(f"error: {fault}")
         return FAULT_EXIT

@@ -55,6 +55,14 @@ def main(fabric: Fabric, cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
         rank_states = all_gather_objects(collector_state(collector))
         session.write_checkpoint(learners_state(cfg, learners), rank_states, update)
 
+    def summary(update: int, signum: int = 0) -> dict[str, Any]:
+        """summary.json's content at the end or at a stop (every rank gathers: all agreed to get here)."""
+        players = all_gather_objects(end_of_run(collector))
+        digests = all_gather_objects(parameters_digest(*policies.values()))
+        return session.summary(
+            "coupled", update, players, digests, session.watch.totals, specs, world, signum
+        )
+
     for update in range(session.start_update, session.end_update):
         t0 = time.perf_counter()
         collector.collect(policies, session.env_step(update))
@@ -65,7 +73,7 @@ def main(fabric: Fabric, cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
             training_batches(collector, specs),
             settings,
             session.env_step(update),
-            session.final_step,
+            session.lr_schedule,
             mean_across if world > 1 else None,
             layout.rank_minibatch,
         )
@@ -84,17 +92,14 @@ def main(fabric: Fabric, cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
         if session.checkpoint_due(done) or clock_due or (signum and session.last_checkpoint < done):
             checkpoint(done)
         if signum and done < session.end_update:
+            stopped = summary(done, signum)
             collector.envs.close()
-            session.stop(signum, done)
+            session.stop(signum, done, stopped)
 
-    players = all_gather_objects(end_of_run(collector))
-    digests = all_gather_objects(parameters_digest(*policies.values()))
-    summary = session.summary(
-        "coupled", session.end_update, players, digests, session.watch.totals, specs, world
-    )
+    finished = summary(session.end_update)
     collector.envs.close()
-    session.finish(summary)
-    return summary
+    session.finish(finished)
+    return finished
 
 
 if __name__ == "__main__":

@@ -254,9 +254,9 @@ class Player:
         self.link.send_stop(self.version, signum)
         if self.session.last_checkpoint < self.version:
             self.checkpoint(self.version, snapshot)
-        self.topo.gather(self.end_part())
+        summary = self.summary(self.topo.gather(self.end_part()), signum)  # summary.json, interrupted
         self.collector.envs.close()
-        self.session.stop(signum, self.version)
+        self.session.stop(signum, self.version, summary)
 
     def end_part(self) -> dict[str, Any]:
         digest = parameters_digest(*self.policies.values())
@@ -265,13 +265,20 @@ class Player:
 
     def finish(self) -> dict[str, Any]:
         """Gather every rank's end-of-run part; the first player writes the summary."""
+        summary = self.summary(self.topo.gather(self.end_part()))
+        self.collector.envs.close()
+        self.session.finish(summary)
+        return summary
+
+    def summary(self, parts: list[dict[str, Any]], signum: int = 0) -> dict[str, Any]:
+        """summary.json's content from every rank's `end_part`, at the end or at a stop on `signum` (the
+        trainers gather theirs on both paths, so a stopped run's summary is as complete as a finished one's)."""
         session = self.session
-        parts = self.topo.gather(self.end_part())
         players = [parts[p] for p in self.topo.players]
         time_split = {"player": session.watch.totals, "trainer": parts[self.topo.first_trainer]["time"]}
         digests = [part["digest"] for part in parts]
         summary = session.summary(
-            "decoupled", self.version, players, digests, time_split, self.specs, self.world
+            "decoupled", self.version, players, digests, time_split, self.specs, self.world, signum
         )
         summary |= {
             "players": len(self.topo.players),
@@ -286,8 +293,6 @@ class Player:
                 for r, part in enumerate(parts)
             ],
         }
-        self.collector.envs.close()
-        session.finish(summary)
         return summary
 
 
@@ -340,7 +345,7 @@ def trainer(
             batches,
             settings,
             session.env_step(version),
-            session.final_step,
+            session.lr_schedule,
             mean_across,
             rank_minibatch,
             lag,

@@ -21,12 +21,15 @@ import argparse
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from omegaconf import DictConfig
 
 from ppo_fabric.compat.private import hydra_args_parser, run_hydra
 from ppo_fabric.config.arguments import fail
+from ppo_fabric.config.faults import RunComplete
+from ppo_fabric.config.tuned import quoted, with_tuned_values
 from ppo_fabric.config.values import (
     ConfigError,
     compose,
@@ -82,6 +85,31 @@ def _rank() -> int:
     return int(os.environ.get("RANK", os.environ.get("LOCAL_RANK", "0")) or 0)
 
 
+def settled_overrides(overrides: list[str]) -> list[str]:
+    """The command line as every process of the run sees it: the env id's tuned values first
+    (`tuned.with_tuned_values`), and for `resume=<checkpoint>` without `hydra.run.dir` the checkpoint's
+    own run directory, so that a resumed run goes on writing one metrics.csv, plot and summary (a
+    checkpoint kept outside a `<run>/checkpoints/` folder starts a new directory as any run does)."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    settled = with_tuned_values(list(overrides))
+    try:
+        parsed = OverridesParser.create().parse_overrides(settled)
+    except Exception:  # Hydra's grammar errors have no common base; composing names the override
+        return settled
+    keys = {o.key_or_group for o in parsed}
+    resume = [o for o in parsed if o.key_or_group == "resume" and not o.is_sweep_override()]
+    if not resume or "hydra.run.dir" in keys:
+        return settled
+    value = resume[-1].value()
+    if not isinstance(value, str) or value == "auto":
+        return settled
+    checkpoint = Path(value).resolve()
+    if checkpoint.parent.name != "checkpoints" or not checkpoint.is_file():
+        return settled
+    return [*settled, f"hydra.run.dir={quoted(str(checkpoint.parent.parent))}"]
+
+
 def precheck(invocation: Invocation, full: bool) -> None:
     """One line and exit 2 for a config that cannot run, before Hydra makes any directory.
 
@@ -98,6 +126,10 @@ def precheck(invocation: Invocation, full: bool) -> None:
             load(list(invocation.overrides), path, name)
     except ConfigError as exc:
         fail(str(exc))
+    except RunComplete as done:  # a requeued `resume=auto` job whose run is finished: nothing to do
+        if _rank() == 0:
+            os.write(2, f"ppo-fabric: {done}\n".encode())
+        raise SystemExit(0) from None
 
 
 def run_app(argv: list[str], task: Task, check: bool = True) -> Invocation:
@@ -111,6 +143,8 @@ def run_app(argv: list[str], task: Task, check: bool = True) -> Invocation:
     args = args_parser.parse_intermixed_args(argv)  # flags anywhere: `env=x -m seed=1,2` works too
     if args.experimental_rerun is not None:
         fail("--experimental-rerun is not supported: it unpickles a file; rerun the overrides instead")
+    if not args.multirun:  # a sweep's jobs settle their own command lines
+        args.overrides = settled_overrides(list(args.overrides))
     args.config_path = _absolute(args.config_path)
     args.config_dir = _absolute(args.config_dir)
     invocation = Invocation(list(args.overrides), args.config_path, args.config_name, args.config_dir)

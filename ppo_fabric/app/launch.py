@@ -30,10 +30,11 @@ from ppo_fabric.app.process import end_process, quiet_libraries
 from ppo_fabric.app.supervisor import SUPERVISED_ENV
 from ppo_fabric.compat.private import set_fabric_precision
 from ppo_fabric.config.arguments import fail
-from ppo_fabric.config.faults import FAULT_EXIT, RunFault
-from ppo_fabric.config.values import ConfigError, under_fabric_run
+from ppo_fabric.config.faults import FAULT_EXIT, RunComplete, RunFault
+from ppo_fabric.config.values import ConfigError, composer, under_fabric_run
 from ppo_fabric.learn.accel import set_cuda_math
 from ppo_fabric.runs import lock as run_lock
+from ppo_fabric.runs.continuation import describe
 from ppo_fabric.runs.session import STOP, Stopped
 from ppo_fabric.runs.watchdog import Watchdog
 from ppo_fabric.wire.placement import small_model_warning
@@ -198,6 +199,8 @@ def launch(
         warning = small_model_warning(int(facts["parameters"]), str(facts["train_device"]))
     if warning is not None and fabric.global_rank == 0:
         os.write(2, f"ppo-fabric: {warning}\n".encode())
+    if fabric.global_rank == 0:
+        print(opening_lines(cfg, facts.get("resume_changes")), flush=True)
     seed_everything(int(cfg.seed) + fabric.global_rank, verbose=False)
     PROGRESS.label = f"rank {fabric.global_rank}"  # the decoupled strategy names the role too
     stall_s = float(cfg.get("stall_timeout", 0) or 0)
@@ -208,7 +211,9 @@ def launch(
     except Stopped as stop:
         if fabric.global_rank == 0:
             os.write(
-                2, f"ppo-fabric: {stop}; continue with resume={stop.checkpoint} (or resume=auto)\n".encode()
+                2,
+                f"ppo-fabric: {stop}; continue with resume={stop.checkpoint} (or resume=auto "
+                f"hydra.run.dir={run_dir})\n".encode(),
             )
         end_process(128 + stop.signum)
     except KeyboardInterrupt:
@@ -233,6 +238,17 @@ def launch(
     return summary
 
 
+def opening_lines(cfg: DictConfig, changes: dict[str, tuple[Any, Any]] | None) -> str:
+    """The run's first line: the env and whose values it trains with (`tuning`, conf/tuned.yaml); for a
+    resumed run, a second one: where it continues from and what this session changes."""
+    tuning = cfg.get("tuning") or "the composed config"
+    lines = [f"ppo-fabric: {cfg.env.id} with {tuning} ({cfg.strategy})"]
+    if changes is not None:
+        changed = f"; changed: {describe(changes)}" if changes else "; nothing changed"
+        lines.append(f"ppo-fabric: continuing from {cfg.resume}{changed}")
+    return "\n".join(lines)
+
+
 def failure_line(exc: BaseException, watchdog: Watchdog, timeout_s: float) -> str | None:
     """The line a rank of a multi-process job ends with: a fault's own line (which names its rank), a
     collective that timed out as the stuck rank it waited for (every process's stacks in the run
@@ -254,10 +270,17 @@ def timed_out(exc: BaseException) -> bool:
     return "timed out" in text.lower() or "timeout" in text.lower()
 
 
-def train(cfg: DictConfig, main: StrategyMain, run_dir: str | Path | None = None) -> dict[str, Any]:
+def train(
+    cfg: DictConfig,
+    main: StrategyMain,
+    run_dir: str | Path | None = None,
+    overrides: list[str] | None = None,
+) -> dict[str, Any]:
     """The one way a run starts, whatever started it (the Hydra app's job, `ppo_fabric.run([...])`, each
     rank under `fabric run`): check the composed config for `run_dir` (default: the Hydra run's output
-    directory), then launch `main`; returns this rank's summary. Raises `ConfigError` before anything starts.
+    directory), then launch `main`; returns this rank's summary. `overrides`: the command line `cfg` was
+    composed from (default: the running Hydra app's), which is all a resume may change of the run's own
+    config. Raises `ConfigError` before anything starts, `RunComplete` for a finished `resume=auto` run.
     """
     quiet_libraries()
     # Before the checks, which build the env and the model: every process of a job runs them, and each
@@ -265,11 +288,15 @@ def train(cfg: DictConfig, main: StrategyMain, run_dir: str | Path | None = None
     # Fifteen processes on 16 cores spent ~100 s there before any training.
     if int(cfg.torch_threads) > 0:
         set_threads(int(cfg.torch_threads))
-    if run_dir is None:
-        from hydra.core.hydra_config import HydraConfig
+    from hydra.core.hydra_config import HydraConfig
 
+    in_app = HydraConfig.initialized()
+    if run_dir is None:
         run_dir = HydraConfig.get().runtime.output_dir
-    facts = prepare(cfg, str(run_dir))
+    if overrides is None and in_app:
+        overrides = list(HydraConfig.get().overrides.task)
+    name = str(HydraConfig.get().job.config_name) if in_app else "config"
+    facts = prepare(cfg, str(run_dir), overrides, composer(None, name))
     return launch(cfg, str(run_dir), facts, main)
 
 
@@ -287,6 +314,10 @@ def run_script(strategy: str, main: StrategyMain) -> NoReturn:
             train(cfg, main)
         except ConfigError as exc:
             fail(str(exc))
+        except RunComplete as done:  # every rank finds it; rank 0 says it
+            if int(os.environ.get("RANK", "0") or 0) == 0:
+                os.write(2, f"ppo-fabric: {done}\n".encode())
+            return 0
         except RunFault as fault:  # a 1-process job: its cause in one line
             os.write(2, f"ppo-fabric: error: {fault}\n".encode())
             return FAULT_EXIT

@@ -7,12 +7,14 @@ run directory; any problem is one `ConfigError` line.
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from typing import Any
 
 import gymnasium as gym
 import torch
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig, OmegaConf, open_dict
 
+from ppo_fabric.config.faults import RunComplete
 from ppo_fabric.config.values import (
     SUPERVISED_ENV,
     ConfigError,
@@ -20,6 +22,7 @@ from ppo_fabric.config.values import (
     check_run_dir,
     check_values,
     compose,
+    composer,
     launched_world_size,
     processes_per_node,
     requested,
@@ -31,6 +34,7 @@ from ppo_fabric.envs.multiagent import is_multiagent, policy_settings
 from ppo_fabric.learn.learners import policy_specs, spaces_of
 from ppo_fabric.models.agent import ACTIVATIONS, ActorCritic
 from ppo_fabric.runs import checkpoint as ckpt
+from ppo_fabric.runs.continuation import continued_config
 from ppo_fabric.runs.lock import refuse_if_held
 from ppo_fabric.runs.resume import resolve_auto
 from ppo_fabric.runs.trackers import check as check_tracker
@@ -45,19 +49,61 @@ def load(
 ) -> tuple[DictConfig, str, dict[str, Any]]:
     """Compose and check: (config, run-dir template, facts found on the way)."""
     cfg, run_dir = compose(overrides, config_path, config_name)
-    return cfg, run_dir, prepare(cfg, run_dir)
+    return cfg, run_dir, prepare(cfg, run_dir, overrides, composer(config_path, config_name))
 
 
-def prepare(cfg: DictConfig, run_dir: str) -> dict[str, Any]:
+def prepare(
+    cfg: DictConfig,
+    run_dir: str,
+    overrides: list[str] | None = None,
+    compose_again: Callable[[list[str]], DictConfig] | None = None,
+) -> dict[str, Any]:
     """Check a composed config for a run in `run_dir`; returns the facts `check` found.
 
-    `resume=auto` is resolved first, so the checks see the checkpoint it stands for."""
+    `resume=auto` is resolved first, so the checks see the checkpoint it stands for. A resume then
+    continues the run's own config: `cfg` is replaced, in place, by the checkpoint's config with what
+    `overrides` (the command line `cfg` was composed from; None: nothing) may change on top
+    (`continuation.continued_config`; `compose_again` composes a command line for the group options it
+    names). A `resume=auto` run that is already complete raises `RunComplete`."""
     if _speaks_first():
         refuse_if_held(run_dir)  # a live run's directory: named before any other check says otherwise
     auto = resolve_auto(cfg, run_dir)
+    changes = None
+    if cfg.resume is not None:
+        changes = continue_run(cfg, overrides or [], compose_again, auto, run_dir)
     facts = check(cfg)
     check_run_dir(cfg, run_dir, auto=auto)
+    if changes is not None:
+        facts["resume_changes"] = changes
     return facts
+
+
+def continue_run(
+    cfg: DictConfig,
+    overrides: list[str],
+    compose_again: Callable[[list[str]], DictConfig] | None,
+    auto: bool,
+    run_dir: str,
+) -> dict[str, tuple[Any, Any]]:
+    """Replace `cfg` by the resumed run's config (in place: every caller holds it); returns its changes."""
+    path = str(cfg.resume)
+    try:
+        state = ckpt.load(path, env_state="fresh")  # the config and step only: check_resume loads it whole
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from exc
+    merged, changes = continued_config(cfg, state["config"], overrides, compose_again)
+    with open_dict(cfg):
+        for key in list(cfg.keys()):
+            if key not in merged:
+                del cfg[key]
+        for key in merged:
+            cfg[key] = merged[key]
+    if auto and int(state["env_step"]) >= int(cfg.algo.total_steps):
+        raise RunComplete(
+            f"resume=auto: the run in {run_dir} is complete ({int(state['env_step']):,} env steps >= "
+            f"algo.total_steps={int(cfg.algo.total_steps):,}); nothing to do (raise algo.total_steps to train longer)"
+        )
+    return changes
 
 
 def _speaks_first() -> bool:

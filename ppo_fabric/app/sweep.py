@@ -33,7 +33,9 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 from ppo_fabric.app.jobs import RunProcess
 from ppo_fabric.app.supervisor import SIGNAL_STOPS, say
 from ppo_fabric.config.arguments import fail
-from ppo_fabric.config.values import ConfigError, config_dir, translate_hydra_error
+from ppo_fabric.config.faults import RunComplete
+from ppo_fabric.config.tuned import with_tuned_values
+from ppo_fabric.config.values import ConfigError, composer, config_dir, translate_hydra_error
 
 # Overrides that configure the sweep itself; a job is a plain run and gets its own hydra.run.dir.
 _SWEEP_KEYS = (
@@ -171,8 +173,9 @@ class Sweep:
 
         assert self.config is not None
         shown = " ".join(job_overrides(overrides))
+        settled = with_tuned_values(overrides)  # as the job's own command line will (hydra_app)
         try:
-            sweep_config = self.context.config_loader.load_sweep_config(self.config, overrides)
+            sweep_config = self.context.config_loader.load_sweep_config(self.config, settled)
         except Exception as exc:  # Hydra raises many types; each becomes one line
             fail(f"job {num} ({shown}): {translate_hydra_error(exc, overrides)}")
         with open_dict(sweep_config):
@@ -189,9 +192,16 @@ class Sweep:
                 cfg.group = sweep_dir.name
             command.append(f"group='{sweep_dir.name}'")
         try:
-            prepare(cfg, str(run_dir))
+            prepare(
+                cfg,
+                str(run_dir),
+                job_overrides(settled),
+                composer(None, str(self.config.hydra.job.config_name)),
+            )
         except ConfigError as exc:
             fail(f"job {num} ({shown}): {exc}")
+        except RunComplete as done:  # the job itself will say so and end at once
+            say(f"job {num} ({shown}): {done}")
         hydra_cfg = OmegaConf.create({"hydra": OmegaConf.to_container(sweep_config.hydra, resolve=False)})
         return Job(num, overrides, command, run_dir, cfg, hydra_cfg)
 

@@ -15,3 +15,9 @@ FAULT_EXIT = 1  # the exit status of a run that ended on a fault (a failure the 
 
 class RunFault(RuntimeError):
     """A run that cannot go on; `str(fault)` is the one line the user reads."""
+
+
+class RunComplete(Exception):
+    """`resume=auto` found its run already at `algo.total_steps`: a requeued job that has nothing left to
+    do. Not a failure: the entry points print its one line and exit 0, so a cluster job that runs the same
+    command every time ends cleanly once the run is done."""

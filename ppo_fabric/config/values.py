@@ -12,6 +12,7 @@ import math
 import os
 import sys
 import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
@@ -141,6 +142,27 @@ def compose(
     return cfg, run_dir
 
 
+def composer(
+    config_path: str | None = None, config_name: str = "config"
+) -> Callable[[list[str]], DictConfig]:
+    """A function composing a command line's config (no `hydra` key), inside a running Hydra app too: there
+    Hydra is initialised already (with the app's own primary config, which `config_path` would name) and
+    `compose` would refuse to initialise it again."""
+
+    def compose_again(overrides: list[str]) -> DictConfig:
+        from hydra import compose as hydra_compose
+        from hydra.core.global_hydra import GlobalHydra
+
+        if not GlobalHydra.instance().is_initialized():
+            return compose(overrides, config_path, config_name)[0]
+        try:
+            return hydra_compose(config_name, overrides=overrides)
+        except Exception as exc:  # Hydra raises many types; each becomes one line
+            raise translate_hydra_error(exc, overrides) from exc
+
+    return compose_again
+
+
 def without_sweeps(overrides: list[str]) -> list[str]:
     """The overrides that are not sweeps (`seed=1,2`, `range(3)`, `choice(...)`): what every job of a
     multirun shares, composable on its own. Raises `ConfigError` for one Hydra's grammar rejects."""
@@ -210,6 +232,7 @@ _RULES = (
     _Rule("checkpoint.keep", int, 0),
     _Rule("checkpoint.every_minutes", float, 0),
     _Rule("logger.log_every", int, 0, strict_low=True),
+    _Rule("logger.progress_every", float, 0, optional=True),
     _Rule("collectives.timeout", float, 0, strict_low=True),
     _Rule("model.lstm.hidden_size", int, 0, optional=True),  # model=lstm only
     _Rule("model.lstm.num_layers", int, 1, optional=True),
@@ -219,6 +242,7 @@ _RULES = (
 _CHOICES = {
     "strategy": STRATEGIES,
     "resume_env": ("restore", "fresh"),
+    "resume_overrides": ("refuse", "allow", None),
     "env.vector": ("sync", "async"),
     "env.on_error": ("raise", "restart", None),
     "fabric.accelerator": ACCELERATORS,

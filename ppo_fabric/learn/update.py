@@ -28,6 +28,7 @@ from ppo_fabric.learn.loss import (
     value_loss,
 )
 from ppo_fabric.learn.optim import GradientStep, forward_module
+from ppo_fabric.learn.schedule import LrSchedule
 from ppo_fabric.learn.settings import LagSettings, LossCoefs, UpdateSettings
 from ppo_fabric.wire.progress import PROGRESS
 
@@ -356,12 +357,6 @@ def check_magnitude(learner: Learner, limit: float, env_step: int) -> None:
         )
 
 
-def lr_at(base_lr: float, anneal: bool, env_step: int, final_step: int) -> float:
-    """Linear annealing to zero over the run's env steps: a pure function of progress, so a resumed run
-    needs no schedule state and continues from the env step it reached."""
-    return base_lr * (1.0 - env_step / final_step) if anneal else base_lr
-
-
 def set_lr(optimizer: Any, lr: float) -> float:
     for group in optimizer.param_groups:
         group["lr"] = lr
@@ -374,13 +369,14 @@ def update_policies(
     batches: dict[str, TensorDict],
     settings: UpdateSettings,
     env_step: int,
-    final_step: int,
+    lr_schedule: LrSchedule,
     mean_across: Callable[[torch.Tensor], torch.Tensor] | None,
     rank_minibatch: int,
     policy_lag: float | None = None,
     layouts: dict[str, tuple[int, int]] | None = None,
 ) -> dict[str, float]:
-    """One update of every trained policy on its batch, at progress `env_step` of `final_step`.
+    """One update of every trained policy on its batch, collected from `env_step`, at the learning rate
+    `lr_schedule` gives there (`algo.lr` times its fraction; `anneal_lr=false` makes it 1).
 
     `policy_lag`: how many versions older than the learners' the batches' behaviour policy is (the
     decoupled strategy's `train/policy_lag`); None where the strategy never lags (coupled). `layouts`:
@@ -393,7 +389,7 @@ def update_policies(
     metrics: dict[str, float] = {}
     for name in trained({n: learner.spec for n, learner in learners.items()}):
         learner = learners[name]
-        lr = set_lr(learner.optimizer, lr_at(learner.spec.lr, settings.anneal_lr, env_step, final_step))
+        lr = set_lr(learner.optimizer, learner.spec.lr * lr_schedule.fraction(env_step))
         stats = update_policy(
             fabric,
             learner.model,

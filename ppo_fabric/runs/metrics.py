@@ -1,21 +1,26 @@
-"""Metrics: episode statistics, TensorBoard/CSV/tracker logging and the progress bar (rank 0 only)."""
+"""Metrics: episode statistics, TensorBoard/CSV/tracker logging and progress (rank 0 only): a bar on a
+terminal, a plain line every `logger.progress_every` seconds otherwise."""
 
 from __future__ import annotations
 
 import csv
 import hashlib
 import json
+import math
 import sys
 import time
 import warnings
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, TextIO
 
 import torch
 from omegaconf import DictConfig, OmegaConf
 
+from ppo_fabric.config.values import ConfigError
 from ppo_fabric.runs.trackers import Tracker, open_tracker
+
+PROGRESS_EVERY_S = 30.0  # `logger.progress_every` where the config has no such key
 
 
 def parameters_digest(*modules: torch.nn.Module) -> str:
@@ -78,19 +83,83 @@ class CsvMetrics:
         self.keys = keys
 
 
+def progress_every(cfg: DictConfig) -> float:
+    """`logger.progress_every`: seconds between the progress lines printed off a terminal (0 or null: none;
+    a config without the key: 30). Raises `ConfigError` in one line for anything but a number >= 0."""
+    value = OmegaConf.select(cfg, "logger.progress_every", default=PROGRESS_EVERY_S)
+    if value is None:
+        return 0.0
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, (int, float))
+        or not math.isfinite(value)
+        or value < 0
+    ):
+        raise ConfigError(
+            f"logger.progress_every={value!r} must be a number of seconds >= 0 (0: no progress lines)"
+        )
+    return float(value)
+
+
+def duration(seconds: float) -> str:
+    """`42s`, `3m05s`, `2h07m`: an ETA, to the second under an hour."""
+    s = max(round(seconds), 0)
+    if s < 60:
+        return f"{s}s"
+    if s < 3600:
+        return f"{s // 60}m{s % 60:02d}s"
+    return f"{s // 3600}h{s % 3600 // 60:02d}m"
+
+
+def progress_line(step: int, total: int, sps: float, mean_return: float | None) -> str:
+    """One progress line, as SB3's `verbose=1` says it but on one line: env steps of the run (of its
+    planned total), this session's SPS, the recent mean return (`-` before any episode ended), and the
+    time left at this session's SPS."""
+    percent = f" ({100 * step / total:.0f}%)" if total > 0 else ""
+    ret = "-" if mean_return is None else f"{mean_return:.1f}"
+    eta = duration(max(total - step, 0) / sps) if sps > 0 else "-"
+    return f"ppo-fabric: {step:,}/{total:,} steps{percent}, {sps:,.0f} steps/s, return {ret}, ETA {eta}"
+
+
+def is_terminal(stream: Any) -> bool:
+    try:
+        return bool(stream.isatty())
+    except (AttributeError, ValueError, OSError):  # no isatty (some notebook streams), or closed
+        return False
+
+
 class RunLogger:
     """Writes metrics on rank 0 and stays silent elsewhere, so callers never branch on the rank.
 
     Sinks: TensorBoard, metrics.csv and an experiment tracker (`logger=mlflow|wandb`, trackers.py), each
-    as the config says; every one gets the same rows keyed by env step."""
+    as the config says; every one gets the same rows keyed by env step.
 
-    def __init__(self, run_dir: Path, cfg: DictConfig, total_steps: int, enabled: bool) -> None:
+    Progress (`progress`, at each logged update): a tqdm bar when `stream` (stdout) is a terminal; otherwise
+    (nohup, a pipe, a cluster's log file, a notebook) a plain line (`progress_line`) at the first logged
+    update after every `logger.progress_every` seconds, one flushed write each. `clock` (seconds, monotonic)
+    paces those lines; tests pass a fake one."""
+
+    def __init__(
+        self,
+        run_dir: Path,
+        cfg: DictConfig,
+        total_steps: int,
+        enabled: bool,
+        stream: TextIO | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self.enabled = enabled
         self.run_dir = run_dir
+        self.total_steps = total_steps
         self.loggers: list[Any] = []
         self.csv: CsvMetrics | None = None
         self.tracker: Tracker | None = None
         self.bar = None
+        self.stream = sys.stdout if stream is None else stream
+        self.clock = clock
+        # every rank reads it (and refuses a bad value alike), so that no rank waits for one that failed
+        self.progress_every = progress_every(cfg)
+        self.next_line: float | None = None  # when the next progress line is due (None: no lines)
         if not enabled:
             return
         self.tracker = open_tracker(cfg, run_dir)
@@ -99,12 +168,14 @@ class RunLogger:
 
             self.loggers.append(TensorBoardLogger(root_dir=run_dir, name="", version="tensorboard"))
         self.csv = CsvMetrics(run_dir / "metrics.csv") if cfg.logger.csv else None
-        if sys.stdout.isatty():
+        if is_terminal(self.stream):
             from tqdm import tqdm
 
             self.bar = tqdm(
-                total=total_steps, unit="step", unit_scale=True, dynamic_ncols=True, file=sys.stdout
+                total=total_steps, unit="step", unit_scale=True, dynamic_ncols=True, file=self.stream
             )
+        elif self.progress_every > 0:
+            self.next_line = self.clock() + self.progress_every
 
     def log(self, metrics: Mapping[str, float], step: int) -> None:
         if not self.enabled:
@@ -120,6 +191,15 @@ class RunLogger:
                 self._drop_tracker(exc)
 
     def progress(self, step: int, sps: float, mean_return: float | None) -> None:
+        """The bar's position, or a progress line when one is due (`step`: the run's env steps so far,
+        `sps`: this session's)."""
+        if self.next_line is not None:
+            now = self.clock()
+            if now >= self.next_line:
+                self.next_line = now + self.progress_every
+                self.stream.write(progress_line(step, self.total_steps, sps, mean_return) + "\n")
+                self.stream.flush()
+            return
         if self.bar is None:
             return
         self.bar.n = step
@@ -133,6 +213,7 @@ class RunLogger:
         if self.bar is not None:
             self.bar.close()
             self.bar = None
+        self.next_line = None
         for logger in self.loggers:
             logger.finalize("success" if exit_code == 0 else "interrupted")
         self.loggers = []

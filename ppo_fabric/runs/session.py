@@ -16,6 +16,7 @@ import sys
 import threading
 import time
 import uuid
+import warnings
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, NoReturn
@@ -28,7 +29,9 @@ from ppo_fabric.config.faults import RunFault
 from ppo_fabric.envs.multiagent import SINGLE
 from ppo_fabric.envs.normalize import load_normalizer_state, normalizer_state, renormalized_reset
 from ppo_fabric.learn.learners import PolicySpec, metric_name
+from ppo_fabric.learn.schedule import LrSchedule
 from ppo_fabric.runs import checkpoint as ckpt
+from ppo_fabric.runs.continuation import record_session
 from ppo_fabric.runs.metrics import (
     RunLogger,
     Stopwatch,
@@ -127,9 +130,16 @@ class RunSession:
         self.protect = (Path(str(cfg.resume)),) if cfg.resume is not None else ()
         self.last_checkpoint = self.start_update if resume is not None else -1
         self._checkpoint_clock = time.monotonic()
+        saved = resume.get("lr_schedule") if resume is not None else None
+        self.lr_schedule = LrSchedule.continued(
+            saved, self.start_step, self.final_step, bool(cfg.algo.anneal_lr)
+        )
         if writer:
             run_dir.mkdir(parents=True, exist_ok=True)
-            save_resolved_config(cfg, run_dir)
+            if (run_dir / "config.yaml").is_file() and resume is not None:
+                record_session(run_dir, cfg, resume)  # the first session's config.yaml stays as it was
+            else:
+                save_resolved_config(cfg, run_dir)
         self.logger = RunLogger(run_dir, cfg, self.final_step, enabled=writer)
         self.watch = Stopwatch()
 
@@ -140,7 +150,7 @@ class RunSession:
 
     @property
     def final_step(self) -> int:
-        """The env step the run ends at; the learning rate reaches 0 there."""
+        """The env step the run ends at; an annealed learning rate reaches 0 there (`lr_schedule`)."""
         return self.env_step(self.end_update)
 
     @property
@@ -215,6 +225,7 @@ class RunSession:
             "lineage": self.lineage,
             "best_return": self.best_return,
             "wall_s": self.wall_s(),
+            "lr_schedule": self.lr_schedule.state(self.env_step(update - 1)),
         }
         numbered = self.every > 0 or self.every_seconds > 0
         bad = ckpt.nonfinite_reason(state)
@@ -237,9 +248,18 @@ class RunSession:
         path = self.checkpoint_path
         return f"the last good checkpoint is {path}" if path.is_file() else "no checkpoint was written before"
 
-    def stop(self, signum: int, update: int) -> NoReturn:
-        """After the stop checkpoint: close what the run opened and leave with `Stopped`."""
-        self.logger.close(exit_code=128 + signum)
+    def stop(self, signum: int, update: int, summary: dict[str, Any] | None = None) -> NoReturn:
+        """After the stop checkpoint: the writer saves `summary` (from `summary(..., signum=signum)`, marked
+        interrupted) as summary.json and the learning curve, as at the end; then close what the run opened
+        and leave with `Stopped`. The checkpoint is written already, and nothing here can lose it or change
+        the exit: a summary or plot that cannot be written is a warning."""
+        if self.writer and summary is not None:
+            try:
+                write_json(self.run_dir / "summary.json", summary)
+            except Exception as exc:  # a full disk, say: the stop checkpoint is what matters
+                warnings.warn(f"ppo-fabric: could not write summary.json: {exc!r}", stacklevel=2)
+            save_learning_curve(self.run_dir, title=str(self.cfg.env.id))  # warns on any failure
+        self.logger.close(summary, exit_code=128 + signum)
         raise Stopped(signum, self.env_step(update), self.checkpoint_path)
 
     # ------------------------------------------------------------------------------------------- the end
@@ -252,8 +272,15 @@ class RunSession:
         time_split: dict[str, Any],
         specs: dict[str, PolicySpec],
         world_size: int,
+        signum: int = 0,
     ) -> dict[str, Any]:
-        """summary.json's content from every collecting rank's `end_of_run` part and every rank's digest."""
+        """summary.json's content from every collecting rank's `end_of_run` part and every rank's digest,
+        after `update` updates: the planned end, or the update a run stopped at on signal `signum`
+        (`interrupted`, `stop_signal`).
+
+        The run's numbers: `total_env_steps` (env steps done, earlier sessions included),
+        `total_wall_seconds` (its training time, as `time/wall_s`), `iterations`. This session's (the
+        process's, since the resume when resumed): `steps_this_run`, `wall_seconds`, `sps`."""
         wall = self.watch.elapsed()
         steps = self.steps_since_start(update)
         summary = {
@@ -261,8 +288,11 @@ class RunSession:
             "env_id": str(self.cfg.env.id),
             "world_size": world_size,
             "seed": int(self.cfg.seed),
-            "iterations": self.end_update,
+            "interrupted": bool(signum),
+            "stop_signal": signal.Signals(signum).name if signum else None,
+            "iterations": update,
             "total_env_steps": self.env_step(update),
+            "total_wall_seconds": self.start_wall + wall,
             "steps_this_run": steps,
             "wall_seconds": wall,
             "sps": steps / wall if wall > 0 else 0.0,
@@ -293,14 +323,22 @@ class RunSession:
         write_json(self.run_dir / "summary.json", summary)
         save_learning_curve(self.run_dir, title=str(self.cfg.env.id))
         self.logger.close(summary)
+        print(self.final_line(summary), file=sys.stdout, flush=True)
+
+    def final_line(self, summary: dict[str, Any]) -> str:
+        """What the writer says at the end: the env steps, time and SPS of this session and, when it
+        resumed a run, the run's total env steps as well."""
         ret = summary.get("final_mean_return")
         ret_text = "n/a" if ret is None else f"{ret:.1f}"
-        print(
-            f"ppo-fabric: {summary['strategy']} {summary['env_id']}: {summary['total_env_steps']} steps in "
-            f"{summary['wall_seconds']:.1f}s ({summary['sps']:,.0f} steps/s), final mean return {ret_text}; "
-            f"outputs in {self.run_dir}",
-            file=sys.stdout,
-            flush=True,
+        wall, sps = f"{summary['wall_seconds']:.1f}s", f"{summary['sps']:,.0f} steps/s"
+        if self.start_step > 0:
+            counted = f"{summary['steps_this_run']:,} steps this session in {wall} ({sps}), "
+            counted += f"{summary['total_env_steps']:,} in all"
+        else:
+            counted = f"{summary['total_env_steps']} steps in {wall} ({sps})"
+        return (
+            f"ppo-fabric: {summary['strategy']} {summary['env_id']}: {counted}, final mean return {ret_text}; "
+            f"outputs in {self.run_dir}"
         )
 
 

@@ -72,6 +72,7 @@ def prepare(argv: list[str]) -> Plan:
     """Parse and check the arguments, and the training config of the space's corners; raises
     ConfigError (or SpaceError) with one line."""
     from ppo_fabric.app import preflight
+    from ppo_fabric.config.tuned import with_tuned_values
     from ppo_fabric.config.values import compose, training_layout
     from ppo_fabric.tune import settings as tune_config
     from ppo_fabric.tune import space as tune_space
@@ -94,7 +95,7 @@ def prepare(argv: list[str]) -> Plan:
     cfg = None
     for corner in space.corners():
         try:
-            cfg, _ = compose([*space.fixed, *corner])
+            cfg, _ = compose(with_tuned_values([*space.fixed, *corner]))  # as each trial's command line
             facts = preflight.check(cfg)
         except ConfigError as exc:
             raise ConfigError(f"a trial with {' '.join(corner)} cannot run: {exc}") from None

@@ -135,6 +135,8 @@ def test_help_lists_our_groups_and_common_overrides(capsys: pytest.CaptureFixtur
         "fabric.devices=2",
         "resume=auto",
         "-m seed=",
+        "my.module:MyEnv-v0, or\n",  # env.id's three forms, the callable's on the next line
+        "my_pkg.my_module:make_env",
     ):
         assert text in out, out
     assert "--multirun,-m" in out, "Hydra's own flags are listed"

@@ -40,7 +40,7 @@ def test_torch_threads_hold_for_the_checks_every_process_runs(monkeypatch: pytes
 
     seen: list[int] = []
 
-    def prepare(cfg: object, run_dir: str) -> dict:
+    def prepare(cfg: object, run_dir: str, *_: object) -> dict:
         seen.append(torch.get_num_threads())
         raise ConfigError("checked")
 

@@ -55,6 +55,8 @@ def test_two_ranks_resumed_on_one_with_another_batch(tmp_path: Path) -> None:
         *common,
         "env.num_envs=2",
         "algo.rollout_steps=128",
+        "fabric.devices=1",  # the run's own config says 2
+        "resume_overrides=allow",  # a new layout changes the experiment's batch: said explicitly
         f"resume={source}",
         f"hydra.run.dir={second}",
     ]
@@ -83,6 +85,7 @@ def test_resume_never_stops_short_with_a_larger_batch(tmp_path: Path) -> None:
             *TINY,
             "algo.total_steps=4096",
             "algo.rollout_steps=512",
+            "resume_overrides=allow",
             f"resume={source}",
             f"hydra.run.dir={tmp_path / 'b'}",
         ]
@@ -162,8 +165,8 @@ def test_signal_stops_every_rank_with_a_checkpoint(
     strategy: str, extra: list[str], signum: int, tmp_path: Path
 ) -> None:
     """The job (every process, as a cluster or a terminal sends it) gets the signal: the ranks agree to stop
-    at the next update boundary, write last.ckpt, and all exit with 128+signal and one line; the
-    checkpoint continues to the planned end."""
+    at the next update boundary, write last.ckpt, summary.json (interrupted) and the learning curve, and all
+    exit with 128+signal and one line; the checkpoint continues to the planned end."""
     run_dir = tmp_path / "run"
     common = [f"strategy={strategy}", "fabric.devices=2", *TINY, "collectives.timeout=20", *extra]
     proc = _start([*common, "algo.total_steps=1000000", f"hydra.run.dir={run_dir}"], tmp_path)
@@ -187,10 +190,17 @@ def test_signal_stops_every_rank_with_a_checkpoint(
     else:
         pytest.fail("a process of the job outlived the stop")
     state = ckpt.load(run_dir / "checkpoints" / "last.ckpt")
-    assert state["env_step"] >= 3 * 256 and not (run_dir / "summary.json").exists()
+    assert state["env_step"] >= 3 * 256
     stopped_at = state["env_step"]
+    # summary.json and the curve as at the end, marked interrupted, with every rank's part gathered
+    stopped = json.loads((run_dir / "summary.json").read_text())
+    assert stopped["interrupted"] is True and stopped["stop_signal"] == signal.Signals(signum).name
+    assert stopped["total_env_steps"] == stopped_at and stopped["ranks_in_sync"] is True
+    assert stopped["world_size"] == 2 and stopped["strategy"] == strategy
+    assert (run_dir / "learning_curve.png").stat().st_size > 0
     total = stopped_at + 512
     proc = _start([*common, f"algo.total_steps={total}", f"hydra.run.dir={run_dir}", "resume=" + str(run_dir / "checkpoints" / "last.ckpt")], tmp_path)  # fmt: skip
     _, err = proc.communicate(timeout=90)
     assert proc.returncode == 0, err[-2000:]
-    assert json.loads((run_dir / "summary.json").read_text())["total_env_steps"] == total
+    finished = json.loads((run_dir / "summary.json").read_text())
+    assert finished["total_env_steps"] == total and finished["interrupted"] is False

@@ -1,0 +1,83 @@
+"""Tuned values by env id: which config-group options a run that names only `env.id` composes.
+
+The default env option is `cartpole`, whose file holds CartPole's tuned values (20 epochs, lr 1e-3, gamma
+0.98, no entropy bonus). A run of `env.id=Acrobot-v1`, or of a user's own env, would inherit them without a
+word and learn worse for it. `conf/tuned.yaml` maps env ids (fnmatch patterns, as RL Zoo's per-env files)
+to the options that hold their tuned values; an id no pattern matches gets `env=gym`, the generic
+defaults. The options go first on the command line, so every override the user gives still wins, and a
+`tuning=...` override records the choice: the run's first line says it and `config.yaml` keeps it.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+from functools import cache
+
+import yaml
+
+from ppo_fabric.config.values import config_dir
+
+TABLE = "tuned.yaml"
+CHOOSERS = ("env", "exp")  # groups whose option decides an env's values
+GENERIC = "env=gym"
+
+
+@cache
+def table() -> tuple[tuple[str, tuple[str, ...]], ...]:
+    """conf/tuned.yaml as (pattern, options) pairs, in file order (the first match wins)."""
+    path = config_dir() / TABLE
+    entries = yaml.safe_load(path.read_text()) or {}
+    return tuple((str(pattern), tuple(str(o) for o in options)) for pattern, options in entries.items())
+
+
+def tuned_options(env_id: str) -> tuple[str, ...] | None:
+    """The options holding `env_id`'s tuned values, or None when the project has none for it."""
+    for pattern, options in table():
+        if fnmatch.fnmatchcase(env_id, pattern):
+            return options
+    return None
+
+
+def _parsed(overrides: list[str]) -> list | None:
+    """Hydra's parse of the overrides; None for one its grammar rejects (composing names it, one line)."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    try:
+        return OverridesParser.create().parse_overrides(overrides)
+    except Exception:  # Hydra's grammar errors have no common base
+        return None
+
+
+def with_tuned_values(overrides: list[str]) -> list[str]:
+    """`overrides` with the tuned options of the env id they name put first and a `tuning=` override
+    saying where the values come from; unchanged when they already say (`tuning=` present).
+
+    - `env=` or `exp=` given: the user chose; `tuning` says which option.
+    - `env.id=ID` alone: conf/tuned.yaml's options for ID, or `env=gym` when it has none.
+    - neither: the config's default env option (CartPole's tuned values in ours).
+    A sweep over `env.id` (`env.id=A,B`) is left to each job, which expands its own id."""
+    parsed = _parsed(overrides)
+    if parsed is None or "tuning" in [o.key_or_group for o in parsed]:
+        return list(overrides)
+    chosen = [o.input_line for o in parsed if o.key_or_group in CHOOSERS and o.input_line is not None]
+    ids = [o for o in parsed if o.key_or_group == "env.id"]
+    if chosen:
+        note = f"{' '.join(chosen)} (chosen on the command line)"
+        return [*overrides, f"tuning={quoted(note)}"]
+    if not ids or ids[-1].is_sweep_override():
+        if ids:
+            return list(overrides)
+        note = "the config's default env option (ours: env=cartpole, tuned values for CartPole-v1)"
+        return [*overrides, f"tuning={quoted(note)}"]
+    env_id = str(ids[-1].value())
+    options = tuned_options(env_id)
+    if options is None:
+        note = f"{GENERIC}, the generic defaults: conf/tuned.yaml has no tuned values for {env_id}"
+        return [GENERIC, *overrides, f"tuning={quoted(note)}"]
+    note = f"{' '.join(options)}, tuned values for {env_id} (conf/tuned.yaml)"
+    return [*options, *overrides, f"tuning={quoted(note)}"]
+
+
+def quoted(text: str) -> str:
+    """`text` as a Hydra override value: single-quoted, its quotes and backslashes escaped."""
+    return "'" + text.replace("\\", "\\\\").replace("'", "\\'") + "'"

@@ -1,0 +1,160 @@
+"""A resume continues the run's own config (`continuation.continued_config`), its learning-rate schedule
+(`LrSchedule.continued`), and a run that names only `env.id` gets that id's tuned values (`tuned`).
+
+Each would have failed on the rules before: the config was rebuilt from the command line (the default
+total_steps, CartPole's values for another env), the lr line was recomputed from step 0 (it jumped up on
+"train longer"), and `env.id=Acrobot-v1` composed conf/env/cartpole.yaml's tuned values.
+"""
+
+from __future__ import annotations
+
+import pytest
+from omegaconf import OmegaConf
+
+from ppo_fabric.config.tuned import table, tuned_options, with_tuned_values
+from ppo_fabric.config.values import ConfigError, compose, composer
+from ppo_fabric.learn.schedule import LrSchedule
+from ppo_fabric.runs.continuation import continued_config, named_keys
+
+
+def _saved(overrides: list[str]) -> dict:
+    cfg, _ = compose(with_tuned_values(overrides))
+    return OmegaConf.to_container(cfg, resolve=True)
+
+
+def _resume(overrides: list[str], saved: dict) -> tuple[dict, dict]:
+    overrides = with_tuned_values([*overrides, "resume=/x/checkpoints/last.ckpt"])
+    cfg, _ = compose(overrides)
+    merged, changes = continued_config(cfg, saved, overrides, composer())
+    return OmegaConf.to_container(merged, resolve=True), changes
+
+
+def test_resume_without_the_original_overrides_trains_the_same_run() -> None:
+    saved = _saved(["env=gym", "env.id=Acrobot-v1", "algo.total_steps=30000", "algo.lr=3e-4"])
+    merged, changes = _resume([], saved)
+    assert merged["algo"] == saved["algo"] and merged["env"] == saved["env"]
+    assert merged["tuning"] == saved["tuning"]  # the run's own record, not today's command line
+    assert changes == {}
+
+
+def test_budget_and_logging_change_freely_and_are_reported() -> None:
+    saved = _saved(["env.id=Acrobot-v1", "algo.total_steps=30000"])
+    merged, changes = _resume(
+        ["algo.total_steps=60000", "checkpoint.every=5", "logger.tensorboard=false"], saved
+    )
+    assert merged["algo"]["total_steps"] == 60000 and merged["checkpoint"]["every"] == 5
+    assert changes == {
+        "algo.total_steps": (30000, 60000),
+        "checkpoint.every": (0, 5),
+        "logger.tensorboard": (True, False),
+    }
+
+
+@pytest.mark.parametrize(
+    ("given", "named"),
+    [
+        (["algo.lr=1e-3"], "algo.lr=0.001 (was 0.00025)"),
+        (["seed=7"], "seed=7 (was 42)"),
+        (["strategy=decoupled", "fabric.devices=2"], "strategy=decoupled (was coupled)"),
+        (["env=cartpole"], "algo.update_epochs=20 (was 4)"),  # a group option names the keys it changes
+        (["+env.kwargs.y=2"], "env.kwargs.y=2 (was (absent))"),
+    ],
+)
+def test_changes_to_the_experiment_are_refused_in_one_line(given: list[str], named: str | None) -> None:
+    saved = _saved(["env.id=Acrobot-v1"])
+    with pytest.raises(ConfigError) as exc:
+        _resume(given, saved)
+    text = str(exc.value)
+    assert "\n" not in text and "resume_overrides=allow" in text
+    if named is not None:
+        assert named in text, text
+
+
+def test_resume_overrides_allow_applies_and_reports_every_change() -> None:
+    saved = _saved(["env.id=Acrobot-v1"])
+    merged, changes = _resume(["algo.lr=1e-3", "resume_overrides=allow"], saved)
+    assert merged["algo"]["lr"] == 1e-3
+    assert changes["algo.lr"] == (2.5e-4, 1e-3) and changes["resume_overrides"] == ("refuse", "allow")
+
+
+def test_repeating_the_original_command_line_changes_nothing() -> None:
+    original = ["env.id=Acrobot-v1", "algo.total_steps=30000", "model.actor_hidden=[32,32]"]
+    merged, changes = _resume(original, _saved(original))
+    assert changes == {}
+
+
+def test_keys_the_saved_config_lacks_take_todays_defaults_and_its_own_keys_stay() -> None:
+    saved = _saved(["env.id=Acrobot-v1", "+env.kwargs.foo=1"])
+    del saved["stall_timeout"], saved["env"]["max_restarts"]  # a run from before these keys existed
+    merged, changes = _resume([], saved)
+    assert merged["stall_timeout"] == 600 and merged["env"]["max_restarts"] == 100
+    assert merged["env"]["kwargs"] == {"foo": 1}
+    assert changes == {}
+
+
+def test_named_keys_tell_key_overrides_from_group_options() -> None:
+    keys, options = named_keys(["env=gym", "algo.lr=1", "+env.kwargs.a=2", "~model.lstm", "hydra.run.dir=x"])
+    assert keys == [("algo", "lr"), ("env", "kwargs", "a"), ("model", "lstm")]
+    assert options == ["env=gym"]
+
+
+# ------------------------------------------------------------------------------------- lr schedule
+def test_a_fresh_schedule_is_the_linear_line_from_step_zero() -> None:
+    line = LrSchedule(end_step=1000)
+    assert [line.fraction(s) for s in (0, 250, 1000)] == [1.0, 0.75, 0.0]
+    assert LrSchedule(end_step=1000, anneal=False).fraction(999) == 1.0
+
+
+def test_same_budget_continues_the_same_line_exactly() -> None:
+    line = LrSchedule(end_step=1000)
+    again = LrSchedule.continued(line.state(400), 500, 1000, anneal=True)
+    assert again == line
+
+
+def test_train_longer_from_an_interrupted_run_continues_from_where_the_rate_stands() -> None:
+    line = LrSchedule(end_step=1000)
+    longer = LrSchedule.continued(line.state(400), 500, 2000, anneal=True)
+    assert longer.fraction(500) == pytest.approx(0.5)  # what the next update would have used: no jump
+    assert longer.fraction(1250) == pytest.approx(0.25) and longer.fraction(2000) == 0.0
+
+
+def test_train_longer_from_a_finished_run_never_raises_the_rate() -> None:
+    line = LrSchedule(end_step=10240)
+    last = line.fraction(9984)  # the last update's fraction (1/40)
+    longer = LrSchedule.continued(line.state(9984), 10240, 20480, anneal=True)
+    assert longer.fraction(10240) == pytest.approx(last)
+    assert all(longer.fraction(s) <= last for s in range(10240, 20481, 256))
+    # the rule before: the line recomputed from step 0 jumped the rate up twentyfold
+    assert LrSchedule(end_step=20480).fraction(10240) > 19 * last
+
+
+def test_a_checkpoint_without_a_schedule_keeps_the_line_from_step_zero() -> None:
+    assert LrSchedule.continued(None, 500, 2000, anneal=True) == LrSchedule(end_step=2000)
+
+
+# ------------------------------------------------------------------------------------ tuned values
+def test_env_id_alone_gets_its_own_tuned_values_or_the_generic_ones() -> None:
+    acrobot, _ = compose(with_tuned_values(["env.id=Acrobot-v1"]))
+    assert acrobot.algo.update_epochs == 4 and acrobot.algo.lr == 2.5e-4 and acrobot.algo.gamma == 0.99
+    assert "generic defaults" in acrobot.tuning and "Acrobot-v1" in acrobot.tuning
+    lunar, _ = compose(with_tuned_values(["env.id=LunarLander-v3", "algo.lr=1e-4"]))
+    assert lunar.algo.gamma == 0.999 and lunar.algo.lr == 1e-4  # tuned, and the user's override still wins
+    assert lunar.tuning.startswith("env=lunarlander")
+    hopper, _ = compose(with_tuned_values(["env.id=Hopper-v5"]))
+    assert hopper.env.id == "Hopper-v5" and hopper.algo.update_epochs == 10 and hopper.env.normalize_obs
+
+
+def test_a_chosen_option_is_kept_and_recorded() -> None:
+    given = with_tuned_values(["env=cartpole", "env.id=Acrobot-v1"])
+    cfg, _ = compose(given)
+    assert cfg.algo.update_epochs == 20 and cfg.tuning.startswith("env=cartpole")
+    assert with_tuned_values(given) == given  # settled once: every process sees the same command line
+    default, _ = compose(with_tuned_values([]))
+    assert default.env.id == "CartPole-v1" and "default env option" in default.tuning
+
+
+def test_every_option_the_table_names_exists() -> None:
+    for _, options in table():
+        compose(list(options))
+    assert tuned_options("ALE/Breakout-v5") == ("exp=atari",)
+    assert tuned_options("my_pkg.envs:make_env") is None

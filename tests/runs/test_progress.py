@@ -1,0 +1,197 @@
+"""What a run says while and after it trains: progress lines off a terminal (every `logger.progress_every`
+seconds, paced by an injected clock), the bar on one, summary.json and the learning curve of a run stopped
+by a signal, and the final line of a resumed session (issue 44, items 3 and 6)."""
+
+from __future__ import annotations
+
+import io
+import json
+import signal
+from pathlib import Path
+from typing import Any
+
+import pytest
+from omegaconf import DictConfig, OmegaConf
+
+import ppo_fabric
+from ppo_fabric import ppo
+from ppo_fabric.app.launch import build_fabric
+from ppo_fabric.app.preflight import check
+from ppo_fabric.config.values import ConfigError, compose
+from ppo_fabric.runs import checkpoint as ckpt
+from ppo_fabric.runs.metrics import RunLogger, duration, progress_every, progress_line
+from ppo_fabric.runs.session import STOP, RunSession, Stopped
+from tests.signal_env import SignalledCartPole
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+class Stream(io.StringIO):
+    """A pipe or a log file: no terminal; counts writes and flushes."""
+
+    tty = False
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.writes = self.flushes = 0
+
+    def isatty(self) -> bool:
+        return self.tty
+
+    def write(self, text: str) -> int:
+        self.writes += 1
+        return super().write(text)
+
+    def flush(self) -> None:
+        self.flushes += 1
+        super().flush()
+
+
+class Terminal(Stream):
+    tty = True
+
+
+def _cfg(**logger: Any) -> DictConfig:
+    return OmegaConf.create({"logger": {"tensorboard": False, "csv": False, "tracker": None, **logger}})
+
+
+def _logger(tmp_path: Path, stream: Stream, clock: Clock, **logger: Any) -> RunLogger:
+    return RunLogger(tmp_path, _cfg(**logger), 50_000, enabled=True, stream=stream, clock=clock)
+
+
+def test_progress_lines_come_at_the_cadence_off_a_terminal(tmp_path: Path) -> None:
+    """No line before `progress_every` seconds; then one at the first progress call after each period (a
+    long gap gives one line, not a burst); each line one flushed write."""
+    stream, clock = Stream(), Clock()
+    run = _logger(tmp_path, stream, clock, progress_every=30)
+    said: list[float] = []
+    for now in (10, 29.9, 30, 45, 59.9, 60.5, 200, 229, 230):
+        clock.now = now
+        before = stream.writes
+        run.progress(12_288, 1_234.0, 87.3)
+        if stream.writes > before:
+            said.append(now)
+    assert said == [30, 60.5, 200, 230]
+    lines = stream.getvalue().splitlines()
+    assert lines == ["ppo-fabric: 12,288/50,000 steps (25%), 1,234 steps/s, return 87.3, ETA 31s"] * 4
+    assert stream.writes == 4 and stream.flushes == 4
+    run.close()
+    clock.now = 1000
+    run.progress(50_000, 1_234.0, 87.3)
+    assert len(stream.getvalue().splitlines()) == 4, "no line after close"
+
+
+def test_progress_every_zero_prints_nothing_and_a_missing_key_means_30(tmp_path: Path) -> None:
+    stream, clock = Stream(), Clock()
+    run = _logger(tmp_path, stream, clock, progress_every=0)
+    for now in (30, 100, 10_000):
+        clock.now = now
+        run.progress(1_000, 100.0, None)
+    assert stream.getvalue() == ""
+    assert progress_every(_cfg()) == 30.0 and progress_every(_cfg(progress_every=None)) == 0.0
+    quiet = RunLogger(tmp_path, _cfg(), 50_000, enabled=False, stream=stream, clock=clock)
+    clock.now = 10_000
+    quiet.progress(1_000, 100.0, None)  # a rank that does not log
+    assert stream.getvalue() == ""
+
+
+@pytest.mark.parametrize("value", [-1, "soon", True, float("nan")])
+def test_a_bad_progress_every_is_one_line_on_every_rank(tmp_path: Path, value: Any) -> None:
+    with pytest.raises(ConfigError, match=r"^logger.progress_every=.* must be a number of seconds >= 0"):
+        RunLogger(tmp_path, _cfg(progress_every=value), 1, enabled=False)
+
+
+def test_a_terminal_gets_the_bar_and_no_lines(tmp_path: Path) -> None:
+    stream, clock = Terminal(), Clock()
+    run = _logger(tmp_path, stream, clock, progress_every=30)
+    assert run.bar is not None
+    for now in (30, 60, 90):
+        clock.now = now
+        run.progress(12_288, 1_234.0, 87.3)
+    run.close()
+    out = stream.getvalue()
+    assert "ppo-fabric:" not in out and "return=87.3" in out and "step" in out
+
+
+def test_the_progress_line_before_any_episode_and_long_etas() -> None:
+    assert (
+        progress_line(0, 1_000_000, 0.0, None)
+        == "ppo-fabric: 0/1,000,000 steps (0%), 0 steps/s, return -, ETA -"
+    )
+    assert (
+        progress_line(500, 500, 10.0, -3.25)
+        == "ppo-fabric: 500/500 steps (100%), 10 steps/s, return -3.2, ETA 0s"
+    )
+    assert [duration(s) for s in (0.4, 59.6, 185, 3599, 7620)] == ["0s", "1m00s", "3m05s", "59m59s", "2h07m"]
+
+
+# ------------------------------------------------------------------------------------- the final line
+def _session(tmp_path: Path, resume: dict[str, Any] | None) -> RunSession:
+    cfg = OmegaConf.create(
+        {
+            "algo": {"total_steps": 30_208, "anneal_lr": True},
+            "checkpoint": {"every": 0, "keep": 0, "every_minutes": 0},
+            "logger": {"tensorboard": False, "csv": False, "tracker": None, "log_every": 1},
+            "resume": None,
+            "env": {"id": "CartPole-v1"},
+        }
+    )
+    return RunSession(cfg, tmp_path, False, 256, resume)
+
+
+def test_the_final_line_of_a_resumed_session_counts_its_own_steps_and_the_runs_total(tmp_path: Path) -> None:
+    summary = {"strategy": "coupled", "env_id": "CartPole-v1", "total_env_steps": 30_208, "wall_seconds": 1.44,
+               "sps": 6_905.2, "final_mean_return": 187.3}  # fmt: skip
+    fresh = _session(tmp_path, None)
+    assert fresh.final_line(summary | {"steps_this_run": 30_208}) == (
+        f"ppo-fabric: coupled CartPole-v1: 30208 steps in 1.4s (6,905 steps/s), final mean return 187.3; "
+        f"outputs in {tmp_path}"
+    )
+    resumed = _session(tmp_path, {"env_step": 20_224, "iteration": 79})
+    assert resumed.final_step == 30_208
+    assert resumed.final_line(summary | {"steps_this_run": 9_984}) == (
+        "ppo-fabric: coupled CartPole-v1: 9,984 steps this session in 1.4s (6,905 steps/s), 30,208 in all, "
+        f"final mean return 187.3; outputs in {tmp_path}"
+    )
+
+
+# ------------------------------------------------------------------------------------ a stopped run
+RUN = ["env=gym", "env.id=tests.signal_env:SignalledCartPole-v0", "env.num_envs=4", "env.vector=sync",
+       "algo.rollout_steps=64", "algo.minibatch_size=64", "algo.update_epochs=1", "logger.tensorboard=false"]  # fmt: skip
+
+
+def test_a_stopped_run_writes_an_interrupted_summary_and_the_curve_then_resumes(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """SIGTERM mid-rollout (the env sends it after 600 env steps): the coupled run stops at the next update
+    boundary (768 env steps) with its checkpoint, summary.json marked interrupted and learning_curve.png.
+    Resumed in its directory, it ends with `interrupted: false` and a final line counting the session."""
+    SignalledCartPole.steps, SignalledCartPole.sent = 0, False
+    run_dir = tmp_path / "run"
+    cfg, _ = compose([*RUN, "algo.total_steps=4096"])
+    check(cfg)
+    with STOP.installed(), pytest.raises(Stopped) as stopped:
+        ppo.main(build_fabric(cfg, 1), cfg, run_dir)
+    assert SignalledCartPole.sent and stopped.value.signum == signal.SIGTERM
+    assert stopped.value.env_step == 768 == ckpt.load(run_dir / "checkpoints" / "last.ckpt")["env_step"]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["interrupted"] is True and summary["stop_signal"] == "SIGTERM"
+    assert summary["total_env_steps"] == summary["steps_this_run"] == 768 and summary["iterations"] == 3
+    assert summary["episodes"] > 0 and summary["ranks_in_sync"] is True
+    assert (run_dir / "learning_curve.png").stat().st_size > 0
+
+    capsys.readouterr()
+    last = run_dir / "checkpoints" / "last.ckpt"
+    resumed = ppo_fabric.run([*RUN, "algo.total_steps=1280", f"hydra.run.dir={run_dir}", f"resume={last}"])
+    assert resumed["interrupted"] is False and resumed["stop_signal"] is None
+    assert resumed["total_env_steps"] == 1280 and resumed["steps_this_run"] == 512
+    assert resumed["total_wall_seconds"] > resumed["wall_seconds"]
+    assert json.loads((run_dir / "summary.json").read_text()) == resumed
+    final = [line for line in capsys.readouterr().out.splitlines() if "final mean return" in line]
+    assert len(final) == 1 and ": 512 steps this session in " in final[0] and ", 1,280 in all, " in final[0]

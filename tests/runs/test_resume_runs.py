@@ -1,0 +1,109 @@
+"""Resume as a user meets it, in real (short, in-process) runs: the same run continues from its own config in
+its own directory, "train longer" keeps the learning rate from jumping, a requeued `resume=auto` of a
+finished run is done, and the Python API speaks in one line.
+
+Each test would have failed on the rules before: the resume rebuilt the config from the command line
+(CartPole's values, the default 200k budget) and rewrote config.yaml, the lr line was recomputed from step
+0, `resume=<ckpt>` started a new timestamped directory, and a finished `resume=auto` exited 2.
+"""
+
+from __future__ import annotations
+
+import json
+import traceback
+from pathlib import Path
+
+import pytest
+import yaml
+
+import ppo_fabric
+from ppo_fabric import cli
+from ppo_fabric.config.values import ConfigError
+from ppo_fabric.runs.metrics_file import read_rows, series
+from tests.envs import factory_envs
+
+pytestmark = pytest.mark.slow
+QUIET = ["logger.tensorboard=false", "algo.update_epochs=1"]
+
+
+def _run(run_dir: Path, *overrides: str, env: object = None) -> dict:
+    return ppo_fabric.run([*QUIET, f"hydra.run.dir={run_dir}", *overrides], env=env)
+
+
+def test_resume_continues_the_runs_own_config_in_its_own_directory(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.chdir(tmp_path)  # a new timestamped directory would land in ./runs
+    run_dir = tmp_path / "acrobot"
+    _run(run_dir, "env.id=Acrobot-v1", "algo.total_steps=1536", "algo.lr=1e-3")
+    config = (run_dir / "config.yaml").read_text()
+    out = capsys.readouterr().out
+    assert "Acrobot-v1 with env=gym, the generic defaults" in out
+
+    # only the checkpoint and a longer budget: the run's env, lr and epochs, not the defaults'
+    summary = ppo_fabric.run([f"resume={run_dir / 'checkpoints' / 'last.ckpt'}", "algo.total_steps=3072"])
+    out = capsys.readouterr().out
+    assert "changed: algo.total_steps: 1536 -> 3072" in out
+    assert summary["env_id"] == "Acrobot-v1" and summary["total_env_steps"] == 3072
+    assert not (tmp_path / "runs").exists()  # continued in the checkpoint's run directory
+    assert (run_dir / "config.yaml").read_text() == config  # never overwritten
+    record = [json.loads(line) for line in (run_dir / "resumes.jsonl").read_text().splitlines()]
+    assert record[0]["env_step"] == 1536 and record[0]["changed"] == {"algo.total_steps": [1536, 3072]}
+    resumed = yaml.safe_load((run_dir / "config.yaml").read_text())
+    assert resumed["algo"]["update_epochs"] == 1 and resumed["algo"]["lr"] == 1e-3
+
+    rows = read_rows(run_dir / "metrics.csv")
+    steps = [s for s, _ in series(rows, "train/lr")]
+    assert steps == sorted(steps) and steps[0] < 1536 < steps[-1]  # one continuous metrics.csv
+    lrs = [lr for _, lr in series(rows, "train/lr")]
+    last_before = max(lr for s, lr in series(rows, "train/lr") if s <= 1536)
+    assert all(lr <= min(last_before, 1e-3) + 1e-12 for s, lr in series(rows, "train/lr") if s > 1536), lrs
+    assert (run_dir / "learning_curve.png").is_file()
+
+
+def test_a_change_to_the_experiment_is_refused_unless_allowed(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    _run(run_dir, "algo.total_steps=512")
+    last = run_dir / "checkpoints" / "last.ckpt"
+    with pytest.raises(ConfigError, match=r"algo.gamma=0.9 \(was 0.98\).*resume_overrides=allow"):
+        ppo_fabric.run([f"resume={last}", "algo.total_steps=1024", "algo.gamma=0.9"])
+    summary = ppo_fabric.run(
+        [f"resume={last}", "algo.total_steps=1024", "algo.gamma=0.9", "resume_overrides=allow"]
+    )
+    assert summary["total_env_steps"] == 1024
+    changed = json.loads((run_dir / "resumes.jsonl").read_text().splitlines()[-1])["changed"]
+    assert changed["algo.gamma"] == [0.98, 0.9]
+
+
+def test_requeued_resume_auto_of_a_finished_run_is_done(
+    tmp_path: Path, capfd: pytest.CaptureFixture[str]
+) -> None:
+    run_dir = tmp_path / "run"
+    first = _run(run_dir, "algo.total_steps=512", "resume=auto")
+    capfd.readouterr()
+    again = _run(run_dir, "algo.total_steps=512", "resume=auto")  # the same command, again
+    assert again == first
+    assert "is complete (512 env steps >= algo.total_steps=512); nothing to do" in capfd.readouterr().err
+    with pytest.raises(SystemExit) as exc:  # the command line: exit 0 with that one line
+        cli.main([*QUIET, f"hydra.run.dir={run_dir}", "resume=auto"])
+    assert exc.value.code == 0
+    err = capfd.readouterr().err
+    assert err.count("\n") == 1 and "nothing to do" in err
+
+
+def test_a_config_error_from_python_is_one_line_and_a_short_traceback(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    _run(run_dir, "algo.total_steps=512")
+    with pytest.raises(ConfigError) as exc:  # the README's snippet without resume=auto, run twice
+        _run(run_dir, "algo.total_steps=512")
+    assert "already holds a run" in str(exc.value) and "\n" not in str(exc.value)
+    assert exc.value.__cause__ is None and exc.value.__suppress_context__
+    frames = traceback.extract_tb(exc.value.__traceback__)
+    assert [f.name for f in frames if "ppo_fabric" in f.filename] == ["run"]
+
+
+def test_an_env_factory_from_python(tmp_path: Path) -> None:
+    summary = _run(tmp_path / "run", "algo.total_steps=512", env=factory_envs.short_cartpole)
+    assert summary["env_id"] == "tests.envs.factory_envs:short_cartpole"
+    with pytest.raises(ConfigError, match="module-level function or class"):
+        _run(tmp_path / "other", "algo.total_steps=512", env=lambda: None)
