@@ -63,7 +63,9 @@ def test_quickstart_notebook_runs(tmp_path: Path, monkeypatch: pytest.MonkeyPatc
     assert not [out for out in outputs if out.output_type == "error"]
     images = [out for out in outputs if "image/png" in out.get("data", {})]
     assert len(images) >= 2  # the learning curve and the rendered frame
-    runs = list((work / "runs").glob("quickstart-*"))
+    runs = [p for p in (work / "runs").glob("quickstart-*") if not p.name.endswith("-own-env")]
     assert len(runs) == 1
+    own = json.loads((runs[0].with_name(runs[0].name + "-own-env") / "summary.json").read_text())
+    assert own["env_id"] == "__main__:make_env"  # the notebook's own factory, passed as env=
     for name in ("metrics.csv", "summary.json", "eval.json", "checkpoints/last.ckpt"):
         assert (runs[0] / name).is_file(), name
