@@ -241,7 +241,7 @@ def launch(
 def opening_lines(cfg: DictConfig, changes: dict[str, tuple[Any, Any]] | None) -> str:
     """The run's first line: the env and whose values it trains with (`tuning`, conf/tuned.yaml); for a
     resumed run, a second one: where it continues from and what this session changes."""
-    tuning = cfg.get("tuning") or "the composed config"
+    tuning = cfg.get("tuning") or ("its saved config" if changes is not None else "the composed config")
     lines = [f"ppo-fabric: {cfg.env.id} with {tuning} ({cfg.strategy})"]
     if changes is not None:
         changed = f"; changed: {describe(changes)}" if changes else "; nothing changed"

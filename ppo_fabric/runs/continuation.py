@@ -58,7 +58,8 @@ MUTABLE: tuple[Path_, ...] = (
     ("group",),
 )
 IDENTITY: tuple[Path_, ...] = (("tuning",),)  # the run's own record: always the saved value
-NEVER_FILLED = ("model", "multiagent")  # option-specific keys: a missing one is another option's, not new
+# option-specific keys (a missing one is another option's, not new), and the run's record of its values
+NEVER_FILLED = ("model", "multiagent", "tuning")
 SESSIONS_FILE = "resumes.jsonl"  # one line per resumed session: when, from where, what it changed
 
 
@@ -164,7 +165,7 @@ def continued_config(
     now = OmegaConf.to_container(cfg, resolve=True)
     assert isinstance(now, dict)
     keys, options = named_keys(overrides)
-    named = [k for k in keys if not _under(k, IDENTITY)] + [("resume",)]
+    named = [*keys, ("resume",)]
     for option in options:
         named += option_keys(option)
     if options and compose_without is not None:  # what the files do not show: a user's own config dirs
@@ -175,6 +176,7 @@ def continued_config(
             before = None
         if before is not None:
             named += [p for p, v in leaves(now) if before.get(p, object()) != v]
+    named = [k for k in named if not _under(k, IDENTITY)]
     merged = copy.deepcopy(saved)
     saved_leaves = dict(leaves(saved))
     for path, value in leaves(now):  # keys added to the package since the run started
