@@ -67,7 +67,7 @@ def with_tuned_values(overrides: list[str]) -> list[str]:
     if not ids or ids[-1].is_sweep_override():
         if ids:
             return list(overrides)
-        note = "the default env option (in ours: env=cartpole, tuned values for CartPole-v1)"
+        note = "the default env option, in ours env=cartpole with tuned values for CartPole-v1"
         return [*overrides, f"tuning={quoted(note)}"]
     env_id = str(ids[-1].value())
     options = tuned_options(env_id)
