@@ -21,6 +21,7 @@ from ppo_fabric.config.values import training_layout
 from ppo_fabric.learn.learners import build_learners, learners_state, policies_of, policy_specs
 from ppo_fabric.learn.settings import UpdateSettings
 from ppo_fabric.learn.update import update_policies
+from ppo_fabric.policy.periodic import evaluate_if_due, evaluation_for
 from ppo_fabric.runs import checkpoint as ckpt
 from ppo_fabric.runs.metrics import parameters_digest
 from ppo_fabric.runs.session import RunSession, collector_state, end_of_run, episode_metrics, resume_collector
@@ -44,6 +45,7 @@ def main(fabric: Fabric, cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
         if changed and rank == 0:
             fabric.print(changed)
     session = RunSession(cfg, run_dir, rank == 0, per_update, resume)
+    evaluation = evaluation_for(cfg, specs, per_update, session, resume) if rank == 0 else None
 
     def mean_across(t: torch.Tensor) -> torch.Tensor:
         return fabric.all_reduce(t, reduce_op="mean")
@@ -51,17 +53,23 @@ def main(fabric: Fabric, cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
     def sum_across(t: torch.Tensor) -> torch.Tensor:
         return fabric.all_reduce(t.to(fabric.device), reduce_op="sum").cpu()
 
-    def checkpoint(update: int) -> None:
+    def checkpoint(update: int, best: bool | None = None) -> None:
         rank_states = all_gather_objects(collector_state(collector))
-        session.write_checkpoint(learners_state(cfg, learners), rank_states, update)
+        state = learners_state(cfg, learners)
+        if evaluation is not None and evaluation.on:
+            state["evaluation"] = evaluation.state()
+        session.write_checkpoint(state, rank_states, update, best)
 
     def summary(update: int, signum: int = 0) -> dict[str, Any]:
         """summary.json's content at the end or at a stop (every rank gathers: all agreed to get here)."""
         players = all_gather_objects(end_of_run(collector))
         digests = all_gather_objects(parameters_digest(*policies.values()))
-        return session.summary(
+        summary = session.summary(
             "coupled", update, players, digests, session.watch.totals, specs, world, signum
         )
+        if evaluation is not None and evaluation.on:
+            summary["evaluation"] = evaluation.state()
+        return summary
 
     for update in range(session.start_update, session.end_update):
         t0 = time.perf_counter()
@@ -87,10 +95,11 @@ def main(fabric: Fabric, cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
             session.log(
                 done, stats | episodes | {"time/collect_s": t1 - t0, "time/train_s": t2 - t1}, collector
             )
-        flags = session.boundary_flags()
+        improved = evaluate_if_due(evaluation, session, done, learners, collector)
+        flags = session.boundary_flags(improved)  # an evaluation's new best is saved by every rank
         signum, clock_due = session.agreed(max_over(flags, fabric.device))
         if session.checkpoint_due(done) or clock_due or (signum and session.last_checkpoint < done):
-            checkpoint(done)
+            checkpoint(done, best=improved if evaluation is not None and evaluation.on else None)
         if signum and done < session.end_update:
             stopped = summary(done, signum)
             collector.envs.close()
@@ -98,6 +107,8 @@ def main(fabric: Fabric, cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
 
     finished = summary(session.end_update)
     collector.envs.close()
+    if evaluation is not None:
+        evaluation.close()
     session.finish(finished)
     return finished
 

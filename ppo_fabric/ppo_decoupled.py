@@ -47,6 +47,7 @@ from ppo_fabric.learn.learners import (
 from ppo_fabric.learn.settings import UpdateSettings
 from ppo_fabric.learn.update import LAG_METRICS, TRAIN_METRICS, update_policies
 from ppo_fabric.models.agent import ActorCritic
+from ppo_fabric.policy.periodic import evaluate_if_due, evaluation_for
 from ppo_fabric.runs import checkpoint as ckpt
 from ppo_fabric.runs.metrics import parameters_digest
 from ppo_fabric.runs.session import RunSession, collector_state, end_of_run, episode_metrics, resume_collector
@@ -155,6 +156,10 @@ class Player:
             if changed and topo.rank == 0:
                 print(changed, flush=True)
         self.session = session_for(fabric, cfg, run_dir, resume)
+        per_update = self.session.per_update
+        self.evaluation = (
+            evaluation_for(cfg, specs, per_update, self.session, resume) if topo.rank == 0 else None
+        )
         self.version = self.session.start_update  # the newest parameters received
         self.behaviour = self.version  # the version the policy acts with (stamped on each batch)
         self.timed: set[int] = set()  # versions the players agreed to checkpoint by the clock
@@ -229,6 +234,7 @@ class Player:
                 episodes = episode_metrics(self.collector, self.link.sum_over_players if several else None)
                 row = dict(zip(self.names, metrics.tolist(), strict=True)) | episodes
                 session.log(version, row, self.collector)
+            evaluate_if_due(self.evaluation, session, version, self.policies, self.collector)
             if self.checkpoint_due(version):
                 self.checkpoint(version, snapshot)
         return version
@@ -238,6 +244,8 @@ class Player:
         rank_state = snapshot if snapshot is not None else collector_state(self.collector)
         parts = self.topo.gather({"rank_state": rank_state})
         learner = parts[self.topo.first_trainer]["learner"]
+        if self.evaluation is not None and self.evaluation.on:
+            learner = learner | {"evaluation": self.evaluation.state()}
         self.session.write_checkpoint(learner, [part["rank_state"] for part in parts], version)
 
     def snapshot(self) -> dict[str, Any]:
@@ -267,6 +275,8 @@ class Player:
         """Gather every rank's end-of-run part; the first player writes the summary."""
         summary = self.summary(self.topo.gather(self.end_part()))
         self.collector.envs.close()
+        if self.evaluation is not None:
+            self.evaluation.close()
         self.session.finish(summary)
         return summary
 
@@ -280,6 +290,8 @@ class Player:
         summary = session.summary(
             "decoupled", self.version, players, digests, time_split, self.specs, self.world, signum
         )
+        if self.evaluation is not None and self.evaluation.on:
+            summary["evaluation"] = self.evaluation.state()
         summary |= {
             "players": len(self.topo.players),
             "trainers": len(self.topo.trainers),

@@ -233,6 +233,7 @@ _RULES = (
     _Rule("checkpoint.every_minutes", float, 0),
     _Rule("logger.log_every", int, 0, strict_low=True),
     _Rule("logger.progress_every", float, 0, optional=True),
+    _Rule("eval.episodes", int, 0, strict_low=True, optional=True),
     _Rule("collectives.timeout", float, 0, strict_low=True),
     _Rule("model.lstm.hidden_size", int, 0, optional=True),  # model=lstm only
     _Rule("model.lstm.num_layers", int, 1, optional=True),
@@ -387,6 +388,15 @@ def check_values(cfg: DictConfig) -> None:
     for key in _BOOLS:
         if not isinstance(OmegaConf.select(cfg, key), bool):
             raise ConfigError(f"{key}={OmegaConf.select(cfg, key)!r} must be true or false")
+    every = OmegaConf.select(cfg, "eval.every")
+    if isinstance(every, float) and every.is_integer():  # eval.every=1e5
+        every = int(every)
+        OmegaConf.update(cfg, "eval.every", every)
+    if every != "auto" and (isinstance(every, bool) or not isinstance(every, int | None) or (every or 0) < 0):
+        raise ConfigError(f"eval.every={every!r} must be a whole number of env steps >= 0 (0: off) or auto")
+    deterministic = OmegaConf.select(cfg, "eval.deterministic")
+    if deterministic is not None and not isinstance(deterministic, bool):
+        raise ConfigError(f"eval.deterministic={deterministic!r} must be true or false")
     for key in ("model.actor_hidden", "model.critic_hidden"):
         widths = OmegaConf.select(cfg, key)
         if not OmegaConf.is_list(widths) or not all(isinstance(w, int) and w > 0 for w in widths):

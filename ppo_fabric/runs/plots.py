@@ -13,6 +13,7 @@ from ppo_fabric.runs.metrics_file import read_rows, series
 
 RETURN_KEY = "rollout/episode_return"
 MEAN20_KEY = "rollout/return_mean20"
+EVAL_KEY, EVAL_STD_KEY = "eval/return_mean", "eval/return_std"
 FILENAME = "learning_curve.png"
 
 
@@ -44,8 +45,14 @@ def plot_learning_curve(run_dir: Path, title: str | None = None) -> Path | None:
         mean_steps, mean20 = _read_series(metrics, MEAN20_KEY)
         if mean_steps:
             ax.plot(mean_steps, mean20, color="tab:blue", lw=2, label="mean of the last 20 episodes")
+    eval_steps, eval_means = _read_series(metrics, EVAL_KEY)
+    if eval_steps:  # evaluation during training (eval.every): its own episodes, the policy as it stood
+        _, eval_stds = _read_series(metrics, EVAL_STD_KEY)
+        ax.errorbar(eval_steps, eval_means, yerr=eval_stds or None, color="tab:orange", marker="o", ms=4,
+                    lw=1.5, capsize=2, label="evaluation (mean +- std of its episodes)")  # fmt: skip
+    if steps or eval_steps:
         ax.legend(loc="lower right", fontsize="small")
-    else:
+    if not steps and not eval_steps:
         ax.text(0.5, 0.5, "no episode finished", ha="center", va="center", transform=ax.transAxes)
     ax.set_xlabel("env steps")
     ax.set_ylabel("episode return")

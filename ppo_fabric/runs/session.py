@@ -183,11 +183,12 @@ class RunSession:
         self.logger.progress(env_step, sps, recent)
 
     # ----------------------------------------------------------------------------- boundary agreement
-    def boundary_flags(self) -> torch.Tensor:
-        """This rank's view at an update boundary: [signal that asks to stop (0: none), time-based checkpoint
-        due]. The strategy takes the maximum over the ranks that must agree, then calls `agreed`."""
+    def boundary_flags(self, save: bool = False) -> torch.Tensor:
+        """This rank's view at an update boundary: [signal that asks to stop (0: none), a checkpoint due
+        besides `checkpoint.every`: by the clock, or `save` (the writer's evaluation found a new best)].
+        The strategy takes the maximum over the ranks that must agree, then calls `agreed`."""
         clock_due = self.every_seconds > 0 and time.monotonic() - self._checkpoint_clock >= self.every_seconds
-        return torch.tensor([float(STOP.signum), float(clock_due)])
+        return torch.tensor([float(STOP.signum), float(clock_due or save)])
 
     @staticmethod
     def agreed(flags: torch.Tensor) -> tuple[int, bool]:
@@ -201,10 +202,15 @@ class RunSession:
         return update == self.end_update or (self.every > 0 and update % self.every == 0)
 
     def write_checkpoint(
-        self, learner: dict[str, Any], rank_states: list[dict[str, Any]], update: int
+        self,
+        learner: dict[str, Any],
+        rank_states: list[dict[str, Any]],
+        update: int,
+        best: bool | None = None,
     ) -> Path:
         """`last.ckpt` (and a numbered copy when `checkpoint.every` or `every_minutes` is set), and
-        `best.ckpt` when the mean return of the recent episodes of every collecting rank is the best so far.
+        `best.ckpt` when the mean return of the recent episodes of every collecting rank is the best so far
+        (with evaluation on, when `best`: the writer's evaluation at this update is its best).
         Every rank calls it (to keep its clock and counters); only the writer writes."""
         PROGRESS.mark("checkpoint")
         self.last_checkpoint = update
@@ -214,6 +220,8 @@ class RunSession:
         better = recent is not None and (self.best_return is None or recent > self.best_return)
         if better:
             self.best_return = recent
+        if best is not None:  # evaluation is on: it decides best.ckpt (the writer's `best`)
+            better = best
         if not self.writer:
             return self.checkpoint_path
         state = learner | {

@@ -27,7 +27,7 @@ from ppo_fabric.app.preflight import load
 from ppo_fabric.config.values import ConfigError
 from ppo_fabric.models.agent import ActorCritic
 from ppo_fabric.runs.checkpoint import saved_spaces
-from ppo_fabric.runs.metrics_file import read_rows
+from ppo_fabric.runs.metrics_file import read_rows, series
 from tests.conftest import job_env, job_processes, numbered_checkpoint
 
 REPO = Path(__file__).resolve().parents[2]
@@ -146,11 +146,15 @@ def test_layout_runs_to_the_end(tmp_path: Path, players: int, devices: int, pipe
     """Each layout finishes its schedule with every rank on the same parameters, in one run directory,
     and the policy lag shows whether collection really overlapped training."""
     total = 4096
-    overrides = [*SMALL, f"algo.total_steps={total}", f"algo.players={players}", f"algo.pipeline={pipeline}"]
+    overrides = [*SMALL, f"algo.total_steps={total}", f"algo.players={players}", f"algo.pipeline={pipeline}",
+                 "eval.every=2048", "eval.episodes=3"]  # fmt: skip
     _run(_python_m(devices, *overrides), tmp_path)
     run_dir = _single_run_dir(tmp_path)
-    _check_summary(run_dir, players, devices - players, pipeline, total)
+    summary = _check_summary(run_dir, players, devices - players, pipeline, total)
     _check_policy_lag(run_dir, pipeline, total // (128 * players))
+    # the first player evaluates the parameters it received at each due update, on envs of its own
+    evaluated = [s for s, _ in series(read_rows(run_dir / "metrics.csv"), "eval/return_mean")]
+    assert evaluated == [2048, 4096] and summary["evaluation"]["last"]["env_step"] == 4096
 
 
 @pytest.mark.multiprocess

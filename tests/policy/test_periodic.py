@@ -1,0 +1,71 @@
+"""Evaluation during training (`eval.*`, policy/periodic.py): the cadence, episodes played side by side
+against the one-by-one reference, seeds apart from training's, and in a real coupled run the `eval/*` rows,
+the record in summary.json and checkpoints, `best.ckpt` chosen by evaluation, the curve, and resume."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import gymnasium as gym
+import pytest
+import torch
+from omegaconf import OmegaConf
+
+import ppo_fabric
+from ppo_fabric.envs.make import env_seeds
+from ppo_fabric.models.agent import ActorCritic
+from ppo_fabric.policy.evaluate import play
+from ppo_fabric.policy.periodic import EVAL_SEED_OFFSET, cadence, play_side_by_side
+from ppo_fabric.policy.trained import Policy
+from ppo_fabric.runs import checkpoint as ckpt
+from ppo_fabric.runs.metrics_file import read_rows, series
+
+
+def _cfg(every: object, total: int = 30_000) -> object:
+    return OmegaConf.create({"eval": {"every": every}, "algo": {"total_steps": total}})
+
+
+def test_cadence() -> None:
+    assert cadence(_cfg(0), 256) == 0 and cadence(_cfg(None), 256) == 0
+    assert cadence(_cfg(5000), 256) == 5000
+    assert cadence(_cfg("auto"), 256) == 2000  # ~15 evaluations a run
+    assert cadence(_cfg("auto", total=1024), 512) == 512  # never more often than once an update
+
+
+def test_side_by_side_equals_one_by_one_and_uses_its_own_seeds() -> None:
+    torch.manual_seed(0)
+    env = gym.make("CartPole-v1")
+    model_cfg = OmegaConf.create(
+        {"encoder": "auto", "actor_hidden": [16], "critic_hidden": [16], "activation": "tanh"}
+    )
+    model = ActorCritic(env.observation_space, env.action_space, model_cfg)
+    policy = Policy(model, env.observation_space, env.action_space)
+    seed = 42 + EVAL_SEED_OFFSET
+    envs = [gym.make("CartPole-v1") for _ in range(4)]
+    together = play_side_by_side(policy, envs, deterministic=True, seed=seed)
+    alone = [play(policy, gym.make("CartPole-v1"), 1, True, seed + k)[:2] for k in range(4)]
+    assert together == ([r[0] for r, _ in alone], [n[0] for _, n in alone])
+    assert not {seed + k for k in range(4)} & set(env_seeds(42, 0, 64))
+
+
+@pytest.mark.slow
+def test_a_coupled_run_evaluates_keeps_its_best_and_resumes_the_record(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    common = ["logger.tensorboard=false", "eval.every=1024", "eval.episodes=4", "env.normalize_obs=true"]
+    summary = ppo_fabric.run([*common, "algo.total_steps=4096", f"hydra.run.dir={run_dir}"])
+    evaluated = series(read_rows(run_dir / "metrics.csv"), "eval/return_mean")
+    assert [s for s, _ in evaluated] == [1024, 2048, 3072, 4096]
+    record = summary["evaluation"]
+    best = max(evaluated, key=lambda p: p[1])
+    assert record["best"]["env_step"] == best[0] and record["best"]["return_mean"] == pytest.approx(best[1])
+    assert record["last"]["env_step"] == 4096
+    saved = ckpt.load(run_dir / "checkpoints" / "best.ckpt")
+    assert saved["env_step"] == best[0], "best.ckpt holds the parameters of the best evaluation"
+    assert (run_dir / "learning_curve.png").stat().st_size > 0
+
+    resumed = ppo_fabric.run([f"resume={run_dir / 'checkpoints' / 'last.ckpt'}", "algo.total_steps=6144"])
+    steps = [s for s, _ in series(read_rows(run_dir / "metrics.csv"), "eval/return_mean")]
+    assert steps == [1024, 2048, 3072, 4096, 5120, 6144]
+    assert resumed["evaluation"]["best"]["return_mean"] >= record["best"]["return_mean"]
+    assert json.loads((run_dir / "summary.json").read_text())["evaluation"] == resumed["evaluation"]
