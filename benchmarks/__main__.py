@@ -87,6 +87,11 @@ TABLE: tuple[Entry, ...] = (
     ),
     Entry("minibatch_step", "the Nature-CNN minibatch step: eager vs compiled vs one CUDA graph", "tool"),
     Entry("checkouts_ab", "one training run on several checkouts (git worktrees), alternated", "tool"),
+    Entry(
+        "stats",
+        "IQM, bootstrap CIs, P(improvement) and profiles of a learning or time_to_score report",
+        "tool",
+    ),
 )
 NAMES = tuple(dict.fromkeys(entry.name for entry in TABLE))
 ALL = tuple((entry.name, entry.args) for entry in TABLE if entry.kind == "all")

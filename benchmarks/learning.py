@@ -35,6 +35,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402
+import stats  # noqa: E402
 from common import RESULTS, run_once, thin  # noqa: E402
 
 CLEANRL = "CleanRL ppo.py, docs.cleanrl.dev/rl-algorithms/ppo (500k steps)"
@@ -184,6 +185,10 @@ def markdown(suite: str, report: dict[str, Any], command: str) -> str:
     if reused:
         lines += [f"Runs trained by another benchmark with the same overrides and taken from its report: "
                   f"{', '.join(reused)} (`run_by` in the JSON).", ""]  # fmt: skip
+    table = stats.markdown_table(runs, "env", tasks=[t.env for t in SUITES[suite]], variants=list(VARIANTS))
+    if table:
+        lines += ["## Final return over seeds: IQM and probability of improvement", "", *table, "",
+                  f"![performance profiles of the final return](learning_{suite}_profile.png)", ""]  # fmt: skip
     lines += [
         f"Commits of the runs: {', '.join(commits)} (each run's own is in `learning_{suite}.json`). The last "
         f"sitting: `{command}`.",
@@ -195,9 +200,12 @@ def markdown(suite: str, report: dict[str, Any], command: str) -> str:
 
 
 def plot(suite: str, report: dict[str, Any], path: Path) -> None:
-    """Mean return (last 20 episodes) against env steps: one panel per env, one colour per variant."""
+    """Mean return (last 20 episodes) against env steps: one panel per env, one colour per variant; and beside
+    it (`<name>_profile.png`) the performance profiles of the final returns over seeds, one panel per env."""
     envs = [t.env for t in SUITES[suite] if any(r["env"] == t.env for r in report["runs"])]
     common.plot_curves(report["runs"], "env", envs, tuple(VARIANTS), 0, "env steps", path)
+    stats.plot_profiles(report["runs"], "env", path.with_name(f"{path.stem}_profile.png"), tasks=envs,
+                        variants=list(VARIANTS))  # fmt: skip
 
 
 def main() -> None:

@@ -44,6 +44,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402
+import stats  # noqa: E402
 from common import RESULTS, run_once  # noqa: E402
 
 WORKLOADS: dict[str, tuple[list[str], float]] = {
@@ -267,6 +268,11 @@ def markdown(report: dict[str, Any], command: str) -> str:
         if stopped:
             lines += ["Stopped before their budget (`--sb3-stop`: at the threshold; `--sb3-cap`: at the wall "
                       "cap, the threshold not reached): " + "; ".join(stopped) + ".", ""]  # fmt: skip
+    table = stats.markdown_table(runs, "workload", tasks=list(WORKLOADS), variants=list(VARIANTS))
+    if table:
+        lines += ["### Final return over seeds: IQM and probability of improvement", "", *table[:-1],
+                  table[-1] + " Runs stopped before their budget have no final return and are left out.", "",
+                  "![performance profiles of the final return](time_to_score_profile.png)", ""]  # fmt: skip
     commits = sorted({r["commit"] for r in runs})
     lines += [
         f"Commits of the runs: {', '.join(commits)} (each run's own is in `time_to_score.json`). "
@@ -317,6 +323,8 @@ def main() -> None:
                 thresholds = {w: t for w, (_, t) in WORKLOADS.items()}
                 common.plot_curves(report["runs"], "workload", workloads, tuple(VARIANTS), 1, "wall time (s)",
                                    args.out / "time_to_score.png", thresholds)  # fmt: skip
+                stats.plot_profiles(report["runs"], "workload", args.out / "time_to_score_profile.png",
+                                    tasks=workloads, variants=list(VARIANTS))  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -1,0 +1,199 @@
+"""benchmarks/stats.py against values worked by hand: the interquartile mean (rliable's, scipy's trim_mean at
+0.25: floor(n/4) cut from each end), the probability of improvement (Mann-Whitney U / nm, ties half), the
+stratified bootstrap's intervals and performance profiles; and the reports' table, plot and command."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from tests.test_gpu_check import _script
+
+REPS = 200
+
+
+@pytest.fixture
+def st(monkeypatch: pytest.MonkeyPatch):  # type: ignore[no-untyped-def]
+    return _script(monkeypatch, "stats")
+
+
+def test_iqm_is_the_mean_of_the_middle_half(st) -> None:  # type: ignore[no-untyped-def]
+    assert st.iqm([8, 1, 7, 2, 6, 3, 5, 4]) == pytest.approx((3 + 4 + 5 + 6) / 4)  # n = 8: cut 2 each end
+    assert st.iqm([[1, 2], [3, 100]]) == pytest.approx((2 + 3) / 2)  # every value pooled
+    assert st.iqm([5.0]) == 5.0
+
+
+def test_iqm_rounds_a_fractional_cut_down(st) -> None:  # type: ignore[no-untyped-def]
+    """k = floor(n/4) from each end, never interpolated: n = 10 keeps the middle 6 (interpolating 2.5 cut
+    values, as a 'weighted' IQM would, gives (0.5*4 + 8 + 16 + 32 + 64 + 0.5*128) / 5 = 37.2 instead)."""
+    powers = [2**i for i in range(10)]  # 1, 2, 4, ..., 512
+    assert st.iqm(powers) == pytest.approx((4 + 8 + 16 + 32 + 64 + 128) / 6)  # 42
+    assert st.iqm([100, 1, 2, 3, 4]) == pytest.approx(3.0)  # n = 5: floor(1.25) = 1, middle 3
+    assert st.iqm([1, 2, 3, 4, 5, 100]) == pytest.approx(3.5)  # n = 6: floor(1.5) = 1, middle 4
+    assert st.iqm([1, 2, 9]) == pytest.approx(4.0)  # n = 3: floor(0.75) = 0, the plain mean
+    scipy_stats = pytest.importorskip("scipy.stats")
+    for n in range(1, 13):
+        x = np.random.default_rng(n).normal(size=n) ** 3
+        assert st.iqm(x) == pytest.approx(scipy_stats.trim_mean(x, 0.25))
+
+
+def test_probability_of_improvement_counts_pairs_and_half_ties(st) -> None:  # type: ignore[no-untyped-def]
+    """x = [1, 2, 3], y = [2, 2, 4]: x=1 beats nothing; x=2 ties both 2s (1/2 + 1/2); x=3 beats both 2s.
+    U = 0 + 1 + 2 = 3 of 9 pairs."""
+    x, y = [1, 2, 3], [2, 2, 4]
+    assert st.improvement_probability(x, y) == pytest.approx(3 / 9)
+    assert st.improvement_probability(y, x) == pytest.approx(6 / 9)  # the two add up to 1
+    p, low, high = st.probability_of_improvement({"a": x}, {"a": y}, reps=REPS)
+    assert p == pytest.approx(1 / 3) and 0 <= low <= p <= high <= 1
+    # averaged over tasks: task b ties its only pair (1/2)
+    two = st.probability_of_improvement({"a": x, "b": [5]}, {"a": y, "b": [5]}, reps=REPS)
+    assert two[0] == pytest.approx((1 / 3 + 1 / 2) / 2)
+    same, low, high = st.probability_of_improvement({"a": x}, {"a": x}, reps=REPS)
+    assert same == 0.5 and low < 0.5 < high  # equal runs: P is 1/2, and resampling both can tip it either way
+    assert st.probability_of_improvement({"a": [2, 2]}, {"a": [2, 2, 2]}, reps=REPS) == (0.5, 0.5, 0.5)
+    assert st.probability_of_improvement({"a": [3, 4]}, {"a": [1, 2]}, reps=REPS) == (1.0, 1.0, 1.0)
+    scipy_stats = pytest.importorskip("scipy.stats")
+    u = scipy_stats.mannwhitneyu(x, y, alternative="greater").statistic
+    assert st.improvement_probability(x, y) == pytest.approx(u / 9)
+    with pytest.raises(ValueError, match="different tasks"):
+        st.probability_of_improvement({"a": x}, {"b": y})
+
+
+def test_a_bootstrap_interval_collapses_when_every_run_is_equal(st) -> None:  # type: ignore[no-untyped-def]
+    assert st.stratified_bootstrap_ci({"a": [3.0] * 4}, reps=REPS) == (3.0, 3.0, 3.0)
+    # stratified: each resample keeps each task's own runs (4 zeros, 4 tens), so the pooled mean is always 5
+    split = {"a": [0.0] * 4, "b": [10.0] * 4}
+    assert st.stratified_bootstrap_ci(split, st.aggregate_mean, reps=REPS) == (5.0, 5.0, 5.0)
+    point, _, _ = st.stratified_bootstrap_ci({"a": [1, 2, 3, 4], "b": [5, 6, 7, 8]}, reps=REPS)
+    assert point == pytest.approx(4.5)  # the default statistic: IQM of every run pooled
+
+
+def test_an_interval_holds_its_point_and_widens_with_fewer_runs(st) -> None:  # type: ignore[no-untyped-def]
+    runs = np.random.default_rng(1).normal(100.0, 20.0, size=40)
+    widths = {}
+    for n in (5, 40):
+        point, low, high = st.stratified_bootstrap_ci({"a": runs[:n]}, reps=REPS)
+        assert point == pytest.approx(st.iqm(runs[:n])) and low < point < high
+        widths[n] = high - low
+    assert widths[5] > 1.5 * widths[40]
+    _, low, high = st.stratified_bootstrap_ci({"a": runs}, reps=REPS, level=0.5)
+    assert high - low < widths[40]  # a 50% interval is narrower than the 95% one
+
+
+def test_the_same_seed_gives_the_same_interval(st) -> None:  # type: ignore[no-untyped-def]
+    x = {"a": [1.0, 5.0, 2.0, 8.0], "b": [3.0, 3.5, 9.0]}
+    y = {"a": [2.0, 4.0, 6.0], "b": [1.0, 7.0, 2.0, 2.5]}
+    assert st.stratified_bootstrap_ci(x, reps=REPS, seed=3) == st.stratified_bootstrap_ci(
+        x, reps=REPS, seed=3
+    )
+    assert st.stratified_bootstrap_ci(x, reps=REPS, seed=3) != st.stratified_bootstrap_ci(
+        x, reps=REPS, seed=4
+    )
+    same = st.probability_of_improvement(x, y, reps=REPS, seed=7)
+    assert same == st.probability_of_improvement(x, y, reps=REPS, seed=7)
+    # the order the tasks are given in does not change the draws
+    assert st.stratified_bootstrap_ci(dict(reversed(x.items())), reps=REPS, seed=3) == (
+        st.stratified_bootstrap_ci(x, reps=REPS, seed=3)
+    )
+
+
+def test_performance_profile_is_the_fraction_of_runs_above_tau(st) -> None:  # type: ignore[no-untyped-def]
+    assert st.performance_profile({"a": [1, 2, 3, 4]}, [0, 1, 2.5, 4]).tolist() == [1.0, 0.75, 0.5, 0.0]
+    # normalised per task: a (0, 10) -> 0, 1; b (0, 100) -> 0, 0.5, 1; pooled 0, 1, 0, 0.5, 1
+    scores, bounds = {"a": [0, 10], "b": [0, 50, 100]}, {"a": (0, 10), "b": (0, 100)}
+    assert st.normalise(scores, bounds)["b"].tolist() == [0.0, 0.5, 1.0]
+    assert st.performance_profile(scores, [0, 0.5, 0.99], bounds).tolist() == pytest.approx(
+        [3 / 5, 2 / 5, 2 / 5]
+    )
+    point, low, high = st.performance_profile_ci(scores, [0, 0.5, 0.99], bounds, reps=REPS)
+    assert (
+        point.tolist() == pytest.approx([3 / 5, 2 / 5, 2 / 5])
+        and (low <= point).all()
+        and (point <= high).all()
+    )
+    flat, flat_low, flat_high = st.performance_profile_ci({"a": [2.0, 2.0]}, [1, 3], reps=REPS)
+    assert flat.tolist() == flat_low.tolist() == flat_high.tolist() == [1.0, 0.0]
+    with pytest.raises(ValueError, match="task 'b'"):
+        st.normalise(scores, {"a": (0, 10)})
+
+
+def test_bad_scores_are_refused(st) -> None:  # type: ignore[no-untyped-def]
+    with pytest.raises(ValueError, match="no runs"):
+        st.iqm([])
+    with pytest.raises(ValueError, match="NaN"):
+        st.stratified_bootstrap_ci({"a": [1.0, float("nan")]}, reps=REPS)
+    with pytest.raises(ValueError, match="level"):
+        st.stratified_bootstrap_ci({"a": [1.0]}, level=95)
+
+
+def test_profiles_plot_to_a_png(st, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    path = tmp_path / "profiles.png"
+    panels = {"CartPole": {"coupled": {"CartPole": [480, 500, 500]}, "pipelined": {"CartPole": [300, 500]}},
+              "suite": {"coupled": {"a": [0.2, 0.9], "b": [0.5]}}}  # fmt: skip
+    st.plot_performance_profiles(panels, path, reps=50)
+    data = path.read_bytes()
+    assert data.startswith(b"\x89PNG\r\n\x1a\n") and len(data) > 1000
+
+
+def _runs() -> list[dict]:
+    def run(env: str, variant: str, seed: int, final: float | None, **extra: object) -> dict:
+        return {"env": env, "variant": variant, "seed": seed, "final_mean_return": final, **extra}
+
+    return [run("A", "coupled", 1, 1.0), run("A", "coupled", 2, 2.0), run("A", "coupled", 3, 3.0),
+            run("A", "pipelined", 1, 2.0), run("A", "pipelined", 2, 2.0), run("A", "pipelined", 3, 4.0),
+            run("B", "coupled", 1, 5.0), run("B", "pipelined", 1, 5.0), run("B", "pipelined", 2, None),
+            run("B", "sb3", 1, 9.0, stopped="threshold")]  # fmt: skip
+
+
+def test_the_reports_table_and_command(st, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    """Per env, each variant's IQM [CI] (runs) and P(pipelined > coupled); the suite row averages P over
+    the envs (A: pipelined 2, 2, 4 vs coupled 1, 2, 3 -> 6/9, B: a tie -> 1/2); runs stopped or without a
+    final return are left out (sb3 has none). The command writes `<name>_stats.{md,png}` beside nothing
+    else and leaves the report as it was."""
+    lines = st.markdown_table(_runs(), "env", reps=REPS, variants=["coupled", "pipelined"])
+    assert (
+        lines[0]
+        == "| env | IQM coupled [95% CI] (runs) | IQM pipelined [95% CI] (runs) | P(pipelined > coupled) [95% CI] |"
+    )
+    cells = {line.split(" | ")[0].strip("| "): [c.strip() for c in line.strip("|").split("|")[1:]]
+             for line in lines[2:5]}  # fmt: skip
+    assert cells["A"][0].startswith("2.0 [") and cells["A"][0].endswith("] (3)")
+    assert cells["A"][1].startswith("2.7 [") and cells["A"][2].startswith("0.67 [")
+    assert cells["B"][:3] == ["5.0 (1)", "5.0 (1)", "0.50 [0.50, 0.50]"]
+    assert (
+        cells["all envs"][2].startswith(f"{(6 / 9 + 1 / 2) / 2:.2f} [") and "(2 envs)" in cells["all envs"][2]
+    )
+    assert st.markdown_table([r for r in _runs() if r["variant"] == "sb3"], "env") == []
+
+    report = tmp_path / "learning_x.json"
+    report.write_text(json.dumps({"runs": _runs()}))
+    before = report.read_text()
+    st.main([str(report), "--reps", str(REPS)])
+    assert report.read_text() == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["learning_x.json", "learning_x_stats.md",
+                                                          "learning_x_stats.png"]  # fmt: skip
+    md = (tmp_path / "learning_x_stats.md").read_text()
+    assert "P(pipelined > coupled)" in md and "(learning_x_stats.png)" in md
+
+
+def test_the_learning_and_time_to_score_reports_carry_the_table(monkeypatch: pytest.MonkeyPatch) -> None:
+    learning = _script(monkeypatch, "learning")
+    machine = {"cpu": "x", "cores": 2, "torch": "t"}
+    runs = [{**r, "env": {"A": "CartPole-v1", "B": "Acrobot-v1"}[r["env"]], "commit": "abc1234",
+             "total_env_steps": 500_000, "wall_seconds": 60.0, "sps": 8000.0} for r in _runs()[:9]]  # fmt: skip
+    md = learning.markdown("classic", {"runs": runs, "machine": machine}, "cmd")
+    table = md.split("## Final return over seeds")[1]
+    assert table.index("| CartPole-v1 |") < table.index("| Acrobot-v1 |")  # the suite's order
+    assert "(learning_classic_profile.png)" in md
+    tts = _script(monkeypatch, "time_to_score")
+    runs = [{**r, "workload": {"A": "lunarlander", "B": "hopper"}[r["env"]], "commit": "abc1234",
+             "best_mean_return": r["final_mean_return"], "wall_at_threshold": None, "step_at_threshold": None,
+             "wall_seconds": 60.0, "sps": 8000.0, "load": [1.0, 1.0]} for r in _runs() if r["final_mean_return"]]  # fmt: skip
+    md = tts.markdown({"runs": runs, "machine": machine}, "cmd")
+    table = md.split("### Final return over seeds")[1]
+    assert "| P(pipelined > coupled) [95% CI] |" in table and "sb3" not in table.split("\n\n")[1]
+    assert "Runs stopped before their budget have no final return" in table
+    assert "(time_to_score_profile.png)" in md
