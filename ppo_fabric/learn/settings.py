@@ -43,7 +43,6 @@ class UpdateSettings:
 
     minibatch_size: int
     update_epochs: int
-    anneal_lr: bool
     max_grad_norm: float
     target_kl: float | None
     compile: bool
@@ -57,7 +56,6 @@ class UpdateSettings:
         return cls(
             minibatch_size=int(algo.minibatch_size),
             update_epochs=int(algo.update_epochs),
-            anneal_lr=bool(algo.anneal_lr),
             max_grad_norm=float(algo.max_grad_norm),
             target_kl=None if algo.target_kl is None else float(algo.target_kl),
             compile=bool(algo.get("compile", False)),
