@@ -91,6 +91,23 @@ def learning_curve(metrics_csv: Path, key: str = "rollout/return_mean20") -> lis
     ]
 
 
+def evaluation_curve(metrics_csv: Path) -> list[list[float]]:
+    """[env step, `time/wall_s`, `eval/return_mean`, `time/eval_s`] of every evaluation during training
+    (`eval.every`); empty without."""
+    from ppo_fabric.runs.metrics_file import read_rows
+
+    return [
+        [
+            int(row["step"]),
+            float(row["time/wall_s"]),
+            float(row["eval/return_mean"]),
+            float(row["time/eval_s"]),
+        ]
+        for row in read_rows(metrics_csv)
+        if row.get("eval/return_mean")
+    ]
+
+
 def steady_sps(metrics_csv: Path) -> float | None:
     """Env steps per second over the second half of the run's logged wall time (`time/wall_s`): the rate of a
     long run, without the start-up, the first update's compilation and the warm-up a short run's SPS
@@ -203,6 +220,7 @@ def run_once(
         )
         if curve:
             summary["curve"] = learning_curve(run_dir / "metrics.csv")
+            summary["eval_curve"] = evaluation_curve(run_dir / "metrics.csv")
         if keep_metrics is not None:
             keep_metrics.parent.mkdir(parents=True, exist_ok=True)
             shutil.copyfile(run_dir / "metrics.csv", keep_metrics)
@@ -226,6 +244,17 @@ def threshold_figures(summary: dict[str, Any], threshold: float) -> dict[str, An
     the whole curve; the curve kept for the plot is thinned to ~500 points, a 5M-step run has ~2,400)."""
     curve = summary["curve"]
     first = next((point for point in curve if point[2] >= threshold), None)
+    evaluated = summary.get("eval_curve") or []
+    eval_figures = {}
+    if evaluated:  # the final evaluation (at the last update) and the best, the time spent evaluating
+        eval_before = sum(e[3] for e in evaluated if first is not None and e[1] <= first[1])
+        eval_figures = {
+            "final_eval_return": evaluated[-1][2],
+            "best_eval_return": max(e[2] for e in evaluated),
+            "eval_seconds": sum(e[3] for e in evaluated),
+            "wall_at_threshold_no_eval": None if first is None else first[1] - eval_before,
+            "eval_curve": evaluated,
+        }
     return {
         "total_env_steps": summary["total_env_steps"],
         "final_mean_return": summary["final_mean_return"],
@@ -236,6 +265,7 @@ def threshold_figures(summary: dict[str, Any], threshold: float) -> dict[str, An
         "wall_seconds": summary["wall_seconds"],
         "sps": summary["sps"],
         "curve": thin(curve, 500),
+        **eval_figures,
     }
 
 

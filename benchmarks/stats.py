@@ -276,9 +276,10 @@ VARIANTS = ("coupled", "pipelined", "sb3")  # the reports' variants, in their or
 
 
 def final_score(run: Mapping[str, Any]) -> float | None:
-    """A report run's score: its final mean return, None for a run stopped before its budget (`stopped`) or
-    without one."""
-    value = run.get("final_mean_return")
+    """A report run's score: its final evaluation return (`final_eval_return`, the evaluation at its last
+    update) where it was evaluated during training, else its final training mean return; None for a run
+    stopped before its budget (`stopped`) or without one."""
+    value = run.get("final_eval_return", run.get("final_mean_return"))
     return None if run.get("stopped") or value is None else float(value)
 
 
@@ -363,7 +364,7 @@ def markdown_table(
     return [
         *lines,
         "",
-        "IQM: the interquartile mean of the final returns over seeds, the mean of the middle 50% (floor(n/4) "
+        "IQM: the interquartile mean of the final returns over seeds (the final evaluation return where runs were evaluated), the mean of the middle 50% (floor(n/4) "
         "runs cut from each end, so with 3 seeds it is the plain mean), with its stratified bootstrap "
         f"{pct} interval ({reps:,} resamples of the seeds) and the number of runs. P(A > B): the probability "
         "that a run of A ends above a run of B (ties count half), with its bootstrap interval (the runs of "

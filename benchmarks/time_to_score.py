@@ -186,6 +186,9 @@ def run_sb3(workload: str, seed: int, steps: int | None, stop: bool, cap_s: floa
         return json.loads(result.read_text())
 
 
+EVALUATION = ["eval.every=auto", "eval.episodes=10"]  # --eval: ~15 evaluations a run and one at its end
+
+
 def run_record(
     workload: str,
     variant: str,
@@ -193,9 +196,13 @@ def run_record(
     steps: int | None,
     sb3_stop: bool = False,
     sb3_cap: float | None = None,
+    variants: dict[str, list[str]] = VARIANTS,
+    evaluate: bool = False,
 ) -> dict[str, Any]:
     base, threshold = WORKLOADS[workload]
-    overrides = [*base, *VARIANTS[variant], f"seed={seed}", *([f"algo.total_steps={steps}"] if steps else [])]
+    overrides = [*base, *variants[variant], f"seed={seed}", *([f"algo.total_steps={steps}"] if steps else [])]
+    if evaluate and variant != "sb3":
+        overrides += EVALUATION
     load_before = os.getloadavg()[0]
     if variant == "sb3":
         s = run_sb3(workload, seed, steps, sb3_stop, sb3_cap)
@@ -213,8 +220,10 @@ def run_record(
     }
 
 
-def markdown(report: dict[str, Any], command: str) -> str:
+def markdown(report: dict[str, Any], command: str, name: str = "time_to_score") -> str:
     runs, m = report["runs"], report["machine"]
+    variants = list(dict.fromkeys([*VARIANTS, *(r["variant"] for r in runs)]))
+    evaluated = any("final_eval_return" in r for r in runs)
     lines = [
         "# Time to score: coupled, decoupled pipelined and Stable-Baselines3",
         "",
@@ -224,6 +233,14 @@ def markdown(report: dict[str, Any], command: str) -> str:
         "before and after each run, highest of the row (above ~2.2 on 2 cores something else ran).",
         "",
     ]
+    if evaluated:
+        lines += [
+            "Evaluated during training (`" + " ".join(EVALUATION) + "`): final eval is the mean return of 10 "
+            "deterministic episodes on envs of their own at the run's last update, best eval the best of its "
+            "~16 evaluations (mean ± std over seeds); wall s at the threshold leaves out the time spent "
+            "evaluating before it.",
+            "",
+        ]
     for workload, (_, threshold) in WORKLOADS.items():
         mine = [r for r in runs if r["workload"] == workload]
         if not mine:
@@ -232,11 +249,11 @@ def markdown(report: dict[str, Any], command: str) -> str:
             f"### {workload} (threshold {threshold:g})",
             "",
             f"| variant | seeds | wall s at {threshold:g} | env step at {threshold:g} | final | best | wall s (run) "
-            "| SPS | load |",
-            "|---|---|---:|---:|---:|---:|---:|---:|---:|",
+            "| SPS | load |" + (" final eval | best eval | eval s |" if evaluated else ""),
+            "|---|---|---:|---:|---:|---:|---:|---:|---:|" + ("---:|---:|---:|" if evaluated else ""),
         ]
         stopped = []
-        for variant in VARIANTS:
+        for variant in variants:
             rows = sorted((r for r in mine if r["variant"] == variant), key=lambda r: r["seed"])
             if not rows:
                 continue
@@ -249,7 +266,8 @@ def markdown(report: dict[str, Any], command: str) -> str:
             best = common.mean_std(
                 [r["best_mean_return"] for r in whole if r["best_mean_return"] is not None]
             )
-            wall_at = common.mean_reached([r["wall_at_threshold"] for r in rows], ".0f")
+            wall_key = "wall_at_threshold_no_eval" if evaluated else "wall_at_threshold"
+            wall_at = common.mean_reached([r.get(wall_key) for r in rows], ".0f")
             if all(r["wall_at_threshold"] is None and r.get("stopped") == "wall cap" for r in rows):
                 wall_at = (
                     f"> {min(r['wall_seconds'] for r in rows):.0f} (cap)"  # stopped before getting there
@@ -261,6 +279,7 @@ def markdown(report: dict[str, Any], command: str) -> str:
                 f"| {final if whole else 'stopped'} | {best if whole else 'stopped'} "
                 f"| {statistics.mean(r['wall_seconds'] for r in rows):.0f} "
                 f"| {statistics.mean(r['sps'] for r in rows):,.0f} | {max(max(r['load']) for r in rows):.1f} |"
+                + (evaluation_cells(whole) if evaluated else "")
             )
             stopped += [f"{variant} seed {r['seed']} at {r['wall_seconds']:.0f} s ({r['stopped']})"
                         for r in rows if r.get("stopped")]  # fmt: skip
@@ -268,27 +287,55 @@ def markdown(report: dict[str, Any], command: str) -> str:
         if stopped:
             lines += ["Stopped before their budget (`--sb3-stop`: at the threshold; `--sb3-cap`: at the wall "
                       "cap, the threshold not reached): " + "; ".join(stopped) + ".", ""]  # fmt: skip
-    table = stats.markdown_table(runs, "workload", tasks=list(WORKLOADS), variants=list(VARIANTS))
+    pairs = [*stats.PAIRS, *((v, "coupled") for v in variants if v not in VARIANTS)]
+    table = stats.markdown_table(runs, "workload", pairs, tasks=list(WORKLOADS), variants=variants)
     if table:
-        lines += ["### Final return over seeds: IQM and probability of improvement", "", *table[:-1],
+        what = "final evaluation return" if evaluated else "final return"
+        lines += [f"### The {what} over seeds: IQM and probability of improvement", "", *table[:-1],
                   table[-1] + " Runs stopped before their budget have no final return and are left out.", "",
-                  "![performance profiles of the final return](time_to_score_profile.png)", ""]  # fmt: skip
+                  f"![performance profiles of the {what}]({name}_profile.png)", ""]  # fmt: skip
     commits = sorted({r["commit"] for r in runs})
     lines += [
-        f"Commits of the runs: {', '.join(commits)} (each run's own is in `time_to_score.json`). "
+        f"Commits of the runs: {', '.join(commits)} (each run's own is in `{name}.json`). "
         f"The last sitting: `{command}`.",
         "",
-        "![return against wall time](time_to_score.png)",
+        f"![return against wall time]({name}.png)",
         "",
     ]
     return "\n".join(lines)
 
 
+def evaluation_cells(rows: list[dict[str, Any]]) -> str:
+    """The final and best evaluation return (mean ± std over seeds) and the mean seconds spent evaluating."""
+    final = [r["final_eval_return"] for r in rows if "final_eval_return" in r]
+    best = [r["best_eval_return"] for r in rows if "best_eval_return" in r]
+    spent = [r["eval_seconds"] for r in rows if "eval_seconds" in r]
+    return (
+        f" {common.mean_std(final)} | {common.mean_std(best)} "
+        f"| {statistics.mean(spent) if spent else float('nan'):.1f} |"
+    )
+
+
+def candidate(text: str) -> tuple[str, list[str]]:
+    """`NAME=BASE:override,override`: a variant that runs `BASE` (coupled or pipelined) with these overrides."""
+    name, _, rest = text.partition("=")
+    base, _, overrides = rest.partition(":")
+    if not name or name in VARIANTS or base not in ("coupled", "pipelined"):
+        raise argparse.ArgumentTypeError(f"--candidate {text!r}: NAME=coupled|pipelined:override,...")
+    return name, [*VARIANTS[base], *(o for o in overrides.split(",") if o)]
+
+
 def main() -> None:
     parser = common.argument_parser(__doc__)
     parser.add_argument("--workloads", nargs="+", choices=list(WORKLOADS), default=["lunarlander"])
-    parser.add_argument("--variants", nargs="+", choices=list(VARIANTS), default=list(VARIANTS))
-    parser.add_argument("--seeds", type=int, default=3, help="seeds 1..N")
+    parser.add_argument("--variants", nargs="+", default=list(VARIANTS), help="of coupled, pipelined, sb3 and "
+                        "the --candidate names")  # fmt: skip
+    parser.add_argument("--seeds", type=int, default=3, help="seeds FIRST..N")
+    parser.add_argument("--first-seed", type=int, default=1)
+    parser.add_argument("--eval", action="store_true", help="evaluate during training; report its returns")
+    parser.add_argument("--name", default="time_to_score", help="the report's file name (results/NAME.json)")
+    parser.add_argument("--candidate", type=candidate, action="append", default=[],
+                        help="NAME=coupled|pipelined:override,...: another variant (repeatable)")  # fmt: skip
     parser.add_argument("--steps", type=int, default=None, help="env steps per run (default: the recipe's)")
     parser.add_argument("--force", action="store_true", help="re-run runs already in the results")
     parser.add_argument("--sb3-stop", action="store_true", help="SB3 runs stop once they reach the threshold")
@@ -302,11 +349,14 @@ def main() -> None:
         stop_at = WORKLOADS[args.child][1] if args.sb3_stop else None
         child_sb3(args.child, args.seed, args.steps, args.result, stop_at, args.sb3_cap)
         return
-    path = args.out / "time_to_score.json"
+    variants = VARIANTS | dict(args.candidate)
+    if unknown := [v for v in args.variants if v not in variants]:
+        parser.error(f"unknown variants {unknown}: of {list(variants)}")
+    path = args.out / f"{args.name}.json"
     report = json.loads(path.read_text()) if path.is_file() else {"runs": []}
     report["machine"] = common.machine()
     command = common.command_line(__file__)
-    for seed in range(1, args.seeds + 1):  # seed-major, the variants alternating within a seed
+    for seed in range(args.first_seed, args.seeds + 1):  # seed-major, the variants alternating within a seed
         for workload in args.workloads:
             for variant in args.variants:
                 done = common.runs_to_replace(
@@ -314,17 +364,19 @@ def main() -> None:
                 )
                 if done is None:
                     continue
-                r = run_record(workload, variant, seed, args.steps, args.sb3_stop, args.sb3_cap)
+                r = run_record(
+                    workload, variant, seed, args.steps, args.sb3_stop, args.sb3_cap, variants, args.eval
+                )
                 common.replace_runs(report, done, r)
                 print(f"{workload} {variant} seed {seed}: wall at {r['threshold']:g}: {r['wall_at_threshold']}, "
                       f"final {r['final_mean_return']}, {r['wall_seconds']:.0f} s", flush=True)  # fmt: skip
-                common.write_report(args.out, "time_to_score", report, markdown(report, command))
+                common.write_report(args.out, args.name, report, markdown(report, command, args.name))
                 workloads = [w for w in WORKLOADS if any(x["workload"] == w for x in report["runs"])]
                 thresholds = {w: t for w, (_, t) in WORKLOADS.items()}
-                common.plot_curves(report["runs"], "workload", workloads, tuple(VARIANTS), 1, "wall time (s)",
-                                   args.out / "time_to_score.png", thresholds)  # fmt: skip
-                stats.plot_profiles(report["runs"], "workload", args.out / "time_to_score_profile.png",
-                                    tasks=workloads, variants=list(VARIANTS))  # fmt: skip
+                common.plot_curves(report["runs"], "workload", workloads, tuple(variants), 1, "wall time (s)",
+                                   args.out / f"{args.name}.png", thresholds)  # fmt: skip
+                stats.plot_profiles(report["runs"], "workload", args.out / f"{args.name}_profile.png",
+                                    tasks=workloads, variants=list(variants))  # fmt: skip
 
 
 if __name__ == "__main__":

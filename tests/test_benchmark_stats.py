@@ -193,7 +193,38 @@ def test_the_learning_and_time_to_score_reports_carry_the_table(monkeypatch: pyt
              "best_mean_return": r["final_mean_return"], "wall_at_threshold": None, "step_at_threshold": None,
              "wall_seconds": 60.0, "sps": 8000.0, "load": [1.0, 1.0]} for r in _runs() if r["final_mean_return"]]  # fmt: skip
     md = tts.markdown({"runs": runs, "machine": machine}, "cmd")
-    table = md.split("### Final return over seeds")[1]
+    table = md.split("### The final return over seeds")[1]
     assert "| P(pipelined > coupled) [95% CI] |" in table and "sb3" not in table.split("\n\n")[1]
     assert "Runs stopped before their budget have no final return" in table
     assert "(time_to_score_profile.png)" in md
+    # evaluated runs (--eval) rank their final evaluation return; a candidate variant is compared with coupled
+    evaluated = [{**r, "final_eval_return": 1000.0 + r["final_mean_return"], "best_eval_return": 2000.0,
+                  "eval_seconds": 1.5, "wall_at_threshold_no_eval": None} for r in runs]  # fmt: skip
+    evaluated += [{**r, "variant": "notrunc"} for r in evaluated if r["variant"] == "pipelined"]
+    md = tts.markdown({"runs": evaluated, "machine": machine}, "cmd", "parity")
+    table = md.split("### The final evaluation return over seeds")[1]
+    assert "| P(notrunc > coupled) [95% CI] |" in table and "(parity_profile.png)" in md
+    iqm = _script(monkeypatch, "stats").iqm(
+        [
+            r["final_eval_return"]
+            for r in evaluated
+            if r["variant"] == "coupled" and r["workload"] == "lunarlander"
+        ]
+    )
+    assert f"| lunarlander | {iqm:.1f} [" in table, "the IQM of the final evaluation returns"
+    assert "| final eval | best eval | eval s |" in md and "| 2000.0 ± 0.0 | 1.5 |" in md
+
+
+def test_threshold_figures_take_the_evaluations(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The final evaluation is the last one, the best the highest, and the wall time to the threshold leaves
+    out the evaluations that ran before it (1.0 s and 2.0 s, not the 5.0 s one after)."""
+    common = _script(monkeypatch, "common")
+    curve = [[100, 10.0, 50.0], [200, 20.0, 120.0], [300, 30.0, 90.0]]
+    evals = [[100, 11.0, 60.0, 1.0], [200, 19.0, 150.0, 2.0], [300, 31.0, 140.0, 5.0]]
+    summary = {"curve": curve, "eval_curve": evals, "total_env_steps": 300, "final_mean_return": 90.0,
+               "wall_seconds": 31.0, "sps": 10.0}  # fmt: skip
+    figures = common.threshold_figures(summary, 100.0)
+    assert figures["wall_at_threshold"] == 20.0 and figures["wall_at_threshold_no_eval"] == 17.0
+    assert figures["final_eval_return"] == 140.0 and figures["best_eval_return"] == 150.0
+    assert figures["eval_seconds"] == 8.0
+    assert "final_eval_return" not in common.threshold_figures({**summary, "eval_curve": []}, 100.0)

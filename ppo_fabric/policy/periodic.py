@@ -67,8 +67,9 @@ class PeriodicEvaluation:
     def on(self) -> bool:
         return self.every > 0
 
-    def due(self, env_step: int) -> bool:
-        return self.every > 0 and env_step >= self.next_step
+    def due(self, env_step: int, last: bool = False) -> bool:
+        """At the cadence, and at the run's last update (its final evaluation, what the tables report)."""
+        return self.every > 0 and (env_step >= self.next_step or last)
 
     def run(self, model: Any, obs_normalization: dict[str, Any] | None, env_step: int) -> dict[str, float]:
         """Score a copy of `model` (the live `ActorCritic`) with `obs_normalization` frozen; returns the
@@ -140,7 +141,7 @@ def evaluate_if_due(
     """Run the evaluation due after update `done` (the writer only); returns whether it is the best yet.
     `learners`: the coupled strategy's learners, or a player's own policies (ActorCritic by name)."""
     step = session.env_step(done)
-    if evaluation is None or not evaluation.due(step):
+    if evaluation is None or not evaluation.due(step, last=done == session.end_update):
         return False
     frozen = normalizer_state(collector.envs).get("NormalizeObservation")
     policy = learners[SINGLE]
