@@ -9,6 +9,12 @@ checkout's. Writes benchmarks/results/<name>.{json,md}.
     git worktree add ../old 53958c8
     .venv/bin/python benchmarks/checkouts_ab.py --name pipelined_ab --rounds 3 . ../old -- \\
         exp=cleanrl_cartpole strategy=decoupled fabric.devices=2 algo.pipeline=true torch_threads=1
+
+`--arms` runs each checkout with each set of extra overrides (one checkout, two settings: the cost of an
+option), labelled by commit and arm:
+
+    .venv/bin/python benchmarks/checkouts_ab.py --name eval_cost --rounds 3 . --arms eval.every=0 \\
+        eval.every=auto -- exp=cleanrl_cartpole strategy=decoupled fabric.devices=2 algo.pipeline=true
 """
 
 from __future__ import annotations
@@ -72,23 +78,26 @@ def main() -> None:
     parser.add_argument("checkouts", nargs="+", type=Path, help="checkouts to compare; then -- and overrides")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--name", default="checkouts_ab")
+    parser.add_argument("--arms", nargs="+", default=[""], help="override sets, each run on every checkout "
+                        "(quoted, space-separated: --arms 'eval.every=0' 'eval.every=auto')")  # fmt: skip
     parser.add_argument("--out", type=Path, default=common.RESULTS)
     argv = sys.argv[1:]
     overrides = argv[argv.index("--") + 1 :] if "--" in argv else []
     args = parser.parse_args(argv[: argv.index("--")] if "--" in argv else argv)
     checkouts = [c.resolve() for c in args.checkouts]
     commits = {str(c): head(c) for c in checkouts}
+    arms = [(c, arm) for c in checkouts for arm in args.arms]  # each checkout with each override set
+    label = {(c, arm): commits[str(c)] + (f" {arm}" if arm else "") for c, arm in arms}
     rows = []
     for r in range(args.rounds):
-        for c in checkouts if r % 2 == 0 else checkouts[::-1]:
-            row = {"round": r + 1, "checkout": commits[str(c)], **run(c, overrides)}
+        for c, arm in arms if r % 2 == 0 else arms[::-1]:
+            row = {"round": r + 1, "checkout": label[c, arm], **run(c, [*overrides, *arm.split()])}
             rows.append(row)
             print(json.dumps(row), flush=True)
     med = {
-        commits[str(c)]: statistics.median(x["sps"] for x in rows if x["checkout"] == commits[str(c)])
-        for c in checkouts
+        name: statistics.median(x["sps"] for x in rows if x["checkout"] == name) for name in label.values()
     }
-    first = commits[str(checkouts[0])]
+    first = label[arms[0]]
     m = common.machine()
     lines = [
         f"# The same run on {len(checkouts)} checkouts, alternated",

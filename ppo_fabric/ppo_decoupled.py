@@ -47,7 +47,7 @@ from ppo_fabric.learn.learners import (
 from ppo_fabric.learn.settings import UpdateSettings
 from ppo_fabric.learn.update import LAG_METRICS, TRAIN_METRICS, update_policies
 from ppo_fabric.models.agent import ActorCritic
-from ppo_fabric.policy.periodic import evaluate_if_due, evaluation_for
+from ppo_fabric.policy.periodic import evaluate_in_background, evaluation_for
 from ppo_fabric.runs import checkpoint as ckpt
 from ppo_fabric.runs.metrics import parameters_digest
 from ppo_fabric.runs.session import RunSession, collector_state, end_of_run, episode_metrics, resume_collector
@@ -157,8 +157,10 @@ class Player:
                 print(changed, flush=True)
         self.session = session_for(fabric, cfg, run_dir, resume)
         per_update = self.session.per_update
-        self.evaluation = (
-            evaluation_for(cfg, specs, per_update, self.session, resume) if topo.rank == 0 else None
+        self.evaluation = (  # on a thread of the first player, off the critical path
+            evaluation_for(cfg, specs, per_update, self.session, resume, background=True)
+            if topo.rank == 0
+            else None
         )
         self.version = self.session.start_update  # the newest parameters received
         self.behaviour = self.version  # the version the policy acts with (stamped on each batch)
@@ -234,7 +236,7 @@ class Player:
                 episodes = episode_metrics(self.collector, self.link.sum_over_players if several else None)
                 row = dict(zip(self.names, metrics.tolist(), strict=True)) | episodes
                 session.log(version, row, self.collector)
-            evaluate_if_due(self.evaluation, session, version, self.policies, self.collector)
+            evaluate_in_background(self.evaluation, session, version, self.policies, self.collector)
             if self.checkpoint_due(version):
                 self.checkpoint(version, snapshot)
         return version
@@ -260,10 +262,14 @@ class Player:
             snapshot = self.snapshot()
             self.version = self.behaviour = self.receive(snapshot)
         self.link.send_stop(self.version, signum)
+        # the evaluation in flight is waited for, so that the checkpoint and the summary keep it
+        evaluate_in_background(self.evaluation, self.session, self.version, {}, self.collector, wait=True)
         if self.session.last_checkpoint < self.version:
             self.checkpoint(self.version, snapshot)
         summary = self.summary(self.topo.gather(self.end_part()), signum)  # summary.json, interrupted
         self.collector.envs.close()
+        if self.evaluation is not None:
+            self.evaluation.close()
         self.session.stop(signum, self.version, summary)
 
     def end_part(self) -> dict[str, Any]:

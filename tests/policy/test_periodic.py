@@ -13,10 +13,19 @@ import torch
 from omegaconf import OmegaConf
 
 import ppo_fabric
+from ppo_fabric.config.values import compose
+from ppo_fabric.envs.guard import EnvFault
 from ppo_fabric.envs.make import env_seeds
+from ppo_fabric.learn.learners import policy_specs
 from ppo_fabric.models.agent import ActorCritic
 from ppo_fabric.policy.evaluate import play
-from ppo_fabric.policy.periodic import EVAL_SEED_OFFSET, cadence, play_side_by_side
+from ppo_fabric.policy.periodic import (
+    EVAL_SEED_OFFSET,
+    METRICS,
+    PeriodicEvaluation,
+    cadence,
+    play_side_by_side,
+)
 from ppo_fabric.policy.trained import Policy
 from ppo_fabric.runs import checkpoint as ckpt
 from ppo_fabric.runs.metrics_file import read_rows, series
@@ -69,3 +78,48 @@ def test_a_coupled_run_evaluates_keeps_its_best_and_resumes_the_record(tmp_path:
     assert steps == [1536, 3072, 4096, 4608, 6144]
     assert resumed["evaluation"]["best"]["return_mean"] >= record["best"]["return_mean"]
     assert json.loads((run_dir / "summary.json").read_text())["evaluation"] == resumed["evaluation"]
+
+
+def _evaluation(*overrides: str, background: bool = False) -> tuple[PeriodicEvaluation, ActorCritic]:
+    cfg, _ = compose(["eval.every=512", "eval.episodes=4", *overrides])
+    (spec,) = policy_specs(cfg).values()
+    torch.manual_seed(0)
+    model = ActorCritic(spec.obs_space, spec.action_space, spec.model)
+    return PeriodicEvaluation(cfg, spec, 512, 0, None, background), model
+
+
+def test_a_background_evaluation_scores_the_snapshot_taken_when_it_started() -> None:
+    """The decoupled player's thread: the metrics of the parameters as they were at `start`, whatever
+    happens to the live model meanwhile, equal to the same evaluation run in place."""
+    here, model = _evaluation()
+    expected = here.run(model, None, 512)
+    there, same = _evaluation(background=True)
+    there.start(same, None, 512)
+    assert there.busy and there.next_step == 1024
+    with torch.no_grad():
+        for p in same.parameters():  # training goes on while the episodes play
+            p.add_(1.0)
+    step, metrics = there.collect(wait=True)
+    assert step == 512 and not there.busy and there.collect() is None
+    assert {k: metrics[k] for k in METRICS} == {k: expected[k] for k in METRICS}
+    assert metrics["time/eval_thread_s"] > 0 and there.state() == here.state()
+    there.close()
+    here.close()
+
+
+def test_an_evaluation_env_that_fails_ends_the_run_in_one_line_or_loses_only_its_episode() -> None:
+    """A NaN observation in an evaluation episode: an EnvFault naming the env and its seed (the run ends
+    with it, as with a training env); with env.on_error=restart the episode is left out and counted, the
+    env rebuilt, and the record keeps no NaN."""
+    faulty = ["env=gym", "env.id=tests.faulty_env:FaultyCartPole-v0", "+env.kwargs.fault=nan_obs",
+              "+env.kwargs.after=3"]  # fmt: skip
+    evaluation, model = _evaluation(*faulty)
+    with pytest.raises(EnvFault, match=r"^evaluation env 0 \(seed 1000\d+\): step returned bad data "
+                       r"\(observation holds NaN\); env.on_error=restart"):  # fmt: skip
+        evaluation.run(model, None, 512)
+    evaluation, model = _evaluation(*faulty, "env.on_error=restart")
+    first = list(evaluation.envs)
+    metrics = evaluation.run(model, None, 512)
+    assert metrics["eval/failed_episodes"] == 4 and "eval/return_mean" not in metrics
+    assert evaluation.state() == {"last": None, "best": None}, "nothing scored, nothing recorded"
+    assert not set(map(id, evaluation.envs)) & set(map(id, first)) and len(evaluation.envs) == 4
