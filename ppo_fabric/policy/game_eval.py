@@ -42,7 +42,7 @@ def _playing_policy(state: dict[str, Any], policies: dict[str, Any], policy: str
     return next(p for p in policies if p in trained)
 
 
-def _player(agent: Any, deterministic: bool) -> Any:
+def policy_player(agent: Any, deterministic: bool) -> Any:
     """A policy as a game player: one that observed the whole `{"observation", "action_mask"}` dict (masks
     off in training) gets it whole; one that observed `observation` alone gets the mask as its mask."""
     from ppo_fabric.games.play import ACTION_MASK, PolicyPlayer
@@ -72,7 +72,7 @@ def opponent_players(
         other = others.get(name) or (next(iter(others.values())) if len(others) == 1 else None)
         if other is None:
             raise GameEvalError(f"opponent={opponent} has no policy {name!r} (it has {', '.join(others)})")
-        return [(f"snapshot:{path}", _player(other, deterministic))]
+        return [(f"snapshot:{path}", policy_player(other, deterministic))]
     if opponent == "pool":
         pool = ckpt.pool_snapshots(state)
         if not pool:
@@ -90,7 +90,7 @@ def opponent_players(
                 raise GameEvalError(
                     f"opponent=pool: snapshot {snap['id']} does not fit the policy ({exc})"
                 ) from exc
-            players.append((f"pool:{snap['id']}", _player(agent, deterministic)))
+            players.append((f"pool:{snap['id']}", policy_player(agent, deterministic)))
         return players
     raise GameEvalError(f"opponent={opponent} is unknown; choose {OPPONENTS}")
 
@@ -135,7 +135,7 @@ def evaluate_games(
             f"opponent= plays two-player PettingZoo AEC games; env.id={env_cfg['id']} is not one"
         )
     name = _playing_policy(state, policies, policy)
-    player = _player(policies[name], deterministic)
+    player = policy_player(policies[name], deterministic)
     opponents = opponent_players(opponent, state, name, deterministic, seed)
     try:
         factory = aec_env_factory(str(env_cfg["id"]), dict(env_cfg.get("kwargs") or {}))

@@ -2,14 +2,20 @@
 
 The training return is the mean of stochastic episodes that ran while the policy changed under them;
 published numbers (RL Zoo's `--eval-freq`, SB3's `EvalCallback`, CleanRL's evaluation) come from separate
-episodes with the policy as it stands. Every `eval.every` env steps the writer rank copies the policy and
-plays `eval.episodes` whole episodes on envs of its own: seeds `seed + EVAL_SEED_OFFSET + k`, never the
-training envs or their seeds, the observation statistics frozen at their training values, the mode of the
-action distribution unless `eval.deterministic=false`. All episodes run side by side (one batched forward per
-step), so an evaluation costs about as many forwards as its longest episode has steps.
+episodes with the policy as it stands. Every `eval.every` env steps, and at the run's last update, the writer
+rank copies the policies and scores the copy:
+
+- single-agent envs (`Episodes`): `eval.episodes` whole episodes on envs of their own, seeds
+  `seed + EVAL_SEED_OFFSET + k` (never the training envs or their seeds), the observation statistics frozen
+  at their training values, the mode of the action distribution unless `eval.deterministic=false`; all
+  episodes side by side (one batched forward per step);
+- PettingZoo Parallel envs (`ParallelEpisodes`): every policy playing its agents, each policy's return and
+  all agents' together;
+- two-player turn-based games (`Games`): the trained policy's greedy games against each of
+  `eval.opponents` (seats alternated), its win rate against each and its score over all.
 
 The record (`last`, `best` with their env steps) travels in checkpoints, so a resumed run keeps it, and
-decides `best.ckpt` when evaluation is on. Single-agent runs; multi-agent runs keep their training return.
+decides the coupled strategy's `best.ckpt`. A decoupled player evaluates on a thread (`background`).
 """
 
 from __future__ import annotations
@@ -24,6 +30,7 @@ import gymnasium as gym
 import numpy as np
 from omegaconf import DictConfig
 
+from ppo_fabric.config.values import ConfigError
 from ppo_fabric.envs.guard import EnvFault, error_line, nonfinite_value
 from ppo_fabric.envs.make import make_env, on_error
 from ppo_fabric.envs.multiagent import SINGLE
@@ -78,90 +85,23 @@ class Checked(gym.Wrapper):
         return obs, reward, terminated, truncated, info
 
 
-class PeriodicEvaluation:
-    """When evaluations are due, runs them (here, or on a thread with `background`), and keeps their record
-    (`state`) for checkpoints and the summary.
+class Episodes:
+    """A single-agent env's evaluation: `episodes` whole episodes on `Checked` envs of its own, side by side
+    (one by one for recurrent policies and whole Atari games). A failing env raises `EnvFault`, or with
+    `restart` its episode is left out (`eval/failed_episodes`) and the env rebuilt."""
 
-    A failing evaluation env (`Checked`) ends the run with its one-line cause, as a failing training env
-    does, unless `env.on_error=restart`: then its episode is left out of the evaluation (counted in
-    `eval/failed_episodes`) and the env is rebuilt for the next one.
-    """
+    score = "return_mean"
 
-    def __init__(
-        self,
-        cfg: DictConfig,
-        spec: PolicySpec,
-        per_update: int,
-        start_step: int,
-        saved: dict | None,
-        background: bool = False,
-    ) -> None:
-        self.every = cadence(cfg, per_update) if spec.agents == 1 else 0
-        self.episodes = int(cfg.eval.episodes) if self.every else 0
-        self.deterministic = bool(cfg.eval.deterministic) if self.every else True
+    def __init__(self, cfg: DictConfig, spec: PolicySpec, seed: int) -> None:
+        self.env_cfg, self.spec, self.seed = cfg.env, spec, seed
+        self.episodes = int(cfg.eval.episodes)
+        self.deterministic = bool(cfg.eval.deterministic)
         self.restart = on_error(cfg.env) == "restart"
-        self.seed = int(cfg.seed) + EVAL_SEED_OFFSET
-        self.env_cfg = cfg.env
-        self.spec = spec
-        self.next_step = (start_step // self.every + 1) * self.every if self.every else 0
-        self.last: dict[str, Any] | None = (saved or {}).get("last")
-        self.best: dict[str, Any] | None = (saved or {}).get("best")
         self.envs: list[Any] = []
         self.failed: list[int] = []  # this evaluation's failed episodes (env.on_error=restart)
-        self.pool = ThreadPoolExecutor(1, "evaluation") if background and self.every else None
-        self.pending: tuple[int, Future] | None = None  # (env step, the thread's result) in flight
 
-    @property
-    def on(self) -> bool:
-        return self.every > 0
-
-    def due(self, env_step: int, last: bool = False) -> bool:
-        """At the cadence, and at the run's last update (its final evaluation, what the tables report)."""
-        return self.every > 0 and (env_step >= self.next_step or last)
-
-    def run(self, model: Any, obs_normalization: dict[str, Any] | None, env_step: int) -> dict[str, float]:
-        """Score a copy of `model` (the live `ActorCritic`) with `obs_normalization` frozen; returns the
-        `eval/*` metrics and keeps the record. The next evaluation is due one `every` later."""
-        start = time.perf_counter()
-        self.next_step = (env_step // self.every + 1) * self.every
-        returns, lengths = self._play(self._snapshot(model, obs_normalization))
-        return self._record(env_step, returns, lengths, time.perf_counter() - start)
-
-    # ------------------------------------------------------------------------------------ in the background
-    @property
-    def busy(self) -> bool:
-        return self.pending is not None
-
-    def start(self, model: Any, obs_normalization: dict[str, Any] | None, env_step: int) -> None:
-        """`run` on a thread: the policy and its statistics are copied now (the snapshot it scores), the
-        episodes play while training goes on, and `collect` hands their metrics over."""
-        assert self.pool is not None and self.pending is None, "one evaluation at a time, in the background"
-        self.next_step = (env_step // self.every + 1) * self.every
-        policy = self._snapshot(model, obs_normalization)
-        self.pending = (env_step, self.pool.submit(self._timed_play, policy))
-
-    def collect(self, wait: bool = False) -> tuple[int, dict[str, float]] | None:
-        """(env step, metrics) of the evaluation started last, once it has finished (`wait`: blocks until
-        it has); None when none is in flight or it is still running. Raises what the thread raised."""
-        if self.pending is None or not (wait or self.pending[1].done()):
-            return None
-        env_step, future = self.pending
-        waited = time.perf_counter()
-        returns, lengths, seconds = future.result()
-        self.pending = None
-        metrics = self._record(env_step, returns, lengths, seconds)
-        # the time the run waited for it (the final evaluation); the thread's own is time/eval_thread_s
-        metrics["time/eval_thread_s"] = metrics["time/eval_s"]
-        metrics["time/eval_s"] = time.perf_counter() - waited if wait else 0.0
-        return env_step, metrics
-
-    def _timed_play(self, policy: Policy) -> tuple[list[float], list[int], float]:
-        start = time.perf_counter()
-        returns, lengths = self._play(policy)
-        return returns, lengths, time.perf_counter() - start
-
-    # ----------------------------------------------------------------------------------------- the episodes
-    def _snapshot(self, model: Any, obs_normalization: dict[str, Any] | None) -> Policy:
+    def snapshot(self, models: dict[str, ActorCritic], obs_normalization: dict[str, Any] | None) -> Policy:
+        (model,) = models.values()
         return Policy(
             copy.deepcopy(model).cpu(),
             self.spec.obs_space,
@@ -173,7 +113,7 @@ class PeriodicEvaluation:
     def _make(self) -> gym.Env:
         return Checked(make_env(self.env_cfg, action_mask=self.spec.action_mask))
 
-    def _play(self, policy: Policy) -> tuple[list[float], list[int]]:
+    def play(self, policy: Policy) -> dict[str, float]:
         if not self.envs:
             self.envs = [self._make() for _ in range(self.episodes)]
         from ppo_fabric.envs.atari import records_games
@@ -196,7 +136,15 @@ class PeriodicEvaluation:
         for k in self.failed:  # rebuilt for the next evaluation
             self.envs[k].close()
             self.envs[k] = self._make()
-        return returns, lengths
+        failed = {"eval/failed_episodes": float(len(self.failed))} if self.failed else {}
+        if not returns:  # every episode failed (env.on_error=restart): nothing to score
+            return failed
+        return {
+            "eval/return_mean": float(np.mean(returns)),
+            "eval/return_std": float(np.std(returns)),
+            "eval/length_mean": float(np.mean(lengths)),
+            **failed,
+        }
 
     def _episode_failed(self, k: int, cause: str) -> None:
         where = f"evaluation env {k} (seed {self.seed + k})"
@@ -204,23 +152,233 @@ class PeriodicEvaluation:
             raise EnvFault(f"{where}: {cause}; env.on_error=restart leaves such an episode out instead")
         self.failed.append(k)
 
-    def _record(self, env_step: int, returns: list[float], lengths: list[int], seconds: float) -> dict:
-        """The evaluation's metrics; its mean becomes `last` (and `best` when it beats it)."""
-        failed = {"eval/failed_episodes": float(len(self.failed))} if self.failed else {}
-        if not returns:  # every episode failed (env.on_error=restart): nothing to score
-            return failed | {"time/eval_s": seconds}
-        mean = float(np.mean(returns))
-        record = {"env_step": env_step, "return_mean": mean, "return_std": float(np.std(returns))}
-        self.last = record
-        if self.best is None or mean > self.best["return_mean"]:
-            self.best = record
+    def close(self) -> None:
+        for env in self.envs:
+            env.close()
+        self.envs = []
+
+
+class ParallelEpisodes:
+    """A PettingZoo Parallel env's evaluation: `episodes` episodes, one after another, on an env of its own,
+    every policy playing its agents (`play_parallel`): all agents' mean return and each policy's. An env
+    that raises or returns a non-finite reward ends the run (`EnvFault`), or with `restart` the evaluation
+    is left out and the env rebuilt."""
+
+    score = "return_mean"
+
+    def __init__(self, cfg: DictConfig, specs: dict[str, PolicySpec], seed: int) -> None:
+        self.env_cfg, self.specs, self.seed = cfg.env, specs, seed
+        self.multiagent = cfg.multiagent
+        self.episodes = int(cfg.eval.episodes)
+        self.deterministic = bool(cfg.eval.deterministic)
+        self.restart = on_error(cfg.env) == "restart"
+        self.env: Any = None
+
+    def snapshot(self, models: dict[str, ActorCritic], obs_normalization: Any = None) -> dict[str, Policy]:
         return {
-            "eval/return_mean": mean,
-            "eval/return_std": record["return_std"],
-            "eval/length_mean": float(np.mean(lengths)),
-            **failed,
-            "time/eval_s": seconds,
+            name: Policy(
+                copy.deepcopy(model).cpu(),
+                self.specs[name].obs_space,
+                self.specs[name].action_space,
+                mask_width=self.specs[name].action_mask,
+            )
+            for name, model in models.items()
         }
+
+    def play(self, policies: dict[str, Policy]) -> dict[str, float]:
+        from ppo_fabric.envs.multiagent import make_parallel_env, policy_mapping
+        from ppo_fabric.policy.evaluate import play_parallel
+
+        if self.env is None:
+            self.env = make_parallel_env(self.env_cfg)
+        groups = policy_mapping(list(self.env.possible_agents), self.multiagent)
+        try:
+            returns, lengths = play_parallel(
+                policies, groups, self.env, self.episodes, self.deterministic, self.seed
+            )
+            every = [r for rs in returns.values() for r in rs]
+            if not np.isfinite(every).all():
+                raise EpisodeFailed("step returned bad data (a reward holds NaN or inf)")
+        except Exception as exc:  # noqa: BLE001 - any failure of the env's code
+            cause = str(exc) if isinstance(exc, EpisodeFailed) else f"{type(exc).__name__}: {error_line(exc)}"
+            if not self.restart:
+                raise EnvFault(
+                    f"evaluation env (seeds {self.seed}+): {cause}; env.on_error=restart leaves such an "
+                    "evaluation out instead"
+                ) from exc
+            self.close()
+            return {"eval/failed_episodes": float(self.episodes)}
+        return {
+            "eval/return_mean": float(np.mean(every)),
+            "eval/return_std": float(np.std(every)),
+            "eval/length_mean": float(np.mean(lengths)),
+            **{f"eval/{name}/return_mean": float(np.mean(rs)) for name, rs in returns.items() if rs},
+        }
+
+    def close(self) -> None:
+        if self.env is not None:
+            self.env.close()
+            self.env = None
+
+
+def game_opponents(cfg: DictConfig) -> list[str]:
+    """`eval.opponents`, or by default `random` and, on Connect Four, the scripted players: `win_or_block`
+    (the self-play recipe's sparring partner) and `search:1`, which it never trains against."""
+    from ppo_fabric.games import scripted
+
+    chosen = cfg.eval.get("opponents")
+    if chosen:
+        return [str(o) for o in chosen]
+    known = any(game in str(cfg.env.id) for game in scripted.GAMES)
+    return ["random", *(["win_or_block", "search:1"] if known else [])]
+
+
+class Games:
+    """A two-player turn-based game's evaluation: the trained policy's games against each of
+    `game_opponents` (`eval.episodes` games each, seats alternated, `play_games`); its win rate against
+    each, and over all its win, draw and loss rates and its score (win 1, draw 1/2)."""
+
+    score = "score"
+
+    def __init__(self, cfg: DictConfig, specs: dict[str, PolicySpec], seed: int) -> None:
+        from ppo_fabric.games.play import aec_env_factory
+        from ppo_fabric.policy.game_eval import GameEvalError, opponent_players
+
+        self.name = next((n for n, s in specs.items() if s.trained), next(iter(specs)))
+        self.games = int(cfg.eval.episodes)
+        self.deterministic = bool(cfg.eval.deterministic)
+        self.seed = seed
+        self.factory = aec_env_factory(str(cfg.env.id), dict(cfg.env.get("kwargs") or {}))
+        state = {"config": {"env": {"id": str(cfg.env.id)}}}
+        self.opponents = []
+        for opponent in game_opponents(cfg):
+            if opponent == "pool" or opponent.startswith("snapshot:"):
+                raise ConfigError(f"eval.opponents: {opponent} is for `python -m ppo_fabric.evaluate`; "
+                                  "evaluation during training plays random, win_or_block or search[:DEPTH]")  # fmt: skip
+            try:
+                self.opponents += opponent_players(opponent, state, self.name, True, seed)
+            except GameEvalError as exc:
+                raise ConfigError(f"eval.opponents: {exc}") from None
+
+    def snapshot(self, models: dict[str, ActorCritic], obs_normalization: Any = None) -> Any:
+        from ppo_fabric.policy.game_eval import policy_player
+
+        return policy_player(copy.deepcopy(models[self.name]).cpu(), self.deterministic)
+
+    def play(self, player: Any) -> dict[str, float]:
+        from ppo_fabric.games.play import GameResults, play_games
+
+        total, metrics = GameResults(), {}
+        for i, (label, opponent) in enumerate(self.opponents):
+            results = play_games(self.factory, player, opponent, self.games, self.seed + i * self.games)
+            metrics[f"eval/{label}/win_rate"] = results.summary()["win_rate"]
+            total.outcomes += results.outcomes
+        summary = total.summary()
+        return {
+            f"eval/{k}": float(summary[k]) for k in ("win_rate", "draw_rate", "loss_rate", "score")
+        } | metrics
+
+    def close(self) -> None:
+        pass
+
+
+class PeriodicEvaluation:
+    """When evaluations are due, runs them with its scorer (`Episodes`, `ParallelEpisodes` or `Games`),
+    here or on a thread (`background`), and keeps their record (`state`) for checkpoints and the summary."""
+
+    def __init__(
+        self,
+        cfg: DictConfig,
+        specs: dict[str, PolicySpec],
+        per_update: int,
+        start_step: int,
+        saved: dict | None,
+        background: bool = False,
+    ) -> None:
+        self.every = cadence(cfg, per_update)
+        self.seed = int(cfg.seed) + EVAL_SEED_OFFSET
+        self.scorer: Episodes | ParallelEpisodes | Games | None = None
+        if self.every:
+            self.scorer = scorer_for(cfg, specs, self.seed)
+        self.next_step = (start_step // self.every + 1) * self.every if self.every else 0
+        self.last: dict[str, Any] | None = (saved or {}).get("last")
+        self.best: dict[str, Any] | None = (saved or {}).get("best")
+        self.pool = ThreadPoolExecutor(1, "evaluation") if background and self.every else None
+        self.pending: tuple[int, Future] | None = None  # (env step, the thread's result) in flight
+
+    @property
+    def on(self) -> bool:
+        return self.every > 0
+
+    def due(self, env_step: int, last: bool = False) -> bool:
+        """At the cadence, and at the run's last update (its final evaluation, what the tables report)."""
+        return self.every > 0 and (env_step >= self.next_step or last)
+
+    def run(
+        self, models: dict[str, ActorCritic], obs_normalization: dict[str, Any] | None, env_step: int
+    ) -> dict[str, float]:
+        """Score a copy of `models` (the live policies by name) with `obs_normalization` frozen; returns the
+        `eval/*` metrics and keeps the record. The next evaluation is due one `every` later."""
+        assert self.scorer is not None
+        start = time.perf_counter()
+        self.next_step = (env_step // self.every + 1) * self.every
+        metrics = self.scorer.play(self.scorer.snapshot(models, obs_normalization))
+        return self._record(env_step, metrics, time.perf_counter() - start)
+
+    # ------------------------------------------------------------------------------------ in the background
+    @property
+    def busy(self) -> bool:
+        return self.pending is not None
+
+    def start(
+        self, models: dict[str, ActorCritic], obs_normalization: dict[str, Any] | None, env_step: int
+    ) -> None:
+        """`run` on a thread: the policies and statistics are copied now (the snapshot it scores), the
+        episodes play while training goes on, and `collect` hands their metrics over."""
+        assert self.scorer is not None and self.pool is not None and self.pending is None
+        self.next_step = (env_step // self.every + 1) * self.every
+        snapshot = self.scorer.snapshot(models, obs_normalization)
+        self.pending = (env_step, self.pool.submit(self._timed_play, snapshot))
+
+    def collect(self, wait: bool = False) -> tuple[int, dict[str, float]] | None:
+        """(env step, metrics) of the evaluation started last, once it has finished (`wait`: blocks until
+        it has); None when none is in flight or it is still running. Raises what the thread raised."""
+        if self.pending is None or not (wait or self.pending[1].done()):
+            return None
+        env_step, future = self.pending
+        waited = time.perf_counter()
+        try:
+            metrics, seconds = future.result()
+        finally:
+            self.pending = None
+        metrics = self._record(env_step, metrics, seconds)
+        # the time the run waited for it (the final evaluation); the thread's own is time/eval_thread_s
+        metrics["time/eval_thread_s"] = metrics["time/eval_s"]
+        metrics["time/eval_s"] = time.perf_counter() - waited if wait else 0.0
+        return env_step, metrics
+
+    def _timed_play(self, snapshot: Any) -> tuple[dict[str, float], float]:
+        assert self.scorer is not None
+        start = time.perf_counter()
+        metrics = self.scorer.play(snapshot)
+        return metrics, time.perf_counter() - start
+
+    # ---------------------------------------------------------------------------------------- the record
+    def _record(self, env_step: int, metrics: dict[str, float], seconds: float) -> dict[str, float]:
+        """The metrics with `time/eval_s`; their score (`eval/return_mean`, games' `eval/score`) becomes
+        `last`, and `best` when it beats it. An evaluation with nothing scored leaves the record as it was."""
+        assert self.scorer is not None
+        key = self.scorer.score
+        if f"eval/{key}" in metrics:
+            record = {"env_step": env_step, key: metrics[f"eval/{key}"]}
+            if "eval/return_std" in metrics:
+                record["return_std"] = metrics["eval/return_std"]
+            if "eval/win_rate" in metrics:
+                record["win_rate"] = metrics["eval/win_rate"]
+            self.last = record
+            if self.best is None or record[key] > self.best.get(key, -np.inf):
+                self.best = record
+        return metrics | {"time/eval_s": seconds}
 
     def improved(self, env_step: int) -> bool:
         """Whether the evaluation at `env_step` is the best so far (what `best.ckpt` keeps when on)."""
@@ -233,9 +391,22 @@ class PeriodicEvaluation:
         if self.pool is not None:
             self.pool.shutdown(wait=True, cancel_futures=True)
             self.pool, self.pending = None, None
-        for env in self.envs:
-            env.close()
-        self.envs = []
+        if self.scorer is not None:
+            self.scorer.close()
+
+
+def scorer_for(
+    cfg: DictConfig, specs: dict[str, PolicySpec], seed: int
+) -> Episodes | ParallelEpisodes | Games:
+    """The evaluation that fits the env: episodes (single-agent), every policy's episodes (Parallel) or
+    games against opponents (turn-based)."""
+    if list(specs) == [SINGLE]:
+        return Episodes(cfg, specs[SINGLE], seed)
+    from ppo_fabric.policy.game_eval import is_aec_game
+
+    if is_aec_game(str(cfg.env.id)):
+        return Games(cfg, specs, seed)
+    return ParallelEpisodes(cfg, specs, seed)
 
 
 def evaluation_for(
@@ -245,18 +416,20 @@ def evaluation_for(
     session: RunSession,
     resume: dict | None,
     background: bool = False,
-) -> PeriodicEvaluation | None:
-    """The writer's evaluation during training (single-agent runs; `eval.every`), its record resumed;
-    `background`: on a thread (`evaluate_in_background`)."""
-    if list(specs) != [SINGLE]:
-        return None
+) -> PeriodicEvaluation:
+    """The writer's evaluation during training (`eval.every`), its record resumed; `background`: on a
+    thread (`evaluate_in_background`)."""
     saved = resume.get("evaluation") if resume is not None else None
-    return PeriodicEvaluation(cfg, specs[SINGLE], per_update, session.start_step, saved, background)
+    return PeriodicEvaluation(cfg, specs, per_update, session.start_step, saved, background)
 
 
-def _scored(learners: dict) -> ActorCritic:
-    policy = learners[SINGLE]  # the coupled strategy's learner, or a player's own ActorCritic
-    return policy if isinstance(policy, ActorCritic) else policy.policy
+def _models(learners: dict) -> dict[str, ActorCritic]:
+    """The live policies by name: the coupled strategy's learners', or a player's own ActorCritics."""
+    return {n: p if isinstance(p, ActorCritic) else p.policy for n, p in learners.items()}
+
+
+def _frozen(collector: Any) -> dict[str, Any] | None:
+    return normalizer_state(collector.envs).get("NormalizeObservation")
 
 
 def evaluate_if_due(
@@ -267,8 +440,7 @@ def evaluate_if_due(
     step = session.env_step(done)
     if evaluation is None or not evaluation.due(step, last=done == session.end_update):
         return False
-    frozen = normalizer_state(collector.envs).get("NormalizeObservation")
-    metrics = evaluation.run(_scored(learners), frozen, step)
+    metrics = evaluation.run(_models(learners), _frozen(collector), step)
     session.logger.log(metrics | {"time/wall_s": session.wall_s()}, step)
     return evaluation.improved(step)
 
@@ -291,8 +463,7 @@ def evaluate_in_background(
     _log_finished(evaluation, session, wait=last or wait)
     step = session.env_step(done)
     if evaluation.due(step, last) and not evaluation.busy and not wait:
-        frozen = normalizer_state(collector.envs).get("NormalizeObservation")
-        evaluation.start(_scored(policies), frozen, step)
+        evaluation.start(_models(policies), _frozen(collector), step)
         if last:
             _log_finished(evaluation, session, wait=True)
 

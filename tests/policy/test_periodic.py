@@ -80,12 +80,12 @@ def test_a_coupled_run_evaluates_keeps_its_best_and_resumes_the_record(tmp_path:
     assert json.loads((run_dir / "summary.json").read_text())["evaluation"] == resumed["evaluation"]
 
 
-def _evaluation(*overrides: str, background: bool = False) -> tuple[PeriodicEvaluation, ActorCritic]:
+def _evaluation(*overrides: str, background: bool = False) -> tuple[PeriodicEvaluation, dict]:
     cfg, _ = compose(["eval.every=512", "eval.episodes=4", *overrides])
-    (spec,) = policy_specs(cfg).values()
+    specs = policy_specs(cfg)
     torch.manual_seed(0)
-    model = ActorCritic(spec.obs_space, spec.action_space, spec.model)
-    return PeriodicEvaluation(cfg, spec, 512, 0, None, background), model
+    models = {n: ActorCritic(s.obs_space, s.action_space, s.model) for n, s in specs.items()}
+    return PeriodicEvaluation(cfg, specs, 512, 0, None, background), models
 
 
 def test_a_background_evaluation_scores_the_snapshot_taken_when_it_started() -> None:
@@ -97,7 +97,7 @@ def test_a_background_evaluation_scores_the_snapshot_taken_when_it_started() -> 
     there.start(same, None, 512)
     assert there.busy and there.next_step == 1024
     with torch.no_grad():
-        for p in same.parameters():  # training goes on while the episodes play
+        for p in same["main"].parameters():  # training goes on while the episodes play
             p.add_(1.0)
     step, metrics = there.collect(wait=True)
     assert step == 512 and not there.busy and there.collect() is None
@@ -118,8 +118,54 @@ def test_an_evaluation_env_that_fails_ends_the_run_in_one_line_or_loses_only_its
                        r"\(observation holds NaN\); env.on_error=restart"):  # fmt: skip
         evaluation.run(model, None, 512)
     evaluation, model = _evaluation(*faulty, "env.on_error=restart")
-    first = list(evaluation.envs)
     metrics = evaluation.run(model, None, 512)
+    first = list(evaluation.scorer.envs)
+    metrics = evaluation.run(model, None, 1024)
     assert metrics["eval/failed_episodes"] == 4 and "eval/return_mean" not in metrics
     assert evaluation.state() == {"last": None, "best": None}, "nothing scored, nothing recorded"
-    assert not set(map(id, evaluation.envs)) & set(map(id, first)) and len(evaluation.envs) == 4
+    assert not set(map(id, evaluation.scorer.envs)) & set(map(id, first)), "rebuilt after each evaluation"
+    assert len(evaluation.scorer.envs) == 4
+
+
+TEAMS = ["env=pettingzoo", "env.id=ppo_fabric.envs.toy_multiagent:teams_v0", "algo.rollout_steps=32",
+         "algo.minibatch_size=64", "multiagent.policies={adversary:{},agent:{model:{actor_hidden:[32]}}}",
+         "multiagent.policy_mapping={adversary_*:adversary,agent_*:agent}", "env.num_envs=4",
+         "algo.update_epochs=2", "logger.tensorboard=false"]  # fmt: skip
+
+
+def test_a_multiagent_run_evaluates_every_policy(tmp_path: Path) -> None:
+    """A Parallel env: every policy plays its agents; each policy's mean return and all agents' together,
+    whose mean is the record (the episodes replayed by hand from the final checkpoint give the same)."""
+    summary = ppo_fabric.run([*TEAMS, "algo.total_steps=1024", "eval.every=512", "eval.episodes=3",
+                              f"hydra.run.dir={tmp_path}"])  # fmt: skip
+    rows = [r for r in read_rows(tmp_path / "metrics.csv") if r.get("eval/return_mean")]
+    assert [int(r["step"]) for r in rows] == [512, 1024]
+    assert all(r["eval/adversary/return_mean"] and r["eval/agent/return_mean"] for r in rows)
+    assert summary["evaluation"]["last"]["return_mean"] == pytest.approx(float(rows[-1]["eval/return_mean"]))
+    from ppo_fabric.policy.evaluate import evaluate
+
+    again = evaluate(checkpoint=str(tmp_path / "checkpoints" / "last.ckpt"), episodes=3,
+                     seed=int(summary["seed"]) + EVAL_SEED_OFFSET)  # fmt: skip
+    assert again["mean_return"] == pytest.approx(float(rows[-1]["eval/return_mean"]))
+    assert again["policies"]["agent"]["mean_return"] == pytest.approx(
+        float(rows[-1]["eval/agent/return_mean"])
+    )
+
+
+def test_a_game_is_evaluated_against_its_opponents(tmp_path: Path) -> None:
+    """A turn-based game: the trained policy's games against each opponent of eval.opponents, its win rate
+    against each and its score over all (the record); an opponent that cannot play here is refused in one
+    line before anything trains."""
+    game = ["exp=tictactoe", "algo.total_steps=1024", "logger.tensorboard=false", "eval.every=1024",
+            "eval.episodes=4"]  # fmt: skip
+    summary = ppo_fabric.run([*game, f"hydra.run.dir={tmp_path / 'run'}"])
+    (row,) = [r for r in read_rows(tmp_path / "run" / "metrics.csv") if r.get("eval/score")]
+    assert float(row["eval/random/win_rate"]) == float(row["eval/win_rate"]), "random is the only default"
+    rates = [float(row[f"eval/{k}_rate"]) for k in ("win", "draw", "loss")]
+    assert sum(rates) == pytest.approx(1.0) and all(r * 4 == int(r * 4) for r in rates), "4 games"
+    assert summary["evaluation"]["last"] == {"env_step": 1024, "score": pytest.approx(rates[0] + rates[1] / 2),
+                                             "win_rate": rates[0]}  # fmt: skip
+    with pytest.raises(
+        ValueError, match=r"^eval.opponents: opponent=win_or_block plays connect_four_v3 only"
+    ):
+        ppo_fabric.run([*game, "eval.opponents=[random,win_or_block]", f"hydra.run.dir={tmp_path / 'bad'}"])
