@@ -88,13 +88,13 @@ def nonfinite_value(obs: Any, reward: Any = 0.0) -> str | None:
     return None if found is None else found[1]
 
 
-def _surely_finite(values: Any) -> bool:
+def surely_finite(values: Any) -> bool:
     """True when every value is finite, found in one BLAS call: the dot product of the values with
     themselves is finite exactly when they all are (short of a square beyond float range, ~1e19 in float32,
     which only sends the caller to the exact check). Integer arrays (pixels) are finite. ~1.5 us for a
     vector step's observations, a third of `np.isfinite(...).all()` with its temporary."""
     if isinstance(values, dict):
-        return all(_surely_finite(v) for v in values.values())
+        return all(surely_finite(v) for v in values.values())
     array = np.asarray(values)
     if array.dtype.kind != "f":
         return array.dtype.kind != "c" or bool(np.isfinite(array).all())
@@ -103,8 +103,8 @@ def _surely_finite(values: Any) -> bool:
 
 
 def find_nonfinite(obs: Any, rewards: Any) -> tuple[int, str] | None:
-    """`nonfinite_rows`, searched only when the quick test (`_surely_finite`) finds something."""
-    if _surely_finite(obs) and _surely_finite(rewards):
+    """`nonfinite_rows`, searched only when the quick test (`surely_finite`) finds something."""
+    if surely_finite(obs) and surely_finite(rewards):
         return None
     return nonfinite_rows(obs, rewards)
 
@@ -120,7 +120,7 @@ def check_step(obs: Any, rewards: Any, info: dict[str, Any]) -> None:
     if "_final_obs" in info:
         for j in np.flatnonzero(info["_final_obs"]):
             final = info["final_obs"][j]
-            if not _surely_finite(final):
+            if not surely_finite(final):
                 what = nonfinite_value(final)
                 if what is not None:
                     raise NonFiniteData(int(j), what.replace("observation", "final observation", 1))

@@ -15,23 +15,28 @@ rank copies the policies and scores the copy:
   `eval.opponents` (seats alternated), its win rate against each and its score over all.
 
 The record (`last`, `best` with their env steps) travels in checkpoints, so a resumed run keeps it, and
-decides the coupled strategy's `best.ckpt`. A decoupled player evaluates on a thread (`background`).
+decides the coupled strategy's `best.ckpt`. A decoupled player evaluates in a process of its own
+(`background`, `EvaluatorProcess`), off the critical path.
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import math
+import multiprocessing
+import signal
+import sys
 import time
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import gymnasium as gym
 import numpy as np
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 from ppo_fabric.config.values import ConfigError
-from ppo_fabric.envs.guard import EnvFault, error_line, nonfinite_value
+from ppo_fabric.envs.guard import EnvFault, error_line, nonfinite_value, surely_finite
 from ppo_fabric.envs.make import make_env, on_error
 from ppo_fabric.envs.multiagent import SINGLE
 from ppo_fabric.envs.normalize import normalizer_state
@@ -80,7 +85,7 @@ class Checked(gym.Wrapper):
             obs, reward, terminated, truncated, info = self.env.step(action)
         except Exception as exc:  # noqa: BLE001 - see reset
             raise EpisodeFailed(f"step raised {type(exc).__name__}: {error_line(exc)}") from exc
-        if (what := nonfinite_value(obs, reward)) is not None:
+        if not (surely_finite(obs) and math.isfinite(reward)) and (what := nonfinite_value(obs, reward)):
             raise EpisodeFailed(f"step returned bad data ({what})")
         return obs, reward, terminated, truncated, info
 
@@ -284,7 +289,7 @@ class Games:
 
 class PeriodicEvaluation:
     """When evaluations are due, runs them with its scorer (`Episodes`, `ParallelEpisodes` or `Games`),
-    here or on a thread (`background`), and keeps their record (`state`) for checkpoints and the summary."""
+    here or in a process of its own (`background`), and keeps their record (`state`) for checkpoints and the summary."""
 
     def __init__(
         self,
@@ -303,8 +308,10 @@ class PeriodicEvaluation:
         self.next_step = (start_step // self.every + 1) * self.every if self.every else 0
         self.last: dict[str, Any] | None = (saved or {}).get("last")
         self.best: dict[str, Any] | None = (saved or {}).get("best")
-        self.pool = ThreadPoolExecutor(1, "evaluation") if background and self.every else None
-        self.pending: tuple[int, Future] | None = None  # (env step, the thread's result) in flight
+        self.background = background and self.every > 0
+        self.cfg, self.specs = cfg, specs
+        self.evaluator: EvaluatorProcess | None = None  # started at the first evaluation in the background
+        self.pending: int | None = None  # the env step of the evaluation in flight
 
     @property
     def on(self) -> bool:
@@ -333,35 +340,34 @@ class PeriodicEvaluation:
     def start(
         self, models: dict[str, ActorCritic], obs_normalization: dict[str, Any] | None, env_step: int
     ) -> None:
-        """`run` on a thread: the policies and statistics are copied now (the snapshot it scores), the
-        episodes play while training goes on, and `collect` hands their metrics over."""
-        assert self.scorer is not None and self.pool is not None and self.pending is None
+        """`run` in the evaluator process: the parameters and statistics are copied now (the snapshot it
+        scores), the episodes play while training goes on, and `collect` hands their metrics over."""
+        assert self.background and self.pending is None, "one evaluation at a time, in the background"
         self.next_step = (env_step // self.every + 1) * self.every
-        snapshot = self.scorer.snapshot(models, obs_normalization)
-        self.pending = (env_step, self.pool.submit(self._timed_play, snapshot))
+        if self.evaluator is None:
+            self.evaluator = EvaluatorProcess(self.cfg, self.specs, self.seed)
+        weights = {
+            name: {k: v.detach().cpu().clone() for k, v in m.state_dict().items()}
+            for name, m in models.items()
+        }
+        self.evaluator.submit(weights, copy.deepcopy(obs_normalization))
+        self.pending = env_step
 
     def collect(self, wait: bool = False) -> tuple[int, dict[str, float]] | None:
         """(env step, metrics) of the evaluation started last, once it has finished (`wait`: blocks until
-        it has); None when none is in flight or it is still running. Raises what the thread raised."""
-        if self.pending is None or not (wait or self.pending[1].done()):
+        it has); None when none is in flight or it is still running. Raises the evaluator's fault."""
+        if self.pending is None or self.evaluator is None or not (wait or self.evaluator.ready()):
             return None
-        env_step, future = self.pending
-        waited = time.perf_counter()
+        env_step, waited = self.pending, time.perf_counter()
         try:
-            metrics, seconds = future.result()
+            metrics, seconds = self.evaluator.result()
         finally:
             self.pending = None
         metrics = self._record(env_step, metrics, seconds)
-        # the time the run waited for it (the final evaluation); the thread's own is time/eval_thread_s
-        metrics["time/eval_thread_s"] = metrics["time/eval_s"]
+        # the time the run waited for it (the final evaluation); the evaluator's own is time/eval_background_s
+        metrics["time/eval_background_s"] = metrics["time/eval_s"]
         metrics["time/eval_s"] = time.perf_counter() - waited if wait else 0.0
         return env_step, metrics
-
-    def _timed_play(self, snapshot: Any) -> tuple[dict[str, float], float]:
-        assert self.scorer is not None
-        start = time.perf_counter()
-        metrics = self.scorer.play(snapshot)
-        return metrics, time.perf_counter() - start
 
     # ---------------------------------------------------------------------------------------- the record
     def _record(self, env_step: int, metrics: dict[str, float], seconds: float) -> dict[str, float]:
@@ -388,11 +394,98 @@ class PeriodicEvaluation:
         return {"last": self.last, "best": self.best}
 
     def close(self) -> None:
-        if self.pool is not None:
-            self.pool.shutdown(wait=True, cancel_futures=True)
-            self.pool, self.pending = None, None
+        if self.evaluator is not None:
+            self.evaluator.close()
+            self.evaluator, self.pending = None, None
         if self.scorer is not None:
             self.scorer.close()
+
+
+class EvaluatorProcess:
+    """A process that scores the parameters it is sent with a scorer of its own (`scorer_for`), so that a
+    decoupled player's evaluation takes neither its time nor its interpreter's lock: on 2 cores a thread
+    cost the pipelined CartPole run ~20% of its SPS, more than evaluating in place (~14%), as the episodes'
+    Python and the rollout's fought over the GIL (`benchmarks/results/eval_cost_pipelined.md`).
+
+    Forked where the platform allows it (Linux: nothing to import again; it never touches the parent's
+    devices or envs), spawned elsewhere. It ignores SIGINT and SIGTERM (the player that owns it stops it
+    at its own boundary) and ends when its pipe closes, so it never outlives the player. A fault in it (a
+    failing env) comes back as its one line, raised by `result` as `EnvFault`.
+    """
+
+    def __init__(self, cfg: DictConfig, specs: dict[str, PolicySpec], seed: int) -> None:
+        methods = multiprocessing.get_all_start_methods()
+        context = multiprocessing.get_context(
+            "fork" if sys.platform == "linux" and "fork" in methods else "spawn"
+        )
+        self.conn, child = context.Pipe()
+        config = OmegaConf.to_container(cfg, resolve=True)
+        self.process = context.Process(
+            target=_serve, args=(child, config, specs, seed), name="ppo-fabric-evaluator", daemon=True
+        )
+        self.process.start()
+        child.close()
+
+    def submit(self, weights: dict[str, dict[str, Any]], obs_normalization: dict[str, Any] | None) -> None:
+        self.conn.send((weights, obs_normalization))
+
+    def ready(self) -> bool:
+        return self.conn.poll()
+
+    def result(self) -> tuple[dict[str, float], float]:
+        """(metrics, seconds) of the evaluation submitted last, waiting for it."""
+        try:
+            kind, value = self.conn.recv()
+        except EOFError:
+            self.process.join(5)
+            raise EnvFault(
+                f"the evaluation process ended without a result (exit code {self.process.exitcode})"
+            ) from None
+        if kind == "fault":
+            raise EnvFault(value)
+        return value
+
+    def close(self) -> None:
+        with contextlib.suppress(OSError):  # it may have gone already
+            self.conn.send(None)
+        self.process.join(10)
+        if self.process.is_alive():  # stuck in an env: it holds nothing to keep
+            self.process.kill()
+            self.process.join()
+        self.conn.close()
+
+
+def _serve(conn: Any, config: dict[str, Any], specs: dict[str, PolicySpec], seed: int) -> None:
+    """The evaluator process: score each (weights, statistics) received until None or the pipe closes."""
+    import torch
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    torch.set_num_threads(1)
+    scorer = None
+    try:
+        scorer = scorer_for(OmegaConf.create(config), specs, seed)
+        models = {n: ActorCritic(s.obs_space, s.action_space, s.model) for n, s in specs.items()}
+        while (message := conn.recv()) is not None:
+            weights, obs_normalization = message
+            for name, state in weights.items():
+                models[name].load_state_dict(state)
+            start = time.perf_counter()
+            metrics = scorer.play(scorer.snapshot(models, obs_normalization))
+            conn.send(("ok", (metrics, time.perf_counter() - start)))
+    except EOFError:  # the player has gone
+        pass
+    except Exception as exc:  # noqa: BLE001 - handed to the player as its one line
+        line = (
+            str(exc)
+            if isinstance(exc, EnvFault | ConfigError)
+            else f"{type(exc).__name__}: {error_line(exc)}"
+        )
+        with contextlib.suppress(OSError):
+            conn.send(("fault", f"evaluation: {line}" if not line.startswith("evaluation") else line))
+    finally:
+        if scorer is not None:
+            scorer.close()
 
 
 def scorer_for(
@@ -417,8 +510,8 @@ def evaluation_for(
     resume: dict | None,
     background: bool = False,
 ) -> PeriodicEvaluation:
-    """The writer's evaluation during training (`eval.every`), its record resumed; `background`: on a
-    thread (`evaluate_in_background`)."""
+    """The writer's evaluation during training (`eval.every`), its record resumed; `background`: in a
+    process of its own (`evaluate_in_background`)."""
     saved = resume.get("evaluation") if resume is not None else None
     return PeriodicEvaluation(cfg, specs, per_update, session.start_step, saved, background)
 
@@ -505,11 +598,15 @@ def play_side_by_side(
             running.append(k)
         except EpisodeFailed as failure:
             give_up(k, failure)
+    greedy = policy.greedy_actor() if deterministic and policy.mask_width is None else None
     while running:
         batch = _stack([obs[k] for k in running])
-        masks = [info[k].get("action_mask") for k in running]
-        mask = np.stack(masks) if masks[0] is not None else None
-        actions, _ = policy.predict(batch, None, None, deterministic, mask)
+        if greedy is not None:  # NumPy, no torch call: the evaluation's forwards cost ~1/7 of predict's
+            actions = greedy(batch)
+        else:
+            masks = [info[k].get("action_mask") for k in running]
+            mask = np.stack(masks) if masks[0] is not None else None
+            actions, _ = policy.predict(batch, None, None, deterministic, mask)
         still = []
         for row, k in enumerate(running):
             action = actions[row]

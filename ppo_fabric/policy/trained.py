@@ -17,7 +17,7 @@ Loading never runs code from the file: checkpoints are read with `torch.load(wei
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -75,6 +75,29 @@ class Policy:
             f"Policy(name={self.name!r}, observation_space={self.observation_space}, "
             f"action_space={self.action_space}, recurrent={self.recurrent}, mask_width={self.mask_width})"
         )
+
+    def greedy_actor(self) -> Callable[[np.ndarray], np.ndarray] | None:
+        """`predict(batch, deterministic=True)` for a batch of array observations, in NumPy on views of the
+        parameters (`collect.numpy_actor`: no torch call, ~1/7 of `predict`'s ~140 us on a batch of 10 on 2
+        cores): what evaluation during training steps its episodes with. None where the policy needs torch
+        (recurrent, masked, Dict observations, a CNN or an activation without a NumPy twin)."""
+        from ppo_fabric.collect.numpy_actor import NumpyActor, unsupported
+
+        dict_obs = isinstance(self.observation_space, gym.spaces.Dict)
+        if self.recurrent or self.mask_width is not None or dict_obs or unsupported(self.model) is not None:
+            return None
+        actor, moments, clip = NumpyActor(self.model), self._moments, self._clip
+
+        def act(batch: np.ndarray) -> np.ndarray:
+            x = np.asarray(batch)
+            if moments is not None:
+                x = moments.normalize(x)
+            actions, _ = actor.sample(
+                x, np.zeros((x.shape[0], actor.width), np.float32)
+            )  # no noise: the mode
+            return np.clip(actions, *clip) if clip is not None else actions
+
+        return act
 
     def initial_state(self, batch: int = 1) -> np.ndarray | None:
         """The recurrent state a fresh episode starts from, [batch, *state_shape] (None: feed-forward)."""

@@ -8,6 +8,7 @@ import json
 from pathlib import Path
 
 import gymnasium as gym
+import numpy as np
 import pytest
 import torch
 from omegaconf import OmegaConf
@@ -102,7 +103,7 @@ def test_a_background_evaluation_scores_the_snapshot_taken_when_it_started() -> 
     step, metrics = there.collect(wait=True)
     assert step == 512 and not there.busy and there.collect() is None
     assert {k: metrics[k] for k in METRICS} == {k: expected[k] for k in METRICS}
-    assert metrics["time/eval_thread_s"] > 0 and there.state() == here.state()
+    assert metrics["time/eval_background_s"] > 0 and there.state() == here.state()
     there.close()
     here.close()
 
@@ -117,6 +118,13 @@ def test_an_evaluation_env_that_fails_ends_the_run_in_one_line_or_loses_only_its
     with pytest.raises(EnvFault, match=r"^evaluation env 0 \(seed 1000\d+\): step returned bad data "
                        r"\(observation holds NaN\); env.on_error=restart"):  # fmt: skip
         evaluation.run(model, None, 512)
+    evaluation, model = _evaluation(*faulty, background=True)  # from the evaluator process, the same line
+    evaluation.start(model, None, 512)
+    with pytest.raises(EnvFault, match=r"^evaluation env 0 \(seed 1000\d+\): step returned bad data"):
+        evaluation.collect(wait=True)
+    process = evaluation.evaluator.process
+    evaluation.close()
+    assert not process.is_alive()
     evaluation, model = _evaluation(*faulty, "env.on_error=restart")
     metrics = evaluation.run(model, None, 512)
     first = list(evaluation.scorer.envs)
@@ -169,3 +177,29 @@ def test_a_game_is_evaluated_against_its_opponents(tmp_path: Path) -> None:
         ValueError, match=r"^eval.opponents: opponent=win_or_block plays connect_four_v3 only"
     ):
         ppo_fabric.run([*game, "eval.opponents=[random,win_or_block]", f"hydra.run.dir={tmp_path / 'bad'}"])
+
+
+@pytest.mark.parametrize("env_id", ["CartPole-v1", "Pendulum-v1", "MountainCarContinuous-v0"])
+def test_the_greedy_numpy_actor_takes_predicts_deterministic_actions(env_id: str) -> None:
+    """What the evaluation steps with: NumPy on the parameters, the same actions as `predict` (the mode,
+    observations normalised by the frozen statistics, Box actions clipped); None for a recurrent policy."""
+    torch.manual_seed(1)
+    env = gym.make(env_id)
+    model_cfg = OmegaConf.create({"encoder": "auto", "actor_hidden": [16, 16], "critic_hidden": [16],
+                                  "activation": "tanh"})  # fmt: skip
+    model = ActorCritic(env.observation_space, env.action_space, model_cfg)
+    if isinstance(env.action_space, gym.spaces.Box):
+        with torch.no_grad():
+            model.head.mean.bias.fill_(3.0)  # past the bounds: clipped
+    dim = env.observation_space.shape[0]
+    stats = {"mean": torch.full((dim,), 0.5, dtype=torch.float64), "var": torch.full((dim,), 4.0, dtype=torch.float64),
+             "count": torch.tensor(100.0, dtype=torch.float64)}  # fmt: skip
+    policy = Policy(model, env.observation_space, env.action_space, obs_normalization=stats)
+    batch = np.random.default_rng(0).normal(size=(64, dim)).astype(np.float32)
+    expected, _ = policy.predict(batch, None, None, True)
+    np.testing.assert_allclose(policy.greedy_actor()(batch), expected, rtol=1e-5, atol=1e-5)
+    lstm = OmegaConf.merge(
+        model_cfg, {"lstm": {"hidden_size": 8, "num_layers": 1, "shared": False, "seq_len": 4}}
+    )
+    recurrent = ActorCritic(env.observation_space, env.action_space, lstm)
+    assert Policy(recurrent, env.observation_space, env.action_space).greedy_actor() is None

@@ -157,7 +157,7 @@ def test_layout_runs_to_the_end(tmp_path: Path, players: int, devices: int, pipe
     rows = read_rows(run_dir / "metrics.csv")
     evaluated = [s for s, _ in series(rows, "eval/return_mean")]
     assert evaluated == [2048, 4096] and summary["evaluation"]["last"]["env_step"] == 4096
-    assert all(float(r["time/eval_thread_s"]) > 0 for r in rows if r.get("eval/return_mean"))
+    assert all(float(r["time/eval_background_s"]) > 0 for r in rows if r.get("eval/return_mean"))
 
 
 @pytest.mark.multiprocess
