@@ -122,15 +122,23 @@ def _legal(mask: np.ndarray | None, heights: list[int]) -> list[int]:
     return [c for c in range(COLS) if heights[c] < ROWS and (mask is None or mask[c])]
 
 
-NAMES = "win_or_block or search[:DEPTH] (DEPTH 1-6, default 2)"
+NAMES = "win_or_block[:centre|:careful] or search[:DEPTH] (DEPTH 1-6, default 2)"
 GAMES = ("connect_four",)  # the games these players know (a substring of env.id)
 
 
 class WinOrBlockPlayer:
-    """Win now if it can, else block the opponent's immediate win, else a random legal move."""
+    """Win now if it can, else block the opponent's immediate win, else a random legal move.
 
-    def __init__(self, seed: int = 0) -> None:
+    Its two variants (`win_or_block:centre`, `win_or_block:careful`) are players a self-play recipe that
+    spars with the plain one never meets, to tell whether it learned the game or its partner: `centre`
+    picks the legal column nearest the centre instead of a random one (ties at random), `careful` does too
+    and never drops a piece under a cell where the opponent would then win (unless every move does).
+    """
+
+    def __init__(self, seed: int = 0, centre: bool = False, careful: bool = False) -> None:
         self.rng = np.random.default_rng(seed)  # a self-play run saves and restores its state
+        self.centre = centre or careful
+        self.careful = careful
 
     def __call__(self, observation: Any, mask: np.ndarray | None) -> int:
         mine, theirs, heights = position(observation)
@@ -139,7 +147,19 @@ class WinOrBlockPlayer:
             columns = [c for c in winning_columns(board, heights) if c in legal]
             if columns:
                 return int(columns[0])
+        if self.careful:
+            legal = [c for c in legal if not _gives_away(theirs, heights, c)] or legal
+        if self.centre:
+            nearest = min(abs(c - COLS // 2) for c in legal)
+            legal = [c for c in legal if abs(c - COLS // 2) == nearest]
         return int(self.rng.choice(legal))
+
+
+def _gives_away(theirs: int, heights: list[int], col: int) -> bool:
+    """Whether a piece dropped in `col` lets the opponent win on the cell above it."""
+    if heights[col] + 1 >= ROWS:
+        return False
+    return connected_four(theirs | _bit(col, heights[col] + 1))
 
 
 class SearchPlayer:
@@ -168,10 +188,13 @@ class SearchPlayer:
 
 
 def scripted_player(name: str, seed: int = 0) -> WinOrBlockPlayer | SearchPlayer:
-    """`win_or_block` or `search[:DEPTH]` (default depth 2); ValueError with a one-line message otherwise."""
+    """`win_or_block[:centre|:careful]` or `search[:DEPTH]` (default depth 2); ValueError with a one-line
+    message otherwise."""
     kind, _, depth = name.partition(":")
     if name == "win_or_block":
         return WinOrBlockPlayer(seed)
+    if name in ("win_or_block:centre", "win_or_block:careful"):
+        return WinOrBlockPlayer(seed, centre=True, careful=depth == "careful")
     if kind == "search" and (depth == "" or (depth.isdigit() and 1 <= int(depth) <= 6)):
         return SearchPlayer(int(depth or 2), seed)
     if kind == "search":

@@ -16,7 +16,7 @@ class GameEvalError(ValueError):
     """Input a game evaluation cannot run with; `str()` is one line for the user."""
 
 
-OPPONENTS = "random, win_or_block, search[:DEPTH], snapshot:<checkpoint> or pool"
+OPPONENTS = "random, win_or_block[:centre|:careful], search[:DEPTH], snapshot:<checkpoint> or pool"
 
 
 def is_aec_game(env_id: str) -> bool:
@@ -61,7 +61,7 @@ def opponent_players(
 
     if opponent == "random":
         return [("random", RandomPlayer(seed + 1))]
-    if opponent == "win_or_block" or opponent.partition(":")[0] == "search":
+    if opponent.partition(":")[0] in ("win_or_block", "search"):
         return [(opponent, scripted_player(opponent, str(state["config"]["env"]["id"]), seed + 1))]
     if opponent.startswith("snapshot:"):
         path = opponent.partition(":")[2]

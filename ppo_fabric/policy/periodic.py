@@ -228,14 +228,16 @@ class ParallelEpisodes:
 
 def game_opponents(cfg: DictConfig) -> list[str]:
     """`eval.opponents`, or by default `random` and, on Connect Four, the scripted players: `win_or_block`
-    (the self-play recipe's sparring partner) and `search:1`, which it never trains against."""
+    (the self-play recipe's sparring partner) and three it never trains against: `win_or_block:centre`,
+    `win_or_block:careful` and `search:1`."""
     from ppo_fabric.games import scripted
 
     chosen = cfg.eval.get("opponents")
     if chosen:
         return [str(o) for o in chosen]
     known = any(game in str(cfg.env.id) for game in scripted.GAMES)
-    return ["random", *(["win_or_block", "search:1"] if known else [])]
+    held_out = ["win_or_block:centre", "win_or_block:careful", "search:1"]
+    return ["random", *(["win_or_block", *held_out] if known else [])]
 
 
 class Games:

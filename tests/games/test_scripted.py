@@ -95,3 +95,18 @@ def test_evaluate_names_them_and_refuses_other_games() -> None:
         scripted_player("win_or_block", "pettingzoo.classic.tictactoe_v3", 0)
     with pytest.raises(GameEvalError, match="depth"):
         scripted_player("search:x", "connect_four_v3", 0)
+
+
+def test_the_held_out_variants_prefer_the_centre_and_give_nothing_away() -> None:
+    """`win_or_block:centre` takes the free column nearest the centre; `win_or_block:careful` does too, but
+    not under a cell where the opponent would then win (its three on row 1 waits for (3, 1))."""
+    empty = board([], [])
+    centre = scripted_player("win_or_block:centre", "connect_four_v3", 0)
+    assert {centre(empty, np.ones(7, dtype=bool)) for _ in range(5)} == {3}
+    mask = np.ones(7, dtype=bool)
+    mask[3] = False
+    assert centre(empty, mask) in (2, 4)
+    trap = board([(0, 0), (1, 0), (5, 0), (6, 0)], [(0, 1), (1, 1), (2, 1)])  # theirs wins at (3, 1)
+    assert centre(trap, np.ones(7, dtype=bool)) == 3, "the plain centre player walks into it"
+    careful = scripted_player("win_or_block:careful", "connect_four_v3", 0)
+    assert {careful(trap, np.ones(7, dtype=bool)) for _ in range(5)} <= {2, 4}
