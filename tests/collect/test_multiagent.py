@@ -454,9 +454,14 @@ def test_decoupled_runs(tmp_path: Path, devices: int, trained: str) -> None:
     parameters back: every rank ends in sync."""
     summary = _run_processes(
         tmp_path / "run", *MA, *TEAMS, *SMALL_RUN, "strategy=decoupled", f"fabric.devices={devices}",
-        "algo.players=1", f"multiagent.policies_to_train={trained}",
+        "algo.players=1", f"multiagent.policies_to_train={trained}", "eval.every=512", "eval.episodes=2",
     )  # fmt: skip
     assert summary["strategy"] == "decoupled" and summary["world_size"] == devices
+    # the player's evaluator process scored every policy at 512 and at the end
+    evaluated = [r for r in read_rows(tmp_path / "run" / "metrics.csv") if r.get("eval/return_mean")]
+    assert [int(r["step"]) for r in evaluated] == [512, 1024]
+    assert all(r["eval/agent/return_mean"] and r["eval/adversary/return_mean"] for r in evaluated)
+    assert summary["evaluation"]["last"]["env_step"] == 1024
     assert (summary["players"], summary["trainers"]) == (1, devices - 1)
     assert summary["policies"]["agent"]["trained"] and summary["policies"]["adversary"]["trained"] is (
         trained == "null"
