@@ -33,6 +33,7 @@ from ppo_fabric.app.launch import GroupDDPStrategy
 from ppo_fabric.collect.rollout import build_collector, policy_storage
 from ppo_fabric.config.values import acting_envs, requested, training_layout
 from ppo_fabric.envs.envpool_backend import is_async
+from ppo_fabric.envs.multiagent import SINGLE
 from ppo_fabric.learn.buffer import training_batch
 from ppo_fabric.learn.learners import (
     PolicySpec,
@@ -246,9 +247,27 @@ class Player:
         rank_state = snapshot if snapshot is not None else collector_state(self.collector)
         parts = self.topo.gather({"rank_state": rank_state})
         learner = parts[self.topo.first_trainer]["learner"]
-        if self.evaluation is not None and self.evaluation.on:
+        evaluating = self.evaluation is not None and self.evaluation.on
+        if evaluating:
             learner = learner | {"evaluation": self.evaluation.state()}
-        self.session.write_checkpoint(learner, [part["rank_state"] for part in parts], version)
+        # with evaluation on, best.ckpt holds the parameters the evaluator scored best (`write_best`)
+        path = self.session.write_checkpoint(
+            learner, [part["rank_state"] for part in parts], version, best=False if evaluating else None
+        )
+        if evaluating and self.session.writer:
+            self.write_best(path)
+
+    def write_best(self, written: Path) -> None:
+        """best.ckpt from the evaluation that found a new best since the last checkpoint: the parameters it
+        scored, cut from the checkpoint just `written` (`ckpt.policy_checkpoint`: loadable, not resumable)."""
+        best = self.evaluation.take_best_policy()
+        if best is None:
+            return
+        env_step, weights, frozen = best
+        state = ckpt.load(written, key="checkpoint", env_state="fresh")
+        agent = weights[SINGLE] if not state.get("multiagent") else weights
+        policy = ckpt.policy_checkpoint(state, agent, env_step, frozen)
+        ckpt.atomic_write(ckpt.encode(policy), written.parent / "best.ckpt")
 
     def snapshot(self) -> dict[str, Any]:
         policy_now = parameters_to_vector(self.params).detach().cpu().clone()

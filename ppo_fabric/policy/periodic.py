@@ -314,6 +314,10 @@ class PeriodicEvaluation:
         self.cfg, self.specs = cfg, specs
         self.evaluator: EvaluatorProcess | None = None  # started at the first evaluation in the background
         self.pending: int | None = None  # the env step of the evaluation in flight
+        self.sent: tuple[dict[str, Any], Any] = ({}, None)  # the parameters and statistics it scores
+        # (env step, parameters by policy, statistics) of the best evaluation in the background, until
+        # `take_best_policy` hands them to the checkpoint that writes them
+        self.best_policy: tuple[int, dict[str, Any], Any] | None = None
 
     @property
     def on(self) -> bool:
@@ -352,8 +356,9 @@ class PeriodicEvaluation:
             name: {k: v.detach().cpu().clone() for k, v in m.state_dict().items()}
             for name, m in models.items()
         }
-        self.evaluator.submit(weights, copy.deepcopy(obs_normalization))
-        self.pending = env_step
+        frozen = copy.deepcopy(obs_normalization)
+        self.evaluator.submit(weights, frozen)
+        self.pending, self.sent = env_step, (weights, frozen)
 
     def collect(self, wait: bool = False) -> tuple[int, dict[str, float]] | None:
         """(env step, metrics) of the evaluation started last, once it has finished (`wait`: blocks until
@@ -366,6 +371,8 @@ class PeriodicEvaluation:
         finally:
             self.pending = None
         metrics = self._record(env_step, metrics, seconds)
+        if self.improved(env_step):  # what best.ckpt will hold (`best_policy`)
+            self.best_policy = (env_step, *self.sent)
         # the time the run waited for it (the final evaluation); the evaluator's own is time/eval_background_s
         metrics["time/eval_background_s"] = metrics["time/eval_s"]
         metrics["time/eval_s"] = time.perf_counter() - waited if wait else 0.0
@@ -387,6 +394,11 @@ class PeriodicEvaluation:
             if self.best is None or record[key] > self.best.get(key, -np.inf):
                 self.best = record
         return metrics | {"time/eval_s": seconds}
+
+    def take_best_policy(self) -> tuple[int, dict[str, Any], Any] | None:
+        """The best evaluated parameters not yet written (background evaluation), once."""
+        best, self.best_policy = self.best_policy, None
+        return best
 
     def improved(self, env_step: int) -> bool:
         """Whether the evaluation at `env_step` is the best so far (what `best.ckpt` keeps when on)."""

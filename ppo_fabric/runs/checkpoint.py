@@ -245,6 +245,11 @@ def load(path: str | Path, key: str = "resume", env_state: str = "restore") -> d
         raise ValueError(_older_format(where, version))
     if version != FORMAT_VERSION:
         raise ValueError(f"{where}: not a ppo-fabric checkpoint (format {FORMAT_VERSION})")
+    if key == "resume" and state.get(POLICY_ONLY):
+        raise ValueError(
+            f"{where} holds a policy (the best one a decoupled run evaluated), not a state to resume: "
+            "resume from last.ckpt or a numbered checkpoint; load this one with load_policy or evaluate"
+        )
     missing = [k for k in _REQUIRED if k not in state]
     if missing or not all(isinstance(rank, dict) for rank in state["ranks"]):
         raise ValueError(
@@ -264,6 +269,24 @@ def load(path: str | Path, key: str = "resume", env_state: str = "restore") -> d
 
 
 _REQUIRED = ("config", "observation_space", "action_space", "agent", "iteration", "env_step", "ranks")
+POLICY_ONLY = "policy_only"  # a checkpoint with a policy to load and no state to resume (policy_checkpoint)
+
+
+def policy_checkpoint(
+    state: dict[str, Any], agent: Any, env_step: int, obs_normalization: dict[str, Any] | None
+) -> dict[str, Any]:
+    """A policy's checkpoint cut from a run's `state`: its config and spaces, the policy's parameters
+    (`agent`, as `state["agent"]` holds them) and observation statistics at `env_step`, and nothing to
+    resume from (no optimizer, no env or RNG state; `load` refuses it as `resume=`). What a decoupled run
+    keeps as `best.ckpt`: the parameters its evaluator scored best, which no full checkpoint holds."""
+    kept = {k: v for k, v in state.items() if k not in ("agent", "optimizer", "ranks", "lr_schedule")}
+    normalizers = {"NormalizeObservation": obs_normalization} if obs_normalization is not None else {}
+    return kept | {
+        "agent": agent,
+        "env_step": env_step,
+        "ranks": [{"normalizers": normalizers}],
+        POLICY_ONLY: True,
+    }
 
 
 def _nonfinite(obj: Any, where: str = "") -> tuple[str, torch.Tensor] | None:

@@ -26,6 +26,9 @@ import ppo_fabric
 from ppo_fabric.app.preflight import load
 from ppo_fabric.config.values import ConfigError
 from ppo_fabric.models.agent import ActorCritic
+from ppo_fabric.policy.evaluate import evaluate
+from ppo_fabric.policy.periodic import EVAL_SEED_OFFSET
+from ppo_fabric.runs import checkpoint as ckpt
 from ppo_fabric.runs.checkpoint import saved_spaces
 from ppo_fabric.runs.metrics_file import read_rows, series
 from tests.conftest import job_env, job_processes, numbered_checkpoint
@@ -158,6 +161,15 @@ def test_layout_runs_to_the_end(tmp_path: Path, players: int, devices: int, pipe
     evaluated = [s for s, _ in series(rows, "eval/return_mean")]
     assert evaluated == [2048, 4096] and summary["evaluation"]["last"]["env_step"] == 4096
     assert all(float(r["time/eval_background_s"]) > 0 for r in rows if r.get("eval/return_mean"))
+    # best.ckpt holds the parameters the evaluator scored best: replayed on its seeds, they score the same
+    best = run_dir / "checkpoints" / "best.ckpt"
+    again = evaluate(checkpoint=str(best), episodes=3, seed=int(summary["seed"]) + EVAL_SEED_OFFSET)
+    record = summary["evaluation"]["best"]
+    assert again["env_step"] == record["env_step"] and again["mean_return"] == pytest.approx(
+        record["return_mean"]
+    )
+    with pytest.raises(ValueError, match="holds a policy .*not a state to resume"):
+        ckpt.load(best)
 
 
 @pytest.mark.multiprocess
