@@ -20,13 +20,8 @@ from ppo_fabric.envs.make import env_seeds
 from ppo_fabric.learn.learners import policy_specs
 from ppo_fabric.models.agent import ActorCritic
 from ppo_fabric.policy.evaluate import play
-from ppo_fabric.policy.periodic import (
-    EVAL_SEED_OFFSET,
-    METRICS,
-    PeriodicEvaluation,
-    cadence,
-    play_side_by_side,
-)
+from ppo_fabric.policy.periodic import METRICS, PeriodicEvaluation, cadence
+from ppo_fabric.policy.scorers import EVAL_SEED_OFFSET, play_side_by_side
 from ppo_fabric.policy.trained import Policy
 from ppo_fabric.runs import checkpoint as ckpt
 from ppo_fabric.runs.metrics_file import read_rows, series

@@ -27,7 +27,7 @@ from ppo_fabric.app.preflight import load
 from ppo_fabric.config.values import ConfigError
 from ppo_fabric.models.agent import ActorCritic
 from ppo_fabric.policy.evaluate import evaluate
-from ppo_fabric.policy.periodic import EVAL_SEED_OFFSET
+from ppo_fabric.policy.scorers import EVAL_SEED_OFFSET
 from ppo_fabric.runs import checkpoint as ckpt
 from ppo_fabric.runs.checkpoint import saved_spaces
 from ppo_fabric.runs.metrics_file import read_rows, series

@@ -1,0 +1,105 @@
+"""The evaluator process a decoupled player scores its snapshots in (`policy/periodic.py` starts it)."""
+
+from __future__ import annotations
+
+import contextlib
+import multiprocessing
+import signal
+import sys
+import time
+from typing import Any
+
+from omegaconf import DictConfig, OmegaConf
+
+from ppo_fabric.config.values import ConfigError
+from ppo_fabric.envs.guard import EnvFault, error_line
+from ppo_fabric.learn.learners import PolicySpec
+from ppo_fabric.models.agent import ActorCritic
+from ppo_fabric.policy.scorers import scorer_for
+
+
+class EvaluatorProcess:
+    """A process that scores the parameters it is sent with a scorer of its own (`scorer_for`), so that a
+    decoupled player's evaluation takes neither its time nor its interpreter's lock: on 2 cores a thread
+    cost the pipelined CartPole run ~20% of its SPS, more than evaluating in place (~14%), as the episodes'
+    Python and the rollout's fought over the GIL (`benchmarks/results/eval_cost_pipelined.md`).
+
+    Forked where the platform allows it (Linux: nothing to import again; it never touches the parent's
+    devices or envs), spawned elsewhere. It ignores SIGINT and SIGTERM (the player that owns it stops it
+    at its own boundary) and ends when its pipe closes, so it never outlives the player. A fault in it (a
+    failing env) comes back as its one line, raised by `result` as `EnvFault`.
+    """
+
+    def __init__(self, cfg: DictConfig, specs: dict[str, PolicySpec], seed: int) -> None:
+        methods = multiprocessing.get_all_start_methods()
+        context = multiprocessing.get_context(
+            "fork" if sys.platform == "linux" and "fork" in methods else "spawn"
+        )
+        self.conn, child = context.Pipe()
+        config = OmegaConf.to_container(cfg, resolve=True)
+        self.process = context.Process(
+            target=_serve, args=(child, config, specs, seed), name="ppo-fabric-evaluator", daemon=True
+        )
+        self.process.start()
+        child.close()
+
+    def submit(self, weights: dict[str, dict[str, Any]], obs_normalization: dict[str, Any] | None) -> None:
+        self.conn.send((weights, obs_normalization))
+
+    def ready(self) -> bool:
+        return self.conn.poll()
+
+    def result(self) -> tuple[dict[str, float], float]:
+        """(metrics, seconds) of the evaluation submitted last, waiting for it."""
+        try:
+            kind, value = self.conn.recv()
+        except EOFError:
+            self.process.join(5)
+            raise EnvFault(
+                f"the evaluation process ended without a result (exit code {self.process.exitcode})"
+            ) from None
+        if kind == "fault":
+            raise EnvFault(value)
+        return value
+
+    def close(self) -> None:
+        with contextlib.suppress(OSError):  # it may have gone already
+            self.conn.send(None)
+        self.process.join(10)
+        if self.process.is_alive():  # stuck in an env: it holds nothing to keep
+            self.process.kill()
+            self.process.join()
+        self.conn.close()
+
+
+def _serve(conn: Any, config: dict[str, Any], specs: dict[str, PolicySpec], seed: int) -> None:
+    """The evaluator process: score each (weights, statistics) received until None or the pipe closes."""
+    import torch
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    torch.set_num_threads(1)
+    scorer = None
+    try:
+        scorer = scorer_for(OmegaConf.create(config), specs, seed)
+        models = {n: ActorCritic(s.obs_space, s.action_space, s.model) for n, s in specs.items()}
+        while (message := conn.recv()) is not None:
+            weights, obs_normalization = message
+            for name, state in weights.items():
+                models[name].load_state_dict(state)
+            start = time.perf_counter()
+            metrics = scorer.play(scorer.snapshot(models, obs_normalization))
+            conn.send(("ok", (metrics, time.perf_counter() - start)))
+    except EOFError:  # the player has gone
+        pass
+    except Exception as exc:  # noqa: BLE001 - handed to the player as its one line
+        line = (
+            str(exc)
+            if isinstance(exc, EnvFault | ConfigError)
+            else f"{type(exc).__name__}: {error_line(exc)}"
+        )
+        with contextlib.suppress(OSError):
+            conn.send(("fault", f"evaluation: {line}" if not line.startswith("evaluation") else line))
+    finally:
+        if scorer is not None:
+            scorer.close()
