@@ -227,6 +227,7 @@ def run_once(
         return summary
 
 
+EVALUATION = ["eval.every=auto", "eval.episodes=10"]  # --eval: ~15 evaluations a run and one at its end
 CURVE_POINTS = 200  # a run's curve is thinned to about this many points in the results
 
 

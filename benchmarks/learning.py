@@ -13,6 +13,7 @@ return against env steps, every seed).
     python -m benchmarks learning --suite classic --steps 20000 --out /tmp/learning   # smoke test
     python -m benchmarks learning --suite box2d --envs BipedalWalker-v3 --seed-list 4 5   # held-out seeds
     python -m benchmarks learning --suite classic --envs CartPole-v1 --out DIR -- algo.vf_coef=0.25   # a recipe change
+    python -m benchmarks learning --suite classic --envs Acrobot-v1 --seeds 10 --eval --force   # evaluated
 
 Variants: `coupled` (1 process) and `pipelined` (decoupled, 1 player + 1 trainer, `algo.pipeline=true`).
 A run that `time_to_score.py` already trained with the same overrides (its MuJoCo coupled and pipelined runs
@@ -108,10 +109,16 @@ def run_overrides(
 
 
 def run_record(
-    task: Task, variant: str, seed: int, steps: int | None, extra: tuple[str, ...] = ()
+    task: Task,
+    variant: str,
+    seed: int,
+    steps: int | None,
+    extra: tuple[str, ...] = (),
+    evaluate: bool = False,
 ) -> dict[str, Any]:
-    overrides = run_overrides(task, variant, seed, steps, extra)
+    overrides = run_overrides(task, variant, seed, steps, extra) + (common.EVALUATION if evaluate else [])
     s = run_once(overrides, curve=True)
+    evaluated = s.get("eval_curve") or []
     return {
         "env": task.env,
         "variant": variant,
@@ -123,6 +130,15 @@ def run_record(
         "wall_seconds": s["wall_seconds"],
         "sps": s["sps"],
         "curve": thin(s["curve"]),
+        **(
+            {  # evaluated during training (--eval): the final evaluation and the best
+                "final_eval_return": evaluated[-1][2],
+                "best_eval_return": max(e[2] for e in evaluated),
+                "eval_curve": evaluated,
+            }
+            if evaluated
+            else {}
+        ),
     }
 
 
@@ -147,6 +163,7 @@ def reused_record(
 
 def markdown(suite: str, report: dict[str, Any], command: str) -> str:
     runs, m = report["runs"], report["machine"]
+    any_eval = any("final_eval_return" in r for r in runs)
     lines = [
         f"# Learning: the {suite} suite",
         "",
@@ -154,8 +171,9 @@ def markdown(suite: str, report: dict[str, Any], command: str) -> str:
         "training episodes at the end of each run, mean ± std over the seeds shown. Wall: the run's own "
         "training time (process start-up excluded), mean over seeds.",
         "",
-        "| env | variant | seeds | steps | final | reference | wall s | SPS | budget here |",
-        "|---|---|---|---:|---:|---:|---:|---:|---|",
+        "| env | variant | seeds | steps | final | reference | wall s | SPS | budget here |"
+        + (" final eval (runs) |" if any_eval else ""),
+        "|---|---|---|---:|---:|---:|---:|---:|---|" + ("---:|" if any_eval else ""),
     ]
     for task in SUITES[suite]:
         for variant in VARIANTS:
@@ -169,11 +187,13 @@ def markdown(suite: str, report: dict[str, Any], command: str) -> str:
                 "" if task.reference is None or task.reference[1] is None else f" ± {task.reference[1]:.1f}"
             )
             finals = [r["final_mean_return"] for r in mine if r["final_mean_return"] is not None]
+            evals = [r["final_eval_return"] for r in mine if "final_eval_return" in r]
             lines.append(
                 f"| {task.env} | {variant} | {','.join(str(r['seed']) for r in mine)} "
                 f"| {statistics.mean(r['total_env_steps'] for r in mine):,.0f} | {common.mean_std(finals)} | {ref} "
                 f"| {statistics.mean(r['wall_seconds'] for r in mine):.0f} "
                 f"| {statistics.mean(r['sps'] for r in mine):,.0f} | {task.note} |"
+                + (f" {common.mean_std(evals)} ({len(evals)}) |" if any_eval else "")
             )
     sources = sorted({t.source for t in SUITES[suite] if any(r["env"] == t.env for r in runs)})
     commits = sorted({r["commit"] for r in runs})
@@ -185,10 +205,22 @@ def markdown(suite: str, report: dict[str, Any], command: str) -> str:
     if reused:
         lines += [f"Runs trained by another benchmark with the same overrides and taken from its report: "
                   f"{', '.join(reused)} (`run_by` in the JSON).", ""]  # fmt: skip
-    table = stats.markdown_table(runs, "env", tasks=[t.env for t in SUITES[suite]], variants=list(VARIANTS))
+    envs = [t.env for t in SUITES[suite]]
+    table = stats.markdown_table(runs, "env", tasks=envs, variants=list(VARIANTS))
+    evaluated = any("final_eval_return" in r for r in runs)
+    what = (
+        "final evaluation return (10 deterministic episodes at the last update)"
+        if evaluated
+        else "final return"
+    )
     if table:
-        lines += ["## Final return over seeds: IQM and probability of improvement", "", *table, "",
-                  f"![performance profiles of the final return](learning_{suite}_profile.png)", ""]  # fmt: skip
+        lines += [f"## The {what} over seeds: IQM and probability of improvement", "", *table, "",
+                  f"![performance profiles of the {what}](learning_{suite}_profile.png)", ""]  # fmt: skip
+    if evaluated:  # the evaluated runs' training return too, as CleanRL reports it
+        training = stats.markdown_table([r for r in runs if "final_eval_return" in r], "env", tasks=envs,
+                                        variants=list(VARIANTS), score=lambda r: r.get("final_mean_return"))  # fmt: skip
+        lines += ["## The same runs' final training return (last 20 episodes, as CleanRL reports)", "",
+                  *training[:-1], ""]  # fmt: skip
     lines += [
         f"Commits of the runs: {', '.join(commits)} (each run's own is in `learning_{suite}.json`). The last "
         f"sitting: `{command}`.",
@@ -218,6 +250,8 @@ def main() -> None:
                         help="these seeds instead of 1..N: held-out seeds, or one seed per sitting when "
                         "sittings run side by side (each with its own --out; gather them with --reuse)")  # fmt: skip
     parser.add_argument("--steps", type=int, default=None, help="env steps per run (default: the recipe's)")
+    parser.add_argument("--eval", action="store_true", help="evaluate during training (eval.every=auto, 10 "
+                        "episodes); the IQM table ranks the final evaluation return")  # fmt: skip
     parser.add_argument("--force", action="store_true", help="re-run runs already in the results")
     parser.add_argument("--out", type=Path, default=RESULTS)
     parser.add_argument("--reuse", nargs="*", type=Path, default=[RESULTS / "time_to_score.json"],
@@ -247,9 +281,10 @@ def main() -> None:
                 done = common.runs_to_replace(report, args.force, env=task.env, variant=variant, seed=seed)
                 if done is None:
                     continue
-                r = reused_record(task, variant, seed, args.steps, args.reuse, extra) or run_record(
-                    task, variant, seed, args.steps, extra
+                reused = (
+                    None if args.eval else reused_record(task, variant, seed, args.steps, args.reuse, extra)
                 )
+                r = reused or run_record(task, variant, seed, args.steps, extra, args.eval)
                 common.replace_runs(report, done, r)
                 print(f"{task.env} {variant} seed {seed}: final {r['final_mean_return']}, "
                       f"{r['wall_seconds']:.0f} s", flush=True)  # fmt: skip

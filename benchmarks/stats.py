@@ -289,7 +289,10 @@ def scores(
     score: Callable[[Mapping[str, Any]], float | None] = final_score,
 ) -> dict[str, dict[str, list[float]]]:
     """`{variant: {task: scores}}` of a report's runs (the task is the run's `group` field: env, workload),
-    leaving out runs without a score; the order is that of first appearance."""
+    leaving out runs without a score; the order is that of first appearance. With the default score, a
+    report where some runs were evaluated during training ranks only those (one kind of return per table)."""
+    if score is final_score and any("final_eval_return" in r for r in runs):
+        runs = [r for r in runs if "final_eval_return" in r]
     out: dict[str, dict[str, list[float]]] = {}
     for r in runs:
         value = score(r)

@@ -186,7 +186,7 @@ def run_sb3(workload: str, seed: int, steps: int | None, stop: bool, cap_s: floa
         return json.loads(result.read_text())
 
 
-EVALUATION = ["eval.every=auto", "eval.episodes=10"]  # --eval: ~15 evaluations a run and one at its end
+EVALUATION = common.EVALUATION
 
 
 def run_record(
