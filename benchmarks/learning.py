@@ -216,10 +216,10 @@ def markdown(suite: str, report: dict[str, Any], command: str) -> str:
     if table:
         lines += [f"## The {what} over seeds: IQM and probability of improvement", "", *table, "",
                   f"![performance profiles of the {what}](learning_{suite}_profile.png)", ""]  # fmt: skip
-    if evaluated:  # the evaluated runs' training return too, as CleanRL reports it
-        training = stats.markdown_table([r for r in runs if "final_eval_return" in r], "env", tasks=envs,
-                                        variants=list(VARIANTS), score=lambda r: r.get("final_mean_return"))  # fmt: skip
-        lines += ["## The same runs' final training return (last 20 episodes, as CleanRL reports)", "",
+    if evaluated:  # every run's training return too, as CleanRL reports it (runs not evaluated included)
+        training = stats.markdown_table(runs, "env", tasks=envs, variants=list(VARIANTS),
+                                        score=lambda r: None if r.get("stopped") else r.get("final_mean_return"))  # fmt: skip
+        lines += ["## Every run's final training return (last 20 episodes, as CleanRL reports)", "",
                   *training[:-1], ""]  # fmt: skip
     lines += [
         f"Commits of the runs: {', '.join(commits)} (each run's own is in `learning_{suite}.json`). The last "
