@@ -185,9 +185,19 @@ def test_the_learning_and_time_to_score_reports_carry_the_table(monkeypatch: pyt
     runs = [{**r, "env": {"A": "CartPole-v1", "B": "Acrobot-v1"}[r["env"]], "commit": "abc1234",
              "total_env_steps": 500_000, "wall_seconds": 60.0, "sps": 8000.0} for r in _runs()[:9]]  # fmt: skip
     md = learning.markdown("classic", {"runs": runs, "machine": machine}, "cmd")
-    table = md.split("## Final return over seeds")[1]
+    table = md.split("## The final return over seeds")[1]
     assert table.index("| CartPole-v1 |") < table.index("| Acrobot-v1 |")  # the suite's order
     assert "(learning_classic_profile.png)" in md
+    # an evaluated Acrobot (learning.py --eval): its final evaluation ranked alone, every run's training return
+    evaluated = [
+        {**r, "final_eval_return": -80.0 - r["seed"]} if r["env"] == "Acrobot-v1" else r for r in runs
+    ]
+    md = learning.markdown("classic", {"runs": evaluated, "machine": machine}, "cmd")
+    ranked, training = md.split("## The final evaluation return")[1].split(
+        "## Every run's final training return"
+    )
+    assert "| Acrobot-v1 | -81.0 (1) |" in ranked and "CartPole-v1" not in ranked.split("IQM:")[0]
+    assert "| CartPole-v1 |" in training and "| Acrobot-v1 | 5.0 (1) |" in training
     tts = _script(monkeypatch, "time_to_score")
     runs = [{**r, "workload": {"A": "lunarlander", "B": "hopper"}[r["env"]], "commit": "abc1234",
              "best_mean_return": r["final_mean_return"], "wall_at_threshold": None, "step_at_threshold": None,
