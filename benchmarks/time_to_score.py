@@ -249,8 +249,9 @@ def markdown(report: dict[str, Any], command: str, name: str = "time_to_score") 
             f"### {workload} (threshold {threshold:g})",
             "",
             f"| variant | seeds | wall s at {threshold:g} | env step at {threshold:g} | final | best | wall s (run) "
-            "| SPS | load |" + (" final eval | best eval | eval s |" if evaluated else ""),
-            "|---|---|---:|---:|---:|---:|---:|---:|---:|" + ("---:|---:|---:|" if evaluated else ""),
+            "| SPS | load |"
+            + (f" final eval | best eval | eval s | env step at {threshold:g} (eval) |" if evaluated else ""),
+            "|---|---|---:|---:|---:|---:|---:|---:|---:|" + ("---:|---:|---:|---:|" if evaluated else ""),
         ]
         stopped = []
         for variant in variants:
@@ -279,7 +280,7 @@ def markdown(report: dict[str, Any], command: str, name: str = "time_to_score") 
                 f"| {final if whole else 'stopped'} | {best if whole else 'stopped'} "
                 f"| {statistics.mean(r['wall_seconds'] for r in rows):.0f} "
                 f"| {statistics.mean(r['sps'] for r in rows):,.0f} | {max(max(r['load']) for r in rows):.1f} |"
-                + (evaluation_cells(whole) if evaluated else "")
+                + (evaluation_cells(whole, threshold) if evaluated else "")
             )
             stopped += [f"{variant} seed {r['seed']} at {r['wall_seconds']:.0f} s ({r['stopped']})"
                         for r in rows if r.get("stopped")]  # fmt: skip
@@ -305,14 +306,19 @@ def markdown(report: dict[str, Any], command: str, name: str = "time_to_score") 
     return "\n".join(lines)
 
 
-def evaluation_cells(rows: list[dict[str, Any]]) -> str:
-    """The final and best evaluation return (mean ± std over seeds) and the mean seconds spent evaluating."""
+def evaluation_cells(rows: list[dict[str, Any]], threshold: float) -> str:
+    """The final and best evaluation return (mean ± std over seeds), the mean seconds spent evaluating, and
+    the env step of the first evaluation at or above `threshold` (mean over the runs that got there): the
+    deterministic policy's time to the score, which the noisy training return's crossing only estimates."""
     final = [r["final_eval_return"] for r in rows if "final_eval_return" in r]
     best = [r["best_eval_return"] for r in rows if "best_eval_return" in r]
     spent = [r["eval_seconds"] for r in rows if "eval_seconds" in r]
+    reached = [
+        next((e[0] for e in r["eval_curve"] if e[2] >= threshold), None) for r in rows if "eval_curve" in r
+    ]
     return (
         f" {common.mean_std(final)} | {common.mean_std(best)} "
-        f"| {statistics.mean(spent) if spent else float('nan'):.1f} |"
+        f"| {statistics.mean(spent) if spent else float('nan'):.1f} | {common.mean_reached(reached, ',.0f')} |"
     )
 
 
@@ -377,6 +383,8 @@ def main() -> None:
                                    args.out / f"{args.name}.png", thresholds)  # fmt: skip
                 stats.plot_profiles(report["runs"], "workload", args.out / f"{args.name}_profile.png",
                                     tasks=workloads, variants=list(variants))  # fmt: skip
+    if report["runs"]:  # every run done already: the report as today's code writes it
+        common.write_report(args.out, args.name, report, markdown(report, command, args.name))
 
 
 if __name__ == "__main__":
