@@ -3,6 +3,8 @@
 `fault`: `nan_obs` (one observation entry NaN), `inf_reward`, `raise` (step raises), `hang` (step sleeps for
 ever, a stuck simulator) or `none`; it strikes at the `after`-th step of each env instance (a recreated env
 starts counting again), on rank `rank` (-1: every rank), for `times` steps in a row (0: from then on).
+With `seeds`, only in an instance last reset with one of them (the evaluation envs' seeds: a fault in
+evaluation alone).
 """
 
 from __future__ import annotations
@@ -23,17 +25,26 @@ class FaultyCartPole(CartPoleEnv):
         after: int = 50,
         rank: int = -1,
         times: int = 0,
+        seeds: list[int] | None = None,
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
         here = int(os.environ.get("LOCAL_RANK", os.environ.get("RANK", "0")))
         self.fault = fault if rank < 0 or here == rank else "none"
         self.after, self.times, self.steps = after, times, 0
+        self.seeds, self.seeded = (None if seeds is None else set(seeds)), None
+
+    def reset(self, *, seed: int | None = None, options: dict | None = None) -> Any:
+        if seed is not None:
+            self.seeded = seed
+        return super().reset(seed=seed, options=options)
 
     def step(self, action: Any) -> Any:
         obs, reward, terminated, truncated, info = super().step(action)
         self.steps += 1
         striking = self.steps >= self.after and (self.times == 0 or self.steps < self.after + self.times)
+        if self.seeds is not None and self.seeded not in self.seeds:
+            striking = False
         if not striking or self.fault == "none":
             return obs, reward, terminated, truncated, info
         if self.fault == "nan_obs":

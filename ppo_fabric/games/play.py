@@ -18,6 +18,8 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from ppo_fabric.wire.progress import PROGRESS
+
 ACTION_MASK = "action_mask"
 OBSERVATION = "observation"
 WIN, DRAW, LOSS = 1, 0, -1
@@ -132,6 +134,7 @@ def play_games(
             returns = dict.fromkeys(seats, 0.0)
             moves, forfeit = 0, None
             for agent in env.agent_iter():
+                PROGRESS.mark("game move")  # the stall watchdog's heartbeat (evaluation during training)
                 obs, reward, terminated, truncated, _ = env.last()
                 returns[agent] += float(reward)
                 if terminated or truncated:

@@ -22,6 +22,8 @@ from typing import Any
 
 import numpy as np
 
+from ppo_fabric.wire.progress import PROGRESS
+
 USAGE = """usage: python -m ppo_fabric.evaluate checkpoint=PATH [key=value ...]
 
   checkpoint=PATH       a .ckpt file, or a run directory (its checkpoints/last.ckpt)   (required)
@@ -292,6 +294,9 @@ def play_parallel(
                     observation, states.get(agent), None, deterministic, mask
                 )
                 actions[agent] = int(action) if action.ndim == 0 else action
+            PROGRESS.mark(
+                "evaluation env.step"
+            )  # the stall watchdog's heartbeat (evaluation during training)
             obs, rewards, _, _, _ = env.step(actions)
             for agent, reward in rewards.items():
                 totals[agent] += float(reward)

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import contextlib
 import multiprocessing
+import os
 import signal
 import sys
+import threading
 import time
 from typing import Any
 
@@ -16,6 +18,7 @@ from ppo_fabric.envs.guard import EnvFault, error_line
 from ppo_fabric.learn.learners import PolicySpec
 from ppo_fabric.models.agent import ActorCritic
 from ppo_fabric.policy.scorers import scorer_for
+from ppo_fabric.wire.progress import PROGRESS
 
 
 class EvaluatorProcess:
@@ -26,8 +29,9 @@ class EvaluatorProcess:
 
     Forked where the platform allows it (Linux: nothing to import again; it never touches the parent's
     devices or envs), spawned elsewhere. It ignores SIGINT and SIGTERM (the player that owns it stops it
-    at its own boundary) and ends when its pipe closes, so it never outlives the player. A fault in it (a
-    failing env) comes back as its one line, raised by `result` as `EnvFault`.
+    at its own boundary) and ends when its pipe closes. It never outlives the player, even stuck in an env
+    that never returns: it is killed when the player dies (`_die_with_parent`). A fault in it (a failing
+    env) comes back as its one line, raised by `result` as `EnvFault`.
     """
 
     def __init__(self, cfg: DictConfig, specs: dict[str, PolicySpec], seed: int) -> None:
@@ -36,9 +40,13 @@ class EvaluatorProcess:
             "fork" if sys.platform == "linux" and "fork" in methods else "spawn"
         )
         self.conn, child = context.Pipe()
+        self.beat = context.Value("d", 0.0, lock=False)  # the evaluator's last progress (`_watch`)
         config = OmegaConf.to_container(cfg, resolve=True)
         self.process = context.Process(
-            target=_serve, args=(child, config, specs, seed), name="ppo-fabric-evaluator", daemon=True
+            target=_serve,
+            args=(child, config, specs, seed, os.getpid(), self.beat),
+            name="ppo-fabric-evaluator",
+            daemon=True,
         )
         self.process.start()
         child.close()
@@ -50,7 +58,13 @@ class EvaluatorProcess:
         return self.conn.poll()
 
     def result(self) -> tuple[dict[str, float], float]:
-        """(metrics, seconds) of the evaluation submitted last, waiting for it."""
+        """(metrics, seconds) of the evaluation submitted last, waiting for it (the stall watchdog names this
+        wait when the evaluation never ends)."""
+        beat = None
+        while not self.conn.poll(0.5) and self.process.is_alive():
+            if self.beat.value != beat:  # its episodes move, so does this wait; a stuck env stops both
+                beat = self.beat.value
+                PROGRESS.mark("waiting for the evaluation process")
         try:
             kind, value = self.conn.recv()
         except EOFError:
@@ -72,10 +86,41 @@ class EvaluatorProcess:
         self.conn.close()
 
 
-def _serve(conn: Any, config: dict[str, Any], specs: dict[str, PolicySpec], seed: int) -> None:
+def _watch(parent: int, beat: Any) -> None:
+    """In the evaluator: end this process when the player that started it is gone (killed by the launcher
+    after a fault, say) while an env here never returns: on Linux the kernel's parent-death signal (SIGKILL,
+    whatever this process is doing), elsewhere a daemon thread that watches the parent's pid. The same
+    thread copies this process's progress (the evaluation envs' steps) into `beat` for the player's wait."""
+    if sys.platform == "linux":
+        import ctypes
+
+        with contextlib.suppress(OSError, AttributeError):
+            pr_set_pdeathsig = 1
+            ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGKILL)
+    if os.getppid() != parent:  # gone before the signal was armed
+        os._exit(0)
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            beat.value = PROGRESS.at
+            time.sleep(0.25)
+        os._exit(0)
+
+    threading.Thread(target=watch, name="ppo-fabric-evaluator-watch", daemon=True).start()
+
+
+def _serve(
+    conn: Any,
+    config: dict[str, Any],
+    specs: dict[str, PolicySpec],
+    seed: int,
+    parent: int,
+    beat: Any,
+) -> None:
     """The evaluator process: score each (weights, statistics) received until None or the pipe closes."""
     import torch
 
+    _watch(parent, beat)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     torch.set_num_threads(1)

@@ -32,6 +32,7 @@ from ppo_fabric.learn.learners import PolicySpec
 from ppo_fabric.models.agent import ActorCritic
 from ppo_fabric.policy.evaluate import play
 from ppo_fabric.policy.trained import Policy
+from ppo_fabric.wire.progress import PROGRESS
 
 EVAL_SEED_OFFSET = 1_000_003  # training envs are seeded from SeedSequence(seed + rank): never these
 
@@ -46,6 +47,7 @@ class Checked(gym.Wrapper):
     later comparison with it false)."""
 
     def reset(self, **kwargs: Any) -> tuple[Any, dict[str, Any]]:
+        PROGRESS.mark("evaluation env.reset")  # the stall watchdog's heartbeat, as the rollout's
         try:
             obs, info = self.env.reset(**kwargs)
         except Exception as exc:  # noqa: BLE001 - any failure of user code ends the episode
@@ -55,6 +57,7 @@ class Checked(gym.Wrapper):
         return obs, info
 
     def step(self, action: Any) -> tuple[Any, Any, bool, bool, dict[str, Any]]:
+        PROGRESS.mark("evaluation env.step")
         try:
             obs, reward, terminated, truncated, info = self.env.step(action)
         except Exception as exc:  # noqa: BLE001 - see reset

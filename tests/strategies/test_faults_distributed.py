@@ -88,6 +88,21 @@ def test_a_stuck_player_is_named_with_every_rank_stacks(tmp_path: Path, how: str
         assert '"waiting": true' in stacks["trainer-rank-1"]
 
 
+def test_a_stuck_evaluation_env_ends_a_decoupled_job(tmp_path: Path) -> None:
+    """An evaluation env that hangs in the first player's evaluator process: the player goes on training,
+    waits for it at the end, and its watchdog ends the job in one line naming where it waits."""
+    seeds = [42 + 1_000_003 + k for k in range(3)]  # the evaluation envs' only (seed 42, 3 episodes)
+    proc, took = _job(
+        tmp_path, *DECOUPLED, "+env.kwargs.fault=hang", "+env.kwargs.after=5", f"+env.kwargs.seeds={seeds}",
+        "eval.episodes=3", "algo.total_steps=1024", "stall_timeout=3",
+    )  # fmt: skip
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    line = _errors(proc)[0]
+    assert line.startswith("ppo-fabric: error: player rank 0: no progress for "), proc.stderr[-3000:]
+    assert "evaluat" in line, line
+    assert not (tmp_path / "run" / "summary.json").exists() and took < 90, took
+
+
 def test_restarts_are_summed_over_the_ranks(tmp_path: Path) -> None:
     """Coupled, 2 ranks: every env of rank 1 raises at its 50th step and is rebuilt."""
     proc, _ = _job(
