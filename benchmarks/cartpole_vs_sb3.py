@@ -168,6 +168,7 @@ def child_ppo_fabric(
         "logger.tensorboard=false",
         "logger.csv=true",
         "logger.log_every=1",
+        "eval.every=0",  # SB3's PPO here evaluates nothing either
         f"hydra.run.dir={run_dir}",
     ]
     c0, t0 = time.process_time(), time.perf_counter()

@@ -91,9 +91,9 @@ def learning_curve(metrics_csv: Path, key: str = "rollout/return_mean20") -> lis
     ]
 
 
-def evaluation_curve(metrics_csv: Path) -> list[list[float]]:
+def evaluation_curve(evaluations_csv: Path) -> list[list[float]]:
     """[env step, `time/wall_s`, `eval/return_mean`, `time/eval_s`] of every evaluation during training
-    (`eval.every`); empty without."""
+    (`eval.every`), from the run's evaluations.csv; empty without."""
     from ppo_fabric.runs.metrics_file import read_rows
 
     return [
@@ -103,7 +103,7 @@ def evaluation_curve(metrics_csv: Path) -> list[list[float]]:
             float(row["eval/return_mean"]),
             float(row["time/eval_s"]),
         ]
-        for row in read_rows(metrics_csv)
+        for row in read_rows(evaluations_csv)
         if row.get("eval/return_mean")
     ]
 
@@ -175,6 +175,7 @@ def run_once(
             "-m",
             "ppo_fabric",
             "logger.tensorboard=false",
+            "eval.every=0",  # the figures compare with runs and libraries that do not evaluate; --eval turns it on
             f"hydra.run.dir={run_dir}",
             *overrides,
         ]
@@ -220,7 +221,7 @@ def run_once(
         )
         if curve:
             summary["curve"] = learning_curve(run_dir / "metrics.csv")
-            summary["eval_curve"] = evaluation_curve(run_dir / "metrics.csv")
+            summary["eval_curve"] = evaluation_curve(run_dir / "evaluations.csv")
         if keep_metrics is not None:
             keep_metrics.parent.mkdir(parents=True, exist_ok=True)
             shutil.copyfile(run_dir / "metrics.csv", keep_metrics)

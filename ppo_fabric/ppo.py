@@ -53,12 +53,12 @@ def main(fabric: Fabric, cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
     def sum_across(t: torch.Tensor) -> torch.Tensor:
         return fabric.all_reduce(t.to(fabric.device), reduce_op="sum").cpu()
 
-    def checkpoint(update: int, best: bool | None = None) -> None:
+    def checkpoint(update: int, best: bool | None = None, numbered: bool = True) -> None:
         rank_states = all_gather_objects(collector_state(collector))
         state = learners_state(cfg, learners)
         if evaluation is not None and evaluation.on:
             state["evaluation"] = evaluation.state()
-        session.write_checkpoint(state, rank_states, update, best)
+        session.write_checkpoint(state, rank_states, update, best, numbered)
 
     def summary(update: int, signum: int = 0) -> dict[str, Any]:
         """summary.json's content at the end or at a stop (every rank gathers: all agreed to get here)."""
@@ -97,9 +97,11 @@ def main(fabric: Fabric, cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
             )
         improved = evaluate_if_due(evaluation, session, done, learners, collector)
         flags = session.boundary_flags(improved)  # an evaluation's new best is saved by every rank
-        signum, clock_due = session.agreed(max_over(flags, fabric.device))
-        if session.checkpoint_due(done) or clock_due or (signum and session.last_checkpoint < done):
-            checkpoint(done, best=improved if evaluation is not None and evaluation.on else None)
+        signum, clock_due, best = session.agreed(max_over(flags, fabric.device))
+        due = session.checkpoint_due(done) or clock_due
+        if due or best or (signum and session.last_checkpoint < done):
+            evaluating = evaluation is not None and evaluation.on
+            checkpoint(done, best=improved if evaluating else None, numbered=due or bool(signum))
         if signum and done < session.end_update:
             stopped = summary(done, signum)
             collector.envs.close()

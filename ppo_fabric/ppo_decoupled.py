@@ -214,7 +214,8 @@ class Player:
     def agree(self) -> tuple[int, bool]:
         """Stop on a signal, or checkpoint by the clock: every player decides the same at this boundary."""
         flags = self.session.boundary_flags()
-        return self.session.agreed(max_over(flags, "cpu", self.topo.player_group))
+        signum, clock_due, _ = self.session.agreed(max_over(flags, "cpu", self.topo.player_group))
+        return signum, clock_due
 
     def checkpoint_due(self, version: int) -> bool:
         return self.session.checkpoint_due(version) or version in self.timed

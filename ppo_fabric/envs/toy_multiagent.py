@@ -325,8 +325,11 @@ class TurnGame(AECEnv):
         self.truncations = dict.fromkeys(self.agents, False)
         self.infos = {a: {} for a in self.agents}
 
-    def step(self, action: int) -> None:
+    def step(self, action: int | None) -> None:
         mover = self.agent_selection
+        if self.terminations[mover] or self.truncations[mover]:  # AEC: a finished agent steps with None
+            self._was_dead_step(action)
+            return
         other = self.agents[1 - self.agents.index(mover)]
         if not self.legal()[int(action)]:
             raise ValueError(f"illegal move {action} by {mover} at move {self.moves}")

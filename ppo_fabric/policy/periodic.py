@@ -201,7 +201,7 @@ def evaluate_if_due(
     if evaluation is None or not evaluation.due(step, last=done == session.end_update):
         return False
     metrics = evaluation.run(_models(learners), _frozen(collector), step)
-    session.logger.log(metrics | {"time/wall_s": session.wall_s()}, step)
+    session.logger.log_evaluation(metrics | {"time/wall_s": session.wall_s()}, step)
     return evaluation.improved(step)
 
 
@@ -232,4 +232,4 @@ def _log_finished(evaluation: PeriodicEvaluation, session: RunSession, wait: boo
     finished = evaluation.collect(wait)
     if finished is not None:
         step, metrics = finished
-        session.logger.log(metrics | {"time/wall_s": session.wall_s()}, step)
+        session.logger.log_evaluation(metrics | {"time/wall_s": session.wall_s()}, step)

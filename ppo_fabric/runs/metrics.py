@@ -18,8 +18,10 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from ppo_fabric.config.values import ConfigError
+from ppo_fabric.runs.metrics_file import EVALUATIONS_CSV, METRICS_CSV
 from ppo_fabric.runs.trackers import Tracker, open_tracker
 
+WALL = "time/wall_s"
 PROGRESS_EVERY_S = 30.0  # `logger.progress_every` where the config has no such key
 
 
@@ -132,7 +134,10 @@ class RunLogger:
     """Writes metrics on rank 0 and stays silent elsewhere, so callers never branch on the rank.
 
     Sinks: TensorBoard, metrics.csv and an experiment tracker (`logger=mlflow|wandb`, trackers.py), each
-    as the config says; every one gets the same rows keyed by env step.
+    as the config says; every one gets the same rows keyed by env step. Evaluations during training
+    (`log_evaluation`) go to TensorBoard and the tracker alike, but to a CSV of their own,
+    `evaluations.csv`: metrics.csv keeps one row per logged update, and a decoupled evaluation arrives
+    after later updates were logged, at the env step it scored.
 
     Progress (`progress`, at each logged update): a tqdm bar when `stream` (stdout) is a terminal; otherwise
     (nohup, a pipe, a cluster's log file, a notebook) a plain line (`progress_line`) at the first logged
@@ -153,6 +158,7 @@ class RunLogger:
         self.total_steps = total_steps
         self.loggers: list[Any] = []
         self.csv: CsvMetrics | None = None
+        self.evaluations: CsvMetrics | None = None
         self.tracker: Tracker | None = None
         self.bar = None
         self.stream = sys.stdout if stream is None else stream
@@ -167,7 +173,9 @@ class RunLogger:
             from lightning_fabric.loggers import TensorBoardLogger
 
             self.loggers.append(TensorBoardLogger(root_dir=run_dir, name="", version="tensorboard"))
-        self.csv = CsvMetrics(run_dir / "metrics.csv") if cfg.logger.csv else None
+        if cfg.logger.csv:
+            self.csv = CsvMetrics(run_dir / METRICS_CSV)
+            self.evaluations = CsvMetrics(run_dir / EVALUATIONS_CSV)
         if is_terminal(self.stream):
             from tqdm import tqdm
 
@@ -178,15 +186,32 @@ class RunLogger:
             self.next_line = self.clock() + self.progress_every
 
     def log(self, metrics: Mapping[str, float], step: int) -> None:
+        """One logged update's row."""
+        self._log(metrics, step, self.csv)
+
+    def log_evaluation(self, metrics: Mapping[str, float], step: int) -> None:
+        """One evaluation during training, at the env step whose policy it scored. `time/wall_s` goes to
+        evaluations.csv only: TensorBoard and trackers keep one wall-time series, the updates'."""
+        self._log(metrics, step, self.evaluations, shared={k: v for k, v in metrics.items() if k != WALL})
+
+    def _log(
+        self,
+        metrics: Mapping[str, float],
+        step: int,
+        table: CsvMetrics | None,
+        shared: Mapping[str, float] | None = None,
+    ) -> None:
+        """`metrics` to `table`, and `shared` (default: the same) to TensorBoard and the tracker."""
         if not self.enabled:
             return
+        shared = metrics if shared is None else shared
         for logger in self.loggers:
-            logger.log_metrics(dict(metrics), step=step)
-        if self.csv is not None:
-            self.csv.log(metrics, step)
+            logger.log_metrics(dict(shared), step=step)
+        if table is not None:
+            table.log(metrics, step)
         if self.tracker is not None:
             try:
-                self.tracker.log(metrics, step)
+                self.tracker.log(shared, step)
             except Exception as exc:  # a tracker's server or store failing mid-run
                 self._drop_tracker(exc)
 

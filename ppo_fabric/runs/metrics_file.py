@@ -1,7 +1,8 @@
-"""Reading a run's `metrics.csv`: the supervisor, the learning-curve plot, the tuner, the tests and the
-benchmarks all read it through these two functions, so what the file looks like (one row per logged update,
-a `step` column, empty cells where a row has no value of a key, a header that widens when a resumed run logs
-new keys) is known in one place. Only the standard library: the supervising process reads it too."""
+"""Reading a run's `metrics.csv` and `evaluations.csv`: the supervisor, the learning-curve plot, the tuner,
+the tests and the benchmarks all read them through these functions, so what the files look like (one row
+per logged update, or per evaluation during training; a `step` column, empty cells where a row has no
+value of a key, a header that widens when a resumed run logs new keys) is known in one place. Only the
+standard library: the supervising process reads it too."""
 
 from __future__ import annotations
 
@@ -10,9 +11,12 @@ import math
 from collections.abc import Iterable
 from pathlib import Path
 
+METRICS_CSV = "metrics.csv"  # one row per logged update
+EVALUATIONS_CSV = "evaluations.csv"  # one row per evaluation during training (`eval.every`)
+
 
 def read_rows(path: str | Path) -> list[dict[str, str]]:
-    """Every row of a metrics.csv as a dict of strings; [] when the file is missing or is being rewritten
+    """Every row of a metrics.csv (or evaluations.csv) as a dict of strings; [] when the file is missing or is being rewritten
     (a reader polling a live run reads it again at its next poll)."""
     try:
         with Path(path).open(newline="") as fh:

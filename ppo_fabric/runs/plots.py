@@ -9,7 +9,7 @@ from __future__ import annotations
 import warnings
 from pathlib import Path
 
-from ppo_fabric.runs.metrics_file import read_rows, series
+from ppo_fabric.runs.metrics_file import EVALUATIONS_CSV, METRICS_CSV, read_rows, series
 
 RETURN_KEY = "rollout/episode_return"
 MEAN20_KEY = "rollout/return_mean20"
@@ -24,11 +24,12 @@ def _read_series(path: Path, key: str) -> tuple[list[float], list[float]]:
 
 
 def plot_learning_curve(run_dir: Path, title: str | None = None) -> Path | None:
-    """Episode return against env steps from `run_dir/metrics.csv`, saved as `run_dir/learning_curve.png`.
+    """Episode return against env steps from `run_dir/metrics.csv`, and the evaluations during training from
+    `run_dir/evaluations.csv`, saved as `run_dir/learning_curve.png`.
 
     Returns the PNG's path, or None when the run kept no metrics.csv (`logger.csv=false`).
     """
-    metrics = Path(run_dir) / "metrics.csv"
+    metrics = Path(run_dir) / METRICS_CSV
     if not metrics.is_file():
         return None
     from matplotlib.backends.backend_agg import FigureCanvasAgg
@@ -45,9 +46,10 @@ def plot_learning_curve(run_dir: Path, title: str | None = None) -> Path | None:
         mean_steps, mean20 = _read_series(metrics, MEAN20_KEY)
         if mean_steps:
             ax.plot(mean_steps, mean20, color="tab:blue", lw=2, label="mean of the last 20 episodes")
-    eval_steps, eval_means = _read_series(metrics, EVAL_KEY)
+    evaluations = Path(run_dir) / EVALUATIONS_CSV
+    eval_steps, eval_means = _read_series(evaluations, EVAL_KEY)
     if eval_steps:  # evaluation during training (eval.every): its own episodes, the policy as it stood
-        _, eval_stds = _read_series(metrics, EVAL_STD_KEY)
+        _, eval_stds = _read_series(evaluations, EVAL_STD_KEY)
         ax.errorbar(eval_steps, eval_means, yerr=eval_stds or None, color="tab:orange", marker="o", ms=4,
                     lw=1.5, capsize=2, label="evaluation (mean +- std of its episodes)")  # fmt: skip
     if steps or eval_steps:

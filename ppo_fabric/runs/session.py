@@ -19,7 +19,7 @@ import uuid
 import warnings
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import Any, NamedTuple, NoReturn
 
 import torch
 from omegaconf import DictConfig
@@ -97,6 +97,14 @@ class StopSignals:
 
 
 STOP = StopSignals()  # signal handlers belong to the process, so one per process
+
+
+class Boundary(NamedTuple):
+    """What every rank agreed on at an update boundary (`RunSession.agreed`)."""
+
+    signum: int  # the signal to stop on, or 0
+    clock_due: bool  # a checkpoint by the clock (`checkpoint.every_minutes`)
+    best: bool  # the writer's evaluation found a new best: every rank saves it
 
 
 class RunSession:
@@ -183,18 +191,18 @@ class RunSession:
         self.logger.progress(env_step, sps, recent)
 
     # ----------------------------------------------------------------------------- boundary agreement
-    def boundary_flags(self, save: bool = False) -> torch.Tensor:
-        """This rank's view at an update boundary: [signal that asks to stop (0: none), a checkpoint due
-        besides `checkpoint.every`: by the clock, or `save` (the writer's evaluation found a new best)].
-        The strategy takes the maximum over the ranks that must agree, then calls `agreed`."""
+    def boundary_flags(self, best: bool = False) -> torch.Tensor:
+        """This rank's view at an update boundary: [signal that asks to stop (0: none), a checkpoint due by
+        the clock, `best` (the writer's evaluation found a new best, which every rank must save)]. The
+        strategy takes the maximum over the ranks that must agree, then calls `agreed`."""
         clock_due = self.every_seconds > 0 and time.monotonic() - self._checkpoint_clock >= self.every_seconds
-        return torch.tensor([float(STOP.signum), float(clock_due or save)])
+        return torch.tensor([float(STOP.signum), float(clock_due), float(best)])
 
     @staticmethod
-    def agreed(flags: torch.Tensor) -> tuple[int, bool]:
-        """(signal to stop on, or 0; whether a time-based checkpoint is due) from the reduced flags."""
-        signum, clock_due = flags.tolist()
-        return int(signum), bool(clock_due)
+    def agreed(flags: torch.Tensor) -> Boundary:
+        """What the ranks agreed on at this boundary, from the reduced flags."""
+        signum, clock_due, best = flags.tolist()
+        return Boundary(int(signum), bool(clock_due), bool(best))
 
     # ---------------------------------------------------------------------------------------- checkpoints
     def checkpoint_due(self, update: int) -> bool:
@@ -207,8 +215,10 @@ class RunSession:
         rank_states: list[dict[str, Any]],
         update: int,
         best: bool | None = None,
+        numbered: bool = True,
     ) -> Path:
-        """`last.ckpt` (and a numbered copy when `checkpoint.every` or `every_minutes` is set), and
+        """`last.ckpt` (and a numbered copy when `checkpoint.every` or `every_minutes` is set and `numbered`:
+        a checkpoint written only for a new best evaluation keeps the numbered files at their cadence), and
         `best.ckpt` when the mean return of the recent episodes of every collecting rank is the best so far
         (with evaluation on, when `best`: the writer's evaluation at this update is its best).
         Every rank calls it (to keep its clock and counters); only the writer writes."""
@@ -235,7 +245,7 @@ class RunSession:
             "wall_s": self.wall_s(),
             "lr_schedule": self.lr_schedule.state(self.env_step(update - 1)),
         }
-        numbered = self.every > 0 or self.every_seconds > 0
+        numbered = numbered and (self.every > 0 or self.every_seconds > 0)
         bad = ckpt.nonfinite_reason(state)
         if bad is not None:  # never over a good file: last.ckpt, best.ckpt and the numbered ones stay
             raise CheckpointFault(

@@ -458,7 +458,7 @@ def test_decoupled_runs(tmp_path: Path, devices: int, trained: str) -> None:
     )  # fmt: skip
     assert summary["strategy"] == "decoupled" and summary["world_size"] == devices
     # the player's evaluator process scored every policy at 512 and at the end
-    evaluated = [r for r in read_rows(tmp_path / "run" / "metrics.csv") if r.get("eval/return_mean")]
+    evaluated = [r for r in read_rows(tmp_path / "run" / "evaluations.csv") if r.get("eval/return_mean")]
     assert [int(r["step"]) for r in evaluated] == [512, 1024]
     assert all(r["eval/agent/return_mean"] and r["eval/adversary/return_mean"] for r in evaluated)
     assert summary["evaluation"]["last"]["env_step"] == 1024

@@ -240,6 +240,7 @@ def test_pong_trains_end_to_end(tmp_path: Path) -> None:
             "algo.rollout_steps=64",
             "algo.minibatch_size=64",
             "logger=none",
+            "eval.every=0",  # 10 whole Pong games an evaluation: minutes, and not what this test checks
             f"hydra.run.dir={tmp_path}",
         ]
     )

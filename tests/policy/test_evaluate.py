@@ -43,6 +43,23 @@ def test_a_plotting_failure_only_warns(tmp_path: Path, monkeypatch: pytest.Monke
         assert plots.save_learning_curve(tmp_path) is None
 
 
+def test_the_curve_draws_the_evaluations_from_their_own_file(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Training returns from metrics.csv, evaluation points (mean +- std) from evaluations.csv."""
+    from matplotlib.axes import Axes
+
+    (tmp_path / "metrics.csv").write_text("step,rollout/episode_return\n256,10\n512,20\n")
+    (tmp_path / "evaluations.csv").write_text("step,eval/return_mean,eval/return_std\n256,30,1\n512,40,2\n")
+    drawn: list[tuple] = []
+    errorbar = Axes.errorbar
+    monkeypatch.setattr(
+        Axes, "errorbar", lambda ax, x, y, **kw: drawn.append((x, y, kw["yerr"])) or errorbar(ax, x, y, **kw)
+    )
+    assert plots.plot_learning_curve(tmp_path) == tmp_path / plots.FILENAME
+    assert drawn == [([256.0, 512.0], [30.0, 40.0], [1.0, 2.0])]
+
+
 def test_plot_without_episodes_or_csv(tmp_path: Path) -> None:
     assert plots.plot_learning_curve(tmp_path) is None  # logger.csv=false: nothing to plot
     (tmp_path / "metrics.csv").write_text("step,loss/policy\n256,0.1\n")

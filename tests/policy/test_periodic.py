@@ -57,20 +57,30 @@ def test_side_by_side_equals_one_by_one_and_uses_its_own_seeds() -> None:
 @pytest.mark.slow
 def test_a_coupled_run_evaluates_keeps_its_best_and_resumes_the_record(tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
-    common = ["logger.tensorboard=false", "eval.every=1536", "eval.episodes=4", "env.normalize_obs=true"]
+    common = ["logger.tensorboard=false", "eval.every=1536", "eval.episodes=4", "env.normalize_obs=true",
+              "checkpoint.every=4", "checkpoint.keep=0"]  # fmt: skip
     summary = ppo_fabric.run([*common, "algo.total_steps=4096", f"hydra.run.dir={run_dir}"])
-    evaluated = series(read_rows(run_dir / "metrics.csv"), "eval/return_mean")
+    evaluated = series(read_rows(run_dir / "evaluations.csv"), "eval/return_mean")
     assert [s for s, _ in evaluated] == [1536, 3072, 4096], "at the cadence, and at the last update"
+    updates = [row["step"] for row in read_rows(run_dir / "metrics.csv")]
+    assert len(updates) == len(set(updates)) == 16, (
+        "metrics.csv: one row per update, no evaluation among them"
+    )
+    assert not any(key.startswith("eval/") for key in read_rows(run_dir / "metrics.csv")[0])
     record = summary["evaluation"]
     best = max(evaluated, key=lambda p: p[1])
     assert record["best"]["env_step"] == best[0] and record["best"]["return_mean"] == pytest.approx(best[1])
     assert record["last"]["env_step"] == 4096
     saved = ckpt.load(run_dir / "checkpoints" / "best.ckpt")
     assert saved["env_step"] == best[0], "best.ckpt holds the parameters of the best evaluation"
+    numbered = sorted(int(p.name.split("_")[1]) for p in (run_dir / "checkpoints").glob("step_*.ckpt"))
+    assert numbered == [1024, 2048, 3072, 4096], (
+        "a new best writes best.ckpt, not a numbered copy off its cadence"
+    )
     assert (run_dir / "learning_curve.png").stat().st_size > 0
 
     resumed = ppo_fabric.run([f"resume={run_dir / 'checkpoints' / 'last.ckpt'}", "algo.total_steps=6144"])
-    steps = [s for s, _ in series(read_rows(run_dir / "metrics.csv"), "eval/return_mean")]
+    steps = [s for s, _ in series(read_rows(run_dir / "evaluations.csv"), "eval/return_mean")]
     assert steps == [1536, 3072, 4096, 4608, 6144]
     assert resumed["evaluation"]["best"]["return_mean"] >= record["best"]["return_mean"]
     assert json.loads((run_dir / "summary.json").read_text())["evaluation"] == resumed["evaluation"]
@@ -141,7 +151,7 @@ def test_a_multiagent_run_evaluates_every_policy(tmp_path: Path) -> None:
     whose mean is the record (the episodes replayed by hand from the final checkpoint give the same)."""
     summary = ppo_fabric.run([*TEAMS, "algo.total_steps=1024", "eval.every=512", "eval.episodes=3",
                               f"hydra.run.dir={tmp_path}"])  # fmt: skip
-    rows = [r for r in read_rows(tmp_path / "metrics.csv") if r.get("eval/return_mean")]
+    rows = [r for r in read_rows(tmp_path / "evaluations.csv") if r.get("eval/return_mean")]
     assert [int(r["step"]) for r in rows] == [512, 1024]
     assert all(r["eval/adversary/return_mean"] and r["eval/agent/return_mean"] for r in rows)
     assert summary["evaluation"]["last"]["return_mean"] == pytest.approx(float(rows[-1]["eval/return_mean"]))
@@ -162,7 +172,7 @@ def test_a_game_is_evaluated_against_its_opponents(tmp_path: Path) -> None:
     game = ["exp=tictactoe", "algo.total_steps=1024", "logger.tensorboard=false", "eval.every=1024",
             "eval.episodes=4"]  # fmt: skip
     summary = ppo_fabric.run([*game, f"hydra.run.dir={tmp_path / 'run'}"])
-    (row,) = [r for r in read_rows(tmp_path / "run" / "metrics.csv") if r.get("eval/score")]
+    (row,) = [r for r in read_rows(tmp_path / "run" / "evaluations.csv") if r.get("eval/score")]
     assert float(row["eval/random/win_rate"]) == float(row["eval/win_rate"]), "random is the only default"
     rates = [float(row[f"eval/{k}_rate"]) for k in ("win", "draw", "loss")]
     assert sum(rates) == pytest.approx(1.0) and all(r * 4 == int(r * 4) for r in rates), "4 games"

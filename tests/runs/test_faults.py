@@ -47,9 +47,11 @@ def _finite(path: Path) -> None:
 def test_bad_env_data_ends_the_run_and_keeps_the_last_checkpoint(
     tmp_path: Path, fault: str, what: str
 ) -> None:
-    """Each env's 70th step is bad: update 3's rollout (env steps 256-384) stops at env step 4 x 70."""
+    """Each env's 70th step is bad: update 3's rollout (env steps 256-384) stops at env step 4 x 70. (The
+    evaluation envs would meet it first; their guard is tests/policy/test_periodic.py's.)"""
     with pytest.raises(EnvFault) as raised:
-        _run(tmp_path, FAULTY, f"+env.kwargs.fault={fault}", "+env.kwargs.after=70", "checkpoint.every=1")
+        _run(tmp_path, FAULTY, f"+env.kwargs.fault={fault}", "+env.kwargs.after=70", "checkpoint.every=1",
+             "eval.every=0")  # fmt: skip
     assert str(raised.value) == f"rank 0, env 0: {what} at env step 280"
     last = tmp_path / "checkpoints" / "last.ckpt"
     assert ckpt.load(last, env_state="fresh")["env_step"] == 256  # update 2's, untouched

@@ -114,12 +114,14 @@ def test_resume_then_prune_keeps_the_lineage_and_spares_other_branches(tmp_path:
 
 
 def test_best_and_time_based_checkpoints(tmp_path: Path) -> None:
-    """checkpoint.every_minutes writes numbered checkpoints without checkpoint.every; best.ckpt holds the
-    best recent mean return seen at a checkpoint and evaluates like any checkpoint."""
+    """checkpoint.every_minutes writes numbered checkpoints without checkpoint.every; with evaluation off,
+    best.ckpt holds the best recent mean return seen at a checkpoint and evaluates like any checkpoint
+    (with it on, the best evaluation's: tests/policy/test_periodic.py)."""
     summary = ppo_fabric.run(
         [
             *TINY,
             "algo.total_steps=2048",
+            "eval.every=0",
             "checkpoint.every_minutes=1e-6",
             "checkpoint.keep=0",
             f"hydra.run.dir={tmp_path}",

@@ -57,12 +57,13 @@ def shared_store(tmp_path_factory: pytest.TempPathFactory) -> str:
     return f"sqlite:///{tmp_path_factory.mktemp('mlflow') / 'shared.db'}"
 
 
-def csv_rows(run_dir: Path) -> list[dict[str, str]]:
-    return read_rows(run_dir / "metrics.csv")
+def csv_rows(run_dir: Path, name: str = "metrics.csv") -> list[dict[str, str]]:
+    return read_rows(run_dir / name)
 
 
-def csv_series(run_dir: Path, key: str) -> list[tuple[int, float]]:
-    return [(int(float(r["step"])), float(r[key])) for r in csv_rows(run_dir) if r.get(key) not in (None, "")]
+def csv_series(run_dir: Path, key: str, name: str = "metrics.csv") -> list[tuple[int, float]]:
+    rows = csv_rows(run_dir, name)
+    return [(int(float(r["step"])), float(r[key])) for r in rows if r.get(key) not in (None, "")]
 
 
 def assert_same_series(got: list[tuple[int, float]], want: list[tuple[int, float]], key: str) -> None:
@@ -104,6 +105,11 @@ def test_mlflow_embedded_store_holds_params_metrics_and_artifacts(tmp_path: Path
         history = [(m.step, m.value) for m in client.get_metric_history(run.info.run_id, key)]
         assert_same_series(history, csv_series(run_dir, key), key)
     assert [s for s, _ in csv_series(run_dir, "loss/value")] == STEPS
+    # and the evaluations during training, as evaluations.csv holds them (time/wall_s: the updates' only)
+    for key in ("eval/return_mean", "eval/length_mean"):
+        history = [(m.step, m.value) for m in client.get_metric_history(run.info.run_id, key)]
+        assert history, key
+        assert_same_series(history, csv_series(run_dir, key, "evaluations.csv"), key)
     final = client.get_metric_history(run.info.run_id, "summary/final_mean_return")
     assert [(m.step, m.value) for m in final] == [(512, pytest.approx(summary["final_mean_return"]))]
 
@@ -261,10 +267,15 @@ def test_wandb_offline_run_holds_config_metrics_and_files(tmp_path: Path) -> Non
     assert config["algo.lr"] == 0.001 and config["env.id"] == "CartPole-v1" and config["group"] == "study-1"
 
     rows = history(records)
-    assert [row["env_step"] for row in rows] == STEPS
+    assert [row["env_step"] for row in rows if "loss/value" in row] == STEPS
     for key in ("loss/value", "rollout/episode_return", "time/sps"):
         logged = [(row["env_step"], row[key]) for row in rows if key in row]
         assert_same_series(logged, csv_series(run_dir, key), key)
+    # the evaluations during training, rows of their own at the env step they scored, as evaluations.csv
+    evaluations = read_rows(run_dir / "evaluations.csv")
+    logged = [(row["env_step"], row["eval/return_mean"]) for row in rows if "eval/return_mean" in row]
+    assert logged and len(logged) == len(evaluations)
+    assert_same_series(logged, csv_series(run_dir, "eval/return_mean", "evaluations.csv"), "eval")
 
     saved = {f.path for r in records if r.WhichOneof("record_type") == "files" for f in r.files.files}
     assert saved >= {"config.yaml", "learning_curve.png", "summary.json"}
@@ -287,7 +298,7 @@ def test_wandb_offline_run_holds_config_metrics_and_files(tmp_path: Path) -> Non
     second = [p for p in (run_dir / "wandb").glob(f"offline-run-*-{run_id}") if p != offline]
     assert len(second) == 1
     rows = history(wandb_records(second[0] / f"run-{run_id}.wandb"))
-    steps = [row["env_step"] for row in rows]
+    steps = [row["env_step"] for row in rows if "loss/value" in row]
     assert steps == [640, 768]
 
 

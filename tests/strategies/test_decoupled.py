@@ -157,7 +157,7 @@ def test_layout_runs_to_the_end(tmp_path: Path, players: int, devices: int, pipe
     _check_policy_lag(run_dir, pipeline, total // (128 * players))
     # the first player evaluates the parameters it received at each due update, on envs of its own, on a
     # thread (off the critical path: the run waits only for the final one)
-    rows = read_rows(run_dir / "metrics.csv")
+    rows = read_rows(run_dir / "evaluations.csv")
     evaluated = [s for s, _ in series(rows, "eval/return_mean")]
     assert evaluated == [2048, 4096] and summary["evaluation"]["last"]["env_step"] == 4096
     assert all(float(r["time/eval_background_s"]) > 0 for r in rows if r.get("eval/return_mean"))
