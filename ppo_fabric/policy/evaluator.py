@@ -30,7 +30,7 @@ class EvaluatorProcess:
     Forked where the platform allows it (Linux: nothing to import again; it never touches the parent's
     devices or envs), spawned elsewhere. It ignores SIGINT and SIGTERM (the player that owns it stops it
     at its own boundary) and ends when its pipe closes. It never outlives the player, even stuck in an env
-    that never returns: it is killed when the player dies (`_die_with_parent`). A fault in it (a failing
+    that never returns: it is killed when the player dies (`_watch`). A fault in it (a failing
     env) comes back as its one line, raised by `result` as `EnvFault`.
     """
 
