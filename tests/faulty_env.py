@@ -1,7 +1,7 @@
 """A CartPole that goes wrong on purpose, for the fault tests (`env.id=tests.faulty_env:FaultyCartPole-v0`).
 
 `fault`: `nan_obs` (one observation entry NaN), `inf_reward`, `raise` (step raises), `hang` (step sleeps for
-ever, a stuck simulator) or `none`; it strikes at the `after`-th step of each env instance (a recreated env
+ever, a stuck simulator), `slow_close` (close takes 7 s; steps are fine) or `none`; it strikes at the `after`-th step of each env instance (a recreated env
 starts counting again), on rank `rank` (-1: every rank), for `times` steps in a row (0: from then on).
 With `seeds`, only in an instance last reset with one of them (the evaluation envs' seeds: a fault in
 evaluation alone).
@@ -39,13 +39,18 @@ class FaultyCartPole(CartPoleEnv):
             self.seeded = seed
         return super().reset(seed=seed, options=options)
 
+    def close(self) -> None:
+        if self.fault == "slow_close":
+            time.sleep(7.0)
+        super().close()
+
     def step(self, action: Any) -> Any:
         obs, reward, terminated, truncated, info = super().step(action)
         self.steps += 1
         striking = self.steps >= self.after and (self.times == 0 or self.steps < self.after + self.times)
         if self.seeds is not None and self.seeded not in self.seeds:
             striking = False
-        if not striking or self.fault == "none":
+        if not striking or self.fault in ("none", "slow_close"):
             return obs, reward, terminated, truncated, info
         if self.fault == "nan_obs":
             obs = np.array(obs, dtype=np.float32)

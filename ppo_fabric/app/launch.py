@@ -26,7 +26,7 @@ from threadpoolctl import threadpool_limits
 from torch.nn.parallel import DistributedDataParallel
 
 from ppo_fabric.app.preflight import prepare
-from ppo_fabric.app.process import end_process, quiet_libraries
+from ppo_fabric.app.process import end_process, quiet_libraries, stop_status
 from ppo_fabric.app.supervisor import SUPERVISED_ENV
 from ppo_fabric.compat.private import set_fabric_precision
 from ppo_fabric.config.arguments import fail
@@ -215,7 +215,7 @@ def launch(
                 f"ppo-fabric: {stop}; continue with resume={stop.checkpoint} (or resume=auto "
                 f"hydra.run.dir={run_dir})\n".encode(),
             )
-        end_process(128 + stop.signum)
+        end_process(stop_status(stop.signum))
     except KeyboardInterrupt:
         if fabric.global_rank == 0:
             last = run_dir / "checkpoints" / "last.ckpt"

@@ -33,3 +33,14 @@ def end_process(code: int = 0) -> NoReturn:
         with contextlib.suppress(OSError, ValueError):  # a closed pipe or stream: nothing left to say there
             stream.flush()
     os._exit(code)
+
+
+def stop_status(signum: int) -> int:
+    """The exit status of a rank stopped by signal `signum` after its stop checkpoint: 128 + N, as a shell
+    reports a signal, except 0 for a rank that Fabric's launcher started as a child of its node's first
+    process (LOCAL_RANK > 0, no torchrun agent). That process watches its children and SIGKILLs itself as
+    soon as one has exited non-zero: a child exiting 128 + N while rank 0 was still writing the summary and
+    the learning curve cut rank 0 short (exit 137, nothing said). The first process carries the job's
+    status, 128 + N, to the supervisor or the shell."""
+    child = int(os.environ.get("LOCAL_RANK", "0") or 0) > 0 and "TORCHELASTIC_RUN_ID" not in os.environ
+    return 0 if child else 128 + signum

@@ -169,3 +169,24 @@ def test_overrides_name_the_resolved_paths(tmp_path: Path) -> None:
 
     assert compose(args)[1] == str(odd)
     assert os.fspath(tmp_path) in with_override(args, "resume", tmp_path)[-1]
+
+
+@pytest.mark.parametrize(
+    ("env", "status"),
+    [
+        ({}, 143),  # one process, or the first process of Fabric's launcher: it carries the job's status
+        ({"LOCAL_RANK": "0"}, 143),
+        ({"LOCAL_RANK": "1"}, 0),  # Fabric's launcher's child: 143 would get the first process SIGKILLed
+        ({"LOCAL_RANK": "1", "TORCHELASTIC_RUN_ID": "x"}, 143),  # torchrun's agent reads every rank's
+    ],
+)
+def test_the_exit_status_of_a_stopped_rank(
+    env: dict[str, str], status: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from ppo_fabric.app.process import stop_status
+
+    for name in ("LOCAL_RANK", "TORCHELASTIC_RUN_ID"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    assert stop_status(signal.SIGTERM) == status

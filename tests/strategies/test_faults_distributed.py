@@ -5,7 +5,10 @@ process's stacks in the run directory for a stall, and nothing left running."""
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
+import signal
 import subprocess
 import sys
 import time
@@ -13,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+from ppo_fabric.runs.metrics_file import read_rows
 from tests.conftest import job_env, job_processes
 
 pytestmark = pytest.mark.multiprocess
@@ -101,6 +105,30 @@ def test_a_stuck_evaluation_env_ends_a_decoupled_job(tmp_path: Path) -> None:
     assert line.startswith("ppo-fabric: error: player rank 0: no progress for "), proc.stderr[-3000:]
     assert "evaluat" in line, line
     assert not (tmp_path / "run" / "summary.json").exists() and took < 90, took
+
+
+def test_a_rank_slow_to_stop_is_not_killed_by_the_launcher(tmp_path: Path) -> None:
+    """SIGTERM to a coupled 2-rank job whose rank 0 takes 7 s to close its envs after the stop checkpoint:
+    Lightning's launcher, in rank 0, looks at its child every 5 s and SIGKILLs itself once the child has
+    exited non-zero. Rank 1 must not end rank 0 that way (exit 137, no summary): the job ends 143 with
+    its summary marked interrupted."""
+    run_dir = tmp_path / "run"
+    cmd = [sys.executable, "-m", "ppo_fabric", *SMALL, "fabric.devices=2", "algo.total_steps=1000000",
+           "+env.kwargs.fault=slow_close", "+env.kwargs.rank=0", "eval.every=0", f"hydra.run.dir={run_dir}"]  # fmt: skip
+    proc = subprocess.Popen(cmd, cwd=tmp_path, env=job_env(supervisor=False), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)  # fmt: skip
+    try:
+        deadline = time.monotonic() + 90
+        while len(read_rows(run_dir / "metrics.csv")) < 2:
+            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[1][-3000:]
+            time.sleep(0.2)
+        os.killpg(proc.pid, signal.SIGTERM)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 128 + signal.SIGTERM, err[-3000:]
+    assert json.loads((run_dir / "summary.json").read_text())["interrupted"] is True
 
 
 def test_restarts_are_summed_over_the_ranks(tmp_path: Path) -> None:
