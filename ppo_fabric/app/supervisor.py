@@ -12,7 +12,6 @@ plays this part) nor the in-process `ppo_fabric.run()` has one.
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import json
 import os
 import re
@@ -27,6 +26,7 @@ from typing import TYPE_CHECKING
 from omegaconf import DictConfig
 
 from ppo_fabric.app.process import quiet_libraries
+from ppo_fabric.compat.linux import PR_SET_CHILD_SUBREAPER, die_with_parent, prctl
 from ppo_fabric.config.values import OWN_RUN_DIR_ENV, SUPERVISED_ENV, ConfigError, under_fabric_run
 from ppo_fabric.runs import lock
 from ppo_fabric.runs.metrics_file import read_rows, series
@@ -38,7 +38,6 @@ SUPERVISOR_PID_ENV = "PPO_FABRIC_SUPERVISOR_PID"  # the job's first process only
 SIGNAL_STOPS = (130, 143)  # SIGINT / SIGTERM stops: the user or the cluster asked, never restarted
 CONFIG_REFUSED = 2  # a relaunch whose config was refused fails the same way every time
 GRACE_S = 5.0  # how long the job's other processes may outlive its first one before they are killed
-_PR_SET_PDEATHSIG, _PR_SET_CHILD_SUBREAPER = 1, 36
 
 
 def wanted() -> bool:
@@ -51,13 +50,6 @@ def say(text: str) -> None:
     os.write(2, f"ppo-fabric: {text}\n".encode())  # one write: never interleaved with a rank's line
 
 
-def _prctl(option: int, value: int) -> None:
-    """Linux process controls; elsewhere a no-op (the job then relies on the ranks' own timeouts)."""
-    if sys.platform.startswith("linux"):
-        with contextlib.suppress(OSError, AttributeError):
-            ctypes.CDLL(None, use_errno=True).prctl(option, value, 0, 0, 0)
-
-
 def bind_to_supervisor() -> None:
     """In the job's first process: die with the supervisor, so a SIGKILLed supervisor leaves no job behind
     (the other ranks then lose rank 0 and end as they always did). The variable is removed so that ranks
@@ -65,8 +57,7 @@ def bind_to_supervisor() -> None:
     pid = os.environ.pop(SUPERVISOR_PID_ENV, None)
     if pid is None:
         return
-    _prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
-    if os.getppid() != int(pid):  # the supervisor died before the line above: nobody is watching
+    if not die_with_parent(int(pid)):  # the supervisor died before the signal was armed: nobody watches
         os._exit(137)
 
 
@@ -120,7 +111,9 @@ class Job:
         self.kill_at: float | None = None  # after a forwarded signal: when waiting longer is pointless
         for signum in (signal.SIGTERM, signal.SIGINT):
             signal.signal(signum, self._on_signal)
-        _prctl(_PR_SET_CHILD_SUBREAPER, 1)  # ranks orphaned by rank 0's death come back to be reaped here
+        prctl(
+            PR_SET_CHILD_SUBREAPER, 1
+        )  # (Linux; elsewhere the ranks' own timeouts) ranks orphaned by rank 0's death come back to be reaped here
 
     def _on_signal(self, signum: int, _frame: FrameType | None) -> None:
         self.signals += 1

@@ -13,6 +13,7 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
+from ppo_fabric.compat.linux import die_with_parent
 from ppo_fabric.config.values import ConfigError
 from ppo_fabric.envs.guard import EnvFault, error_line
 from ppo_fabric.learn.learners import PolicySpec
@@ -91,13 +92,7 @@ def _watch(parent: int, beat: Any) -> None:
     after a fault, say) while an env here never returns: on Linux the kernel's parent-death signal (SIGKILL,
     whatever this process is doing), elsewhere a daemon thread that watches the parent's pid. The same
     thread copies this process's progress (the evaluation envs' steps) into `beat` for the player's wait."""
-    if sys.platform == "linux":
-        import ctypes
-
-        with contextlib.suppress(OSError, AttributeError):
-            pr_set_pdeathsig = 1
-            ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGKILL)
-    if os.getppid() != parent:  # gone before the signal was armed
+    if not die_with_parent(parent):
         os._exit(0)
 
     def watch() -> None:
