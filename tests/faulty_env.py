@@ -2,7 +2,8 @@
 
 `fault`: `nan_obs` (one observation entry NaN), `inf_reward`, `raise` (step raises), `hang` (step sleeps for
 ever, a stuck simulator), `slow_close` (close takes 7 s; steps are fine) or `none`; it strikes at the `after`-th step of each env instance (a recreated env
-starts counting again), on rank `rank` (-1: every rank), for `times` steps in a row (0: from then on).
+starts counting again), on rank `rank` (-1: every rank), for `times` steps in a row (0: from then on);
+`others` is the fault of the other ranks then (default `none`).
 With `seeds`, only in an instance last reset with one of them (the evaluation envs' seeds: a fault in
 evaluation alone).
 """
@@ -26,11 +27,12 @@ class FaultyCartPole(CartPoleEnv):
         rank: int = -1,
         times: int = 0,
         seeds: list[int] | None = None,
+        others: str = "none",
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
         here = int(os.environ.get("LOCAL_RANK", os.environ.get("RANK", "0")))
-        self.fault = fault if rank < 0 or here == rank else "none"
+        self.fault = fault if rank < 0 or here == rank else others
         self.after, self.times, self.steps = after, times, 0
         self.seeds, self.seeded = (None if seeds is None else set(seeds)), None
 

@@ -26,7 +26,7 @@ from threadpoolctl import threadpool_limits
 from torch.nn.parallel import DistributedDataParallel
 
 from ppo_fabric.app.preflight import prepare
-from ppo_fabric.app.process import end_process, quiet_libraries, stop_status
+from ppo_fabric.app.process import end_process, fault_status, quiet_libraries, stop_status
 from ppo_fabric.app.supervisor import SUPERVISED_ENV
 from ppo_fabric.compat.private import set_fabric_precision
 from ppo_fabric.config.arguments import fail
@@ -232,7 +232,8 @@ def launch(
         line = failure_line(exc, watchdog, float(cfg.collectives.timeout))
         if line is not None:
             os.write(2, f"ppo-fabric: error: {line}\n".encode())
-        os._exit(FAULT_EXIT)  # do not wait in atexit hooks for peers that may be stuck in a collective
+        # do not wait in atexit hooks for peers that may be stuck in a collective
+        os._exit(fault_status(run_dir, line))
     watchdog.stop()
     end_process_group()
     return summary

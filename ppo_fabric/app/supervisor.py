@@ -25,8 +25,9 @@ from typing import TYPE_CHECKING
 
 from omegaconf import DictConfig
 
-from ppo_fabric.app.process import quiet_libraries
+from ppo_fabric.app.process import failed_child, forget_failed_child, quiet_libraries
 from ppo_fabric.compat.linux import PR_SET_CHILD_SUBREAPER, die_with_parent, prctl
+from ppo_fabric.config.faults import FAULT_EXIT
 from ppo_fabric.config.values import OWN_RUN_DIR_ENV, SUPERVISED_ENV, ConfigError, under_fabric_run
 from ppo_fabric.runs import lock
 from ppo_fabric.runs.metrics_file import read_rows, series
@@ -140,11 +141,14 @@ class Job:
             return 128 + self.stop_signal
         env = dict(os.environ, **{SUPERVISED_ENV: "1", SUPERVISOR_PID_ENV: str(os.getpid())})
         env[OWN_RUN_DIR_ENV] = str(self.run_dir)
+        forget_failed_child(self.run_dir)
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "ppo_fabric", *args], env=env, start_new_session=True
         )
         self._forward()  # a signal that came while the process was being started
         status = exit_status(self._wait())
+        if status == 128 + signal.SIGKILL and self.stop_signal is None and failed_child(self.run_dir):
+            status = FAULT_EXIT  # Fabric's launcher killed the first process after a rank's failure
         failed = status != 0 and status not in SIGNAL_STOPS and self.stop_signal is None
         self._end_group(0.0 if failed else min(GRACE_S, self.timeout_s))
         self.proc = None

@@ -190,3 +190,27 @@ def test_the_exit_status_of_a_stopped_rank(
     for name, value in env.items():
         monkeypatch.setenv(name, value)
     assert stop_status(signal.SIGTERM) == status
+
+
+@pytest.mark.parametrize(
+    ("env", "recorded"),
+    [
+        ({"LOCAL_RANK": "1", "PPO_FABRIC_SUPERVISED": "1"}, True),  # its exit gets rank 0 SIGKILLed
+        ({"LOCAL_RANK": "0", "PPO_FABRIC_SUPERVISED": "1"}, False),  # the first process says it itself
+        ({"LOCAL_RANK": "1"}, False),  # no supervisor to read it
+        ({"LOCAL_RANK": "1", "PPO_FABRIC_SUPERVISED": "1", "TORCHELASTIC_RUN_ID": "x"}, False),
+    ],
+)
+def test_a_failed_launcher_child_leaves_its_cause_for_the_supervisor(
+    env: dict[str, str], recorded: bool, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from ppo_fabric.app.process import failed_child, fault_status, forget_failed_child
+
+    for name in ("LOCAL_RANK", "TORCHELASTIC_RUN_ID", "PPO_FABRIC_SUPERVISED"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    assert fault_status(tmp_path, "rank 1: env.step raised") == 1
+    assert failed_child(tmp_path) is recorded
+    forget_failed_child(tmp_path)
+    assert not failed_child(tmp_path)

@@ -131,6 +131,22 @@ def test_a_rank_slow_to_stop_is_not_killed_by_the_launcher(tmp_path: Path) -> No
     assert json.loads((run_dir / "summary.json").read_text())["interrupted"] is True
 
 
+def test_a_rank_failing_while_rank_0_is_busy_ends_the_job_as_a_failure(tmp_path: Path) -> None:
+    """Supervised, coupled, 2 ranks: rank 1's envs raise at their 50th step while rank 0's hang in theirs.
+    Lightning's launcher, in rank 0, SIGKILLs rank 0 within 5 s of rank 1's exit: the job must still end
+    as the failure it was (exit 1, rank 1's line, no restart offered for a kill), not 137 as if the
+    machine had run out of memory."""
+    proc, _ = _job(
+        tmp_path, "fabric.devices=2", "algo.total_steps=1000000", "+env.kwargs.fault=raise",
+        "+env.kwargs.rank=1", "+env.kwargs.others=hang", "eval.every=0", supervisor=True,
+    )  # fmt: skip
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    assert any("rank 1" in line and "simulator crashed" in line for line in _errors(proc)), proc.stderr[
+        -3000:
+    ]
+    assert "rank failure (exit 1); not restarting" in proc.stderr, proc.stderr[-3000:]
+
+
 def test_restarts_are_summed_over_the_ranks(tmp_path: Path) -> None:
     """Coupled, 2 ranks: every env of rank 1 raises at its 50th step and is rebuilt."""
     proc, _ = _job(
