@@ -26,11 +26,11 @@ from threadpoolctl import threadpool_limits
 from torch.nn.parallel import DistributedDataParallel
 
 from ppo_fabric.app.preflight import prepare
-from ppo_fabric.app.process import end_process, fault_status, quiet_libraries, stop_status
+from ppo_fabric.app.process import end_process, quiet_libraries, stop_status
 from ppo_fabric.app.supervisor import SUPERVISED_ENV
 from ppo_fabric.compat.private import set_fabric_precision
 from ppo_fabric.config.arguments import fail
-from ppo_fabric.config.faults import FAULT_EXIT, RunComplete, RunFault
+from ppo_fabric.config.faults import FAULT_EXIT, RunComplete, RunFault, fault_status
 from ppo_fabric.config.values import ConfigError, composer, under_fabric_run
 from ppo_fabric.learn.accel import set_cuda_math
 from ppo_fabric.runs import lock as run_lock
@@ -106,10 +106,19 @@ class GroupDDPStrategy(DDPStrategy):
 def describe_failure(exc: BaseException) -> str:
     """One line for a rank's failure; a broken collective means another rank died first."""
     text = f"{type(exc).__name__}: {exc}".strip().splitlines()[0]
-    lost = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "timed out", "Timeout")
-    if any(marker in text for marker in lost) or type(exc).__name__ == "DistBackendError":
+    if peer_gone(exc) or timed_out(exc):
         return f"lost contact with another rank (it failed, was killed, or is stuck): {text}"
     return text
+
+
+def peer_gone(exc: BaseException) -> bool:
+    """Whether a collective broke because another process of the job ended (its sockets closed): this
+    rank's failure is a consequence, and the cause is that process's (its own line, or a kill)."""
+    text = f"{type(exc).__name__}: {exc}"
+    gone = ("Connection closed by peer", "Connection reset by peer", "Broken pipe")
+    return any(marker in text for marker in gone) or (
+        type(exc).__name__ == "DistBackendError" and not timed_out(exc)
+    )
 
 
 def build_fabric(cfg: DictConfig, world_size: int) -> Fabric:
@@ -232,8 +241,9 @@ def launch(
         line = failure_line(exc, watchdog, float(cfg.collectives.timeout))
         if line is not None:
             os.write(2, f"ppo-fabric: error: {line}\n".encode())
-        # do not wait in atexit hooks for peers that may be stuck in a collective
-        os._exit(fault_status(run_dir, line))
+        # A rank that only lost a peer leaves no cause for the supervisor: when rank 0 was killed (kill -9,
+        # the OOM killer), the job's status stays 137. No atexit hooks: peers may be stuck in a collective.
+        os._exit(FAULT_EXIT if peer_gone(exc) else fault_status(run_dir, line))
     watchdog.stop()
     end_process_group()
     return summary

@@ -25,9 +25,9 @@ from typing import TYPE_CHECKING
 
 from omegaconf import DictConfig
 
-from ppo_fabric.app.process import failed_child, forget_failed_child, quiet_libraries
+from ppo_fabric.app.process import quiet_libraries
 from ppo_fabric.compat.linux import PR_SET_CHILD_SUBREAPER, die_with_parent, prctl
-from ppo_fabric.config.faults import FAULT_EXIT
+from ppo_fabric.config.faults import FAULT_EXIT, failed_child, forget_failed_child
 from ppo_fabric.config.values import OWN_RUN_DIR_ENV, SUPERVISED_ENV, ConfigError, under_fabric_run
 from ppo_fabric.runs import lock
 from ppo_fabric.runs.metrics_file import read_rows, series

@@ -10,7 +10,14 @@ raises one and this package is the one every layer may import.
 
 from __future__ import annotations
 
+import contextlib
+import os
+from pathlib import Path
+
+from ppo_fabric.config.values import SUPERVISED_ENV
+
 FAULT_EXIT = 1  # the exit status of a run that ended on a fault (a failure the supervisor may restart)
+FAILED_CHILD = ".failed-rank"  # in the run directory: a launcher child's cause, for the supervisor to read
 
 
 class RunFault(RuntimeError):
@@ -21,3 +28,33 @@ class RunComplete(Exception):
     """`resume=auto` found its run already at `algo.total_steps`: a requeued job that has nothing left to
     do. Not a failure: the entry points print its one line and exit 0, so a cluster job that runs the same
     command every time ends cleanly once the run is done."""
+
+
+def launcher_child() -> bool:
+    """Whether this process is a rank that Fabric's launcher started as a child of its node's first
+    process (LOCAL_RANK > 0, no torchrun agent). That first process watches its children every 5 s and
+    SIGKILLs itself as soon as one has exited non-zero."""
+    return int(os.environ.get("LOCAL_RANK", "0") or 0) > 0 and "TORCHELASTIC_RUN_ID" not in os.environ
+
+
+def fault_status(run_dir: Path, line: str | None) -> int:
+    """The exit status of a rank of a multi-process job that failed: FAULT_EXIT. A launcher child of a
+    supervised job first leaves its cause in the run directory: its exit gets the first process SIGKILLed
+    by Fabric's launcher when that process has not ended by itself within the launcher's next look (exit
+    137, the status of an out-of-memory kill), and the supervisor reads the file to report the job's
+    failure as the failure it was (`failed_child`). Only a cause is recorded: a rank that failed because
+    another process ended (its collective's peer gone) does not call this, so a killed rank 0 stays 137."""
+    if launcher_child() and os.environ.get(SUPERVISED_ENV):
+        with contextlib.suppress(OSError):  # a full disk: the job still fails, with 137
+            (run_dir / FAILED_CHILD).write_text((line or "a rank failed") + "\n")
+    return FAULT_EXIT
+
+
+def failed_child(run_dir: Path) -> bool:
+    return (run_dir / FAILED_CHILD).is_file()
+
+
+def forget_failed_child(run_dir: Path) -> None:
+    """Before an attempt: a previous attempt's cause is not this one's."""
+    with contextlib.suppress(OSError):
+        (run_dir / FAILED_CHILD).unlink(missing_ok=True)

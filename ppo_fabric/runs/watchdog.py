@@ -30,7 +30,7 @@ import time
 import traceback
 from pathlib import Path
 
-from ppo_fabric.config.faults import FAULT_EXIT
+from ppo_fabric.config.faults import FAULT_EXIT, fault_status
 from ppo_fabric.wire.progress import PROGRESS
 
 CLAIM = ".stall-claim"  # in the run directory: which stall directory this job's end writes its stacks to
@@ -156,7 +156,7 @@ class Watchdog:
         self._answer(target, note=line)
         self._others(target)
         os.write(2, f"ppo-fabric: error: {line}; stacks in {target}\n".encode())
-        os._exit(FAULT_EXIT)
+        os._exit(fault_status(self.run_dir, f"{line}; stacks in {target}"))
 
     def collective_timeout(self, cause: str) -> str | None:
         """A collective of this rank timed out: ask every process for its stacks and name the one stuck

@@ -204,7 +204,7 @@ def test_the_exit_status_of_a_stopped_rank(
 def test_a_failed_launcher_child_leaves_its_cause_for_the_supervisor(
     env: dict[str, str], recorded: bool, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from ppo_fabric.app.process import failed_child, fault_status, forget_failed_child
+    from ppo_fabric.config.faults import failed_child, fault_status, forget_failed_child
 
     for name in ("LOCAL_RANK", "TORCHELASTIC_RUN_ID", "PPO_FABRIC_SUPERVISED"):
         monkeypatch.delenv(name, raising=False)
