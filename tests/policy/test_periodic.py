@@ -5,6 +5,7 @@ the record in summary.json and checkpoints, `best.ckpt` chosen by evaluation, th
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import gymnasium as gym
@@ -20,6 +21,7 @@ from ppo_fabric.envs.make import env_seeds
 from ppo_fabric.learn.learners import policy_specs
 from ppo_fabric.models.agent import ActorCritic
 from ppo_fabric.policy.evaluate import play
+from ppo_fabric.policy.evaluator import EVALUATOR_NICE
 from ppo_fabric.policy.periodic import METRICS, PeriodicEvaluation, cadence
 from ppo_fabric.policy.scorers import EVAL_SEED_OFFSET, play_side_by_side
 from ppo_fabric.policy.trained import Policy
@@ -109,6 +111,9 @@ def test_a_background_evaluation_scores_the_snapshot_taken_when_it_started() -> 
     assert step == 512 and not there.busy and there.collect() is None
     assert {k: metrics[k] for k in METRICS} == {k: expected[k] for k in METRICS}
     assert metrics["time/eval_background_s"] > 0 and there.state() == here.state()
+    if hasattr(os, "getpriority"):  # it runs in the player's and the trainer's idle moments
+        mine = os.getpriority(os.PRIO_PROCESS, 0)
+        assert os.getpriority(os.PRIO_PROCESS, there.evaluator.process.pid) == min(mine + EVALUATOR_NICE, 19)
     there.close()
     here.close()
 
