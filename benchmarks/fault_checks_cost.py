@@ -95,8 +95,9 @@ def main() -> None:
         collector.collect(policies, 0)
         batches = training_batches(collector, specs)
         update_policies(
-            fabric, learners, batches, settings, 0, LrSchedule(10**9), None, layout.rank_minibatch
-        )
+            fabric, learners, batches, settings=settings, env_step=0, lr_schedule=LrSchedule(10**9),
+            mean_across=None, rank_minibatch=layout.rank_minibatch,
+        )  # fmt: skip
 
     iteration()
     iteration_ms = statistics.median(per_call(iteration, 3) for _ in range(args.repeats)) / 1000

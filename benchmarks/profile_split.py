@@ -145,8 +145,9 @@ def main() -> None:
         t0 = time.perf_counter()
         collector.collect(policies, it * steps_per_iter)
         t1 = time.perf_counter()
-        update_policies(fabric, learners, training_batches(collector, specs), UpdateSettings.of(cfg.algo), it * steps_per_iter,
-                        LrSchedule(10**6 * steps_per_iter), None, layout.rank_minibatch)  # fmt: skip
+        update_policies(fabric, learners, training_batches(collector, specs), settings=UpdateSettings.of(cfg.algo),
+                        env_step=it * steps_per_iter, lr_schedule=LrSchedule(10**6 * steps_per_iter), mean_across=None,
+                        rank_minibatch=layout.rank_minibatch)  # fmt: skip
         t2 = time.perf_counter()
         if it >= warmup:
             collect_s += t1 - t0

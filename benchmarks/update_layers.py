@@ -77,11 +77,11 @@ def measure(exp: str, updates: int) -> dict[str, Any]:
                     fabric,
                     learners,
                     batches,
-                    UpdateSettings.of(cfg.algo),
-                    r * n,
-                    LrSchedule(10**9),
-                    None,
-                    layout.rank_minibatch,
+                    settings=UpdateSettings.of(cfg.algo),
+                    env_step=r * n,
+                    lr_schedule=LrSchedule(10**9),
+                    mean_across=None,
+                    rank_minibatch=layout.rank_minibatch,
                 )
                 if r >= 2:  # the first updates create Adam's state and warm the caches
                     times[name].append(time.thread_time() - t)

@@ -79,11 +79,11 @@ def main(fabric: Fabric, cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
             fabric,
             learners,
             training_batches(collector, specs),
-            settings,
-            session.env_step(update),
-            session.lr_schedule,
-            mean_across if world > 1 else None,
-            layout.rank_minibatch,
+            settings=settings,
+            env_step=session.env_step(update),
+            lr_schedule=session.lr_schedule,
+            mean_across=mean_across if world > 1 else None,
+            rank_minibatch=layout.rank_minibatch,
         )
         t2 = time.perf_counter()
         collector.after_update(policies, update + 1)

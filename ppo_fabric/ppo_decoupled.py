@@ -381,13 +381,13 @@ def trainer(
             fabric,
             learners,
             batches,
-            settings,
-            session.env_step(version),
-            session.lr_schedule,
-            mean_across,
-            rank_minibatch,
-            lag,
-            layouts,
+            settings=settings,
+            env_step=session.env_step(version),
+            lr_schedule=session.lr_schedule,
+            mean_across=mean_across,
+            rank_minibatch=rank_minibatch,
+            policy_lag=lag,
+            layouts=layouts,
         )
         elapsed = time.perf_counter() - t0
         session.watch.add("train", elapsed)

@@ -207,6 +207,7 @@ def update_policy(
     optimizer: Any,
     batch: TensorDict,
     settings: UpdateSettings,
+    *,
     mean_across_trainers: Callable[[torch.Tensor], torch.Tensor] | None = None,
     rank_minibatch: int | None = None,
     lagged: bool | None = None,
@@ -224,112 +225,131 @@ def update_policy(
     before deciding to stop, so every rank runs the same number of backward passes (DDP would hang).
 
     `lagged` (None: a strategy that never lags, and no `LAG_METRICS`): the batch was collected by an older
-    version of the policy than the model's (the decoupled pipeline). One forward pass then gives the proximal log-probs and values (the model now), and
-    `lagged_batch` corrects for the lag: with `algo.lag_refresh_advantages` the advantages and returns are
-    recomputed with the current critic; with `algo.lag_objective` the update optimises the decoupled PPO
-    objective: the clip range and the clipped value loss are centred on the proximal policy, and each step
-    is weighted by pi_proximal / pi_behaviour truncated at `algo.lag_weight_clip` (the KL and clip-fraction
-    statistics are then against the proximal policy). Otherwise (and for every on-policy batch) the update
-    is plain PPO, bit for bit. `layout`: (segments, envs) when the flat batch is `segments` time-major
-    pieces of rollout with `envs` steps per row, which lets `lagged_batch` recompute the advantages.
+    version of the policy than the model's (the decoupled pipeline), and `lagged_batch` corrects for it
+    (recomputed advantages, the decoupled PPO objective centred on the proximal policy with truncated
+    importance weights); otherwise, and for every on-policy batch, the update is plain PPO, bit for bit.
+    `layout`: (segments, envs) when the flat batch is `segments` time-major pieces of rollout with `envs`
+    steps per row, which lets `lagged_batch` recompute the advantages.
     """
-    n = batch.batch_size[0]
     keys = batch.keys()
-    recurrent, masked, action_masked = "initial_state" in keys, "mask" in keys, "action_mask" in keys
-    seq_len = batch["starts"].shape[1] if recurrent else 1
+    seq_len = batch["starts"].shape[1] if "initial_state" in keys else 1
     mb = (settings.minibatch_size if rank_minibatch is None else rank_minibatch) // seq_len
-    coefs = settings.loss
-    clip, max_norm, target_kl = coefs.clip, settings.max_grad_norm, settings.target_kl
-    step = step_function(model, settings.compile)
-    graphs = step is not minibatch_losses and uses_cuda_graphs(model)
-    # Eager steps call the module under Fabric's wrapper directly where the wrapper adds nothing (optim.py).
-    net = forward_module(fabric, model) if step is minibatch_losses else model
-    # Gradients are dropped by hand: `optimizer.zero_grad` spends ~40-100 us per call in its profiler and
-    # torch.compile wrappers, 5-8% of a CleanRL-sized minibatch step, to do what this loop does in ~1 us.
-    # Clipping and the Adam step skip Fabric's and torch's generic layers the same way (optim.py).
-    finish = GradientStep(fabric, model, optimizer, max_norm)
-    params = finish.params
-    # 1.0 per minibatch step skipped (a gradient norm not finite), 0.0 per step taken; the gradients are
-    # all-reduced first, so every training rank decides alike.
-    skips: list[torch.Tensor] = []
-    losses: list[torch.Tensor] = []  # (policy, value, entropy) per minibatch
-    ratio_stats: list[torch.Tensor] = []  # (approx KL, clip fraction) per epoch
+    steps = MinibatchSteps(fabric, model, optimizer, settings)
     behaviour = batch
     batch = batch.exclude(*GAE_KEYS) if GAE_KEYS[0] in keys else batch  # used by `lagged_batch` only
     lag = settings.lag if lagged else None
     lag_stats = {LAG_METRICS[0]: 1.0, LAG_METRICS[1]: 0.0}
     if lag is not None and (lag.objective or lag.refresh):
-        batch, lag_stats = lagged_batch(net, behaviour, batch, lag, mb, layout)
-    epochs = 0
+        batch, lag_stats = lagged_batch(steps.net, behaviour, batch, lag, mb, layout)
     for _ in range(settings.update_epochs):
+        approx_kl = steps.epoch(batch, mb)
+        if settings.target_kl is not None:
+            kl = approx_kl if mean_across_trainers is None else mean_across_trainers(approx_kl)
+            if kl.item() > settings.target_kl:
+                break
+    stats = steps.statistics(behaviour)
+    return stats | lag_stats if lagged is not None else stats
+
+
+class MinibatchSteps:
+    """The minibatch steps of one update and what they leave to report: the step (eager or compiled, called
+    the same way whatever the batch holds), the gradient step after it, and per step its losses and whether
+    it was skipped, per epoch the ratio statistics."""
+
+    def __init__(self, fabric: Fabric, model: Any, optimizer: Any, settings: UpdateSettings) -> None:
+        self.fabric, self.coefs = fabric, settings.loss
+        self.step = step_function(model, settings.compile)
+        self.graphs = self.step is not minibatch_losses and uses_cuda_graphs(model)
+        # Eager steps call the module under Fabric's wrapper directly where the wrapper adds nothing (optim.py).
+        self.net = forward_module(fabric, model) if self.step is minibatch_losses else model
+        # Gradients are dropped by hand: `optimizer.zero_grad` spends ~40-100 us per call in its profiler and
+        # torch.compile wrappers, 5-8% of a CleanRL-sized minibatch step, to do what the loop does in ~1 us.
+        # Clipping and the Adam step skip Fabric's and torch's generic layers the same way (optim.py).
+        self.finish = GradientStep(fabric, model, optimizer, settings.max_grad_norm)
+        # 1.0 per minibatch step skipped (a gradient norm not finite), 0.0 per step taken; the gradients are
+        # all-reduced first, so every training rank decides alike.
+        self.skips: list[torch.Tensor] = []
+        self.losses: list[torch.Tensor] = []  # (policy, value, entropy) per minibatch
+        self.ratio_stats: list[torch.Tensor] = []  # (approx KL, clip fraction) per epoch
+
+    def epoch(self, batch: TensorDict, mb: int) -> torch.Tensor:
+        """One pass over `batch` shuffled, in minibatches of `mb` units; returns the epoch's approximate KL."""
+        n = batch.batch_size[0]
         shuffled = batch[torch.randperm(n, device=batch.device)]
-        obs, actions, old_logp = shuffled["obs"], shuffled["actions"], shuffled["logprobs"]
-        old_values, advantages, returns = shuffled["values"], shuffled["advantages"], shuffled["returns"]
-        step_weights = shuffled.get("weights", None)
-        masks = shuffled["mask"] if masked else None
-        action_masks = shuffled["action_mask"] if action_masked else None
-        states, starts = (shuffled["initial_state"], shuffled["starts"]) if recurrent else (None, None)
+        columns = [shuffled.get(key, None) for key in STEP_COLUMNS]  # absent: None (no mask, no state, ...)
+        weights = shuffled.get("weights", None)  # the decoupled objective's, on a lagged batch only
         new_logps = []
         for start in range(0, n, mb):
             PROGRESS.mark("update")  # the stall watchdog's heartbeat
             sl = slice(start, start + mb)
-            if graphs:  # a new replay may overwrite the last one's outputs: they are copied out below
+            if self.graphs:  # a new replay may overwrite the last one's outputs: they are copied out below
                 torch.compiler.cudagraph_mark_step_begin()
-            loss, stats, new_logp = step(
-                net,
-                obs[sl],
-                actions[sl],
-                old_logp[sl],
-                old_values[sl],
-                advantages[sl],
-                returns[sl],
-                None if masks is None else masks[sl],
-                None if action_masks is None else action_masks[sl],
-                None if states is None else states[sl],
-                None if starts is None else starts[sl],
-                coefs,
-                *(() if step_weights is None else (step_weights[sl],)),
+            loss, stats, new_logp = self.step(
+                self.net,
+                *[None if column is None else column[sl] for column in columns],
+                self.coefs,
+                *(() if weights is None else (weights[sl],)),
             )
-            for p in params:
+            for p in self.finish.params:
                 p.grad = None
-            fabric.backward(loss)
-            skips.append(finish())  # clip, then the optimiser step unless the norm is not finite
+            self.fabric.backward(loss)
+            self.skips.append(self.finish())  # clip, then the optimiser step unless the norm is not finite
             new_logp, stats = new_logp.detach(), stats.detach()
-            new_logps.append(new_logp.clone() if graphs else new_logp)
-            losses.append(stats.clone() if graphs else stats)
-        epochs += 1
+            new_logps.append(new_logp.clone() if self.graphs else new_logp)
+            self.losses.append(stats.clone() if self.graphs else stats)
         # The ratio statistics of the whole epoch at once: a dozen small ops per epoch, not per minibatch.
         with torch.no_grad():
-            logratio = torch.cat(new_logps) - old_logp
+            masks = columns[STEP_COLUMNS.index("mask")]
+            logratio = torch.cat(new_logps) - columns[STEP_COLUMNS.index("logprobs")]
             ratio = logratio.exp()
             approx_kl = masked_mean((ratio - 1) - logratio, masks)
-            clipfrac = masked_mean(((ratio - 1).abs() > clip).float(), masks)
-            ratio_stats.append(torch.stack((approx_kl, clipfrac)))
-        if target_kl is not None:
-            kl = approx_kl
-            if mean_across_trainers is not None:
-                kl = mean_across_trainers(kl)
-            if kl.item() > target_kl:
-                break
-    stacked = torch.stack(losses)
-    skipped = int(torch.stack(skips).sum().item())
-    if skipped:  # the losses of the steps taken (those skipped may hold NaN/inf)
-        finish.settle()
-        finite = torch.isfinite(stacked).all(1)
-        stacked = stacked[finite] if bool(finite.any()) else stacked
-    pg_mean, vl_mean, el_mean = stacked.mean(0).tolist()
-    kl_mean, clipfrac_mean = torch.stack(ratio_stats).mean(0).tolist()
-    means = [pg_mean, vl_mean, -el_mean, kl_mean, clipfrac_mean]
+            clipfrac = masked_mean(((ratio - 1).abs() > self.coefs.clip).float(), masks)
+            self.ratio_stats.append(torch.stack((approx_kl, clipfrac)))
+        return approx_kl
+
+    def statistics(self, behaviour: TensorDict) -> dict[str, Any]:
+        """`TRAIN_METRICS` of the update (with the cause and the step count when steps were skipped)."""
+        stacked = torch.stack(self.losses)
+        skipped = int(torch.stack(self.skips).sum().item())
+        if skipped:  # the losses of the steps taken (those skipped may hold NaN/inf)
+            self.finish.settle()
+            finite = torch.isfinite(stacked).all(1)
+            stacked = stacked[finite] if bool(finite.any()) else stacked
+        pg_mean, vl_mean, el_mean = stacked.mean(0).tolist()
+        kl_mean, clipfrac_mean = torch.stack(self.ratio_stats).mean(0).tolist()
+        means = [pg_mean, vl_mean, -el_mean, kl_mean, clipfrac_mean]
+        epochs = len(self.ratio_stats)
+        stats = dict(
+            zip(TRAIN_METRICS, [*means, explained_variance(behaviour), epochs, skipped], strict=True)
+        )
+        if skipped:
+            stats["skip_cause"] = nonfinite_term(torch.stack(self.losses))
+            stats["steps"] = len(self.skips)
+        return stats
+
+
+# The batch columns `minibatch_losses` takes, in its order (an absent one is passed as None).
+STEP_COLUMNS = (
+    "obs",
+    "actions",
+    "logprobs",
+    "values",
+    "advantages",
+    "returns",
+    "mask",
+    "action_mask",
+    "initial_state",
+    "starts",
+)
+
+
+def explained_variance(behaviour: TensorDict) -> float:
+    """1 - Var(returns - values) / Var(returns) over the steps that hold a transition (NaN: constant returns)."""
     values, returns = behaviour["values"], behaviour["returns"]
-    if masked:
+    if "mask" in behaviour.keys():  # noqa: SIM118
         values, returns = values[behaviour["mask"]], returns[behaviour["mask"]]
     var_returns = returns.var() if returns.numel() > 1 else returns.new_zeros(())
-    explained = (1 - (returns - values).var() / var_returns).item() if var_returns > 0 else float("nan")
-    stats = dict(zip(TRAIN_METRICS, [*means, explained, epochs, skipped], strict=True))
-    if skipped:
-        stats["skip_cause"] = nonfinite_term(torch.stack(losses))  # type: ignore[assignment]
-        stats["steps"] = len(skips)
-    return stats | lag_stats if lagged is not None else stats
+    return (1 - (returns - values).var() / var_returns).item() if var_returns > 0 else float("nan")
 
 
 def nonfinite_term(losses: torch.Tensor) -> str:
@@ -367,6 +387,7 @@ def update_policies(
     fabric: Fabric,
     learners: dict[str, Learner],
     batches: dict[str, TensorDict],
+    *,
     settings: UpdateSettings,
     env_step: int,
     lr_schedule: LrSchedule,
@@ -396,10 +417,10 @@ def update_policies(
             learner.optimizer,
             batches[name],
             settings,
-            mean_across,
-            rank_minibatch * learner.spec.agents,
-            None if policy_lag is None else policy_lag > 0,
-            None if layouts is None else layouts.get(name),
+            mean_across_trainers=mean_across,
+            rank_minibatch=rank_minibatch * learner.spec.agents,
+            lagged=None if policy_lag is None else policy_lag > 0,
+            layout=None if layouts is None else layouts.get(name),
         )
         check_skips(learner, stats, settings.max_skipped_updates, env_step)
         check_magnitude(learner, settings.max_param_abs, env_step)

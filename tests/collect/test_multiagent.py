@@ -299,7 +299,7 @@ def _train_once(cfg: DictConfig, batch: TensorDict) -> tuple[dict[str, float], l
     model, optimizer = fabric.setup(model, optimizer)
     torch.manual_seed(12)
     rank_minibatch = int(cfg.algo.minibatch_size) * spec.agents
-    stats = train(fabric, model, optimizer, batch, cfg.algo, None, rank_minibatch)
+    stats = train(fabric, model, optimizer, batch, cfg.algo, rank_minibatch=rank_minibatch)
     return stats, [p.detach().clone() for p in model.parameters()]
 
 
