@@ -20,7 +20,6 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-import gymnasium as gym
 import numpy as np
 from gymnasium.vector import VectorEnv, VectorWrapper
 
@@ -195,15 +194,3 @@ def load_normalizer_state(envs: Any, state: dict[str, Any]) -> None:
     for wrapper in normalizers(envs):
         if type(wrapper).__name__ in state:
             wrapper.moments.load_state_dict(state[type(wrapper).__name__])
-
-
-class FrozenObservationNormalizer(gym.ObservationWrapper):
-    """A single env normalised with a checkpoint's statistics, for evaluation (never updated)."""
-
-    def __init__(self, env: gym.Env, state: dict[str, Any]) -> None:
-        super().__init__(env)
-        self.moments = RunningMoments(env.observation_space.shape)
-        self.moments.load_state_dict(state)
-
-    def observation(self, observation: np.ndarray) -> np.ndarray:
-        return self.moments.normalize(observation)

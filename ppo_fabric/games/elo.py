@@ -3,7 +3,7 @@
 The pure functions follow the Elo model, in which a player rated R_a scores against one rated R_b
 on average E = 1 / (1 + 10 ** ((R_b - R_a) / 400)) (win 1, draw 1/2, loss 0):
 
-- `expected_score`, `elo_update`: the classic sequential update with factor K.
+- `expected_score`: the mean score the model expects of one player against another.
 - `fit_rating`: the maximum-likelihood rating of a new player from its games against players whose
   ratings are held fixed (the snapshots rated before it, and the random player, the anchor). Holding the
   old ratings fixed keeps the curve's earlier points where they were logged.
@@ -26,24 +26,6 @@ SCALE = 400.0
 def expected_score(rating: float, opponent: float) -> float:
     """The mean score of a player rated `rating` against one rated `opponent`."""
     return 1.0 / (1.0 + 10.0 ** ((opponent - rating) / SCALE))
-
-
-def elo_update(rating_a: float, rating_b: float, score_a: float, k: float = 32.0) -> tuple[float, float]:
-    """Both ratings after one game (or a batch scored `score_a` in [0, 1]): each moves by K times the
-    difference between the score and the expected score; the sum of the two ratings is unchanged."""
-    delta = k * (score_a - expected_score(rating_a, rating_b))
-    return rating_a + delta, rating_b - delta
-
-
-def sequential_ratings(
-    games: Sequence[tuple[Any, Any, float]], initial: float = 1000.0, k: float = 32.0
-) -> dict[Any, float]:
-    """Ratings after playing `games` (player a, player b, score of a) in order from `initial`."""
-    ratings: dict[Any, float] = {}
-    for a, b, score in games:
-        ra, rb = ratings.get(a, initial), ratings.get(b, initial)
-        ratings[a], ratings[b] = elo_update(ra, rb, score, k)
-    return ratings
 
 
 def fit_rating(
