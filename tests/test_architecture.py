@@ -197,3 +197,58 @@ def test_the_strategies_name_what_they_pass_to_the_update() -> None:
     for function, positional in ((update_policies, 3), (update_policy, 5)):
         kinds = [p.kind for p in inspect.signature(function).parameters.values()]
         assert kinds[positional:] == [inspect.Parameter.KEYWORD_ONLY] * (len(kinds) - positional)
+
+
+MUTATORS = {"append", "extend", "clear", "update", "pop", "add", "insert", "remove"}
+
+
+def collector_writes(package: Path = PACKAGE) -> list[str]:
+    """Places outside collect/ that assign to a rollout collector's attributes (`collector.x = ...`,
+    `self.collector.x.y += ...`) or mutate them in place (`collector.episodes.window.extend(...)`)."""
+
+    def rooted(node: ast.AST) -> bool:
+        while isinstance(node, ast.Attribute):
+            if (isinstance(node.value, ast.Name) and node.value.id == "collector") or (
+                isinstance(node.value, ast.Attribute) and node.value.attr == "collector"
+            ):
+                return True
+            node = node.value
+        return False
+
+    out = []
+    for path in sorted(package.rglob("*.py")):
+        if path.parent.name == "collect":
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            targets: list[ast.AST] = []
+            if isinstance(node, ast.Assign):
+                targets = node.targets
+            elif isinstance(node, ast.AugAssign | ast.AnnAssign):
+                targets = [node.target]
+            elif (
+                isinstance(node, ast.Call)
+                and isinstance(node.func, ast.Attribute)
+                and node.func.attr in MUTATORS
+            ):
+                targets = [node.func.value]
+            for target in targets:
+                for leaf in ast.walk(target):
+                    if isinstance(leaf, ast.Attribute) and rooted(leaf):
+                        out.append(f"{path.relative_to(package.parent)}:{node.lineno}")
+                        break
+    return out
+
+
+def test_the_collector_owns_its_state() -> None:
+    """The session and the strategies save and restore a collector through its `state_dict` /
+    `load_state_dict`, never by writing its envs, windows or observations themselves."""
+    assert collector_writes() == []
+
+
+def test_collector_writes_are_found(tmp_path: Path) -> None:
+    (tmp_path / "pkg").mkdir()
+    (tmp_path / "pkg" / "m.py").write_text(
+        "def f(collector, s):\n    collector.envs = 1\n    s.collector.episodes.window.extend([])\n"
+        "    n = collector.num_envs\n"
+    )
+    assert collector_writes(tmp_path / "pkg") == ["pkg/m.py:2", "pkg/m.py:3"]

@@ -31,7 +31,13 @@ from ppo_fabric.envs.make import (
     restart_note,
 )
 from ppo_fabric.envs.multiagent import SINGLE, make_multiagent_vector_env
-from ppo_fabric.envs.normalize import Reduce, sync_normalizers
+from ppo_fabric.envs.normalize import (
+    Reduce,
+    load_normalizer_state,
+    normalizer_state,
+    renormalized_reset,
+    sync_normalizers,
+)
 from ppo_fabric.games.selfplay import SelfPlay
 from ppo_fabric.learn.advantages import compute_advantages
 from ppo_fabric.learn.buffer import STATE_KEY, MultiAgentRolloutBuffer, rollout_storage, training_batch
@@ -404,6 +410,55 @@ class RolloutCollector:
         """The learner reached update `version`: self-play takes a snapshot when one is due."""
         if self.selfplay is not None:
             self.selfplay.after_update(next(iter(policies.values())), version)
+
+    # --------------------------------------------------------------------------------- its state
+    def state_dict(self) -> dict[str, Any]:
+        """What this collector needs to continue its rollouts exactly, but its envs themselves (a checkpoint
+        pickles and signs those, `runs.checkpoint.pickle_envs`): the normaliser statistics (also for envs
+        that cannot be pickled, and for evaluation), the carry, the episode windows and counts, the env
+        restarts and the self-play pool."""
+        return {
+            "num_envs": self.num_envs,
+            "normalizers": normalizer_state(self.envs),
+            "carry": self.carry(),  # next observations, recurrent states
+            "episodes": list(self.episodes.window),
+            "episode_count": self.episodes.count,
+            "policy_episodes": {g.name: (list(g.episodes.window), g.episodes.count) for g in self.groups},
+            "env_restarts": self.restarts,
+        } | ({} if self.selfplay is None else {"selfplay": self.selfplay.state()})
+
+    def load_state_dict(self, state: dict[str, Any], envs: gym.vector.VectorEnv | None) -> None:
+        """Continue from `state_dict()`'s `state`. `envs`: the vector env restored from the same checkpoint,
+        which replaces this collector's (closed by the caller) and goes on with its episodes; None when the
+        checkpoint held none (async or unpicklable envs): the fresh envs keep their episodes and take the
+        saved normaliser statistics."""
+        if envs is not None:
+            self.envs = envs
+            self.restore_carry(state["carry"])
+        else:
+            load_normalizer_state(self.envs, state.get("normalizers", {}))
+        self.episodes.window.extend(state["episodes"])
+        self.episodes.count = state["episode_count"]
+        self.restarts = int(state.get("env_restarts", 0))
+        if self.multiagent:
+            for g in self.groups:
+                window, count = state["policy_episodes"][g.name]
+                g.episodes.window.extend(window)
+                g.episodes.count = count
+        if self.selfplay is not None and "selfplay" in state:
+            self.selfplay.load_state(state["selfplay"], exact=envs is not None)
+
+    def carry_statistics(self, state: dict[str, Any]) -> None:
+        """From a checkpoint of another layout (other ranks or envs): fresh envs and episodes, but the
+        normaliser statistics (identical on every collecting rank) and the self-play pool carried over; the
+        next observation is the fresh envs' first, normalised with the loaded statistics."""
+        if self.selfplay is not None and "selfplay" in state:  # the pool, without per-copy seats
+            self.selfplay.load_state(state["selfplay"], exact=False)
+        load_normalizer_state(self.envs, state.get("normalizers", {}))
+        first = renormalized_reset(self.envs, None)
+        if first is not None and not self.multiagent:
+            group = self.groups[0]
+            group.next_obs = group.to_tensor(first, self.device)
 
     def carry(self) -> dict[str, Any]:
         """What continues from one rollout to the next besides the envs: each group's next observation, its

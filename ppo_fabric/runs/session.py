@@ -27,7 +27,6 @@ from omegaconf import DictConfig
 from ppo_fabric.collect.rollout import RolloutCollector
 from ppo_fabric.config.faults import RunFault
 from ppo_fabric.envs.multiagent import SINGLE
-from ppo_fabric.envs.normalize import load_normalizer_state, normalizer_state, renormalized_reset
 from ppo_fabric.learn.learners import PolicySpec, metric_name
 from ppo_fabric.learn.schedule import LrSchedule
 from ppo_fabric.runs import checkpoint as ckpt
@@ -362,18 +361,9 @@ class RunSession:
 
 # ------------------------------------------------------------------------------ a collecting rank's state
 def collector_state(collector: RolloutCollector) -> dict[str, Any]:
-    """What one collecting rank needs to continue its rollouts exactly."""
-    return {
-        "rng": ckpt.rng_state(),
-        "num_envs": collector.num_envs,
-        "envs": ckpt.pickle_envs(collector.envs),
-        "normalizers": normalizer_state(collector.envs),  # also for async envs and for evaluation
-        "carry": collector.carry(),  # next observations, recurrent states
-        "episodes": list(collector.episodes.window),
-        "episode_count": collector.episodes.count,
-        "policy_episodes": {g.name: (list(g.episodes.window), g.episodes.count) for g in collector.groups},
-        "env_restarts": collector.restarts,
-    } | ({} if collector.selfplay is None else {"selfplay": collector.selfplay.state()})
+    """What one collecting rank needs to continue its rollouts exactly: its RNG, its envs (pickled and
+    signed, None where that cannot keep them) and the collector's own state."""
+    return {"rng": ckpt.rng_state(), "envs": ckpt.pickle_envs(collector.envs)} | collector.state_dict()
 
 
 def resume_collector(
@@ -390,13 +380,7 @@ def resume_collector(
         restore_collector(collector, ranks[rank])
         return None
     if saved:
-        if collector.selfplay is not None and "selfplay" in saved[0]:  # the pool, without per-copy seats
-            collector.selfplay.load_state(saved[0]["selfplay"], exact=False)
-        load_normalizer_state(collector.envs, saved[0].get("normalizers", {}))
-        first = renormalized_reset(collector.envs, None)  # the next observation, with the loaded statistics
-        if first is not None and not collector.multiagent:
-            group = collector.groups[0]
-            group.next_obs = group.to_tensor(first, collector.device)
+        collector.carry_statistics(saved[0])
     was = f"{len(saved)} collecting rank(s) x {saved[0]['num_envs'] if saved else '?'} envs"
     return (
         f"resume: the checkpoint has {was}, this run {collecting} x {collector.num_envs}; "
@@ -405,26 +389,12 @@ def resume_collector(
 
 
 def restore_collector(collector: RolloutCollector, state: dict[str, Any]) -> None:
-    snapshot = state["envs"]
-    if collector.asynchronous:  # another backend's envs (a gymnasium run's) cannot go on as an async pool
-        snapshot = None
+    """`collector_state`'s inverse. An async pool never takes a snapshot (another backend's envs, a
+    gymnasium run's, cannot go on as one): it keeps its fresh envs."""
+    snapshot = None if collector.asynchronous else state["envs"]
     fresh = collector.envs
-    collector.envs = ckpt.restore_envs(snapshot, fresh)
-    restored = collector.envs is not fresh  # the fresh envs come back where the snapshot holds no state
-    if restored:
-        collector.restore_carry(state["carry"])
-    else:
-        load_normalizer_state(collector.envs, state.get("normalizers", {}))
-    collector.episodes.window.extend(state["episodes"])
-    collector.episodes.count = state["episode_count"]
-    collector.restarts = int(state.get("env_restarts", 0))
-    if collector.multiagent:
-        for g in collector.groups:
-            window, count = state["policy_episodes"][g.name]
-            g.episodes.window.extend(window)
-            g.episodes.count = count
-    if collector.selfplay is not None and "selfplay" in state:
-        collector.selfplay.load_state(state["selfplay"], exact=restored)
+    envs = ckpt.restore_envs(snapshot, fresh)  # closes the fresh envs when it restores the saved ones
+    collector.load_state_dict(state, None if envs is fresh else envs)
     ckpt.set_rng_state(state["rng"])
 
 
