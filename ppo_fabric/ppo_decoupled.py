@@ -397,9 +397,9 @@ def trainer(
         metrics = mean_across(torch.tensor([stats[k] for k in names], dtype=torch.float32))
         metrics[names.index("time/trainer_sps")] *= len(topo.trainers)  # samples/s of all trainers
         link.publish(params, metrics.cpu(), version)
-        if session.checkpoint_due(version) or headers[0].arg:
+        if session.checkpoint_due(version) or headers[0].checkpoint:
             checkpoint()
-    signum = headers[0].arg  # the signal the players stopped on, 0 at the planned end
+    signum = headers[0].signum  # the signal the players stopped on, 0 at the planned end
     if signum and session.last_checkpoint < version:
         checkpoint()
     digest = parameters_digest(*policies_of(learners).values())

@@ -15,7 +15,7 @@ have one method per message, in the order the messages happen:
                                                                    one shard per trainer
       receive_params() <--- PARAMS v+1 ------ publish()            parameters + the update's METRICS
       [gather()        <--- CHECKPOINT -----> gather()]            when a checkpoint is due: all ranks
-    send_stop()        ---- STOP -----------> receive_data()       ends the trainers' loop (arg: signal)
+    send_stop()        ---- STOP -----------> receive_data()       ends the trainers' loop (signum)
     [gather()          <--- CHECKPOINT -----> gather()]            stopped on a signal: the stop checkpoint
     gather()           <--- CHECKPOINT -----> gather()             end-of-run summaries
 
@@ -104,28 +104,34 @@ class ProtocolError(RuntimeError):
 
 
 class Header(NamedTuple):
-    """What every DATA/STOP message starts with. `arg`: for DATA, 1 when a checkpoint is to follow the
-    update on this batch (a time-based one, which only the players' clocks know of); for STOP, the signal
-    that stopped the run (0 at its planned end)."""
+    """What every DATA/STOP message starts with: its kind, the parameter version the batch was collected
+    with, `checkpoint` (DATA: a checkpoint is to follow the update on this batch, a time-based one, which
+    only the players' clocks know of) and `signum` (STOP: the signal that stopped the run, 0 at its
+    planned end). On the wire the two share the third int64, read by the kind."""
 
     kind: Kind
     version: int
-    arg: int = 0
+    checkpoint: bool = False
+    signum: int = 0
 
 
 _HEADER_BYTES = 24  # three int64
 
 
 def _header(header: Header) -> torch.Tensor:
-    return torch.tensor([int(header.kind), header.version, header.arg], dtype=torch.int64).view(torch.uint8)
+    third = header.signum if header.kind == Kind.STOP else int(header.checkpoint)
+    return torch.tensor([int(header.kind), header.version, third], dtype=torch.int64).view(torch.uint8)
 
 
 def _read_header(buf: torch.Tensor) -> Header:
-    kind, version, arg = buf[:_HEADER_BYTES].view(torch.int64).tolist()
+    kind, version, third = buf[:_HEADER_BYTES].view(torch.int64).tolist()
     try:
-        return Header(Kind(kind), version, arg)
+        known = Kind(kind)
     except ValueError as exc:
         raise ProtocolError(f"unknown message kind {kind}") from exc
+    if known == Kind.STOP:
+        return Header(known, version, signum=third)
+    return Header(known, version, checkpoint=bool(third))
 
 
 @dataclass
@@ -298,7 +304,7 @@ class PlayerLink:
         rollout's sends are finished first, so at most one rollout is in transit.
         """
         self.wait_sent()
-        header = Header(Kind.DATA, version, int(checkpoint_after))
+        header = Header(Kind.DATA, version, checkpoint=checkpoint_after)
         for name, codec in self.codecs.items():
             sent = self._scatter(codec, codec.pack(batches[name], header), asynchronous)
             if sent is not None:
@@ -309,7 +315,7 @@ class PlayerLink:
         planned end or, with `signum`, because the players agreed to stop on that signal."""
         self.wait_sent()
         codec = next(iter(self.codecs.values()))
-        self._scatter(codec, codec.empty(Header(Kind.STOP, version, signum)), asynchronous=False)
+        self._scatter(codec, codec.empty(Header(Kind.STOP, version, signum=signum)), asynchronous=False)
 
     def wait_sent(self) -> None:
         with PROGRESS.waiting_for("the trainers to take the last batch"):
@@ -359,8 +365,9 @@ class TrainerLink:
     def receive_data(self, device: torch.device) -> tuple[list[Header], dict[str, TensorDict]]:
         """DATA from every player for every trained policy, concatenated per policy; or STOP (no batches).
 
-        Returns every player's header (kind, the parameter version it collected with, its `arg`) and the
-        batches by policy. The players agree on `arg` and on stopping, so the headers differ only in version.
+        Returns every player's header (kind, the parameter version it collected with, `checkpoint` or
+        `signum`) and the batches by policy. The players agree on those and on stopping, so the headers
+        differ only in version.
         """
         batches: dict[str, TensorDict] = {}
         headers: list[Header] = []
@@ -383,7 +390,7 @@ class TrainerLink:
             parts.append(part)
         first = headers[0]
         if first.kind not in (Kind.DATA, Kind.STOP) or any(
-            (h.kind, h.arg) != (first.kind, first.arg) for h in headers
+            h._replace(version=0) != first._replace(version=0) for h in headers
         ):
             raise ProtocolError(
                 f"trainer {self.topo.rank} expected the same DATA or STOP from every player, got {headers}"

@@ -260,3 +260,20 @@ def test_cuda_rng_states_restore_only_onto_as_many_gpus(monkeypatch: pytest.Monk
     _fake_gpus(monkeypatch, 0)
     ckpt.set_rng_state(state)
     assert len(restored) == 1
+
+
+@pytest.mark.parametrize(
+    "header",
+    [
+        Header(Kind.DATA, 7),
+        Header(Kind.DATA, 8, checkpoint=True),
+        Header(Kind.STOP, 9),
+        Header(Kind.STOP, 9, signum=15),
+    ],
+)
+def test_a_header_says_one_thing_per_field_and_survives_the_wire(header: Header) -> None:
+    """DATA's `checkpoint` and STOP's `signum` share the header's third int64 on the wire; each comes back
+    in its own field, the other at its default."""
+    codec = BatchCodec(_template(4), 1)
+    message = codec.empty(header)[0] if header.kind == Kind.STOP else codec.pack(_template(4), header)[0]
+    assert codec.unpack(message, torch.device("cpu"))[0] == header

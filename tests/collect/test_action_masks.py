@@ -217,7 +217,7 @@ def test_codec_sends_the_masks_to_trainers() -> None:
     batch = training_batch(storage)
     codec = BatchCodec(batch, num_trainers=2)
     assert ("action_mask", torch.Size([4]), torch.bool) in codec.layout
-    shards = [codec.unpack(buf, torch.device("cpu"))[1] for buf in codec.pack(batch, Header(Kind.DATA, 1, 0))]
+    shards = [codec.unpack(buf, torch.device("cpu"))[1] for buf in codec.pack(batch, Header(Kind.DATA, 1))]
     assert torch.equal(torch.cat([s["action_mask"] for s in shards]), batch["action_mask"])
 
 
