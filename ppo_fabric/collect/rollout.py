@@ -38,6 +38,7 @@ from ppo_fabric.envs.normalize import (
     renormalized_reset,
     sync_normalizers,
 )
+from ppo_fabric.envs.traits import traits_of
 from ppo_fabric.games.selfplay import SelfPlay
 from ppo_fabric.learn.advantages import compute_advantages
 from ppo_fabric.learn.buffer import STATE_KEY, MultiAgentRolloutBuffer, rollout_storage, training_batch
@@ -96,6 +97,22 @@ class Group:
         return torch.as_tensor(obs, dtype=self.obs_dtype, device=device)
 
 
+@dataclass
+class Lane:
+    """One group's way through a rollout: the policy acting for it and how it acts (`actors`), the
+    observation and action mask it acts on next, the recurrent state its last action left, and for envs
+    whose credit arrives later each row's last decision (-1: none) and the async envs not in flight."""
+
+    group: Group
+    policy: ActorCritic
+    actor: Actor
+    obs: Obs
+    mask: torch.Tensor | None
+    last: np.ndarray
+    next_state: torch.Tensor | None = None
+    settled: np.ndarray | None = None
+
+
 class RolloutCollector:
     """Owns a rank's vector env and the observation it will act on next, so rollouts continue across
     updates (and across checkpoint/resume) instead of restarting episodes.
@@ -136,6 +153,7 @@ class RolloutCollector:
         self.restarts = 0  # sub-envs rebuilt so far in the run (carried over by checkpoints)
         self.env_id = env_id  # named by the error for a state without a legal action
         self.reduce = reduce  # merges normalisation statistics over the collecting ranks
+        self.traits = traits_of(envs)
         self.multiagent = isinstance(storage, dict)
         storages = storage if self.multiagent else {SINGLE: storage}
         firsts = first_obs if self.multiagent else {SINGLE: first_obs}
@@ -143,31 +161,10 @@ class RolloutCollector:
         self.gamma = gamma
         self.gae_lambda = gae_lambda
         self._staged = self.device.type != "cpu"
-        self.groups: list[Group] = []
-        for name, stored in storages.items():
-            present = stored.keys()
-            keys = [*self._HOST_KEYS, *(k for k in ("mask", ACTION_MASK) if k in present)]
-            space = envs.single_action_space if not self.multiagent else envs.action_spaces[name]
-            stored_obs = stored["obs"]  # a nested TensorDict for Dict observations
-            group = Group(
-                name=name,
-                storage=stored,
-                host={k: _host_arrays(stored[k], not self._staged) for k in keys},
-                next_obs=None,
-                obs_dtype=stored_obs.dtype if isinstance(stored_obs, torch.Tensor) else None,  # uint8 pixels
-                clip=(space.low, space.high) if isinstance(space, gym.spaces.Box) else None,
-                episodes=EpisodeLog(),
-            )
-            group.next_obs = group.to_tensor(firsts[name], self.device)
-            if self.multiagent:
-                group.alive = envs.alive[name].copy()  # rows whose agent is in the episode after reset
-            elif getattr(envs, "asynchronous", False):
-                group.alive = envs.alive.copy()  # an async pool's envs that act at the first step
-            if ACTION_MASK in present:
-                nvec = space.nvec.reshape(-1) if isinstance(space, gym.spaces.MultiDiscrete) else [space.n]
-                group.mask_starts = np.cumsum([0, *nvec[:-1]]).astype(np.int64)
-                group.next_mask = self._legal(group, self._current_masks(name), 0)
-            self.groups.append(group)
+        self.turn_based = self.traits.turn_based  # AEC games: one agent moves per step
+        # An async EnvPool: only the ready envs act at a step, their results arrive at a later one
+        self.asynchronous = self.traits.asynchronous
+        self.groups = [self._group(name, stored, firsts[name]) for name, stored in storages.items()]
         # All episodes (every agent's, in multi-agent envs): what `final_mean_return` reports overall.
         self.episodes = self.groups[0].episodes if not self.multiagent else EpisodeLog()
         self.num_envs = int(envs.num_envs)
@@ -175,14 +172,36 @@ class RolloutCollector:
         self.buffer = (
             MultiAgentRolloutBuffer(storages, envs.groups, self.num_envs) if self.multiagent else None
         )
-        self.turn_based = bool(getattr(envs, "turn_based", False))  # AEC games: one agent moves per step
-        # An async EnvPool: only the ready envs act at a step, their results arrive at a later one
-        self.asynchronous = bool(getattr(envs, "asynchronous", False))
-        # Where a decision's outcome may reach a row at a later step (`credit_waiting`)
-        self.delayed = self.turn_based or self.asynchronous
         self.steps_per_tick = int(envs.batch_size) if self.asynchronous else self.num_envs  # env steps
         self.selfplay = selfplay
         self.numpy_rollout = numpy_rollout
+
+    def _group(self, name: str, stored: TensorDict, first: Any) -> Group:
+        """The group of rows `stored` holds, acting next on `first`: host arrays for what the env returns,
+        the action bounds to clip to, and which rows act (multi-agent, async) and may do what (masks)."""
+        present = stored.keys()
+        keys = [*self._HOST_KEYS, *(k for k in ("mask", ACTION_MASK) if k in present)]
+        space = self.envs.action_spaces[name] if self.multiagent else self.envs.single_action_space
+        stored_obs = stored["obs"]  # a nested TensorDict for Dict observations
+        group = Group(
+            name=name,
+            storage=stored,
+            host={k: _host_arrays(stored[k], not self._staged) for k in keys},
+            next_obs=None,
+            obs_dtype=stored_obs.dtype if isinstance(stored_obs, torch.Tensor) else None,  # uint8 pixels
+            clip=(space.low, space.high) if isinstance(space, gym.spaces.Box) else None,
+            episodes=EpisodeLog(),
+        )
+        group.next_obs = group.to_tensor(first, self.device)
+        if self.multiagent:
+            group.alive = self.envs.alive[name].copy()  # rows whose agent is in the episode after reset
+        elif self.asynchronous:
+            group.alive = self.envs.alive.copy()  # an async pool's envs that act at the first step
+        if ACTION_MASK in present:
+            nvec = space.nvec.reshape(-1) if isinstance(space, gym.spaces.MultiDiscrete) else [space.n]
+            group.mask_starts = np.cumsum([0, *nvec[:-1]]).astype(np.int64)
+            group.next_mask = self._legal(group, self._current_masks(name), 0)
+        return group
 
     @property
     def storage(self) -> TensorDict:
@@ -274,6 +293,9 @@ class RolloutCollector:
     def collect(self, policies: ActorCritic | Mapping[str, ActorCritic], env_step: int) -> int:
         """Fill the storage with T steps of every env, then compute GAE in it; returns env steps taken.
 
+        Each step: every group's policy acts (`_act`), the envs step once, and every group records what
+        came back (`_record`); at the end each group's values and advantages are computed (`_finish`).
+
         An async EnvPool acts with its `batch_size` ready envs per step (the others' rows are `mask` False
         there), so it takes T * batch_size env steps; the outcome of an env's action lands on the step it
         was taken at when its result arrives (`credit_waiting`), and an action still in flight at the end
@@ -284,112 +306,138 @@ class RolloutCollector:
         """
         if not isinstance(policies, Mapping):
             policies = {SINGLE: policies}
-        groups = self.groups
-        acting = [policies[g.name] for g in groups]
-        last = [np.full(g.storage.batch_size[1], -1) for g in groups]  # turn-based: each row's last decision
-        sp = self.selfplay
-        if sp is not None:
-            sp.start(acting[0], 0)  # a fresh run's pool begins with the initial weights
-        for g, policy in zip(groups, acting, strict=True):
-            g.storage["final_values"].zero_()
-            if g.state is None and policy.recurrent:
-                g.state = policy.initial_state(g.storage.batch_size[1], self.device)
-        num_steps = groups[0].storage.batch_size[0]
-        per_step = self.steps_per_tick
-        settled: list[np.ndarray | None] = [None for _ in groups]  # async: envs not in flight at the end
-        for g in groups:
-            _put(g.host["obs"], 0, g.next_obs.cpu())
-            if g.next_mask is not None:
-                g.host[ACTION_MASK][0] = g.next_mask.cpu().numpy()
-        obs = [g.next_obs for g in groups]
-        masks = [g.next_mask for g in groups]  # envs with action masks: the mask of each obs
-        actors = [self._actor(g, policy) for g, policy in zip(groups, acting, strict=True)]
+        lanes = self._start(policies)
+        num_steps = self.groups[0].storage.batch_size[0]
         mark = PROGRESS.mark  # the stall watchdog's heartbeat: one per step (runs/watchdog.py)
         for t in range(num_steps):
-            env_actions, next_states = [], []
-            for i, g in enumerate(groups):
-                env_action, next_state = actors[i].act(t, obs[i], masks[i], g.state)
-                next_states.append(next_state)
-                if g.clip is not None:
-                    env_action = np.clip(env_action, *g.clip)
-                # self-play: the opponents' seats play their snapshots' moves; only the learner trains
-                if sp is not None:
-                    env_action = sp.act(obs[i], masks[i], env_action, g.alive)
-                env_actions.append(env_action)
-                if g.alive is not None:
-                    g.host["mask"][t] = g.alive if sp is None else g.alive & sp.learner_rows()
+            actions = [self._act(lane, t) for lane in lanes]
             mark("env.step")
-            results = self._checked_step(env_actions, env_step + (t + 1) * per_step)
-            for i, (g, policy, result) in enumerate(zip(groups, acting, results, strict=True)):
-                h = g.host
-                next_obs, h["rewards"][t], h["terminated"][t], h["truncated"][t], info = result
-                if RESTART_INFO in info:
-                    self._count_restarts(info, env_step + (t + 1) * per_step)
-                term, trunc = h["terminated"][t], h["truncated"][t]
-                next_state = next_states[i]
-                if trunc.any():
-                    cut = np.flatnonzero(trunc & ~term)
-                    if cut.size:
-                        final_obs = g.to_tensor(_stack(info["final_obs"][cut]), self.device)
-                        rows = torch.from_numpy(cut).to(self.device)
-                        state = None if next_state is None else next_state[rows]
-                        g.storage["final_values"][t, rows] = policy.get_value(final_obs, state)
-                if next_state is not None:  # episodes that ended start the next one from zero state
-                    keep = torch.from_numpy(~(term | trunc)).to(self.device, next_state.dtype)
-                    g.state = next_state * keep.view(-1, *([1] * (next_state.dim() - 1)))
-                if g.alive is not None:
-                    g.alive = info["alive"]
-                settled[i] = info.get("settled")
-                if self.delayed:
-                    credit_waiting(h, g.storage["final_values"], t, last[i])
-                if "_episode" in info:
-                    ep = info["episode"]
-                    step = env_step + (t + 1) * per_step
-                    for j in np.flatnonzero(info["_episode"]):
-                        g.episodes.add(step, float(ep["r"][j]), int(ep["l"][j]))
-                        if self.multiagent:
-                            self.episodes.add(step, float(ep["r"][j]), int(ep["l"][j]))
-                    if self.delayed:  # a new game: nothing later is credited to the old one's moves
-                        last[i][info["_episode"]] = -1
-                    if sp is not None:
-                        sp.episodes_ended(info["_episode"], ep["r"])
-                if t + 1 < num_steps:
-                    _put(h["obs"], t + 1, next_obs)
-                    if not actors[i].reads_host:
-                        obs[i] = _row(h["obs"], t + 1, self.device)  # a view on CPU: no copy
-                else:
-                    obs[i] = g.to_tensor(next_obs, self.device)
-                if masks[i] is not None:
-                    step_masks = self._info_masks(g, info, env_step + (t + 1) * per_step)
-                    if t + 1 < num_steps:
-                        h[ACTION_MASK][t + 1] = step_masks
-                        masks[i] = _row(h[ACTION_MASK], t + 1, self.device)
-                    else:
-                        masks[i] = torch.from_numpy(step_masks).to(self.device)
-        for g, policy, actor, final, last_mask, decided, known in zip(
-            groups, acting, actors, obs, masks, last, settled, strict=True
-        ):
-            s = g.storage
-            actor.store(s)
-            if self._staged:
-                for key, host in g.host.items():
-                    _copy_in(s[key], host)
-            s["values"].copy_(_values(policy, s, self.VALUE_CHUNK))
-            g.next_obs = final
-            if last_mask is not None:  # a view of the host array on CPU, which the next rollout overwrites
-                g.next_mask = last_mask.clone()
-            next_value = policy.get_value(final, g.state)
-            if self.delayed:
-                # rows whose next observation is known bootstrap from it: a turn-based game's next
-                # movers, an async pool's envs not in flight
-                movers = g.alive if known is None else known
-                movers = movers if sp is None else movers & sp.learner_rows()
-                close_open_decisions(s, next_value, decided, movers)
-            compute_advantages(s, next_value, self.gamma, self.gae_lambda)
+            at = env_step + (t + 1) * self.steps_per_tick  # the env step the results belong to
+            results = self._checked_step(actions, at)
+            for lane, result in zip(lanes, results, strict=True):
+                self._record(lane, t, result, at, t + 1 == num_steps)
+        for lane in lanes:
+            self._finish(lane)
         sync_normalizers(self.envs, self.reduce)
         if self.buffer is not None:
             self.buffer.mark_collected(num_steps)
-        return num_steps * per_step
+        return num_steps * self.steps_per_tick
+
+    def _start(self, policies: Mapping[str, ActorCritic]) -> list[Lane]:
+        """Each group's lane through this rollout, its first observation and mask in the host arrays."""
+        if self.selfplay is not None:  # a fresh run's pool begins with the initial weights
+            self.selfplay.start(policies[self.groups[0].name], 0)
+        lanes = []
+        for g in self.groups:
+            policy = policies[g.name]
+            g.storage["final_values"].zero_()
+            if g.state is None and policy.recurrent:
+                g.state = policy.initial_state(g.storage.batch_size[1], self.device)
+            _put(g.host["obs"], 0, g.next_obs.cpu())
+            if g.next_mask is not None:
+                g.host[ACTION_MASK][0] = g.next_mask.cpu().numpy()
+            last = np.full(g.storage.batch_size[1], -1)
+            lanes.append(Lane(g, policy, self._actor(g, policy), g.next_obs, g.next_mask, last))
+        return lanes
+
+    def _act(self, lane: Lane, t: int) -> np.ndarray:
+        """The group's env actions at step `t`; the policy's next recurrent state waits in the lane."""
+        g, sp = lane.group, self.selfplay
+        env_action, lane.next_state = lane.actor.act(t, lane.obs, lane.mask, g.state)
+        if g.clip is not None:
+            env_action = np.clip(env_action, *g.clip)
+        if sp is not None:  # the opponents' seats play their snapshots' moves; only the learner trains
+            env_action = sp.act(lane.obs, lane.mask, env_action, g.alive)
+        if g.alive is not None:
+            g.host["mask"][t] = g.alive if sp is None else g.alive & sp.learner_rows()
+        return env_action
+
+    def _record(self, lane: Lane, t: int, result: tuple[Any, ...], at: int, last_step: bool) -> None:
+        """Store step `t`'s results for the group's rows (`at`: the env step they belong to), carry the
+        recurrent state over, and ready the next step's observation and mask."""
+        g, h = lane.group, lane.group.host
+        next_obs, h["rewards"][t], h["terminated"][t], h["truncated"][t], info = result
+        if RESTART_INFO in info:
+            self._count_restarts(info, at)
+        term, trunc = h["terminated"][t], h["truncated"][t]
+        if trunc.any():
+            self._bootstrap_cut(lane, t, np.flatnonzero(trunc & ~term), info)
+        next_state = lane.next_state
+        if next_state is not None:  # episodes that ended start the next one from zero state
+            keep = torch.from_numpy(~(term | trunc)).to(self.device, next_state.dtype)
+            g.state = next_state * keep.view(-1, *([1] * (next_state.dim() - 1)))
+        if g.alive is not None:
+            g.alive = info["alive"]
+        lane.settled = info.get("settled")
+        if self.traits.delayed:
+            credit_waiting(h, g.storage["final_values"], t, lane.last)
+        if "_episode" in info:
+            self._episodes_ended(lane, info["_episode"], info["episode"], at)
+        self._next_inputs(lane, t, next_obs, info, at, last_step)
+
+    def _bootstrap_cut(self, lane: Lane, t: int, cut: np.ndarray, info: dict[str, Any]) -> None:
+        """Rows whose episode a time limit cut at step `t`: GAE bootstraps from their final observation's
+        value (with the recurrent state that observation was reached in)."""
+        if cut.size:
+            g = lane.group
+            final_obs = g.to_tensor(_stack(info["final_obs"][cut]), self.device)
+            rows = torch.from_numpy(cut).to(self.device)
+            state = None if lane.next_state is None else lane.next_state[rows]
+            g.storage["final_values"][t, rows] = lane.policy.get_value(final_obs, state)
+
+    def _episodes_ended(self, lane: Lane, ended: np.ndarray, episode: dict[str, Any], at: int) -> None:
+        """Log the episodes that ended (`ended`: the rows, `episode`: their returns and lengths)."""
+        for j in np.flatnonzero(ended):
+            ret, length = float(episode["r"][j]), int(episode["l"][j])
+            lane.group.episodes.add(at, ret, length)
+            if self.multiagent:
+                self.episodes.add(at, ret, length)
+        if self.traits.delayed:  # a new game: nothing later is credited to the old one's moves
+            lane.last[ended] = -1
+        if self.selfplay is not None:
+            self.selfplay.episodes_ended(ended, episode["r"])
+
+    def _next_inputs(
+        self, lane: Lane, t: int, next_obs: Any, info: dict[str, Any], at: int, last: bool
+    ) -> None:
+        """What the group acts on at step `t + 1`: written into the host arrays, read back as views on the
+        CPU; after the `last` step, tensors of their own (the next rollout's first observation and mask)."""
+        h = lane.group.host
+        if not last:
+            _put(h["obs"], t + 1, next_obs)
+            if not lane.actor.reads_host:
+                lane.obs = _row(h["obs"], t + 1, self.device)  # a view on CPU: no copy
+        else:
+            lane.obs = lane.group.to_tensor(next_obs, self.device)
+        if lane.mask is not None:
+            masks = self._info_masks(lane.group, info, at)
+            if not last:
+                h[ACTION_MASK][t + 1] = masks
+                lane.mask = _row(h[ACTION_MASK], t + 1, self.device)
+            else:
+                lane.mask = torch.from_numpy(masks).to(self.device)
+
+    def _finish(self, lane: Lane) -> None:
+        """The group's rollout is complete: the actor's outputs and the staged arrays into the storage, the
+        values, the next rollout's carry, the decisions still open closed, and GAE."""
+        g, s, policy = lane.group, lane.group.storage, lane.policy
+        lane.actor.store(s)
+        if self._staged:
+            for key, host in g.host.items():
+                _copy_in(s[key], host)
+        s["values"].copy_(_values(policy, s, self.VALUE_CHUNK))
+        g.next_obs = lane.obs
+        if lane.mask is not None:  # a view of the host array on CPU, which the next rollout overwrites
+            g.next_mask = lane.mask.clone()
+        next_value = policy.get_value(lane.obs, g.state)
+        if self.traits.delayed:
+            # rows whose next observation is known bootstrap from it: a turn-based game's next movers, an
+            # async pool's envs not in flight
+            movers = g.alive if lane.settled is None else lane.settled
+            if self.selfplay is not None:
+                movers = movers & self.selfplay.learner_rows()
+            close_open_decisions(s, next_value, lane.last, movers)
+        compute_advantages(s, next_value, self.gamma, self.gae_lambda)
 
     def _plain(self, g: Group, policy: ActorCritic) -> bool:
         """Whether the group's rows act plainly, so the NumPy actor could act for them: every row at every

@@ -47,6 +47,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from ppo_fabric.config.values import acting_envs
 from ppo_fabric.envs.guard import check_step, error_line
+from ppo_fabric.envs.traits import ASYNC_POOL, GYMNASIUM
 
 BACKENDS = ("gymnasium", "envpool")
 INSTALL_HINT = "pip install 'ppo-fabric[envpool]'"
@@ -291,7 +292,7 @@ class EnvPoolVectorEnv(VectorEnv):
         self._reset_action = np.zeros((self.num_envs, *act_space.shape), dtype=act_space.dtype)
 
     batch_size: int | None = None  # envs per recv: None (all) for this sync pool
-    asynchronous = False  # only some envs act per step (`AsyncEnvPoolVectorEnv`)
+    traits = GYMNASIUM  # every env acts at every step (`AsyncEnvPoolVectorEnv`: only some)
 
     def _build(self, seeds: list[int] | None) -> None:
         if self.pool is not None:
@@ -402,7 +403,7 @@ class AsyncEnvPoolVectorEnv(EnvPoolVectorEnv):
     the threads' timing: an async run is not reproducible step for step, unlike a sync one.
     """
 
-    asynchronous = True
+    traits = ASYNC_POOL
 
     def __init__(self, env_cfg: DictConfig) -> None:
         super().__init__(env_cfg)

@@ -23,6 +23,7 @@ from pettingzoo import AECEnv
 
 from ppo_fabric.envs.guard import error_line
 from ppo_fabric.envs.make import EnvError, env_action, env_seeds
+from ppo_fabric.envs.traits import PARALLEL_AGENTS
 from ppo_fabric.envs.turn_based import TurnBasedVectorEnv, split_observation_space
 
 API = "pettingzoo"
@@ -170,6 +171,8 @@ class MultiAgentVectorEnv:
     left. Per policy, `step` returns what gymnasium's SAME_STEP vector envs return per env: next
     observations (the reset ones where a copy restarted), rewards, terminated, truncated, and an info with
     `final_obs` for truncated rows, `episode`/`_episode` for agents whose episode ended, and `alive`."""
+
+    traits = PARALLEL_AGENTS
 
     def __init__(self, factories: list[Callable[[], Any]], groups: dict[str, list[str]]) -> None:
         self.envs = [factory() for factory in factories]

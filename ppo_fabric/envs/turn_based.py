@@ -23,6 +23,7 @@ import gymnasium as gym
 import numpy as np
 
 from ppo_fabric.envs.make import ACTION_MASK, env_action
+from ppo_fabric.envs.traits import TURN_BASED
 
 TURN = "acted"  # the info key: rows whose agent moved at this step
 OBSERVATION = "observation"  # the key of a PettingZoo game's observation beside its action_mask
@@ -46,7 +47,7 @@ class TurnBasedVectorEnv:
     info) with the `MultiAgentVectorEnv` info keys plus `acted` and, with masks, `action_mask` (the legal
     moves of each row's next observation; all True for rows that wait, whose action is never used)."""
 
-    turn_based = True
+    traits = TURN_BASED
 
     def __init__(
         self, factories: list[Callable[[], Any]], groups: dict[str, list[str]], masked: bool
