@@ -194,7 +194,9 @@ def test_the_rollout_reads_what_an_env_can_do_from_its_traits() -> None:
                 if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.args:
                     target = ast.unparse(node.args[0])
                     if node.func.id in ("getattr", "hasattr") and target.split(".")[-1] == "envs":
-                        probes.append(f"{path.relative_to(PACKAGE).as_posix()}:{node.lineno} {ast.unparse(node)}")
+                        probes.append(
+                            f"{path.relative_to(PACKAGE).as_posix()}:{node.lineno} {ast.unparse(node)}"
+                        )
     assert probes == []
 
 
