@@ -54,14 +54,15 @@ def stepping(repeats: int, out: Path, vector_steps: int = 3000, num_envs: int = 
     import numpy as np
     from omegaconf import OmegaConf
 
+    from ppo_fabric.config.defaults import with_defaults
     from ppo_fabric.envs.make import make_vector_env
 
     rows = []
     actions = np.random.default_rng(0).integers(0, 2, (vector_steps, num_envs))
     for repeat in range(repeats):
         for backend in BACKENDS:
-            cfg = OmegaConf.create({"id": "CartPole-v1", "num_envs": num_envs, "vector": "sync", "action_repeat": 1,
-                                    "max_episode_steps": None, "kwargs": {}, "backend": backend})  # fmt: skip
+            env = {"id": "CartPole-v1", "num_envs": num_envs, "vector": "sync", "backend": backend}
+            cfg = OmegaConf.create(with_defaults({"env": env})["env"])
             envs, _ = make_vector_env(cfg, seed=repeat, rank=0)
             load = os.getloadavg()[0]
             wall, cpu = time.perf_counter(), time.process_time()

@@ -210,7 +210,7 @@ def load_checkpoint(path: Path) -> dict[str, Any]:
 def numbered_checkpoint(run_dir: Path, iteration: int) -> Path:
     """The numbered checkpoint written after update `iteration`, whatever the file naming scheme."""
     for path in sorted((run_dir / "checkpoints").glob("*.ckpt")):
-        if path.name not in ("last.ckpt", "best.ckpt") and load_checkpoint(path)["iteration"] == iteration:
+        if path.name not in ("last.ckpt", "best.ckpt") and load_checkpoint(path)["update"] == iteration:
             return path
     raise CheckFailed(f"no checkpoint of update {iteration} in {run_dir / 'checkpoints'}")
 

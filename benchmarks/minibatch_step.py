@@ -47,6 +47,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 import common  # noqa: E402
 
+from ppo_fabric.config.defaults import with_defaults  # noqa: E402
 from ppo_fabric.learn.accel import set_cuda_math  # noqa: E402
 from ppo_fabric.learn.learners import fused_adam_ok  # noqa: E402
 from ppo_fabric.learn.settings import LossCoefs, UpdateSettings  # noqa: E402
@@ -107,13 +108,13 @@ def package_update(
     model = make_model(torch.device("cpu"))
     optimizer = torch.optim.Adam(model.parameters(), lr=LR, eps=1e-5, fused=fused_adam_ok(fabric))
     model, optimizer = fabric.setup(model, optimizer)
-    algo = OmegaConf.create(
+    algo = dict(
         {"minibatch_size": args.minibatch, "update_epochs": args.epochs, "clip_coef": COEFS.clip,
          "clip_vloss": COEFS.clip_vloss, "norm_adv": COEFS.norm_adv, "vf_coef": COEFS.vf_coef,
          "ent_coef": COEFS.ent_coef, "max_grad_norm": MAX_NORM, "target_kl": None, "compile": compile_step,
          "anneal_lr": False, "gamma": 0.99, "gae_lambda": 0.95}
     )  # fmt: skip
-    settings = UpdateSettings.of(algo)
+    settings = UpdateSettings.of(OmegaConf.create(with_defaults({"algo": algo})["algo"]))
     data = TensorDict(batch, batch_size=[args.batch], device=device)
 
     def update() -> None:

@@ -104,6 +104,7 @@ def main() -> None:
     from torch import nn
 
     import ppo_fabric.learn.update as update
+    from ppo_fabric.config.defaults import with_defaults
     from ppo_fabric.learn.settings import UpdateSettings
     from ppo_fabric.models.agent import ActorCritic
 
@@ -152,7 +153,8 @@ def main() -> None:
     fabric = Fabric(accelerator="cpu", devices=1)
     optimizer = torch.optim.Adam(ours.parameters(), lr=float(w["algo.lr"]), eps=float(w["algo.adam_eps"]))
     model, optimizer = fabric.setup(ours, optimizer)
-    algo = OmegaConf.create({k.split(".", 1)[1]: v for k, v in w.items() if k.startswith("algo.")})
+    given = {k.split(".", 1)[1]: v for k, v in w.items() if k.startswith("algo.")}
+    algo = OmegaConf.create(with_defaults({"algo": given})["algo"])
     algo.minibatch_size, algo.update_epochs = minibatch, epochs
 
     def flat(a: np.ndarray) -> torch.Tensor:  # SB3's swap_and_flatten: [steps, envs, ...] -> env-major rows

@@ -1,6 +1,6 @@
 """Coupled PPO: every rank collects with its own envs and trains; Fabric DDP all-reduces the gradients.
 
-One iteration, on every rank: collect a rollout (`rollout.py`), update every trained policy on it
+Each update, on every rank: collect a rollout (`rollout.py`), update every trained policy on it
 (`update.py`), log and checkpoint when due (`session.py`).
 
 Run as a script under `fabric run --accelerator=cpu --devices=2 ppo_fabric/ppo.py [overrides]`.

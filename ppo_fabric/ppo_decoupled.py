@@ -6,7 +6,7 @@ messages between them, in order, are the methods of `protocol.PlayerLink` and `p
 
 With `algo.pipeline=true` a player collects rollout k+1 with the parameters it has while the trainers
 learn from rollout k, then loads the new parameters before sending: the policy lag is one update. The lag
-is measured (each batch carries the parameter version it was collected with) and logged as
+is measured (each batch carries the update whose parameters collected it) and logged as
 `train/policy_lag`. A lagged batch's advantages are recomputed with the trainers' current critic, and
 it is learnt with the decoupled PPO objective, which centres the clip range on the trainers' parameters
 rather than on the older ones that collected it (`update.lagged_batch`, `algo.lag_*`).
@@ -88,7 +88,7 @@ def session_for(fabric: Fabric, cfg: DictConfig, run_dir: Path, resume: dict | N
 def gae_inputs(cfg: DictConfig) -> bool:
     """Whether DATA carries what GAE was computed from: only where the trainers recompute it (a pipeline,
     whose batches lag, with `algo.lag_refresh_advantages`)."""
-    return bool(cfg.algo.pipeline) and bool(cfg.algo.get("lag_refresh_advantages", True))
+    return bool(cfg.algo.pipeline) and bool(cfg.algo.lag_refresh_advantages)
 
 
 def codecs_for(
@@ -163,21 +163,21 @@ class Player:
             if topo.rank == 0
             else None
         )
-        self.version = self.session.start_update  # the newest parameters received
-        self.behaviour = self.version  # the version the policy acts with (stamped on each batch)
-        self.timed: set[int] = set()  # versions the players agreed to checkpoint by the clock
+        self.received = self.session.start_update  # the update of the newest parameters received
+        self.behaviour = self.received  # the update of the parameters the policy acts with (on each batch)
+        self.timed: set[int] = set()  # updates the players agreed to checkpoint by the clock
 
     def run(self) -> dict[str, Any]:
         session, collector = self.session, self.collector
-        self.version = self.behaviour = self.receive()  # every player starts from the trainers' parameters
+        self.received = self.behaviour = self.receive()  # every player starts from the trainers' parameters
         resumed: torch.Tensor | None = None
         if (
             self.in_flight is not None
         ):  # as in the original run, the first rollout uses the previous parameters
             resumed = parameters_to_vector(self.params).clone()
             vector_to_parameters(self.in_flight["policy"].to(self.device), self.params)
-            self.behaviour = int(self.in_flight["policy_version"])
-        for update in range(self.version, session.end_update):
+            self.behaviour = int(self.in_flight["behaviour_update"])
+        for update in range(self.received, session.end_update):
             pipelined = self.pipeline and update > session.start_update
             signum, clock_due = self.agree()
             if signum:
@@ -197,17 +197,17 @@ class Player:
             self.link.send_data(batches, self.behaviour, self.pipeline, checkpoint_after=clock_due)
             session.watch.add("send", time.perf_counter() - t0)
             if pipelined:
-                self.version = self.behaviour = self.receive(
+                self.received = self.behaviour = self.receive(
                     snapshot
                 )  # update `update - 1` finished meanwhile
             elif resumed is not None:
                 vector_to_parameters(resumed, self.params)
-                self.behaviour, resumed = self.version, None
+                self.behaviour, resumed = self.received, None
             if not self.pipeline:
-                self.version = self.behaviour = self.receive()
-        if self.pipeline and self.version < session.end_update:
-            self.version = self.receive()
-        self.link.send_stop(self.version)
+                self.received = self.behaviour = self.receive()
+        if self.pipeline and self.received < session.end_update:
+            self.received = self.receive()
+        self.link.send_stop(self.received)
         summary = self.finish()
         return summary
 
@@ -217,33 +217,33 @@ class Player:
         signum, clock_due, _ = self.session.agreed(max_over(flags, "cpu", self.topo.player_group))
         return signum, clock_due
 
-    def checkpoint_due(self, version: int) -> bool:
-        return self.session.checkpoint_due(version) or version in self.timed
+    def checkpoint_due(self, update: int) -> bool:
+        return self.session.checkpoint_due(update) or update in self.timed
 
     def receive(self, snapshot: dict[str, Any] | None = None) -> int:
         """PARAMS: load the newest parameters, log the update they came from, checkpoint when due.
 
         `snapshot` is this player's state from before the rollout now in flight (pipeline), which is what
-        a checkpoint of the new version must hold for an exact resume.
+        a checkpoint of the new update must hold for an exact resume.
         """
         session = self.session
         t0 = time.perf_counter()
-        version, flat, metrics = self.link.receive_params()
+        update, flat, metrics = self.link.receive_params()
         vector_to_parameters(flat.to(self.device), self.params)
         session.watch.add("wait_params", time.perf_counter() - t0)
-        if version > session.start_update:
-            self.collector.after_update(self.policies, version)
-            if session.log_due(version):
+        if update > session.start_update:
+            self.collector.after_update(self.policies, update)
+            if session.log_due(update):
                 several = len(self.topo.players) > 1
                 episodes = episode_metrics(self.collector, self.link.sum_over_players if several else None)
                 row = dict(zip(self.names, metrics.tolist(), strict=True)) | episodes
-                session.log(version, row, self.collector)
-            evaluate_in_background(self.evaluation, session, version, self.policies, self.collector)
-            if self.checkpoint_due(version):
-                self.checkpoint(version, snapshot)
-        return version
+                session.log(update, row, self.collector)
+            evaluate_in_background(self.evaluation, session, update, self.policies, self.collector)
+            if self.checkpoint_due(update):
+                self.checkpoint(update, snapshot)
+        return update
 
-    def checkpoint(self, version: int, snapshot: dict[str, Any] | None) -> None:
+    def checkpoint(self, update: int, snapshot: dict[str, Any] | None) -> None:
         """CHECKPOINT: every rank's part; the first trainer's holds the learners."""
         rank_state = snapshot if snapshot is not None else collector_state(self.collector)
         parts = self.topo.gather({"rank_state": rank_state})
@@ -253,7 +253,7 @@ class Player:
             learner = learner | {"evaluation": self.evaluation.state()}
         # with evaluation on, best.ckpt holds the parameters the evaluator scored best (`write_best`)
         path = self.session.write_checkpoint(
-            learner, [part["rank_state"] for part in parts], version, best=False if evaluating else None
+            learner, [part["rank_state"] for part in parts], update, best=False if evaluating else None
         )
         if evaluating and self.session.writer:
             self.write_best(path)
@@ -272,7 +272,7 @@ class Player:
 
     def snapshot(self) -> dict[str, Any]:
         policy_now = parameters_to_vector(self.params).detach().cpu().clone()
-        return collector_state(self.collector) | {"policy": policy_now, "policy_version": self.behaviour}
+        return collector_state(self.collector) | {"policy": policy_now, "behaviour_update": self.behaviour}
 
     def stop(self, signum: int, pipelined: bool) -> NoReturn:
         """Stop at this boundary: take the update in flight (pipeline), tell the trainers, checkpoint the
@@ -280,17 +280,17 @@ class Player:
         snapshot = None
         if pipelined:  # the state from before the rollout not collected, as a pipelined checkpoint holds
             snapshot = self.snapshot()
-            self.version = self.behaviour = self.receive(snapshot)
-        self.link.send_stop(self.version, signum)
+            self.received = self.behaviour = self.receive(snapshot)
+        self.link.send_stop(self.received, signum)
         # the evaluation in flight is waited for, so that the checkpoint and the summary keep it
-        evaluate_in_background(self.evaluation, self.session, self.version, {}, self.collector, wait=True)
-        if self.session.last_checkpoint < self.version:
-            self.checkpoint(self.version, snapshot)
+        evaluate_in_background(self.evaluation, self.session, self.received, {}, self.collector, wait=True)
+        if self.session.last_checkpoint < self.received:
+            self.checkpoint(self.received, snapshot)
         summary = self.summary(self.topo.gather(self.end_part()), signum)  # summary.json, interrupted
         self.collector.envs.close()
         if self.evaluation is not None:
             self.evaluation.close()
-        self.session.stop(signum, self.version, summary)
+        self.session.stop(signum, self.received, summary)
 
     def end_part(self) -> dict[str, Any]:
         digest = parameters_digest(*self.policies.values())
@@ -314,7 +314,7 @@ class Player:
         time_split = {"player": session.watch.totals, "trainer": parts[self.topo.first_trainer]["time"]}
         digests = [part["digest"] for part in parts]
         summary = session.summary(
-            "decoupled", self.version, players, digests, time_split, self.specs, self.world, signum
+            "decoupled", self.received, players, digests, time_split, self.specs, self.world, signum
         )
         if self.evaluation is not None and self.evaluation.on:
             summary["evaluation"] = self.evaluation.state()
@@ -355,7 +355,7 @@ def trainer(
     # each trainer's batch: per player, a time-major piece of its rollout, rows of `envs` steps
     layouts = {n: (len(topo.players), t.batch_size[1]) for n, t in templates.items()}
     session = session_for(fabric, cfg, run_dir, resume)
-    version = session.start_update
+    update = session.start_update
     settings = UpdateSettings.of(cfg.algo)
 
     def mean_across(t: torch.Tensor) -> torch.Tensor:
@@ -366,23 +366,23 @@ def trainer(
         if link.publishes:
             part["learner"] = learners_state(cfg, learners)
         parts = topo.gather(part)
-        session.write_checkpoint({}, [p["rank_state"] for p in parts], version)
+        session.write_checkpoint({}, [p["rank_state"] for p in parts], update)
 
-    link.publish(params, torch.zeros(len(names)), version)
+    link.publish(params, torch.zeros(len(names)), update)
     while True:
         t0 = time.perf_counter()
         headers, batches = link.receive_data(fabric.device)
         session.watch.add("wait_data", time.perf_counter() - t0)
         if headers[0].kind == Kind.STOP:
             break
-        lag = version - sum(h.version for h in headers) / len(headers)
+        lag = update - sum(h.update for h in headers) / len(headers)
         t0 = time.perf_counter()
         stats = update_policies(
             fabric,
             learners,
             batches,
             settings=settings,
-            env_step=session.env_step(version),
+            env_step=session.env_step(update),
             lr_schedule=session.lr_schedule,
             mean_across=mean_across,
             rank_minibatch=rank_minibatch,
@@ -391,21 +391,21 @@ def trainer(
         )
         elapsed = time.perf_counter() - t0
         session.watch.add("train", elapsed)
-        version += 1
+        update += 1
         samples = sum(b["logprobs"].numel() for b in batches.values())  # steps, also inside sequences
         stats |= {"train/policy_lag": lag, "time/trainer_sps": samples / elapsed, "time/train_s": elapsed}
         metrics = mean_across(torch.tensor([stats[k] for k in names], dtype=torch.float32))
         metrics[names.index("time/trainer_sps")] *= len(topo.trainers)  # samples/s of all trainers
-        link.publish(params, metrics.cpu(), version)
-        if session.checkpoint_due(version) or headers[0].checkpoint:
+        link.publish(params, metrics.cpu(), update)
+        if session.checkpoint_due(update) or headers[0].checkpoint:
             checkpoint()
     signum = headers[0].signum  # the signal the players stopped on, 0 at the planned end
-    if signum and session.last_checkpoint < version:
+    if signum and session.last_checkpoint < update:
         checkpoint()
     digest = parameters_digest(*policies_of(learners).values())
     topo.gather({"digest": digest, "time": session.watch.totals, "device": str(fabric.device)})
     if signum:
-        session.stop(signum, version)
+        session.stop(signum, update)
     session.logger.close()
     return {"strategy": "decoupled", "rank": topo.rank, "role": "trainer"}
 

@@ -13,6 +13,7 @@ import pytest
 from omegaconf import DictConfig, OmegaConf
 
 import ppo_fabric
+from ppo_fabric.config.defaults import with_defaults
 from ppo_fabric.envs.multiagent import SINGLE
 from ppo_fabric.learn.learners import Learner, PolicySpec, build_learners
 
@@ -53,12 +54,21 @@ def assert_cli_failure(
     assert fragment in err, err
 
 
-def cartpole_env_cfg(num_envs: int, max_episode_steps: int, **extra: Any) -> DictConfig:
+def env_section(**values: Any) -> DictConfig:
+    """A hand-built `env` section completed as the package completes a config (`config.defaults`), without
+    the normalisation warm-up unless asked: hand-computed statistics start from the reset states."""
+    return OmegaConf.create(with_defaults({"env": {"normalize_warmup": 0, **values}})["env"])
+
+
+def algo_section(**values: Any) -> DictConfig:
+    """A hand-built `algo` section, every key it leaves out at its conf/algo/ppo.yaml default."""
+    return OmegaConf.create(with_defaults({"algo": values})["algo"])
+
+
+def cartpole_env_cfg(num_envs: int, max_episode_steps: int | None, **extra: Any) -> DictConfig:
     """conf/env/cartpole.yaml with sync envs and a short time limit, so rollouts hold truncations as well."""
-    return OmegaConf.create(
-        {"id": "CartPole-v1", "num_envs": num_envs, "vector": "sync", "action_repeat": 1,
-         "max_episode_steps": max_episode_steps, "kwargs": {}, **extra}
-    )  # fmt: skip
+    return env_section(id="CartPole-v1", num_envs=num_envs, vector="sync", action_repeat=1,
+                       max_episode_steps=max_episode_steps, kwargs={}, **extra)  # fmt: skip
 
 
 def single_learner(fabric: Any, cfg: DictConfig, obs_space: Any, action_space: Any) -> Learner:
@@ -84,7 +94,7 @@ def numbered_checkpoint(run_dir: Path, update: int) -> Path:
     found = [
         p
         for p in (run_dir / "checkpoints").glob("step_*.ckpt")
-        if ckpt.load(p, env_state="fresh")["iteration"] == update
+        if ckpt.load(p, env_state="fresh")["update"] == update
     ]
     assert len(found) == 1, f"{len(found)} checkpoints of update {update} in {run_dir}"
     return found[0]

@@ -7,6 +7,7 @@ the protocol module."""
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 import pytest
@@ -198,6 +199,30 @@ def test_the_rollout_reads_what_an_env_can_do_from_its_traits() -> None:
                             f"{path.relative_to(PACKAGE).as_posix()}:{node.lineno} {ast.unparse(node)}"
                         )
     assert probes == []
+
+
+def config_defaults_repeated(root: Path) -> list[str]:
+    """`.get("key", default)` on a config, where `key` has a default in conf/ (`config.defaults.schema`)."""
+    from ppo_fabric.config.defaults import leaves, schema
+
+    keys = {path[-1] for path, _ in leaves(schema())}
+    receivers = re.compile(r"(^|\.)(cfg|algo|env_cfg|env|sp|sp_cfg|selfplay|logger|eval|fabric|checkpoint)$")
+    found = []
+    for path in sorted(root.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)):
+                continue
+            if node.func.attr != "get" or len(node.args) < 2 or not isinstance(node.args[0], ast.Constant):
+                continue
+            if node.args[0].value in keys and receivers.search(ast.unparse(node.func.value)):
+                found.append(f"{path.relative_to(root).as_posix()}:{node.lineno} {ast.unparse(node)}")
+    return found
+
+
+def test_config_defaults_are_written_once() -> None:
+    """A key's default is its YAML in conf/; code reads the key (configs from checkpoints and by hand are
+    completed by `config.defaults.with_defaults`), never a `.get(key, default)` copy that can drift."""
+    assert config_defaults_repeated(PACKAGE) == []
 
 
 def test_the_strategies_name_what_they_pass_to_the_update() -> None:

@@ -179,7 +179,7 @@ def launch(
 ) -> dict[str, Any]:
     """Start the processes and run `main` on each; returns this rank's summary."""
     fabric = build_fabric(cfg, facts["world_size"])
-    set_cuda_math(bool(cfg.fabric.get("tf32", True)))  # process-wide; a no-op without CUDA
+    set_cuda_math(bool(cfg.fabric.tf32))  # process-wide; a no-op without CUDA
     own = Path(run_dir_template).resolve()
     try:
         if not under_fabric_run():  # under `fabric run` the processes exist and are set up already
@@ -212,7 +212,7 @@ def launch(
         print(opening_lines(cfg, facts.get("resume_changes")), flush=True)
     seed_everything(int(cfg.seed) + fabric.global_rank, verbose=False)
     PROGRESS.label = f"rank {fabric.global_rank}"  # the decoupled strategy names the role too
-    stall_s = float(cfg.get("stall_timeout", 0) or 0)
+    stall_s = float(cfg.stall_timeout or 0)
     watchdog = Watchdog(run_dir, stall_s, fabric.world_size).start()
     try:
         with STOP.installed(), held:

@@ -195,7 +195,7 @@ def _check_multiagent(cfg: DictConfig) -> None:
             "PettingZoo envs run with env.vector=sync, env.action_repeat=1 and env.max_episode_steps=null "
             "(set episode limits through the env's own kwargs, e.g. +env.kwargs.max_cycles=50)"
         )
-    if str(cfg.env.get("backend", "gymnasium")) != "gymnasium":
+    if str(cfg.env.backend) != "gymnasium":
         raise ConfigError(f"PettingZoo envs run with env.backend=gymnasium, not {cfg.env.backend}")
     for key, off in (
         ("normalize_obs", "false"),

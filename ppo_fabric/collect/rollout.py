@@ -454,10 +454,10 @@ class RolloutCollector:
         plain = self._plain(g, policy)
         return acting_for(policy, g.storage, g.host["obs"], plain, self.numpy_rollout, ready)
 
-    def after_update(self, policies: Mapping[str, ActorCritic], version: int) -> None:
-        """The learner reached update `version`: self-play takes a snapshot when one is due."""
+    def after_update(self, policies: Mapping[str, ActorCritic], update: int) -> None:
+        """The learner finished `update`: self-play takes a snapshot when one is due."""
         if self.selfplay is not None:
-            self.selfplay.after_update(next(iter(policies.values())), version)
+            self.selfplay.after_update(next(iter(policies.values())), update)
 
     # --------------------------------------------------------------------------------- its state
     def state_dict(self) -> dict[str, Any]:
@@ -672,14 +672,14 @@ def build_collector(
     except NonFiniteData as bad:
         raise EnvFault(f"{label}, env {bad.index}: {bad.what} at its first reset") from None
     selfplay = None
-    if cfg.get("selfplay") is not None and bool(cfg.selfplay.enabled):
+    if bool(cfg.selfplay.enabled):
         spec = next(iter(specs.values()))
         selfplay = SelfPlay(cfg.selfplay, spec, envs.num_envs, torch.device(device), rank)
-        if rank == 0 and bool(cfg.selfplay.get("elo", False)):
+        if rank == 0 and bool(cfg.selfplay.elo):
             selfplay.rater = snapshot_rater(cfg, spec)
     gamma, lam = float(algo.gamma), float(algo.gae_lambda)
-    numpy_rollout = bool(algo.get("numpy_rollout", True))
-    max_restarts = int(cfg.env.get("max_restarts", 100)) if restart else None
+    numpy_rollout = bool(algo.numpy_rollout)
+    max_restarts = int(cfg.env.max_restarts) if restart else None
     return RolloutCollector(
         envs,
         first,

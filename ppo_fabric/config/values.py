@@ -349,9 +349,8 @@ def acting_envs(env_cfg: DictConfig) -> int:
     """Envs that take a step per rollout step: `env.envpool.batch_size` for an async EnvPool (only the
     envs that are ready act, `envpool_backend.AsyncEnvPoolVectorEnv`), else every one of `env.num_envs`."""
     num_envs = int(env_cfg.num_envs)
-    own = env_cfg.get("envpool")
-    batch = own.get("batch_size") if own is not None else None
-    if str(env_cfg.get("backend", "gymnasium") or "gymnasium") != "envpool":
+    batch = env_cfg.envpool.batch_size
+    if str(env_cfg.backend) != "envpool":
         return num_envs
     if isinstance(batch, bool) or not isinstance(batch, int) or batch <= 0:
         return num_envs  # null (sync), or a bad value `envpool_backend.check_settings` names

@@ -59,8 +59,8 @@ class EnvPoolError(ValueError):
 
 
 def backend(env_cfg: DictConfig) -> str:
-    """`env.backend` (absent in hand-built configs: gymnasium), checked so a typo fails at validation."""
-    name = str(env_cfg.get("backend", "gymnasium") or "gymnasium")
+    """`env.backend`, checked so a typo fails at validation."""
+    name = str(env_cfg.backend)
     if name not in BACKENDS:
         raise EnvPoolError(f"env.backend={name!r} is not one of {', '.join(BACKENDS)}")
     return name
@@ -89,8 +89,7 @@ def is_atari(env_id: str) -> bool:
 
 
 def _settings(env_cfg: DictConfig) -> dict[str, Any]:
-    own = env_cfg.get("envpool")
-    return dict(OmegaConf.to_container(own, resolve=True) or {}) if own is not None else {}
+    return dict(OmegaConf.to_container(env_cfg.envpool, resolve=True) or {})
 
 
 def check_settings(env_cfg: DictConfig) -> None:
@@ -104,14 +103,14 @@ def check_settings(env_cfg: DictConfig) -> None:
         raise EnvPoolError(f"env.envpool.batch_size={batch} exceeds env.num_envs={num_envs}")
     if batch is not None and batch < num_envs:
         _check_async(env_cfg, batch, num_envs)
-    threads = _settings(env_cfg).get("num_threads", 0)
+    threads = _settings(env_cfg)["num_threads"]
     if isinstance(threads, bool) or not isinstance(threads, int) or threads < 0:
         raise EnvPoolError(f"env.envpool.num_threads={threads!r} must be a whole number >= 0 (0: EnvPool's)")
     if ":" in env_id:
         raise EnvPoolError(
             f"env.id={env_id!r} is a Python module's env; env.backend=envpool has only its own"
         )
-    preprocess = str(env_cfg.get("preprocess", "none") or "none")
+    preprocess = str(env_cfg.preprocess)
     if is_atari(env_id) and preprocess != "atari":
         raise EnvPoolError(
             f"env.id={env_id!r} with env.backend=envpool always preprocesses; set env.preprocess=atari"
@@ -181,9 +180,9 @@ def pool_kwargs(env_cfg: DictConfig) -> dict[str, Any]:
     kwargs: dict[str, Any] = dict(OmegaConf.to_container(env_cfg.kwargs, resolve=True) or {})
     if is_atari(str(env_cfg.id)):
         kwargs = atari_options(kwargs)
-    if env_cfg.get("max_episode_steps") is not None:
+    if env_cfg.max_episode_steps is not None:
         kwargs["max_episode_steps"] = int(env_cfg.max_episode_steps)
-    threads = int(_settings(env_cfg).get("num_threads", 0) or 0)
+    threads = int(env_cfg.envpool.num_threads or 0)
     if threads:
         kwargs["num_threads"] = threads
     return kwargs

@@ -370,10 +370,10 @@ def make_env(env_cfg: DictConfig, render_mode: str | None = None, action_mask: i
             f"env.id={env_id!r} with env.kwargs={given}: {type(exc).__name__}: {error_line(exc)}"
         ) from exc
     try:
-        mode = mask_velocity_mode(env_cfg.get("mask_velocity", False))
+        mode = mask_velocity_mode(env_cfg.mask_velocity)
         if mode is not None:
             env = MaskVelocity(env, env_id, mode)
-        noise = float(env_cfg.get("observation_noise", 0.0) or 0.0)
+        noise = float(env_cfg.observation_noise or 0.0)
         if noise != 0.0:
             env = ObservationNoise(env, noise)
     except EnvError:
@@ -395,8 +395,8 @@ def make_env(env_cfg: DictConfig, render_mode: str | None = None, action_mask: i
 
 
 def _preprocess(env_cfg: DictConfig) -> str:
-    """`env.preprocess` (absent in hand-built configs: none), checked here so a typo fails at validation."""
-    preprocess = str(env_cfg.get("preprocess", "none") or "none")
+    """`env.preprocess`, checked here so a typo fails at validation."""
+    preprocess = str(env_cfg.preprocess)
     if preprocess not in atari.PREPROCESSORS:
         raise EnvError(f"env.preprocess={preprocess!r} is not one of {', '.join(atari.PREPROCESSORS)}")
     return preprocess
@@ -435,13 +435,13 @@ def make_vector_env(
     of the first observations is `current_action_masks(envs)`.
     """
     envs = _backend_vector_env(env_cfg, action_mask)  # with episode statistics (Atari: whole games)
-    if env_cfg.get("normalize_obs", False):
+    if env_cfg.normalize_obs:
         envs = NormalizeObservation(envs)
-    if env_cfg.get("normalize_reward", False):
+    if env_cfg.normalize_reward:
         envs = NormalizeReward(envs, gamma)
     seeds = env_seeds(seed, rank, int(env_cfg.num_envs))
     obs, _ = envs.reset(seed=seeds)
-    warmup = int(env_cfg.get("normalize_warmup", 0) or 0)  # hand-built configs without the key: none
+    warmup = int(env_cfg.normalize_warmup or 0)
     if warmup > 0 and normalizers(envs):
         warm_up(envs, warmup, warmup_seed(seed, rank), reduce)
         # The same seeds again: the run's episodes start exactly where a run without warm-up starts them.
@@ -470,8 +470,8 @@ def _backend_vector_env(env_cfg: DictConfig, action_mask: int | None) -> VectorE
 
 
 def on_error(env_cfg: DictConfig) -> str:
-    """`env.on_error` (hand-built configs without the key: raise), checked."""
-    value = str(env_cfg.get("on_error", "raise") or "raise")
+    """`env.on_error`, checked."""
+    value = str(env_cfg.on_error)
     if value not in ON_ERROR:
         raise EnvError(f"env.on_error={value!r} is not one of {', '.join(ON_ERROR)}")
     return value
@@ -544,7 +544,7 @@ def check_normalizable(env_cfg: DictConfig, obs_space: gym.Space) -> None:
     keeps pixels (uint8 Boxes of rank 2 or 3, `agent.is_image_space`) as uint8, where normalised values
     would be truncated to garbage, and Dict observations have no single shape for the running statistics.
     Raises EnvError, one line naming the key."""
-    if not env_cfg.get("normalize_obs", False):
+    if not env_cfg.normalize_obs:
         return
     parts = obs_space.spaces.values() if isinstance(obs_space, gym.spaces.Dict) else [obs_space]
     if any(isinstance(s, gym.spaces.Box) and s.dtype == np.uint8 and len(s.shape) in (2, 3) for s in parts):

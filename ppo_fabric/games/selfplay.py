@@ -53,8 +53,8 @@ SCRIPTED = -3  # the opponent id of a copy playing the scripted player (selfplay
 # ---------------------------------------------------------------------------------------------- config
 def check_selfplay(cfg: DictConfig, specs: dict[str, Any], turn_based: bool) -> None:
     """One-line errors for `selfplay.*` (raised as EnvError, which the launcher reports as a config error)."""
-    sp = cfg.get("selfplay")
-    if sp is None or not bool(sp.get("enabled", False)):
+    sp = cfg.selfplay
+    if not bool(sp.enabled):
         return
     if not turn_based:
         raise EnvError(
@@ -73,15 +73,15 @@ def check_selfplay(cfg: DictConfig, specs: dict[str, Any], turn_based: bool) -> 
     if sp.get("sampling") not in SAMPLING:
         raise EnvError(f"selfplay.sampling={sp.get('sampling')} must be one of {', '.join(SAMPLING)}")
     for key in ("latest_prob", "random_prob", "scripted_prob", "opponent_noise"):
-        value = sp.get(key, 0.0)
+        value = sp[key]
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value <= 1:
             raise EnvError(f"selfplay.{key}={value} must be a number in [0, 1]")
-    if sp.get("random_prob", 0.0) + sp.get("scripted_prob", 0.0) > 1:
+    if sp.random_prob + sp.scripted_prob > 1:
         raise EnvError(
-            f"selfplay.random_prob={sp.get('random_prob')} + selfplay.scripted_prob={sp.get('scripted_prob')} "
+            f"selfplay.random_prob={sp.random_prob} + selfplay.scripted_prob={sp.scripted_prob} "
             "must be at most 1"
         )
-    if sp.get("scripted_prob", 0.0) > 0:
+    if sp.scripted_prob > 0:
         from ppo_fabric.games import scripted
 
         try:
@@ -92,8 +92,8 @@ def check_selfplay(cfg: DictConfig, specs: dict[str, Any], turn_based: bool) -> 
             raise EnvError(
                 f"selfplay.scripted={sp.get('scripted')} plays connect_four_v3 only, not env.id={cfg.env.id}"
             )
-    if not isinstance(sp.get("elo", False), bool):
-        raise EnvError(f"selfplay.elo={sp.get('elo')} must be true or false")
+    if not isinstance(sp.elo, bool):
+        raise EnvError(f"selfplay.elo={sp.elo} must be true or false")
     power = sp.get("pfsp_power")
     if isinstance(power, bool) or not isinstance(power, (int, float)) or power < 0:
         raise EnvError(f"selfplay.pfsp_power={power} must be a number >= 0")
@@ -132,7 +132,7 @@ def sampling_probabilities(
 @dataclass
 class Snapshot:
     id: int
-    version: int  # the update the weights are from
+    update: int  # the update the weights are from
     weights: dict[str, torch.Tensor]
     wins: int = 0
     draws: int = 0
@@ -150,8 +150,8 @@ class OpponentPool:
     snapshots: list[Snapshot] = field(default_factory=list)
     next_id: int = 0
 
-    def add(self, weights: dict[str, torch.Tensor], version: int) -> Snapshot:
-        snap = Snapshot(self.next_id, version, {k: v.detach().cpu().clone() for k, v in weights.items()})
+    def add(self, weights: dict[str, torch.Tensor], update: int) -> Snapshot:
+        snap = Snapshot(self.next_id, update, {k: v.detach().cpu().clone() for k, v in weights.items()})
         self.next_id += 1
         self.snapshots.append(snap)
         del self.snapshots[: -self.size]
@@ -187,7 +187,7 @@ class OpponentPool:
             "snapshots": [
                 {
                     "id": s.id,
-                    "version": s.version,
+                    "update": s.update,
                     "weights": dict(s.weights),
                     "wins": s.wins,
                     "draws": s.draws,
@@ -202,7 +202,7 @@ class OpponentPool:
         self.snapshots = [
             Snapshot(
                 int(s["id"]),
-                int(s["version"]),
+                int(s["update"]),
                 dict(s["weights"]),
                 int(s["wins"]),
                 int(s["draws"]),
@@ -228,15 +228,15 @@ class SelfPlay:
         self.pool = OpponentPool(
             int(sp_cfg.pool_size), str(sp_cfg.sampling), float(sp_cfg.latest_prob), float(sp_cfg.pfsp_power)
         )
-        self.random_prob = float(sp_cfg.get("random_prob", 0.0))
-        self.scripted_prob = float(sp_cfg.get("scripted_prob", 0.0))
+        self.random_prob = float(sp_cfg.random_prob)
+        self.scripted_prob = float(sp_cfg.scripted_prob)
         self.scripted: Any = None  # the scripted player (selfplay.scripted), when scripted_prob > 0
         if self.scripted_prob > 0:
             from ppo_fabric.games.scripted import scripted_player
 
             # seeded from numpy's global generator (seeded per run and rank): a seeded run repeats
             self.scripted = scripted_player(str(sp_cfg.scripted), int(np.random.randint(2**31)))
-        self.noise = float(sp_cfg.get("opponent_noise", 0.0))
+        self.noise = float(sp_cfg.opponent_noise)
         self.spec, self.device, self.num_envs = spec, device, num_envs
         self.seat = (np.arange(num_envs) + rank) % 2  # the learner's seat in each copy
         self.opponent = np.full(num_envs, -1, dtype=np.int64)  # the snapshot id each copy plays
@@ -248,10 +248,10 @@ class SelfPlay:
         self.elo: float | None = None  # the newest snapshot's rating
         self.started = time.perf_counter()
 
-    def start(self, policy: ActorCritic, version: int) -> None:
+    def start(self, policy: ActorCritic, update: int) -> None:
         """Seed an empty pool with the learner as it is, and give every copy an opponent."""
         if not self.pool.snapshots:
-            self.pool.add(policy.state_dict(), version)
+            self.pool.add(policy.state_dict(), update)
         for e in range(self.num_envs):
             if not self._playable(int(self.opponent[e])):
                 self.opponent[e] = self._draw()
@@ -352,10 +352,10 @@ class SelfPlay:
             self.opponent[e] = self._draw()
         self._prune()
 
-    def after_update(self, policy: ActorCritic, version: int) -> None:
+    def after_update(self, policy: ActorCritic, update: int) -> None:
         """Every `snapshot_every` updates the learner's weights join the pool."""
-        if version % self.every == 0:
-            snap = self.pool.add(policy.state_dict(), version)
+        if update % self.every == 0:
+            snap = self.pool.add(policy.state_dict(), update)
             self._prune()
             if self.rater is not None:
                 self._rate(snap)

@@ -59,7 +59,7 @@ class PolicySpec:
 
 def policy_specs(cfg: DictConfig) -> dict[str, PolicySpec]:
     """Build one env to read the spaces (and, multi-agent, the agent -> policy mapping)."""
-    mask_mode = str(cfg.algo.get("action_mask", "auto"))
+    mask_mode = str(cfg.algo.action_mask)
     if not is_multiagent(cfg.env):
         obs_space, action_space, width = probe_env(cfg.env, mask_mode)
         lr = float(cfg.algo.lr)

@@ -38,8 +38,8 @@ class LagSettings(NamedTuple):
 
 @dataclass(frozen=True)
 class UpdateSettings:
-    """Every `algo` key the update reads. `of` is the one place that reads them; the lag keys default to
-    the shipped values for configs written before they existed (checkpoints of earlier rounds)."""
+    """Every `algo` key the update reads. `of` is the one place that reads them, from a complete config
+    (`config.defaults`: what a checkpoint of an earlier release lacks takes its default when it loads)."""
 
     minibatch_size: int
     update_epochs: int
@@ -48,8 +48,8 @@ class UpdateSettings:
     compile: bool
     loss: LossCoefs
     lag: LagSettings
-    max_skipped_updates: int = 3  # updates in a row with non-finite minibatch steps that end the run
-    max_param_abs: float = 1e6  # a parameter beyond this magnitude after an update ends the run (0: off)
+    max_skipped_updates: int  # updates in a row with non-finite minibatch steps that end the run
+    max_param_abs: float  # a parameter beyond this magnitude after an update ends the run (0: off)
 
     @classmethod
     def of(cls, algo: DictConfig) -> UpdateSettings:
@@ -58,7 +58,7 @@ class UpdateSettings:
             update_epochs=int(algo.update_epochs),
             max_grad_norm=float(algo.max_grad_norm),
             target_kl=None if algo.target_kl is None else float(algo.target_kl),
-            compile=bool(algo.get("compile", False)),
+            compile=bool(algo.compile),
             loss=LossCoefs(
                 float(algo.clip_coef),
                 bool(algo.clip_vloss),
@@ -67,13 +67,13 @@ class UpdateSettings:
                 float(algo.ent_coef),
             ),
             lag=LagSettings(
-                bool(algo.get("lag_refresh_advantages", True)),
-                bool(algo.get("lag_vtrace", False)),
-                bool(algo.get("lag_objective", True)),
-                float(algo.get("lag_weight_clip", 1.0)),
+                bool(algo.lag_refresh_advantages),
+                bool(algo.lag_vtrace),
+                bool(algo.lag_objective),
+                float(algo.lag_weight_clip),
                 float(algo.gamma),
                 float(algo.gae_lambda),
             ),
-            max_skipped_updates=int(algo.get("max_skipped_updates", 3)),
-            max_param_abs=float(algo.get("max_param_abs", 1e6)),
+            max_skipped_updates=int(algo.max_skipped_updates),
+            max_param_abs=float(algo.max_param_abs),
         )

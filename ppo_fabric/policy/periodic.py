@@ -35,7 +35,7 @@ METRICS = ("eval/return_mean", "eval/return_std", "eval/length_mean")
 def cadence(cfg: DictConfig, per_update: int) -> int:
     """`eval.every` in env steps (0: off); `auto` spreads ~15 evaluations over the run, at least one
     update apart."""
-    every = cfg.get("eval", {}).get("every", 0)
+    every = cfg.eval.every
     if every in (None, 0):
         return 0
     if every == "auto":

@@ -31,6 +31,7 @@ import torch
 from omegaconf import OmegaConf
 from tensordict import TensorDict
 
+from ppo_fabric.config.defaults import with_defaults
 from ppo_fabric.envs.spaces import space_from_data, space_to_data
 from ppo_fabric.runs import signing
 
@@ -250,6 +251,9 @@ def load(path: str | Path, key: str = "resume", env_state: str = "restore") -> d
             f"{where} holds a policy (the best one a decoupled run evaluated), not a state to resume: "
             "resume from last.ckpt or a numbered checkpoint; load this one with load_policy or evaluate"
         )
+    renamed_counter(state)
+    if isinstance(state.get("config"), dict):  # keys added to the package since: their defaults
+        state["config"] = with_defaults(state["config"])
     missing = [k for k in _REQUIRED if k not in state]
     if missing or not all(isinstance(rank, dict) for rank in state["ranks"]):
         raise ValueError(
@@ -268,7 +272,26 @@ def load(path: str | Path, key: str = "resume", env_state: str = "restore") -> d
     return state
 
 
-_REQUIRED = ("config", "observation_space", "action_space", "agent", "iteration", "env_step", "ranks")
+_REQUIRED = ("config", "observation_space", "action_space", "agent", "update", "env_step", "ranks")
+
+
+def renamed_counter(state: dict[str, Any]) -> None:
+    """The one migration of the update counter's names (in place): checkpoints written before it had one
+    name call it `iteration` (the state), `policy_version` (a pipelined player's behaviour) and `version`
+    (a self-play snapshot); today each is `update`."""
+    if "iteration" in state and "update" not in state:
+        state["update"] = state.pop("iteration")
+    for rank in state.get("ranks") or ():
+        if not isinstance(rank, dict):
+            continue
+        if "policy_version" in rank:
+            rank["behaviour_update"] = rank.pop("policy_version")
+        pool = (rank.get("selfplay") or {}).get("pool") or {}
+        for snapshot in pool.get("snapshots") or ():
+            if "version" in snapshot:
+                snapshot["update"] = snapshot.pop("version")
+
+
 POLICY_ONLY = "policy_only"  # a checkpoint with a policy to load and no state to resume (policy_checkpoint)
 
 
@@ -457,7 +480,7 @@ def mask_width(state: dict[str, Any], policy: str | None = None) -> int | None:
     # Not recorded: a turn-based (AEC) game with algo.action_mask on trained every policy with the masks
     # of its `{"observation", "action_mask"}` observations (the only multi-agent masks there are).
     cfg = state["config"]
-    if str((cfg.get("algo") or {}).get("action_mask", "auto")) == "off":
+    if str(cfg["algo"]["action_mask"]) == "off":
         return None
     from ppo_fabric.games.play import aec_mask_width
 

@@ -9,7 +9,8 @@ only changes what it names:
   fault handling) change freely;
 - any other change (algo, env, model, strategy, seed, ...) is refused in one line naming the keys, unless
   `resume_overrides=allow`, when every changed key is logged;
-- keys the saved config lacks (added to the package since) take today's defaults.
+- keys the saved config lacks (added to the package since) take today's defaults: `checkpoint.load` fills
+  them from conf/ (`config.defaults`), and keys only some options have from the command line's config.
 
 The user's overrides decide what counts as named: a key override names its key and everything under it;
 a group option (`env=gym`) names the keys it changes, found by composing with and without it. Every
@@ -21,16 +22,16 @@ from __future__ import annotations
 import copy
 import json
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import yaml
 from omegaconf import DictConfig, OmegaConf
 
+from ppo_fabric.config.defaults import NEVER_FILLED, Path_, leaves, overlaps, set_leaf
 from ppo_fabric.config.values import ConfigError, group_options
 
-Path_ = tuple[str, ...]
 # Keys a resumed run may change: its budget, where and how it writes, where it runs, how faults end it.
 MUTABLE: tuple[Path_, ...] = (
     ("algo", "total_steps"),
@@ -58,27 +59,7 @@ MUTABLE: tuple[Path_, ...] = (
     ("group",),
 )
 IDENTITY: tuple[Path_, ...] = (("tuning",),)  # the run's own record: always the saved value
-# option-specific keys (a missing one is another option's, not new), and the run's record of its values
-NEVER_FILLED = ("model", "multiagent", "tuning")
 SESSIONS_FILE = "resumes.jsonl"  # one line per resumed session: when, from where, what it changed
-
-
-def leaves(tree: Any, prefix: Path_ = ()) -> Iterator[tuple[Path_, Any]]:
-    """(path, value) of every leaf of a plain config tree; an empty mapping is a leaf of its own."""
-    if isinstance(tree, dict) and tree:
-        for key, value in tree.items():
-            yield from leaves(value, (*prefix, str(key)))
-    else:
-        yield prefix, tree
-
-
-def _set(tree: dict[str, Any], path: Path_, value: Any) -> None:
-    for key in path[:-1]:
-        node = tree.get(key)
-        if not isinstance(node, dict):
-            node = tree[key] = {}
-        tree = node
-    tree[path[-1]] = copy.deepcopy(value)
 
 
 def _get(tree: Any, path: Path_) -> tuple[bool, Any]:
@@ -180,12 +161,12 @@ def continued_config(
     merged = copy.deepcopy(saved)
     saved_leaves = dict(leaves(saved))
     for path, value in leaves(now):  # keys added to the package since the run started
-        if path not in saved_leaves and path[0] not in NEVER_FILLED and not _overlaps(saved_leaves, path):
-            _set(merged, path, value)
+        if path not in saved_leaves and path[0] not in NEVER_FILLED and not overlaps(saved_leaves, path):
+            set_leaf(merged, path, value)
     for prefix in named:  # the named subtree as the command line has it, in place (mappings keep their order)
         found, value = _get(now, prefix)
         if found:
-            _set(merged, prefix, value)
+            set_leaf(merged, prefix, value)
         else:
             _drop(merged, prefix)
     merged_leaves = dict(leaves(merged))
@@ -197,7 +178,7 @@ def continued_config(
     changes |= {
         dotted(p): (v, None)
         for p, v in saved_leaves.items()
-        if p not in merged_leaves and not _overlaps(merged_leaves, p)
+        if p not in merged_leaves and not overlaps(merged_leaves, p)
     }
     refused = [key for key in changes if not _under(tuple(key.split(".")), MUTABLE)]
     if refused and merged.get("resume_overrides") != "allow":
@@ -210,14 +191,6 @@ def continued_config(
     out = OmegaConf.create(merged)
     OmegaConf.set_struct(out, True)
     return out, changes
-
-
-def _overlaps(saved_leaves: dict[Path_, Any], path: Path_) -> bool:
-    """Whether a leaf of the saved config lies above `path` (an empty mapping the run had) or below it (a
-    key the run added to what is empty today, e.g. `+env.kwargs.x`): not a key new to the package."""
-    return any(path[:i] in saved_leaves for i in range(1, len(path))) or any(
-        p[: len(path)] == path for p in saved_leaves
-    )
 
 
 def _show(value: Any) -> str:

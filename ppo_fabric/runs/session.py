@@ -120,7 +120,7 @@ class RunSession:
     ) -> None:
         self.cfg, self.run_dir, self.writer, self.per_update = cfg, run_dir, writer, per_update
         self.start_step = int(resume["env_step"]) if resume is not None else 0
-        self.start_update = int(resume["iteration"]) if resume is not None else 0
+        self.start_update = int(resume["update"]) if resume is not None else 0
         left = max(-(-(int(cfg.algo.total_steps) - self.start_step) // per_update), 0)
         self.end_update = self.start_update + left
         self.every, self.keep = int(cfg.checkpoint.every), int(cfg.checkpoint.keep)
@@ -234,7 +234,7 @@ class RunSession:
         if not self.writer:
             return self.checkpoint_path
         state = learner | {
-            "iteration": update,
+            "update": update,
             "env_step": self.env_step(update),
             "world_size": len(rank_states),
             "ranks": rank_states,
@@ -296,7 +296,7 @@ class RunSession:
         (`interrupted`, `stop_signal`).
 
         The run's numbers: `total_env_steps` (env steps done, earlier sessions included),
-        `total_wall_seconds` (its training time, as `time/wall_s`), `iterations`. This session's (the
+        `total_wall_seconds` (its training time, as `time/wall_s`), `updates`. This session's (the
         process's, since the resume when resumed): `steps_this_run`, `wall_seconds`, `sps`."""
         wall = self.watch.elapsed()
         steps = self.steps_since_start(update)
@@ -307,7 +307,7 @@ class RunSession:
             "seed": int(self.cfg.seed),
             "interrupted": bool(signum),
             "stop_signal": signal.Signals(signum).name if signum else None,
-            "iterations": update,
+            "updates": update,
             "total_env_steps": self.env_step(update),
             "total_wall_seconds": self.start_wall + wall,
             "steps_this_run": steps,

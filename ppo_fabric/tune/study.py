@@ -101,7 +101,7 @@ def prepare(argv: list[str]) -> Plan:
             raise ConfigError(f"a trial with {' '.join(corner)} cannot run: {exc}") from None
     assert cfg is not None
     extra: list[str] = []
-    if tune_config.intermediate_values(tcfg) and not cfg.logger.get("csv", False):
+    if tune_config.intermediate_values(tcfg) and not cfg.logger.csv:
         # The learning curve the pruner needs comes from metrics.csv: turn it on for the trials.
         if "csv" in cfg.logger:
             extra.append("logger.csv=true")

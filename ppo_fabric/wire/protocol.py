@@ -22,7 +22,7 @@ have one method per message, in the order the messages happen:
 With `algo.pipeline=true` the player sends DATA of rollout k+1 before it waits for PARAMS of update k
 (asynchronously, over another group, so the order cannot deadlock).
 
-Every message carries a header (kind, version) that the receiver checks, so the two sides can never
+Every message carries a header (kind, update) that the receiver checks, so the two sides can never
 silently disagree about what comes next (`ProtocolError`). Batches and parameters travel as CPU tensors
 over gloo groups, so players may stay on the CPU while trainers train on CUDA (their DDP group then uses
 NCCL); a CUDA trainer stages them in pinned host buffers (`HostStage`) and copies them to and from its
@@ -104,13 +104,13 @@ class ProtocolError(RuntimeError):
 
 
 class Header(NamedTuple):
-    """What every DATA/STOP message starts with: its kind, the parameter version the batch was collected
-    with, `checkpoint` (DATA: a checkpoint is to follow the update on this batch, a time-based one, which
+    """What every DATA/STOP message starts with: its kind, `update` (the update whose parameters collected
+    the batch; STOP: the newest the player received), `checkpoint` (DATA: a checkpoint is to follow the update on this batch, a time-based one, which
     only the players' clocks know of) and `signum` (STOP: the signal that stopped the run, 0 at its
     planned end). On the wire the two share the third int64, read by the kind."""
 
     kind: Kind
-    version: int
+    update: int
     checkpoint: bool = False
     signum: int = 0
 
@@ -120,18 +120,18 @@ _HEADER_BYTES = 24  # three int64
 
 def _header(header: Header) -> torch.Tensor:
     third = header.signum if header.kind == Kind.STOP else int(header.checkpoint)
-    return torch.tensor([int(header.kind), header.version, third], dtype=torch.int64).view(torch.uint8)
+    return torch.tensor([int(header.kind), header.update, third], dtype=torch.int64).view(torch.uint8)
 
 
 def _read_header(buf: torch.Tensor) -> Header:
-    kind, version, third = buf[:_HEADER_BYTES].view(torch.int64).tolist()
+    kind, update, third = buf[:_HEADER_BYTES].view(torch.int64).tolist()
     try:
         known = Kind(kind)
     except ValueError as exc:
         raise ProtocolError(f"unknown message kind {kind}") from exc
     if known == Kind.STOP:
-        return Header(known, version, signum=third)
-    return Header(known, version, checkpoint=bool(third))
+        return Header(known, update, signum=third)
+    return Header(known, update, checkpoint=bool(third))
 
 
 @dataclass
@@ -285,37 +285,37 @@ class PlayerLink:
         self._in_transit: list[_InFlight] = []
 
     def receive_params(self) -> tuple[int, torch.Tensor, torch.Tensor]:
-        """PARAMS: (version, flat parameters, the update's metrics averaged over trainers)."""
+        """PARAMS: (the update they come from, flat parameters, the update's metrics averaged over trainers)."""
         buf = torch.empty(2 + self.num_params + self.num_metrics)
         with PROGRESS.waiting_for("parameters from the trainers"):
             dist.broadcast(buf, self.topo.first_trainer, group=self.topo.param_group)
-        kind, version = int(buf[0]), int(buf[1])
+        kind, update = int(buf[0]), int(buf[1])
         if kind != Kind.PARAMS:
             raise ProtocolError(f"player {self.topo.rank} expected PARAMS, got message kind {kind}")
-        return version, buf[2 : 2 + self.num_params], buf[2 + self.num_params :]
+        return update, buf[2 : 2 + self.num_params], buf[2 + self.num_params :]
 
     def send_data(
-        self, batches: dict[str, TensorDict], version: int, asynchronous: bool, checkpoint_after: bool
+        self, batches: dict[str, TensorDict], update: int, asynchronous: bool, checkpoint_after: bool
     ) -> None:
-        """DATA: each trained policy's batch, collected with parameters `version`, one shard per trainer;
+        """DATA: each trained policy's batch, collected with the parameters of `update`, one shard per trainer;
         `checkpoint_after` asks for a checkpoint once the trainers have updated on it.
 
         Asynchronous sends return at once (the pipelined player then waits for PARAMS); the previous
         rollout's sends are finished first, so at most one rollout is in transit.
         """
         self.wait_sent()
-        header = Header(Kind.DATA, version, checkpoint=checkpoint_after)
+        header = Header(Kind.DATA, update, checkpoint=checkpoint_after)
         for name, codec in self.codecs.items():
             sent = self._scatter(codec, codec.pack(batches[name], header), asynchronous)
             if sent is not None:
                 self._in_transit.append(sent)
 
-    def send_stop(self, version: int, signum: int = 0) -> None:
+    def send_stop(self, update: int, signum: int = 0) -> None:
         """STOP: the trainers leave their loop (one message, shaped like the first policy's DATA), at the
         planned end or, with `signum`, because the players agreed to stop on that signal."""
         self.wait_sent()
         codec = next(iter(self.codecs.values()))
-        self._scatter(codec, codec.empty(Header(Kind.STOP, version, signum=signum)), asynchronous=False)
+        self._scatter(codec, codec.empty(Header(Kind.STOP, update, signum=signum)), asynchronous=False)
 
     def wait_sent(self) -> None:
         with PROGRESS.waiting_for("the trainers to take the last batch"):
@@ -348,14 +348,14 @@ class TrainerLink:
         self.publishes = topo.rank == topo.first_trainer
         self.stage = HostStage(device)
 
-    def publish(self, params: list[torch.nn.Parameter], metrics: torch.Tensor, version: int) -> None:
-        """PARAMS: the flat float32 parameters after update `version`, then its METRICS, to every player."""
+    def publish(self, params: list[torch.nn.Parameter], metrics: torch.Tensor, update: int) -> None:
+        """PARAMS: the flat float32 parameters after `update`, then its METRICS, to every player."""
         if not self.publishes:
             return
         flat = parameters_to_vector(params).detach().float()
         n, m = flat.numel(), metrics.numel()
         message = self.stage.buffer("params", 2 + n + m, torch.float32)
-        message[0], message[1] = float(Kind.PARAMS), float(version)
+        message[0], message[1] = float(Kind.PARAMS), float(update)
         message[2 : 2 + n].copy_(flat, non_blocking=self.stage.pinned)
         message[2 + n :].copy_(metrics.float(), non_blocking=self.stage.pinned)
         self.stage.fence()
@@ -365,9 +365,9 @@ class TrainerLink:
     def receive_data(self, device: torch.device) -> tuple[list[Header], dict[str, TensorDict]]:
         """DATA from every player for every trained policy, concatenated per policy; or STOP (no batches).
 
-        Returns every player's header (kind, the parameter version it collected with, `checkpoint` or
+        Returns every player's header (kind, the update whose parameters it collected with, `checkpoint` or
         `signum`) and the batches by policy. The players agree on those and on stopping, so the headers
-        differ only in version.
+        differ only in update.
         """
         batches: dict[str, TensorDict] = {}
         headers: list[Header] = []
@@ -390,7 +390,7 @@ class TrainerLink:
             parts.append(part)
         first = headers[0]
         if first.kind not in (Kind.DATA, Kind.STOP) or any(
-            h._replace(version=0) != first._replace(version=0) for h in headers
+            h._replace(update=0) != first._replace(update=0) for h in headers
         ):
             raise ProtocolError(
                 f"trainer {self.topo.rank} expected the same DATA or STOP from every player, got {headers}"

@@ -224,7 +224,7 @@ def test_trainer_fences_before_reusing_its_buffers(monkeypatch: pytest.MonkeyPat
     for round_ in range(2):
         sent = {p: _template(4, offset=10.0 * p + round_) for p in (0, 1)}
         headers, batches = link.receive_data(torch.device("cpu"))
-        assert [h.version for h in headers] == [7, 7]
+        assert [h.update for h in headers] == [7, 7]
         batch = batches["main"]
         assert batch.device == torch.device("cpu")  # the update shuffles on the batch's device
         assert torch.equal(batch["obs"], torch.cat([sent[0]["obs"], sent[1]["obs"]]))

@@ -28,6 +28,7 @@ from ppo_fabric.models.agent import CategoricalHead
 from ppo_fabric.runs.metrics_file import read_rows
 from ppo_fabric.wire.protocol import BatchCodec, Header, Kind
 from tests import probe_envs
+from tests.conftest import env_section
 
 REPO = Path(__file__).resolve().parents[2]
 CONVENTIONS = ["ProbeMaskedObs-v0", "ProbeMaskedInfo-v0", "ProbeMaskedMethod-v0"]
@@ -133,16 +134,7 @@ def test_every_convention_is_detected_and_reported_in_the_infos(name: str) -> No
 
 
 def test_vector_env_infos_carry_the_masks() -> None:
-    cfg = OmegaConf.create(
-        {
-            "id": "tests.probe_envs:ProbeMaskedMethod-v0",
-            "num_envs": 3,
-            "vector": "sync",
-            "kwargs": {},
-            "max_episode_steps": None,
-            "action_repeat": 1,
-        }  # fmt: skip
-    )
+    cfg = env_section(id="tests.probe_envs:ProbeMaskedMethod-v0", num_envs=3, vector="sync")
     envs, first = make_vector_env(cfg, seed=0, rank=0, action_mask=4)
     _, _, _, _, info = envs.step(np.array([np.flatnonzero(row)[0] for row in first > 0]))
     assert info["action_mask"].shape == (3, 4) and info["_action_mask"].all()

@@ -39,7 +39,13 @@ from ppo_fabric.models.agent import ActorCritic, RecurrentCore
 from ppo_fabric.policy import evaluate, export
 from ppo_fabric.runs import checkpoint as ckpt
 from ppo_fabric.runs.metrics_file import read_rows, series
-from tests.conftest import assert_cli_failure, cartpole_env_cfg, numbered_checkpoint, single_learner
+from tests.conftest import (
+    algo_section,
+    assert_cli_failure,
+    cartpole_env_cfg,
+    numbered_checkpoint,
+    single_learner,
+)
 from tests.conftest import update_with_config as train
 
 REPO = Path(__file__).resolve().parents[2]
@@ -70,7 +76,7 @@ def algo_cfg(**overrides: object) -> DictConfig:
     algo = {"minibatch_size": N_STEPS, "update_epochs": 1, "lr": 2.5e-4, "adam_eps": 1e-5, "gamma": 0.99,
             "gae_lambda": 0.95, "norm_adv": True, "clip_coef": 0.2, "clip_vloss": False, "vf_coef": 0.5,
             "ent_coef": 0.01, "max_grad_norm": 0.5, "target_kl": None, "anneal_lr": False}  # fmt: skip
-    return OmegaConf.create(algo | overrides)
+    return algo_section(**(algo | overrides))
 
 
 def stir(model: ActorCritic) -> ActorCritic:

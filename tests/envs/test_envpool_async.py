@@ -295,7 +295,7 @@ def test_coupled_async_run_honours_the_budget_and_learns(tmp_path: Path) -> None
     summary = ppo_fabric.run(
         [*ASYNC, "algo.total_steps=10000", "logger=none", "seed=3", f"hydra.run.dir={tmp_path}"]
     )
-    assert summary["total_env_steps"] == 79 * 128 and summary["iterations"] == 79
+    assert summary["total_env_steps"] == 79 * 128 and summary["updates"] == 79
     assert summary["final_mean_return"] > 100, summary["final_mean_return"]
 
 

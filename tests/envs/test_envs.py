@@ -8,10 +8,10 @@ from typing import Any
 import gymnasium as gym
 import numpy as np
 import pytest
-from omegaconf import OmegaConf
 
 import ppo_fabric
 from ppo_fabric.envs.make import ActionRepeat, env_seeds, make_vector_env
+from tests.conftest import env_section
 
 
 class Counter(gym.Env):
@@ -68,16 +68,7 @@ def test_env_seeds_differ_across_ranks_and_envs_but_repeat() -> None:
 
 
 def test_vector_env_reproduces_with_seed_and_rank() -> None:
-    cfg = OmegaConf.create(
-        {
-            "id": "CartPole-v1",
-            "num_envs": 3,
-            "vector": "sync",
-            "action_repeat": 1,
-            "max_episode_steps": None,
-            "kwargs": {},
-        }  # fmt: skip
-    )
+    cfg = env_section(id="CartPole-v1", num_envs=3, vector="sync", action_repeat=1, max_episode_steps=None)
     obs = [make_vector_env(cfg, seed=1, rank=r)[1] for r in (0, 0, 1)]
     np.testing.assert_array_equal(obs[0], obs[1])
     assert not np.array_equal(obs[0], obs[2])

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 from gymnasium.utils.env_checker import check_env
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
 import ppo_fabric
 from ppo_fabric.envs.make import (
@@ -23,6 +23,7 @@ from ppo_fabric.envs.make import (
 )
 from ppo_fabric.runs.checkpoint import saved_spaces
 from tests import probe_envs
+from tests.conftest import env_section
 
 MEMORY = "tests.probe_envs:ProbeMemory-v0"
 
@@ -31,7 +32,7 @@ def env_cfg(env_id: str, **overrides: Any) -> DictConfig:
     """A hand-built `env` section, as make_env receives it after config composition."""
     base = {"id": env_id, "num_envs": 2, "vector": "sync", "action_repeat": 1, "max_episode_steps": None,
             "kwargs": {}, "mask_velocity": True}  # fmt: skip
-    return OmegaConf.create({**base, **overrides})
+    return env_section(**{**base, **overrides})
 
 
 def test_memory_probe_follows_the_gymnasium_api() -> None:
@@ -186,8 +187,8 @@ def test_mask_velocity_on_an_unsupported_env_is_an_env_error() -> None:
 
 
 def test_mask_velocity_defaults_to_off() -> None:
-    cfg = env_cfg("CartPole-v1")
-    del cfg["mask_velocity"]
+    cfg = env_section(id="CartPole-v1", num_envs=2)
+    assert cfg.mask_velocity is False  # conf/env/gym.yaml's, which completes a config without the key
     env = make_env(cfg)
     assert env.observation_space.shape == (4,)
     env.close()

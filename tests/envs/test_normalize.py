@@ -18,7 +18,7 @@ import ppo_fabric
 from ppo_fabric.envs.make import make_vector_env
 from ppo_fabric.envs.normalize import RunningMoments, normalizers
 from ppo_fabric.runs import checkpoint as ckpt
-from tests.conftest import numbered_checkpoint
+from tests.conftest import env_section, numbered_checkpoint
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -26,7 +26,7 @@ REPO = Path(__file__).resolve().parents[2]
 def _env_cfg(**extra: object) -> OmegaConf:
     base = {"id": "CartPole-v1", "num_envs": 3, "vector": "sync", "action_repeat": 1, "max_episode_steps": None,
             "kwargs": {}, "normalize_obs": True, "normalize_reward": False}  # fmt: skip
-    return OmegaConf.create(base | extra)
+    return env_section(**(base | extra))
 
 
 def test_moments_merge_equals_statistics_of_all_data() -> None:

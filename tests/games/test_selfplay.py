@@ -100,7 +100,7 @@ def test_pool_state_is_plain_data(tmp_path: Path) -> None:
     torch.save({"pool": pool.state()}, tmp_path / "pool.pt")
     back = OpponentPool(size=3)
     back.load_state(torch.load(tmp_path / "pool.pt", weights_only=True)["pool"])
-    assert back.next_id == 1 and back.snapshots[0].draws == 1 and back.snapshots[0].version == 4
+    assert back.next_id == 1 and back.snapshots[0].draws == 1 and back.snapshots[0].update == 4
     assert torch.equal(back.snapshots[0].weights["a.weight"], torch.ones(2, 2))
 
 
@@ -257,20 +257,20 @@ def test_selfplay_run_logs_results_and_pool_survives_resume(tmp_path: Path) -> N
     full = ppo_fabric.run([*run, f"hydra.run.dir={tmp_path / 'full'}"])
     assert full["total_env_steps"] == 1024
     pool = _pool(tmp_path / "full" / "checkpoints" / "last.ckpt")
-    assert pool["next_id"] == 5 and [s["version"] for s in pool["snapshots"]] == [4, 6, 8]
+    assert pool["next_id"] == 5 and [s["update"] for s in pool["snapshots"]] == [4, 6, 8]
     assert sum(s["wins"] + s["draws"] + s["losses"] for s in pool["snapshots"]) > 0
 
     part = tmp_path / "part"
     ppo_fabric.run([*run, "checkpoint.every=4", "checkpoint.keep=0", f"hydra.run.dir={part}"])
     middle = next(p for p in (part / "checkpoints").glob("step_*512_*.ckpt"))
-    assert [s["version"] for s in _pool(middle)["snapshots"]] == [0, 2, 4]
+    assert [s["update"] for s in _pool(middle)["snapshots"]] == [0, 2, 4]
     ppo_fabric.run([*run, f"resume={middle}", f"hydra.run.dir={tmp_path / 'resumed'}"])
     resumed = _pool(tmp_path / "resumed" / "checkpoints" / "last.ckpt")
     final = ckpt.load(tmp_path / "full" / "checkpoints" / "last.ckpt")["agent"]["shared"]
     again = ckpt.load(tmp_path / "resumed" / "checkpoints" / "last.ckpt")["agent"]["shared"]
     for key in final:  # seats, opponents, games in progress and RNG all continued exactly
         torch.testing.assert_close(final[key], again[key], rtol=0, atol=0)
-    assert resumed["next_id"] == 5 and [s["version"] for s in resumed["snapshots"]] == [4, 6, 8]
+    assert resumed["next_id"] == 5 and [s["update"] for s in resumed["snapshots"]] == [4, 6, 8]
     for a, b in zip(pool["snapshots"], resumed["snapshots"], strict=True):
         assert (a["wins"], a["draws"], a["losses"]) == (b["wins"], b["draws"], b["losses"])
         for key in a["weights"]:

@@ -23,10 +23,10 @@ from ppo_fabric.cli import main as cli_main
 from ppo_fabric.config.values import ConfigError
 from ppo_fabric.learn import accel
 from ppo_fabric.learn.update import minibatch_losses, set_lr
-from tests.conftest import assert_cli_failure, update_with_config
+from tests.conftest import algo_section, assert_cli_failure, update_with_config
 
-ALGO = OmegaConf.create(
-    {
+ALGO = algo_section(
+    **{
         "minibatch_size": 16,
         "update_epochs": 2,
         "clip_coef": 0.2,

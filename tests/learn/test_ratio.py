@@ -24,7 +24,7 @@ from ppo_fabric.collect.rollout import RolloutCollector
 from ppo_fabric.envs.make import make_vector_env
 from ppo_fabric.learn.buffer import rollout_storage, training_batch
 from ppo_fabric.models.agent import ActorCritic
-from tests.conftest import cartpole_env_cfg, single_learner
+from tests.conftest import algo_section, cartpole_env_cfg, single_learner
 from tests.conftest import update_with_config as train
 
 STEPS, ENVS = 32, 4
@@ -59,7 +59,7 @@ def algo_cfg(**overrides: object) -> DictConfig:
         "target_kl": None,
         "anneal_lr": False,
     }
-    return OmegaConf.create(algo | overrides)
+    return algo_section(**(algo | overrides))
 
 
 def collect(model: ActorCritic, seed: int = 0, numpy_rollout: bool = True) -> TensorDict:

@@ -162,7 +162,9 @@ def test_recurrent_state_is_carried(tmp_path: Path, monkeypatch: pytest.MonkeyPa
 # ------------------------------------------------------------------------------------------------ games
 def _tictactoe_checkpoint(path: Path, with_pool: bool = True) -> Path:
     """A self-play style checkpoint of one shared policy on tictactoe whose head ignores its features and
-    ranks moves 0 > 1 > ... > 8: with the mask it plays the first legal move, like `first_legal_player`."""
+    ranks moves 0 > 1 > ... > 8: with the mask it plays the first legal move, like `first_legal_player`.
+    Written with the update counter's old names (`iteration`, a snapshot's `version`): what checkpoints of
+    earlier releases hold, which `runs.checkpoint.renamed_counter` migrates on load."""
     cfg, _ = compose(["env=pettingzoo", "env.id=pettingzoo.classic.tictactoe_v3"])
     obs_space = gym.spaces.Box(0, 1, (3, 3, 2), np.int8)
     action_space = gym.spaces.Discrete(9)

@@ -50,7 +50,7 @@ def _write(
     cfg, _ = compose(overrides)
     state: dict[str, Any] = {
         "config": OmegaConf.to_container(cfg, resolve=True),
-        "iteration": 1,
+        "update": 1,
         "env_step": 64,
         "ranks": [{}],
         **extra,

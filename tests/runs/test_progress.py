@@ -153,7 +153,7 @@ def test_the_final_line_of_a_resumed_session_counts_its_own_steps_and_the_runs_t
         f"ppo-fabric: coupled CartPole-v1: 30208 steps in 1.4s (6,905 steps/s), final mean return 187.3; "
         f"outputs in {tmp_path}"
     )
-    resumed = _session(tmp_path, {"env_step": 20_224, "iteration": 79})
+    resumed = _session(tmp_path, {"env_step": 20_224, "update": 79})
     assert resumed.final_step == 30_208
     assert resumed.final_line(summary | {"steps_this_run": 9_984}) == (
         "ppo-fabric: coupled CartPole-v1: 9,984 steps this session in 1.4s (6,905 steps/s), 30,208 in all, "
@@ -191,7 +191,7 @@ def test_a_stopped_run_writes_an_interrupted_summary_and_the_curve_then_resumes(
     assert stopped.value.env_step == 768 == ckpt.load(run_dir / "checkpoints" / "last.ckpt")["env_step"]
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["interrupted"] is True and summary["stop_signal"] == "SIGTERM"
-    assert summary["total_env_steps"] == summary["steps_this_run"] == 768 and summary["iterations"] == 3
+    assert summary["total_env_steps"] == summary["steps_this_run"] == 768 and summary["updates"] == 3
     assert summary["episodes"] > 0 and summary["ranks_in_sync"] is True
     assert (run_dir / "learning_curve.png").stat().st_size > 0
 

@@ -26,7 +26,7 @@ def _state(env_step: int, weight: torch.Tensor | None = None) -> dict[str, Any]:
     """The least a checkpoint must hold for `ckpt.load`, with an unbounded Box (CartPole's velocities)."""
     box = space_to_data(gym.spaces.Box(-math.inf, math.inf, (4,)))
     return {
-        "config": {}, "observation_space": box, "action_space": {}, "iteration": env_step // 128,
+        "config": {}, "observation_space": box, "action_space": {}, "update": env_step // 128,
         "env_step": env_step, "run_id": "abc", "lineage": [["abc", 0]], "best_return": -math.inf,
         "agent": {"actor.0.weight": torch.zeros(2, 3) if weight is None else weight, "steps": torch.tensor(3)},
         "ranks": [{"obs": torch.ones(4), "episodes": [1.0, 2.0]}],
@@ -95,7 +95,7 @@ def test_other_unreadable_files_are_named_with_loads_reason(tmp_path: Path) -> N
     assert seen == [
         ("last.ckpt", "empty file"),
         ("partial.ckpt", "an incomplete ppo-fabric checkpoint (missing config, observation_space, action_space, "
-         "agent, iteration, ranks)"),
+         "agent, update, ranks)"),
         ("foreign.ckpt", "not a ppo-fabric checkpoint (format 2)"),
     ]  # fmt: skip
 

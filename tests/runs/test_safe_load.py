@@ -204,6 +204,25 @@ def test_incomplete_checkpoint_is_one_line(tmp_path: Path) -> None:
         ckpt.load(path)
 
 
+def test_the_update_counter_old_names_load_as_today(tiny_run: Path, tmp_path: Path) -> None:
+    """Checkpoints of earlier releases named the update counter `iteration`, a pipelined player's behaviour
+    `policy_version` and a self-play snapshot's `version`: they load with today's name, `update`."""
+    state = ckpt.load(_last(tiny_run))
+    updates = state["update"]
+    state["iteration"] = state.pop("update")
+    state["ranks"][0]["policy_version"] = updates - 1
+    snapshot = {"id": 0, "version": 2, "weights": {}, "wins": 0, "draws": 0, "losses": 0}
+    state["ranks"][0]["selfplay"] = {"pool": {"next_id": 1, "snapshots": [snapshot]}}
+    path = tmp_path / "old_names.ckpt"
+    torch.save(state, path)
+    loaded = ckpt.load(path, env_state="fresh")
+    assert loaded["update"] == updates > 0 and "iteration" not in loaded
+    assert (
+        loaded["ranks"][0]["behaviour_update"] == updates - 1 and "policy_version" not in loaded["ranks"][0]
+    )
+    assert loaded["ranks"][0]["selfplay"]["pool"]["snapshots"][0]["update"] == 2
+
+
 @pytest.mark.parametrize("spaces_pickled", [True, False])
 def test_older_format_is_named(tmp_path: Path, spaces_pickled: bool) -> None:
     """Format 1 pickled gymnasium spaces (weights_only refuses it): its format is read without running it."""
