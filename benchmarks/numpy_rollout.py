@@ -43,7 +43,7 @@ from ppo_fabric.collect.rollout import build_collector  # noqa: E402
 from ppo_fabric.config.values import compose  # noqa: E402
 from ppo_fabric.envs.multiagent import SINGLE  # noqa: E402
 from ppo_fabric.learn.learners import policy_specs  # noqa: E402
-from ppo_fabric.models.agent import ActorCritic  # noqa: E402
+from ppo_fabric.models.agent import ActorCritic, rollout_noise  # noqa: E402
 
 
 def per_call_us(fn: Callable[[], Any], calls: int) -> float:
@@ -71,7 +71,7 @@ def why(calls: int) -> dict[str, float]:
     obs_np = obs_t.numpy()
     actions = np.zeros(rows, dtype=np.int64)
     actor = NumpyActor(policy)
-    noise = actor.noise(1, rows)[0]
+    noise = next(rollout_noise(policy.head, 1, rows))
 
     def torch_act() -> None:
         with torch.inference_mode():
