@@ -168,6 +168,7 @@ def test_mistakes_are_one_line_before_any_job_starts(
     assert not (tmp_path / "0").exists(), "no job started"
 
 
+@pytest.mark.slow  # seconds in process (a run, or every option composed): not the unit tier
 def test_user_config_dir_and_relative_resume(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -198,6 +199,7 @@ def test_user_config_dir_and_relative_resume(
     capsys.readouterr()
 
 
+@pytest.mark.slow  # seconds in process (a run, or every option composed): not the unit tier
 def test_other_launchers_stay_selectable(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """`hydra/launcher=basic` runs each job's task in the sweep's process (here as a supervised job would,
     training in-process): two job directories with their own seeds, and no table (that is our launcher's)."""

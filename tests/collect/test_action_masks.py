@@ -151,6 +151,7 @@ def _train(tmp_path: Path, name: str, *overrides: str) -> tuple[int, dict]:
     return probe_envs._MaskedProbe.ILLEGAL[0], summary
 
 
+@pytest.mark.slow  # seconds in process (a run, or every option composed): not the unit tier
 @pytest.mark.parametrize("name", CONVENTIONS)
 def test_runs_with_masks_take_no_illegal_action_and_learn(tmp_path: Path, name: str) -> None:
     illegal, summary = _train(tmp_path, name)
@@ -158,6 +159,7 @@ def test_runs_with_masks_take_no_illegal_action_and_learn(tmp_path: Path, name: 
     assert summary["final_mean_return"] >= 3.5  # best 4; uniform over the legal actions earns 2
 
 
+@pytest.mark.slow  # seconds in process (a run, or every option composed): not the unit tier
 @pytest.mark.parametrize("name", CONVENTIONS)
 def test_runs_without_masks_take_illegal_actions(tmp_path: Path, name: str) -> None:
     illegal, _ = _train(tmp_path, name, "algo.action_mask=off")

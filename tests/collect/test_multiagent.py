@@ -490,6 +490,7 @@ def _assert_same_params(a: dict[str, dict[str, torch.Tensor]], b: dict[str, dict
     return all(torch.equal(a[n][k], b[n][k]) for n in a for k in a[n])
 
 
+@pytest.mark.slow  # seconds in process (a run, or every option composed): not the unit tier
 def test_exact_resume_mid_episode(tmp_path: Path) -> None:
     """Resumed at update 2 of 6, with agents absent at that moment, both policies end bit-identical to
     an uninterrupted run; resuming with the absent rows marked present breaks that (guard)."""

@@ -94,6 +94,7 @@ def test_short_runs_on_other_spaces(env_id: str, extra: list[str], tmp_path: Pat
     assert summary["total_env_steps"] == 1024 and summary["env_id"] == env_id
 
 
+@pytest.mark.slow  # seconds in process (a run, or every option composed): not the unit tier
 def test_multidiscrete_policy_learns(tmp_path: Path) -> None:
     """Both sub-actions must follow their target bit: the MultiDiscrete head's log-probs are summed right."""
     summary = ppo_fabric.run(

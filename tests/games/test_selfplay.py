@@ -249,6 +249,7 @@ def _pool(path: Path) -> dict:
     return ckpt.load(path)["ranks"][0]["selfplay"]["pool"]
 
 
+@pytest.mark.slow  # seconds in process (a run, or every option composed): not the unit tier
 def test_selfplay_run_logs_results_and_pool_survives_resume(tmp_path: Path) -> None:
     """8 updates, a snapshot every 2, pool of 3: the initial weights (id 0), then updates 2, 4, 6, 8 join
     (ids 1-4) and ids 2, 3, 4 remain. Resumed after update 4, the run must continue the saved pool (a fresh

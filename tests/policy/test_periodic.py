@@ -170,6 +170,7 @@ def test_a_multiagent_run_evaluates_every_policy(tmp_path: Path) -> None:
     )
 
 
+@pytest.mark.slow  # seconds in process (a run, or every option composed): not the unit tier
 def test_a_game_is_evaluated_against_its_opponents(tmp_path: Path) -> None:
     """A turn-based game: the trained policy's games against each opponent of eval.opponents, its win rate
     against each and its score over all (the record); an opponent that cannot play here is refused in one

@@ -62,6 +62,7 @@ def test_resume_changes_the_result_without_env_state(tmp_path: Path) -> None:
     assert any(not torch.equal(full[k], resumed[k]) for k in full)
 
 
+@pytest.mark.slow  # seconds in process (a run, or every option composed): not the unit tier
 def test_numbered_checkpoints_are_pruned(tmp_path: Path) -> None:
     ppo_fabric.run([*BASE, f"hydra.run.dir={tmp_path}", "checkpoint.every=5", "checkpoint.keep=2"])
     names = sorted(p.name for p in (tmp_path / "checkpoints").iterdir())
@@ -101,6 +102,7 @@ def test_used_run_dir_is_refused_but_can_be_continued(tmp_path: Path) -> None:
     assert steps == [256, 512, 768, 1024], "the continued run must append to the metrics, not replace them"
 
 
+@pytest.mark.slow  # seconds in process (a run, or every option composed): not the unit tier
 def test_async_envs_resume_with_fresh_episodes(tmp_path: Path) -> None:
     """Async workers cannot be pickled: the checkpoint says so and resume restarts episodes, with a warning."""
     run = [*BASE[:1], "env.vector=async", "env.num_envs=2", "algo.rollout_steps=64", "algo.minibatch_size=64"]

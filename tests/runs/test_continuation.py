@@ -153,6 +153,7 @@ def test_a_chosen_option_is_kept_and_recorded() -> None:
     assert default.env.id == "CartPole-v1" and "default env option" in default.tuning
 
 
+@pytest.mark.slow  # seconds in process (a run, or every option composed): not the unit tier
 def test_every_option_the_table_names_exists() -> None:
     for _, options in table():
         compose(list(options))

@@ -113,6 +113,7 @@ def test_resume_then_prune_keeps_the_lineage_and_spares_other_branches(tmp_path:
     assert lineage == [[old_id, 0], [new_id, 1024]]
 
 
+@pytest.mark.slow  # seconds in process (a run, or every option composed): not the unit tier
 def test_best_and_time_based_checkpoints(tmp_path: Path) -> None:
     """checkpoint.every_minutes writes numbered checkpoints without checkpoint.every; with evaluation off,
     best.ckpt holds the best recent mean return seen at a checkpoint and evaluates like any checkpoint

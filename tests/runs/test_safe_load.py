@@ -333,6 +333,7 @@ def test_unknown_spaces_are_one_line() -> None:
         space_from_data({"type": "Box", "low": 1})
 
 
+@pytest.mark.slow  # seconds in process (a run, or every option composed): not the unit tier
 def test_dict_observations_resume_exactly(tmp_path: Path) -> None:
     """The carried next observation of Dict spaces is saved as a dict of tensors and resumes bit-exactly."""
     base = ["env=gym", "env.id=tests.pixel_envs:DictPixels-v0", "env.num_envs=2", "algo.total_steps=128",

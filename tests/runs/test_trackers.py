@@ -162,6 +162,7 @@ def test_decoupled_only_rank0_logs_to_mlflow_tracking_uri(tmp_path: Path, shared
     assert artifacts == {"summary.json", "config.yaml", "learning_curve.png"}
 
 
+@pytest.mark.slow  # seconds in process (a run, or every option composed): not the unit tier
 def test_mlflow_rows_wait_for_the_flush_and_a_stop_ends_killed(tmp_path: Path, shared_store: str) -> None:
     """Rows are buffered (one batch per `flush_seconds`), all sent at close; a stopped run (exit 128+N) is
     KILLED with the artifacts it has, and reopened from the same run dir as RUNNING."""
