@@ -1,6 +1,6 @@
 """Decoupled PPO: player ranks step the environments, trainer ranks learn under DDP among themselves.
 
-`main()` builds the process groups and sends each rank to `Player.run()` or `trainer()`. Players use the
+`main()` builds the process groups and sends each rank to `Player.run()` or `Trainer.run()`. Players use the
 same rollout loop, storage and GAE as the coupled strategy; trainers the same update (`update.py`). The
 messages between them, in order, are the methods of `protocol.PlayerLink` and `protocol.TrainerLink`.
 
@@ -21,6 +21,7 @@ Run as a script under `fabric run --accelerator=cpu --devices=3 ppo_fabric/ppo_d
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, NoReturn
 
@@ -63,6 +64,7 @@ from ppo_fabric.wire.placement import (
 from ppo_fabric.wire.progress import PROGRESS
 from ppo_fabric.wire.protocol import (
     BatchCodec,
+    Header,
     Kind,
     PlayerLink,
     Topology,
@@ -121,12 +123,31 @@ def main(fabric: Fabric, cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
     backend = "nccl" if trains_on == "cuda" else "gloo"
     topo = setup_topology(players_of(roles), float(cfg.collectives.timeout), backend)
     resume = ckpt.load(cfg.resume, env_state=str(cfg.resume_env)) if cfg.resume is not None else None
-    if topo.is_player:
-        return Player(fabric, cfg, run_dir, topo, resume).run()
-    return trainer(fabric, cfg, run_dir, topo, resume)
+    role_class = Player if topo.is_player else Trainer
+    return role_class(fabric, cfg, run_dir, topo, resume).run()
 
 
 # ------------------------------------------------------------------------------------------------ player
+@dataclass
+class PipelineState:
+    """Where a player stands in the message sequence: what it carries from one rollout to the next.
+
+    Without a pipeline `received == behaviour` always. With one, the rollout in flight acts with the
+    parameters of `behaviour` while the trainers learn `received`'s successor. A resumed pipeline starts
+    as the original run went on: its first rollout acts with the parameters `saved` with the checkpoint,
+    and the trainers' newest ones are `held` until that rollout is sent."""
+
+    received: int  # the update of the newest parameters received
+    behaviour: int  # the update of the parameters the policy acts with (on the batch being collected)
+    saved: dict[str, Any] | None = None  # a pipelined checkpoint's rank part: `policy`, `behaviour_update`
+    held: torch.Tensor | None = None  # the received parameters, while the saved ones act
+    timed: set[int] = field(default_factory=set)  # updates the players agreed to checkpoint by the clock
+
+    def adopt(self, update: int) -> None:
+        """The parameters of `update` are loaded: the next rollout acts with them."""
+        self.received = self.behaviour = update
+
+
 class Player:
     """A player rank: its envs, its copy of the policies, and where it stands in the message sequence."""
 
@@ -149,67 +170,69 @@ class Player:
         codecs = codecs_for(specs, self.collector.storages, len(topo.trainers), cfg)
         self.gae_inputs = gae_inputs(cfg)
         self.link = PlayerLink(topo, codecs, sum(p.numel() for p in self.params), len(self.names))
-        self.in_flight: dict[str, Any] | None = None  # pipeline resume: what the first rollout acts with
+        saved = None
         if resume is not None:
             changed = resume_collector(self.collector, resume, topo.rank, self.world, len(topo.players))
             if changed is None and self.pipeline and "policy" in resume["ranks"][topo.rank]:
-                self.in_flight = resume["ranks"][topo.rank]
+                saved = resume["ranks"][topo.rank]
             if changed and topo.rank == 0:
                 print(changed, flush=True)
         self.session = session_for(fabric, cfg, run_dir, resume)
-        per_update = self.session.per_update
+        self.state = PipelineState(self.session.start_update, self.session.start_update, saved)
         self.evaluation = (  # on a thread of the first player, off the critical path
-            evaluation_for(cfg, specs, per_update, self.session, resume, background=True)
+            evaluation_for(cfg, specs, self.session.per_update, self.session, resume, background=True)
             if topo.rank == 0
             else None
         )
-        self.received = self.session.start_update  # the update of the newest parameters received
-        self.behaviour = self.received  # the update of the parameters the policy acts with (on each batch)
-        self.timed: set[int] = set()  # updates the players agreed to checkpoint by the clock
 
     def run(self) -> dict[str, Any]:
-        session, collector = self.session, self.collector
-        self.received = self.behaviour = self.receive()  # every player starts from the trainers' parameters
-        resumed: torch.Tensor | None = None
-        if (
-            self.in_flight is not None
-        ):  # as in the original run, the first rollout uses the previous parameters
-            resumed = parameters_to_vector(self.params).clone()
-            vector_to_parameters(self.in_flight["policy"].to(self.device), self.params)
-            self.behaviour = int(self.in_flight["behaviour_update"])
-        for update in range(self.received, session.end_update):
-            pipelined = self.pipeline and update > session.start_update
-            signum, clock_due = self.agree()
-            if signum:
-                self.stop(signum, pipelined)
-            if clock_due:
-                self.timed.add(update + 1)
-            # a checkpoint of update k (received during this rollout) holds the state from before it
-            snapshot = self.snapshot() if pipelined and self.checkpoint_due(update) else None
-            t0 = time.perf_counter()
-            collector.collect(self.policies, session.env_step(update))
-            session.watch.add("collect", time.perf_counter() - t0)
-            t0 = time.perf_counter()
-            batches = {
-                n: training_batch(collector.storages[n], self.specs[n].seq_len, self.gae_inputs)
-                for n in self.link.codecs
-            }
-            self.link.send_data(batches, self.behaviour, self.pipeline, checkpoint_after=clock_due)
-            session.watch.add("send", time.perf_counter() - t0)
-            if pipelined:
-                self.received = self.behaviour = self.receive(
-                    snapshot
-                )  # update `update - 1` finished meanwhile
-            elif resumed is not None:
-                vector_to_parameters(resumed, self.params)
-                self.behaviour, resumed = self.received, None
-            if not self.pipeline:
-                self.received = self.behaviour = self.receive()
-        if self.pipeline and self.received < session.end_update:
-            self.received = self.receive()
-        self.link.send_stop(self.received)
-        summary = self.finish()
-        return summary
+        """Play from the trainers' first parameters to the last update, then tell the trainers to stop."""
+        self.start()
+        for update in range(self.state.received, self.session.end_update):
+            self.play(update)
+        if self.pipeline and self.state.received < self.session.end_update:
+            self.state.received = self.receive()  # the last update, learnt from the last rollout
+        self.link.send_stop(self.state.received)
+        return self.finish()
+
+    def start(self) -> None:
+        """Every player starts from the trainers' parameters; a resumed pipeline's first rollout acts with
+        the saved ones, as it did in the original run."""
+        state = self.state
+        state.adopt(self.receive())
+        if state.saved is not None:
+            state.held = parameters_to_vector(self.params).clone()
+            vector_to_parameters(state.saved["policy"].to(self.device), self.params)
+            state.behaviour = int(state.saved["behaviour_update"])
+
+    def play(self, update: int) -> None:
+        """One rollout: agree on a stop or a clock checkpoint, collect, send, then load what is due."""
+        session, state = self.session, self.state
+        pipelined = self.pipeline and update > session.start_update
+        signum, clock_due = self.agree()
+        if signum:
+            self.stop(signum, pipelined)
+        if clock_due:
+            state.timed.add(update + 1)
+        # a checkpoint of update k (received during this rollout) holds the state from before it
+        snapshot = self.snapshot() if pipelined and self.checkpoint_due(update) else None
+        t0 = time.perf_counter()
+        self.collector.collect(self.policies, session.env_step(update))
+        session.watch.add("collect", time.perf_counter() - t0)
+        t0 = time.perf_counter()
+        batches = {
+            n: training_batch(self.collector.storages[n], self.specs[n].seq_len, self.gae_inputs)
+            for n in self.link.codecs
+        }
+        self.link.send_data(batches, state.behaviour, self.pipeline, checkpoint_after=clock_due)
+        session.watch.add("send", time.perf_counter() - t0)
+        if pipelined:
+            state.adopt(self.receive(snapshot))  # update `update - 1` finished meanwhile
+        elif state.held is not None:  # the resumed rollout is sent: act with the newest parameters
+            vector_to_parameters(state.held, self.params)
+            state.behaviour, state.held = state.received, None
+        if not self.pipeline:
+            state.adopt(self.receive())
 
     def agree(self) -> tuple[int, bool]:
         """Stop on a signal, or checkpoint by the clock: every player decides the same at this boundary."""
@@ -218,7 +241,7 @@ class Player:
         return signum, clock_due
 
     def checkpoint_due(self, update: int) -> bool:
-        return self.session.checkpoint_due(update) or update in self.timed
+        return self.session.checkpoint_due(update) or update in self.state.timed
 
     def receive(self, snapshot: dict[str, Any] | None = None) -> int:
         """PARAMS: load the newest parameters, log the update they came from, checkpoint when due.
@@ -272,25 +295,28 @@ class Player:
 
     def snapshot(self) -> dict[str, Any]:
         policy_now = parameters_to_vector(self.params).detach().cpu().clone()
-        return collector_state(self.collector) | {"policy": policy_now, "behaviour_update": self.behaviour}
+        return collector_state(self.collector) | {
+            "policy": policy_now,
+            "behaviour_update": self.state.behaviour,
+        }
 
     def stop(self, signum: int, pipelined: bool) -> NoReturn:
         """Stop at this boundary: take the update in flight (pipeline), tell the trainers, checkpoint the
         state every rank is at now, and leave with `Stopped` like every other rank."""
-        snapshot = None
+        state, snapshot = self.state, None
         if pipelined:  # the state from before the rollout not collected, as a pipelined checkpoint holds
             snapshot = self.snapshot()
-            self.received = self.behaviour = self.receive(snapshot)
-        self.link.send_stop(self.received, signum)
+            state.adopt(self.receive(snapshot))
+        self.link.send_stop(state.received, signum)
         # the evaluation in flight is waited for, so that the checkpoint and the summary keep it
-        evaluate_in_background(self.evaluation, self.session, self.received, {}, self.collector, wait=True)
-        if self.session.last_checkpoint < self.received:
-            self.checkpoint(self.received, snapshot)
+        evaluate_in_background(self.evaluation, self.session, state.received, {}, self.collector, wait=True)
+        if self.session.last_checkpoint < state.received:
+            self.checkpoint(state.received, snapshot)
         summary = self.summary(self.topo.gather(self.end_part()), signum)  # summary.json, interrupted
         self.collector.envs.close()
         if self.evaluation is not None:
             self.evaluation.close()
-        self.session.stop(signum, self.received, summary)
+        self.session.stop(signum, state.received, summary)
 
     def end_part(self) -> dict[str, Any]:
         digest = parameters_digest(*self.policies.values())
@@ -314,7 +340,7 @@ class Player:
         time_split = {"player": session.watch.totals, "trainer": parts[self.topo.first_trainer]["time"]}
         digests = [part["digest"] for part in parts]
         summary = session.summary(
-            "decoupled", self.received, players, digests, time_split, self.specs, self.world, signum
+            "decoupled", self.state.received, players, digests, time_split, self.specs, self.world, signum
         )
         if self.evaluation is not None and self.evaluation.on:
             summary["evaluation"] = self.evaluation.state()
@@ -335,79 +361,95 @@ class Player:
 
 
 # ----------------------------------------------------------------------------------------------- trainer
-def trainer(
-    fabric: Fabric, cfg: DictConfig, run_dir: Path, topo: Topology, resume: dict | None
-) -> dict[str, Any]:
-    """Receive a batch from every player, update, publish the parameters; until STOP."""
-    # Fabric's DDP wraps the model over the trainers' group only: players never join it.
-    fabric.strategy.use_group(topo.trainer_group, len(topo.trainers))
-    specs = policy_specs(cfg)
-    learners = build_learners(fabric, specs, resume, float(cfg.algo.adam_eps))
-    params = all_parameters(policies_of(learners))
-    if resume is not None and len(resume["ranks"]) == fabric.world_size:
-        ckpt.set_rng_state(resume["ranks"][topo.rank]["rng"])
-    steps, copies = int(cfg.algo.rollout_steps), int(cfg.env.num_envs)
-    delayed = is_async(cfg.env)  # the players' storages have a `mask`: so has the template
-    templates = {n: policy_storage(steps, copies, s, "cpu", delayed) for n, s in specs.items()}
-    link = TrainerLink(topo, codecs_for(specs, templates, len(topo.trainers), cfg), fabric.device)
-    names = metric_names(specs)
-    rank_minibatch = training_layout(cfg, fabric.world_size).rank_minibatch
-    # each trainer's batch: per player, a time-major piece of its rollout, rows of `envs` steps
-    layouts = {n: (len(topo.players), t.batch_size[1]) for n, t in templates.items()}
-    session = session_for(fabric, cfg, run_dir, resume)
-    update = session.start_update
-    settings = UpdateSettings.of(cfg.algo)
+class Trainer:
+    """A trainer rank: its learners under DDP among the trainers, and the update it has reached."""
 
-    def mean_across(t: torch.Tensor) -> torch.Tensor:
-        return link.mean(t.to(fabric.device))
+    def __init__(
+        self, fabric: Fabric, cfg: DictConfig, run_dir: Path, topo: Topology, resume: dict | None
+    ) -> None:
+        # Fabric's DDP wraps the model over the trainers' group only: players never join it.
+        fabric.strategy.use_group(topo.trainer_group, len(topo.trainers))
+        self.fabric, self.cfg, self.topo = fabric, cfg, topo
+        specs = policy_specs(cfg)
+        self.learners = build_learners(fabric, specs, resume, float(cfg.algo.adam_eps))
+        self.params = all_parameters(policies_of(self.learners))
+        if resume is not None and len(resume["ranks"]) == fabric.world_size:
+            ckpt.set_rng_state(resume["ranks"][topo.rank]["rng"])
+        steps, copies = int(cfg.algo.rollout_steps), int(cfg.env.num_envs)
+        delayed = is_async(cfg.env)  # the players' storages have a `mask`: so has the template
+        templates = {n: policy_storage(steps, copies, s, "cpu", delayed) for n, s in specs.items()}
+        self.link = TrainerLink(topo, codecs_for(specs, templates, len(topo.trainers), cfg), fabric.device)
+        self.names = metric_names(specs)
+        self.rank_minibatch = training_layout(cfg, fabric.world_size).rank_minibatch
+        # each trainer's batch: per player, a time-major piece of its rollout, rows of `envs` steps
+        self.layouts = {n: (len(topo.players), t.batch_size[1]) for n, t in templates.items()}
+        self.session = session_for(fabric, cfg, run_dir, resume)
+        self.update = self.session.start_update  # the update the published parameters come from
+        self.settings = UpdateSettings.of(cfg.algo)
 
-    def checkpoint() -> None:
-        part: dict[str, Any] = {"rank_state": {"rng": ckpt.rng_state()}}
-        if link.publishes:
-            part["learner"] = learners_state(cfg, learners)
-        parts = topo.gather(part)
-        session.write_checkpoint({}, [p["rank_state"] for p in parts], update)
+    def run(self) -> dict[str, Any]:
+        """Publish the first parameters; then learn from each round of DATA until the players' STOP."""
+        session = self.session
+        self.link.publish(self.params, torch.zeros(len(self.names)), self.update)
+        while True:
+            t0 = time.perf_counter()
+            headers, batches = self.link.receive_data(self.fabric.device)
+            session.watch.add("wait_data", time.perf_counter() - t0)
+            if headers[0].kind == Kind.STOP:
+                return self.finish(headers[0].signum)  # the players' signal, 0 at the planned end
+            self.learn(headers, batches)
 
-    link.publish(params, torch.zeros(len(names)), update)
-    while True:
-        t0 = time.perf_counter()
-        headers, batches = link.receive_data(fabric.device)
-        session.watch.add("wait_data", time.perf_counter() - t0)
-        if headers[0].kind == Kind.STOP:
-            break
-        lag = update - sum(h.update for h in headers) / len(headers)
+    def learn(self, headers: list[Header], batches: dict[str, Any]) -> None:
+        """One update from every player's batch; publish the parameters and checkpoint when due."""
+        session = self.session
+        lag = self.update - sum(h.update for h in headers) / len(headers)
         t0 = time.perf_counter()
         stats = update_policies(
-            fabric,
-            learners,
+            self.fabric,
+            self.learners,
             batches,
-            settings=settings,
-            env_step=session.env_step(update),
+            settings=self.settings,
+            env_step=session.env_step(self.update),
             lr_schedule=session.lr_schedule,
-            mean_across=mean_across,
-            rank_minibatch=rank_minibatch,
+            mean_across=self.mean_across,
+            rank_minibatch=self.rank_minibatch,
             policy_lag=lag,
-            layouts=layouts,
+            layouts=self.layouts,
         )
         elapsed = time.perf_counter() - t0
         session.watch.add("train", elapsed)
-        update += 1
+        self.update += 1
         samples = sum(b["logprobs"].numel() for b in batches.values())  # steps, also inside sequences
         stats |= {"train/policy_lag": lag, "time/trainer_sps": samples / elapsed, "time/train_s": elapsed}
-        metrics = mean_across(torch.tensor([stats[k] for k in names], dtype=torch.float32))
-        metrics[names.index("time/trainer_sps")] *= len(topo.trainers)  # samples/s of all trainers
-        link.publish(params, metrics.cpu(), update)
-        if session.checkpoint_due(update) or headers[0].checkpoint:
-            checkpoint()
-    signum = headers[0].signum  # the signal the players stopped on, 0 at the planned end
-    if signum and session.last_checkpoint < update:
-        checkpoint()
-    digest = parameters_digest(*policies_of(learners).values())
-    topo.gather({"digest": digest, "time": session.watch.totals, "device": str(fabric.device)})
-    if signum:
-        session.stop(signum, update)
-    session.logger.close()
-    return {"strategy": "decoupled", "rank": topo.rank, "role": "trainer"}
+        names = self.names
+        metrics = self.mean_across(torch.tensor([stats[k] for k in names], dtype=torch.float32))
+        metrics[names.index("time/trainer_sps")] *= len(self.topo.trainers)  # samples/s of all trainers
+        self.link.publish(self.params, metrics.cpu(), self.update)
+        if session.checkpoint_due(self.update) or headers[0].checkpoint:
+            self.checkpoint()
+
+    def mean_across(self, t: torch.Tensor) -> torch.Tensor:
+        return self.link.mean(t.to(self.fabric.device))
+
+    def checkpoint(self) -> None:
+        """CHECKPOINT: this rank's part; the first trainer's holds the learners."""
+        part: dict[str, Any] = {"rank_state": {"rng": ckpt.rng_state()}}
+        if self.link.publishes:
+            part["learner"] = learners_state(self.cfg, self.learners)
+        parts = self.topo.gather(part)
+        self.session.write_checkpoint({}, [p["rank_state"] for p in parts], self.update)
+
+    def finish(self, signum: int) -> dict[str, Any]:
+        """After STOP: checkpoint a stop, give the first player this rank's end-of-run part."""
+        session = self.session
+        if signum and session.last_checkpoint < self.update:
+            self.checkpoint()
+        digest = parameters_digest(*policies_of(self.learners).values())
+        self.topo.gather({"digest": digest, "time": session.watch.totals, "device": str(self.fabric.device)})
+        if signum:
+            session.stop(signum, self.update)
+        session.logger.close()
+        return {"strategy": "decoupled", "rank": self.topo.rank, "role": "trainer"}
 
 
 if __name__ == "__main__":
