@@ -19,7 +19,7 @@ never the actions.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 import torch
@@ -28,7 +28,10 @@ from torch import Tensor
 
 from ppo_fabric.collect import numpy_actor
 from ppo_fabric.learn.buffer import STATE_KEY
-from ppo_fabric.models.agent import ActorCritic, Obs, rollout_noise
+from ppo_fabric.models.agent import ActorCritic, rollout_noise
+
+if TYPE_CHECKING:
+    from ppo_fabric.models.agent import Obs
 
 
 class Actor(Protocol):

@@ -10,7 +10,7 @@ import sys
 from collections import deque
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import gymnasium as gym
 import numpy as np
@@ -43,8 +43,11 @@ from ppo_fabric.games.selfplay import SelfPlay
 from ppo_fabric.learn.advantages import compute_advantages
 from ppo_fabric.learn.buffer import STATE_KEY, MultiAgentRolloutBuffer, rollout_storage, training_batch
 from ppo_fabric.learn.learners import PolicySpec
-from ppo_fabric.models.agent import ActorCritic, Obs
+from ppo_fabric.models.agent import ActorCritic
 from ppo_fabric.wire.progress import PROGRESS
+
+if TYPE_CHECKING:
+    from ppo_fabric.models.agent import Obs
 
 
 @dataclass

@@ -9,17 +9,19 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import gymnasium as gym
 import numpy as np
 import torch
 import torch.nn.functional as F
 from omegaconf import DictConfig
-from tensordict import TensorDict
 from torch import Tensor, nn
 
 from ppo_fabric.compat.private import linear_parameters
+
+if TYPE_CHECKING:  # tensordict imports torch._dynamo (~1.5 s): the checks before a run need only the model
+    from tensordict import TensorDict
 
 ACTIVATIONS: dict[str, Callable[[Tensor], Tensor]] = {
     "tanh": torch.tanh,
@@ -61,7 +63,8 @@ class MLP(nn.Module):
 
 
 # --------------------------------------------------------------------------------------------- encoders
-Obs = Tensor | TensorDict  # a Box observation batch, or a TensorDict of them for Dict observation spaces
+if TYPE_CHECKING:
+    Obs = Tensor | TensorDict  # a Box observation batch, or a TensorDict of them for Dict observation spaces
 
 
 def is_image_space(space: gym.Space) -> bool:
@@ -80,6 +83,8 @@ def single_obs_batch(obs: Any) -> Obs:
     """One env's observation (array, or dict of arrays) as a batch of one, for evaluation outside the
     rollout. Pixels may arrive as float32: the CNN scales by its space's dtype, not the batch's."""
     if isinstance(obs, dict):
+        from tensordict import TensorDict
+
         parts = {k: single_obs_batch(v) for k, v in obs.items()}
         return TensorDict(parts, batch_size=[1])
     return torch.as_tensor(np.asarray(obs), dtype=torch.float32).unsqueeze(0)

@@ -17,6 +17,7 @@ import os
 import pickle
 import pickletools
 import random
+import sys
 import tempfile
 import warnings
 import zipfile
@@ -29,7 +30,6 @@ import gymnasium as gym
 import numpy as np
 import torch
 from omegaconf import OmegaConf
-from tensordict import TensorDict
 
 from ppo_fabric.config.defaults import with_defaults
 from ppo_fabric.envs.spaces import space_from_data, space_to_data
@@ -116,6 +116,13 @@ def _signed_pickle(snapshot: Any) -> bytes | None:
     return blob if signing.verify(blob, snapshot.get("hmac")) else None
 
 
+def _is_tensordict(obj: Any) -> bool:
+    """Without importing tensordict (1.5 s, torch._dynamo), which the checks before a run never need: a
+    process that has not imported it holds no TensorDict."""
+    module = sys.modules.get("tensordict")
+    return module is not None and isinstance(obj, module.TensorDictBase)
+
+
 def to_plain(obj: Any) -> Any:
     """`obj` with numpy arrays and scalars, spaces, TensorDicts and deques turned into what
     `torch.load(weights_only=True)` reads; containers already plain are returned as they are (model state
@@ -128,7 +135,7 @@ def to_plain(obj: Any) -> Any:
         return torch.from_numpy(obj.copy())
     if isinstance(obj, gym.Space):
         return space_to_data(obj)
-    if isinstance(obj, TensorDict):
+    if _is_tensordict(obj):
         return to_plain(obj.to_dict())
     if isinstance(obj, Mapping):
         plain = {key: to_plain(value) for key, value in obj.items()}

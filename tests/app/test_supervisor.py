@@ -214,3 +214,21 @@ def test_a_failed_launcher_child_leaves_its_cause_for_the_supervisor(
     assert failed_child(tmp_path) is recorded
     forget_failed_child(tmp_path)
     assert not failed_child(tmp_path)
+
+
+@pytest.mark.slow
+def test_the_checks_before_a_run_leave_tensordict_unimported(tmp_path: Path, tiny_run: Path) -> None:
+    """The supervisor checks a run (env, model, the checkpoint it resumes) before its job imports everything
+    again: tensordict (with torch._dynamo, ~1.5 s a process) is not needed for that and stays unimported.
+    In a fresh process, as the supervisor is."""
+    overrides = [f"resume={tiny_run / 'checkpoints' / 'last.ckpt'}", "algo.total_steps=1024"]
+    code = (
+        "import sys\n"
+        "from ppo_fabric.app import preflight, supervisor\n"
+        f"preflight.load({overrides!r} + ['hydra.run.dir=' + sys.argv[1]])\n"
+        "print(sorted({m.split('.')[0] for m in sys.modules} & {'tensordict', 'lightning_fabric', 'torch'}))\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code, str(tmp_path / "run")], env=job_env(), cwd=tmp_path,
+                          capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.splitlines()[-1] == "['torch']", proc.stdout
