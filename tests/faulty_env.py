@@ -1,7 +1,7 @@
 """A CartPole that goes wrong on purpose, for the fault tests (`env.id=tests.faulty_env:FaultyCartPole-v0`).
 
 `fault`: `nan_obs` (one observation entry NaN), `inf_reward`, `raise` (step raises), `hang` (step sleeps for
-ever, a stuck simulator), `slow_close` (close takes 7 s; steps are fine) or `none`; it strikes at the `after`-th step of each env instance (a recreated env
+ever, a stuck simulator), `slow_close` (the process's first close takes 7 s; steps are fine) or `none`; it strikes at the `after`-th step of each env instance (a recreated env
 starts counting again), on rank `rank` (-1: every rank), for `times` steps in a row (0: from then on);
 `others` is the fault of the other ranks then (default `none`).
 With `seeds`, only in an instance last reset with one of them (the evaluation envs' seeds: a fault in
@@ -17,6 +17,9 @@ from typing import Any
 import gymnasium as gym
 import numpy as np
 from gymnasium.envs.classic_control import CartPoleEnv
+
+
+_SLOW_CLOSES = [1]  # `slow_close` sleeps once a process: one 7-s close outlasts Lightning's 5-s poll
 
 
 class FaultyCartPole(CartPoleEnv):
@@ -42,7 +45,8 @@ class FaultyCartPole(CartPoleEnv):
         return super().reset(seed=seed, options=options)
 
     def close(self) -> None:
-        if self.fault == "slow_close":
+        if self.fault == "slow_close" and _SLOW_CLOSES:
+            _SLOW_CLOSES.pop()
             time.sleep(7.0)
         super().close()
 
