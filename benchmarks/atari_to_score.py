@@ -68,10 +68,6 @@ def merged(runs: list[dict[str, Any]], row: dict[str, Any]) -> list[dict[str, An
     return [r for r in runs if any(r.get(k, "") != row.get(k, "") for k in key)] + [row]
 
 
-def _fmt(value: float | None, spec: str, none: str = "n/a") -> str:
-    return none if value is None else format(value, spec)
-
-
 def markdown(report: dict[str, Any]) -> str:
     m = report["machine"]
     gpus = ", ".join(g.get("name", "?") for g in report.get("gpus", [])) or "none (dry run)"
@@ -91,9 +87,9 @@ def markdown(report: dict[str, Any]) -> str:
         stopped = f" (stopped at {r['stopped_after_s']:.0f} s)" if r.get("stopped_after_s") else ""
         lines.append(
             f"| {r['env_id']} | {variant(r)}{stopped} | {r['seed']} | {r['total_env_steps']:,} | "
-            f"{r['threshold']:g} | {_fmt(r['step_at_threshold'], ',', 'never')} | {_fmt(r['wall_at_threshold'], '.0f', 'never')} | "
-            f"{_fmt(r['final_mean_return'], '.1f')} | {_fmt(r['best_mean_return'], '.1f')} | "
-            f"{_fmt(r['sps_steady'], ',.0f')} | {_fmt(start, '.0f')} | {r['commit']} |"
+            f"{r['threshold']:g} | {common.fmt(r['step_at_threshold'], ',', 'never')} | {common.fmt(r['wall_at_threshold'], '.0f', 'never')} | "
+            f"{common.fmt(r['final_mean_return'], '.1f')} | {common.fmt(r['best_mean_return'], '.1f')} | "
+            f"{common.fmt(r['sps_steady'], ',.0f')} | {common.fmt(start, '.0f')} | {r['commit']} |"
         )
     lines += ["", f"Published marks: {MARKS}.", "", f"Command: `{report['command']}`", ""]
     lines += [f"Overrides of `{variant(r)}`: `{' '.join(r['overrides'])}`" for r in report["runs"]]

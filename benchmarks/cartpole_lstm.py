@@ -133,10 +133,6 @@ def plot(runs: list[dict[str, Any]], out: Path, task: str = "dropped") -> None:
     fig.savefig(out)
 
 
-def _fmt(value: float | None) -> str:
-    return "n/a" if value is None else f"{value:.1f}"
-
-
 def late_mean(curve: list[tuple[int, float]], total: int, fraction: float = 0.2) -> float | None:
     """Mean of the logged mean20 values over the last `fraction` of the run: how well a run holds on."""
     late = [v for step, v in curve if step >= (1 - fraction) * total]
@@ -162,9 +158,9 @@ def markdown(report: dict[str, Any], command: str) -> str:
         "best mean20 | mean of mean20, last 20% of steps | SPS | wall s | load before/after |",
         "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
         *(
-            f"| {r['model']} | {r['seed']} | {r['total_env_steps']:,} | {_fmt(r['final_mean_return'])} | "
-            f"{r['first_step_mean20_at_475'] or 'never'} | {_fmt(r['best_mean20'])} | "
-            f"{_fmt(late_mean(r['curve'], r['total_env_steps']))} | {r['sps']:,.0f} | "
+            f"| {r['model']} | {r['seed']} | {r['total_env_steps']:,} | {common.fmt(r['final_mean_return'])} | "
+            f"{r['first_step_mean20_at_475'] or 'never'} | {common.fmt(r['best_mean20'])} | "
+            f"{common.fmt(late_mean(r['curve'], r['total_env_steps']))} | {r['sps']:,.0f} | "
             f"{r['wall_seconds']:.0f} | {r['load_before']:.1f} / {r['load_after']:.1f} |"
             for r in report["runs"]
         ),
@@ -204,7 +200,7 @@ def main() -> None:
         for model in models:
             r = run_one(model, seed, args.steps, args.extra, args.task)
             runs.append(r)
-            print(f"model={model} seed {seed}: {r['total_env_steps']:,} steps, final {_fmt(r['final_mean_return'])}, "
+            print(f"model={model} seed {seed}: {r['total_env_steps']:,} steps, final {common.fmt(r['final_mean_return'])}, "
                   f"first mean20 >= 475 at {r['first_step_mean20_at_475']}, {r['sps']:,.0f} SPS, "
                   f"{r['wall_seconds']:.0f} s", flush=True)  # fmt: skip
     args.out.mkdir(parents=True, exist_ok=True)

@@ -18,9 +18,9 @@ import common  # noqa: E402
 from common import RESULTS, run_once  # noqa: E402
 
 LAYOUTS = {
-    "coupled, 1 process": ["strategy=coupled"],
-    "decoupled 1+1, pipeline on": ["strategy=decoupled", "fabric.devices=2", "algo.pipeline=true"],
-    "decoupled 1+1, pipeline off": ["strategy=decoupled", "fabric.devices=2", "algo.pipeline=false"],
+    "coupled, 1 process": common.LAYOUTS["coupled"],
+    "decoupled 1+1, pipeline on": common.LAYOUTS["pipelined"],
+    "decoupled 1+1, pipeline off": common.LAYOUTS["synchronous"],
     "decoupled 1+2, pipeline on": ["strategy=decoupled", "fabric.devices=3", "algo.pipeline=true"],
     "decoupled 1+2, pipeline off": ["strategy=decoupled", "fabric.devices=3", "algo.pipeline=false"],
 }

@@ -33,13 +33,7 @@ import common  # noqa: E402
 from common import RESULTS, run_once  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
-WORKLOAD = [
-    "env=lunarlander",
-    "strategy=decoupled",
-    "fabric.devices=2",
-    "algo.players=1",
-    "algo.pipeline=true",
-]
+WORKLOAD = ["env=lunarlander", *common.LAYOUTS["pipelined"]]
 FAULTS = ("kill", "nan_burst", "raise", "hang")
 
 

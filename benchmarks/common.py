@@ -18,6 +18,14 @@ from pathlib import Path
 from typing import Any
 
 RESULTS = Path(__file__).resolve().parent / "results"
+# The layouts the benchmarks compare: one definition. Run records hold these overrides, and `learning.py`
+# takes a run `time_to_score.py` trained when its overrides match: change a layout, and both re-run it.
+DECOUPLED_1_1 = ("strategy=decoupled", "fabric.devices=2", "algo.players=1")
+LAYOUTS: dict[str, tuple[str, ...]] = {
+    "coupled": ("strategy=coupled", "fabric.devices=1"),
+    "pipelined": (*DECOUPLED_1_1, "algo.pipeline=true"),  # 1 player + 1 trainer, one update of lag
+    "synchronous": (*DECOUPLED_1_1, "algo.pipeline=false"),
+}
 STOP_GRACE_S = 15.0  # a run stopped at its timeout gets this long to checkpoint and end before it is killed
 
 
@@ -69,6 +77,11 @@ def machine() -> dict[str, Any]:
 
     return {"cpu": cpu_model(), "cores": os.cpu_count(), "torch": torch.__version__,
             "python": platform.python_version()}  # fmt: skip
+
+
+def fmt(value: float | None, spec: str = ".1f", none: str = "n/a") -> str:
+    """A figure for a table; `none` where there is none (no episode ended, the threshold never reached)."""
+    return none if value is None else format(value, spec)
 
 
 def first_step_at(metrics_csv: Path, key: str, threshold: float) -> int | None:

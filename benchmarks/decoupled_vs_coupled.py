@@ -24,9 +24,9 @@ import common  # noqa: E402
 from common import RESULTS, run_once  # noqa: E402
 
 VARIANTS = {
-    "coupled (1 process)": ["strategy=coupled", "fabric.devices=1"],
-    "decoupled 1+1 pipelined": ["strategy=decoupled", "fabric.devices=2", "algo.pipeline=true"],
-    "decoupled 1+1 synchronous": ["strategy=decoupled", "fabric.devices=2", "algo.pipeline=false"],
+    "coupled (1 process)": common.LAYOUTS["coupled"],
+    "decoupled 1+1 pipelined": common.LAYOUTS["pipelined"],
+    "decoupled 1+1 synchronous": common.LAYOUTS["synchronous"],
 }
 
 

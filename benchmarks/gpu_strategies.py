@@ -114,8 +114,8 @@ def envpool_rows(
                      "variant": name, "overrides": run,
                      "commit": commit, **figures(s),
                      "gpu": None if dry_run else sampler.stats(exited - s["wall_seconds"], exited)})  # fmt: skip
-        print(f"Pong-v5, 32 envs {name:34s} {s['sps']:10,.0f} SPS  collect {_fmt(rows[-1]['split']['collect'], '.2f')} "
-              f"train {_fmt(rows[-1]['split']['train'], '.2f')}", flush=True)  # fmt: skip
+        print(f"Pong-v5, 32 envs {name:34s} {s['sps']:10,.0f} SPS  collect {common.fmt(rows[-1]['split']['collect'], '.2f')} "
+              f"train {common.fmt(rows[-1]['split']['train'], '.2f')}", flush=True)  # fmt: skip
     return rows
 
 
@@ -327,10 +327,6 @@ def gpu_info() -> list[dict[str, str]]:
     return [dict(zip(query.split(","), r, strict=False)) for r in rows]
 
 
-def _fmt(value: float | None, spec: str = ".0f") -> str:
-    return "n/a" if value is None else format(value, spec)
-
-
 def _rounded(tree: dict[str, Any]) -> dict[str, Any]:
     return {k: _rounded(v) if isinstance(v, dict) else round(v, 2) for k, v in tree.items()}
 
@@ -341,8 +337,8 @@ def _per_gpu(row: dict[str, Any], key: str) -> str:
     if not gpu:
         return "n/a"
     if len(gpu) == 1:
-        return _fmt(next(iter(gpu.values()))[key])
-    return ", ".join(f"{i}: {_fmt(s[key])}" for i, s in gpu.items())
+        return common.fmt(next(iter(gpu.values()))[key], ".0f")
+    return ", ".join(f"{i}: {common.fmt(s[key], '.0f')}" for i, s in gpu.items())
 
 
 def _startup(row: dict[str, Any]) -> float | None:
@@ -384,10 +380,10 @@ def markdown(report: dict[str, Any]) -> str:
         stopped = f" (stopped at {r['stopped_after_s']:.0f} s)" if r.get("stopped_after_s") else ""
         lines.append(
             f"| {r['workload']} | {r['variant']}{stopped} | {r['steps']:,} | {r['sps']:,.0f} | "
-            f"{_fmt(r.get('sps_steady'), ',.0f')} | {_fmt(_startup(r))} | {util} | "
-            f"{_per_gpu(r, 'util_max')} | {_per_gpu(r, 'mem_max_mib')} | {_fmt(s['collect'], '.2f')} | "
-            f"{'-' if 'strategy=coupled' in r['overrides'] else _fmt(s['transfer'], '.2f')} | {_fmt(s['train'], '.2f')} | "
-            f"{_fmt(r['final_mean_return'], '.1f')} |"
+            f"{common.fmt(r.get('sps_steady'), ',.0f')} | {common.fmt(_startup(r), '.0f')} | {util} | "
+            f"{_per_gpu(r, 'util_max')} | {_per_gpu(r, 'mem_max_mib')} | {common.fmt(s['collect'], '.2f')} | "
+            f"{'-' if 'strategy=coupled' in r['overrides'] else common.fmt(s['transfer'], '.2f')} | {common.fmt(s['train'], '.2f')} | "
+            f"{common.fmt(r['final_mean_return'], '.1f')} |"
         )
     lines += ["", "Overrides of each row (`run_once` adds `logger.tensorboard=false hydra.run.dir=<tmp>`) and its "
               "time split in seconds:", ""]  # fmt: skip
@@ -533,7 +529,7 @@ def main() -> None:
             sp = row["split"]
             print(f"{workload:24s} {variant:38s} {s['sps']:10,.0f} SPS  GPU util {_per_gpu(row, 'util_mean_loop')} % "
                   f"(max {_per_gpu(row, 'util_max')}), mem {_per_gpu(row, 'mem_max_mib')} MiB  collect "
-                  f"{_fmt(sp['collect'], '.2f')} send+wait {_fmt(sp['transfer'], '.2f')} train {_fmt(sp['train'], '.2f')}",
+                  f"{common.fmt(sp['collect'], '.2f')} send+wait {common.fmt(sp['transfer'], '.2f')} train {common.fmt(sp['train'], '.2f')}",
                   flush=True)  # fmt: skip
             if row["start_up_trace"]:
                 print(f"{'':24s} start-up: {row['start_up_trace']}", flush=True)

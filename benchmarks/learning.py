@@ -92,10 +92,7 @@ SUITES: dict[str, tuple[Task, ...]] = {
              MINATAR, "5M (reference: 10M)"),
     ),
 }  # fmt: skip
-VARIANTS: dict[str, tuple[str, ...]] = {
-    "coupled": ("strategy=coupled", "fabric.devices=1"),
-    "pipelined": ("strategy=decoupled", "fabric.devices=2", "algo.players=1", "algo.pipeline=true"),
-}
+VARIANTS = {name: common.LAYOUTS[name] for name in ("coupled", "pipelined")}
 
 
 def run_overrides(

@@ -52,11 +52,6 @@ def run_seed(env: str, seed: int, steps: int | None, extra: list[str]) -> dict[s
     }
 
 
-def _fmt(value: float | None) -> str:
-    """A return for the table; None when no episode finished (a very short smoke run)."""
-    return "n/a" if value is None else f"{value:.1f}"
-
-
 def markdown(report: dict[str, Any], command: str) -> str:
     m, env_id, target = report["machine"], report["env_id"], report["target"]
     lines = [
@@ -70,7 +65,7 @@ def markdown(report: dict[str, Any], command: str) -> str:
         f"| seed | env steps | final mean return (last 20) | reached {target:g} | first step with mean20 >= {target:g} | SPS | wall s |",
         "|---:|---:|---:|:---:|---:|---:|---:|",
         *(
-            f"| {r['seed']} | {r['total_env_steps']:,} | {_fmt(r['final_mean_return'])} | "
+            f"| {r['seed']} | {r['total_env_steps']:,} | {common.fmt(r['final_mean_return'])} | "
             f"{'yes' if r['reached_target'] else 'no'} | {r['first_step_mean20_at_target'] or 'never'} | "
             f"{r['sps']:,.0f} | {r['wall_seconds']:.0f} |"
             for r in report["runs"]
@@ -99,7 +94,7 @@ def main() -> None:
     for seed in range(1, args.seeds + 1):
         r = run_seed(args.env, seed, args.steps, args.extra)
         runs.append(r)
-        print(f"{env_id} seed {seed}: {r['total_env_steps']:,} steps, final {_fmt(r['final_mean_return'])}, first "
+        print(f"{env_id} seed {seed}: {r['total_env_steps']:,} steps, final {common.fmt(r['final_mean_return'])}, first "
               f"mean20 >= {target:g} at {r['first_step_mean20_at_target']}, {r['sps']:,.0f} SPS, "
               f"{r['wall_seconds']:.0f} s", flush=True)  # fmt: skip
     report = {"env": args.env, "env_id": env_id, "target": target, "steps": args.steps,

@@ -269,10 +269,6 @@ def plot(report: dict[str, Any], out: Path) -> None:
 
 
 # ------------------------------------------------------------------------------------ report
-def _fmt(value: float | None, digits: int = 1) -> str:
-    return "n/a" if value is None else f"{value:.{digits}f}"
-
-
 def markdown(report: dict[str, Any], command: str) -> str:
     m, refs = report["machine"], report["references"]
     extra = (
@@ -288,8 +284,8 @@ def markdown(report: dict[str, Any], command: str) -> str:
             trained = "trained" if p["trained"] else "frozen"
             rows.append(
                 f"| {env} | {r['name']} | {r['total_env_steps']:,} | {policy} ({p['agents_per_env']} agents, {trained}) | "
-                f"{_fmt(ref.get(policy), 2)} | {_fmt(p['final_mean_return'], 2)} | {_fmt(p['last10_updates_return'], 2)} | "
-                f"{_fmt(p['final_entropy'], 2)} | "
+                f"{common.fmt(ref.get(policy), '.2f')} | {common.fmt(p['final_mean_return'], '.2f')} | {common.fmt(p['last10_updates_return'], '.2f')} | "
+                f"{common.fmt(p['final_entropy'], '.2f')} | "
                 f"{r['sps']:,.0f} | {r['wall_seconds']:.0f} | {r['process_wall_seconds']:.0f} | "
                 f"{r['loadavg_1min_before']:.1f} / {r['loadavg_1min_after']:.1f} |"
             )
@@ -369,7 +365,9 @@ def main() -> None:
         for name, extra in TEAMS_RUNS.items():
             runs.append(train(name, [*base, *extra]))
     for r in runs:
-        per_policy = ", ".join(f"{p} {_fmt(v['final_mean_return'], 2)}" for p, v in r["policies"].items())
+        per_policy = ", ".join(
+            f"{p} {common.fmt(v['final_mean_return'], '.2f')}" for p, v in r["policies"].items()
+        )
         print(f"{r['name']}: {r['total_env_steps']:,} steps, final {per_policy}, {r['sps']:,.0f} SPS, "
               f"{r['wall_seconds']:.0f} s", flush=True)  # fmt: skip
 

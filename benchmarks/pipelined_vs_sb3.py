@@ -29,8 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402
 from common import RESULTS, run_once  # noqa: E402
 
-PIPELINED = ["exp=cleanrl_cartpole", "strategy=decoupled", "fabric.devices=2", "algo.pipeline=true",
-             "torch_threads=1"]  # fmt: skip
+PIPELINED = ["exp=cleanrl_cartpole", *common.LAYOUTS["pipelined"], "torch_threads=1"]
 
 
 def sb3_sps(steps: int) -> float:

@@ -48,17 +48,17 @@ WORKLOADS: dict[str, tuple[list[str], float]] = {
     "lunarlander": (["env=lunarlander"], 200.0),
     "halfcheetah": (["exp=mujoco"], 1500.0),
 }
-DECOUPLED = ["strategy=decoupled", "fabric.devices=2", "algo.players=1"]
+DECOUPLED = list(common.DECOUPLED_1_1)
 VARIANTS: dict[str, list[str]] = {
-    "coupled": ["strategy=coupled", "fabric.devices=1"],
-    "synchronous": [*DECOUPLED, "algo.pipeline=false"],
+    "coupled": list(common.LAYOUTS["coupled"]),
+    "synchronous": list(common.LAYOUTS["synchronous"]),
     "pipelined_uncorrected": [
         *DECOUPLED,
         "algo.pipeline=true",
         "algo.lag_refresh_advantages=false",
         "algo.lag_objective=false",
     ],
-    "pipelined": [*DECOUPLED, "algo.pipeline=true"],
+    "pipelined": list(common.LAYOUTS["pipelined"]),
     "pipelined_vtrace": [*DECOUPLED, "algo.pipeline=true", "algo.lag_vtrace=true"],
     "pipelined_objective_only": [*DECOUPLED, "algo.pipeline=true", "algo.lag_refresh_advantages=false"],
     "pipelined_refresh_only": [*DECOUPLED, "algo.pipeline=true", "algo.lag_objective=false"],

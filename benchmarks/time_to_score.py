@@ -54,8 +54,8 @@ WORKLOADS: dict[str, tuple[list[str], float]] = {
     "breakout": (["exp=minatar"], 12.0),
 }
 VARIANTS: dict[str, list[str]] = {
-    "coupled": ["strategy=coupled", "fabric.devices=1"],
-    "pipelined": ["strategy=decoupled", "fabric.devices=2", "algo.players=1", "algo.pipeline=true"],
+    "coupled": list(common.LAYOUTS["coupled"]),
+    "pipelined": list(common.LAYOUTS["pipelined"]),
     "sb3": [],
 }
 WINDOW = 20
