@@ -1,6 +1,6 @@
 """Is ppo-fabric's PPO update Stable-Baselines3's? One rollout, two updates, the parameters compared.
 
-SB3's PPO (configured from ppo-fabric's composed config by `cartpole_vs_sb3.sb3_settings`, as the time-to-score
+SB3's PPO (configured from ppo-fabric's composed config by `sb3_baseline.sb3_settings`, as the time-to-score
 benchmark configures it) collects one rollout of the workload and runs its update. ppo-fabric's model starts
 from SB3's initial weights (mapped name by name) and runs its own `update.update_policy` on the same rollout
 (observations, actions, log-probs, values, advantages, returns, in SB3's env-major order), with each epoch's
@@ -31,7 +31,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402
-from cartpole_vs_sb3 import sb3_settings  # noqa: E402
+from sb3_baseline import sb3_settings  # noqa: E402
 from time_to_score import flat_workload  # noqa: E402
 
 # ppo-fabric's parameter prefix -> SB3's (MlpPolicy with separate 2-layer actor and critic MLPs)

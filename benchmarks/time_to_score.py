@@ -8,7 +8,7 @@ is one run in a fresh process, one at a time:
 |---|---|
 | `coupled` | `python -m ppo_fabric <workload> strategy=coupled fabric.devices=1` (1 process) |
 | `pipelined` | `... strategy=decoupled fabric.devices=2 algo.players=1 algo.pipeline=true` (1 player + 1 trainer) |
-| `sb3` | Stable-Baselines3 `PPO` configured from the same composed config (`cartpole_vs_sb3.sb3_settings`), 1 process |
+| `sb3` | Stable-Baselines3 `PPO` configured from the same composed config (`sb3_baseline.sb3_settings`), 1 process |
 
 Workloads (threshold): `lunarlander` (`env=lunarlander`, 200), `halfcheetah` (`exp=mujoco`, 1500),
 `hopper` (`exp=mujoco env.id=Hopper-v5`, 2000), `breakout` (`exp=minatar`, 12: below the 15 the recipe reached
@@ -62,7 +62,7 @@ WINDOW = 20
 
 
 def flat_workload(overrides: list[str]) -> dict[str, Any]:
-    """The composed config as the flat `group.key` -> value dict `cartpole_vs_sb3.sb3_settings` reads."""
+    """The composed config as the flat `group.key` -> value dict `sb3_baseline.sb3_settings` reads."""
     from omegaconf import OmegaConf
 
     from ppo_fabric.config.values import compose
@@ -103,7 +103,7 @@ def child_sb3(
     per-step cost on 2 cores makes a full MuJoCo run ~15 minutes, and the time to the threshold is what
     this benchmark compares)."""
     import torch
-    from cartpole_vs_sb3 import sb3_settings, warm_up_torch
+    from sb3_baseline import sb3_settings, warm_up_torch
     from stable_baselines3 import PPO
     from stable_baselines3.common.callbacks import BaseCallback
     from stable_baselines3.common.env_util import make_vec_env
