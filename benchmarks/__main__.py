@@ -31,7 +31,6 @@ class Entry(NamedTuple):
 
 # In `all`'s order (make bench's); a script `all` runs twice with other arguments has a row for each run.
 TABLE: tuple[Entry, ...] = (
-    Entry("profile_split", "where the time of CleanRL's CartPole workload goes, phase by phase", "all"),
     Entry("numpy_rollout", "the NumPy rollout actor against the torch one", "all"),
     Entry(
         "pipelined_vs_sb3",
@@ -75,11 +74,6 @@ TABLE: tuple[Entry, ...] = (
     Entry("envpool_vs_gymnasium", "EnvPool vs gymnasium collection on CartPole", "benchmark"),
     Entry("selfplay_games", "self-play on tictactoe and connect four vs a random player", "benchmark"),
     Entry("chaos", "LunarLander pipelined to 1M with faults injected, against undisturbed runs", "benchmark"),
-    Entry(
-        "fault_checks_cost",
-        "what the fault checks cost on CleanRL's CartPole workload, piece by piece",
-        "benchmark",
-    ),
     Entry("gpu_check", "the CUDA paths (resume, resume across devices, SIGTERM, ...), PASS or FAIL", "tool"),
     Entry("gpu_strategies", "coupled and decoupled on CUDA: SPS, GPU utilisation, time split", "tool"),
     Entry(
@@ -96,7 +90,15 @@ TABLE: tuple[Entry, ...] = (
 NAMES = tuple(dict.fromkeys(entry.name for entry in TABLE))
 ALL = tuple((entry.name, entry.args) for entry in TABLE if entry.kind == "all")
 # Retired one-off A/B scripts: their findings, results and commits are in benchmarks/README.md, "Retired".
-RETIRED = ("hot_path_ab", "tensordict_overhead", "elo_rating_cost", "trackers", "compile")
+RETIRED = (
+    "hot_path_ab",
+    "tensordict_overhead",
+    "elo_rating_cost",
+    "trackers",
+    "compile",
+    "profile_split",
+    "fault_checks_cost",
+)
 
 
 def command(name: str, args: tuple[str, ...] | list[str]) -> str:
