@@ -18,7 +18,6 @@ import gymnasium as gym
 import numpy as np
 from gymnasium.envs.classic_control import CartPoleEnv
 
-
 _SLOW_CLOSES = [1]  # `slow_close` sleeps once a process: one 7-s close outlasts Lightning's 5-s poll
 
 

@@ -119,7 +119,7 @@ def test_factory_env_in_both_strategies_with_two_processes(strategy: str, tmp_pa
     done = subprocess.run(
         [sys.executable, "-m", "ppo_fabric", *args],
         cwd=REPO,
-        env=job_env(),
+        env=job_env(supervisor=False),
         capture_output=True,
         text=True,
         timeout=240,

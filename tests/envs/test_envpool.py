@@ -247,7 +247,7 @@ def test_decoupled_run_on_envpool(tmp_path: Path) -> None:
         [sys.executable, "-m", "ppo_fabric", "strategy=decoupled", "fabric.devices=2", "env.backend=envpool",
          "env.num_envs=4", "algo.rollout_steps=32", "algo.minibatch_size=64", "algo.update_epochs=2",
          "algo.total_steps=1024", "logger=none", f"hydra.run.dir={tmp_path}"],
-        cwd=tmp_path, env=job_env(), capture_output=True, text=True, timeout=180,
+        cwd=tmp_path, env=job_env(supervisor=False), capture_output=True, text=True, timeout=180,
     )  # fmt: skip
     assert done.returncode == 0, done.stderr[-2000:]
     summary = json.loads((tmp_path / "summary.json").read_text())

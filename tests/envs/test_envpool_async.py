@@ -306,7 +306,7 @@ def test_decoupled_async_run_learns(tmp_path: Path) -> None:
     done = subprocess.run(
         [sys.executable, "-m", "ppo_fabric", "strategy=decoupled", "fabric.devices=2", *ASYNC,
          "algo.total_steps=10000", "logger=none", "seed=3", f"hydra.run.dir={tmp_path}"],
-        cwd=tmp_path, env=job_env(), capture_output=True, text=True, timeout=240,
+        cwd=tmp_path, env=job_env(supervisor=False), capture_output=True, text=True, timeout=240,
     )  # fmt: skip
     assert done.returncode == 0, done.stderr[-2000:]
     summary = json.loads((tmp_path / "summary.json").read_text())

@@ -24,7 +24,7 @@ TINY = ["logger.tensorboard=false", "env.num_envs=4", "algo.rollout_steps=64", "
 
 
 def _env() -> dict[str, str]:
-    return job_env()
+    return job_env(supervisor=False)  # the job's own resume and stop; the supervisor's are tests/app's
 
 
 def _rows(run_dir: Path) -> list[dict[str, str]]:

@@ -25,8 +25,11 @@ def _env() -> dict[str, str]:
     return job_env()
 
 
-def _run(cmd: list[str], cwd: Path, timeout: float = 120) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(cmd, cwd=cwd, env=_env(), capture_output=True, text=True, timeout=timeout)
+def _run(
+    cmd: list[str], cwd: Path, timeout: float = 120, supervisor: bool = True
+) -> subprocess.CompletedProcess[str]:
+    env = job_env(supervisor=supervisor)
+    return subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
 
 
 def _single_run_dir(cwd: Path) -> Path:
@@ -50,7 +53,9 @@ def _check_summary(run_dir: Path, world_size: int) -> dict:
 
 @pytest.mark.multiprocess
 def test_python_m_launches_two_processes(tmp_path: Path) -> None:
-    proc = _run([sys.executable, "-m", "ppo_fabric", "fabric.devices=2", *SMALL], tmp_path)
+    """The job launches its second rank (without the supervisor, whose part tests/app covers: then rank 0
+    chooses the run directory, and rank 1 must use the same)."""
+    proc = _run([sys.executable, "-m", "ppo_fabric", "fabric.devices=2", *SMALL], tmp_path, supervisor=False)
     assert proc.returncode == 0, proc.stderr[-2000:]
     _check_summary(_single_run_dir(tmp_path), 2)
     assert proc.stdout.count("ppo-fabric: coupled") == 1, "only rank 0 prints the summary line"
@@ -86,7 +91,7 @@ def test_failing_rank_ends_the_job(tmp_path: Path) -> None:
         "algo.total_steps=100000", "logger=none", f"hydra.run.dir={tmp_path / 'run'}",
     ]  # fmt: skip
     start = time.monotonic()
-    proc = _run(cmd, tmp_path, timeout=120)
+    proc = _run(cmd, tmp_path, timeout=120, supervisor=False)  # the job's own error line
     assert proc.returncode != 0
     assert time.monotonic() - start < 60
     assert "error: rank 1: env.step raised RuntimeError: probe failure injected" in proc.stderr
