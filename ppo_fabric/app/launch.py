@@ -241,6 +241,7 @@ def launch(
         line = failure_line(exc, watchdog, float(cfg.collectives.timeout))
         if line is not None:
             os.write(2, f"ppo-fabric: error: {line}\n".encode())
+            watchdog.spoke()  # the processes that answered a claim of this rank's may leave now
         # A rank that only lost a peer leaves no cause for the supervisor: when rank 0 was killed (kill -9,
         # the OOM killer), the job's status stays 137. No atexit hooks: peers may be stuck in a collective.
         os._exit(FAULT_EXIT if peer_gone(exc) else fault_status(run_dir, line))

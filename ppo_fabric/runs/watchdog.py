@@ -11,7 +11,9 @@ process runs a daemon thread that reads `wire.progress.PROGRESS` once a second:
   env.step (my_env.py:42, in step)`) and leaves with `FAULT_EXIT`, which the supervisor's `restarts=N`
   relaunches from the last checkpoint;
 - when another process claimed the end (a stall, or a collective that timed out), it writes its own
-  stacks and leaves too, so that nothing of the job is left running.
+  stacks and leaves too, so that nothing of the job is left running; it leaves once the claiming process
+  has printed its line, since under Fabric's launcher a child's non-zero exit gets the first process
+  SIGKILLed at the launcher's next look (every 5 s), which could cut a claiming rank 0 short of its line.
 
 A collective that times out goes through `collective_timeout`: the waiting rank asks every process for
 its stacks and names the busy rank that has gone longest without progress, instead of gloo's message.
@@ -36,6 +38,7 @@ from ppo_fabric.wire.progress import PROGRESS
 CLAIM = ".stall-claim"  # in the run directory: which stall directory this job's end writes its stacks to
 POLL_S = 1.0
 SETTLE_S = 3.0  # how long the claiming process waits for the others' stacks before it leaves
+SAID = ".said"  # in the stall directory: the claiming process has printed the job's line
 
 
 def where_stuck() -> str:
@@ -58,6 +61,7 @@ class Watchdog:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.answered: str | None = None  # the stall directory this process wrote its stacks into
+        self.claimed: Path | None = None  # the stall directory this process claimed, when it did
 
     # ------------------------------------------------------------------------------------------- life
     def start(self) -> Watchdog:
@@ -75,6 +79,7 @@ class Watchdog:
             claimed = self._claimed()
             if claimed is not None:
                 self._answer(claimed)
+                self.wait_for_line(claimed)
                 os._exit(FAULT_EXIT)  # the job is ending: leave nothing running
             idle = time.monotonic() - PROGRESS.at
             if self.timeout_s > 0 and not PROGRESS.waiting and idle > self.timeout_s:
@@ -108,7 +113,24 @@ class Watchdog:
             return None
         with os.fdopen(fd, "w") as fh:
             fh.write(target.name)
+        self.claimed = target
         return target
+
+    def spoke(self) -> None:
+        """This process printed the job's line: the processes that answered its claim may leave now."""
+        if self.claimed is not None:
+            with contextlib.suppress(OSError):
+                (self.claimed / SAID).touch()
+
+    def wait_for_line(self, target: Path) -> bool:
+        """Before an answering process leaves: wait until the claiming one has printed its line (it waits
+        up to SETTLE_S for the stacks first), at most SETTLE_S + 5 s; whether it did."""
+        deadline = time.monotonic() + SETTLE_S + 5.0
+        while not (target / SAID).exists():
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(0.05)
+        return True
 
     def _answer(self, target: Path, note: str = "") -> None:
         """This process's stacks (every thread) and its progress, once, into `target`."""
@@ -152,21 +174,25 @@ class Watchdog:
             claimed = self._claimed()
             if claimed is not None:
                 self._answer(claimed)
+                self.wait_for_line(claimed)
             os._exit(FAULT_EXIT)
         self._answer(target, note=line)
         self._others(target)
         os.write(2, f"ppo-fabric: error: {line}; stacks in {target}\n".encode())
+        self.spoke()
         os._exit(fault_status(self.run_dir, f"{line}; stacks in {target}"))
 
     def collective_timeout(self, cause: str) -> str | None:
         """A collective of this rank timed out: ask every process for its stacks and name the one stuck
-        (the busy one longest without progress); returns the line to end with, None when another process
-        claimed the job's end first (it reports)."""
+        (the busy one longest without progress); returns the line to end with (the caller prints it, then
+        calls `spoke()`), None when another process claimed the job's end first (it reports; this one
+        returns once it has)."""
         target = self._claim()
         if target is None:
             claimed = self._claimed()
             if claimed is not None:
                 self._answer(claimed)
+                self.wait_for_line(claimed)
             return None
         self._answer(target, note=cause)
         statuses = [s for s in self._others(target) if s.get("label") != PROGRESS.label]
