@@ -42,7 +42,7 @@ $(VENV)/.bench: $(STAMP)
 	$(PIP) install -c constraints.txt -e '.[dev,bench]'
 	touch $@
 
-# Throughput and learning benchmarks (~2.5 h on 2 cores); figures land in benchmarks/results/. The set, its
+# Throughput and learning benchmarks (~1.2 h on 2 cores); figures land in benchmarks/results/. The set, its
 # order and arguments are benchmarks/__main__.py's table (`$(BIN)/python -m benchmarks` lists it); a failing
 # benchmark is reported and the rest still run.
 bench: $(VENV)/.bench

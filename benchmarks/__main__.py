@@ -31,7 +31,6 @@ class Entry(NamedTuple):
 
 # In `all`'s order (make bench's); a script `all` runs twice with other arguments has a row for each run.
 TABLE: tuple[Entry, ...] = (
-    Entry("numpy_rollout", "the NumPy rollout actor against the torch one", "all"),
     Entry(
         "pipelined_vs_sb3",
         "decoupled pipelined 1+1 vs Stable-Baselines3 (2-core target >= 4x)",
@@ -59,7 +58,6 @@ TABLE: tuple[Entry, ...] = (
     Entry("fast_recipe", "the high-throughput recipe (exp=fast) next to CleanRL's workload", "all"),
     Entry("cartpole_solve", "the default config solves CartPole-v1 in every layout", "all"),
     Entry("lunarlander", "LunarLander-v3 reaches its target (200) with its env config", "all"),
-    Entry("policy_lag", "what the pipeline's policy lag costs in learning, and the correction", "all"),
     Entry(
         "lunarlander",
         "Pendulum-v1 reaches its target (-200) with its env config",
@@ -71,7 +69,6 @@ TABLE: tuple[Entry, ...] = (
     Entry("learning", "multi-seed learning on the standard suites beside published references", "benchmark"),
     Entry("time_to_score", "wall-clock to a score: coupled, decoupled pipelined and SB3", "benchmark"),
     Entry("update_layers", "what the direct minibatch-step layers save (optim.GradientStep)", "benchmark"),
-    Entry("envpool_vs_gymnasium", "EnvPool vs gymnasium collection on CartPole", "benchmark"),
     Entry("selfplay_games", "self-play on tictactoe and connect four vs a random player", "benchmark"),
     Entry("chaos", "LunarLander pipelined to 1M with faults injected, against undisturbed runs", "benchmark"),
     Entry("gpu_check", "the CUDA paths (resume, resume across devices, SIGTERM, ...), PASS or FAIL", "tool"),
@@ -98,6 +95,9 @@ RETIRED = (
     "compile",
     "profile_split",
     "fault_checks_cost",
+    "policy_lag",
+    "numpy_rollout",
+    "envpool_vs_gymnasium",
 )
 
 
