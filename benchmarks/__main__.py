@@ -37,15 +37,6 @@ TABLE: tuple[Entry, ...] = (
         "all",
         ("--rounds", "5"),
     ),
-    Entry(
-        "sb3_parity", "ppo-fabric's PPO update against SB3's from one rollout, parameter by parameter", "all"
-    ),
-    Entry(
-        "sb3_parity",
-        "the same on a Gaussian policy (Hopper, normalisation off)",
-        "all",
-        ("--", "exp=mujoco", "env.id=Hopper-v5", "env.normalize_obs=false", "env.normalize_reward=false"),
-    ),
     Entry("cartpole_vs_sb3", "ppo-fabric vs Stable-Baselines3 on CleanRL's CartPole workload", "all"),
     Entry(
         "cartpole_vs_sb3",
@@ -98,6 +89,7 @@ RETIRED = (
     "policy_lag",
     "numpy_rollout",
     "envpool_vs_gymnasium",
+    "sb3_parity",
 )
 
 

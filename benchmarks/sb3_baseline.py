@@ -1,6 +1,6 @@
 """The Stable-Baselines3 baseline's adapter: SB3 `PPO` configured from ppo-fabric's composed config, and
 the warm-up both libraries' timed children pay before their clocks start. `cartpole_vs_sb3.py`,
-`time_to_score.py` and `sb3_parity.py` import it; SB3 itself is imported by their children only."""
+`time_to_score.py` and tests/learn/test_sb3_parity.py import it; it imports no SB3 itself."""
 
 from __future__ import annotations
 
@@ -58,3 +58,18 @@ def sb3_settings(w: dict[str, Any], nn: Any, schedule: Any) -> dict[str, Any]:
             "optimizer_kwargs": {"eps": float(w["algo.adam_eps"])},  # SB3's default is 1e-8
         },
     }
+
+
+def flat_workload(overrides: list[str]) -> dict[str, Any]:
+    """The composed config as the flat `group.key` -> value dict `sb3_settings` reads."""
+    from omegaconf import OmegaConf
+
+    from ppo_fabric.config.values import compose
+
+    cfg, _ = compose(overrides)
+    flat = OmegaConf.to_container(cfg, resolve=True)
+    out: dict[str, Any] = {}
+    for group in ("env", "algo", "model"):
+        for key, value in flat[group].items():
+            out[f"{group}.{key}"] = value
+    return out

@@ -61,21 +61,6 @@ VARIANTS: dict[str, list[str]] = {
 WINDOW = 20
 
 
-def flat_workload(overrides: list[str]) -> dict[str, Any]:
-    """The composed config as the flat `group.key` -> value dict `sb3_baseline.sb3_settings` reads."""
-    from omegaconf import OmegaConf
-
-    from ppo_fabric.config.values import compose
-
-    cfg, _ = compose(overrides)
-    flat = OmegaConf.to_container(cfg, resolve=True)
-    out: dict[str, Any] = {}
-    for group in ("env", "algo", "model"):
-        for key, value in flat[group].items():
-            out[f"{group}.{key}"] = value
-    return out
-
-
 def grid_extractor() -> type:
     """An SB3 features extractor that is ppo-fabric's `GridCNN` (model=grid, the MinAtar network) itself, so
     both libraries train the same network on 10x10 frames; SB3's heads sit on its 128 features as ours do."""
@@ -103,7 +88,7 @@ def child_sb3(
     per-step cost on 2 cores makes a full MuJoCo run ~15 minutes, and the time to the threshold is what
     this benchmark compares)."""
     import torch
-    from sb3_baseline import sb3_settings, warm_up_torch
+    from sb3_baseline import flat_workload, sb3_settings, warm_up_torch
     from stable_baselines3 import PPO
     from stable_baselines3.common.callbacks import BaseCallback
     from stable_baselines3.common.env_util import make_vec_env
