@@ -244,7 +244,7 @@ def launch(
             watchdog.spoke()  # the processes that answered a claim of this rank's may leave now
         # A rank that only lost a peer leaves no cause for the supervisor: when rank 0 was killed (kill -9,
         # the OOM killer), the job's status stays 137. No atexit hooks: peers may be stuck in a collective.
-        os._exit(FAULT_EXIT if peer_gone(exc) else fault_status(run_dir, line))
+        watchdog.leave(FAULT_EXIT if peer_gone(exc) else fault_status(run_dir, line))
     watchdog.stop()
     end_process_group()
     return summary

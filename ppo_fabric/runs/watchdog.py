@@ -11,9 +11,12 @@ process runs a daemon thread that reads `wire.progress.PROGRESS` once a second:
   env.step (my_env.py:42, in step)`) and leaves with `FAULT_EXIT`, which the supervisor's `restarts=N`
   relaunches from the last checkpoint;
 - when another process claimed the end (a stall, or a collective that timed out), it writes its own
-  stacks and leaves too, so that nothing of the job is left running; it leaves once the claiming process
-  has printed its line, since under Fabric's launcher a child's non-zero exit gets the first process
-  SIGKILLed at the launcher's next look (every 5 s), which could cut a claiming rank 0 short of its line.
+  stacks and leaves too, so that nothing of the job is left running.
+
+Under Fabric's launcher a child's non-zero exit gets its node's first process (rank 0) SIGKILLed at the
+launcher's next look (every 5 s): a child that left first could cut rank 0 short of its line (exit -9,
+nothing said). So an answering process leaves once the claiming one has printed its line (`spoke()`, a
+mark in the stall directory), and a launcher child ending the job this way leaves after its parent.
 
 A collective that times out goes through `collective_timeout`: the waiting rank asks every process for
 its stacks and names the busy rank that has gone longest without progress, instead of gloo's message.
@@ -32,7 +35,7 @@ import time
 import traceback
 from pathlib import Path
 
-from ppo_fabric.config.faults import FAULT_EXIT, fault_status
+from ppo_fabric.config.faults import FAULT_EXIT, fault_status, launcher_child
 from ppo_fabric.wire.progress import PROGRESS
 
 CLAIM = ".stall-claim"  # in the run directory: which stall directory this job's end writes its stacks to
@@ -80,7 +83,7 @@ class Watchdog:
             if claimed is not None:
                 self._answer(claimed)
                 self.wait_for_line(claimed)
-                os._exit(FAULT_EXIT)  # the job is ending: leave nothing running
+                self.leave(FAULT_EXIT)  # the job is ending: leave nothing running
             idle = time.monotonic() - PROGRESS.at
             if self.timeout_s > 0 and not PROGRESS.waiting and idle > self.timeout_s:
                 line = f"{PROGRESS.label}: no progress for {idle:.0f} s, in {where_stuck()}"
@@ -121,6 +124,16 @@ class Watchdog:
         if self.claimed is not None:
             with contextlib.suppress(OSError):
                 (self.claimed / SAID).touch()
+
+    def leave(self, status: int) -> None:
+        """End this process with `status` once the watchdog has a hand in the job's end (it claimed it or
+        answered a claim): a launcher child first waits for its parent, its node's first process, to go
+        (at most SETTLE_S + 5 s), so that its exit cannot get that process SIGKILLed before it leaves."""
+        if launcher_child() and (self.claimed is not None or self.answered is not None):
+            parent, deadline = os.getppid(), time.monotonic() + SETTLE_S + 5.0
+            while os.getppid() == parent and time.monotonic() < deadline:
+                time.sleep(0.05)
+        os._exit(status)
 
     def wait_for_line(self, target: Path) -> bool:
         """Before an answering process leaves: wait until the claiming one has printed its line (it waits
@@ -175,12 +188,12 @@ class Watchdog:
             if claimed is not None:
                 self._answer(claimed)
                 self.wait_for_line(claimed)
-            os._exit(FAULT_EXIT)
+            self.leave(FAULT_EXIT)
         self._answer(target, note=line)
         self._others(target)
         os.write(2, f"ppo-fabric: error: {line}; stacks in {target}\n".encode())
         self.spoke()
-        os._exit(fault_status(self.run_dir, f"{line}; stacks in {target}"))
+        self.leave(fault_status(self.run_dir, f"{line}; stacks in {target}"))
 
     def collective_timeout(self, cause: str) -> str | None:
         """A collective of this rank timed out: ask every process for its stacks and name the one stuck

@@ -51,3 +51,27 @@ def test_an_answering_process_leaves_anyway_when_the_claiming_one_never_speaks(
     assert 0.15 < time.monotonic() - started < 2
     Watchdog(tmp_path, 0, 2).spoke()  # a process that claimed nothing says nothing
     assert not (target / watchdog_module.SAID).exists()
+
+
+def test_a_launcher_child_ending_the_job_leaves_after_its_parent(tmp_path: Path, monkeypatch) -> None:
+    """Its parent, Fabric's first process, SIGKILLs itself at its next look once a child has exited
+    non-zero: the child waits until it is reparented (the parent gone), and only when the watchdog ends
+    the job (a rank failing on its own leaves at once, its cause recorded for the supervisor)."""
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)
+    parents = iter([100] * 5 + [1] * 100)  # the parent leaves after the child's fifth look
+    looks: list[int] = []
+    monkeypatch.setattr(watchdog_module.os, "getppid", lambda: looks.append(1) or next(parents))
+    exits: list[int] = []
+    monkeypatch.setattr(watchdog_module.os, "_exit", exits.append)
+    bystander = Watchdog(tmp_path, 0, 2)
+    bystander.leave(3)
+    assert exits == [3] and not looks
+    answering = Watchdog(tmp_path, 0, 2)
+    answering.answered = "stall-x"
+    answering.leave(1)
+    assert exits == [3, 1] and len(looks) == 6
+    monkeypatch.setenv("LOCAL_RANK", "0")  # the first process itself leaves at once
+    looks.clear()
+    answering.leave(1)
+    assert exits == [3, 1, 1] and not looks
