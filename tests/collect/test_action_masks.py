@@ -6,7 +6,6 @@ without a legal action."""
 from __future__ import annotations
 
 import math
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -28,7 +27,7 @@ from ppo_fabric.models.agent import CategoricalHead
 from ppo_fabric.runs.metrics_file import read_rows
 from ppo_fabric.wire.protocol import BatchCodec, Header, Kind
 from tests import probe_envs
-from tests.conftest import env_section
+from tests.conftest import env_section, job_env
 
 REPO = Path(__file__).resolve().parents[2]
 CONVENTIONS = ["ProbeMaskedObs-v0", "ProbeMaskedInfo-v0", "ProbeMaskedMethod-v0"]
@@ -225,8 +224,7 @@ def test_decoupled_trainers_update_with_the_masks(tmp_path: Path) -> None:
         "env.id=tests.probe_envs:ProbeMaskedInfo-v0", *FAST[1:-2], "algo.total_steps=1024",
         "logger.tensorboard=false", f"+env.kwargs.illegal_log={log}", f"hydra.run.dir={tmp_path / 'run'}",
     ]  # fmt: skip
-    env = dict(os.environ, PYTHONPATH=str(REPO), PYTHONUNBUFFERED="1")
-    env.pop("LT_CLI_USED", None)
+    env = job_env(supervisor=False)  # the job's masks, not the supervisor
     proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=180)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert not log.exists() or log.read_text() == ""

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -43,6 +42,7 @@ from tests.conftest import (
     algo_section,
     assert_cli_failure,
     cartpole_env_cfg,
+    job_env,
     numbered_checkpoint,
     single_learner,
 )
@@ -472,9 +472,9 @@ PIPELINED = ["strategy=decoupled", *MULTI, "algo.pipeline=true", "checkpoint.eve
 
 
 def _start(devices: int, overrides: list[str], cwd: Path) -> subprocess.Popen[str]:
-    """`python -m ppo_fabric` with `devices` processes, writing to `cwd/run`."""
-    env = dict(os.environ, PYTHONPATH=str(REPO), PYTHONUNBUFFERED="1")
-    env.pop("LT_CLI_USED", None)
+    """`python -m ppo_fabric` with `devices` processes, writing to `cwd/run` (the job without the
+    supervising parent: these tests are about the recurrent state, not the supervisor)."""
+    env = job_env(supervisor=False)
     cmd = [sys.executable, "-m", "ppo_fabric", f"fabric.devices={devices}", f"hydra.run.dir={cwd / 'run'}",
            *overrides]  # fmt: skip
     return subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)

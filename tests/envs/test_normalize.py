@@ -4,7 +4,6 @@ checkpoints, evaluation and export."""
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -18,7 +17,7 @@ import ppo_fabric
 from ppo_fabric.envs.make import make_vector_env
 from ppo_fabric.envs.normalize import RunningMoments, normalizers
 from ppo_fabric.runs import checkpoint as ckpt
-from tests.conftest import env_section, numbered_checkpoint
+from tests.conftest import env_section, job_env, numbered_checkpoint
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -88,7 +87,7 @@ def test_two_ranks_normalise_alike_and_resume_evaluate_export_use_it(tmp_path: P
     run = tmp_path / "run"
     cmd = [sys.executable, "-m", "ppo_fabric", "fabric.devices=2", "env.normalize_obs=true", "env.normalize_reward=true",
            "algo.total_steps=4096", "logger.tensorboard=false", f"hydra.run.dir={run}"]  # fmt: skip
-    env = dict(os.environ, PYTHONPATH=str(REPO))
+    env = job_env(supervisor=False)  # the job's own normalisation, not the supervisor's
     proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=180)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert json.loads((run / "summary.json").read_text())["ranks_in_sync"]

@@ -9,7 +9,6 @@ rewards, flags, mask and advantages with numbers worked out by hand in the comme
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -28,7 +27,7 @@ from ppo_fabric.envs.guard import EnvFault
 from ppo_fabric.envs.multiagent import make_parallel_env
 from ppo_fabric.envs.turn_based import TurnBasedVectorEnv
 from ppo_fabric.learn.learners import policy_specs
-from tests.conftest import assert_cli_failure
+from tests.conftest import assert_cli_failure, job_env
 
 REPO = Path(__file__).resolve().parents[2]
 TURN = ["env=pettingzoo", "env.id=ppo_fabric.envs.toy_multiagent:turn_v0"]
@@ -154,7 +153,7 @@ def test_tictactoe_selfplay_two_processes(tmp_path: Path, strategy: str) -> None
         "algo.total_steps=1024", "logger=none", "selfplay.enabled=true", "selfplay.snapshot_every=2",
         f"hydra.run.dir={run_dir}",
     ]  # fmt: skip
-    env = dict(os.environ, PYTHONPATH=str(REPO))
+    env = job_env(supervisor=False)  # the job's self-play, not the supervisor
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240, cwd=tmp_path, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
     summary = json.loads((run_dir / "summary.json").read_text())
