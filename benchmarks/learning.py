@@ -114,6 +114,7 @@ def run_record(
     evaluate: bool = False,
 ) -> dict[str, Any]:
     overrides = run_overrides(task, variant, seed, steps, extra) + (common.EVALUATION if evaluate else [])
+    commit = common.git_commit()  # the code the run starts with (a sitting outlasts commits made beside it)
     s = run_once(overrides, curve=True)
     evaluated = s.get("eval_curve") or []
     return {
@@ -121,7 +122,7 @@ def run_record(
         "variant": variant,
         "seed": seed,
         "overrides": overrides,
-        "commit": common.git_commit(),
+        "commit": commit,
         "total_env_steps": s["total_env_steps"],
         "final_mean_return": s["final_mean_return"],
         "wall_seconds": s["wall_seconds"],

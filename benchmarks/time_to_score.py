@@ -189,6 +189,7 @@ def run_record(
     if evaluate and variant != "sb3":
         overrides += EVALUATION
     load_before = os.getloadavg()[0]
+    commit = common.git_commit()  # the code the run starts with (a sitting outlasts commits made beside it)
     if variant == "sb3":
         s = run_sb3(workload, seed, steps, sb3_stop, sb3_cap)
     else:
@@ -198,7 +199,7 @@ def run_record(
     stopped = {"stopped": s["stopped"]} if s.get("stopped") else {}
     return {
         **meta,
-        "commit": common.git_commit(),
+        "commit": commit,
         **figures,
         **stopped,
         "load": [load_before, os.getloadavg()[0]],
