@@ -1,6 +1,6 @@
 """The Stable-Baselines3 baseline's adapter: SB3 `PPO` configured from ppo-fabric's composed config, and
-the warm-up both libraries' timed children pay before their clocks start. `cartpole_vs_sb3.py`,
-`time_to_score.py` and tests/learn/test_sb3_parity.py import it; it imports no SB3 itself."""
+the warm-up both libraries' timed children pay before their clocks start. `time_to_score.py` and
+tests/learn/test_sb3_parity.py import it; it imports no SB3 itself."""
 
 from __future__ import annotations
 

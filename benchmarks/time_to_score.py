@@ -10,7 +10,9 @@ is one run in a fresh process, one at a time:
 | `pipelined` | `... strategy=decoupled fabric.devices=2 algo.players=1 algo.pipeline=true` (1 player + 1 trainer) |
 | `sb3` | Stable-Baselines3 `PPO` configured from the same composed config (`sb3_baseline.sb3_settings`), 1 process |
 
-Workloads (threshold): `lunarlander` (`env=lunarlander`, 200), `halfcheetah` (`exp=mujoco`, 1500),
+Workloads (threshold): `cartpole` (`exp=cleanrl_cartpole`, CleanRL's workload at 200k steps, 475: the
+throughput comparison, each variant's median SPS against SB3's under its table), `lunarlander`
+(`env=lunarlander`, 200), `halfcheetah` (`exp=mujoco`, 1500),
 `hopper` (`exp=mujoco env.id=Hopper-v5`, 2000), `breakout` (`exp=minatar`, 12: below the 15 the recipe reached
 at 5M on seed 1, with no published PPO figure at that budget; SB3's features extractor there is ppo-fabric's
 own `GridCNN`, as SB3's CNN needs 36x36 frames). SB3 gets the recipe's normalisation through `VecNormalize`
@@ -48,6 +50,7 @@ import stats  # noqa: E402
 from common import RESULTS, run_once  # noqa: E402
 
 WORKLOADS: dict[str, tuple[list[str], float]] = {
+    "cartpole": (["exp=cleanrl_cartpole"], 475.0),  # CleanRL's workload, 200k steps: the SPS comparison
     "lunarlander": (["env=lunarlander"], 200.0),
     "halfcheetah": (["exp=mujoco"], 1500.0),
     "hopper": (["exp=mujoco", "env.id=Hopper-v5"], 2000.0),
@@ -270,7 +273,7 @@ def markdown(report: dict[str, Any], command: str, name: str = "time_to_score") 
             )
             stopped += [f"{variant} seed {r['seed']} at {r['wall_seconds']:.0f} s ({r['stopped']})"
                         for r in rows if r.get("stopped")]  # fmt: skip
-        lines.append("")
+        lines += ["", *sps_line(mine)]
         if stopped:
             lines += ["Stopped before their budget (`--sb3-stop`: at the threshold; `--sb3-cap`: at the wall "
                       "cap, the threshold not reached): " + "; ".join(stopped) + ".", ""]  # fmt: skip
@@ -290,6 +293,20 @@ def markdown(report: dict[str, Any], command: str, name: str = "time_to_score") 
         "",
     ]
     return "\n".join(lines)
+
+
+def sps_line(rows: list[dict[str, Any]]) -> list[str]:
+    """Each variant's median SPS over its seeds and its ratio to SB3's (when SB3 ran): the throughput
+    comparison, one process each for coupled and SB3 (one torch thread both), two for pipelined."""
+    medians = {
+        v: statistics.median(r["sps"] for r in rows if r["variant"] == v)
+        for v in dict.fromkeys(r["variant"] for r in rows)
+    }
+    if "sb3" not in medians:
+        return []
+    cells = [f"{v} {sps:,.0f}" + ("" if v == "sb3" else f" ({sps / medians['sb3']:.2f}x SB3)")
+             for v, sps in medians.items()]  # fmt: skip
+    return [f"SPS, median over the seeds: {', '.join(cells)}.", ""]
 
 
 def evaluation_cells(rows: list[dict[str, Any]], threshold: float) -> str:
