@@ -1,7 +1,9 @@
-"""The GPU scripts on a machine without CUDA. benchmarks/gpu_check.py: every check is skipped, one line each,
-and the script exits 0 (so CI and CPU machines can run `make gpu-check`); the checks themselves need a GPU
-or `--device cpu`, but what a device job brings back is tested here: the report as it stands after every
-check, a failed run's output, why the EnvPool check skips. benchmarks/gpu_strategies.py: its rows."""
+"""The GPU scripts on a machine without CUDA; with CUDA, `pytest -m gpu` runs the GPU check whole.
+
+benchmarks/gpu_check.py: every check is skipped, one line each, and the script exits 0 (so CI and CPU
+machines can run `make gpu-check`); the checks themselves need a GPU or `--device cpu`, but what a device
+job brings back is tested here: the report as it stands after every check, a failed run's output, why the
+EnvPool check skips. benchmarks/gpu_strategies.py: its rows."""
 
 from __future__ import annotations
 
@@ -14,6 +16,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -42,6 +45,24 @@ def test_gpu_check_skips_every_check_without_cuda(tmp_path: Path) -> None:
     assert all("no CUDA device" in line for line in lines)
     report = json.loads(out.read_text())
     assert [c["status"] for c in report["checks"]] == ["SKIP"] * len(names)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a CUDA device: the CPU suite cannot prove these"
+)
+def test_every_cuda_path_passes_on_a_gpu(tmp_path: Path) -> None:
+    """On a machine with CUDA, `pytest -m gpu` runs the whole GPU check: resume on the GPU and across
+    devices, SIGTERM, compile, the decoupled GPU trainers (EnvPool's Pong may skip, saying why)."""
+    out = tmp_path / "gpu_check.json"
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "benchmarks" / "gpu_check.py"), "--out", str(out)],
+        cwd=tmp_path, capture_output=True, text=True, timeout=900,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
+    statuses = {c["name"]: c["status"] for c in json.loads(out.read_text())["checks"]}
+    assert "FAIL" not in statuses.values(), statuses
+    assert all(status == "PASS" for name, status in statuses.items() if name != "envpool_pong"), statuses
 
 
 def _script(monkeypatch: pytest.MonkeyPatch, name: str):  # type: ignore[no-untyped-def]
