@@ -19,12 +19,15 @@ train: $(STAMP)
 	$(BIN)/python -m ppo_fabric $(ARGS)
 
 # Lint, the docs build (strict: a broken link or page fails it; not -q, which hides the warnings strict
-# counts), then the whole suite (unit, probe environments, real multi-process runs on CPU) on every core
-# (pytest-xdist; the longest tests start first as workers steal them). ARGS="-n 0" runs it in one process.
+# counts), then the whole suite (unit, probe environments, real multi-process runs on CPU) on one worker
+# more than the cores (pytest-xdist; the longest tests start first as workers steal them): the multi-process
+# tests spend part of their time waiting (rendezvous, a launcher's 5-s look, stall timeouts), which a third
+# worker fills on 2 cores (7m09s against 8m53s). ARGS="-n 0" runs it in one process.
+WORKERS ?= $(shell echo $$(( $$(nproc 2>/dev/null || echo 1) + 1 )))
 test: $(STAMP)
 	$(BIN)/ruff check .
 	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict
-	$(BIN)/python -m pytest -n auto --dist worksteal $(ARGS)
+	$(BIN)/python -m pytest -n $(WORKERS) --dist worksteal $(ARGS)
 
 # The inner loop: the unit tier only (in-process, quick; no process starts), under 90 s on 2 cores.
 test-fast: $(STAMP)
