@@ -4,9 +4,10 @@ Why: a CPU rollout step over a few envs is bound by per-call overheads, not arit
 (CartPole, 4 envs, the CleanRL 64x64 tanh actor) the torch actor takes ~36 us a step alone and gymnasium's
 vector step ~52 us alone, but ~146 us when the two alternate, as they do in a rollout: torch's dispatcher and
 gymnasium's Python evict each other from the caches. The same actor in NumPy takes ~18 us alone and ~82 us
-alternating with gymnasium, whose own code is NumPy (`benchmarks/results/numpy_rollout.md`). So a feed-forward MLP
-policy on the CPU acts through this class: the same arithmetic as `ActorCritic.sample`, on NumPy views of the
-same parameter tensors (no copies to keep in sync), while the values, GAE and every loss stay in torch.
+alternating with gymnasium, whose own code is NumPy (`benchmarks/results/numpy_rollout.md`). So a
+feed-forward MLP policy on the CPU acts through this class: the same arithmetic as `ActorCritic.sample`, on
+NumPy views of the same parameter tensors (no copies to keep in sync), while the values, GAE and every loss
+stay in torch.
 
 The random draws are the head's own (`models.agent.rollout_noise`: torch's generator, one call per rollout, a
 few for very large ones), the same the torch rollout samples with, so `algo.numpy_rollout=false`, which
