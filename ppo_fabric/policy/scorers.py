@@ -27,7 +27,7 @@ from omegaconf import DictConfig
 from ppo_fabric.config.values import ConfigError
 from ppo_fabric.envs.guard import EnvFault, error_line, nonfinite_value, surely_finite
 from ppo_fabric.envs.make import make_env, on_error
-from ppo_fabric.envs.multiagent import SINGLE
+from ppo_fabric.envs.multiagent import SINGLE, is_turn_based, make_parallel_env
 from ppo_fabric.learn.learners import PolicySpec
 from ppo_fabric.models.agent import ActorCritic
 from ppo_fabric.policy.evaluate import play
@@ -273,11 +273,13 @@ def scorer_for(
     games against opponents (turn-based)."""
     if list(specs) == [SINGLE]:
         return Episodes(cfg, specs[SINGLE], seed)
-    from ppo_fabric.policy.game_eval import is_aec_game
-
-    if is_aec_game(str(cfg.env.id)):
-        return Games(cfg, specs, seed)
-    return ParallelEpisodes(cfg, specs, seed)
+    # the env training steps decides: a module offering both APIs (MPE's) trains, so evaluates, as Parallel
+    env = make_parallel_env(cfg.env)
+    try:
+        turn_based = is_turn_based(env)
+    finally:
+        env.close()
+    return Games(cfg, specs, seed) if turn_based else ParallelEpisodes(cfg, specs, seed)
 
 
 def play_side_by_side(

@@ -151,6 +151,20 @@ TEAMS = ["env=pettingzoo", "env.id=ppo_fabric.envs.toy_multiagent:teams_v0", "al
          "algo.update_epochs=2", "logger.tensorboard=false"]  # fmt: skip
 
 
+def test_an_env_module_with_both_apis_is_evaluated_as_it_trains() -> None:
+    """A module with `parallel_env()` and `env()` (MPE's) trains as Parallel, so its evaluation plays
+    every policy's episodes rather than games against opponents (which need two seats)."""
+    from ppo_fabric.policy.scorers import Games, ParallelEpisodes, scorer_for
+
+    both = [*TEAMS, "env.id=tests.both_apis_env"]
+    game = ["exp=tictactoe"]
+    for overrides, kind in ((both, ParallelEpisodes), (game, Games)):
+        cfg, _ = compose(overrides)
+        scorer = scorer_for(cfg, policy_specs(cfg), seed=7)
+        assert type(scorer) is kind, overrides
+        scorer.close()
+
+
 def test_a_multiagent_run_evaluates_every_policy(tmp_path: Path) -> None:
     """A Parallel env: every policy plays its agents; each policy's mean return and all agents' together,
     whose mean is the record (the episodes replayed by hand from the final checkpoint give the same)."""
