@@ -51,12 +51,25 @@ TABLE: tuple[Entry, ...] = (
         "all",
         ("--env", "pendulum", "--seeds", "2"),
     ),
-    Entry("cartpole_lstm", "recurrent PPO on CartPole with the velocities hidden", "all", ("--seeds", "2")),
-    Entry("multiagent", "multi-agent PPO on PettingZoo envs (MPE spread, a two-team game)", "all"),
-    Entry("learning", "multi-seed learning on the standard suites beside published references", "benchmark"),
+    Entry(
+        "learning",
+        "recurrent PPO (LSTM vs MLP) on CartPole with the velocities hidden, evaluated",
+        "all",
+        ("--suite", "recurrent", "--envs", "CartPole-v1/velocities-dropped", "--seeds", "2", "--force"),
+    ),
+    Entry(
+        "learning",
+        "multi-agent PPO on PettingZoo envs (MPE spread, a two-team game), evaluated",
+        "all",
+        ("--suite", "multiagent", "--seeds", "1", "--force"),
+    ),
+    Entry(
+        "learning",
+        "multi-seed learning on the suites (classic, box2d, mujoco, minatar, recurrent, multiagent, games)",
+        "benchmark",
+    ),
     Entry("time_to_score", "wall-clock to a score: coupled, decoupled pipelined and SB3", "benchmark"),
     Entry("update_layers", "what the direct minibatch-step layers save (optim.GradientStep)", "benchmark"),
-    Entry("selfplay_games", "self-play on tictactoe and connect four vs a random player", "benchmark"),
     Entry("chaos", "LunarLander pipelined to 1M with faults injected, against undisturbed runs", "benchmark"),
     Entry("gpu_check", "the CUDA paths (resume, resume across devices, SIGTERM, ...), PASS or FAIL", "tool"),
     Entry("gpu_strategies", "coupled and decoupled on CUDA: SPS, GPU utilisation, time split", "tool"),
@@ -89,6 +102,9 @@ RETIRED = (
     "cartpole_vs_sb3",
     "pipelined_vs_sb3",
     "decoupled_vs_coupled",
+    "cartpole_lstm",
+    "multiagent",
+    "selfplay_games",
 )
 
 

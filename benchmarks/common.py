@@ -104,21 +104,24 @@ def learning_curve(metrics_csv: Path, key: str = "rollout/return_mean20") -> lis
     ]
 
 
-def evaluation_curve(evaluations_csv: Path) -> list[list[float]]:
-    """[env step, `time/wall_s`, `eval/return_mean`, `time/eval_s`] of every evaluation during training
-    (`eval.every`), from the run's evaluations.csv; empty without."""
+def evaluation_curve(evaluations_csv: Path, key: str = "eval/return_mean") -> list[list[float]]:
+    """[env step, `time/wall_s`, `key`, `time/eval_s`] of every evaluation during training (`eval.every`),
+    from the run's evaluations.csv; empty without."""
     from ppo_fabric.runs.metrics_file import read_rows
 
     return [
-        [
-            int(row["step"]),
-            float(row["time/wall_s"]),
-            float(row["eval/return_mean"]),
-            float(row["time/eval_s"]),
-        ]
+        [int(row["step"]), float(row["time/wall_s"]), float(row[key]), float(row["time/eval_s"])]
         for row in read_rows(evaluations_csv)
-        if row.get("eval/return_mean")
+        if row.get(key)
     ]
+
+
+def final_evaluation(evaluations_csv: Path) -> dict[str, float]:
+    """Every `eval/*` metric of the run's last evaluation (per policy, per opponent); empty without."""
+    from ppo_fabric.runs.metrics_file import read_rows
+
+    rows = read_rows(evaluations_csv)
+    return {k: float(v) for k, v in (rows[-1] if rows else {}).items() if k.startswith("eval/") and v}
 
 
 def steady_sps(metrics_csv: Path) -> float | None:
@@ -171,10 +174,12 @@ def run_once(
     curve: bool = False,
     timeout: float | None = None,
     keep_metrics: Path | None = None,
+    eval_key: str = "eval/return_mean",
 ) -> dict[str, Any]:
     """Train in a fresh process (as a user would launch it) and return its summary.json, plus the env
     step at which the mean of the last 20 episodes first reached `solved_return`, `sps_steady`
-    (`steady_sps`) and, with `curve`, the learning curve (`learning_curve`).
+    (`steady_sps`) and, with `curve`, the learning curve (`learning_curve`), the evaluation curve of `eval_key`
+    and the last evaluation's metrics (`final_eval`).
 
     With `timeout`, a run still going after that many seconds is stopped as a cluster would stop it
     (SIGTERM: it checkpoints at the next update and ends; its process group is killed `STOP_GRACE_S` later
@@ -234,7 +239,8 @@ def run_once(
         )
         if curve:
             summary["curve"] = learning_curve(run_dir / "metrics.csv")
-            summary["eval_curve"] = evaluation_curve(run_dir / "evaluations.csv")
+            summary["eval_curve"] = evaluation_curve(run_dir / "evaluations.csv", eval_key)
+            summary["final_eval"] = final_evaluation(run_dir / "evaluations.csv")
         if keep_metrics is not None:
             keep_metrics.parent.mkdir(parents=True, exist_ok=True)
             shutil.copyfile(run_dir / "metrics.csv", keep_metrics)
@@ -306,15 +312,15 @@ def replace_runs(report: dict[str, Any], done: list[dict[str, Any]], record: dic
     report["runs"] = [r for r in report["runs"] if r not in done] + [record]
 
 
-def mean_std(values: list[float]) -> str:
+def mean_std(values: list[float], spec: str = ".1f") -> str:
     """`mean ± std` over seeds (one value as it is; none: n/a)."""
     import statistics
 
     if not values:
         return "n/a"
     if len(values) == 1:
-        return f"{values[0]:.1f}"
-    return f"{statistics.mean(values):.1f} ± {statistics.stdev(values):.1f}"
+        return format(values[0], spec)
+    return f"{statistics.mean(values):{spec}} ± {statistics.stdev(values):{spec}}"
 
 
 def plot_curves(
@@ -326,6 +332,7 @@ def plot_curves(
     xlabel: str,
     path: Path,
     thresholds: dict[str, float] | None = None,
+    ylabel: str = "mean return, last 20 episodes",
 ) -> None:
     """Every run's learning curve (`learning_curve` points: [step, wall s, return], x = 0 or 1), one panel
     per value of the runs' `panel_key`, one colour per variant, a dotted line at each panel's threshold."""
@@ -351,7 +358,7 @@ def plot_curves(
             ax.axhline(thresholds[panel], color="grey", linestyle=":", linewidth=1)
         ax.set_title(panel)
         ax.set_xlabel(xlabel)
-        ax.set_ylabel("mean return, last 20 episodes")
+        ax.set_ylabel(ylabel)
         ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=100)

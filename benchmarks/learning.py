@@ -14,8 +14,17 @@ return against env steps, every seed).
     python -m benchmarks learning --suite box2d --envs BipedalWalker-v3 --seed-list 4 5   # held-out seeds
     python -m benchmarks learning --suite classic --envs CartPole-v1 --out DIR -- algo.vf_coef=0.25   # a recipe change
     python -m benchmarks learning --suite classic --envs Acrobot-v1 --seeds 10 --eval --force   # evaluated
+    python -m benchmarks learning --suite recurrent --seeds 3                  # LSTM vs MLP, velocities hidden
+    python -m benchmarks learning --suite multiagent --seeds 3                 # MPE spread, a two-team game
+    python -m benchmarks learning --suite games --envs tictactoe_v3 --seeds 1  # self-play vs held-out players
+    python -m benchmarks learning --suite recurrent --envs CartPole-v1/velocities-zeroed --seed-list 6 7 8 9 10
 
-Variants: `coupled` (1 process) and `pipelined` (decoupled, 1 player + 1 trainer, `algo.pipeline=true`).
+Variants: `coupled` (1 process) and `pipelined` (decoupled, 1 player + 1 trainer, `algo.pipeline=true`); the
+`recurrent` suite compares models instead (`lstm`, and `mlp`: the same recipe without memory). The
+`recurrent`, `multiagent` and `games` suites always evaluate during training: their score is an evaluation
+metric (`Task.score`: a policy's return, or a game's score against the opponents, win 1 and draw 1/2, with
+the win rate against each opponent beside it, `Task.shown`), as their training return says little (the
+games are zero-sum self-play).
 A run that `time_to_score.py` already trained with the same overrides (its MuJoCo coupled and pipelined runs
 at the recipe's budget) is taken from `results/time_to_score.json` instead of trained again (`--reuse`).
 "Final" is the mean return of the run's last 20 episodes (`summary.json`'s `final_mean_return`), the
@@ -54,13 +63,39 @@ MINATAR = (
 
 @dataclass(frozen=True)
 class Task:
-    env: str
+    env: str  # the row's name: the env id, or a name of its own where one env holds several tasks
     overrides: tuple[str, ...]
     reference: tuple[float, float | None] | None  # mean, std (None: one run)
     source: str
     note: str = ""
+    score: str = "eval/return_mean"  # the evaluation metric that ranks the runs (evaluated runs only)
+    shown: tuple[str, ...] = ()  # more final-evaluation metrics the report shows (per policy, per opponent)
 
 
+HIDDEN = "the policy must remember earlier observations; CartPole is solved at 475"
+MEASURED = (
+    "measured here by stepping the env: a scripted policy that reads the env's state to go to the "
+    "nearest assignment of landmarks (a rough ceiling; random actions: -27.0), retired multiagent.py"
+)
+OPTIMAL = "the agents' optimal return against a random adversary team: 8 steps x (1 - 1/3)"
+HELD_OUT = (
+    "eval/random/win_rate",
+    "eval/win_or_block/win_rate",
+    "eval/win_or_block:centre/win_rate",
+    "eval/win_or_block:careful/win_rate",
+    "eval/search:1/win_rate",
+)  # games/scripted.py's players
+TEAMS = (
+    "env=pettingzoo",
+    "env.id=ppo_fabric.envs.toy_multiagent:teams_v0",
+    "multiagent.policies={adversary:{},agent:{}}",
+    "multiagent.policy_mapping={adversary_*:adversary,agent_*:agent}",
+    "algo.rollout_steps=32",
+    "algo.minibatch_size=64",
+    "algo.lr=1e-3",
+    "algo.gamma=0.9",
+    "algo.total_steps=100000",
+)
 SUITES: dict[str, tuple[Task, ...]] = {
     "classic": (
         Task("CartPole-v1", ("exp=cleanrl_cartpole", "algo.total_steps=500000"), (490.04, 6.12), CLEANRL,
@@ -91,15 +126,51 @@ SUITES: dict[str, tuple[Task, ...]] = {
         Task("MinAtar/SpaceInvaders-v1", ("exp=minatar", "env.id=MinAtar/SpaceInvaders-v1"), (131.0, None),
              MINATAR, "5M (reference: 10M)"),
     ),
+    "recurrent": (  # exp=cartpole_lstm: RL-Zoo's RecurrentPPO settings for CartPoleNoVel with 10 epochs, 200k
+        Task("CartPole-v1/velocities-dropped", ("exp=cartpole_lstm",), None, HIDDEN,
+             "2 observations: cart position, pole angle"),
+        Task("CartPole-v1/velocities-zeroed", ("exp=cartpole_lstm", "env.mask_velocity=zero"), None, HIDDEN,
+             "4 observations, the velocities read 0"),
+        Task("CartPole-v1/noisy", ("exp=cartpole_lstm", "env.mask_velocity=false",
+             "env.observation_noise=0.1"), None, HIDDEN, "4 observations, each with N(0, 0.1^2) added"),
+    ),
+    "multiagent": (
+        Task("mpe2.simple_spread_v3", ("exp=mpe_spread",), (-9.14, None), MEASURED,
+             "3 agents share one policy; return per agent-episode, 400k"),
+        Task("teams_v0/adversary-frozen", (*TEAMS, "multiagent.policies_to_train=[agent]"), (5.33, None),
+             OPTIMAL, "2 agents vs 2 adversaries frozen at their random start, 100k",
+             score="eval/agent/return_mean", shown=("eval/adversary/return_mean",)),
+    ),
+    "games": (  # self-play; every evaluation plays 100 greedy games against each opponent, seats alternated
+        Task("tictactoe_v3", ("exp=tictactoe", "eval.episodes=100"), None, "a perfect player scores >= 0.5",
+             "1M moves", score="eval/score", shown=("eval/random/win_rate", "eval/loss_rate")),
+        Task("connect_four_v3", ("exp=connect_four", "eval.episodes=100"), None,
+             "the target: greedy wins >= 60% against the held-out players", "6M moves; trains against "
+             "random and win_or_block, never the other three", score="eval/score", shown=HELD_OUT),
+    ),
 }  # fmt: skip
-VARIANTS = {name: common.LAYOUTS[name] for name in ("coupled", "pipelined")}
+LAYOUTS = {name: common.LAYOUTS[name] for name in ("coupled", "pipelined")}
+# A suite's variants (default: the two layouts) and the pair whose P(first > second) its table gives.
+SUITE_VARIANTS: dict[str, dict[str, tuple[str, ...]]] = {
+    "recurrent": {"lstm": common.LAYOUTS["coupled"], "mlp": (*common.LAYOUTS["coupled"], "model=mlp")},
+}
+PAIRS: dict[str, tuple[tuple[str, str], ...]] = {"recurrent": (("lstm", "mlp"),)}
+EVALUATED = ("recurrent", "multiagent", "games")  # scored by evaluation: they always evaluate
+
+
+def variants_of(suite: str) -> dict[str, tuple[str, ...]]:
+    return SUITE_VARIANTS.get(suite, LAYOUTS)
+
+
+def task_named(env: str) -> Task:
+    return next(t for tasks in SUITES.values() for t in tasks if t.env == env)
 
 
 def run_overrides(
-    task: Task, variant: str, seed: int, steps: int | None, extra: tuple[str, ...] = ()
+    task: Task, variant: str, seed: int, steps: int | None, extra: tuple[str, ...] = (), suite: str = ""
 ) -> list[str]:
     """A run's overrides: the task's recipe, the variant's layout, the seed, the budget, then `extra`."""
-    overrides = [*task.overrides, *VARIANTS[variant], f"seed={seed}"]
+    overrides = [*task.overrides, *variants_of(suite)[variant], f"seed={seed}"]
     if steps:
         overrides.append(f"algo.total_steps={steps}")
     return [*overrides, *extra]
@@ -112,10 +183,14 @@ def run_record(
     steps: int | None,
     extra: tuple[str, ...] = (),
     evaluate: bool = False,
+    suite: str = "",
 ) -> dict[str, Any]:
-    overrides = run_overrides(task, variant, seed, steps, extra) + (common.EVALUATION if evaluate else [])
+    # the evaluation's settings first, so that a task's own (games: more games an evaluation) win
+    overrides = (common.EVALUATION if evaluate else []) + run_overrides(
+        task, variant, seed, steps, extra, suite
+    )
     commit = common.git_commit()  # the code the run starts with (a sitting outlasts commits made beside it)
-    s = run_once(overrides, curve=True)
+    s = run_once(overrides, curve=True, eval_key=task.score)
     evaluated = s.get("eval_curve") or []
     return {
         "env": task.env,
@@ -133,6 +208,7 @@ def run_record(
                 "final_eval_return": evaluated[-1][2],
                 "best_eval_return": max(e[2] for e in evaluated),
                 "eval_curve": evaluated,
+                "final_eval": s.get("final_eval", {}),  # every eval/* metric of the last evaluation
             }
             if evaluated
             else {}
@@ -159,8 +235,27 @@ def reused_record(
     return None
 
 
+def shown_lines(suite: str, runs: list[dict[str, Any]]) -> list[str]:
+    """The tasks' further final-evaluation metrics (`Task.shown`), mean ± std over the evaluated seeds."""
+    rows = []
+    for task in SUITES[suite]:
+        for variant in variants_of(suite):
+            mine = [
+                r for r in runs if (r["env"], r["variant"]) == (task.env, variant) and r.get("final_eval")
+            ]
+            for key in task.shown if mine else ():
+                values = [r["final_eval"][key] for r in mine if key in r["final_eval"]]
+                rows.append(
+                    f"| {task.env} | {variant} | `{key}` | {common.mean_std(values, '.3f')} ({len(values)}) |"
+                )
+    if not rows:
+        return []
+    return ["## More of the final evaluation", "", "| task | variant | metric | mean ± std (runs) |",
+            "|---|---|---|---:|", *rows, ""]  # fmt: skip
+
+
 def markdown(suite: str, report: dict[str, Any], command: str) -> str:
-    runs, m = report["runs"], report["machine"]
+    runs, m, variants = report["runs"], report["machine"], list(variants_of(suite))
     any_eval = any("final_eval_return" in r for r in runs)
     lines = [
         f"# Learning: the {suite} suite",
@@ -174,7 +269,7 @@ def markdown(suite: str, report: dict[str, Any], command: str) -> str:
         "|---|---|---|---:|---:|---:|---:|---:|---|" + ("---:|" if any_eval else ""),
     ]
     for task in SUITES[suite]:
-        for variant in VARIANTS:
+        for variant in variants:
             mine = sorted(
                 (r for r in runs if (r["env"], r["variant"]) == (task.env, variant)), key=lambda r: r["seed"]
             )
@@ -204,18 +299,24 @@ def markdown(suite: str, report: dict[str, Any], command: str) -> str:
         lines += [f"Runs trained by another benchmark with the same overrides and taken from its report: "
                   f"{', '.join(reused)} (`run_by` in the JSON).", ""]  # fmt: skip
     envs = [t.env for t in SUITES[suite]]
-    table = stats.markdown_table(runs, "env", tasks=envs, variants=list(VARIANTS))
-    evaluated = any("final_eval_return" in r for r in runs)
+    pairs = PAIRS.get(suite, stats.PAIRS)
+    spec = ".3f" if suite == "games" else ".1f"  # a game's score lies in [0, 1]
+    table = stats.markdown_table(runs, "env", pairs, tasks=envs, variants=variants, spec=spec)
+    scored = sorted({task_named(r["env"]).score for r in runs if "final_eval_return" in r})
+    keys = ", ".join(f"`{k}`" for k in scored)
     what = (
-        "final evaluation return (10 deterministic episodes at the last update)"
-        if evaluated
-        else "final return"
+        "final return"
+        if not scored
+        else "final evaluation return (10 deterministic episodes at the last update)"
+        if scored == ["eval/return_mean"] and suite not in EVALUATED
+        else f"final evaluation {'score' if suite == 'games' else 'return'} ({keys} at the last update)"
     )
     if table:
         lines += [f"## The {what} over seeds: IQM and probability of improvement", "", *table, "",
                   f"![performance profiles of the {what}](learning_{suite}_profile.png)", ""]  # fmt: skip
-    if evaluated:  # every run's training return too, as CleanRL reports it (runs not evaluated included)
-        training = stats.markdown_table(runs, "env", tasks=envs, variants=list(VARIANTS),
+    lines += shown_lines(suite, runs)
+    if scored and suite not in EVALUATED:  # every run's training return too, as CleanRL reports it
+        training = stats.markdown_table(runs, "env", pairs, tasks=envs, variants=variants,
                                         score=lambda r: None if r.get("stopped") else r.get("final_mean_return"))  # fmt: skip
         lines += ["## Every run's final training return (last 20 episodes, as CleanRL reports)", "",
                   *training[:-1], ""]  # fmt: skip
@@ -223,26 +324,33 @@ def markdown(suite: str, report: dict[str, Any], command: str) -> str:
         f"Commits of the runs: {', '.join(commits)} (each run's own is in `learning_{suite}.json`). The last "
         f"sitting: `{command}`.",
         "",
-        f"![mean return against env steps](learning_{suite}.png)",
+        f"![{'the evaluation' if suite in EVALUATED else 'mean return'} against env steps](learning_{suite}.png)",
         "",
     ]
     return "\n".join(lines)
 
 
 def plot(suite: str, report: dict[str, Any], path: Path) -> None:
-    """Mean return (last 20 episodes) against env steps: one panel per env, one colour per variant; and beside
-    it (`<name>_profile.png`) the performance profiles of the final returns over seeds, one panel per env."""
+    """The learning curves against env steps (the training mean return over 20 episodes; the evaluation
+    score in a suite scored by evaluation), one panel per env, one colour per variant; and beside it
+    (`<name>_profile.png`) the performance profiles of the final scores over seeds, one panel per env."""
     envs = [t.env for t in SUITES[suite] if any(r["env"] == t.env for r in report["runs"])]
-    common.plot_curves(report["runs"], "env", envs, tuple(VARIANTS), 0, "env steps", path)
+    variants = tuple(variants_of(suite))
+    if suite in EVALUATED:
+        runs = [{**r, "curve": r.get("eval_curve") or []} for r in report["runs"]]
+        common.plot_curves(runs, "env", envs, variants, 0, "env steps", path, ylabel="final evaluation score")
+    else:
+        common.plot_curves(report["runs"], "env", envs, variants, 0, "env steps", path)
     stats.plot_profiles(report["runs"], "env", path.with_name(f"{path.stem}_profile.png"), tasks=envs,
-                        variants=list(VARIANTS))  # fmt: skip
+                        variants=list(variants))  # fmt: skip
 
 
 def main() -> None:
     parser = common.argument_parser(__doc__)
     parser.add_argument("--suite", choices=sorted(SUITES), required=True)
-    parser.add_argument("--envs", nargs="+", default=None, help="a subset of the suite's envs")
-    parser.add_argument("--variants", nargs="+", choices=list(VARIANTS), default=["coupled"])
+    parser.add_argument("--envs", nargs="+", default=None, help="a subset of the suite's envs (tasks)")
+    parser.add_argument("--variants", nargs="+", default=None,
+                        help="the suite's variants to run (default: coupled, or every model the suite compares)")  # fmt: skip
     parser.add_argument("--seeds", type=int, default=5, help="seeds 1..N")
     parser.add_argument("--seed-list", nargs="+", type=int, default=None,
                         help="these seeds instead of 1..N: held-out seeds, or one seed per sitting when "
@@ -261,10 +369,17 @@ def main() -> None:
     extra = tuple(args.extra)
     if extra and args.out.resolve() == RESULTS.resolve():
         parser.error("overrides after -- change the recipe: write their runs elsewhere with --out DIR")
+    known = variants_of(args.suite)
+    chosen = args.variants or (list(known) if args.suite in SUITE_VARIANTS else ["coupled"])
+    if set(chosen) - set(known):
+        parser.error(
+            f"the {args.suite} suite's variants are {list(known)}, not {sorted(set(chosen) - set(known))}"
+        )
     tasks = [t for t in SUITES[args.suite] if args.envs is None or t.env in args.envs]
     unknown = set(args.envs or ()) - {t.env for t in SUITES[args.suite]}
     if unknown:
         raise SystemExit(f"not in the {args.suite} suite: {sorted(unknown)}")
+    evaluate = args.eval or args.suite in EVALUATED
     name = f"learning_{args.suite}"
     path = args.out / f"{name}.json"
     report = json.loads(path.read_text()) if path.is_file() else {"suite": args.suite, "runs": []}
@@ -275,14 +390,14 @@ def main() -> None:
     seeds = args.seed_list or range(1, args.seeds + 1)
     for seed in seeds:  # seed-major: a partial sitting covers every env
         for task in tasks:
-            for variant in args.variants:
+            for variant in chosen:
                 done = common.runs_to_replace(report, args.force, env=task.env, variant=variant, seed=seed)
                 if done is None:
                     continue
                 reused = (
-                    None if args.eval else reused_record(task, variant, seed, args.steps, args.reuse, extra)
+                    None if evaluate else reused_record(task, variant, seed, args.steps, args.reuse, extra)
                 )
-                r = reused or run_record(task, variant, seed, args.steps, extra, args.eval)
+                r = reused or run_record(task, variant, seed, args.steps, extra, evaluate, args.suite)
                 common.replace_runs(report, done, r)
                 print(f"{task.env} {variant} seed {seed}: final {r['final_mean_return']}, "
                       f"{r['wall_seconds']:.0f} s", flush=True)  # fmt: skip

@@ -306,8 +306,10 @@ def _ordered(found: Sequence[str], first: Sequence[str]) -> list[str]:
     return [x for x in first if x in found] + [x for x in found if x not in first]
 
 
-def _ci(point: float, low: float, high: float, runs: int) -> str:
-    return f"{point:.1f} ({runs})" if runs == 1 else f"{point:.1f} [{low:.1f}, {high:.1f}] ({runs})"
+def _ci(point: float, low: float, high: float, runs: int, spec: str = ".1f") -> str:
+    return (
+        f"{point:{spec}} ({runs})" if runs == 1 else f"{point:{spec}} [{low:{spec}}, {high:{spec}}] ({runs})"
+    )
 
 
 def _p(x: Mapping[str, Sequence[float]], y: Mapping[str, Sequence[float]], reps: int, seed: int) -> str:
@@ -324,8 +326,9 @@ def markdown_table(
     seed: int = 0,
     tasks: Sequence[str] = (),
     variants: Sequence[str] = (),
+    spec: str = ".1f",
 ) -> list[str]:
-    """Markdown lines: one row per task (`group`: env, workload; those in `tasks` first, in that order) with
+    """Markdown lines (the figures formatted with `spec`): one row per task (`group`: env, workload; those in `tasks` first, in that order) with
     each variant's IQM of the scores over its seeds and its 95% stratified bootstrap interval (those in
     `variants` first), then P(first > second) for each of `pairs` where both ran the task; a last row
     averages P over the tasks both ran, where there are several. No lines without scores."""
@@ -344,7 +347,11 @@ def markdown_table(
     ]  # fmt: skip
     for task in rows:
         cells = [
-            _ci(*stratified_bootstrap_ci({task: table[v][task]}, reps=reps, seed=seed), len(table[v][task]))
+            _ci(
+                *stratified_bootstrap_ci({task: table[v][task]}, reps=reps, seed=seed),
+                len(table[v][task]),
+                spec,
+            )
             if task in table[v]
             else ""
             for v in names

@@ -22,11 +22,11 @@ def test_learning_takes_a_run_with_the_same_overrides(
 ) -> None:
     learning = _script(monkeypatch, "learning")
     task = learning.SUITES["mujoco"][1]  # Hopper-v5
-    same = [*task.overrides, *learning.VARIANTS["pipelined"], "seed=2"]
+    same = [*task.overrides, *learning.LAYOUTS["pipelined"], "seed=2"]
     report = tmp_path / "time_to_score.json"
     report.write_text(json.dumps({"runs": [
-        _tts_run([*task.overrides, *learning.VARIANTS["coupled"], "seed=2"]),  # another variant
-        _tts_run([*task.overrides, *learning.VARIANTS["pipelined"], "seed=3"]),  # another seed
+        _tts_run([*task.overrides, *learning.LAYOUTS["coupled"], "seed=2"]),  # another variant
+        _tts_run([*task.overrides, *learning.LAYOUTS["pipelined"], "seed=3"]),  # another seed
         _tts_run(same),
     ]}))  # fmt: skip
     r = learning.reused_record(task, "pipelined", 2, None, [report, tmp_path / "missing.json"])
@@ -42,6 +42,44 @@ def test_learning_takes_a_run_with_the_same_overrides(
     sitting.write_text(json.dumps({"runs": [_tts_run(same)]}))
     r = learning.reused_record(task, "pipelined", 2, None, [sitting])
     assert r is not None and r["sitting"] == str(sitting) and "run_by" not in r
+
+
+def test_a_suite_scored_by_evaluation_ranks_its_metric_and_shows_the_others(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """The games suite: a run's score is `eval/score` from its evaluations.csv, every `eval/*` metric of the
+    last evaluation is kept, a task's own evaluation settings win over the benchmark's, and the report ranks
+    the score (to 3 decimals) and lists the task's further metrics."""
+    learning = _script(monkeypatch, "learning")
+    csv = tmp_path / "evaluations.csv"
+    csv.write_text("step,time/wall_s,time/eval_s,eval/score,eval/random/win_rate,eval/search:1/win_rate\n"
+                   "1000,5.0,0.5,0.40,0.7,\n2000,9.0,0.25,0.55,0.9,0.25\n")  # fmt: skip
+    curve = learning.common.evaluation_curve(csv, "eval/score")
+    assert curve == [[1000, 5.0, 0.40, 0.5], [2000, 9.0, 0.55, 0.25]]
+    final = learning.common.final_evaluation(csv)
+    assert final == {"eval/score": 0.55, "eval/random/win_rate": 0.9, "eval/search:1/win_rate": 0.25}
+    seen: list[list[str]] = []
+
+    def run_once(overrides: list[str], curve: bool, eval_key: str) -> dict:
+        seen.append(overrides)
+        assert eval_key == "eval/score"
+        return {"total_env_steps": 2000, "final_mean_return": 0.0, "wall_seconds": 9.0, "sps": 222.0,
+                "curve": [], "eval_curve": curve_of[eval_key], "final_eval": final}  # fmt: skip
+
+    curve_of = {"eval/score": curve}
+    monkeypatch.setattr(learning, "run_once", run_once)
+    task = learning.task_named("connect_four_v3")
+    r = learning.run_record(task, "coupled", 1, None, evaluate=True, suite="games")
+    (overrides,) = seen
+    assert overrides.index("eval.episodes=100") > overrides.index("eval.episodes=10"), "the task's own wins"
+    assert r["final_eval_return"] == 0.55 and r["best_eval_return"] == 0.55 and r["final_eval"] == final
+    r2 = {**r, "seed": 2, "final_eval_return": 0.35, "final_eval": {"eval/search:1/win_rate": 0.75}}
+    text = learning.markdown("games", {"runs": [r, r2], "machine": learning.common.machine()}, "cmd")
+    assert "| connect_four_v3 | 0.450 [0.350, 0.550] (2) |" in text, (
+        "the IQM of the two scores, to 3 decimals"
+    )
+    assert "| connect_four_v3 | coupled | `eval/search:1/win_rate` | 0.500 ± 0.354 (2) |" in text
+    assert "| connect_four_v3 | coupled | `eval/random/win_rate` | 0.900 (1) |" in text
 
 
 def test_stopped_sb3_runs_show_no_final_return(monkeypatch: pytest.MonkeyPatch) -> None:
