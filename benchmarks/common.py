@@ -25,6 +25,12 @@ LAYOUTS: dict[str, tuple[str, ...]] = {
     "coupled": ("strategy=coupled", "fabric.devices=1"),
     "pipelined": (*DECOUPLED_1_1, "algo.pipeline=true"),  # 1 player + 1 trainer, one update of lag
     "synchronous": (*DECOUPLED_1_1, "algo.pipeline=false"),
+    "pipelined_1_2": (
+        "strategy=decoupled",
+        "fabric.devices=3",
+        "algo.pipeline=true",
+    ),  # 1 player + 2 trainers
+    "synchronous_1_2": ("strategy=decoupled", "fabric.devices=3", "algo.pipeline=false"),
 }
 STOP_GRACE_S = 15.0  # a run stopped at its timeout gets this long to checkpoint and end before it is killed
 

@@ -9,10 +9,13 @@ is one run in a fresh process, one at a time:
 | `coupled` | `python -m ppo_fabric <workload> strategy=coupled fabric.devices=1` (1 process) |
 | `pipelined` | `... strategy=decoupled fabric.devices=2 algo.players=1 algo.pipeline=true` (1 player + 1 trainer) |
 | `sb3` | Stable-Baselines3 `PPO` configured from the same composed config (`sb3_baseline.sb3_settings`), 1 process |
+| `synchronous`, `pipelined_1_2`, `synchronous_1_2` | the other layouts of `common.LAYOUTS` (1+1 without the pipeline, 1 player + 2 trainers) |
 
 Workloads (threshold): `cartpole` (`exp=cleanrl_cartpole`, CleanRL's workload at 200k steps, 475: the
-throughput comparison, each variant's median SPS against SB3's under its table), `lunarlander`
-(`env=lunarlander`, 200), `halfcheetah` (`exp=mujoco`, 1500),
+throughput comparison, each variant's median SPS against SB3's under its table), `fast` (`exp=fast`, the
+high-throughput recipe, 475), `default` (the default config: CartPole-v1 with RL-Zoo's values, 475: does it
+solve in every layout), `lunarlander` (`env=lunarlander`, 200), `pendulum` (`env=pendulum`, -200: a policy
+that swings up and balances from every start), `halfcheetah` (`exp=mujoco`, 1500),
 `hopper` (`exp=mujoco env.id=Hopper-v5`, 2000), `breakout` (`exp=minatar`, 12: below the 15 the recipe reached
 at 5M on seed 1, with no published PPO figure at that budget; SB3's features extractor there is ppo-fabric's
 own `GridCNN`, as SB3's CNN needs 36x36 frames). SB3 gets the recipe's normalisation through `VecNormalize`
@@ -24,6 +27,8 @@ machine, which the report's load column shows.
 
     python -m benchmarks time_to_score --workloads lunarlander --seeds 3
     python -m benchmarks time_to_score --workloads halfcheetah hopper --seeds 3 --sb3-stop --sb3-cap 900
+    python -m benchmarks time_to_score --workloads default --seeds 1 --variants coupled pipelined synchronous \
+        pipelined_1_2 synchronous_1_2 --name cartpole_solve         # a report of its own: results/NAME.*
 
 `--sb3-stop` ends an SB3 run once it reaches the threshold and `--sb3-cap S` after S seconds (a full SB3
 MuJoCo run takes ~15 minutes on 2 cores); such runs show their time to the threshold, not a final return.
@@ -51,16 +56,16 @@ from common import RESULTS, run_once  # noqa: E402
 
 WORKLOADS: dict[str, tuple[list[str], float]] = {
     "cartpole": (["exp=cleanrl_cartpole"], 475.0),  # CleanRL's workload, 200k steps: the SPS comparison
+    "fast": (["exp=fast"], 475.0),  # 64 envs x 32 steps, 500k: what the throughput recipe buys
+    "default": ([], 475.0),  # the default config (CartPole-v1, RL-Zoo's values, 200k)
     "lunarlander": (["env=lunarlander"], 200.0),
+    "pendulum": (["env=pendulum"], -200.0),  # no official threshold; the best policies average about -150
     "halfcheetah": (["exp=mujoco"], 1500.0),
     "hopper": (["exp=mujoco", "env.id=Hopper-v5"], 2000.0),
     "breakout": (["exp=minatar"], 12.0),
 }
-VARIANTS: dict[str, list[str]] = {
-    "coupled": list(common.LAYOUTS["coupled"]),
-    "pipelined": list(common.LAYOUTS["pipelined"]),
-    "sb3": [],
-}
+VARIANTS: dict[str, list[str]] = {**{name: list(o) for name, o in common.LAYOUTS.items()}, "sb3": []}
+DEFAULT_VARIANTS = ["coupled", "pipelined", "sb3"]  # what --variants runs unless told
 WINDOW = 20
 
 
@@ -211,10 +216,10 @@ def run_record(
 
 def markdown(report: dict[str, Any], command: str, name: str = "time_to_score") -> str:
     runs, m = report["runs"], report["machine"]
-    variants = list(dict.fromkeys([*VARIANTS, *(r["variant"] for r in runs)]))
+    variants = list(dict.fromkeys([*DEFAULT_VARIANTS, *(r["variant"] for r in runs)]))
     evaluated = any("final_eval_return" in r for r in runs)
     lines = [
-        "# Time to score: coupled, decoupled pipelined and Stable-Baselines3",
+        "# Time to score: the layouts and Stable-Baselines3",
         "",
         f"Machine: {m['cpu']}, {m['cores']} cores, torch {m['torch']}. Pipelined: 1 player + 1 trainer. "
         "Wall s at the threshold: mean over the seeds that reached it (how many in brackets). Final and "
@@ -277,7 +282,7 @@ def markdown(report: dict[str, Any], command: str, name: str = "time_to_score") 
         if stopped:
             lines += ["Stopped before their budget (`--sb3-stop`: at the threshold; `--sb3-cap`: at the wall "
                       "cap, the threshold not reached): " + "; ".join(stopped) + ".", ""]  # fmt: skip
-    pairs = [*stats.PAIRS, *((v, "coupled") for v in variants if v not in VARIANTS)]
+    pairs = [*stats.PAIRS, *((v, "coupled") for v in variants if v not in DEFAULT_VARIANTS)]
     table = stats.markdown_table(runs, "workload", pairs, tasks=list(WORKLOADS), variants=variants)
     if table:
         what = "final evaluation return" if evaluated else "final return"
@@ -296,15 +301,14 @@ def markdown(report: dict[str, Any], command: str, name: str = "time_to_score") 
 
 
 def sps_line(rows: list[dict[str, Any]]) -> list[str]:
-    """Each variant's median SPS over its seeds and its ratio to SB3's (when SB3 ran): the throughput
+    """Each variant's median SPS over its seeds, with its ratio to SB3's where SB3 ran: the throughput
     comparison, one process each for coupled and SB3 (one torch thread both), two for pipelined."""
     medians = {
         v: statistics.median(r["sps"] for r in rows if r["variant"] == v)
         for v in dict.fromkeys(r["variant"] for r in rows)
     }
-    if "sb3" not in medians:
-        return []
-    cells = [f"{v} {sps:,.0f}" + ("" if v == "sb3" else f" ({sps / medians['sb3']:.2f}x SB3)")
+    sb3 = medians.get("sb3")
+    cells = [f"{v} {sps:,.0f}" + ("" if v == "sb3" or sb3 is None else f" ({sps / sb3:.2f}x SB3)")
              for v, sps in medians.items()]  # fmt: skip
     return [f"SPS, median over the seeds: {', '.join(cells)}.", ""]
 
@@ -326,19 +330,21 @@ def evaluation_cells(rows: list[dict[str, Any]], threshold: float) -> str:
 
 
 def candidate(text: str) -> tuple[str, list[str]]:
-    """`NAME=BASE:override,override`: a variant that runs `BASE` (coupled or pipelined) with these overrides."""
+    """`NAME=BASE:override,override`: a variant that runs the layout `BASE` with these overrides."""
     name, _, rest = text.partition("=")
     base, _, overrides = rest.partition(":")
-    if not name or name in VARIANTS or base not in ("coupled", "pipelined"):
-        raise argparse.ArgumentTypeError(f"--candidate {text!r}: NAME=coupled|pipelined:override,...")
+    if not name or name in VARIANTS or base not in common.LAYOUTS:
+        raise argparse.ArgumentTypeError(
+            f"--candidate {text!r}: NAME=LAYOUT:override,... (LAYOUT of {', '.join(common.LAYOUTS)})"
+        )
     return name, [*VARIANTS[base], *(o for o in overrides.split(",") if o)]
 
 
 def main() -> None:
     parser = common.argument_parser(__doc__)
     parser.add_argument("--workloads", nargs="+", choices=list(WORKLOADS), default=["lunarlander"])
-    parser.add_argument("--variants", nargs="+", default=list(VARIANTS), help="of coupled, pipelined, sb3 and "
-                        "the --candidate names")  # fmt: skip
+    parser.add_argument("--variants", nargs="+", default=DEFAULT_VARIANTS, help=f"of {', '.join(VARIANTS)} "
+                        "and the --candidate names (default: coupled pipelined sb3)")  # fmt: skip
     parser.add_argument("--seeds", type=int, default=3, help="seeds FIRST..N")
     parser.add_argument("--first-seed", type=int, default=1)
     parser.add_argument("--eval", action="store_true", help="evaluate during training; report its returns")
