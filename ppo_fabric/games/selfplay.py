@@ -17,8 +17,10 @@ benchmarks/results/selfplay_*.md). Those games are reported apart (`selfplay/ran
 With `selfplay.scripted_prob` > 0 that share of episodes is played against the scripted player
 `selfplay.scripted` names (`win_or_block`, `search:DEPTH`: games/scripted.py, the players `evaluate
 opponent=` measures against): an opponent that punishes every missed threat from the first update, which
-snapshots of a weak learner never do. Reported apart as `selfplay/scripted_*`; its random choices come from
-a generator of its own whose state checkpoints keep.
+snapshots of a weak learner never do. A list of names is a league of scripted styles: each of those
+episodes meets one of them, drawn uniformly, so the learner cannot settle on beating one partner's habits.
+Reported apart as `selfplay/scripted_*` (all of them together); each player's random choices come from a
+generator of its own whose state checkpoints keep.
 
 Seats alternate per episode in each copy. The seat -> policy mapping therefore changes from episode to
 episode: the rollout's `mask` keeps only the learner's decisions (`learner_rows`), the only rows trained.
@@ -39,7 +41,7 @@ from typing import Any
 
 import numpy as np
 import torch
-from omegaconf import DictConfig
+from omegaconf import DictConfig, ListConfig
 
 from ppo_fabric.envs.make import EnvError
 from ppo_fabric.models.agent import ActorCritic
@@ -47,7 +49,14 @@ from ppo_fabric.models.agent import ActorCritic
 SAMPLING = ("uniform", "latest", "pfsp")
 WIN, DRAW, LOSS = 1, 0, -1
 RANDOM = -2  # the opponent id of a copy playing the uniformly random legal-move player
-SCRIPTED = -3  # the opponent id of a copy playing the scripted player (selfplay.scripted)
+SCRIPTED = -3  # the opponent id of a copy playing the first scripted player; the k-th is SCRIPTED - k
+
+
+def scripted_names(value: Any) -> list[str]:
+    """`selfplay.scripted` as a list of player names: one name, or a list of them (a league)."""
+    if isinstance(value, str):
+        return [value]
+    return [str(name) for name in value]
 
 
 # ---------------------------------------------------------------------------------------------- config
@@ -84,10 +93,15 @@ def check_selfplay(cfg: DictConfig, specs: dict[str, Any], turn_based: bool) -> 
     if sp.scripted_prob > 0:
         from ppo_fabric.games import scripted
 
-        try:
-            scripted.scripted_player(str(sp.get("scripted")))
-        except ValueError as exc:
-            raise EnvError(f"selfplay.scripted={exc}") from exc
+        value = sp.get("scripted")
+        names = scripted_names(value) if isinstance(value, (str, ListConfig, list)) else []
+        if not names:
+            raise EnvError(f"selfplay.scripted={value} must name a scripted player or a list of them")
+        for name in names:
+            try:
+                scripted.scripted_player(name)
+            except ValueError as exc:
+                raise EnvError(f"selfplay.scripted={exc}") from exc
         if not any(game in str(cfg.env.id) for game in scripted.GAMES):
             raise EnvError(
                 f"selfplay.scripted={sp.get('scripted')} plays connect_four_v3 only, not env.id={cfg.env.id}"
@@ -230,12 +244,15 @@ class SelfPlay:
         )
         self.random_prob = float(sp_cfg.random_prob)
         self.scripted_prob = float(sp_cfg.scripted_prob)
-        self.scripted: Any = None  # the scripted player (selfplay.scripted), when scripted_prob > 0
+        self.scripted: list[Any] = []  # the scripted players (selfplay.scripted), when scripted_prob > 0
         if self.scripted_prob > 0:
             from ppo_fabric.games.scripted import scripted_player
 
             # seeded from numpy's global generator (seeded per run and rank): a seeded run repeats
-            self.scripted = scripted_player(str(sp_cfg.scripted), int(np.random.randint(2**31)))
+            self.scripted = [
+                scripted_player(name, int(np.random.randint(2**31)))
+                for name in scripted_names(sp_cfg.scripted)
+            ]
         self.noise = float(sp_cfg.opponent_noise)
         self.spec, self.device, self.num_envs = spec, device, num_envs
         self.seat = (np.arange(num_envs) + rank) % 2  # the learner's seat in each copy
@@ -257,20 +274,22 @@ class SelfPlay:
                 self.opponent[e] = self._draw()
 
     def _playable(self, opponent: int) -> bool:
-        if opponent == SCRIPTED:
-            return self.scripted is not None
+        if opponent <= SCRIPTED:
+            return SCRIPTED - opponent < len(self.scripted)
         return opponent == RANDOM or self.pool.get(opponent) is not None
 
     def _draw(self) -> int:
-        """The next opponent: the random player with probability `random_prob`, the scripted one with
-        `scripted_prob`, else a pool snapshot (drawn with numpy's global generator, which checkpoints save and
-        restore; one uniform number picks among the three, none when both shares are 0)."""
+        """The next opponent: the random player with probability `random_prob`, a scripted one with
+        `scripted_prob` (uniformly among the league's), else a pool snapshot (drawn with numpy's global
+        generator, which checkpoints save and restore; one uniform number picks among the three, none when
+        both shares are 0, and it picks the scripted player too, so a single one draws as before)."""
         if self.random_prob > 0 or self.scripted_prob > 0:
             u = np.random.random()
             if u < self.random_prob:
                 return RANDOM
             if u < self.random_prob + self.scripted_prob:
-                return SCRIPTED
+                k = int((u - self.random_prob) / self.scripted_prob * len(self.scripted))
+                return SCRIPTED - min(k, len(self.scripted) - 1)
         return self.pool.sample()
 
     def opponent_to_move(self, movers: np.ndarray) -> np.ndarray:
@@ -309,8 +328,8 @@ class SelfPlay:
             mask = None if masks is None else masks[rows]
             if snap_id == RANDOM:
                 chosen = self._random_moves(len(copies), mask)
-            elif snap_id == SCRIPTED:
-                chosen = self._scripted_moves(obs[rows], mask)
+            elif snap_id <= SCRIPTED:
+                chosen = self._scripted_moves(self.scripted[SCRIPTED - snap_id], obs[rows], mask)
             else:
                 chosen, _, _ = self._net(int(snap_id)).sample(obs[rows], None, False, mask)
                 if self.noise > 0:  # some of the snapshot's moves are random ones
@@ -319,11 +338,11 @@ class SelfPlay:
             actions[rows.cpu().numpy()] = chosen.cpu().numpy()
         return actions
 
-    def _scripted_moves(self, obs: Any, mask: torch.Tensor | None) -> torch.Tensor:
-        """The scripted player's move in each row (plain Python per board: milliseconds per update)."""
+    def _scripted_moves(self, player: Any, obs: Any, mask: torch.Tensor | None) -> torch.Tensor:
+        """A scripted player's move in each row (plain Python per board: milliseconds per update)."""
         boards = np.asarray(obs.cpu())
         legal = None if mask is None else mask.cpu().numpy()
-        moves = [self.scripted(boards[i], None if legal is None else legal[i]) for i in range(len(boards))]
+        moves = [player(boards[i], None if legal is None else legal[i]) for i in range(len(boards))]
         return torch.tensor(moves, dtype=torch.long, device=self.device)
 
     def _random_moves(self, n: int, mask: torch.Tensor | None) -> torch.Tensor:
@@ -343,7 +362,7 @@ class SelfPlay:
             outcome = WIN if ret > 0 else LOSS if ret < 0 else DRAW
             if self.opponent[e] == RANDOM:
                 self.random_results[1 - outcome] += 1  # WIN -> 0, DRAW -> 1, LOSS -> 2
-            elif self.opponent[e] == SCRIPTED:
+            elif self.opponent[e] <= SCRIPTED:
                 self.scripted_results[1 - outcome] += 1
             else:
                 self.pool.record(int(self.opponent[e]), outcome)
@@ -410,16 +429,21 @@ class SelfPlay:
             "seat": torch.from_numpy(self.seat.copy()),
             "opponent": torch.from_numpy(self.opponent.copy()),
         }
-        if self.scripted is not None:  # its generator's state: plain ints and strings
-            out["scripted_rng"] = self.scripted.rng.bit_generator.state
+        if self.scripted:  # their generators' states: plain ints and strings (one dict for one player)
+            states = [player.rng.bit_generator.state for player in self.scripted]
+            out["scripted_rng"] = states[0] if len(states) == 1 else states
         return out
 
     def load_state(self, state: dict[str, Any], exact: bool) -> None:
         """The pool always; the seats and opponents per copy only when the copies are the same ones."""
         self.pool.load_state(state["pool"])
         self.nets.clear()
-        if self.scripted is not None and "scripted_rng" in state:
-            self.scripted.rng.bit_generator.state = state["scripted_rng"]
+        if self.scripted and "scripted_rng" in state:
+            saved = state["scripted_rng"]
+            saved = saved if isinstance(saved, list) else [saved]
+            # a resume that changed the league (resume_overrides=allow) restores the players both runs share
+            for player, rng_state in zip(self.scripted, saved, strict=False):
+                player.rng.bit_generator.state = rng_state
         if exact:
             self.seat = np.asarray(state["seat"], dtype=np.int64).copy()
             self.opponent = np.asarray(state["opponent"], dtype=np.int64).copy()

@@ -177,6 +177,15 @@ def test_tictactoe_selfplay_two_processes(tmp_path: Path, strategy: str) -> None
             "from 1 to 6",
         ),
         (["selfplay.enabled=true", "selfplay.scripted_prob=0.2", "selfplay.scripted=minimax"], "minimax"),
+        (
+            [
+                "selfplay.enabled=true",
+                "selfplay.scripted_prob=0.2",
+                "selfplay.scripted=[win_or_block,search:0]",
+            ],
+            "depth is a whole number",
+        ),
+        (["selfplay.enabled=true", "selfplay.scripted_prob=0.2", "selfplay.scripted=[]"], "a list of them"),
     ],
 )
 def test_turn_based_config_errors(

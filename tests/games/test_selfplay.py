@@ -13,7 +13,7 @@ import ppo_fabric
 from ppo_fabric.collect.rollout import build_collector
 from ppo_fabric.config.values import compose
 from ppo_fabric.games.play import PolicyPlayer, RandomPlayer, aec_env_factory, play_games
-from ppo_fabric.games.scripted import WinOrBlockPlayer
+from ppo_fabric.games.scripted import SearchPlayer, WinOrBlockPlayer
 from ppo_fabric.games.selfplay import (
     RANDOM,
     SCRIPTED,
@@ -181,7 +181,7 @@ def test_scripted_opponent_takes_its_win_and_blocks_and_is_reported_apart() -> N
         [*CONNECT_FOUR, "selfplay.scripted_prob=1.0", "selfplay.scripted=win_or_block"], collect=True
     )
     assert (sp.opponent == SCRIPTED).all()
-    assert isinstance(sp.scripted, WinOrBlockPlayer)
+    assert len(sp.scripted) == 1 and isinstance(sp.scripted[0], WinOrBlockPlayer)
     metrics = sp.metrics()
     assert metrics["selfplay/games"] == 0 and metrics["selfplay/scripted_games"] > 0
     assert sum(metrics[f"selfplay/scripted_{k}_rate"] for k in ("win", "draw", "loss")) == pytest.approx(1.0)
@@ -213,7 +213,42 @@ def test_scripted_opponent_mixes_into_the_draws_and_its_generator_resumes(tmp_pa
     other = _selfplay(overrides)
     other.load_state(saved, exact=True)
     empty = np.zeros((6, 7, 2))
-    assert [sp.scripted(empty, None) for _ in range(20)] == [other.scripted(empty, None) for _ in range(20)]
+    player, restored = sp.scripted[0], other.scripted[0]
+    assert [player(empty, None) for _ in range(20)] == [restored(empty, None) for _ in range(20)]
+
+
+def test_a_league_of_scripted_players_shares_the_scripted_games(tmp_path: Path) -> None:
+    """selfplay.scripted=[win_or_block, search:1] with scripted_prob=0.4: each player meets ~20% of the
+    draws (ids SCRIPTED and SCRIPTED - 1), each acts for its own copies, their results count together, and
+    every player's generator resumes."""
+    overrides = [*CONNECT_FOUR, "selfplay.random_prob=0.2", "selfplay.scripted_prob=0.4",
+                 "selfplay.scripted=[win_or_block,search:1]"]  # fmt: skip
+    sp = _selfplay(overrides)
+    assert [type(p) for p in sp.scripted] == [WinOrBlockPlayer, SearchPlayer]
+    np.random.seed(0)
+    draws = np.array([sp._draw() for _ in range(4000)])
+    assert (draws == RANDOM).mean() == pytest.approx(0.2, abs=0.03)
+    assert (draws == SCRIPTED).mean() == pytest.approx(0.2, abs=0.03)
+    assert (draws == SCRIPTED - 1).mean() == pytest.approx(0.2, abs=0.03)
+    assert (draws >= 0).mean() == pytest.approx(0.4, abs=0.03)
+    # copy 0 plays win_or_block, copy 1 search:1; both opponents move on a board where the learner (seat 0)
+    # has an open two on the bottom row (columns 2-3): win_or_block has nothing to win or block and plays
+    # at random, search:1 takes a side of the two (1 or 4), where the open lines it counts are fewest
+    sp.num_envs, sp.seat, sp.opponent = 2, np.zeros(2, dtype=np.int64), np.array([SCRIPTED, SCRIPTED - 1])
+    obs = torch.zeros(4, 6, 7, 2)
+    obs[1, 5, 2:4, 1] = obs[3, 5, 2:4, 1] = 1
+    masks = torch.ones(4, 7, dtype=torch.bool)
+    moves = {sp.act(obs, masks, np.full(4, -1), np.array([False, True, False, True]))[3] for _ in range(20)}
+    assert moves <= {1, 4}
+    sp.episodes_ended(np.array([True, True, True, True]), np.array([1.0, -1.0, -1.0, 1.0]))
+    metrics = sp.metrics()
+    assert metrics["selfplay/scripted_games"] == 2 and metrics["selfplay/scripted_win_rate"] == 0.5
+    torch.save(sp.state(), tmp_path / "selfplay.pt")
+    other = _selfplay(overrides)
+    other.load_state(torch.load(tmp_path / "selfplay.pt", weights_only=True), exact=False)
+    empty = np.zeros((6, 7, 2))
+    for player, restored in zip(sp.scripted, other.scripted, strict=True):
+        assert [player(empty, None) for _ in range(20)] == [restored(empty, None) for _ in range(20)]
 
 
 @pytest.mark.parametrize("noise", [0.0, 0.5])
