@@ -84,7 +84,11 @@ HELD_OUT = (
     "eval/win_or_block:centre/win_rate",
     "eval/win_or_block:careful/win_rate",
     "eval/search:1/win_rate",
-)  # games/scripted.py's players
+    *(
+        f"eval/{player}/win_rate_moving_second"
+        for player in ("win_or_block:centre", "win_or_block:careful", "search:1")
+    ),
+)  # games/scripted.py's players; moving second, where a policy that opens well still loses
 TEAMS = (
     "env=pettingzoo",
     "env.id=ppo_fabric.envs.toy_multiagent:teams_v0",
@@ -245,9 +249,10 @@ def shown_lines(suite: str, runs: list[dict[str, Any]]) -> list[str]:
             ]
             for key in task.shown if mine else ():
                 values = [r["final_eval"][key] for r in mine if key in r["final_eval"]]
-                rows.append(
-                    f"| {task.env} | {variant} | `{key}` | {common.mean_std(values, '.3f')} ({len(values)}) |"
-                )
+                if values:  # none: a metric newer than these runs
+                    rows.append(
+                        f"| {task.env} | {variant} | `{key}` | {common.mean_std(values, '.3f')} ({len(values)}) |"
+                    )
     if not rows:
         return []
     return ["## More of the final evaluation", "", "| task | variant | metric | mean ± std (runs) |",

@@ -46,6 +46,20 @@ class GameResults:
     def rate(self, outcome: int) -> float:
         return sum(o == outcome for o in self.outcomes) / max(1, self.games)
 
+    def seat_win_rate(self, seat: int) -> float | None:
+        """The share of the games `first` won from `seat` (0: moving first); None when it never held it.
+        A game's first move is worth a lot (Connect Four is a first-player win): a policy that wins every
+        game it opens and none it answers scores 50% overall, which only the two seats' rates tell apart."""
+        won = [o == WIN for o, s in zip(self.outcomes, self.first_seats, strict=True) if s == seat]
+        return float(np.mean(won)) if won else None
+
+    def extend(self, other: GameResults) -> None:
+        """Add another series' games (several opponents pooled into one record)."""
+        self.outcomes += other.outcomes
+        self.first_seats += other.first_seats
+        self.lengths += other.lengths
+        self.illegal_moves += other.illegal_moves
+
     @property
     def score(self) -> float:
         """Mean score of `first` (win 1, draw 1/2, loss 0): what Elo ratings are fitted to."""
@@ -60,6 +74,8 @@ class GameResults:
             "score": self.score,
             "mean_length": float(np.mean(self.lengths)) if self.lengths else 0.0,
             "illegal_moves": self.illegal_moves,
+            "win_rate_moving_first": self.seat_win_rate(0),
+            "win_rate_moving_second": self.seat_win_rate(1),
         }
 
 

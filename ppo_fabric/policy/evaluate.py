@@ -355,6 +355,12 @@ def evaluate_multiagent(
     }
 
 
+def _seats(result: dict[str, Any]) -> str:
+    """`(won moving first F, second S)` where the games held both seats."""
+    first, second = result["win_rate_moving_first"], result["win_rate_moving_second"]
+    return "" if first is None or second is None else f" (won moving first {first:.3f}, second {second:.3f})"
+
+
 def main(argv: list[str] | None = None) -> dict[str, Any] | None:
     """Entry point; exits with status 2 and one line on stderr for bad input."""
     from ppo_fabric.config.arguments import ArgError, fail, parse_key_values
@@ -373,7 +379,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any] | None:
         print(
             f"ppo-fabric: eval {result['env_id']} ({result['policy']} vs {result['opponent']}, {mode}): "
             f"win {result['win_rate']:.3f} draw {result['draw_rate']:.3f} loss {result['loss_rate']:.3f} "
-            f"over {result['games']} games; wrote {result['eval_json']}",
+            f"over {result['games']} games{_seats(result)}; wrote {result['eval_json']}",
             flush=True,
         )
         return result

@@ -9,8 +9,6 @@ import time
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
 
 class GameEvalError(ValueError):
     """Input a game evaluation cannot run with; `str()` is one line for the user."""
@@ -122,7 +120,7 @@ def evaluate_games(
     checkpoint's two-player AEC game; with `pool`, the games are shared out evenly among the snapshots.
     Greedy players (deterministic=true) on both sides replay the same two games: sample with
     deterministic=false against a snapshot for a spread of games."""
-    from ppo_fabric.games.play import WIN, GameResults, aec_env_factory, play_games
+    from ppo_fabric.games.play import GameResults, aec_env_factory, play_games
     from ppo_fabric.runs import checkpoint as ckpt
 
     if opponent is None:
@@ -155,12 +153,7 @@ def evaluate_games(
         except ValueError as exc:
             raise GameEvalError(str(exc)) from exc
         rows[label] = results.summary()
-        total.outcomes += results.outcomes
-        total.first_seats += results.first_seats
-        total.lengths += results.lengths
-        total.illegal_moves += results.illegal_moves
-    as_first = [o == WIN for o, s in zip(total.outcomes, total.first_seats, strict=True) if s == 0]
-    as_second = [o == WIN for o, s in zip(total.outcomes, total.first_seats, strict=True) if s == 1]
+        total.extend(results)
     return {
         "checkpoint": str(ckpt.resolve(checkpoint).resolve()),
         "env_id": str(env_cfg["id"]),
@@ -170,8 +163,6 @@ def evaluate_games(
         "deterministic": deterministic,
         "seed": seed,
         **total.summary(),
-        "win_rate_moving_first": float(np.mean(as_first)) if as_first else None,
-        "win_rate_moving_second": float(np.mean(as_second)) if as_second else None,
         "opponents": rows,
         "wall_seconds": time.perf_counter() - start,
         "video": None,

@@ -217,6 +217,10 @@ def game_opponents(cfg: DictConfig) -> list[str]:
     return ["random", *(["win_or_block", *held_out] if known else [])]
 
 
+# per opponent: the win rate, and from each seat (a game's first move weighs a lot: GameResults.seat_win_rate)
+SEAT_RATES = ("win_rate", "win_rate_moving_first", "win_rate_moving_second")
+
+
 class Games:
     """A two-player turn-based game's evaluation: the trained policy's games against each of
     `game_opponents` (`eval.episodes` games each, seats alternated, `play_games`); its win rate against
@@ -255,12 +259,12 @@ class Games:
         total, metrics = GameResults(), {}
         for i, (label, opponent) in enumerate(self.opponents):
             results = play_games(self.factory, player, opponent, self.games, self.seed + i * self.games)
-            metrics[f"eval/{label}/win_rate"] = results.summary()["win_rate"]
-            total.outcomes += results.outcomes
+            rates = results.summary()
+            metrics |= {f"eval/{label}/{k}": rates[k] for k in SEAT_RATES if rates[k] is not None}
+            total.extend(results)
         summary = total.summary()
-        return {
-            f"eval/{k}": float(summary[k]) for k in ("win_rate", "draw_rate", "loss_rate", "score")
-        } | metrics
+        overall = ("win_rate", "draw_rate", "loss_rate", "score", *SEAT_RATES[1:])
+        return {f"eval/{k}": float(summary[k]) for k in overall if summary[k] is not None} | metrics
 
     def close(self) -> None:
         pass

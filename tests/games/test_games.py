@@ -9,6 +9,7 @@ import pytest
 from ppo_fabric.games.play import (
     LOSS,
     WIN,
+    GameResults,
     RandomPlayer,
     aec_env_factory,
     first_legal_player,
@@ -60,6 +61,14 @@ def test_first_legal_move_against_itself_by_hand() -> None:
     2-4-6 is a line, so the opener wins on the 7th move, whichever seat `first` holds."""
     results = play_games(TICTACTOE, first_legal_player, first_legal_player, 4, seed=0)
     assert results.outcomes == [WIN, LOSS, WIN, LOSS] and results.lengths == [7] * 4
+    summary = results.summary()  # every game it opens, none it answers: the seats tell what 50% hides
+    assert summary["win_rate"] == 0.5
+    assert (summary["win_rate_moving_first"], summary["win_rate_moving_second"]) == (1.0, 0.0)
+    pooled = GameResults()
+    pooled.extend(results)
+    pooled.extend(play_games(TICTACTOE, first_legal_player, first_legal_player, 1, seed=0))
+    assert pooled.games == 5 and pooled.seat_win_rate(0) == 1.0 and pooled.seat_win_rate(1) == 0.0
+    assert GameResults().seat_win_rate(0) is None  # no game from that seat: no rate
 
 
 def test_first_legal_move_against_random() -> None:

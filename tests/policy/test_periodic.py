@@ -194,6 +194,9 @@ def test_a_game_is_evaluated_against_its_opponents(tmp_path: Path) -> None:
     summary = ppo_fabric.run([*game, f"hydra.run.dir={tmp_path / 'run'}"])
     (row,) = [r for r in read_rows(tmp_path / "run" / "evaluations.csv") if r.get("eval/score")]
     assert float(row["eval/random/win_rate"]) == float(row["eval/win_rate"]), "random is the only default"
+    first, second = (float(row[f"eval/random/win_rate_moving_{seat}"]) for seat in ("first", "second"))
+    assert (first + second) / 2 == float(row["eval/win_rate"]), "2 games from each seat"
+    assert float(row["eval/win_rate_moving_first"]) == first
     rates = [float(row[f"eval/{k}_rate"]) for k in ("win", "draw", "loss")]
     assert sum(rates) == pytest.approx(1.0) and all(r * 4 == int(r * 4) for r in rates), "4 games"
     assert summary["evaluation"]["last"] == {"env_step": 1024, "score": pytest.approx(rates[0] + rates[1] / 2),
