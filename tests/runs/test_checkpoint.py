@@ -30,12 +30,15 @@ def _params(run_dir: Path) -> dict[str, torch.Tensor]:
 @pytest.mark.slow
 def test_resume_matches_uninterrupted_run(tmp_path: Path) -> None:
     """Resumed at update 10 of 24, the run ends with bit-identical parameters (model, optimizer, LR
-    schedule, RNG and env state all restored)."""
-    ppo_fabric.run([*BASE, f"hydra.run.dir={tmp_path / 'full'}"])
+    schedule, RNG and env state all restored). The uninterrupted run does not evaluate and the other two
+    do (eval.every=auto, in the training process): evaluation must leave training as it was."""
+    ppo_fabric.run([*BASE, "eval.every=0", f"hydra.run.dir={tmp_path / 'full'}"])
+    assert not read_rows(tmp_path / "full" / "evaluations.csv")
     ppo_fabric.run([*BASE, f"hydra.run.dir={tmp_path / 'part'}", "checkpoint.every=10", "checkpoint.keep=0"])
     middle = numbered_checkpoint(tmp_path / "part", 10)
     assert ckpt.load(middle)["env_step"] == 10 * 256
     summary = ppo_fabric.run([*BASE, f"hydra.run.dir={tmp_path / 'resumed'}", f"resume={middle}"])
+    assert read_rows(tmp_path / "resumed" / "evaluations.csv"), "the resumed run evaluated"
     assert summary["total_env_steps"] == 6144 and summary["steps_this_run"] == 6144 - 2560
     full, resumed = _params(tmp_path / "full"), _params(tmp_path / "resumed")
     assert full.keys() == resumed.keys()

@@ -249,7 +249,9 @@ def test_fabric_run_then_exact_resume(tmp_path: Path) -> None:
 def test_pipelined_resume_is_exact(tmp_path: Path) -> None:
     """With the pipeline a checkpoint falls while the next rollout is in flight: it must hold the player's
     state from before that rollout and the parameters it was collected with, so the resumed run retraces
-    the original one (same parameters at later checkpoints, same number of episodes)."""
+    the original one (same parameters at later checkpoints, same number of episodes). The original
+    evaluates during training (its evaluator process) and the resumed run does not: evaluation must leave
+    training as it was."""
     common = [
         *SMALL,
         "algo.pipeline=true",
@@ -257,9 +259,13 @@ def test_pipelined_resume_is_exact(tmp_path: Path) -> None:
         "checkpoint.keep=0",
         "algo.total_steps=1024",
     ]
-    _run(_python_m(2, *common, f"hydra.run.dir={tmp_path / 'a'}"), tmp_path)
+    evaluated = ["eval.every=256", "eval.episodes=2"]
+    _run(_python_m(2, *common, *evaluated, f"hydra.run.dir={tmp_path / 'a'}"), tmp_path)
+    assert len(read_rows(tmp_path / "a" / "evaluations.csv")) == 4, "evaluated at 256, 512, 768, 1024"
     source = numbered_checkpoint(tmp_path / "a", 4)
-    _run(_python_m(2, *common, f"hydra.run.dir={tmp_path / 'b'}", f"resume={source}"), tmp_path)
+    _run(
+        _python_m(2, *common, "eval.every=0", f"hydra.run.dir={tmp_path / 'b'}", f"resume={source}"), tmp_path
+    )
     for name in (6, 8):
         original = _agent(numbered_checkpoint(tmp_path / "a", name)).state_dict()
         again = _agent(numbered_checkpoint(tmp_path / "b", name)).state_dict()
