@@ -670,7 +670,10 @@ def build_collector(
             storage: Any = policy_storage(steps, copies, specs[SINGLE], device, is_async(cfg.env))
         else:
             masked = any(spec.action_mask is not None for spec in specs.values())
-            envs, first = make_multiagent_vector_env(cfg.env, cfg.multiagent, int(cfg.seed), rank, masked)
+            opening = int(cfg.selfplay.opening_moves) if bool(cfg.selfplay.enabled) else 0
+            envs, first = make_multiagent_vector_env(
+                cfg.env, cfg.multiagent, int(cfg.seed), rank, masked, opening_moves=opening
+            )
             storage = {name: policy_storage(steps, copies, spec, device) for name, spec in specs.items()}
     except NonFiniteData as bad:
         raise EnvFault(f"{label}, env {bad.index}: {bad.what} at its first reset") from None

@@ -280,10 +280,16 @@ class MultiAgentVectorEnv:
 
 
 def make_multiagent_vector_env(
-    env_cfg: DictConfig, ma_cfg: DictConfig, seed: int, rank: int, masked: bool = False
+    env_cfg: DictConfig,
+    ma_cfg: DictConfig,
+    seed: int,
+    rank: int,
+    masked: bool = False,
+    opening_moves: int = 0,
 ) -> tuple[Any, dict[str, np.ndarray]]:
     """The rank's vector env over `env.num_envs` copies, already reset; returns (envs, first observations).
-    A turn-based (AEC) env gets `turn_based.TurnBasedVectorEnv`, with its action masks when `masked`."""
+    A turn-based (AEC) env gets `turn_based.TurnBasedVectorEnv`, with its action masks when `masked` and
+    its random openings of up to `opening_moves` moves (self-play training only)."""
     for key in ("normalize_obs", "normalize_reward", "mask_velocity", "observation_noise"):
         if env_cfg.get(key, False):
             raise EnvError(f"env.{key}={env_cfg.get(key)} is not supported for PettingZoo envs yet")
@@ -296,7 +302,7 @@ def make_multiagent_vector_env(
     finally:
         probe.close()
     if turns:
-        envs: Any = TurnBasedVectorEnv(factories, groups, masked)
+        envs: Any = TurnBasedVectorEnv(factories, groups, masked, opening_moves)
     else:
         envs = MultiAgentVectorEnv(factories, groups)
     first = envs.reset(seed=env_seeds(seed, rank, int(env_cfg.num_envs)))

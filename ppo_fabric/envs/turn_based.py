@@ -12,6 +12,10 @@ is reported in a row that did not act; `info["acted"]` tells the rollout loop so
 
 A game ends for every player at once: as soon as any agent is terminated or truncated, every agent of the
 copy gets its episode end, its return and its length (its own moves), and the copy restarts.
+
+With `opening_moves` = N every game (after each reset) starts with 0..N uniformly random legal moves that
+belong to nobody: no transition, no reward, no length. Self-play's second seat otherwise meets only the
+lines its sparring partners open with and learns those, not the game (docs/how-to/multi-agent.md).
 """
 
 from __future__ import annotations
@@ -22,7 +26,7 @@ from typing import Any
 import gymnasium as gym
 import numpy as np
 
-from ppo_fabric.envs.make import ACTION_MASK, env_action
+from ppo_fabric.envs.make import ACTION_MASK, EnvError, env_action
 from ppo_fabric.envs.traits import TURN_BASED
 
 TURN = "acted"  # the info key: rows whose agent moved at this step
@@ -50,11 +54,19 @@ class TurnBasedVectorEnv:
     traits = TURN_BASED
 
     def __init__(
-        self, factories: list[Callable[[], Any]], groups: dict[str, list[str]], masked: bool
+        self,
+        factories: list[Callable[[], Any]],
+        groups: dict[str, list[str]],
+        masked: bool,
+        opening_moves: int = 0,
     ) -> None:
         self.factories = factories
         self.envs = [factory() for factory in factories]
         self.num_envs = len(self.envs)
+        self.opening_moves = int(opening_moves)
+        self._rng = (
+            np.random.default_rng()
+        )  # the openings' draws; `reset(seed)` seeds it, checkpoints keep it
         # each copy's reset seed and moves since: PettingZoo's games pickle as a fresh env (EzPickle), so a
         # checkpoint keeps the moves and `__setstate__` replays them
         self._seeds: list[int | None] = [None] * self.num_envs
@@ -62,6 +74,10 @@ class TurnBasedVectorEnv:
         self.groups = groups
         first = self.envs[0]
         self.action_spaces = {p: first.action_space(a[0]) for p, a in groups.items()}
+        if self.opening_moves and not all(
+            isinstance(a, gym.spaces.Discrete) for a in self.action_spaces.values()
+        ):
+            raise EnvError("selfplay.opening_moves needs a game whose moves are Discrete actions")
         split = {p: split_observation_space(first.observation_space(a[0]), masked) for p, a in groups.items()}
         self.observation_spaces = {p: space for p, (space, _) in split.items()}
         self.mask_widths = {p: width for p, (_, width) in split.items()}
@@ -111,10 +127,13 @@ class TurnBasedVectorEnv:
 
     def reset(self, seed: list[int] | None = None) -> dict[str, Any]:
         obs = self._fresh()
+        if seed is not None:
+            self._rng = np.random.default_rng([int(s) for s in seed])
         for e, env in enumerate(self.envs):
             self._seeds[e] = None if seed is None else int(seed[e])
             self._moves[e] = []
             env.reset(seed=self._seeds[e])
+            self._open(e)
             self._observe(e, obs)
         for p in self.groups:
             self._returns[p][:] = 0
@@ -158,6 +177,7 @@ class TurnBasedVectorEnv:
             if over:
                 env.reset()
                 self._seeds[e], self._moves[e] = None, []
+                self._open(e)
             self._observe(e, obs)
         return [
             (
@@ -176,6 +196,29 @@ class TurnBasedVectorEnv:
             )
             for p in self.groups
         ]
+
+    def _open(self, e: int) -> None:
+        """Play copy `e`'s random opening (0..`opening_moves` legal moves, drawn uniformly), recorded in its
+        moves so that a checkpoint replays it. An opening that ends the game is discarded and drawn again
+        (a draw of no moves always ends the loop)."""
+        env = self.envs[e]
+        done = False
+        while not done:
+            done = True
+            for _ in range(int(self._rng.integers(0, self.opening_moves + 1))):
+                value = env.observe(env.agent_selection)
+                legal = (
+                    np.flatnonzero(value[ACTION_MASK])
+                    if isinstance(value, dict) and ACTION_MASK in value
+                    else np.arange(int(env.action_space(env.agent_selection).n))
+                )
+                move = int(self._rng.choice(legal))
+                self._moves[e].append(move)
+                env.step(move)
+                if any(env.terminations.values()) or any(env.truncations.values()):
+                    env.reset()
+                    self._seeds[e], self._moves[e], done = None, [], False
+                    break
 
     def _final_obs(self, env: Any, agent: str, policy: str) -> Any:
         value = env.observe(agent)

@@ -79,6 +79,9 @@ def check_selfplay(cfg: DictConfig, specs: dict[str, Any], turn_based: bool) -> 
         value = sp.get(key)
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise EnvError(f"selfplay.{key}={value} must be a positive integer")
+    opening = sp.opening_moves
+    if isinstance(opening, bool) or not isinstance(opening, int) or opening < 0:
+        raise EnvError(f"selfplay.opening_moves={opening} must be a whole number >= 0")
     if sp.get("sampling") not in SAMPLING:
         raise EnvError(f"selfplay.sampling={sp.get('sampling')} must be one of {', '.join(SAMPLING)}")
     for key in ("latest_prob", "random_prob", "scripted_prob", "opponent_noise"):

@@ -9,8 +9,10 @@ rewards, flags, mask and advantages with numbers worked out by hand in the comme
 from __future__ import annotations
 
 import json
+import pickle
 import subprocess
 import sys
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -141,6 +143,57 @@ def test_only_legal_moves_and_masks_off_fails(tmp_path: Path, capsys: pytest.Cap
         ppo_fabric.run([*base, "logger=none", "algo.action_mask=off", f"hydra.run.dir={tmp_path / 'off'}"])
 
 
+def _marks(env: Any) -> int:
+    """Pieces on a tictactoe board: both players' planes of the observation."""
+    return int(env.observe(env.agent_selection)["observation"].sum())
+
+
+def test_random_openings_belong_to_nobody() -> None:
+    """`opening_moves=3`: each game starts after 0..3 random legal moves (all four counts occur over 40
+    games), seeded by `reset`, replayed by a checkpoint; the seats' own moves are their lengths, and the
+    opening is no seat's move."""
+    cfg, _ = compose([*TICTACTOE, "env.num_envs=1"])
+    factories = [partial(make_parallel_env, cfg.env)] * 40
+    envs = TurnBasedVectorEnv(factories, {"shared": ["player_1", "player_2"]}, True, opening_moves=3)
+    envs.reset(seed=list(range(40)))
+    openings = [len(moves) for moves in envs._moves]
+    assert set(openings) == {0, 1, 2, 3}
+    assert [_marks(env) for env in envs.envs] == openings
+    # after an odd opening the second seat moves first
+    first_mover = [int(envs.alive["shared"][2 * e + 1]) for e in range(40)]
+    assert first_mover == [n % 2 for n in openings]
+    again = TurnBasedVectorEnv(factories, {"shared": ["player_1", "player_2"]}, True, opening_moves=3)
+    again.reset(seed=list(range(40)))
+    assert again._moves == envs._moves  # the same seeds, the same openings
+    # play every game to its end with the first legal move: its seats' lengths are the steps it took, the
+    # opening's moves are nobody's, and the board held opening + steps pieces (a win needs >= 5)
+    lengths = np.zeros(80, dtype=np.int64)
+    steps = np.zeros(40, dtype=np.int64)
+    ended = np.zeros(80, dtype=bool)
+    while not ended.all():
+        actions = envs.action_masks["shared"].argmax(1)
+        info = envs.step([actions])[0][4]
+        steps += ~ended[::2]
+        done = info["_episode"] & ~ended
+        lengths[done] = info["episode"]["l"][done]
+        ended |= info["_episode"]
+    assert (lengths[::2] + lengths[1::2] == steps).all()
+    assert all(5 <= steps[e] + openings[e] <= 9 for e in range(40))
+    restored = pickle.loads(pickle.dumps(envs))  # a checkpoint replays the new games' openings
+    for env, copy in zip(envs.envs, restored.envs, strict=True):
+        assert _marks(copy) == _marks(env) and copy.agent_selection == env.agent_selection
+    assert restored._rng.integers(1 << 30) == envs._rng.integers(1 << 30)
+
+
+@pytest.mark.parametrize(("enabled", "expected"), [("true", 2), ("false", 0)])
+def test_openings_are_a_selfplay_setting(enabled: str, expected: int) -> None:
+    cfg, _ = compose(
+        [*TICTACTOE, "env.num_envs=2", f"selfplay.enabled={enabled}", "selfplay.opening_moves=2"]
+    )
+    collector = build_collector(cfg, policy_specs(cfg), 0, "cpu", None)
+    assert collector.envs.opening_moves == expected
+
+
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("strategy", ["coupled", "decoupled"])
 def test_tictactoe_selfplay_two_processes(tmp_path: Path, strategy: str) -> None:
@@ -166,6 +219,7 @@ def test_tictactoe_selfplay_two_processes(tmp_path: Path, strategy: str) -> None
     [
         (["model=lstm"], "feed-forward policies only"),
         (["selfplay.enabled=true", "selfplay.pool_size=0"], "selfplay.pool_size=0"),
+        (["selfplay.enabled=true", "selfplay.opening_moves=-1"], "opening_moves=-1 must be a whole"),
         (["selfplay.enabled=true", "selfplay.sampling=best"], "selfplay.sampling=best"),
         (["selfplay.enabled=true", "selfplay.latest_prob=2"], "selfplay.latest_prob=2"),
         (["selfplay.enabled=true", "selfplay.random_prob=-0.1"], "selfplay.random_prob=-0.1"),
