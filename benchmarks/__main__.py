@@ -35,121 +35,36 @@ CARTPOLE_SITTING = ("--workloads", "cartpole", "--seeds", "3", "--force",
 EVERY_LAYOUT = ("coupled", "pipelined", "synchronous", "pipelined_1_2", "synchronous_1_2")
 # In `all`'s order (make bench's); a script `all` runs twice with other arguments has a row for each run.
 TABLE: tuple[Entry, ...] = (
-    Entry(
-        "time_to_score",
-        "the layouts and Stable-Baselines3 on CleanRL's CartPole: SPS and time to 475",
-        "all",
-        CARTPOLE_SITTING,
-    ),
+    Entry("time_to_score", "the layouts and Stable-Baselines3 on CleanRL's CartPole: SPS and time to 475", "all",
+          CARTPOLE_SITTING),
     Entry("scaling", "throughput vs env.num_envs and fabric.devices", "all"),
-    Entry(
-        "time_to_score",
-        "the high-throughput recipe (exp=fast) next to CleanRL's workload: SPS",
-        "all",
-        (
-            "--workloads",
-            "fast",
-            "cartpole",
-            "--variants",
-            "coupled",
-            "--seeds",
-            "3",
-            "--force",
-            "--name",
-            "fast_recipe",
-        ),
-    ),
-    Entry(
-        "time_to_score",
-        "the default config solves CartPole-v1 in every layout",
-        "all",
-        (
-            "--workloads",
-            "default",
-            "--variants",
-            *EVERY_LAYOUT,
-            "--seeds",
-            "1",
-            "--force",
-            "--name",
-            "cartpole_solve",
-        ),
-    ),
-    Entry(
-        "time_to_score",
-        "LunarLander-v3 (200) and Pendulum-v1 (-200) reach their targets with their env configs",
-        "all",
-        (
-            "--workloads",
-            "lunarlander",
-            "pendulum",
-            "--variants",
-            "coupled",
-            "--seeds",
-            "2",
-            "--force",
-            "--name",
-            "targets",
-        ),
-    ),
-    Entry(
-        "learning",
-        "recurrent PPO (LSTM vs MLP) on CartPole with the velocities hidden, evaluated",
-        "all",
-        ("--suite", "recurrent", "--envs", "CartPole-v1/velocities-dropped", "--seeds", "2", "--force"),
-    ),
-    Entry(
-        "learning",
-        "multi-agent PPO on PettingZoo envs (MPE spread, a two-team game), evaluated",
-        "all",
-        ("--suite", "multiagent", "--seeds", "1", "--force"),
-    ),
-    Entry(
-        "learning",
-        "multi-seed learning on the suites (classic, box2d, mujoco, minatar, recurrent, multiagent, games)",
-        "benchmark",
-    ),
+    Entry("time_to_score", "the high-throughput recipe (exp=fast) next to CleanRL's workload: SPS", "all",
+          ("--workloads", "fast", "cartpole", "--variants", "coupled", "--seeds", "3", "--force",
+           "--name", "fast_recipe")),
+    Entry("time_to_score", "the default config solves CartPole-v1 in every layout", "all",
+          ("--workloads", "default", "--variants", *EVERY_LAYOUT, "--seeds", "1", "--force",
+           "--name", "cartpole_solve")),
+    Entry("time_to_score", "LunarLander-v3 (200) and Pendulum-v1 (-200) reach their targets with their env configs",
+          "all", ("--workloads", "lunarlander", "pendulum", "--variants", "coupled", "--seeds", "2", "--force",
+                  "--name", "targets")),
+    Entry("learning", "recurrent PPO (LSTM vs MLP) on CartPole with the velocities hidden, evaluated", "all",
+          ("--suite", "recurrent", "--envs", "CartPole-v1/velocities-dropped", "--seeds", "2", "--force")),
+    Entry("learning", "multi-agent PPO on PettingZoo envs (MPE spread, a two-team game), evaluated", "all",
+          ("--suite", "multiagent", "--seeds", "1", "--force")),
+    Entry("learning", "multi-seed learning on the suites (classic, box2d, mujoco, minatar, recurrent, multiagent, "
+          "games)", "benchmark"),
     Entry("time_to_score", "wall-clock to a score: coupled, decoupled pipelined and SB3", "benchmark"),
     Entry("update_layers", "what the direct minibatch-step layers save (optim.GradientStep)", "benchmark"),
     Entry("chaos", "LunarLander pipelined to 1M with faults injected, against undisturbed runs", "benchmark"),
     Entry("gpu_check", "the CUDA paths (resume, resume across devices, SIGTERM, ...), PASS or FAIL", "tool"),
     Entry("gpu_strategies", "coupled and decoupled on CUDA: SPS, GPU utilisation, time split", "tool"),
-    Entry(
-        "atari_to_score", "an Atari game to a score (Pong: 18) at a GPU layout, wall time and curve", "tool"
-    ),
+    Entry("atari_to_score", "an Atari game to a score (Pong: 18) at a GPU layout, wall time and curve", "tool"),
     Entry("minibatch_step", "the Nature-CNN minibatch step: eager vs compiled vs one CUDA graph", "tool"),
     Entry("checkouts_ab", "one training run on several checkouts (git worktrees), alternated", "tool"),
-    Entry(
-        "stats",
-        "IQM, bootstrap CIs, P(improvement) and profiles of a learning or time_to_score report",
-        "tool",
-    ),
-)
+    Entry("stats", "IQM, bootstrap CIs, P(improvement) and profiles of a learning or time_to_score report", "tool"),
+)  # fmt: skip
 NAMES = tuple(dict.fromkeys(entry.name for entry in TABLE))
 ALL = tuple((entry.name, entry.args) for entry in TABLE if entry.kind == "all")
-# Retired one-off A/B scripts: their findings, results and commits are in benchmarks/README.md, "Retired".
-RETIRED = (
-    "hot_path_ab",
-    "tensordict_overhead",
-    "elo_rating_cost",
-    "trackers",
-    "compile",
-    "profile_split",
-    "fault_checks_cost",
-    "policy_lag",
-    "numpy_rollout",
-    "envpool_vs_gymnasium",
-    "sb3_parity",
-    "cartpole_vs_sb3",
-    "pipelined_vs_sb3",
-    "decoupled_vs_coupled",
-    "cartpole_lstm",
-    "multiagent",
-    "selfplay_games",
-    "fast_recipe",
-    "cartpole_solve",
-    "lunarlander",
-)
 
 
 def command(name: str, args: tuple[str, ...] | list[str]) -> str:
@@ -219,8 +134,7 @@ def main(argv: list[str]) -> int:
     if name.endswith(".py"):  # python -m benchmarks scaling.py
         name = name[:-3]
     if name not in NAMES:
-        retired = " (retired: see benchmarks/README.md, Retired)" if name in RETIRED else ""
-        print(f"unknown benchmark {name!r}{retired}; one of: all, list, {', '.join(NAMES)}", file=sys.stderr)
+        print(f"unknown benchmark {name!r}; one of: all, list, {', '.join(NAMES)}", file=sys.stderr)
         return 2
     run_script(name, args)
     return 0

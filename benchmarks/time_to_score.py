@@ -41,16 +41,13 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
-import tempfile
-import time
-from collections import deque
 from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402
+import sb3_baseline  # noqa: E402
 import stats  # noqa: E402
 from common import RESULTS, run_once  # noqa: E402
 
@@ -66,117 +63,6 @@ WORKLOADS: dict[str, tuple[list[str], float]] = {
 }
 VARIANTS: dict[str, list[str]] = {**{name: list(o) for name, o in common.LAYOUTS.items()}, "sb3": []}
 DEFAULT_VARIANTS = ["coupled", "pipelined", "sb3"]  # what --variants runs unless told
-WINDOW = 20
-
-
-def grid_extractor() -> type:
-    """An SB3 features extractor that is ppo-fabric's `GridCNN` (model=grid, the MinAtar network) itself, so
-    both libraries train the same network on 10x10 frames; SB3's heads sit on its 128 features as ours do."""
-    from stable_baselines3.common.torch_layers import BaseFeaturesExtractor
-
-    from ppo_fabric.models.agent import GridCNN
-
-    class GridExtractor(BaseFeaturesExtractor):
-        def __init__(self, observation_space: Any) -> None:
-            net = GridCNN(observation_space)
-            super().__init__(observation_space, net.out_dim)
-            self.net = net
-
-        def forward(self, obs: Any) -> Any:
-            return self.net(obs)
-
-    return GridExtractor
-
-
-def child_sb3(
-    workload: str, seed: int, steps: int | None, result: Path, stop_at: float | None, cap_s: float | None
-) -> None:
-    """One SB3 run in this process; writes its curve ([env step, wall s, mean20]) and summary to `result`.
-    With `stop_at` it stops once the mean reaches it; with `cap_s`, after that many seconds (SB3's
-    per-step cost on 2 cores makes a full MuJoCo run ~15 minutes, and the time to the threshold is what
-    this benchmark compares)."""
-    import torch
-    from sb3_baseline import flat_workload, sb3_settings, warm_up_torch
-    from stable_baselines3 import PPO
-    from stable_baselines3.common.callbacks import BaseCallback
-    from stable_baselines3.common.env_util import make_vec_env
-    from stable_baselines3.common.utils import LinearSchedule
-    from stable_baselines3.common.vec_env import DummyVecEnv, VecNormalize
-    from torch import nn
-
-    base, _ = WORKLOADS[workload]
-    w = flat_workload([*base, *([f"algo.total_steps={steps}"] if steps else [])])
-    torch.set_num_threads(1)  # as ppo-fabric's torch_threads=1 default
-    warm_up_torch()
-
-    class Curve(BaseCallback):
-        """Mean return of the last 20 finished episodes and the wall time, at the end of each rollout."""
-
-        def __init__(self, start: float) -> None:
-            super().__init__()
-            self.start, self.window, self.curve = start, deque(maxlen=WINDOW), []
-            self.stopped: str | None = None  # why the run ended early: "threshold" or "wall cap"
-
-        def _on_step(self) -> bool:
-            for info in self.locals["infos"]:
-                if "episode" in info:
-                    self.window.append(float(info["episode"]["r"]))  # Monitor's raw return
-            if self.stopped is None and cap_s is not None and time.perf_counter() - self.start > cap_s:
-                self.stopped = "wall cap"
-            return self.stopped is None  # False ends `learn`
-
-        def _on_rollout_end(self) -> None:
-            if self.window:
-                mean = sum(self.window) / len(self.window)
-                self.curve.append([self.num_timesteps, time.perf_counter() - self.start, mean])
-                if stop_at is not None and mean >= stop_at:
-                    self.stopped = "threshold"
-
-    if str(w["env.id"]).startswith("MinAtar/"):
-        from minatar.gym import register_envs
-
-        register_envs()  # as ppo-fabric's env factory does: gymnasium 1.x no longer loads MinAtar's entry point
-    start = time.perf_counter()
-    env_kwargs = dict(w["env.kwargs"] or {})
-    if w["env.max_episode_steps"] is not None:
-        env_kwargs["max_episode_steps"] = int(w["env.max_episode_steps"])
-    env = make_vec_env(w["env.id"], n_envs=int(w["env.num_envs"]), seed=seed, vec_env_cls=DummyVecEnv,
-                       env_kwargs=env_kwargs)  # fmt: skip
-    if w["env.normalize_obs"] or w["env.normalize_reward"]:
-        env = VecNormalize(env, norm_obs=bool(w["env.normalize_obs"]), norm_reward=bool(w["env.normalize_reward"]),
-                           clip_obs=10.0, clip_reward=10.0, gamma=float(w["algo.gamma"]))  # fmt: skip
-    settings = sb3_settings(w, nn, LinearSchedule)
-    # MinAtar: SB3's CNN needs 36x36 frames, so SB3 gets ppo-fabric's grid network as its features extractor
-    if w["model.encoder"] == "grid":
-        settings["policy_kwargs"]["features_extractor_class"] = grid_extractor()
-    model = PPO("MlpPolicy", env, **settings, seed=seed, device="cpu", verbose=0)
-    callback = Curve(start)
-    model.learn(total_timesteps=int(w["algo.total_steps"]), callback=callback)
-    wall = time.perf_counter() - start
-    env.close()
-    window = callback.window
-    summary = {
-        "total_env_steps": int(model.num_timesteps),
-        "final_mean_return": sum(window) / len(window) if window else None,
-        "wall_seconds": wall,
-        "sps": model.num_timesteps / wall,
-        "curve": callback.curve,
-        "stopped": callback.stopped,
-    }
-    result.write_text(json.dumps(summary))
-
-
-def run_sb3(workload: str, seed: int, steps: int | None, stop: bool, cap_s: float | None) -> dict[str, Any]:
-    with tempfile.TemporaryDirectory() as tmp:
-        result = Path(tmp) / "result.json"
-        cmd = [sys.executable, __file__, "--child", workload, "--seed", str(seed), "--result", str(result)]
-        cmd += ["--steps", str(steps)] if steps else []
-        cmd += ["--sb3-stop"] if stop else []
-        cmd += ["--sb3-cap", str(cap_s)] if cap_s is not None else []
-        proc = subprocess.run(cmd, capture_output=True, text=True)
-        if proc.returncode != 0:
-            raise SystemExit(f"SB3 run failed: {' '.join(cmd)}\n{proc.stderr[-2000:]}")
-        return json.loads(result.read_text())
 
 
 EVALUATION = common.EVALUATION
@@ -199,7 +85,7 @@ def run_record(
     load_before = os.getloadavg()[0]
     commit = common.git_commit()  # the code the run starts with (a sitting outlasts commits made beside it)
     if variant == "sb3":
-        s = run_sb3(workload, seed, steps, sb3_stop, sb3_cap)
+        s = sb3_baseline.run(overrides, seed, threshold if sb3_stop else None, sb3_cap)
     else:
         s = run_once(overrides, threshold, curve=True)
     meta = {"workload": workload, "variant": variant, "seed": seed, "overrides": overrides}
@@ -356,14 +242,7 @@ def main() -> None:
     parser.add_argument("--sb3-stop", action="store_true", help="SB3 runs stop once they reach the threshold")
     parser.add_argument("--sb3-cap", type=float, default=None, help="SB3 runs stop after this many seconds")
     parser.add_argument("--out", type=Path, default=RESULTS)
-    parser.add_argument("--child", choices=list(WORKLOADS), help=argparse.SUPPRESS)
-    parser.add_argument("--seed", type=int, help=argparse.SUPPRESS)
-    parser.add_argument("--result", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args()
-    if args.child:
-        stop_at = WORKLOADS[args.child][1] if args.sb3_stop else None
-        child_sb3(args.child, args.seed, args.steps, args.result, stop_at, args.sb3_cap)
-        return
     variants = VARIANTS | dict(args.candidate)
     if unknown := [v for v in args.variants if v not in variants]:
         parser.error(f"unknown variants {unknown}: of {list(variants)}")
