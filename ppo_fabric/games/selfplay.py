@@ -84,7 +84,7 @@ def check_selfplay(cfg: DictConfig, specs: dict[str, Any], turn_based: bool) -> 
         raise EnvError(f"selfplay.opening_moves={opening} must be a whole number >= 0")
     if sp.get("sampling") not in SAMPLING:
         raise EnvError(f"selfplay.sampling={sp.get('sampling')} must be one of {', '.join(SAMPLING)}")
-    for key in ("latest_prob", "random_prob", "scripted_prob", "opponent_noise"):
+    for key in ("latest_prob", "random_prob", "scripted_prob", "opponent_noise", "greedy_prob"):
         value = sp[key]
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value <= 1:
             raise EnvError(f"selfplay.{key}={value} must be a number in [0, 1]")
@@ -257,9 +257,11 @@ class SelfPlay:
                 for name in scripted_names(sp_cfg.scripted)
             ]
         self.noise = float(sp_cfg.opponent_noise)
+        self.greedy_prob = float(sp_cfg.greedy_prob)
         self.spec, self.device, self.num_envs = spec, device, num_envs
         self.seat = (np.arange(num_envs) + rank) % 2  # the learner's seat in each copy
         self.opponent = np.full(num_envs, -1, dtype=np.int64)  # the snapshot id each copy plays
+        self.greedy = np.zeros(num_envs, dtype=bool)  # copies whose snapshot plays its most likely moves
         self.nets: dict[int, ActorCritic] = {}
         self.results = np.zeros(3, dtype=np.int64)  # wins, draws, losses since the last metrics()
         self.random_results = np.zeros(3, dtype=np.int64)  # the same, against the random player
@@ -274,7 +276,7 @@ class SelfPlay:
             self.pool.add(policy.state_dict(), update)
         for e in range(self.num_envs):
             if not self._playable(int(self.opponent[e])):
-                self.opponent[e] = self._draw()
+                self._assign(e)
 
     def _playable(self, opponent: int) -> bool:
         if opponent <= SCRIPTED:
@@ -294,6 +296,14 @@ class SelfPlay:
                 k = int((u - self.random_prob) / self.scripted_prob * len(self.scripted))
                 return SCRIPTED - min(k, len(self.scripted) - 1)
         return self.pool.sample()
+
+    def _assign(self, e: int) -> None:
+        """Copy `e`'s next opponent; a snapshot plays greedily in a `greedy_prob` share of its games (the
+        draw is made only when the share is > 0, so runs without it keep their random stream)."""
+        self.opponent[e] = self._draw()
+        self.greedy[e] = (
+            self.greedy_prob > 0 and self.opponent[e] >= 0 and np.random.random() < self.greedy_prob
+        )
 
     def opponent_to_move(self, movers: np.ndarray) -> np.ndarray:
         """The copies whose opponent seat moves now."""
@@ -334,12 +344,28 @@ class SelfPlay:
             elif snap_id <= SCRIPTED:
                 chosen = self._scripted_moves(self.scripted[SCRIPTED - snap_id], obs[rows], mask)
             else:
-                chosen, _, _ = self._net(int(snap_id)).sample(obs[rows], None, False, mask)
+                chosen = self._snapshot_moves(int(snap_id), copies, obs[rows], mask)
                 if self.noise > 0:  # some of the snapshot's moves are random ones
                     swap = torch.rand(len(copies), device=self.device) < self.noise
                     chosen = torch.where(swap, self._random_moves(len(copies), mask), chosen)
             actions[rows.cpu().numpy()] = chosen.cpu().numpy()
         return actions
+
+    def _snapshot_moves(
+        self, snap_id: int, copies: np.ndarray, obs: Any, mask: torch.Tensor | None
+    ) -> torch.Tensor:
+        """The snapshot's moves in `copies`: sampled, or its most likely legal move where it plays greedily."""
+        net = self._net(snap_id)
+        greedy = self.greedy[copies] if self.greedy_prob > 0 else None
+        if greedy is None or not greedy.any():
+            return net.sample(obs, None, False, mask)[0]
+        greedy = torch.from_numpy(greedy).to(self.device)
+        chosen = torch.empty(len(copies), dtype=torch.long, device=self.device)
+        for flag in (False, True):
+            part = greedy == flag
+            if bool(part.any()):
+                chosen[part] = net.sample(obs[part], None, flag, None if mask is None else mask[part])[0]
+        return chosen
 
     def _scripted_moves(self, player: Any, obs: Any, mask: torch.Tensor | None) -> torch.Tensor:
         """A scripted player's move in each row (plain Python per board: milliseconds per update)."""
@@ -371,7 +397,7 @@ class SelfPlay:
                 self.pool.record(int(self.opponent[e]), outcome)
                 self.results[1 - outcome] += 1
             self.seat[e] = 1 - self.seat[e]
-            self.opponent[e] = self._draw()
+            self._assign(e)
         self._prune()
 
     def after_update(self, policy: ActorCritic, update: int) -> None:
@@ -432,6 +458,8 @@ class SelfPlay:
             "seat": torch.from_numpy(self.seat.copy()),
             "opponent": torch.from_numpy(self.opponent.copy()),
         }
+        if self.greedy_prob > 0:
+            out["greedy"] = torch.from_numpy(self.greedy.copy())
         if self.scripted:  # their generators' states: plain ints and strings (one dict for one player)
             states = [player.rng.bit_generator.state for player in self.scripted]
             out["scripted_rng"] = states[0] if len(states) == 1 else states
@@ -450,6 +478,8 @@ class SelfPlay:
         if exact:
             self.seat = np.asarray(state["seat"], dtype=np.int64).copy()
             self.opponent = np.asarray(state["opponent"], dtype=np.int64).copy()
+            if "greedy" in state:
+                self.greedy = np.asarray(state["greedy"], dtype=bool).copy()
         for e in range(self.num_envs):
             if not self._playable(int(self.opponent[e])):
-                self.opponent[e] = self._draw()
+                self._assign(e)

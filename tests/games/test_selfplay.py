@@ -279,6 +279,48 @@ def test_opponent_noise_replaces_that_share_of_a_snapshots_moves(noise: float) -
     assert (moves == 0).float().mean().item() == pytest.approx(expected, abs=0.03)
 
 
+@pytest.mark.parametrize("greedy_prob", [0.0, 0.5, 1.0])
+def test_greedy_snapshot_games_play_the_most_likely_legal_move(greedy_prob: float, tmp_path: Path) -> None:
+    """A snapshot whose favourite move is 0 (logit 1.5 against 0 for the other 8): sampled it plays 0 in
+    e^1.5 / (e^1.5 + e + 7) = 32% of its moves; greedily always, and 7 (the next best, logit 1) where 0 is
+    illegal. `greedy_prob` of the snapshot games are greedy; the flags survive a checkpoint."""
+    cfg, _ = compose([*TICTACTOE, f"selfplay.greedy_prob={greedy_prob}"])
+    specs = policy_specs(cfg)
+    spec = specs["shared"]
+    sp = build_collector(cfg, specs, 0, "cpu", None).selfplay
+    leaning = ActorCritic(spec.obs_space, spec.action_space, spec.model)
+    with torch.no_grad():
+        leaning.head.linear.weight.zero_()
+        leaning.head.linear.bias.copy_(torch.tensor([1.5] + [0.0] * 6 + [1.0, 0.0]))
+    sp.pool.snapshots.clear()
+    sp.start(leaning, 0)
+    n = 4000
+    sp.num_envs, sp.seat = n, np.zeros(n, dtype=np.int64)
+    sp.opponent = np.full(n, sp.pool.snapshots[0].id)
+    np.random.seed(3)
+    sp.greedy = np.zeros(n, dtype=bool)
+    for e in range(n):
+        sp._assign(e)
+    assert sp.greedy.mean() == pytest.approx(greedy_prob, abs=0.03)
+    movers = np.tile([False, True], n)
+    masks = torch.ones(2 * n, 9, dtype=torch.bool)
+    masks[1 : 2 * n : 4, 0] = False  # every other opponent may not play 0
+    obs = torch.zeros(2 * n, *spec.obs_space.shape)
+    moves = sp.act(obs, masks, np.full(2 * n, -1), movers)[1::2]
+    greedy, allowed = sp.greedy, np.arange(n) % 2 == 1
+    assert (moves[greedy & allowed] == 0).all() and (moves[greedy & ~allowed] == 7).all()
+    sampled = moves[~greedy & allowed]
+    if len(sampled):
+        assert (sampled == 0).mean() == pytest.approx(np.exp(1.5) / (np.exp(1.5) + np.e + 7), abs=0.04)
+    state = sp.state()
+    assert ("greedy" in state) == (greedy_prob > 0)  # runs without greedy games save what they always did
+    torch.save(state, tmp_path / "selfplay.pt")
+    restored = build_collector(cfg, specs, 0, "cpu", None).selfplay
+    restored.num_envs = n
+    restored.load_state(torch.load(tmp_path / "selfplay.pt", weights_only=True), exact=True)
+    assert greedy_prob == 0 or (restored.greedy == sp.greedy).all()
+
+
 # ----------------------------------------------------------------------------------------------- runs
 def _pool(path: Path) -> dict:
     return ckpt.load(path)["ranks"][0]["selfplay"]["pool"]
