@@ -220,21 +220,37 @@ def run_record(
     }
 
 
+EVALUATED_FIELDS = ("final_eval_return", "best_eval_return", "eval_curve", "final_eval")
+
+
 def reused_record(
-    task: Task, variant: str, seed: int, steps: int | None, paths: list[Path], extra: tuple[str, ...] = ()
+    task: Task,
+    variant: str,
+    seed: int,
+    steps: int | None,
+    paths: list[Path],
+    extra: tuple[str, ...] = (),
+    evaluate: bool = False,
+    suite: str = "",
 ) -> dict[str, Any] | None:
     """This run as another benchmark already ran it (the same overrides, full budget, e.g. `time_to_score.py`'s
     coupled and pipelined MuJoCo runs), so a run is trained once and reported by both; None when none did.
     A `learning_<suite>.json` found there is this benchmark's own sitting (`--seed-list` side by side): its
-    run is gathered as it is, marked with the sitting's report instead of another benchmark's name."""
-    overrides = run_overrides(task, variant, seed, steps, extra)
+    run is gathered as it is, marked with the sitting's report instead of another benchmark's name, and an
+    evaluated run (`evaluate`: the overrides begin with the evaluation's) keeps its evaluations."""
+    overrides = (common.EVALUATION if evaluate else []) + run_overrides(
+        task, variant, seed, steps, extra, suite
+    )
     for path in paths:
         for r in json.loads(path.read_text()).get("runs", []) if path.is_file() else []:
             if r.get("overrides") == overrides and not r.get("stopped") and r.get("curve"):
+                if evaluate and "final_eval_return" not in r:
+                    continue
                 return {"env": task.env, "variant": variant, "seed": seed, "overrides": overrides,
                         "commit": r["commit"], "total_env_steps": r["total_env_steps"],
                         "final_mean_return": r["final_mean_return"], "wall_seconds": r["wall_seconds"],
                         "sps": r["sps"], "curve": thin(r["curve"]),
+                        **{k: r[k] for k in EVALUATED_FIELDS if evaluate and k in r},
                         **({"sitting": str(path)} if path.name.startswith("learning_") else {"run_by": path.name})}  # fmt: skip
     return None
 
@@ -399,8 +415,8 @@ def main() -> None:
                 done = common.runs_to_replace(report, args.force, env=task.env, variant=variant, seed=seed)
                 if done is None:
                     continue
-                reused = (
-                    None if evaluate else reused_record(task, variant, seed, args.steps, args.reuse, extra)
+                reused = reused_record(
+                    task, variant, seed, args.steps, args.reuse, extra, evaluate, args.suite
                 )
                 r = reused or run_record(task, variant, seed, args.steps, extra, evaluate, args.suite)
                 common.replace_runs(report, done, r)

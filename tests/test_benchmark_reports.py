@@ -42,6 +42,16 @@ def test_learning_takes_a_run_with_the_same_overrides(
     sitting.write_text(json.dumps({"runs": [_tts_run(same)]}))
     r = learning.reused_record(task, "pipelined", 2, None, [sitting])
     assert r is not None and r["sitting"] == str(sitting) and "run_by" not in r
+    # an evaluated sitting (--eval): gathered with its evaluations; a run that was not evaluated is not
+    evaluated = [*learning.common.EVALUATION, *same]
+    evals = {"final_eval_return": 2100.0, "best_eval_return": 2200.0, "eval_curve": [[1_001_472, 140.0, 2100.0]],
+             "final_eval": {"eval/return_mean": 2100.0}}  # fmt: skip
+    sitting.write_text(json.dumps({"runs": [_tts_run(same), _tts_run(evaluated, **evals)]}))
+    r = learning.reused_record(task, "pipelined", 2, None, [sitting], evaluate=True)
+    assert r is not None and r["overrides"] == evaluated and {k: r[k] for k in evals} == evals
+    assert "final_eval_return" not in learning.reused_record(task, "pipelined", 2, None, [sitting])
+    sitting.write_text(json.dumps({"runs": [_tts_run(evaluated)]}))  # its evaluations lost: train it again
+    assert learning.reused_record(task, "pipelined", 2, None, [sitting], evaluate=True) is None
 
 
 def test_a_suite_scored_by_evaluation_ranks_its_metric_and_shows_the_others(
