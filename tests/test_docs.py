@@ -7,11 +7,13 @@ that exist (never at README sections). `make test` also builds the site with `mk
 from __future__ import annotations
 
 import ast
+import fnmatch
 import functools
 import importlib.util
 import json
 import re
 import shlex
+import subprocess
 from pathlib import Path
 from types import ModuleType
 
@@ -280,3 +282,79 @@ def test_the_pointer_check_can_fail() -> None:
         "no file: benchmarks/results/nosuch*.md",
     ]
     assert anchors("# A\n## `env`\n```\n# not a heading\n```\n## env\n") == {"a", "env", "env_1"}
+
+
+# --------------------------------------------------------------- benchmarks/results: every file cited
+# The results folder keeps what the docs quote and nothing else: a report nobody cites is a figure nobody can
+# find, and files pile up run after run. Cited means named by the docs, the READMEs, conf/, the code or a
+# cited report, by name or by a glob or brace pattern (`learning_games_greedy.*`, `faults_sps_*_after.md`,
+# `results/chaos.{json,md}`); a cited report carries its data and plots (same stem, `_profile`, `_stats`).
+RESULTS = REPO / "benchmarks" / "results"
+FILE_CITE = re.compile(r"[A-Za-z]\w\w[\w*{},.-]*?\.(?:\*|\{[\w,]+\}|(?:md|json|png|csv|log)\b)")
+# a path under results/ as the docs write it; `git show REV:` in front cites history, not the tree
+PATH_CITE = re.compile(r"(git show \w+:)?\b(?:benchmarks/)?results/([\w*.{},-]*+)(?<=[\w}])(?!<)")
+CITING_SUFFIXES = (".md", ".py", ".yaml", ".sh", ".ipynb", ".toml")
+
+
+def braces(pattern: str) -> list[str]:
+    """`a.{json,md}` -> [`a.json`, `a.md`] (fnmatch has no braces)."""
+    m = re.search(r"\{([^{}]*)\}", pattern)
+    if not m:
+        return [pattern]
+    return [x for alt in m[1].split(",") for x in braces(pattern[: m.start()] + alt + pattern[m.end() :])]
+
+
+def cited_results(texts: list[str], reports: dict[str, str]) -> set[str]:
+    """The names of `reports` (file name -> text, "" for data) that `texts` cite, directly, through cited
+    reports' own citations, or as the data beside a cited report."""
+    names = list(reports)
+
+    def cites(text: str) -> set[str]:
+        return {
+            n for token in FILE_CITE.findall(text) for p in braces(token) for n in fnmatch.filter(names, p)
+        }
+
+    cited = set().union(*map(cites, texts))
+    todo = list(cited)
+    while todo:
+        new = cites(reports[todo.pop()]) - cited
+        cited |= new
+        todo += new
+    stems = {n.rsplit(".", 1)[0] for n in cited}
+    return cited | {n for n in names if re.sub(r"_(profile|stats)$", "", n.rsplit(".", 1)[0]) in stems}
+
+
+def citing_texts() -> list[str]:
+    tracked = subprocess.run(["git", "ls-files"], cwd=REPO, capture_output=True, text=True, check=True)
+    paths = [
+        p
+        for p in tracked.stdout.split()
+        if p.endswith(CITING_SUFFIXES) and not p.startswith("benchmarks/results/")
+    ]
+    return [(REPO / p).read_text(errors="ignore") for p in paths if (REPO / p).is_file()]
+
+
+def test_every_result_file_is_cited_and_every_cited_one_exists() -> None:
+    reports = {p.name: p.read_text() if p.suffix == ".md" else "" for p in RESULTS.iterdir() if p.is_file()}
+    texts = citing_texts()
+    assert sorted(set(reports) - cited_results(texts, reports)) == []
+    pages = [page_text(str(p.relative_to(REPO / "docs"))) for p in (REPO / "docs").rglob("*.md")]
+    missing = [
+        m[0]
+        for text in [*pages, (REPO / "README.md").read_text()]
+        for m in PATH_CITE.finditer(text)
+        if not m[1] and not any(RESULTS.glob(p) for p in braces(m[2]))
+    ]
+    assert missing == []
+
+
+def test_the_citation_check_can_fail() -> None:
+    reports = {"run_a.md": "see run_b.png", "run_a.json": "", "run_b.png": "", "run_c_profile.png": "",
+               "run_c.md": "", "run_d.log": "", "run_e.md": "", "run_f.md": ""}  # fmt: skip
+    texts = ["`results/run_a.md`", "the runs (`run_c.*`) and `run_e.{json,md}`; git show 1:results/run_d.log"]
+    cited = {"run_a.md", "run_a.json", "run_b.png", "run_c.md", "run_c_profile.png", "run_e.md", "run_d.log"}
+    assert cited_results(texts, reports) == cited  # run_f.md: cited by nothing
+    assert cited_results(["nothing here; `*.md` is every report, not a citation"], reports) == set()
+    assert [m[0] for m in PATH_CITE.finditer("results/x.{json,md} results/learning_<suite>.json")] == [
+        "results/x.{json,md}"
+    ]
