@@ -119,6 +119,7 @@ def child(overrides: list[str], seed: int, result: Path, stop_at: float | None, 
     from stable_baselines3 import PPO
     from stable_baselines3.common.callbacks import BaseCallback
     from stable_baselines3.common.env_util import make_vec_env
+    from stable_baselines3.common.logger import Logger
     from stable_baselines3.common.utils import LinearSchedule
     from stable_baselines3.common.vec_env import DummyVecEnv, VecNormalize
     from torch import nn
@@ -167,6 +168,7 @@ def child(overrides: list[str], seed: int, result: Path, stop_at: float | None, 
     if w["model.encoder"] == "grid":
         settings["policy_kwargs"]["features_extractor_class"] = grid_extractor()
     model = PPO("MlpPolicy", env, **settings, seed=seed, device="cpu", verbose=0)
+    model.set_logger(Logger(folder=None, output_formats=[]))  # its default makes a folder in /tmp per run
     callback = Curve(start)
     model.learn(total_timesteps=int(w["algo.total_steps"]), callback=callback)
     wall = time.perf_counter() - start

@@ -75,6 +75,7 @@ def updates_from_one_rollout(overrides: list[str], monkeypatch: pytest.MonkeyPat
     from stable_baselines3 import PPO
     from stable_baselines3.common.callbacks import BaseCallback
     from stable_baselines3.common.env_util import make_vec_env
+    from stable_baselines3.common.logger import Logger
     from stable_baselines3.common.utils import LinearSchedule
     from stable_baselines3.common.vec_env import DummyVecEnv
     from tensordict import TensorDict
@@ -96,6 +97,7 @@ def updates_from_one_rollout(overrides: list[str], monkeypatch: pytest.MonkeyPat
 
     vec = make_vec_env(w["env.id"], n_envs=envs, seed=1, vec_env_cls=DummyVecEnv)
     baseline = PPO("MlpPolicy", vec, **sb3_settings(w, nn, LinearSchedule), seed=1, device="cpu")
+    baseline.set_logger(Logger(folder=None, output_formats=[]))  # its default makes a folder in /tmp per run
     start = copy.deepcopy(baseline.policy.state_dict())
     rollout: dict[str, np.ndarray] = {}
 
