@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import csv
 import hashlib
+import io
 import json
 import math
 import sys
@@ -50,18 +51,30 @@ def final_mean_return(windows: list[Iterable[tuple[int, float, int]]], last: int
     return sum(ep[1] for ep in episodes) / len(episodes) if episodes else None
 
 
+def _step(row: Mapping[str, Any]) -> float | None:
+    try:
+        return float(row["step"])
+    except (KeyError, TypeError, ValueError):
+        return None
+
+
 class CsvMetrics:
     """metrics.csv that a resumed run appends to (Lightning's CSV logger deletes an existing file).
 
     Columns are the union of every key logged; a new key rewrites the file once with the wider header.
+    `resumed_at`: the env step of the checkpoint a resumed run starts from. Rows logged after it (a run
+    that crashed or was stopped some updates past its last checkpoint) are dropped once, so the file holds
+    one timeline, the one the run continues, rather than two runs of the same steps one after the other.
     """
 
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Path, resumed_at: int | None = None) -> None:
         self.path = path
         self.keys: list[str] = []
         if path.is_file():
             with path.open(newline="") as fh:
                 self.keys = next(csv.reader(fh), [])
+            if resumed_at is not None:
+                self._rewrite(self.keys, through=resumed_at)
 
     def log(self, metrics: Mapping[str, float], step: int) -> None:
         row = {"step": step, **metrics}
@@ -71,11 +84,23 @@ class CsvMetrics:
         with self.path.open("a", newline="") as fh:
             csv.DictWriter(fh, fieldnames=self.keys).writerow(row)
 
-    def _rewrite(self, keys: list[str]) -> None:
+    def _rewrite(self, keys: list[str], through: int | None = None) -> None:
+        """The file with the header `keys`; with `through`, without the rows of later steps and without a
+        last line a crash cut short (no newline: the next row appended would run on from it)."""
         rows = []
         if self.path.is_file():  # read strictly: a row lost here would be lost from the file
             with self.path.open(newline="") as fh:
-                rows = list(csv.DictReader(fh))
+                text = fh.read()
+            torn = through is not None and not text.endswith("\n")
+            if torn:
+                text = text[: text.rfind("\n") + 1]
+            rows = list(csv.DictReader(io.StringIO(text, newline="")))
+            if through is not None:
+                kept = [r for r in rows if (step := _step(r)) is not None and step <= through]
+                if len(kept) == len(rows) and not torn:
+                    self.keys = keys
+                    return
+                rows = kept
         tmp = self.path.with_suffix(".csv.tmp")
         with tmp.open("w", newline="") as fh:
             writer = csv.DictWriter(fh, fieldnames=keys)
@@ -152,6 +177,7 @@ class RunLogger:
         enabled: bool,
         stream: TextIO | None = None,
         clock: Callable[[], float] = time.monotonic,
+        resumed_at: int | None = None,
     ) -> None:
         self.enabled = enabled
         self.run_dir = run_dir
@@ -172,10 +198,12 @@ class RunLogger:
         if cfg.logger.tensorboard:
             from lightning_fabric.loggers import TensorBoardLogger
 
-            self.loggers.append(TensorBoardLogger(root_dir=run_dir, name="", version="tensorboard"))
+            # a resumed run's events after its checkpoint's step are hidden, as its CSV rows are dropped
+            purge = {} if resumed_at is None else {"purge_step": resumed_at + 1}
+            self.loggers.append(TensorBoardLogger(root_dir=run_dir, name="", version="tensorboard", **purge))
         if cfg.logger.csv:
-            self.csv = CsvMetrics(run_dir / METRICS_CSV)
-            self.evaluations = CsvMetrics(run_dir / EVALUATIONS_CSV)
+            self.csv = CsvMetrics(run_dir / METRICS_CSV, resumed_at)
+            self.evaluations = CsvMetrics(run_dir / EVALUATIONS_CSV, resumed_at)
         if is_terminal(self.stream):
             from tqdm import tqdm
 

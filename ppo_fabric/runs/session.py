@@ -147,7 +147,9 @@ class RunSession:
                 record_session(run_dir, cfg, resume)  # the first session's config.yaml stays as it was
             else:
                 save_resolved_config(cfg, run_dir)
-        self.logger = RunLogger(run_dir, cfg, self.final_step, enabled=writer)
+        self.logger = RunLogger(
+            run_dir, cfg, self.final_step, enabled=writer, resumed_at=self.start_step if resume else None
+        )
         self.watch = Stopwatch()
 
     # ------------------------------------------------------------------------------------------ progress

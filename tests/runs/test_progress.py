@@ -204,3 +204,18 @@ def test_a_stopped_run_writes_an_interrupted_summary_and_the_curve_then_resumes(
     assert json.loads((run_dir / "summary.json").read_text()) == resumed
     final = [line for line in capsys.readouterr().out.splitlines() if "final mean return" in line]
     assert len(final) == 1 and ": 512 steps this session in " in final[0] and ", 1,280 in all, " in final[0]
+
+
+def test_a_resumed_csv_keeps_the_rows_through_its_checkpoint(tmp_path: Path) -> None:
+    """Rows after the resumed checkpoint's step leave, a torn last line (a crash mid-write) with them; a file
+    with nothing to drop is left as it is."""
+    from ppo_fabric.runs.metrics import CsvMetrics
+    from ppo_fabric.runs.metrics_file import read_rows
+
+    path = tmp_path / "metrics.csv"
+    path.write_text("step,a\n100,1\n200,2\n300,3\n40")
+    CsvMetrics(path, resumed_at=200).log({"a": 9.0}, 300)
+    assert [(r["step"], r["a"]) for r in read_rows(path)] == [("100", "1"), ("200", "2"), ("300", "9.0")]
+    before = path.stat().st_mtime_ns
+    CsvMetrics(path, resumed_at=300)
+    assert path.stat().st_mtime_ns == before

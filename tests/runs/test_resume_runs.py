@@ -91,6 +91,24 @@ def test_requeued_resume_auto_of_a_finished_run_is_done(
     assert err.count("\n") == 1 and "nothing to do" in err
 
 
+def test_a_resume_from_an_earlier_checkpoint_keeps_one_timeline_of_metrics(tmp_path: Path) -> None:
+    """A run resumed from a checkpoint older than its last logged update (a crash some updates after it, or
+    `resume=` an earlier one) logs those steps again: the rows logged after the checkpoint are dropped, not
+    kept beside the new ones (metrics.csv read as a curve would go back in time)."""
+    run_dir = tmp_path / "run"
+    _run(run_dir, "algo.total_steps=1024", "checkpoint.every=1", "checkpoint.keep=0", "eval.every=256")
+    first = read_rows(run_dir / "metrics.csv")
+    assert [int(r["step"]) for r in first] == [256, 512, 768, 1024]
+    (step_512,) = (run_dir / "checkpoints").glob("step_000000000512_*.ckpt")
+    summary = ppo_fabric.run([f"resume={step_512}"])
+    assert summary["total_env_steps"] == 1024 and summary["steps_this_run"] == 512
+    again = read_rows(run_dir / "metrics.csv")
+    assert [int(r["step"]) for r in again] == [256, 512, 768, 1024]
+    assert again[:2] == first[:2] and again[2:] != first[2:]  # the later rows are the resumed run's own
+    evaluations = [int(r["step"]) for r in read_rows(run_dir / "evaluations.csv")]
+    assert evaluations == sorted(evaluations) and len(evaluations) == len(set(evaluations))
+
+
 def test_a_config_error_from_python_is_one_line_and_a_short_traceback(tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
     _run(run_dir, "algo.total_steps=512")
