@@ -10,8 +10,15 @@ still returns the curve so far. Overrides after `--` change the recipe; `--label
 run is one row of `<out>/atari_to_score.{json,md}` (a rerun of the same layout, label, game and seed replaces
 its row) and one curve of `atari_to_score.png` (return against wall seconds).
 
+`--run-dir DIR` keeps the run in DIR and adds `resume=auto`: a budget longer than one command's limit runs in
+several commands, each the same line with `--run-timeout`; each continues the last one's run from its
+checkpoint (exact resume) and rewrites the row with the whole run so far (wall time: the training time of
+every command; start-up: the last command's). On a lent machine DIR must outlive a command: a path under
+the checkout that git ignores (`runs/...`) stays while the machine is warm.
+
     python3 benchmarks/atari_to_score.py --steps 5000000 --run-timeout 480 --out OUT     # on the GPU machine
     .venv/bin/python benchmarks/atari_to_score.py --dry-run --steps 8192 --out /tmp/ats   # the command, on a CPU
+    python3 benchmarks/atari_to_score.py --steps 10000000 --run-timeout 540 --run-dir runs/pong --out OUT  # again
 
 `--dry-run` puts every GPU role on the CPU (`gpu_strategies.variants(dry_run=True)`), to prove the command
 before a GPU machine is booked; its report is `atari_to_score_dryrun`.
@@ -49,10 +56,12 @@ def overrides(layout: str, env_id: str, steps: int, seed: int, dry_run: bool, ex
     return [*run, f"env.id={env_id}", f"algo.total_steps={steps}", f"seed={seed}", *extra]
 
 
-def record(summary: dict[str, Any], threshold: float) -> dict[str, Any]:
-    """A run's row: `common.threshold_figures` plus the steady rate, the start-up and where the time went."""
+def record(summary: dict[str, Any], threshold: float, commands: int = 1) -> dict[str, Any]:
+    """A run's row: `common.threshold_figures` plus the steady rate, the start-up (of the last of the
+    `commands` that ran it) and where the time went."""
     return {**common.threshold_figures(summary, threshold), "sps_steady": summary.get("sps_steady"),
             "process_seconds": summary.get("process_seconds"), "stopped_after_s": summary.get("stopped_after_s"),
+            "command_wall_seconds": summary["wall_seconds"], "commands": commands,
             "split": gpu_strategies.split(summary), "start_up_trace": summary.get("start_up_trace")}  # fmt: skip
 
 
@@ -83,8 +92,10 @@ def markdown(report: dict[str, Any]) -> str:
         "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|",
     ]
     for r in report["runs"]:
-        start = None if r.get("process_seconds") is None else r["process_seconds"] - r["wall_seconds"]
+        own = r.get("command_wall_seconds", r["wall_seconds"])  # the last command's training time
+        start = None if r.get("process_seconds") is None else r["process_seconds"] - own
         stopped = f" (stopped at {r['stopped_after_s']:.0f} s)" if r.get("stopped_after_s") else ""
+        stopped += f" ({r['commands']} commands, resumed)" if r.get("commands", 1) > 1 else ""
         lines.append(
             f"| {r['env_id']} | {variant(r)}{stopped} | {r['seed']} | {r['total_env_steps']:,} | "
             f"{r['threshold']:g} | {common.fmt(r['step_at_threshold'], ',', 'never')} | {common.fmt(r['wall_at_threshold'], '.0f', 'never')} | "
@@ -108,6 +119,8 @@ def main() -> None:
     )
     p.add_argument("--run-timeout", type=float, default=None, help="stop the run after this many seconds")
     p.add_argument("--keep-metrics", type=Path, default=None, help="copy the run's metrics.csv to this path")
+    p.add_argument("--run-dir", type=Path, default=None,
+                   help="keep the run here; the same command again resumes it (resume=auto)")  # fmt: skip
     p.add_argument("--dry-run", action="store_true", help="every GPU role on the CPU")
     p.add_argument("--out", type=Path, default=RESULTS)
     p.add_argument("extra", nargs="*", help="overrides after the layout's (after --)")
@@ -123,6 +136,10 @@ def main() -> None:
     report = json.loads(path.read_text()) if path.is_file() else {"runs": []}
     report |= {"machine": common.machine(), "gpus": gpu_strategies.gpu_info(),
                "command": common.command_line(__file__)}  # fmt: skip
+    commands = 1  # how many commands this run took: its earlier ones are in its kept folder
+    if args.run_dir is not None and (args.run_dir / "checkpoints" / "last.ckpt").is_file():
+        earlier = [r for r in report["runs"] if r.get("run_dir") == str(args.run_dir)]
+        commands = earlier[-1].get("commands", 1) + 1 if earlier else 2
     print(f"atari_to_score: {' '.join(run)}", flush=True)
     summary = run_once(
         run,
@@ -130,9 +147,11 @@ def main() -> None:
         curve=True,
         timeout=args.run_timeout,
         keep_metrics=args.keep_metrics,
+        run_dir=args.run_dir,
     )
     row = {"env_id": args.env_id, "layout": args.layout, "label": args.label, "seed": args.seed, "overrides": run,
-           "commit": common.git_commit(), **record(summary, args.threshold)}  # fmt: skip
+           "commit": common.git_commit(), **record(summary, args.threshold, commands),
+           **({"run_dir": str(args.run_dir)} if args.run_dir else {})}  # fmt: skip
     report["runs"] = merged(report["runs"], row)
     common.write_report(args.out, name, report, markdown(report))
     runs = [{**r, "variant": variant(r)} for r in report["runs"]]

@@ -181,6 +181,7 @@ def run_once(
     timeout: float | None = None,
     keep_metrics: Path | None = None,
     eval_key: str = "eval/return_mean",
+    run_dir: Path | None = None,
 ) -> dict[str, Any]:
     """Train in a fresh process (as a user would launch it) and return its summary.json, plus the env
     step at which the mean of the last 20 episodes first reached `solved_return`, `sps_steady`
@@ -191,9 +192,14 @@ def run_once(
     (SIGTERM: it checkpoints at the next update and ends; its process group is killed `STOP_GRACE_S` later
     if not) and the figures are those of its last logged update (`stopped_summary`): a benchmark on a
     machine lent for minutes keeps a row for every run it started. `keep_metrics`: where to copy the run's
-    metrics.csv (every logged metric of every update), which the run's temporary folder otherwise takes."""
+    metrics.csv (every logged metric of every update), which the run's temporary folder otherwise takes.
+
+    `run_dir`: the run's folder, kept, instead of a temporary one, and `resume=auto`: the same call made again
+    continues the run from its last checkpoint (the project's exact resume), so a budget longer than one
+    command's limit is run in several commands, each stopped at `timeout`; the figures are the whole run's."""
+    kept = run_dir is not None
     with tempfile.TemporaryDirectory() as tmp:
-        run_dir = Path(tmp) / "run"
+        run_dir = run_dir if run_dir is not None else Path(tmp) / "run"
         cmd = [
             sys.executable,
             "-m",
@@ -201,6 +207,7 @@ def run_once(
             "logger.tensorboard=false",
             "eval.every=0",  # the figures compare with runs and libraries that do not evaluate; --eval turns it on
             f"hydra.run.dir={run_dir}",
+            *(["resume=auto"] if kept else []),
             *overrides,
         ]
         import job_trace  # beside this file, on the path of every script that imports common
@@ -208,6 +215,8 @@ def run_once(
         from ppo_fabric.runs.metrics_file import read_rows
 
         # a run with a timeout may be stopped before it logs anything: trace it, so that it says why
+        before = read_rows(run_dir / "metrics.csv") if (run_dir / "metrics.csv").is_file() else []
+        wall_before = float(before[-1]["time/wall_s"]) if before else 0.0  # a kept run's earlier commands
         where = Path(tmp) / "trace"
         env = job_trace.traced_env(where, time.time() + timeout) if timeout is not None else None
         started = time.monotonic()
@@ -236,6 +245,11 @@ def run_once(
             if proc.returncode != 0:
                 raise SystemExit(f"benchmark run failed: {' '.join(cmd)}\n{trace.stderr()[-2000:]}")
             summary = json.loads((run_dir / "summary.json").read_text())
+        if kept and "total_wall_seconds" not in summary:  # stopped: metrics.csv's wall is the whole run's;
+            # this command's share is what it added to the last row before it (a stopped command's last row
+            # is its checkpoint's update, where the next one resumes)
+            total = summary["wall_seconds"]
+            summary |= {"total_wall_seconds": total, "wall_seconds": total - wall_before}
         summary["process_seconds"] = time.monotonic() - started  # start-up and shutdown included
         if env is not None:  # traced: how its processes started, in one line
             summary["start_up_trace"] = trace.digest()
@@ -289,7 +303,7 @@ def threshold_figures(summary: dict[str, Any], threshold: float) -> dict[str, An
         "threshold": threshold,
         "step_at_threshold": None if first is None else first[0],
         "wall_at_threshold": None if first is None else first[1],
-        "wall_seconds": summary["wall_seconds"],
+        "wall_seconds": summary.get("total_wall_seconds", summary["wall_seconds"]),  # a resumed run's whole
         "sps": summary["sps"],
         "curve": thin(curve, 500),
         **eval_figures,

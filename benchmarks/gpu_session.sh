@@ -17,6 +17,8 @@
 #             the lr annealed over SCORE_STEPS env steps (10M, CleanRL's), the run stopped after SCORE_RUN_S
 #             seconds (500); by default without sticky actions, as the published marks run (SCORE_EXTRA,
 #             label SCORE_LABEL: "no-sticky"); SCORE_EXTRA= SCORE_LABEL= runs exp=atari's ALE v5 dynamics;
+#             the run is kept in runs/pong_<label> (git-ignored, so it stays while the machine is warm): the
+#             `score` part called again continues it from its checkpoint (resume=auto) toward SCORE_STEPS;
 #   startup   where one process's start-up goes (import torch, first CUDA op, import lightning, import the
 #             strategies), printed: a job's start-up is what each of its processes pays; then the same in
 #             STARTUP_COPIES (15) processes at once, as a 14-player job starts them.
@@ -92,7 +94,7 @@ for part in ${PARTS:-check step layouts envpool}; do
         label=${SCORE_LABEL-no-sticky}
         # shellcheck disable=SC2086
         step $((${SCORE_RUN_S:-500} + 40)) "$py" benchmarks/atari_to_score.py --steps "${SCORE_STEPS:-10000000}" \
-            --run-timeout "${SCORE_RUN_S:-500}" --label "$label" --out "$out" \
+            --run-timeout "${SCORE_RUN_S:-500}" --label "$label" --out "$out" --run-dir "runs/pong${label:+_$label}" \
             --keep-metrics "$out/atari_to_score${label:+_$label}.metrics.csv" \
             -- ${SCORE_EXTRA-+env.kwargs.repeat_action_probability=0}
         ;;

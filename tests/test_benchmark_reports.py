@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from ppo_fabric.runs.metrics_file import read_rows
 from tests.test_gpu_check import _script
 
 
@@ -169,6 +170,12 @@ def test_atari_to_score_runs_gpu_strategies_layout_and_reports_the_threshold(
     never = ats.markdown({"runs": [{**row, **ats.record({**summary, "curve": summary["curve"][:1]}, 18.0)}],
                           "machine": {"cpu": "x", "cores": 2, "torch": "t", "python": "3"}, "command": "c"})  # fmt: skip
     assert "| 18 | never | never |" in never and "GPU none (dry run)" in never
+    # a run continued over commands (--run-dir): the whole run's wall time, the last command's start-up
+    resumed = ats.record({**summary, "total_wall_seconds": 90.0, "wall_seconds": 50.0}, 18.0, commands=2)
+    assert (resumed["wall_seconds"], resumed["command_wall_seconds"], resumed["commands"]) == (90.0, 50.0, 2)
+    md = ats.markdown({"runs": [{**row, **resumed}], "machine": {"cpu": "x", "cores": 16, "torch": "t",
+                       "python": "3"}, "command": "cmd"})  # fmt: skip
+    assert "| coupled-gpu (2 commands, resumed) | 1 |" in md and "| 110 | 25 | abc1234 |" in md
     # a labelled variant of the layout is its own row; a rerun with the same label replaces it
     labelled = {**row, "label": "rollout32", "overrides": ["y"]}
     runs = ats.merged([row], labelled)
@@ -180,3 +187,34 @@ def test_atari_to_score_runs_gpu_strategies_layout_and_reports_the_threshold(
         "| ALE/Pong-v5 | coupled-gpu rollout32 | 1 |" in md
         and "Overrides of `coupled-gpu rollout32`: `y`" in md
     )
+
+
+@pytest.mark.slow
+def test_a_kept_run_continues_in_the_next_command(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """`run_once(run_dir=...)`: the same call after a command was stopped resumes the run from its
+    checkpoint (two real processes); the figures are the whole run's, the wall split by command."""
+    common = _script(monkeypatch, "common")
+    monkeypatch.syspath_prepend(str(Path(common.__file__).parent))  # run_once imports job_trace beside it
+    run_dir = tmp_path / "run"
+    overrides = ["algo.total_steps=1024", "algo.update_epochs=1", "checkpoint.every=1", "checkpoint.keep=0"]
+    first = common.run_once(overrides, curve=True, run_dir=run_dir)
+    assert first["total_env_steps"] == 1024 and first["total_wall_seconds"] == first["wall_seconds"]
+    # as a command stopped after its second update leaves it: nothing written after that update
+    for path in (run_dir / "checkpoints").glob("*.ckpt"):
+        if not path.name.startswith("step_") or int(path.name.split("_")[1]) > 512:
+            path.unlink()
+    (run_dir / "summary.json").unlink()
+    lines = (run_dir / "metrics.csv").read_text().splitlines(keepends=True)
+    (run_dir / "metrics.csv").write_text("".join(lines[:3]))  # the header, the rows of steps 256 and 512
+    wall_512 = float(read_rows(run_dir / "metrics.csv")[-1]["time/wall_s"])
+    second = common.run_once(overrides, curve=True, run_dir=run_dir)
+    assert second["resumed_from"].endswith(".ckpt") and "step_000000000512_" in second["resumed_from"]
+    assert second["total_env_steps"] == 1024 and second["steps_this_run"] == 512
+    assert second["total_wall_seconds"] > second["wall_seconds"] > 0
+    assert [p[0] for p in second["curve"]] == [p[0] for p in first["curve"]]  # one timeline, not two
+    assert second["total_wall_seconds"] == pytest.approx(wall_512 + second["wall_seconds"], abs=0.05)
+    figures = common.threshold_figures(second, 475.0)
+    assert figures["wall_seconds"] == second["total_wall_seconds"]
+    # stopped by its timeout instead, the command's figures come from metrics.csv: the same split
+    stopped = common.stopped_summary(run_dir / "metrics.csv", 60.0)
+    assert stopped["wall_seconds"] == pytest.approx(second["total_wall_seconds"], abs=0.5)
