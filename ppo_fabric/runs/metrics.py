@@ -73,7 +73,7 @@ class CsvMetrics:
         if path.is_file():
             with path.open(newline="") as fh:
                 self.keys = next(csv.reader(fh), [])
-            if resumed_at is not None:
+            if resumed_at is not None and self.keys:  # a file cut before its header has no rows to drop
                 self._rewrite(self.keys, through=resumed_at)
 
     def log(self, metrics: Mapping[str, float], step: int) -> None:

@@ -219,3 +219,6 @@ def test_a_resumed_csv_keeps_the_rows_through_its_checkpoint(tmp_path: Path) -> 
     before = path.stat().st_mtime_ns
     CsvMetrics(path, resumed_at=300)
     assert path.stat().st_mtime_ns == before
+    path.write_text("")  # cut before its header
+    CsvMetrics(path, resumed_at=300).log({"a": 1.0}, 400)
+    assert [(r["step"], r["a"]) for r in read_rows(path)] == [("400", "1.0")]
