@@ -223,6 +223,16 @@ def run_record(
 EVALUATED_FIELDS = ("final_eval_return", "best_eval_return", "eval_curve", "final_eval")
 
 
+def same_overrides(theirs: list[str], ours: list[str], evaluate: bool) -> bool:
+    """Whether a run with `theirs` is the run `ours` asks for: the same list, or, evaluated, the same list
+    with the evaluation's overrides placed elsewhere (time_to_score puts them after the seed, this benchmark
+    before the task's; they set keys nothing else in either list sets)."""
+    if theirs == ours:
+        return True
+    rest = [[o for o in x if o not in common.EVALUATION] for x in (theirs, ours)]
+    return evaluate and all(set(common.EVALUATION) <= set(x) for x in (theirs, ours)) and rest[0] == rest[1]
+
+
 def reused_record(
     task: Task,
     variant: str,
@@ -243,7 +253,11 @@ def reused_record(
     )
     for path in paths:
         for r in json.loads(path.read_text()).get("runs", []) if path.is_file() else []:
-            if r.get("overrides") == overrides and not r.get("stopped") and r.get("curve"):
+            if (
+                same_overrides(r.get("overrides") or [], overrides, evaluate)
+                and not r.get("stopped")
+                and r.get("curve")
+            ):
                 if evaluate and "final_eval_return" not in r:
                     continue
                 return {"env": task.env, "variant": variant, "seed": seed, "overrides": overrides,

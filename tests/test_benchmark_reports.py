@@ -218,3 +218,17 @@ def test_a_kept_run_continues_in_the_next_command(monkeypatch: pytest.MonkeyPatc
     # stopped by its timeout instead, the command's figures come from metrics.csv: the same split
     stopped = common.stopped_summary(run_dir / "metrics.csv", 60.0)
     assert stopped["wall_seconds"] == pytest.approx(second["total_wall_seconds"], abs=0.5)
+
+
+def test_an_evaluated_run_is_found_wherever_its_evaluation_overrides_stand(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """time_to_score's parity runs end with the evaluation's overrides, learning's begin with them: the same
+    run; without evaluation, or with another value anywhere, not."""
+    learning = _script(monkeypatch, "learning")
+    ev = learning.common.EVALUATION
+    base = ["exp=mujoco", "strategy=coupled", "seed=1"]
+    assert learning.same_overrides([*base, *ev], [*ev, *base], evaluate=True)
+    assert not learning.same_overrides([*base, *ev], [*ev, *base], evaluate=False)
+    assert not learning.same_overrides([*base, *ev], [*ev, *base[:2], "seed=2"], evaluate=True)
+    assert not learning.same_overrides(base, [*ev, *base], evaluate=True)  # that run was not evaluated
