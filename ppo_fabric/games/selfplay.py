@@ -20,7 +20,9 @@ opponent=` measures against): an opponent that punishes every missed threat from
 snapshots of a weak learner never do. A list of names is a league of scripted styles: each of those
 episodes meets one of them, drawn uniformly, so the learner cannot settle on beating one partner's habits.
 Reported apart as `selfplay/scripted_*` (all of them together); each player's random choices come from a
-generator of its own whose state checkpoints keep.
+generator of its own whose state checkpoints keep. `selfplay.scripted_noise` replaces that share of the
+scripted players' moves with random legal ones: a nearly deterministic player repeats its lines, and a
+learner that answers them by heart has not learned the game (docs/how-to/multi-agent.md#self-play).
 
 Seats alternate per episode in each copy. The seat -> policy mapping therefore changes from episode to
 episode: the rollout's `mask` keeps only the learner's decisions (`learner_rows`), the only rows trained.
@@ -84,7 +86,14 @@ def check_selfplay(cfg: DictConfig, specs: dict[str, Any], turn_based: bool) -> 
         raise EnvError(f"selfplay.opening_moves={opening} must be a whole number >= 0")
     if sp.get("sampling") not in SAMPLING:
         raise EnvError(f"selfplay.sampling={sp.get('sampling')} must be one of {', '.join(SAMPLING)}")
-    for key in ("latest_prob", "random_prob", "scripted_prob", "opponent_noise", "greedy_prob"):
+    for key in (
+        "latest_prob",
+        "random_prob",
+        "scripted_prob",
+        "opponent_noise",
+        "scripted_noise",
+        "greedy_prob",
+    ):
         value = sp[key]
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value <= 1:
             raise EnvError(f"selfplay.{key}={value} must be a number in [0, 1]")
@@ -257,6 +266,7 @@ class SelfPlay:
                 for name in scripted_names(sp_cfg.scripted)
             ]
         self.noise = float(sp_cfg.opponent_noise)
+        self.scripted_noise = float(sp_cfg.scripted_noise)
         self.greedy_prob = float(sp_cfg.greedy_prob)
         self.spec, self.device, self.num_envs = spec, device, num_envs
         self.seat = (np.arange(num_envs) + rank) % 2  # the learner's seat in each copy
@@ -343,11 +353,10 @@ class SelfPlay:
                 chosen = self._random_moves(len(copies), mask)
             elif snap_id <= SCRIPTED:
                 chosen = self._scripted_moves(self.scripted[SCRIPTED - snap_id], obs[rows], mask)
+                chosen = self._with_noise(chosen, self.scripted_noise, mask)
             else:
                 chosen = self._snapshot_moves(int(snap_id), copies, obs[rows], mask)
-                if self.noise > 0:  # some of the snapshot's moves are random ones
-                    swap = torch.rand(len(copies), device=self.device) < self.noise
-                    chosen = torch.where(swap, self._random_moves(len(copies), mask), chosen)
+                chosen = self._with_noise(chosen, self.noise, mask)
             actions[rows.cpu().numpy()] = chosen.cpu().numpy()
         return actions
 
@@ -373,6 +382,14 @@ class SelfPlay:
         legal = None if mask is None else mask.cpu().numpy()
         moves = [player(boards[i], None if legal is None else legal[i]) for i in range(len(boards))]
         return torch.tensor(moves, dtype=torch.long, device=self.device)
+
+    def _with_noise(self, chosen: torch.Tensor, noise: float, mask: torch.Tensor | None) -> torch.Tensor:
+        """`chosen` with a `noise` share of its moves replaced by uniformly random legal ones (none drawn at
+        noise 0, so a run without noise consumes torch's generator as before)."""
+        if noise <= 0:
+            return chosen
+        swap = torch.rand(len(chosen), device=self.device) < noise
+        return torch.where(swap, self._random_moves(len(chosen), mask), chosen)
 
     def _random_moves(self, n: int, mask: torch.Tensor | None) -> torch.Tensor:
         """Uniform over each row's legal moves (over the whole Discrete space without masks), drawn from

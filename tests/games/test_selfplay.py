@@ -279,6 +279,28 @@ def test_opponent_noise_replaces_that_share_of_a_snapshots_moves(noise: float) -
     assert (moves == 0).float().mean().item() == pytest.approx(expected, abs=0.03)
 
 
+@pytest.mark.parametrize("noise", [0.0, 0.3])
+def test_scripted_noise_replaces_that_share_of_a_scripted_players_moves(noise: float) -> None:
+    """win_or_block facing three of the learner's pieces on the bottom row (columns 1-3) always blocks
+    column 0 (the first winning column); with scripted_noise=0.3 about 30% of its moves are random legal
+    ones instead (1/6 of those land on 0 again, column 6 is masked), and never an illegal one. Snapshot
+    moves are untouched by it (opponent_noise is their share)."""
+    overrides = [*CONNECT_FOUR, "selfplay.scripted_prob=1.0", f"selfplay.scripted_noise={noise}"]
+    sp = _selfplay(overrides)
+    n = 1500
+    sp.num_envs, sp.seat, sp.opponent = n, np.zeros(n, dtype=np.int64), np.full(n, SCRIPTED)
+    obs = torch.zeros(2 * n, 6, 7, 2)
+    obs[1::2, 5, 1:4, 1] = 1  # the opponent rows see the learner's three as the other side's pieces
+    masks = torch.ones(2 * n, 7, dtype=torch.bool)
+    masks[1::2, 6] = False
+    actions = sp.act(obs, masks, np.full(2 * n, -1), np.tile([False, True], n))
+    moves = torch.from_numpy(actions[1::2])
+    assert (actions[0::2] == -1).all() and (moves != 6).all()
+    assert (moves == 0).float().mean().item() == pytest.approx((1 - noise) + noise / 6, abs=0.03)
+    if noise:
+        assert len(set(moves.tolist())) == 6  # every legal column drawn
+
+
 @pytest.mark.parametrize("greedy_prob", [0.0, 0.5, 1.0])
 def test_greedy_snapshot_games_play_the_most_likely_legal_move(greedy_prob: float, tmp_path: Path) -> None:
     """A snapshot whose favourite move is 0 (logit 1.5 against 0 for the other 8): sampled it plays 0 in
