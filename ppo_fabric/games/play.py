@@ -220,7 +220,8 @@ class PolicyPlayer:
 
         masks: tuple[Any, ...] = ()
         if mask is not None and self.masked:
-            masks = (torch.as_tensor(mask, device=self.device).unsqueeze(0),)
+            # PettingZoo's own masks are int8: a player someone drives from `env.last()` takes them as they are
+            masks = (torch.as_tensor(mask, dtype=torch.bool, device=self.device).unsqueeze(0),)
         elif mask is not None:
             observation = {OBSERVATION: observation, ACTION_MASK: mask.astype(np.int8)}
         with torch.inference_mode():

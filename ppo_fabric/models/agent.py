@@ -174,9 +174,15 @@ class GridCNN(nn.Module):
 
     Observations are [H, W, C] (gymnasium's and MinAtar's layout; bool or float channels), or [H, W] for
     one channel; they are cast to float32 here, so bool frames need no wrapper.
+
+    `filters` and `kernel` (`model.grid`) size the conv layer for other grids: a game won by four in a
+    line sees every line of four whole in a 4x4 kernel, where a 3x3 one leaves the linear layer to piece
+    each line together at every place on the board.
     """
 
-    def __init__(self, space: gym.spaces.Box, filters: int = 16, features: int = 128) -> None:
+    def __init__(
+        self, space: gym.spaces.Box, filters: int = 16, features: int = 128, kernel: int = 3
+    ) -> None:
         super().__init__()
         if not isinstance(space, gym.spaces.Box) or len(space.shape) not in (2, 3):
             raise ValueError(
@@ -186,10 +192,12 @@ class GridCNN(nn.Module):
         shape = tuple(int(d) for d in space.shape)
         self.add_channel = len(shape) == 2
         channels, height, width = (1, *shape) if self.add_channel else (shape[2], shape[0], shape[1])
-        if height < 3 or width < 3:
-            raise ValueError(f"observation {shape} is smaller than the 3x3 kernel of model.encoder=grid")
-        self.conv = _conv_init(nn.Conv2d(channels, filters, 3, stride=1))
-        self.linear = layer_init(nn.Linear(filters * (height - 2) * (width - 2), features))
+        if height < kernel or width < kernel:
+            raise ValueError(
+                f"observation {shape} is smaller than the {kernel}x{kernel} kernel of model.encoder=grid"
+            )
+        self.conv = _conv_init(nn.Conv2d(channels, filters, kernel, stride=1))
+        self.linear = layer_init(nn.Linear(filters * (height - kernel + 1) * (width - kernel + 1), features))
         self.out_dim = features
 
     def forward(self, obs: Tensor) -> Tensor:
@@ -223,11 +231,25 @@ class MultiEncoder(nn.Module):
         return torch.cat([self.encoders[k](obs[k]) for k in self.keys], dim=-1)
 
 
+def grid_options(cfg: DictConfig) -> dict[str, int]:
+    """`model.grid`'s conv sizes. Only model=grid's config has the group: a grid encoder that
+    `encoder=auto` picked (MinAtar's frames under model=mlp), or one in a checkpoint written before the
+    group existed, is the MinAtar network, GridCNN's own defaults."""
+    grid = cfg.get("grid") or {}
+    unknown = set(grid) - {"filters", "kernel"}
+    if unknown:
+        raise ValueError(f"model.grid.{sorted(unknown)[0]} is unknown; model.grid has filters and kernel")
+    for key, value in grid.items():
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"model.grid.{key}={value} must be a positive integer")
+    return {key: int(value) for key, value in grid.items()}
+
+
 EncoderFactory = Callable[[gym.Space, DictConfig], nn.Module]
 ENCODERS: dict[str, EncoderFactory] = {
     "mlp": lambda space, cfg: FlattenEncoder(space),
     "cnn": lambda space, cfg: NatureCNN(space),
-    "grid": lambda space, cfg: GridCNN(space),
+    "grid": lambda space, cfg: GridCNN(space, **grid_options(cfg)),
     "multi": lambda space, cfg: MultiEncoder(space),
 }
 

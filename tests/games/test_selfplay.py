@@ -421,3 +421,18 @@ def test_selfplay_learns_to_beat_random_tictactoe(tmp_path: Path, strategy: str)
     player = PolicyPlayer(policy.eval(), deterministic=False, masked=True)
     results = play_games(aec_env_factory(str(cfg.env.id)), player, RandomPlayer(0), 200, seed=7)
     assert results.rate(1) > 0.6
+
+
+def test_a_policy_player_takes_pettingzoos_int8_masks() -> None:
+    """PettingZoo hands `action_mask` as int8; a PolicyPlayer driven straight from `env.last()` plays the
+    best legal move with it (here the policy's favourite, 0, is masked: the next best, 4)."""
+    cfg, _ = compose(TICTACTOE)
+    spec = policy_specs(cfg)["shared"]
+    policy = ActorCritic(spec.obs_space, spec.action_space, spec.model)
+    with torch.no_grad():
+        policy.head.linear.weight.zero_()
+        policy.head.linear.bias.copy_(torch.tensor([2.0, 0, 0, 0, 1.0, 0, 0, 0, 0]))
+    mask = np.ones(9, dtype=np.int8)
+    mask[0] = 0
+    player = PolicyPlayer(policy.eval(), deterministic=True, masked=True)
+    assert player(np.zeros(spec.obs_space.shape, dtype=np.int8), mask) == 4

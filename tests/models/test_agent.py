@@ -12,6 +12,7 @@ from omegaconf import DictConfig, OmegaConf
 from torch import nn
 from torch.distributions import Categorical, Normal
 
+from ppo_fabric.config.values import config_dir
 from ppo_fabric.models.agent import ActorCritic, CategoricalHead, GaussianHead, action_shape_dtype
 
 IN_DIM = 6
@@ -288,3 +289,35 @@ def test_unsupported_spaces_raise_value_error(
     """Spaces the networks cannot handle fail at construction with a ValueError, not later with a shape error."""
     with pytest.raises(ValueError):
         ActorCritic(obs_space, action_space, cfg)
+
+
+def test_model_grid_sizes_the_conv_and_a_4x4_kernel_sees_a_line_of_four_whole() -> None:
+    """model=grid with model.grid.kernel=4, filters=8 on Connect Four's [6, 7, 2] board: 8 filters of
+    2x4x4 over 3x4 places; a filter that is 1 on a row of four cells responds at full strength (4) exactly
+    where four in a row lie inside its window. Without the group (encoder=auto's pick, or an earlier
+    checkpoint) it is the MinAtar network; unknown or non-positive sizes are refused in one line."""
+    board = gym.spaces.Box(0, 1, (6, 7, 2), np.int8)
+    cfg = OmegaConf.load(config_dir() / "model" / "grid.yaml")
+    cfg.grid.kernel, cfg.grid.filters = 4, 8
+    agent = ActorCritic(board, gym.spaces.Discrete(7), cfg)
+    conv = agent.encoder.conv
+    assert (conv.in_channels, conv.out_channels, conv.kernel_size) == (2, 8, (4, 4))
+    assert agent.encoder.linear.in_features == 8 * 3 * 4
+    with torch.no_grad():
+        conv.weight.zero_(), conv.bias.zero_()
+        conv.weight[0, 0, 3, :] = 1.0  # the window's bottom row, the mover's plane
+    obs = torch.zeros(1, 6, 7, 2)
+    obs[0, 5, 1:5, 0] = 1  # four in a row on the bottom row, columns 1-4
+    response = conv(obs.permute(0, 3, 1, 2))[0, 0]
+    assert response[2, 1] == 4 and (response.flatten().topk(2).values == torch.tensor([4.0, 3.0])).all()
+    plain = OmegaConf.load(config_dir() / "model" / "mlp.yaml")
+    plain.encoder = "grid"
+    assert ActorCritic(board, gym.spaces.Discrete(7), plain).encoder.conv.kernel_size == (3, 3)
+    for bad, message in ((OmegaConf.create({"kernel": 0}), "kernel=0 must be a positive"),
+                         (OmegaConf.create({"stride": 2}), "model.grid.stride is unknown")):  # fmt: skip
+        cfg.grid = bad
+        with pytest.raises(ValueError, match=message):
+            ActorCritic(board, gym.spaces.Discrete(7), cfg)
+    cfg.grid = OmegaConf.create({"kernel": 7})
+    with pytest.raises(ValueError, match="smaller than the 7x7 kernel"):
+        ActorCritic(board, gym.spaces.Discrete(7), cfg)
