@@ -196,6 +196,7 @@ class GridCNN(nn.Module):
             raise ValueError(
                 f"observation {shape} is smaller than the {kernel}x{kernel} kernel of model.encoder=grid"
             )
+        self.width = width
         self.conv = _conv_init(nn.Conv2d(channels, filters, kernel, stride=1))
         self.linear = layer_init(nn.Linear(filters * (height - kernel + 1) * (width - kernel + 1), features))
         self.out_dim = features
@@ -236,13 +237,37 @@ def grid_options(cfg: DictConfig) -> dict[str, int]:
     `encoder=auto` picked (MinAtar's frames under model=mlp), or one in a checkpoint written before the
     group existed, is the MinAtar network, GridCNN's own defaults."""
     grid = cfg.get("grid") or {}
-    unknown = set(grid) - {"filters", "kernel"}
+    unknown = set(grid) - {"filters", "kernel", "mirror"}
     if unknown:
-        raise ValueError(f"model.grid.{sorted(unknown)[0]} is unknown; model.grid has filters and kernel")
-    for key, value in grid.items():
+        raise ValueError(
+            f"model.grid.{sorted(unknown)[0]} is unknown; model.grid has filters, kernel and mirror"
+        )
+    sizes = {key: value for key, value in grid.items() if key != "mirror"}
+    for key, value in sizes.items():
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"model.grid.{key}={value} must be a positive integer")
-    return {key: int(value) for key, value in grid.items()}
+    return {key: int(value) for key, value in sizes.items()}
+
+
+def mirror_axis(cfg: DictConfig, encoder: nn.Module, action_space: gym.Space) -> int | None:
+    """The batch axis of the board's columns when `model.grid.mirror` asks for a left-right mirrored
+    policy, else None. Only a board whose actions are its columns (Connect Four's drop-a-piece) mirrors
+    by reversing the action order, so anything else is refused rather than given a wrong symmetry."""
+    mirror = (cfg.get("grid") or {}).get("mirror", False)
+    if not isinstance(mirror, bool):
+        raise ValueError(f"model.grid.mirror={mirror} must be true or false")
+    if not mirror:
+        return None
+    if not isinstance(encoder, GridCNN):
+        raise ValueError("model.grid.mirror=true needs the grid encoder (model=grid)")
+    if cfg.get("lstm") is not None and int(cfg.lstm.hidden_size) > 0:
+        raise ValueError("model.grid.mirror=true is for feed-forward policies; set model.lstm.hidden_size=0")
+    if not isinstance(action_space, gym.spaces.Discrete) or int(action_space.n) != encoder.width:
+        raise ValueError(
+            f"model.grid.mirror=true needs one action per board column (Discrete({encoder.width})), "
+            f"got {action_space}"
+        )
+    return 2  # [B, H, W, C] and [B, H, W] alike
 
 
 EncoderFactory = Callable[[gym.Space, DictConfig], nn.Module]
@@ -298,6 +323,9 @@ class CategoricalHead(nn.Module):
         self.multi = len(self.nvec) > 1 if multi is None else multi
         self.linear = layer_init(nn.Linear(in_dim, sum(self.nvec)), gain=0.01)
 
+    def _logits(self, features: Tensor) -> Tensor:
+        return F.linear(features, *linear_parameters(self.linear))
+
     def _split(self, logits: Tensor) -> list[Tensor]:
         return list(logits.split(self.nvec, dim=-1)) if self.multi else [logits]
 
@@ -320,7 +348,7 @@ class CategoricalHead(nn.Module):
     ) -> tuple[Tensor, Tensor]:
         """(actions, log-probs); `noise` [B, noise_width]: the Gumbel draws to sample with (the rollout
         draws them ahead, as the NumPy actor does, so both sample the same actions), else drawn here."""
-        logits = F.linear(features, *linear_parameters(self.linear))
+        logits = self._logits(features)
         if mask is not None:
             logits = _masked(logits, mask)
         if not self.multi:
@@ -349,7 +377,7 @@ class CategoricalHead(nn.Module):
     def log_prob_entropy(
         self, features: Tensor, actions: Tensor, mask: Tensor | None = None
     ) -> tuple[Tensor, Tensor]:
-        logits = F.linear(features, *linear_parameters(self.linear))
+        logits = self._logits(features)
         if mask is not None:
             return self._masked_log_prob_entropy(logits, actions, mask)
         if not self.multi:
@@ -386,6 +414,18 @@ class CategoricalHead(nn.Module):
             -1,
         ).sum(-1)
         return logp, -p_logp.sum(-1)  # summed over every dimension's legal actions: the entropies' sum
+
+
+class MirroredHead(CategoricalHead):
+    """One categorical over a board's columns that treats the board and its left-right mirror image
+    alike: its features are [B, 2, F], the board's and its mirror image's (`ActorCritic` with
+    `model.grid.mirror`), and its logits the mean of the board's and the mirror image's reversed. The
+    mirrored board then gets exactly the mirrored policy, so what is learnt on one side of the board holds
+    on the other, and half the positions a game can reach need no learning of their own."""
+
+    def _logits(self, features: Tensor) -> Tensor:
+        logits = F.linear(features, *linear_parameters(self.linear))
+        return (logits[..., 0, :] + logits[..., 1, :].flip(-1)) * 0.5
 
 
 def _masked(logits: Tensor, mask: Tensor) -> Tensor:
@@ -566,7 +606,11 @@ class ActorCritic(nn.Module):
             feat = self.core.out_dim
         self.actor_body = MLP(feat, cfg.actor_hidden, cfg.activation)
         self.critic_body = MLP(feat, cfg.critic_hidden, cfg.activation)
-        self.head = build_head(self.actor_body.out_dim, action_space)
+        self.mirror = mirror_axis(cfg, self.encoder, action_space)
+        if self.mirror is None:
+            self.head = build_head(self.actor_body.out_dim, action_space)
+        else:
+            self.head = MirroredHead(self.actor_body.out_dim, [int(action_space.n)])
         self.value_out = layer_init(nn.Linear(self.critic_body.out_dim, 1), gain=1.0)
 
     @property
@@ -582,17 +626,30 @@ class ActorCritic(nn.Module):
         """The state a fresh episode starts from (None for feed-forward policies)."""
         return None if self.core is None else self.core.initial_state(batch, device)
 
+    def _encode(self, obs: Obs) -> Tensor:
+        """The encoder's features; with `model.grid.mirror`, the boards' then their mirror images' ([2B, F])."""
+        if self.mirror is None:
+            return self.encoder.forward(obs)
+        return self.encoder.forward(torch.cat([obs, obs.flip(self.mirror)]))
+
     def _features(self, obs: Obs, state: Tensor | None) -> tuple[Tensor, Tensor, Tensor | None]:
         """(actor features, critic features, next state)."""
-        features = self.encoder.forward(obs)
+        features = self._encode(obs)
         if self.core is None:
             return features, features, None
         if state is None:
             state = self.core.initial_state(features.shape[0], features.device)
         return self.core.step(features, state)
 
+    def _actor(self, features: Tensor) -> Tensor:
+        """What the head reads: the actor body's output, or with `model.grid.mirror` [B, 2, H] (the
+        board's and its mirror image's, for `MirroredHead`)."""
+        hidden = self.actor_body.forward(features)
+        return hidden if self.mirror is None else hidden.unflatten(0, (2, -1)).transpose(0, 1)
+
     def _value(self, features: Tensor) -> Tensor:
-        return F.linear(self.critic_body.forward(features), *linear_parameters(self.value_out)).squeeze(-1)
+        value = F.linear(self.critic_body.forward(features), *linear_parameters(self.value_out)).squeeze(-1)
+        return value if self.mirror is None else value.unflatten(0, (2, -1)).mean(0)
 
     def get_value(self, obs: Obs, state: Tensor | None = None) -> Tensor:
         return self._value(self._features(obs, state)[1])
@@ -610,9 +667,9 @@ class ActorCritic(nn.Module):
         """Sample an action from `state`; returns (action, log-prob, value, state after this step)."""
         actor, critic, state = self._features(obs, state)
         if action_mask is None:
-            action, logprob = self.head.sample(self.actor_body.forward(actor), deterministic)
+            action, logprob = self.head.sample(self._actor(actor), deterministic)
         else:
-            action, logprob = self.head.sample(self.actor_body.forward(actor), deterministic, action_mask)
+            action, logprob = self.head.sample(self._actor(actor), deterministic, action_mask)
         return action, logprob, self._value(critic), state
 
     def sample(
@@ -629,11 +686,9 @@ class ActorCritic(nn.Module):
         head's random draws for this step (`rollout_noise`), else drawn by the head."""
         actor, _, state = self._features(obs, state)
         if action_mask is None:
-            action, logprob = self.head.sample(self.actor_body.forward(actor), deterministic, noise=noise)
+            action, logprob = self.head.sample(self._actor(actor), deterministic, noise=noise)
         else:
-            action, logprob = self.head.sample(
-                self.actor_body.forward(actor), deterministic, action_mask, noise=noise
-            )
+            action, logprob = self.head.sample(self._actor(actor), deterministic, action_mask, noise=noise)
         return action, logprob, state
 
     def forward(
@@ -649,7 +704,7 @@ class ActorCritic(nn.Module):
         Feed-forward: a batch of steps. Recurrent: sequences [B, S] starting from `state` [B, 2, layers, H],
         reset where `starts`; outputs are [B, S]. `action_mask`: the masks the actions were sampled under.
         """
-        features = self.encoder.forward(obs if self.core is None else obs.flatten(0, 1))
+        features = self._encode(obs if self.core is None else obs.flatten(0, 1))
         actor = critic = features
         if self.core is not None:
             batch, steps = actions.shape[:2]
@@ -659,11 +714,9 @@ class ActorCritic(nn.Module):
             if action_mask is not None:
                 action_mask = action_mask.flatten(0, 1)
         if action_mask is None:
-            logprob, entropy = self.head.log_prob_entropy(self.actor_body.forward(actor), actions)
+            logprob, entropy = self.head.log_prob_entropy(self._actor(actor), actions)
         else:
-            logprob, entropy = self.head.log_prob_entropy(
-                self.actor_body.forward(actor), actions, action_mask
-            )
+            logprob, entropy = self.head.log_prob_entropy(self._actor(actor), actions, action_mask)
         values = self._value(critic)
         if self.core is not None:
             return (

@@ -321,3 +321,46 @@ def test_model_grid_sizes_the_conv_and_a_4x4_kernel_sees_a_line_of_four_whole() 
     cfg.grid = OmegaConf.create({"kernel": 7})
     with pytest.raises(ValueError, match="smaller than the 7x7 kernel"):
         ActorCritic(board, gym.spaces.Discrete(7), cfg)
+
+
+def test_model_grid_mirror_gives_the_mirrored_board_exactly_the_mirrored_policy() -> None:
+    """model.grid.mirror on Connect Four's board: for random boards and masks, the board mirrored
+    left-right gets the action mirrored (column c -> 6 - c) greedily, the same log-prob and entropy for
+    the mirrored action and the same value, at initialisation and after a gradient step; the plain
+    network does not (so the check can fail). Boards whose actions are not their columns are refused."""
+    board = gym.spaces.Box(0, 1, (6, 7, 2), np.int8)
+    cfg = OmegaConf.load(config_dir() / "model" / "grid.yaml")
+    cfg.actor_hidden, cfg.critic_hidden = [32], [32]
+    torch.manual_seed(0)
+    obs = torch.randint(0, 2, (64, 6, 7, 2)).float()
+    mask = torch.rand(64, 7) < 0.7
+    mask[:, 3] = True
+    actions = torch.where(mask, torch.rand(64, 7), -1.0).argmax(-1)
+    mirrored = (obs.flip(2), mask.flip(1), 6 - actions)
+
+    def gaps(agent: ActorCritic) -> list[float]:
+        with torch.no_grad():
+            here = agent(obs, actions, action_mask=mask)
+            there = agent(mirrored[0], mirrored[2], action_mask=mirrored[1])
+            greedy = agent.act(obs, True, mask)[0], agent.act(mirrored[0], True, mirrored[1])[0]
+        return [(a - b).abs().max().item() for a, b in zip(here, there, strict=True)] + [
+            (greedy[0] - (6 - greedy[1])).abs().max().item()
+        ]
+
+    assert max(gaps(ActorCritic(board, gym.spaces.Discrete(7), cfg))) > 1e-3
+    cfg.grid.mirror = True
+    agent = ActorCritic(board, gym.spaces.Discrete(7), cfg)
+    assert max(gaps(agent)) < 1e-5
+    logprob, entropy, value = agent(obs, actions, action_mask=mask)
+    (value.square().mean() - logprob.mean() - entropy.mean()).backward()
+    with torch.no_grad():
+        for p in agent.parameters():
+            p.sub_(0.5 * p.grad)
+    assert max(gaps(agent)) < 1e-4
+    for space, message in ((gym.spaces.Discrete(6), r"one action per board column \(Discrete\(7\)\)"),
+                           (gym.spaces.MultiDiscrete([7, 2]), "one action per board column")):  # fmt: skip
+        with pytest.raises(ValueError, match=message):
+            ActorCritic(board, space, cfg)
+    cfg.grid.mirror = "yes"
+    with pytest.raises(ValueError, match="model.grid.mirror=yes must be true or false"):
+        ActorCritic(board, gym.spaces.Discrete(7), cfg)
