@@ -207,6 +207,33 @@ class GridCNN(nn.Module):
         return torch.relu(self.linear(torch.relu(self.conv(x)).flatten(1)))
 
 
+class MirroredGridCNN(GridCNN):
+    """`GridCNN` over each board and its left-right mirror image (`model.grid.mirror`): [B, ...] boards
+    in, [2B, F] features out, the boards' first. The bodies and the head after it (`PairedMLP`,
+    `AveragedMLP`, `MirroredHead`) fold the pairs back, so a mirrored board gets exactly the mirrored policy
+    and the same value: what is learnt on one side of the board holds on the other, and half the positions
+    a game can reach need no learning of their own. Same layers as `GridCNN`, same parameter names."""
+
+    def forward(self, obs: Tensor) -> Tensor:
+        return super().forward(torch.cat([obs, obs.flip(2)]))  # [B, H, W, C] and [B, H, W]: W is axis 2
+
+
+class PairedMLP(MLP):
+    """The actor body of a mirrored policy: [2B, F] features (boards, then mirror images) in, [B, 2, H]
+    out, each board beside its mirror image for `MirroredHead`."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        return super().forward(x).unflatten(0, (2, -1)).transpose(0, 1)
+
+
+class AveragedMLP(MLP):
+    """The critic body of a mirrored policy: [2B, F] in, [B, H] out, the mean of each board's and its mirror
+    image's; the value layer after it is affine, so the value is the mean of the two boards' values."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        return super().forward(x).unflatten(0, (2, -1)).mean(0)
+
+
 class MultiEncoder(nn.Module):
     """Dict observations: a Nature CNN per image key, the other (Box) keys flattened; features concatenated
     in the space's key order. Vector keys get no layers of their own: the actor and critic MLPs (or, with
@@ -249,16 +276,16 @@ def grid_options(cfg: DictConfig) -> dict[str, int]:
     return {key: int(value) for key, value in sizes.items()}
 
 
-def mirror_axis(cfg: DictConfig, encoder: nn.Module, action_space: gym.Space) -> int | None:
-    """The batch axis of the board's columns when `model.grid.mirror` asks for a left-right mirrored
-    policy, else None. Only a board whose actions are its columns (Connect Four's drop-a-piece) mirrors
-    by reversing the action order, so anything else is refused rather than given a wrong symmetry."""
+def mirrored(cfg: DictConfig, encoder: nn.Module, action_space: gym.Space) -> bool:
+    """Whether `model.grid.mirror` asks for a left-right mirrored policy, checked against the model it
+    would change. Only a board whose actions are its columns (Connect Four's drop-a-piece) mirrors by
+    reversing the action order, so anything else is refused rather than given a wrong symmetry."""
     mirror = (cfg.get("grid") or {}).get("mirror", False)
     if not isinstance(mirror, bool):
         raise ValueError(f"model.grid.mirror={mirror} must be true or false")
     if not mirror:
-        return None
-    if not isinstance(encoder, GridCNN):
+        return False
+    if not isinstance(encoder, MirroredGridCNN):
         raise ValueError("model.grid.mirror=true needs the grid encoder (model=grid)")
     if cfg.get("lstm") is not None and int(cfg.lstm.hidden_size) > 0:
         raise ValueError("model.grid.mirror=true is for feed-forward policies; set model.lstm.hidden_size=0")
@@ -267,14 +294,21 @@ def mirror_axis(cfg: DictConfig, encoder: nn.Module, action_space: gym.Space) ->
             f"model.grid.mirror=true needs one action per board column (Discrete({encoder.width})), "
             f"got {action_space}"
         )
-    return 2  # [B, H, W, C] and [B, H, W] alike
+    return True
+
+
+def grid_encoder(space: gym.Space, cfg: DictConfig) -> GridCNN:
+    """`model.encoder=grid`: the grid network, reading each board beside its mirror image when
+    `model.grid.mirror` is set."""
+    mirror = (cfg.get("grid") or {}).get("mirror", False) is True
+    return (MirroredGridCNN if mirror else GridCNN)(space, **grid_options(cfg))
 
 
 EncoderFactory = Callable[[gym.Space, DictConfig], nn.Module]
 ENCODERS: dict[str, EncoderFactory] = {
     "mlp": lambda space, cfg: FlattenEncoder(space),
     "cnn": lambda space, cfg: NatureCNN(space),
-    "grid": lambda space, cfg: GridCNN(space, **grid_options(cfg)),
+    "grid": grid_encoder,
     "multi": lambda space, cfg: MultiEncoder(space),
 }
 
@@ -417,11 +451,9 @@ class CategoricalHead(nn.Module):
 
 
 class MirroredHead(CategoricalHead):
-    """One categorical over a board's columns that treats the board and its left-right mirror image
-    alike: its features are [B, 2, F], the board's and its mirror image's (`ActorCritic` with
-    `model.grid.mirror`), and its logits the mean of the board's and the mirror image's reversed. The
-    mirrored board then gets exactly the mirrored policy, so what is learnt on one side of the board holds
-    on the other, and half the positions a game can reach need no learning of their own."""
+    """One categorical over a board's columns for a mirrored policy (`MirroredGridCNN`): its features are
+    [B, 2, F], each board's beside its mirror image's (`PairedMLP`), and its logits the mean of the board's
+    and the mirror image's reversed, so the mirrored board gets exactly the mirrored policy."""
 
     def _logits(self, features: Tensor) -> Tensor:
         logits = F.linear(features, *linear_parameters(self.linear))
@@ -604,13 +636,15 @@ class ActorCritic(nn.Module):
             shared = bool(lstm.get("shared", False))
             self.core = RecurrentCores(feat, int(lstm.hidden_size), int(lstm.num_layers), shared)
             feat = self.core.out_dim
-        self.actor_body = MLP(feat, cfg.actor_hidden, cfg.activation)
-        self.critic_body = MLP(feat, cfg.critic_hidden, cfg.activation)
-        self.mirror = mirror_axis(cfg, self.encoder, action_space)
-        if self.mirror is None:
-            self.head = build_head(self.actor_body.out_dim, action_space)
+        # a mirrored policy has the same layers, each reading a board beside its mirror image
+        mirror = mirrored(cfg, self.encoder, action_space)
+        actor_body, critic_body = (PairedMLP, AveragedMLP) if mirror else (MLP, MLP)
+        self.actor_body = actor_body(feat, cfg.actor_hidden, cfg.activation)
+        self.critic_body = critic_body(feat, cfg.critic_hidden, cfg.activation)
+        if mirror:
+            self.head: nn.Module = MirroredHead(self.actor_body.out_dim, [int(action_space.n)])
         else:
-            self.head = MirroredHead(self.actor_body.out_dim, [int(action_space.n)])
+            self.head = build_head(self.actor_body.out_dim, action_space)
         self.value_out = layer_init(nn.Linear(self.critic_body.out_dim, 1), gain=1.0)
 
     @property
@@ -626,30 +660,17 @@ class ActorCritic(nn.Module):
         """The state a fresh episode starts from (None for feed-forward policies)."""
         return None if self.core is None else self.core.initial_state(batch, device)
 
-    def _encode(self, obs: Obs) -> Tensor:
-        """The encoder's features; with `model.grid.mirror`, the boards' then their mirror images' ([2B, F])."""
-        if self.mirror is None:
-            return self.encoder.forward(obs)
-        return self.encoder.forward(torch.cat([obs, obs.flip(self.mirror)]))
-
     def _features(self, obs: Obs, state: Tensor | None) -> tuple[Tensor, Tensor, Tensor | None]:
         """(actor features, critic features, next state)."""
-        features = self._encode(obs)
+        features = self.encoder.forward(obs)
         if self.core is None:
             return features, features, None
         if state is None:
             state = self.core.initial_state(features.shape[0], features.device)
         return self.core.step(features, state)
 
-    def _actor(self, features: Tensor) -> Tensor:
-        """What the head reads: the actor body's output, or with `model.grid.mirror` [B, 2, H] (the
-        board's and its mirror image's, for `MirroredHead`)."""
-        hidden = self.actor_body.forward(features)
-        return hidden if self.mirror is None else hidden.unflatten(0, (2, -1)).transpose(0, 1)
-
     def _value(self, features: Tensor) -> Tensor:
-        value = F.linear(self.critic_body.forward(features), *linear_parameters(self.value_out)).squeeze(-1)
-        return value if self.mirror is None else value.unflatten(0, (2, -1)).mean(0)
+        return F.linear(self.critic_body.forward(features), *linear_parameters(self.value_out)).squeeze(-1)
 
     def get_value(self, obs: Obs, state: Tensor | None = None) -> Tensor:
         return self._value(self._features(obs, state)[1])
@@ -667,9 +688,9 @@ class ActorCritic(nn.Module):
         """Sample an action from `state`; returns (action, log-prob, value, state after this step)."""
         actor, critic, state = self._features(obs, state)
         if action_mask is None:
-            action, logprob = self.head.sample(self._actor(actor), deterministic)
+            action, logprob = self.head.sample(self.actor_body.forward(actor), deterministic)
         else:
-            action, logprob = self.head.sample(self._actor(actor), deterministic, action_mask)
+            action, logprob = self.head.sample(self.actor_body.forward(actor), deterministic, action_mask)
         return action, logprob, self._value(critic), state
 
     def sample(
@@ -686,9 +707,11 @@ class ActorCritic(nn.Module):
         head's random draws for this step (`rollout_noise`), else drawn by the head."""
         actor, _, state = self._features(obs, state)
         if action_mask is None:
-            action, logprob = self.head.sample(self._actor(actor), deterministic, noise=noise)
+            action, logprob = self.head.sample(self.actor_body.forward(actor), deterministic, noise=noise)
         else:
-            action, logprob = self.head.sample(self._actor(actor), deterministic, action_mask, noise=noise)
+            action, logprob = self.head.sample(
+                self.actor_body.forward(actor), deterministic, action_mask, noise=noise
+            )
         return action, logprob, state
 
     def forward(
@@ -704,7 +727,7 @@ class ActorCritic(nn.Module):
         Feed-forward: a batch of steps. Recurrent: sequences [B, S] starting from `state` [B, 2, layers, H],
         reset where `starts`; outputs are [B, S]. `action_mask`: the masks the actions were sampled under.
         """
-        features = self._encode(obs if self.core is None else obs.flatten(0, 1))
+        features = self.encoder.forward(obs if self.core is None else obs.flatten(0, 1))
         actor = critic = features
         if self.core is not None:
             batch, steps = actions.shape[:2]
@@ -714,9 +737,11 @@ class ActorCritic(nn.Module):
             if action_mask is not None:
                 action_mask = action_mask.flatten(0, 1)
         if action_mask is None:
-            logprob, entropy = self.head.log_prob_entropy(self._actor(actor), actions)
+            logprob, entropy = self.head.log_prob_entropy(self.actor_body.forward(actor), actions)
         else:
-            logprob, entropy = self.head.log_prob_entropy(self._actor(actor), actions, action_mask)
+            logprob, entropy = self.head.log_prob_entropy(
+                self.actor_body.forward(actor), actions, action_mask
+            )
         values = self._value(critic)
         if self.core is not None:
             return (
