@@ -18,6 +18,7 @@ return against env steps, every seed).
     python -m benchmarks learning --suite multiagent --seeds 3                 # MPE spread, a two-team game
     python -m benchmarks learning --suite games --envs tictactoe_v3 --seeds 1  # self-play vs held-out players
     python -m benchmarks learning --suite recurrent --envs CartPole-v1/velocities-zeroed --seed-list 6 7 8 9 10
+    python -m benchmarks learning --suite games --envs connect_four_v3 --steps 20000000 --keep-runs DIR --out DIR
 
 Variants: `coupled` (1 process) and `pipelined` (decoupled, 1 player + 1 trainer, `algo.pipeline=true`); the
 `recurrent` suite compares models instead (`lstm`, and `mlp`: the same recipe without memory). The
@@ -188,14 +189,24 @@ def run_record(
     extra: tuple[str, ...] = (),
     evaluate: bool = False,
     suite: str = "",
+    keep: Path | None = None,
 ) -> dict[str, Any]:
+    """One run's record. `keep`: the folder under which the run's own folder stays (`kept_run_dir`) and
+    resumes from its last checkpoint when the same command is given again, saving one every
+    `KEPT_CHECKPOINT_MINUTES`: a budget longer than a sitting runs over several."""
     # the evaluation's settings first, so that a task's own (games: more games an evaluation) win
     overrides = (common.EVALUATION if evaluate else []) + run_overrides(
         task, variant, seed, steps, extra, suite
     )
+    run_dir = None
+    if keep is not None:
+        run_dir = kept_run_dir(keep, task.env, variant, seed)
+        overrides.append(f"checkpoint.every_minutes={KEPT_CHECKPOINT_MINUTES}")
     commit = common.git_commit()  # the code the run starts with (a sitting outlasts commits made beside it)
-    s = run_once(overrides, curve=True, eval_key=task.score)
+    s = run_once(overrides, curve=True, eval_key=task.score, run_dir=run_dir)
     evaluated = s.get("eval_curve") or []
+    # a kept run may have trained over several sittings: its whole training time and rate
+    wall = s.get("total_wall_seconds", s["wall_seconds"]) if keep else s["wall_seconds"]
     return {
         "env": task.env,
         "variant": variant,
@@ -204,8 +215,8 @@ def run_record(
         "commit": commit,
         "total_env_steps": s["total_env_steps"],
         "final_mean_return": s["final_mean_return"],
-        "wall_seconds": s["wall_seconds"],
-        "sps": s["sps"],
+        "wall_seconds": wall,
+        "sps": s["total_env_steps"] / wall if keep else s["sps"],
         "curve": thin(s["curve"]),
         **(
             {  # evaluated during training (--eval): the final evaluation and the best
@@ -218,6 +229,14 @@ def run_record(
             else {}
         ),
     }
+
+
+KEPT_CHECKPOINT_MINUTES = 10  # --keep-runs: what a sitting stopped without warning loses at most
+
+
+def kept_run_dir(keep: Path, env: str, variant: str, seed: int) -> Path:
+    """A kept run's folder: one per (env, variant, seed), so the same command finds it again."""
+    return keep / f"{env.replace('/', '_')}_{variant}_seed{seed}"
 
 
 EVALUATED_FIELDS = ("final_eval_return", "best_eval_return", "eval_curve", "final_eval")
@@ -394,6 +413,9 @@ def main() -> None:
     parser.add_argument("--eval", action="store_true", help="evaluate during training (eval.every=auto, 10 "
                         "episodes); the IQM table ranks the final evaluation return")  # fmt: skip
     parser.add_argument("--force", action="store_true", help="re-run runs already in the results")
+    parser.add_argument("--keep-runs", type=Path, default=None, metavar="DIR",
+                        help="keep each run's folder under DIR, checkpointed every 10 minutes; the same "
+                        "command given again resumes an unfinished run (a budget longer than a sitting)")  # fmt: skip
     parser.add_argument("--out", type=Path, default=RESULTS)
     parser.add_argument("--reuse", nargs="*", type=Path, default=[RESULTS / "time_to_score.json"],
                         help="reports whose runs with the same overrides are taken instead of training again "
@@ -432,7 +454,9 @@ def main() -> None:
                 reused = reused_record(
                     task, variant, seed, args.steps, args.reuse, extra, evaluate, args.suite
                 )
-                r = reused or run_record(task, variant, seed, args.steps, extra, evaluate, args.suite)
+                r = reused or run_record(
+                    task, variant, seed, args.steps, extra, evaluate, args.suite, args.keep_runs
+                )
                 common.replace_runs(report, done, r)
                 print(f"{task.env} {variant} seed {seed}: final {r['final_mean_return']}, "
                       f"{r['wall_seconds']:.0f} s", flush=True)  # fmt: skip

@@ -71,8 +71,9 @@ def test_a_suite_scored_by_evaluation_ranks_its_metric_and_shows_the_others(
     assert final == {"eval/score": 0.55, "eval/random/win_rate": 0.9, "eval/search:1/win_rate": 0.25}
     seen: list[list[str]] = []
 
-    def run_once(overrides: list[str], curve: bool, eval_key: str) -> dict:
+    def run_once(overrides: list[str], curve: bool, eval_key: str, run_dir: Path | None) -> dict:
         seen.append(overrides)
+        assert run_dir is None, "a temporary folder unless --keep-runs"
         assert eval_key == "eval/score"
         return {"total_env_steps": 2000, "final_mean_return": 0.0, "wall_seconds": 9.0, "sps": 222.0,
                 "curve": [], "eval_curve": curve_of[eval_key], "final_eval": final}  # fmt: skip
@@ -91,6 +92,31 @@ def test_a_suite_scored_by_evaluation_ranks_its_metric_and_shows_the_others(
     )
     assert "| connect_four_v3 | coupled | `eval/search:1/win_rate` | 0.500 ± 0.354 (2) |" in text
     assert "| connect_four_v3 | coupled | `eval/random/win_rate` | 0.900 (1) |" in text
+
+
+def test_a_kept_learning_run_has_a_folder_of_its_own_and_reports_the_whole_run(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """`--keep-runs DIR`: each (env, variant, seed) trains in a folder of its own under DIR, which the same
+    command finds again (run_once resumes it), with a checkpoint every 10 minutes; the record's wall time
+    and rate are the whole run's, over every sitting, not the last sitting's."""
+    learning = _script(monkeypatch, "learning")
+    given: list[tuple[list[str], Path | None]] = []
+
+    def run_once(overrides: list[str], curve: bool, eval_key: str, run_dir: Path | None) -> dict:
+        given.append((overrides, run_dir))
+        return {"total_env_steps": 6000, "final_mean_return": 0.0, "wall_seconds": 20.0, "sps": 150.0,
+                "total_wall_seconds": 60.0, "curve": []}  # fmt: skip
+
+    monkeypatch.setattr(learning, "run_once", run_once)
+    task = learning.task_named("CartPole-v1/velocities-zeroed")
+    r = learning.run_record(task, "lstm", 3, None, suite="recurrent", keep=tmp_path)
+    ((overrides, run_dir),) = given
+    assert run_dir == tmp_path / "CartPole-v1_velocities-zeroed_lstm_seed3"
+    assert overrides[-1] == "checkpoint.every_minutes=10" and r["overrides"] == overrides
+    assert (r["wall_seconds"], r["sps"]) == (60.0, 100.0), "the whole run's, not the last sitting's"
+    learning.run_record(task, "lstm", 3, None, suite="recurrent")
+    assert given[-1][1] is None and "checkpoint.every_minutes=10" not in given[-1][0]
 
 
 def test_stopped_sb3_runs_show_no_final_return(monkeypatch: pytest.MonkeyPatch) -> None:
