@@ -18,6 +18,10 @@ without network may have no `.venv`; any python with the package's dependencies 
                      both finish, and the first update's losses, KL and clip fraction (same rollout, same
                      starting parameters) agree within float tolerance. Runs without the deterministic
                      settings (compiled kernels need not have deterministic variants); TF32 stays off.
+  graph_step         the same seed trained for 3 updates with `algo.compile=false` and `=graph` (the whole
+                     minibatch step, Adam included, captured in one CUDA graph after 2 eager steps and
+                     replayed; the lr, annealed, refilled before each update): every update's losses, KL and
+                     clip fraction agree within float tolerance, and the final parameters closely. TF32 off.
   envpool_pong       `exp=atari env.backend=envpool` (Pong through EnvPool, Nature CNN on the device) for N
                      updates of 8 envs x 128 steps: exit 0, every env step counted, a finite loss logged;
                      SKIP where EnvPool is not installed or does not import (the reason says which).
@@ -78,6 +82,7 @@ CHECKS = (
     "gpu_to_cpu_resume",
     "sigterm",
     "compile_on_off",
+    "graph_step",
     "envpool_pong",
     "decoupled_gpu_trainer",
     "decoupled_two_gpu_trainers",
@@ -337,6 +342,42 @@ def compile_on_off(runs: Runs) -> dict[str, Any]:
     return {"eager": eager, "compiled": compiled, "max_abs_diff": max(off.values())}
 
 
+def graph_step(runs: Runs) -> dict[str, Any]:
+    import math
+
+    common_args = [f"fabric={runs.fabric}", runs.steps(3), "logger.log_every=1"]
+    run_dirs = {
+        mode: runs.train(f"graph_{mode}", [*common_args, f"algo.compile={mode}"], deterministic=False)
+        for mode in ("false", "graph")
+    }
+    rows = {mode: all_update_metrics(run_dir) for mode, run_dir in run_dirs.items()}
+    if len(rows["graph"]) != 3 or len(rows["false"]) != 3:
+        raise CheckFailed(f"updates logged: eager {len(rows['false'])}, graph {len(rows['graph'])}; want 3")
+    bad = [
+        f"update {i + 1} {k} eager {e[k]:.6g} vs graph {g[k]:.6g}"
+        for i, (e, g) in enumerate(zip(rows["false"], rows["graph"], strict=True))
+        for k in COMPARED
+        if not math.isclose(g[k], e[k], rel_tol=1e-3, abs_tol=1e-4)
+    ]
+    if bad:
+        raise CheckFailed(", ".join(bad))
+    a, b = (tensors(load_checkpoint(d / "checkpoints" / "last.ckpt")["agent"]) for d in run_dirs.values())
+    if a.keys() != b.keys() or not a:
+        raise CheckFailed(f"parameter names differ: {sorted(a.keys() ^ b.keys())[:4]}")
+    diff = max(float((a[k].double() - b[k].double()).abs().max()) for k in a)
+    if diff > 1e-3:
+        raise CheckFailed(f"final parameters differ by up to {diff:.3g} (eager vs graph)")
+    worst = max(abs(g[k] - e[k]) for e, g in zip(rows["false"], rows["graph"], strict=True) for k in COMPARED)
+    return {"eager": rows["false"], "graph": rows["graph"], "max_abs_diff": worst, "param_max_abs_diff": diff}
+
+
+def all_update_metrics(run_dir: Path) -> list[dict[str, float]]:
+    import csv
+
+    with (run_dir / "metrics.csv").open(newline="") as fh:
+        return [{key: float(row[key]) for key in COMPARED} for row in csv.DictReader(fh)]
+
+
 def wait_for_updates(proc: subprocess.Popen, metrics: Path, rows: int, limit: float = 300.0) -> None:
     """Until `metrics` holds `rows` logged updates (a header, then one line per update)."""
     deadline = time.monotonic() + limit
@@ -498,6 +539,7 @@ CHECK_FUNCTIONS: dict[str, Callable[[Runs], dict[str, Any]]] = {
     "gpu_to_cpu_resume": gpu_to_cpu_resume,
     "sigterm": sigterm,
     "compile_on_off": compile_on_off,
+    "graph_step": graph_step,
     "envpool_pong": envpool_pong,
     "decoupled_gpu_trainer": decoupled_gpu_trainer,
     "decoupled_two_gpu_trainers": decoupled_two_gpu_trainers,

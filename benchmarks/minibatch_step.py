@@ -9,9 +9,12 @@ backward, gradient clipping at 0.5, Adam) and reports milliseconds per minibatch
             per-epoch ratio statistics and the update's metrics (a few host syncs per update);
   compiled  the same with `algo.compile=true` (CUDA graphs via `mode="reduce-overhead"` on CUDA, plain
             inductor on the CPU);
-  graph     CUDA only: the whole step (forward, losses, backward, clipping, `Adam(capturable=True)` with
+  compile-graph  the same with `algo.compile=graph`: the package's whole step (forward, losses, backward,
+            clipping, the fused Adam kernel with a tensor lr) in one CUDA graph (`learn/graph.py`), after 2
+            eager warm-up steps; on the CPU the same step runs uncaptured;
+  graph     CUDA only: a bare whole step (forward, losses, backward, clipping, `Adam(capturable=True)` with
             a tensor lr) captured in one `torch.cuda.CUDAGraph`; each minibatch is copied into the static
-            input buffers before `replay()`. The floor a step can reach when launches cost nothing.
+            input buffers before `replay()`: the floor `compile-graph` is measured against.
   tdgraph   the same whole step recorded and replayed by tensordict's `CudaGraphModule` (the public API
             LeanRL's compiled PPO uses), which copies each minibatch into its buffers and checks the inputs
             itself: whether a library-level whole-step graph can match `graph` (without CUDA it runs the
@@ -35,17 +38,20 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import gymnasium as gym
-import numpy as np
-import torch
-from lightning_fabric import Fabric
-from omegaconf import OmegaConf
-from tensordict import TensorDict
-
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
+from ppo_fabric.compat.imports import skip_torchmetrics_probe  # noqa: E402
+
+skip_torchmetrics_probe()  # a process of the project's own, as the command line's (compat/imports.py)
+
 import common  # noqa: E402
+import gymnasium as gym  # noqa: E402
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+from lightning_fabric import Fabric  # noqa: E402
+from omegaconf import OmegaConf  # noqa: E402
+from tensordict import TensorDict  # noqa: E402
 
 from ppo_fabric.config.defaults import with_defaults  # noqa: E402
 from ppo_fabric.learn.accel import set_cuda_math  # noqa: E402
@@ -57,7 +63,14 @@ from ppo_fabric.models.agent import ActorCritic  # noqa: E402
 COEFS = LossCoefs(clip=0.1, clip_vloss=False, norm_adv=True, vf_coef=0.5, ent_coef=0.01)  # exp=atari's
 MAX_NORM, LR, ACTIONS = 0.5, 2.5e-4, 6
 KEYS = ("obs", "actions", "logprobs", "values", "advantages", "returns")
-VARIANTS = ("eager", "compiled", "graph", "tdgraph", "tdgraph-compiled")  # graph, tdgraph-compiled: CUDA only
+VARIANTS = (
+    "eager",
+    "compiled",
+    "compile-graph",
+    "graph",
+    "tdgraph",
+    "tdgraph-compiled",
+)  # graph, tdgraph-compiled: CUDA only
 
 
 def make_model(device: torch.device) -> ActorCritic:
@@ -100,7 +113,7 @@ def time_updates(update: Callable[[], None], device: torch.device, args: Any) ->
 
 
 def package_update(
-    device: torch.device, compile_step: bool, batch: dict[str, torch.Tensor], args: Any
+    device: torch.device, compile_step: bool | str, batch: dict[str, torch.Tensor], args: Any
 ) -> Callable[[], None]:
     """One update as a run makes it: `update_policy` on a Fabric-wrapped model and the optimiser the
     learners build (`learners.build_learners`)."""
@@ -233,6 +246,7 @@ def main() -> None:
     variants: dict[str, Callable[[], Callable[[], None]]] = {
         "eager": lambda: package_update(device, False, batch, args),
         "compiled": lambda: package_update(device, True, batch, args),
+        "compile-graph": lambda: package_update(device, "graph", batch, args),
         "tdgraph": lambda: graph_update(tdgraph_step(make_model(device), False), batch, args),
     }
     if device.type == "cuda":

@@ -17,6 +17,7 @@ from omegaconf import DictConfig
 from ppo_fabric.app import supervisor
 from ppo_fabric.app.hydra_app import Invocation, run_app, settled_overrides
 from ppo_fabric.app.process import end_process
+from ppo_fabric.compat.imports import skip_torchmetrics_probe
 from ppo_fabric.config.arguments import fail
 from ppo_fabric.config.faults import FAULT_EXIT, RunComplete, RunFault
 from ppo_fabric.config.tuned import quoted
@@ -126,5 +127,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def console_main() -> NoReturn:
     """`ppo-fabric` and `python -m ppo_fabric`: `main()`, then `end_process()` (a process of its own, unlike
-    `main()`, which tests and notebooks may call in-process)."""
+    `main()`, which tests and notebooks may call in-process). Lightning's import skips its torchmetrics
+    probe here, in a process of ppo-fabric's own (compat/imports.py: ~9 s per process on a CUDA image)."""
+    skip_torchmetrics_probe()
     end_process(main())

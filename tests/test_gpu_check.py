@@ -37,6 +37,7 @@ def test_gpu_check_skips_every_check_without_cuda(tmp_path: Path) -> None:
         "gpu_to_cpu_resume",
         "sigterm",
         "compile_on_off",
+        "graph_step",
         "envpool_pong",
         "decoupled_gpu_trainer",
         "decoupled_two_gpu_trainers",

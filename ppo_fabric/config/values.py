@@ -253,12 +253,12 @@ _CHOICES = {
     "fabric.strategy": ("auto", "ddp"),
     "fabric.precision": ("32-true", "32", "bf16-mixed", "16-mixed", "bf16-true", "16-true", "64-true", "64"),
 }
+COMPILE_MODES = (False, True, "graph")  # eager, torch.compile, the whole step in one CUDA graph
 _BOOLS = (
     "algo.anneal_lr",
     "algo.norm_adv",
     "algo.clip_vloss",
     "algo.pipeline",
-    "algo.compile",
     "algo.numpy_rollout",
     "algo.lag_objective",
     "algo.lag_refresh_advantages",
@@ -387,6 +387,9 @@ def check_values(cfg: DictConfig) -> None:
     for key in _BOOLS:
         if not isinstance(OmegaConf.select(cfg, key), bool):
             raise ConfigError(f"{key}={OmegaConf.select(cfg, key)!r} must be true or false")
+    mode = OmegaConf.select(cfg, "algo.compile")
+    if not isinstance(mode, bool | str) or mode not in COMPILE_MODES:
+        raise ConfigError(f"algo.compile={mode!r} must be false, true or graph")
     every = OmegaConf.select(cfg, "eval.every")
     if isinstance(every, float) and every.is_integer():  # eval.every=1e5
         every = int(every)
@@ -442,7 +445,7 @@ def check_layout(cfg: DictConfig, world: int) -> None:
             "advantage normalisation (algo.norm_adv=true) needs at least 2"
         )
     _check_sequences(cfg, layout)
-    _check_compile(cfg)
+    _check_compile(cfg, layout)
     if cfg.algo.total_steps < layout.env_steps:
         envs = "env.num_envs" if layout.env_steps == layout.batch else "env.envpool.batch_size"
         raise ConfigError(
@@ -464,13 +467,29 @@ def _check_async(cfg: DictConfig, layout: Layout) -> None:
         )
 
 
-def _check_compile(cfg: DictConfig) -> None:
-    """The compiled step covers feed-forward policies; the LSTM's per-step reset loop is not compiled."""
+def _check_compile(cfg: DictConfig, layout: Layout) -> None:
+    """The compiled step covers feed-forward policies; the LSTM's per-step reset loop is not compiled (it
+    reads the episode starts on the host, which no CUDA graph can record either). The whole-step graph
+    records the direct step (fused Adam at full precision, no DDP: learn/graph.py)."""
+    mode = cfg.algo.compile
     lstm = cfg.model.get("lstm")
-    if cfg.algo.compile and lstm is not None and int(lstm.hidden_size) > 0:
+    if mode and lstm is not None and int(lstm.hidden_size) > 0:
         raise ConfigError(
-            f"algo.compile=true does not support recurrent policies (model.lstm.hidden_size="
+            f"algo.compile={str(mode).lower()} does not support recurrent policies (model.lstm.hidden_size="
             f"{int(lstm.hidden_size)}); set algo.compile=false"
+        )
+    if mode != "graph":
+        return
+    if layout.trainers > 1:
+        raise ConfigError(
+            f"algo.compile=graph records one rank's step, without DDP's gradient all-reduce; this run trains "
+            f"on {layout.trainers} ranks: use algo.compile=true, or train on one rank"
+        )
+    precision = requested(cfg, "precision")
+    if precision not in ("32-true", "32"):
+        raise ConfigError(
+            f"algo.compile=graph records the full-precision step (fused Adam on float32 parameters); "
+            f"fabric.precision={precision}: use algo.compile=true, or fabric.precision=32-true"
         )
 
 

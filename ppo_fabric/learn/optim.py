@@ -98,6 +98,43 @@ def _plain_fused_adam(optimizer: Any) -> bool:
     )
 
 
+AdamGroups = list[tuple[dict[str, Any], list[torch.Tensor], list[list[torch.Tensor]]]]
+
+
+@torch.no_grad()
+def clip_and_adam(
+    grads: list[torch.Tensor], groups: AdamGroups, max_norm: float, lrs: list[float | torch.Tensor]
+) -> torch.Tensor:
+    """The direct path's end of a minibatch step: clip `grads` to `max_norm` (<= 0: no clipping), then one
+    fused Adam kernel per parameter group at its learning rate in `lrs` (a float, or a one-element tensor on
+    the device, which the whole-step CUDA graph reads at each replay). The kernel leaves parameters and
+    moments as they are when the gradient norm is not finite (`found_inf`). Returns that flag: 1.0
+    skipped, 0.0 taken. No host sync, so it can be recorded in a CUDA graph (`learn/graph.py`)."""
+    total = clip_grad_norm_(grads, max_norm) if max_norm > 0 else grad_norm(grads)
+    skipped = nonfinite_flag(total)  # the kernel's `found_inf`: 1.0 leaves everything as it is
+    for (group, params, (exp_avgs, exp_avg_sqs, steps)), lr in zip(groups, lrs, strict=True):
+        beta1, beta2 = group["betas"]
+        foreach_add_(steps, 1)
+        fused_adam_(
+            params,
+            [p.grad for p in params],
+            exp_avgs,
+            exp_avg_sqs,
+            [],
+            steps,
+            amsgrad=False,
+            lr=lr,
+            beta1=beta1,
+            beta2=beta2,
+            weight_decay=group["weight_decay"],
+            eps=group["eps"],
+            maximize=group["maximize"],
+            grad_scale=None,
+            found_inf=skipped,
+        )
+    return skipped
+
+
 class GradientStep:
     """Clip the gradients to `max_norm` (<= 0: no clipping) and step the optimiser, after `backward`;
     a step whose gradient norm is not finite is skipped, parameters and Adam's moments untouched.
@@ -117,11 +154,14 @@ class GradientStep:
         self.inner = inner
         self.direct = _plain_layers(fabric, optimizer) and _plain_fused_adam(inner)
         self.params = [p for group in inner.param_groups for p in group["params"]]
-        self._groups: list[tuple[dict[str, Any], list[torch.Tensor], list[list[torch.Tensor]]]] | None = None
+        self._groups: AdamGroups | None = None
         self._counted: list[torch.Tensor] = []  # the direct path's skip flags: steps it counted anyway
 
-    def _states(self) -> list[tuple[dict[str, Any], list[torch.Tensor], list[list[torch.Tensor]]]] | None:
-        """Per group: (options, params, [exp_avgs, exp_avg_sqs, steps]); None until every state exists."""
+    def states(self) -> AdamGroups | None:
+        """Per group: (options, params, [exp_avgs, exp_avg_sqs, steps]); None until every state exists, or
+        where the direct path is not taken (`algo.compile=graph` records that path and needs it)."""
+        if not self.direct:
+            return None
         groups = []
         state = self.inner.state
         for group in self.inner.param_groups:
@@ -136,7 +176,7 @@ class GradientStep:
 
     def __call__(self) -> torch.Tensor:
         if self.direct and self._groups is None:
-            self._groups = self._states()
+            self._groups = self.states()
         grads = [p.grad for p in self.params]
         groups = self._groups
         if (
@@ -145,31 +185,16 @@ class GradientStep:
             or not all(isinstance(group["lr"], float) for group, _, _ in groups)
         ):
             return self._layered()
-        with torch.no_grad():
-            total = clip_grad_norm_(grads, self.max_norm) if self.max_norm > 0 else grad_norm(grads)
-            skipped = nonfinite_flag(total)  # the kernel's `found_inf`: 1.0 leaves everything as it is
-            self._counted.append(skipped)
-            for group, params, (exp_avgs, exp_avg_sqs, steps) in groups:
-                beta1, beta2 = group["betas"]
-                foreach_add_(steps, 1)
-                fused_adam_(
-                    params,
-                    [p.grad for p in params],
-                    exp_avgs,
-                    exp_avg_sqs,
-                    [],
-                    steps,
-                    amsgrad=False,
-                    lr=group["lr"],
-                    beta1=beta1,
-                    beta2=beta2,
-                    weight_decay=group["weight_decay"],
-                    eps=group["eps"],
-                    maximize=group["maximize"],
-                    grad_scale=None,
-                    found_inf=skipped,
-                )
+        skipped = clip_and_adam(grads, groups, self.max_norm, [group["lr"] for group, _, _ in groups])
+        self._counted.append(skipped)
         return skipped
+
+    def record(self, skipped: torch.Tensor) -> None:
+        """Count a step that `clip_and_adam` took outside `__call__` (the whole-step graph's replay), so that
+        `settle` gives its count back too if it was skipped."""
+        if self._groups is None:
+            self._groups = self.states()
+        self._counted.append(skipped)
 
     def settle(self) -> None:
         """Give back the step counts of the direct path's skipped steps (after the update, which read how

@@ -45,7 +45,8 @@ class UpdateSettings:
     update_epochs: int
     max_grad_norm: float
     target_kl: float | None
-    compile: bool
+    compile: bool  # algo.compile=true: the forward and losses under torch.compile
+    graph: bool  # algo.compile=graph: the whole minibatch step in one CUDA graph (learn/graph.py)
     loss: LossCoefs
     lag: LagSettings
     max_skipped_updates: int  # updates in a row with non-finite minibatch steps that end the run
@@ -58,7 +59,8 @@ class UpdateSettings:
             update_epochs=int(algo.update_epochs),
             max_grad_norm=float(algo.max_grad_norm),
             target_kl=None if algo.target_kl is None else float(algo.target_kl),
-            compile=bool(algo.compile),
+            compile=algo.compile is True,
+            graph=algo.compile == "graph",
             loss=LossCoefs(
                 float(algo.clip_coef),
                 bool(algo.clip_vloss),

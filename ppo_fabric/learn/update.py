@@ -8,6 +8,7 @@ trainers); nothing here knows which role a rank plays. Anything that must agree 
 from __future__ import annotations
 
 from collections.abc import Callable
+from contextlib import nullcontext
 from typing import Any
 
 import torch
@@ -15,6 +16,7 @@ from lightning_fabric import Fabric
 from tensordict import TensorDict
 
 from ppo_fabric.config.faults import RunFault
+from ppo_fabric.learn import graph as whole
 from ppo_fabric.learn.accel import compiled, uses_cuda_graphs
 from ppo_fabric.learn.advantages import gae
 from ppo_fabric.learn.buffer import GAE_KEYS
@@ -271,6 +273,14 @@ class MinibatchSteps:
         self.skips: list[torch.Tensor] = []
         self.losses: list[torch.Tensor] = []  # (policy, value, entropy) per minibatch
         self.ratio_stats: list[torch.Tensor] = []  # (approx KL, clip fraction) per epoch
+        # `algo.compile=graph`: the whole step in one CUDA graph once this update has one (learn/graph.py)
+        self.model, self.max_norm = model, settings.max_grad_norm
+        self.graph_mode, self.whole, self.warmups = settings.graph, None, 0
+        if self.graph_mode and (not self.finish.direct or self.net is model):
+            raise RunFault(
+                "algo.compile=graph records the direct minibatch step: torch's fused Adam at full precision "
+                "(fabric.precision=32-true) on one training rank; set algo.compile=true or false"
+            )
 
     def epoch(self, batch: TensorDict, mb: int) -> torch.Tensor:
         """One pass over `batch` shuffled, in minibatches of `mb` units; returns the epoch's approximate KL."""
@@ -282,21 +292,17 @@ class MinibatchSteps:
         for start in range(0, n, mb):
             PROGRESS.mark("update")  # the stall watchdog's heartbeat
             sl = slice(start, start + mb)
-            if self.graphs:  # a new replay may overwrite the last one's outputs: they are copied out below
-                torch.compiler.cudagraph_mark_step_begin()
-            loss, stats, new_logp = self.step(
-                self.net,
-                *[None if column is None else column[sl] for column in columns],
-                self.coefs,
-                *(() if weights is None else (weights[sl],)),
-            )
-            for p in self.finish.params:
-                p.grad = None
-            self.fabric.backward(loss)
-            self.skips.append(self.finish())  # clip, then the optimiser step unless the norm is not finite
-            new_logp, stats = new_logp.detach(), stats.detach()
-            new_logps.append(new_logp.clone() if self.graphs else new_logp)
-            self.losses.append(stats.clone() if self.graphs else stats)
+            part = [None if column is None else column[sl] for column in (*columns, weights)]
+            graph = self.whole_step(part) if self.graph_mode else None
+            if graph is not None:  # its outputs are its own, overwritten by the next replay: copied out
+                stats, new_logp, skipped = (t.clone() for t in graph(part))
+                self.finish.record(skipped)
+                self.skips.append(skipped)
+                new_logps.append(new_logp)
+                self.losses.append(stats)
+                continue
+            with whole.warmup_stream(self.finish.params[0].device) if self.graph_mode else nullcontext():
+                self.eager_step(part, new_logps)
         # The ratio statistics of the whole epoch at once: a dozen small ops per epoch, not per minibatch.
         with torch.no_grad():
             masks = columns[STEP_COLUMNS.index("mask")]
@@ -306,6 +312,43 @@ class MinibatchSteps:
             clipfrac = masked_mean(((ratio - 1).abs() > self.coefs.clip).float(), masks)
             self.ratio_stats.append(torch.stack((approx_kl, clipfrac)))
         return approx_kl
+
+    def eager_step(self, part: list[Any], new_logps: list[torch.Tensor]) -> None:
+        """One minibatch step as it runs eagerly or under `torch.compile`: losses, backward, clip and Adam."""
+        *columns, weights = part
+        if self.graphs:  # a new replay may overwrite the last one's outputs: they are copied out below
+            torch.compiler.cudagraph_mark_step_begin()
+        loss, stats, new_logp = self.step(
+            self.net, *columns, self.coefs, *(() if weights is None else (weights,))
+        )
+        for p in self.finish.params:
+            p.grad = None
+        self.fabric.backward(loss)
+        self.skips.append(self.finish())  # clip, then the optimiser step unless the norm is not finite
+        self.warmups += 1
+        new_logp, stats = new_logp.detach(), stats.detach()
+        new_logps.append(new_logp.clone() if self.graphs else new_logp)
+        self.losses.append(stats.clone() if self.graphs else stats)
+
+    def whole_step(self, part: list[Any]) -> whole.WholeStepGraph | None:
+        """The model's whole-step graph for this update: the one kept from an earlier update where it still
+        fits (the same Adam state, the same columns), else a new one after `WARMUP_STEPS` eager steps of this
+        update; None while the update is still warming up."""
+        if self.whole is not None:
+            return self.whole
+        groups = self.finish.states()  # None until the first step has made Adam's state
+        if groups is None:
+            return None
+        kept = whole.cached(self.model)
+        if kept is not None and kept.fits(part, groups):
+            self.whole = kept
+        elif self.warmups >= whole.WARMUP_STEPS:
+            graph = whole.WholeStepGraph(minibatch_losses, self.net, groups, self.max_norm, self.coefs, part)
+            self.whole = whole.keep(self.model, graph)
+        else:
+            return None
+        self.whole.set_lr()
+        return self.whole
 
     def statistics(self, behaviour: TensorDict) -> dict[str, Any]:
         """`TRAIN_METRICS` of the update (with the cause and the step count when steps were skipped)."""

@@ -213,7 +213,7 @@ def test_compile_key_reaches_every_learner(monkeypatch: pytest.MonkeyPatch, tmp_
 @pytest.mark.parametrize(
     "argv,fragment",
     [
-        (["algo.compile=maybe"], "algo.compile='maybe' must be true or false"),
+        (["algo.compile=maybe"], "algo.compile='maybe' must be false, true or graph"),
         (["fabric.tf32=1"], "fabric.tf32=1 must be true or false"),
         (["model=lstm", "algo.compile=true"], "algo.compile=true does not support recurrent policies"),
     ],

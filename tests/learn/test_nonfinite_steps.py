@@ -46,7 +46,7 @@ def test_a_nonfinite_step_leaves_parameters_and_adam_untouched(poison: float, pa
     if path == "direct":  # the first step creates Adam's state (layered); later ones go direct
         assert float(_step(fabric, model, finish, None)) == 0.0
         finish = GradientStep(fabric, model, opt, max_norm=0.5)
-        finish._groups = finish._states()
+        finish._groups = finish.states()
         assert finish.direct and finish._groups is not None
     before = [p.detach().clone() for p in model.parameters()]
     state = copy.deepcopy(opt.optimizer.state_dict())
