@@ -83,13 +83,14 @@ def markdown(report: dict[str, Any]) -> str:
     lines = [
         "# An Atari game to a score at a GPU layout",
         "",
-        f"Machine: {m['cpu']}, {m['cores']} cores, GPU {gpus}, torch {m['torch']}, Python {m['python']}.",
+        f"Machine of the last run: {m['cpu']}, {m['cores']} cores, GPU {gpus}, torch {m['torch']}, Python "
+        f"{m['python']}. Each row names the GPU it ran on.",
         "Return: mean of the last 20 training episodes (stochastic policy, as CleanRL reports). Wall: the "
         "run's `time/wall_s` (interpreter start-up excluded; `start-up s` is the rest of the process's life).",
         "",
         "| game | layout | seed | env steps | threshold | steps to it | wall s to it | final | best | "
-        "steady SPS | start-up s | commit |",
-        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|",
+        "steady SPS | start-up s | GPU | commit |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---|",
     ]
     for r in report["runs"]:
         own = r.get("command_wall_seconds", r["wall_seconds"])  # the last command's training time
@@ -100,7 +101,8 @@ def markdown(report: dict[str, Any]) -> str:
             f"| {r['env_id']} | {variant(r)}{stopped} | {r['seed']} | {r['total_env_steps']:,} | "
             f"{r['threshold']:g} | {common.fmt(r['step_at_threshold'], ',', 'never')} | {common.fmt(r['wall_at_threshold'], '.0f', 'never')} | "
             f"{common.fmt(r['final_mean_return'], '.1f')} | {common.fmt(r['best_mean_return'], '.1f')} | "
-            f"{common.fmt(r['sps_steady'], ',.0f')} | {common.fmt(start, '.0f')} | {r['commit']} |"
+            f"{common.fmt(r['sps_steady'], ',.0f')} | {common.fmt(start, '.0f')} | {r.get('gpu', '?')} | "
+            f"{r['commit']} |"
         )
     lines += ["", f"Published marks: {MARKS}.", "", f"Command: `{report['command']}`", ""]
     lines += [f"Overrides of `{variant(r)}`: `{' '.join(r['overrides'])}`" for r in report["runs"]]
@@ -149,8 +151,9 @@ def main() -> None:
         keep_metrics=args.keep_metrics,
         run_dir=args.run_dir,
     )
+    gpu = ", ".join(g.get("name", "?") for g in report["gpus"]) or "none (dry run)"
     row = {"env_id": args.env_id, "layout": args.layout, "label": args.label, "seed": args.seed, "overrides": run,
-           "commit": common.git_commit(), **record(summary, args.threshold, commands),
+           "gpu": gpu, "commit": common.git_commit(), **record(summary, args.threshold, commands),
            **({"run_dir": str(args.run_dir)} if args.run_dir else {})}  # fmt: skip
     report["runs"] = merged(report["runs"], row)
     common.write_report(args.out, name, report, markdown(report))

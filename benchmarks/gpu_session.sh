@@ -4,7 +4,8 @@
 # (default "check step layouts envpool"):
 #   check     gpu_check.py: every CUDA path (resume on one device and CPU<->GPU, SIGTERM, compile on/off,
 #             EnvPool Pong, CPU players feeding a GPU trainer); CHECKS names some of them (default all);
-#   step      minibatch_step.py: the Nature-CNN minibatch step eager / compiled, then one CUDA graph alone,
+#   step      minibatch_step.py: the Nature-CNN minibatch step eager / algo.compile=graph, then compiled alone,
+#             then the bare CUDA graph alone,
 #             then the whole step under tensordict's CudaGraphModule alone, and compiled inside it alone;
 #   graph     the CUDA-graph step alone, and if it fails, again with CUDA_LAUNCH_BLOCKING=1 (the failing kernel's
 #             own stack instead of the next synchronisation's);
@@ -70,7 +71,8 @@ for part in ${PARTS:-check step layouts envpool}; do
         step "${CHECK_S:-360}" "$py" benchmarks/gpu_check.py --out "$out/gpu_check.json" ${CHECKS:+--only $CHECKS}
         ;;
     step)  # the CUDA-graph variant in a process of its own, away from the compiled variant's CUDA graphs
-        step "${STEP_S:-150}" "$py" benchmarks/minibatch_step.py --variants eager compiled --out "$out"
+        step "${STEP_S:-150}" "$py" benchmarks/minibatch_step.py --variants eager compile-graph --out "$out"
+        step "${STEP_S:-150}" "$py" benchmarks/minibatch_step.py --variants compiled --out "$out"
         step 60 "$py" benchmarks/minibatch_step.py --variants graph --out "$out"
         step 60 "$py" benchmarks/minibatch_step.py --variants tdgraph --out "$out"
         step 120 "$py" benchmarks/minibatch_step.py --variants tdgraph-compiled --out "$out"

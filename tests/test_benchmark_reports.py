@@ -186,12 +186,13 @@ def test_atari_to_score_runs_gpu_strategies_layout_and_reports_the_threshold(
                "final_mean_return": 17.0, "wall_seconds": 30.0, "sps": 100.0, "sps_steady": 110.0,
                "process_seconds": 75.0, "time_split": {"collect": 20.0, "train": 9.0}}  # fmt: skip
     row = {"env_id": "ALE/Pong-v5", "layout": "coupled-gpu", "seed": 1, "overrides": ["x"], "commit": "abc1234",
-           **ats.record(summary, 18.0)}  # fmt: skip
+           "gpu": "H100", **ats.record(summary, 18.0)}  # fmt: skip
     assert (row["step_at_threshold"], row["wall_at_threshold"], row["best_mean_return"]) == (2000, 20.0, 18.5)
     md = ats.markdown({"runs": [row], "machine": {"cpu": "x", "cores": 16, "torch": "t", "python": "3"},
                        "gpus": [{"name": "H100"}], "command": "cmd"})  # fmt: skip
     assert (
-        "| ALE/Pong-v5 | coupled-gpu | 1 | 3,000 | 18 | 2,000 | 20 | 17.0 | 18.5 | 110 | 45 | abc1234 |" in md
+        "| ALE/Pong-v5 | coupled-gpu | 1 | 3,000 | 18 | 2,000 | 20 | 17.0 | 18.5 | 110 | 45 | H100 | abc1234 |"
+        in md
     )
     never = ats.markdown({"runs": [{**row, **ats.record({**summary, "curve": summary["curve"][:1]}, 18.0)}],
                           "machine": {"cpu": "x", "cores": 2, "torch": "t", "python": "3"}, "command": "c"})  # fmt: skip
@@ -201,7 +202,7 @@ def test_atari_to_score_runs_gpu_strategies_layout_and_reports_the_threshold(
     assert (resumed["wall_seconds"], resumed["command_wall_seconds"], resumed["commands"]) == (90.0, 50.0, 2)
     md = ats.markdown({"runs": [{**row, **resumed}], "machine": {"cpu": "x", "cores": 16, "torch": "t",
                        "python": "3"}, "command": "cmd"})  # fmt: skip
-    assert "| coupled-gpu (2 commands, resumed) | 1 |" in md and "| 110 | 25 | abc1234 |" in md
+    assert "| coupled-gpu (2 commands, resumed) | 1 |" in md and "| 110 | 25 | H100 | abc1234 |" in md
     # a labelled variant of the layout is its own row; a rerun with the same label replaces it
     labelled = {**row, "label": "rollout32", "overrides": ["y"]}
     runs = ats.merged([row], labelled)
