@@ -220,3 +220,21 @@ def test_a_graph_run_ends_where_an_eager_run_does(tmp_path: Path) -> None:
     assert finals["false"].keys() == finals["graph"].keys()
     for key, value in finals["false"].items():
         assert torch.equal(value, finals["graph"][key]), key
+
+
+def test_dict_observations_go_through_the_graph(fake_cuda_graphs: type[FakeGraph], tmp_path: Path) -> None:
+    """A Dict observation reaches the step as a TensorDict: its static buffer is a TensorDict of the same
+    keys, filled in place before each replay. A short run with the stand-in graph ends on the eager run's
+    parameters."""
+    finals = {}
+    for mode in ("false", "graph"):
+        run_dir = tmp_path / mode
+        ppo_fabric.run(
+            ["env=gym", "env.id=tests.pixel_envs:DictPixels-v0", "env.num_envs=2", "algo.total_steps=128",
+             "algo.rollout_steps=32", "algo.minibatch_size=16", "logger=none", f"algo.compile={mode}",
+             f"hydra.run.dir={run_dir}"]
+        )  # fmt: skip
+        finals[mode] = ppo_fabric.load_policy(run_dir).model.state_dict()
+    assert fake_cuda_graphs.captures == 1 and fake_cuda_graphs.replays > 0
+    for key, value in finals["false"].items():
+        assert torch.equal(value, finals["graph"][key]), key
