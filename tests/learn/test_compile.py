@@ -73,18 +73,27 @@ def masked_batch(n: int, obs_dim: int, actions: int) -> TensorDict:
     )
 
 
-def trained_copy(algo, model, batch, lrs):  # type: ignore[no-untyped-def]
-    """Fresh Fabric-wrapped copy of `model` and fused Adam, updated once per learning rate in `lrs` with the
-    same shuffles; returns (parameters, metrics of each update)."""
+def trained(algo, model, batches, lrs, reload_at=None):  # type: ignore[no-untyped-def]
+    """A fresh Fabric-wrapped copy of `model` and fused Adam, one update per (batch, lr) with the same
+    shuffles; `reload_at`: before that update the optimiser's state is replaced by a copy (as a checkpoint
+    load does). Returns (the wrapped module, the optimiser, each update's metrics)."""
     fabric = Fabric(accelerator="cpu", devices=1)
     module = copy.deepcopy(model)
     optimizer = torch.optim.Adam(module.parameters(), lr=lrs[0], eps=1e-5, fused=True)
     module, optimizer = fabric.setup(module, optimizer)
     torch.manual_seed(7)
     stats = []
-    for lr in lrs:
+    for i, (batch, lr) in enumerate(zip(batches, lrs, strict=True)):
+        if i == reload_at:
+            optimizer.load_state_dict(copy.deepcopy(optimizer.state_dict()))
         set_lr(optimizer, lr)
         stats.append(update_with_config(fabric, module, optimizer, batch, algo))
+    return module, optimizer, stats
+
+
+def trained_copy(algo, model, batch, lrs):  # type: ignore[no-untyped-def]
+    """`trained` on one batch, once per learning rate; returns (parameters, metrics of each update)."""
+    module, _, stats = trained(algo, model, [batch] * len(lrs), lrs)
     return [p.detach().clone() for p in module.parameters()], stats
 
 

@@ -10,7 +10,6 @@ state or the batch's columns change. The GPU proves the rest (`benchmarks/gpu_ch
 
 from __future__ import annotations
 
-import copy
 from pathlib import Path
 from typing import Any
 
@@ -18,17 +17,16 @@ import gymnasium as gym
 import numpy as np
 import pytest
 import torch
-from lightning_fabric import Fabric
 from omegaconf import OmegaConf
 
 import ppo_fabric
 from ppo_fabric.cli import main as cli_main
 from ppo_fabric.config.values import ConfigError
 from ppo_fabric.learn import graph as whole
-from ppo_fabric.learn.update import set_lr
 from ppo_fabric.models.agent import ActorCritic
-from tests.conftest import assert_cli_failure, update_with_config
+from tests.conftest import assert_cli_failure
 from tests.learn.test_compile import ALGO, MODEL, masked_batch
+from tests.learn.test_compile import trained as train
 
 GRAPH = OmegaConf.merge(ALGO, {"compile": "graph"})
 STEPS_PER_UPDATE = 2 * 4  # ALGO: 2 epochs of 64 / 16
@@ -37,24 +35,6 @@ STEPS_PER_UPDATE = 2 * 4  # ALGO: 2 epochs of 64 / 16
 def make_model() -> ActorCritic:
     torch.manual_seed(0)
     return ActorCritic(gym.spaces.Box(-1, 1, (6,), np.float32), gym.spaces.Discrete(5), MODEL)
-
-
-def train(algo: Any, model: ActorCritic, batches: list[Any], lrs: list[float], reload_at: int | None = None):  # type: ignore[no-untyped-def]
-    """A Fabric-wrapped copy of `model` and fused Adam, one update per (batch, lr) with the same shuffles;
-    `reload_at`: before that update the optimiser's state is replaced by a copy (as a checkpoint load does).
-    Returns (the wrapped module, the optimiser, each update's metrics)."""
-    fabric = Fabric(accelerator="cpu", devices=1)
-    module = copy.deepcopy(model)
-    optimizer = torch.optim.Adam(module.parameters(), lr=lrs[0], eps=1e-5, fused=True)
-    module, optimizer = fabric.setup(module, optimizer)
-    torch.manual_seed(7)
-    stats = []
-    for i, (batch, lr) in enumerate(zip(batches, lrs, strict=True)):
-        if i == reload_at:
-            optimizer.load_state_dict(copy.deepcopy(optimizer.state_dict()))
-        set_lr(optimizer, lr)
-        stats.append(update_with_config(fabric, module, optimizer, batch, algo))
-    return module, optimizer, stats
 
 
 def assert_same(a: tuple[Any, Any, Any], b: tuple[Any, Any, Any]) -> None:
