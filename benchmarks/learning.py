@@ -23,9 +23,9 @@ return against env steps, every seed).
 Variants: `coupled` (1 process) and `pipelined` (decoupled, 1 player + 1 trainer, `algo.pipeline=true`); the
 `recurrent` suite compares models instead (`lstm`, and `mlp`: the same recipe without memory). The
 `recurrent`, `multiagent` and `games` suites always evaluate during training: their score is an evaluation
-metric (`Task.score`: a policy's return, or a game's score against the opponents, win 1 and draw 1/2, with
-the win rate against each opponent beside it, `Task.shown`), as their training return says little (the
-games are zero-sum self-play).
+metric (`Task.score`: a policy's return, or a game's score, win 1 and draw 1/2, against the opponents it
+trains against or could be tuned on, with the win rate against each opponent, held-out players included,
+beside it, `Task.shown`), as their training return says little (the games are zero-sum self-play).
 A run that `time_to_score.py` already trained with the same overrides (its MuJoCo coupled and pipelined runs
 at the recipe's budget) is taken from `results/time_to_score.json` instead of trained again (`--reuse`).
 "Final" is the mean return of the run's last 20 episodes (`summary.json`'s `final_mean_return`), the

@@ -203,18 +203,34 @@ class ParallelEpisodes:
             self.env = None
 
 
+# Connect Four's scripted players that the recipes never train against: what the agent learned transfers
+# to them or it does not (docs/how-to/multi-agent.md).
+HELD_OUT = ("win_or_block:centre", "win_or_block:careful", "search:1")
+
+
 def game_opponents(cfg: DictConfig) -> list[str]:
     """`eval.opponents`, or by default `random` and, on Connect Four, the scripted players: `win_or_block`
-    (the self-play recipe's sparring partner) and three it never trains against: `win_or_block:centre`,
-    `win_or_block:careful` and `search:1`."""
+    (the self-play recipe's sparring partner) and the three of `HELD_OUT`."""
     from ppo_fabric.games import scripted
 
     chosen = cfg.eval.get("opponents")
     if chosen:
         return [str(o) for o in chosen]
     known = any(game in str(cfg.env.id) for game in scripted.GAMES)
-    held_out = ["win_or_block:centre", "win_or_block:careful", "search:1"]
-    return ["random", *(["win_or_block", *held_out] if known else [])]
+    return ["random", *(["win_or_block", *HELD_OUT] if known else [])]
+
+
+def held_out(cfg: DictConfig, opponents: list[str]) -> set[str]:
+    """The opponents of `opponents` that this run never trains against: those of `HELD_OUT`, less the
+    scripted players its self-play spars with (`selfplay.scripted` with `scripted_prob` > 0). Every
+    opponent when all of them are such players (there is then nothing else to keep a record on)."""
+    selfplay = cfg.get("selfplay") or {}
+    sparring: set[str] = set()
+    if float(selfplay.get("scripted_prob", 0) or 0) > 0:
+        scripted = selfplay.get("scripted")
+        sparring = {str(scripted)} if isinstance(scripted, str) else {str(o) for o in scripted or ()}
+    unseen = {o for o in opponents if o in HELD_OUT and o not in sparring}
+    return unseen if len(unseen) < len(opponents) else set()
 
 
 # per opponent: the win rate, and from each seat (a game's first move weighs a lot: GameResults.seat_win_rate)
@@ -224,7 +240,10 @@ SEAT_RATES = ("win_rate", "win_rate_moving_first", "win_rate_moving_second")
 class Games:
     """A two-player turn-based game's evaluation: the trained policy's games against each of
     `game_opponents` (`eval.episodes` games each, seats alternated, `play_games`); its win rate against
-    each, and over all its win, draw and loss rates and its score (win 1, draw 1/2)."""
+    each; over the opponents it trains against or may be tuned on (random, its sparring partners) its win,
+    draw and loss rates and its score (win 1, draw 1/2: the record, which picks `best.ckpt`); and over the
+    `held_out` ones their own win rate and score (`eval/held_out/*`), which choose nothing: a checkpoint
+    picked on the players it is tested against would be tuned on the test."""
 
     score = "score"
 
@@ -239,7 +258,9 @@ class Games:
         self.factory = aec_env_factory(str(cfg.env.id), dict(cfg.env.get("kwargs") or {}))
         state = {"config": {"env": {"id": str(cfg.env.id)}}}
         self.opponents = []
-        for opponent in game_opponents(cfg):
+        names = game_opponents(cfg)
+        self.held_out = held_out(cfg, names)
+        for opponent in names:
             if opponent == "pool" or opponent.startswith("snapshot:"):
                 raise ConfigError(f"eval.opponents: {opponent} is for `python -m ppo_fabric.evaluate`; "
                                   "evaluation during training plays random, win_or_block or search[:DEPTH]")  # fmt: skip
@@ -256,15 +277,20 @@ class Games:
     def play(self, player: Any) -> dict[str, float]:
         from ppo_fabric.games.play import GameResults, play_games
 
-        total, metrics = GameResults(), {}
+        record, unseen, metrics = GameResults(), GameResults(), {}
         for i, (label, opponent) in enumerate(self.opponents):
             results = play_games(self.factory, player, opponent, self.games, self.seed + i * self.games)
             rates = results.summary()
             metrics |= {f"eval/{label}/{k}": rates[k] for k in SEAT_RATES if rates[k] is not None}
-            total.extend(results)
-        summary = total.summary()
+            (unseen if label in self.held_out else record).extend(results)
+        summary = record.summary()
         overall = ("win_rate", "draw_rate", "loss_rate", "score", *SEAT_RATES[1:])
-        return {f"eval/{k}": float(summary[k]) for k in overall if summary[k] is not None} | metrics
+        out = {f"eval/{k}": float(summary[k]) for k in overall if summary[k] is not None} | metrics
+        if unseen.games:
+            rest = unseen.summary()
+            kept = ("win_rate", "score", *SEAT_RATES[1:])
+            out |= {f"eval/held_out/{k}": float(rest[k]) for k in kept if rest[k] is not None}
+        return out
 
     def close(self) -> None:
         pass

@@ -231,3 +231,30 @@ def test_the_greedy_numpy_actor_takes_predicts_deterministic_actions(env_id: str
     )
     recurrent = ActorCritic(env.observation_space, env.action_space, lstm)
     assert Policy(recurrent, env.observation_space, env.action_space).greedy_actor() is None
+
+
+def test_held_out_players_are_reported_apart_and_choose_nothing() -> None:
+    """The players a run never trains against are kept out of the record (`eval/score`, which picks
+    best.ckpt) and reported on their own (`eval/held_out/*`); a sparring partner is not held out, and
+    when every opponent is held out the record keeps them all."""
+    from ppo_fabric.games.play import RandomPlayer, aec_env_factory
+    from ppo_fabric.policy.scorers import HELD_OUT, Games, held_out
+
+    defaults = ["random", "win_or_block", *HELD_OUT]
+    plain = OmegaConf.create({"selfplay": {"scripted": "win_or_block", "scripted_prob": 0.2}})
+    assert held_out(plain, defaults) == set(HELD_OUT)
+    league = OmegaConf.create({"selfplay": {"scripted": ["win_or_block", "search:1"], "scripted_prob": 0.4}})
+    assert held_out(league, defaults) == {"win_or_block:centre", "win_or_block:careful"}
+    off = OmegaConf.create({"selfplay": {"scripted": "search:1", "scripted_prob": 0.0}})
+    assert "search:1" in held_out(off, defaults)
+    assert held_out(plain, ["search:1"]) == set()  # nothing else to keep a record on
+
+    games = Games.__new__(Games)  # its opponents by hand: random players under two labels
+    games.games, games.seed = 6, 0
+    games.factory = aec_env_factory("pettingzoo.classic.tictactoe_v3")
+    games.opponents = [("random", RandomPlayer(1)), ("search:1", RandomPlayer(2))]
+    games.held_out = {"search:1"}
+    metrics = games.play(RandomPlayer(3))
+    assert metrics["eval/win_rate"] == metrics["eval/random/win_rate"]
+    assert metrics["eval/held_out/win_rate"] == metrics["eval/search:1/win_rate"]
+    assert 0.0 <= metrics["eval/held_out/score"] <= 1.0 and "eval/held_out/draw_rate" not in metrics
