@@ -42,7 +42,7 @@ MARKS = (
     "CleanRL's ppo_atari_envpool.py reports Pong ~20 within 10M steps in ~5-10 minutes "
     "(docs.cleanrl.dev/rl-algorithms/ppo); rl_games + EnvPool ~2 minutes (EnvPool's README, hardware unstated). "
     "Both run EnvPool's defaults, without sticky actions; `exp=atari` keeps ALE v5's (repeat_action_probability "
-    "0.25) unless a run says otherwise (`+env.kwargs.repeat_action_probability=0`, label `no-sticky`)"
+    "0.25) unless a run says otherwise (`+env.kwargs.repeat_action_probability=0`, labels `no-sticky`, `no-sticky-graph`)"
 )
 
 
@@ -85,12 +85,13 @@ def markdown(report: dict[str, Any]) -> str:
         "",
         f"Machine of the last run: {m['cpu']}, {m['cores']} cores, GPU {gpus}, torch {m['torch']}, Python "
         f"{m['python']}. Each row names the GPU it ran on.",
-        "Return: mean of the last 20 training episodes (stochastic policy, as CleanRL reports). Wall: the "
+        "Return: mean of the last 20 training episodes (stochastic policy, as CleanRL reports); last evaluation: "
+        "the mean return of the run's last evaluation (`--eval`: 10 greedy episodes in the evaluator). Wall: the "
         "run's `time/wall_s` (interpreter start-up excluded; `start-up s` is the rest of the process's life).",
         "",
         "| game | layout | seed | env steps | threshold | steps to it | wall s to it | final | best | "
-        "steady SPS | start-up s | GPU | commit |",
-        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---|",
+        "last evaluation | steady SPS | start-up s | GPU | commit |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---|",
     ]
     for r in report["runs"]:
         own = r.get("command_wall_seconds", r["wall_seconds"])  # the last command's training time
@@ -101,7 +102,7 @@ def markdown(report: dict[str, Any]) -> str:
             f"| {r['env_id']} | {variant(r)}{stopped} | {r['seed']} | {r['total_env_steps']:,} | "
             f"{r['threshold']:g} | {common.fmt(r['step_at_threshold'], ',', 'never')} | {common.fmt(r['wall_at_threshold'], '.0f', 'never')} | "
             f"{common.fmt(r['final_mean_return'], '.1f')} | {common.fmt(r['best_mean_return'], '.1f')} | "
-            f"{common.fmt(r['sps_steady'], ',.0f')} | {common.fmt(start, '.0f')} | {r.get('gpu', '?')} | "
+            f"{common.fmt(r.get('final_eval_return'), '.1f', 'off')} | {common.fmt(r['sps_steady'], ',.0f')} | {common.fmt(start, '.0f')} | {r.get('gpu', '?')} | "
             f"{r['commit']} |"
         )
     lines += ["", f"Published marks: {MARKS}.", "", f"Command: `{report['command']}`", ""]
@@ -124,6 +125,8 @@ def main() -> None:
     p.add_argument("--run-dir", type=Path, default=None,
                    help="keep the run here; the same command again resumes it (resume=auto)")  # fmt: skip
     p.add_argument("--dry-run", action="store_true", help="every GPU role on the CPU")
+    p.add_argument("--eval", action="store_true", help="evaluate during training (eval.every=auto, 10 episodes, "
+                   "in the evaluator process): the row gains the last evaluation's return")  # fmt: skip
     p.add_argument("--out", type=Path, default=RESULTS)
     p.add_argument("extra", nargs="*", help="overrides after the layout's (after --)")
     args = p.parse_args()
@@ -133,6 +136,7 @@ def main() -> None:
         print("SKIP atari_to_score: no CUDA device (--dry-run runs the command on the CPU)")
         return
     run = overrides(args.layout, args.env_id, args.steps, args.seed, args.dry_run, args.extra)
+    run += common.EVALUATION if args.eval else []
     name = "atari_to_score_dryrun" if args.dry_run else "atari_to_score"
     path = args.out / f"{name}.json"
     report = json.loads(path.read_text()) if path.is_file() else {"runs": []}

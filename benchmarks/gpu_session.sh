@@ -16,9 +16,10 @@
 #             gymnasium's async envs with ENVPOOL_VARIANTS="gymnasium-async envpool";
 #   score     atari_to_score.py: Pong to a return of 18 at the best layout (3 EnvPool players + 1 GPU trainer),
 #             the lr annealed over SCORE_STEPS env steps (10M, CleanRL's), the run stopped after SCORE_RUN_S
-#             seconds (500); by default without sticky actions, as the published marks run (SCORE_EXTRA,
-#             label SCORE_LABEL: "no-sticky"); SCORE_EXTRA= SCORE_LABEL= runs exp=atari's ALE v5 dynamics;
-#             the run is kept in runs/pong_<label> (git-ignored, so it stays while the machine is warm): the
+#             seconds (500); by default without sticky actions, as the published marks run, and with the
+#             whole-step graph (SCORE_EXTRA, label SCORE_LABEL: "no-sticky-graph"); SCORE_EXTRA= SCORE_LABEL=
+#             runs exp=atari's own (ALE v5's sticky actions, eager); evaluated during training (--eval). The
+#             run is kept in runs/pong_<label> (git-ignored, so it stays while the machine is warm): the
 #             `score` part called again continues it from its checkpoint (resume=auto) toward SCORE_STEPS;
 #   startup   where one process's start-up goes (import torch, first CUDA op, import lightning, import the
 #             strategies), printed: a job's start-up is what each of its processes pays; then the same in
@@ -93,12 +94,12 @@ for part in ${PARTS:-check step layouts envpool}; do
         ;;
     score)
         # the published marks' dynamics unless told otherwise (SCORE_LABEL= SCORE_EXTRA= for exp=atari's own)
-        label=${SCORE_LABEL-no-sticky}
+        label=${SCORE_LABEL-no-sticky-graph}
         # shellcheck disable=SC2086
-        step $((${SCORE_RUN_S:-500} + 40)) "$py" benchmarks/atari_to_score.py --steps "${SCORE_STEPS:-10000000}" \
+        step $((${SCORE_RUN_S:-500} + 40)) "$py" benchmarks/atari_to_score.py --eval --steps "${SCORE_STEPS:-10000000}" \
             --run-timeout "${SCORE_RUN_S:-500}" --label "$label" --out "$out" --run-dir "runs/pong${label:+_$label}" \
             --keep-metrics "$out/atari_to_score${label:+_$label}.metrics.csv" \
-            -- ${SCORE_EXTRA-+env.kwargs.repeat_action_probability=0}
+            -- ${SCORE_EXTRA-+env.kwargs.repeat_action_probability=0 algo.compile=graph}
         ;;
     startup)
         step 60 "$py" - <<<"$startup_probe"

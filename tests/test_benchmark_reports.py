@@ -191,12 +191,17 @@ def test_atari_to_score_runs_gpu_strategies_layout_and_reports_the_threshold(
     md = ats.markdown({"runs": [row], "machine": {"cpu": "x", "cores": 16, "torch": "t", "python": "3"},
                        "gpus": [{"name": "H100"}], "command": "cmd"})  # fmt: skip
     assert (
-        "| ALE/Pong-v5 | coupled-gpu | 1 | 3,000 | 18 | 2,000 | 20 | 17.0 | 18.5 | 110 | 45 | H100 | abc1234 |"
+        "| ALE/Pong-v5 | coupled-gpu | 1 | 3,000 | 18 | 2,000 | 20 | 17.0 | 18.5 | off | 110 | 45 | H100 | abc1234 |"
         in md
     )
     never = ats.markdown({"runs": [{**row, **ats.record({**summary, "curve": summary["curve"][:1]}, 18.0)}],
                           "machine": {"cpu": "x", "cores": 2, "torch": "t", "python": "3"}, "command": "c"})  # fmt: skip
     assert "| 18 | never | never |" in never and "GPU none (dry run)" in never
+    # --eval: the row shows the return of the run's last evaluation
+    evaluated = ats.record({**summary, "eval_curve": [[1000, 10.0, 5.0, 1.0], [3000, 30.0, 19.5, 1.0]]}, 18.0)
+    md = ats.markdown({"runs": [{**row, **evaluated}], "machine": {"cpu": "x", "cores": 2, "torch": "t",
+                       "python": "3"}, "command": "c"})  # fmt: skip
+    assert "| 17.0 | 18.5 | 19.5 | 110 |" in md
     # a run continued over commands (--run-dir): the whole run's wall time, the last command's start-up
     resumed = ats.record({**summary, "total_wall_seconds": 90.0, "wall_seconds": 50.0}, 18.0, commands=2)
     assert (resumed["wall_seconds"], resumed["command_wall_seconds"], resumed["commands"]) == (90.0, 50.0, 2)
