@@ -224,11 +224,10 @@ def held_out(cfg: DictConfig, opponents: list[str]) -> set[str]:
     """The opponents of `opponents` that this run never trains against: those of `HELD_OUT`, less the
     scripted players its self-play spars with (`selfplay.scripted` with `scripted_prob` > 0). Every
     opponent when all of them are such players (there is then nothing else to keep a record on)."""
-    selfplay = cfg.get("selfplay") or {}
     sparring: set[str] = set()
-    if float(selfplay.get("scripted_prob", 0) or 0) > 0:
-        scripted = selfplay.get("scripted")
-        sparring = {str(scripted)} if isinstance(scripted, str) else {str(o) for o in scripted or ()}
+    if float(cfg.selfplay.scripted_prob) > 0:
+        scripted = cfg.selfplay.scripted
+        sparring = {str(scripted)} if isinstance(scripted, str) else {str(o) for o in scripted}
     unseen = {o for o in opponents if o in HELD_OUT and o not in sparring}
     return unseen if len(unseen) < len(opponents) else set()
 
