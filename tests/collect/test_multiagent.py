@@ -387,6 +387,7 @@ def test_trained_team_beats_frozen_team(teams_run: dict[str, Any]) -> None:
     assert end["agent"]["actor_body.layers.0.weight"].shape[0] == 32, "the agent policy's own model override"
 
 
+@pytest.mark.slow  # needs the module's training run, as the slow test above does (same tier, same worker as a rule)
 def test_outputs_report_every_policy(teams_run: dict[str, Any]) -> None:
     """summary.json carries each policy's final mean return; metrics.csv has per-policy columns, and
     training metrics only for the policy that trains."""

@@ -349,6 +349,7 @@ def test_memory_probe_needs_the_lstm(memory_lstm: dict[str, Any], tmp_path: Path
     assert mlp["final_mean_return"] < 0.7
 
 
+@pytest.mark.slow  # needs the module's training run, as the slow test above does (same tier, same worker as a rule)
 def test_evaluate_carries_the_state(memory_lstm: dict[str, Any], tmp_path: Path) -> None:
     """Deterministic evaluation of the LSTM checkpoint solves the probe: only possible if `evaluate`
     carries the state from step to step (a fresh state at every step would score ~0)."""
@@ -359,6 +360,7 @@ def test_evaluate_carries_the_state(memory_lstm: dict[str, Any], tmp_path: Path)
     assert saved["mean_return"] == 1.0, saved["returns"]
 
 
+@pytest.mark.slow  # needs the module's training run, as the slow test above does (same tier, same worker as a rule)
 def test_exported_lstm_solves_the_memory_probe(memory_lstm: dict[str, Any], tmp_path: Path) -> None:
     """The exported file, fed its own `next_state` at every step, solves the probe as the checkpoint does;
     fed zeros at every step instead it cannot remember the cue (so the test sees a dropped state)."""
