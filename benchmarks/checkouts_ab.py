@@ -2,9 +2,9 @@
 
 Each round runs `python -m ppo_fabric <overrides>` once per checkout, in a fresh process with that checkout
 first on PYTHONPATH, the order reversed every other round so drifting machine load hits every checkout
-alike. Records each run's own SPS (env steps / training wall time), its time split, the CPU seconds of its
-processes and the 1-minute load before it; reports the median SPS per checkout and its ratio to the first
-checkout's. Writes benchmarks/results/<name>.{json,md}.
+alike. Records each run's own SPS (env steps / training wall time), the command's wall time (start-up
+included), its time split, the CPU seconds of its processes and the 1-minute load before it; reports the
+median SPS and wall time per checkout and their ratios to the first checkout's. Writes benchmarks/results/<name>.{json,md}.
 
     git worktree add ../old 53958c8
     .venv/bin/python benchmarks/checkouts_ab.py --name pipelined_ab --rounds 3 . ../old -- \\
@@ -26,6 +26,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 from typing import Any
 
@@ -59,7 +60,9 @@ def run(checkout: Path, overrides: list[str]) -> dict[str, Any]:
             f"hydra.run.dir={tmp}/run",
             *overrides,
         ]
+        started = time.monotonic()
         proc = subprocess.run(cmd, cwd=checkout, env=env, capture_output=True, text=True)
+        wall = time.monotonic() - started
         after = resource.getrusage(resource.RUSAGE_CHILDREN)
         if proc.returncode != 0:
             raise SystemExit(f"run failed in {checkout}:\n{proc.stderr[-2000:]}")
@@ -69,6 +72,7 @@ def run(checkout: Path, overrides: list[str]) -> dict[str, Any]:
         "sps": float(summary["sps"]),
         "time_split": summary.get("time_split"),
         "cpu_s": cpu,
+        "wall_s": wall,
         "load_before": load,
     }
 
@@ -97,6 +101,9 @@ def main() -> None:
     med = {
         name: statistics.median(x["sps"] for x in rows if x["checkout"] == name) for name in label.values()
     }
+    wall = {
+        name: statistics.median(x["wall_s"] for x in rows if x["checkout"] == name) for name in label.values()
+    }
     first = label[arms[0]]
     m = common.machine()
     lines = [
@@ -104,22 +111,28 @@ def main() -> None:
         "",
         f"Machine: {m['cpu']}, {m['cores']} cores, torch {m['torch']}. Overrides: `{' '.join(overrides)}`. "
         f"{args.rounds} rounds, the checkouts' order reversed every other round; SPS = env steps / training wall "
-        "time; CPU s: all of the run's processes, start-up included.",
+        "time; wall s: the command, start to exit; CPU s: all of the run's processes, start-up included.",
         "",
-        "| round | checkout | SPS | CPU s | 1-min load before | time split (s) |",
-        "|---:|---|---:|---:|---:|---|",
+        "| round | checkout | SPS | wall s | CPU s | 1-min load before | time split (s) |",
+        "|---:|---|---:|---:|---:|---:|---|",
         *(
-            f"| {x['round']} | {x['checkout']} | {x['sps']:,.0f} | {x['cpu_s']:.1f} | {x['load_before']:.1f} | "
+            f"| {x['round']} | {x['checkout']} | {x['sps']:,.0f} | {x['wall_s']:.2f} | {x['cpu_s']:.1f} | "
+            f"{x['load_before']:.1f} | "
             f"`{json.dumps(x['time_split'], separators=(',', ':'))}` |"
             for x in rows
         ),
         "",
-        *(f"- {k}: median SPS {v:,.0f}, {v / med[first]:.3f}x of {first}" for k, v in med.items()),
+        *(
+            f"- {k}: median SPS {v:,.0f}, {v / med[first]:.3f}x of {first}; median wall {wall[k]:.2f} s, "
+            f"{wall[k] / wall[first]:.3f}x"
+            for k, v in med.items()
+        ),
         "",
         f"Command: `{common.command_line(__file__)}`",
         "",
     ]
-    common.write_report(args.out, args.name, {"machine": m, "overrides": overrides, "rows": rows, "median_sps": med},
+    common.write_report(args.out, args.name, {"machine": m, "overrides": overrides, "rows": rows, "median_sps": med,
+                        "median_wall_s": wall},
                         "\n".join(lines))  # fmt: skip
 
 

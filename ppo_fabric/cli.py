@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any, NoReturn
 
 from omegaconf import DictConfig
 
-from ppo_fabric.app import supervisor
+from ppo_fabric.app import prestart, supervisor
 from ppo_fabric.app.hydra_app import Invocation, run_app, settled_overrides
 from ppo_fabric.app.process import end_process
 from ppo_fabric.compat.imports import skip_torchmetrics_probe
@@ -128,6 +128,20 @@ def main(argv: list[str] | None = None) -> int:
 def console_main() -> NoReturn:
     """`ppo-fabric` and `python -m ppo_fabric`: `main()`, then `end_process()` (a process of its own, unlike
     `main()`, which tests and notebooks may call in-process). Lightning's import skips its torchmetrics
-    probe here, in a process of ppo-fabric's own (compat/imports.py: ~9 s per process on a CUDA image)."""
+    probe here, in a process of ppo-fabric's own (compat/imports.py: ~9 s per process on a CUDA image).
+    A supervising process starts its job's first process before its checks (app/prestart.py), so the
+    job imports while they run."""
     skip_torchmetrics_probe()
-    end_process(main())
+    gate = prestart.gate()
+    if gate is not None:  # a job's first process, started before its supervisor's checks
+        supervisor.bind_to_supervisor()
+        from ppo_fabric import ppo, ppo_decoupled  # noqa: F401  torch, Lightning: what it was started early for
+
+        prestart.await_handover(gate)
+    if supervisor.wanted() and prestart.runs_a_job(sys.argv[1:]):
+        prestart.start(sys.argv[1:], supervisor.job_environment())
+    try:
+        code = main()
+    finally:
+        prestart.discard()  # not handed over: the command ran no job, or its checks refused it
+    end_process(code)

@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING
 
 from omegaconf import DictConfig
 
+from ppo_fabric.app import prestart
 from ppo_fabric.app.process import quiet_libraries
 from ppo_fabric.compat.linux import PR_SET_CHILD_SUBREAPER, die_with_parent, prctl
 from ppo_fabric.config.faults import FAULT_EXIT, failed_child, forget_failed_child
@@ -45,6 +46,11 @@ def wanted() -> bool:
     """Whether this command-line process should supervise: not under `fabric run`/torchrun, not inside a
     job a supervisor started."""
     return not under_fabric_run() and not os.environ.get(SUPERVISED_ENV)
+
+
+def job_environment() -> dict[str, str]:
+    """The environment of the job's first process: supervised, and told which process to die with."""
+    return dict(os.environ, **{SUPERVISED_ENV: "1", SUPERVISOR_PID_ENV: str(os.getpid())})
 
 
 def say(text: str) -> None:
@@ -139,12 +145,14 @@ class Job:
         group; returns the job's exit status."""
         if self.stop_signal is not None:
             return 128 + self.stop_signal
-        env = dict(os.environ, **{SUPERVISED_ENV: "1", SUPERVISOR_PID_ENV: str(os.getpid())})
+        env = job_environment()
         env[OWN_RUN_DIR_ENV] = str(self.run_dir)
         forget_failed_child(self.run_dir)
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "ppo_fabric", *args], env=env, start_new_session=True
-        )
+        self.proc = prestart.take(args, env)  # the first attempt's process, started before the checks
+        if self.proc is None:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "ppo_fabric", *args], env=env, start_new_session=True
+            )
         self._forward()  # a signal that came while the process was being started
         status = exit_status(self._wait())
         if status == 128 + signal.SIGKILL and self.stop_signal is None and failed_child(self.run_dir):

@@ -7,6 +7,7 @@ failure runs use `collectives.timeout=20`.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -19,6 +20,7 @@ import pytest
 
 import ppo_fabric
 from ppo_fabric import cli
+from ppo_fabric.app import prestart
 from ppo_fabric.app.supervisor import last_logged_step, with_override
 from ppo_fabric.config.values import ConfigError
 from tests.conftest import assert_cli_failure, job_env, job_processes
@@ -128,6 +130,7 @@ def test_sigterm_is_forwarded_to_the_job(tmp_path: Path) -> None:
             assert proc.poll() is None, proc.stderr.read() if proc.stderr else ""
             assert time.monotonic() < deadline, "the run never started"
             time.sleep(0.2)
+        first = _first_job_process(proc.pid, run_dir)
         proc.send_signal(signal.SIGTERM)
         _, err = proc.communicate(timeout=40)
     finally:
@@ -135,7 +138,18 @@ def test_sigterm_is_forwarded_to_the_job(tmp_path: Path) -> None:
             proc.kill()
     assert proc.returncode != 0
     assert "restart" not in err, err
+    # the job's first process was started before the checks (app/prestart.py) and handed the command line
+    assert f"{prestart.GATE_ENV}=".encode() in first, "the job was started after the checks"
     _assert_nothing_left(run_dir, within=1)
+
+
+def _first_job_process(supervisor: int, run_dir: Path) -> bytes:
+    """The environment the job's first process (the supervisor's child) was started with."""
+    for pid in job_processes(run_dir):
+        with contextlib.suppress(OSError):
+            if int(Path(f"/proc/{pid}/stat").read_bytes().rsplit(b")", 1)[1].split()[1]) == supervisor:
+                return Path(f"/proc/{pid}/environ").read_bytes()
+    pytest.fail("no process of the job is the supervisor's child")
 
 
 def test_resume_auto_needs_a_fixed_run_dir(capsys: pytest.CaptureFixture[str]) -> None:

@@ -1,0 +1,82 @@
+"""app/prestart.py: the job's first process starts before the supervisor's checks, runs the command line
+it is handed (not the one it was started with), and a refused command leaves none behind. (That a
+supervised run's job is such a process: tests/app/test_supervisor.py's SIGTERM test.)"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from ppo_fabric.app import prestart
+from ppo_fabric.app.supervisor import job_environment
+from ppo_fabric.config.values import OWN_RUN_DIR_ENV
+from tests.conftest import job_env, job_processes
+
+RUN = ["logger=none", "env.num_envs=2", "algo.rollout_steps=64", "algo.minibatch_size=64", "algo.total_steps=128",
+       "eval.every=0"]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("argv", "runs"),
+    [
+        (["algo.lr=1e-3", "hydra.run.dir=x"], True),
+        (["-m", "seed=1,2"], False),
+        (["--multirun", "seed=1,2"], False),
+        (["--cfg", "job"], False),
+        (["--cfg=job"], False),
+        (["--help"], False),
+        (["--info", "config"], False),
+        (["-c", "job"], False),
+        (["--config-dir", "/tmp/conf", "algo.lr=1e-3"], True),
+    ],
+)
+def test_only_a_command_that_runs_a_job_starts_one_early(argv: list[str], runs: bool) -> None:
+    assert prestart.runs_a_job(argv) is runs
+
+
+@pytest.mark.multiprocess
+def test_the_waiting_process_runs_the_command_line_it_is_handed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Started with a command line that cannot run, it runs the one handed over, in the environment
+    handed over (the run directory it owns)."""
+    monkeypatch.setattr(os, "environ", dict(job_env()))
+    monkeypatch.chdir(tmp_path)
+    run_dir = tmp_path / "run"
+    prestart.start(["not_a_key=1"], job_environment())
+    env = job_environment() | {OWN_RUN_DIR_ENV: str(run_dir)}
+    proc = prestart.take([*RUN, f"hydra.run.dir={run_dir}"], env)
+    assert proc is not None and prestart.take([], env) is None, "handed over once"
+    assert proc.wait(timeout=120) == 0
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["total_env_steps"] == 128
+
+
+@pytest.mark.multiprocess
+def test_a_refused_command_leaves_no_waiting_process(tmp_path: Path) -> None:
+    """`python -m ppo_fabric` with a value the checks refuse: one line, status 2, and the job's first
+    process, started before the checks, is gone when the command returns."""
+    run_dir = tmp_path / "run"
+    proc = subprocess.run(
+        [sys.executable, "-m", "ppo_fabric", *RUN, "algo.gamma=1.5", f"hydra.run.dir={run_dir}"],
+        cwd=tmp_path, env=job_env(), capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert proc.stderr.count("\n") == 1 and "algo.gamma" in proc.stderr, proc.stderr
+    assert not job_processes(run_dir), "the waiting process outlived the refused command"
+    assert not run_dir.exists()
+
+
+@pytest.mark.multiprocess
+def test_a_discarded_process_is_gone(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(os, "environ", dict(job_env()))
+    prestart.start([*RUN, f"hydra.run.dir={tmp_path / 'run'}"], job_environment())
+    assert job_processes(tmp_path / "run"), "started"
+    prestart.discard()
+    assert not job_processes(tmp_path / "run")
+    assert not (tmp_path / "run").exists()
