@@ -44,7 +44,7 @@ def runs_a_job(argv: list[str]) -> bool:
 
 def start(argv: list[str], env: dict[str, str]) -> None:
     """Start the job's first process with `argv` as its visible command line (what `ps` shows) and `env`;
-    it imports, then waits for `handover`. Called once, by the supervising command-line process."""
+    it imports, then waits to be handed its real one (`take`). Called once, by the supervising process."""
     global _waiting
     read, write = os.pipe()
     try:
