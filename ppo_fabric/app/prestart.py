@@ -1,9 +1,9 @@
 """The job's first process, started while the supervisor still checks the command line.
 
-A supervised `python -m ppo_fabric` used to run its checks (compose, build the env and the model, the run
-directory's lock: ~2 s on a 2-core CPU machine, ~7 s on a GPU node's image) and only then start the job,
-which spent as long again importing torch, Lightning and a strategy. Started at once, the job imports while
-the supervisor checks, and then waits: it does nothing a run can see (no directory, no line, no rank)
+A supervised `python -m ppo_fabric` checks the command line before the job may do anything (compose, build
+the env and the model, the run directory's lock: ~2 s on a 2-core CPU machine, ~7 s on a GPU node's image),
+and the job spends as long again importing torch, Lightning and a strategy. Started at once, the job imports
+while the supervisor checks, and then waits: it does nothing a run can see (no directory, no line, no rank)
 until the supervisor hands it the settled command line and environment through a pipe. A command the
 checks refuse closes the pipe and kills the waiting process, so a refused command still ends in one line
 and leaves nothing behind.
