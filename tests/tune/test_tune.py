@@ -263,7 +263,7 @@ def test_an_interrupted_study_continues_with_the_same_command(tmp_path: Path) ->
     checkpoint is checked on the pruned trials above.)"""
     args = [
         *PROBE,
-        "algo.total_steps=4096",
+        "algo.total_steps=2048",
         "algo.lr=choice(1e-3, 3e-3)",
         "tune.trials=1",
         "tune.objective=eval",
