@@ -7,6 +7,7 @@ and `ppo_fabric.run([...])`, the run in-process. Every path trains through one `
 from __future__ import annotations
 
 import json
+import os
 import sys
 from dataclasses import replace
 from pathlib import Path
@@ -134,10 +135,11 @@ def console_main() -> NoReturn:
     skip_torchmetrics_probe()
     gate = prestart.gate()
     if gate is not None:  # a job's first process, started before its supervisor's checks
+        inherited = dict(os.environ)
         supervisor.bind_to_supervisor()
         from ppo_fabric import ppo, ppo_decoupled  # noqa: F401  torch, Lightning: what it was started early for
 
-        prestart.await_handover(gate)
+        prestart.await_handover(gate, inherited)
     if supervisor.wanted() and prestart.runs_a_job(sys.argv[1:]):
         prestart.start(sys.argv[1:], supervisor.job_environment())
     try:

@@ -15,17 +15,27 @@ Only the first attempt is started this way; a relaunch after a failure starts as
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import json
 import os
 import signal
 import subprocess
 import sys
+from collections.abc import Mapping
 from dataclasses import dataclass
+
+from ppo_fabric.compat.private import hydra_args_parser
 
 GATE_ENV = "PPO_FABRIC_GATE_FD"  # in the waiting process: the pipe its command line comes through
 # Hydra's flags under which the command runs no job of its own (a sweep runs each job as a process)
-NO_JOB = ("-m", "--multirun", "-h", "--help", "--hydra-help", "-c", "--cfg", "-i", "--info", "-sc",
-          "--shell-completion", "--experimental-rerun")  # fmt: skip
+NO_JOB = ("multirun", "help", "hydra_help", "cfg", "info", "shell_completion", "experimental_rerun")
+
+
+MAX_HANDOVER = 1 << 24  # bytes: far above any real environment, far below what fcntl's C int can hold
+
+
+class _Unparsable(Exception):
+    pass
 
 
 @dataclass
@@ -38,8 +48,27 @@ _waiting: Waiting | None = None
 
 
 def runs_a_job(argv: list[str]) -> bool:
-    """Whether `argv` (the command line's arguments) asks for a run rather than a sweep, help or a config."""
-    return not any(arg.split("=", 1)[0] in NO_JOB for arg in argv)
+    """Whether `argv` (the command line's arguments) asks for a run rather than a sweep, help or a config.
+    Read by Hydra's own parser, so that its abbreviations (`--multi`, `--hel`, `-cjob`) count as Hydra
+    counts them; a command line it cannot parse starts nothing (the checks refuse it in one line)."""
+    args_parser = hydra_args_parser()
+
+    def refuse(message: str) -> None:
+        raise _Unparsable(message)
+
+    args_parser.error = refuse
+    try:
+        args = args_parser.parse_args(argv)
+    except _Unparsable:
+        return False
+    if any(getattr(args, flag) for flag in NO_JOB):
+        return False
+    sweeps = (
+        o.split("=", 1)[1].strip().upper() == "MULTIRUN"
+        for o in args.overrides
+        if o.startswith("hydra.mode=")
+    )
+    return not any(sweeps)
 
 
 def start(argv: list[str], env: dict[str, str]) -> None:
@@ -70,6 +99,9 @@ def take(args: list[str], env: dict[str, str]) -> subprocess.Popen[bytes] | None
     if waiting is None:
         return None
     message = json.dumps({"argv": args, "env": env}).encode()
+    if not _fits(waiting.gate, len(message)):  # the write would wait for the importing process to read,
+        _end(waiting)  # and signals meanwhile would reach no job: start it the usual way instead
+        return None
     try:
         with os.fdopen(waiting.gate, "wb") as gate:
             gate.write(message)
@@ -79,15 +111,33 @@ def take(args: list[str], env: dict[str, str]) -> subprocess.Popen[bytes] | None
     return waiting.proc
 
 
+def _fits(fd: int, size: int) -> bool:
+    """Whether `size` bytes go into the empty pipe `fd` without waiting for a reader, growing the pipe
+    where it is too small (Linux: 64 KiB by default, down to one page for a user over
+    `pipe-user-pages-soft`; an HPC environment can be larger than either)."""
+    if size > MAX_HANDOVER:
+        return False
+    if not hasattr(fcntl, "F_GETPIPE_SZ"):  # not Linux: the pipe's size cannot be read
+        return size <= 16384  # the macOS and BSD pipe's buffer before it grows
+    with contextlib.suppress(OSError):  # above pipe-max-size or the user's quota: keeps its size
+        if fcntl.fcntl(fd, fcntl.F_GETPIPE_SZ) < size:
+            fcntl.fcntl(fd, fcntl.F_SETPIPE_SZ, size)
+    return fcntl.fcntl(fd, fcntl.F_GETPIPE_SZ) >= size
+
+
 def discard() -> None:
     """End a process that was never handed a command line (the checks refused the command, or it ran no
     job): close its pipe and kill it, so nothing of the command outlives it."""
     global _waiting
     waiting, _waiting = _waiting, None
     if waiting is not None:
-        with contextlib.suppress(OSError):
-            os.close(waiting.gate)
-        _kill(waiting.proc)
+        _end(waiting)
+
+
+def _end(waiting: Waiting) -> None:
+    with contextlib.suppress(OSError):
+        os.close(waiting.gate)
+    _kill(waiting.proc)
 
 
 def _kill(proc: subprocess.Popen[bytes]) -> None:
@@ -103,14 +153,18 @@ def gate() -> int | None:
     return None if fd is None else int(fd)
 
 
-def await_handover(fd: int) -> None:
+def await_handover(fd: int, inherited: Mapping[str, str]) -> None:
     """Wait for the command line and environment on pipe `fd` and take them as this process's own.
-    Leaves at once, silently, when the pipe closes empty (the command ran no job, or was refused)."""
+    `inherited`: the environment it started with; of it only what the handed one leaves out goes, so
+    what its imports set for themselves (Lightning's `PYTORCH_NVML_BASED_CUDA_CHECK`, pygame's banner
+    switch, ...) stays, as in a job started after the checks. Leaves at once, silently, when the pipe
+    closes empty (the command ran no job, or was refused)."""
     with os.fdopen(fd, "rb") as pipe:
         message = pipe.read()
     if not message:
         os._exit(0)
     handed = json.loads(message)
-    os.environ.clear()
+    for key in inherited.keys() - handed["env"].keys():
+        os.environ.pop(key, None)
     os.environ.update(handed["env"])
     sys.argv[1:] = handed["argv"]

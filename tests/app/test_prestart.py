@@ -8,6 +8,7 @@ import json
 import os
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -16,6 +17,15 @@ from ppo_fabric.app import prestart
 from ppo_fabric.app.supervisor import job_environment
 from ppo_fabric.config.values import OWN_RUN_DIR_ENV
 from tests.conftest import job_env, job_processes
+
+
+@pytest.fixture(autouse=True)
+def _nothing_left_waiting() -> Iterator[None]:
+    """A test that fails between `start` and `take` leaves no process, and no stale `_waiting` for the
+    worker's next test."""
+    yield
+    prestart.discard()
+
 
 RUN = ["logger=none", "env.num_envs=2", "algo.rollout_steps=64", "algo.minibatch_size=64", "algo.total_steps=128",
        "eval.every=0"]  # fmt: skip
@@ -33,6 +43,12 @@ RUN = ["logger=none", "env.num_envs=2", "algo.rollout_steps=64", "algo.minibatch
         (["--info", "config"], False),
         (["-c", "job"], False),
         (["--config-dir", "/tmp/conf", "algo.lr=1e-3"], True),
+        (["--multi", "seed=1,2"], False),  # Hydra's parser takes abbreviations
+        (["--hel"], False),
+        (["-cjob"], False),
+        (["--inf"], False),
+        (["hydra.mode=MULTIRUN", "seed=1,2"], False),
+        (["--no-such-flag"], False),  # refused by the checks: nothing to start
     ],
 )
 def test_only_a_command_that_runs_a_job_starts_one_early(argv: list[str], runs: bool) -> None:
@@ -80,3 +96,39 @@ def test_a_discarded_process_is_gone(tmp_path: Path, monkeypatch: pytest.MonkeyP
     prestart.discard()
     assert not job_processes(tmp_path / "run")
     assert not (tmp_path / "run").exists()
+
+
+def test_the_handover_keeps_what_the_process_set_itself(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The handed environment replaces the one the process started with, but what its imports set for
+    themselves stays (Lightning's NVML switch), as in a job started after the checks."""
+    inherited = {"KEPT": "old", "GONE": "1", "PATH": "/bin"}
+    environ = {**inherited, "SET_BY_AN_IMPORT": "1"}
+    monkeypatch.setattr(os, "environ", environ)
+    monkeypatch.setattr(sys, "argv", ["ppo_fabric", "not_a_key=1"])
+    read, write = os.pipe()
+    os.write(write, json.dumps({"argv": ["seed=3"], "env": {"KEPT": "new", "PATH": "/usr/bin"}}).encode())
+    os.close(write)
+    prestart.await_handover(read, inherited)
+    assert environ == {"KEPT": "new", "PATH": "/usr/bin", "SET_BY_AN_IMPORT": "1"}
+    assert sys.argv == ["ppo_fabric", "seed=3"]
+
+
+def test_a_handover_larger_than_the_pipe_grows_it_or_starts_the_job_the_usual_way(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The handover is written while the process may still be importing: a message the pipe cannot hold
+    would block the supervisor (and the signals it forwards) until the reader comes."""
+    read, write = os.pipe()
+    try:
+        assert prestart._fits(write, 200_000), "grown past Linux's 64 KiB default"
+        assert not prestart._fits(write, 1 << 40)
+    finally:
+        os.close(read)
+        os.close(write)
+    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"], start_new_session=True)
+    read, write = os.pipe()
+    os.close(read)
+    prestart._waiting = prestart.Waiting(proc, write)
+    monkeypatch.setattr(prestart, "_fits", lambda fd, size: False)  # a pipe that cannot grow enough
+    assert prestart.take([], {}) is None
+    assert proc.poll() is not None, "the waiting process is killed, the job starts the usual way"
