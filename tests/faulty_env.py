@@ -1,6 +1,7 @@
 """A CartPole that goes wrong on purpose, for the fault tests (`env.id=tests.faulty_env:FaultyCartPole-v0`).
 
-`fault`: `nan_obs` (one observation entry NaN), `inf_reward`, `raise` (step raises), `hang` (step sleeps for
+`fault`: `nan_obs` (one observation entry NaN), `inf_reward`, `huge_reward` (1e200: finite, but its square
+is not), `raise` (step raises), `hang` (step sleeps for
 ever, a stuck simulator), `slow_close` (the process's first close takes 7 s; steps are fine) or `none`; it strikes at the `after`-th step of each env instance (a recreated env
 starts counting again), on rank `rank` (-1: every rank), for `times` steps in a row (0: from then on);
 `others` is the fault of the other ranks then (default `none`).
@@ -62,6 +63,8 @@ class FaultyCartPole(CartPoleEnv):
             obs[2] = np.nan
         elif self.fault == "inf_reward":
             reward = float("inf")
+        elif self.fault == "huge_reward":
+            reward = 1e200
         elif self.fault == "raise":
             raise RuntimeError("simulator crashed (injected by the test env)")
         elif self.fault == "hang":

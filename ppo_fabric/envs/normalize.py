@@ -23,6 +23,8 @@ from typing import Any
 import numpy as np
 from gymnasium.vector import VectorEnv, VectorWrapper
 
+from ppo_fabric.envs.guard import EnvFault
+
 CLIP = 10.0
 EPS = 1e-8
 Reduce = Callable[[np.ndarray], np.ndarray]  # sums a float64 vector over the collecting ranks
@@ -45,7 +47,8 @@ class RunningMoments:
     def observe(self, batch: np.ndarray) -> None:
         batch = np.asarray(batch, np.float64).reshape(-1, *self.mean.shape)
         self.p_sum += batch.sum(0)
-        self.p_sumsq += np.square(batch).sum(0)
+        with np.errstate(over="ignore"):  # values too large to square: `commit` ends the run in one line
+            self.p_sumsq += np.square(batch).sum(0)
         self.p_count += batch.shape[0]
 
     def commit(self, reduce: Reduce | None) -> None:
@@ -58,14 +61,16 @@ class RunningMoments:
         if n <= 0:
             return
         size = self.mean.size
-        b_mean = (flat[:size] / n).reshape(self.mean.shape)
-        b_var = np.maximum((flat[size : 2 * size] / n).reshape(self.mean.shape) - np.square(b_mean), 0.0)
         total = self.count + n
-        delta = b_mean - self.mean
-        m2 = self.var * self.count + b_var * n + np.square(delta) * self.count * n / total
-        self.mean = self.mean + delta * n / total
-        self.var = m2 / total
-        self.count = total
+        with np.errstate(over="ignore", invalid="ignore"):  # an overflow is refused below, in one line
+            b_mean = (flat[:size] / n).reshape(self.mean.shape)
+            b_var = np.maximum((flat[size : 2 * size] / n).reshape(self.mean.shape) - np.square(b_mean), 0.0)
+            delta = b_mean - self.mean
+            m2 = self.var * self.count + b_var * n + np.square(delta) * self.count * n / total
+            mean, var = self.mean + delta * n / total, m2 / total
+        if not (np.isfinite(mean).all() and np.isfinite(var).all()):  # finite values beyond ~1e154: their
+            raise FloatingPointError("its running mean or variance overflowed")  # squares are inf in float64
+        self.mean, self.var, self.count = mean, var, total
 
     def discard_pending(self) -> None:
         """Forget data observed since the last commit (the warm-up's second reset repeats its first)."""
@@ -149,7 +154,15 @@ def normalizers(envs: Any) -> list[NormalizeObservation | NormalizeReward]:
 def sync_normalizers(envs: Any, reduce: Reduce | None) -> None:
     """Merge the pending statistics of every collecting rank (call on all of them at the same point)."""
     for wrapper in normalizers(envs):
-        wrapper.moments.commit(reduce)
+        try:
+            wrapper.moments.commit(reduce)
+        except FloatingPointError as exc:  # the same on every rank: they all merged the same sums
+            obs = isinstance(wrapper, NormalizeObservation)
+            what, key = ("observations", "env.normalize_obs") if obs else ("returns", "env.normalize_reward")
+            raise EnvFault(
+                f"the env's {what} are too large to normalise ({exc}, values beyond ~1e154): scale them in "
+                f"the env, or set {key}=false"
+            ) from None
 
 
 def warm_up(envs: Any, steps: int, action_seed: int, reduce: Reduce | None) -> None:

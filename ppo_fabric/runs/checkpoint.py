@@ -321,6 +321,8 @@ def policy_checkpoint(
 
 def _nonfinite(obj: Any, where: str = "") -> tuple[str, torch.Tensor] | None:
     """(dotted key path, tensor) of the first floating-point tensor in `obj` holding a NaN or an inf."""
+    if isinstance(obj, (np.ndarray, np.floating)) and np.asarray(obj).dtype.kind in "fc":
+        obj = torch.from_numpy(np.array(obj))  # a state not yet made plain: normaliser statistics
     if isinstance(obj, torch.Tensor):
         floating = obj.is_floating_point() or obj.is_complex()
         return (where, obj) if floating and not bool(torch.isfinite(obj).all()) else None
@@ -346,7 +348,8 @@ def nonfinite_tensor(state: Any) -> str | None:
     A diverged update leaves such weights behind; a run resumed from them only produces NaNs, so
     `resume=auto` passes over such a checkpoint, and a run should refuse to write one. Not checked, being
     legitimately infinite: stored Box spaces (`space_to_data`: unbounded dimensions are -inf/inf) and plain
-    numbers (e.g. an initial `-inf` best return); only tensors elsewhere count."""
+    numbers (e.g. an initial `-inf` best return); only tensors, and numpy arrays and scalars (the
+    normalisers' statistics of a state not yet made plain), count elsewhere."""
     found = _nonfinite(state)
     return None if found is None else found[0]
 

@@ -52,6 +52,21 @@ def test_moments_merge_equals_statistics_of_all_data() -> None:
         assert m.count == len(everything)
 
 
+def test_statistics_that_overflow_are_refused_and_left_as_they_were() -> None:
+    """Finite values beyond ~1e154 have squares float64 cannot hold: the merge refuses them (the run ends
+    in one line: tests/runs/test_faults.py) instead of normalising by an inf or NaN variance."""
+    moments = RunningMoments((2,))
+    moments.observe(np.array([[1.0, 2.0], [3.0, 4.0]]))
+    moments.commit(None)
+    before = (moments.mean.copy(), moments.var.copy(), moments.count)
+    moments.observe(np.array([[1.0, 1e200]]))
+    with pytest.raises(FloatingPointError):
+        moments.commit(None)
+    np.testing.assert_array_equal(moments.mean, before[0])
+    np.testing.assert_array_equal(moments.var, before[1])
+    assert moments.count == before[2]
+
+
 def test_final_observation_is_normalised_like_the_others() -> None:
     """With same-step autoreset the final observation of a truncated episode comes in `info`: it must be
     normalised with the same statistics, or the bootstrap value would see raw inputs."""

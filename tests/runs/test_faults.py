@@ -8,6 +8,7 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -81,6 +82,28 @@ def test_a_diverging_update_ends_the_run_before_any_checkpoint(tmp_path: Path) -
 def _session(tmp_path: Path) -> RunSession:
     cfg, _ = compose([*SMALL, f"hydra.run.dir={tmp_path}"])
     return RunSession(cfg, tmp_path, True, 128, None)
+
+
+@pytest.mark.slow
+def test_finite_data_too_large_to_normalise_ends_the_run_in_one_line(tmp_path: Path) -> None:
+    """A reward of 1e200 passes the NaN/inf guard, but the reward normaliser's sum of squares overflows:
+    the run ends when its statistics are merged, before they scale a reward or reach a checkpoint. The
+    fault strikes at each env's 134th step: the 70th after the normaliser's 64 warm-up steps, in update 3."""
+    with pytest.raises(EnvFault) as raised:
+        _run(tmp_path, FAULTY, "+env.kwargs.fault=huge_reward", "+env.kwargs.after=134", "checkpoint.every=1",
+             "env.normalize_reward=true", "eval.every=0")  # fmt: skip
+    assert str(raised.value).startswith("the env's returns are too large to normalise")
+    assert "env.normalize_reward=false" in str(raised.value)
+    last = tmp_path / "checkpoints" / "last.ckpt"
+    assert ckpt.load(last, env_state="fresh")["env_step"] == 256  # update 2's: 280 is in update 3
+    _finite(last)
+
+
+def test_nonfinite_normaliser_statistics_are_found_before_they_are_made_plain() -> None:
+    """A state about to be written still holds numpy arrays and scalars (the normalisers' statistics)."""
+    assert ckpt.nonfinite_reason({"ranks": [{"var": np.array([1.0, np.inf])}]}) == "ranks.0.var holds inf"
+    assert ckpt.nonfinite_reason({"var": np.float64("nan")}) == "var holds NaN"
+    assert ckpt.nonfinite_reason({"count": np.array([3], np.int64), "best_return": -math.inf}) is None
 
 
 def _state(value: float) -> dict:
