@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import traceback
 from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NoReturn
@@ -112,6 +113,12 @@ def _task(cfg: DictConfig, invocation: Invocation) -> int:
         return 0
     except RunFault as fault:  # a 1-process run that went wrong: its cause in one line, exit non-zero
         supervisor.say(f"error: {fault}")
+        return FAULT_EXIT
+    except OSError as exc:  # the machine's, not the run's: a full disk or a lost permission while writing
+        # metrics.csv or summary.json; one line, as every rank of a multi-process job reports any failure
+        if os.environ.get("PPO_FABRIC_TRACEBACK"):
+            traceback.print_exc()
+        supervisor.say(f"error: {type(exc).__name__}: {exc}".splitlines()[0])
         return FAULT_EXIT
     return 0
 

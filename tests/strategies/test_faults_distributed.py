@@ -57,6 +57,17 @@ def test_nan_observation_on_a_player_ends_the_job(tmp_path: Path) -> None:
     assert not (tmp_path / "run" / "summary.json").exists()
 
 
+def test_an_output_that_cannot_be_written_ends_a_one_process_job_in_one_line(tmp_path: Path) -> None:
+    """metrics.csv cannot be replaced (a folder stands there, as a full disk or a lost permission would
+    refuse it): one line naming the OS error, exit 1, no traceback."""
+    (tmp_path / "run" / "metrics.csv").mkdir(parents=True)
+    proc, _ = _job(tmp_path, "env.id=CartPole-v1", "algo.total_steps=256", "eval.every=0")
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    (line,) = _errors(proc)
+    assert line.startswith("ppo-fabric: error: IsADirectoryError: [Errno 21] Is a directory: "), line
+    assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
+
+
 def _stacks(run_dir: Path) -> dict[str, str]:
     (stall,) = run_dir.glob("stall-*")
     return {path.stem: path.read_text() for path in stall.glob("*.txt")}
