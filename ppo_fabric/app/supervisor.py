@@ -111,6 +111,8 @@ class Job:
     """One attempt at a time of the job, as a process group, and the signals meant for it."""
 
     def __init__(self, run_dir: Path, timeout_s: float) -> None:
+        """`timeout_s`: how long a job may take to stop after a forwarded signal before it is killed (its
+        ranks finish the rollout and the update, then checkpoint; `job_stop_timeout`)."""
         self.run_dir, self.timeout_s = run_dir, timeout_s
         self.proc: subprocess.Popen[bytes] | None = None
         self.stop_signal: int | None = None  # the first SIGTERM/SIGINT received
@@ -169,7 +171,10 @@ class Job:
                 return self.proc.wait(timeout=0.5)
             except subprocess.TimeoutExpired:
                 if self.kill_at is not None and time.monotonic() > self.kill_at:
-                    self._kill_group(signal.SIGKILL)  # the job did not stop within collectives.timeout
+                    self.kill_at = None
+                    say(f"the job had not stopped {self.timeout_s + GRACE_S:.0f} s after the signal "
+                        "(collectives.timeout + stall_timeout): killed; its checkpoints stay as they were")  # fmt: skip
+                    self._kill_group(signal.SIGKILL)
 
     def _end_group(self, grace_s: float) -> None:
         """Give the group's other processes `grace_s` to finish, then SIGKILL what remains and wait until
@@ -216,12 +221,19 @@ def supervise(cfg: DictConfig, run_dir: Path, invocation: Invocation) -> int:
         return _attempts(cfg, run_dir, invocation)
 
 
+def job_stop_timeout(cfg: DictConfig) -> float:
+    """Seconds a signalled job may take to stop: its ranks finish a rollout, an update, an evaluation and
+    the checkpoint, each of which may take up to `stall_timeout` without a sign of progress before their
+    own watchdog ends the job, and each wait for a peer up to `collectives.timeout`."""
+    return float(cfg.collectives.timeout) + float(cfg.stall_timeout or 0)
+
+
 def _attempts(cfg: DictConfig, run_dir: Path, invocation: Invocation) -> int:
     """The job's first attempt and its relaunches; returns the exit status for the command."""
     allowed = int(cfg.restarts)
     flags = invocation.flags
     base = with_override(list(invocation.overrides), "hydra.run.dir", run_dir)
-    job = Job(run_dir, float(cfg.collectives.timeout))
+    job = Job(run_dir, job_stop_timeout(cfg))
     attempt, restarts, redone = base, 0, 0
     while True:
         status = job.run([*flags, *attempt])

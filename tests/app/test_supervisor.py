@@ -143,6 +143,38 @@ def test_sigterm_is_forwarded_to_the_job(tmp_path: Path) -> None:
     _assert_nothing_left(run_dir, within=1)
 
 
+def test_a_job_that_cannot_stop_is_killed_with_a_line(tmp_path: Path) -> None:
+    """A signalled job whose rank cannot reach its stop (an env stuck in `step`, the watchdog off) is killed
+    `collectives.timeout + stall_timeout` + 5 s after the signal, and the supervisor says so."""
+    run_dir = tmp_path / "run"
+    cmd = _python_m(run_dir, "env.id=tests.faulty_env:FaultyCartPole-v0", "+env.kwargs.fault=hang",
+                    "+env.kwargs.after=200", "env.normalize_warmup=0", "stall_timeout=0", "collectives.timeout=1",
+                    "logger=none")  # fmt: skip
+    proc = subprocess.Popen(cmd, cwd=tmp_path, env=job_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                            text=True)  # fmt: skip
+    try:
+        deadline = time.monotonic() + 60
+        while not (run_dir / "config.yaml").exists() or not job_processes(run_dir):
+            assert proc.poll() is None, proc.stderr.read() if proc.stderr else ""
+            assert time.monotonic() < deadline, "the run never started"
+            time.sleep(0.2)
+        time.sleep(1.0)  # every env is at its 200th step by now: stuck
+        signalled = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=40)
+        took = time.monotonic() - signalled
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 128 + signal.SIGKILL, err
+    assert (
+        "ppo-fabric: the job had not stopped 6 s after the signal (collectives.timeout + stall_timeout): "
+        "killed" in err
+    ), err
+    assert 5 < took < 30, took
+    _assert_nothing_left(run_dir, within=1)
+
+
 def _first_job_process(supervisor: int, run_dir: Path) -> bytes:
     """The environment the job's first process (the supervisor's child) was started with."""
     for pid in job_processes(run_dir):
