@@ -49,7 +49,7 @@ from ppo_fabric.learn.learners import (
 from ppo_fabric.learn.settings import UpdateSettings
 from ppo_fabric.learn.update import LAG_METRICS, TRAIN_METRICS, update_policies
 from ppo_fabric.models.agent import ActorCritic
-from ppo_fabric.policy.periodic import evaluate_in_background, evaluation_for
+from ppo_fabric.policy.periodic import evaluate_in_background, evaluation_for, finish_in_background
 from ppo_fabric.runs import checkpoint as ckpt
 from ppo_fabric.runs.metrics import parameters_digest
 from ppo_fabric.runs.session import RunSession, collector_state, end_of_run, episode_metrics, resume_collector
@@ -179,6 +179,7 @@ class Player:
                 print(changed, flush=True)
         self.session = session_for(fabric, cfg, run_dir, resume)
         self.state = PipelineState(self.session.start_update, self.session.start_update, saved)
+        self.unwritten: tuple[int, list[dict[str, Any]]] | None = None  # a checkpoint gathered, not written
         self.evaluation = (  # on a thread of the first player, off the critical path
             evaluation_for(cfg, specs, self.session.per_update, self.session, resume, background=True)
             if topo.rank == 0
@@ -262,14 +263,27 @@ class Player:
                 row = dict(zip(self.names, metrics.tolist(), strict=True)) | episodes
                 session.log(update, row, self.collector)
             evaluate_in_background(self.evaluation, session, update, self.policies, self.collector)
-            if self.checkpoint_due(update):
-                self.checkpoint(update, snapshot)
+            if self.checkpoint_due(update):  # the last one is written once the final evaluation is in it
+                self.checkpoint(update, snapshot, write=update < session.end_update)
         return update
 
-    def checkpoint(self, update: int, snapshot: dict[str, Any] | None) -> None:
-        """CHECKPOINT: every rank's part; the first trainer's holds the learners."""
+    def checkpoint(self, update: int, snapshot: dict[str, Any] | None, write: bool = True) -> None:
+        """CHECKPOINT: every rank's part; the first trainer's holds the learners. Without `write`, the
+        parts are kept for `write_checkpoint`: at the run's end and at a stop the trainers are released
+        (the gathers done) before the first player waits for its evaluations."""
         rank_state = snapshot if snapshot is not None else collector_state(self.collector)
-        parts = self.topo.gather({"rank_state": rank_state})
+        self.unwritten = (update, self.topo.gather({"rank_state": rank_state}))
+        if write:
+            self.write_checkpoint()
+
+    def checkpointed(self) -> int:
+        """The update of the last checkpoint gathered, written or not (the trainers count it as done)."""
+        return max(self.session.last_checkpoint, self.unwritten[0] if self.unwritten else -1)
+
+    def write_checkpoint(self) -> None:
+        if self.unwritten is None:
+            return
+        (update, parts), self.unwritten = self.unwritten, None
         learner = parts[self.topo.first_trainer]["learner"]
         evaluating = self.evaluation is not None and self.evaluation.on
         if evaluating:
@@ -308,11 +322,13 @@ class Player:
             snapshot = self.snapshot()
             state.adopt(self.receive(snapshot))
         self.link.send_stop(state.received, signum)
+        if self.checkpointed() < state.received:
+            self.checkpoint(state.received, snapshot, write=False)
+        parts = self.topo.gather(self.end_part())  # the trainers' last collective: they may leave
         # the evaluation in flight is waited for, so that the checkpoint and the summary keep it
-        evaluate_in_background(self.evaluation, self.session, state.received, {}, self.collector, wait=True)
-        if self.session.last_checkpoint < state.received:
-            self.checkpoint(state.received, snapshot)
-        summary = self.summary(self.topo.gather(self.end_part()), signum)  # summary.json, interrupted
+        finish_in_background(self.evaluation, self.session, state.received, {}, self.collector, final=False)
+        self.write_checkpoint()
+        summary = self.summary(parts, signum)  # summary.json, interrupted
         self.collector.envs.close()
         if self.evaluation is not None:
             self.evaluation.close()
@@ -324,8 +340,15 @@ class Player:
         return end_of_run(self.collector) | parts
 
     def finish(self) -> dict[str, Any]:
-        """Gather every rank's end-of-run part; the first player writes the summary."""
-        summary = self.summary(self.topo.gather(self.end_part()))
+        """Gather every rank's end-of-run part (the trainers' last collective), then wait for the final
+        evaluation and write the last checkpoint with it; the first player writes the summary."""
+        parts = self.topo.gather(self.end_part())
+        state = self.state
+        finish_in_background(
+            self.evaluation, self.session, state.received, self.policies, self.collector, True
+        )
+        self.write_checkpoint()
+        summary = self.summary(parts)
         self.collector.envs.close()
         if self.evaluation is not None:
             self.evaluation.close()

@@ -2,7 +2,7 @@
 
 `fault`: `nan_obs` (one observation entry NaN), `inf_reward`, `huge_reward` (1e200: finite, but its square
 is not), `raise` (step raises), `hang` (step sleeps for
-ever, a stuck simulator), `slow_close` (the process's first close takes 7 s; steps are fine) or `none`; it strikes at the `after`-th step of each env instance (a recreated env
+ever, a stuck simulator), `slow` (each step sleeps 1 s), `slow_close` (the process's first close takes 7 s; steps are fine) or `none`; it strikes at the `after`-th step of each env instance (a recreated env
 starts counting again), on rank `rank` (-1: every rank), for `times` steps in a row (0: from then on);
 `others` is the fault of the other ranks then (default `none`).
 With `seeds`, only in an instance last reset with one of them (the evaluation envs' seeds: a fault in
@@ -67,6 +67,8 @@ class FaultyCartPole(CartPoleEnv):
             reward = 1e200
         elif self.fault == "raise":
             raise RuntimeError("simulator crashed (injected by the test env)")
+        elif self.fault == "slow":
+            time.sleep(1.0)
         elif self.fault == "hang":
             while True:
                 time.sleep(1)

@@ -68,6 +68,7 @@ class PeriodicEvaluation:
         self.cfg, self.specs = cfg, specs
         self.evaluator: EvaluatorProcess | None = None  # started at the first evaluation in the background
         self.pending: int | None = None  # the env step of the evaluation in flight
+        self.submitted: int | None = None  # the env step of the last evaluation started
         self.sent: tuple[dict[str, Any], Any] = ({}, None)  # the parameters and statistics it scores
         # (env step, parameters by policy, statistics) of the best evaluation in the background, until
         # `take_best_policy` hands them to the checkpoint that writes them
@@ -112,7 +113,7 @@ class PeriodicEvaluation:
         }
         frozen = copy.deepcopy(obs_normalization)
         self.evaluator.submit(weights, frozen)
-        self.pending, self.sent = env_step, (weights, frozen)
+        self.pending, self.submitted, self.sent = env_step, env_step, (weights, frozen)
 
     def collect(self, wait: bool = False) -> tuple[int, dict[str, float]] | None:
         """(env step, metrics) of the evaluation started last, once it has finished (`wait`: blocks until
@@ -206,26 +207,37 @@ def evaluate_if_due(
 
 
 def evaluate_in_background(
+    evaluation: PeriodicEvaluation | None, session: RunSession, done: int, policies: dict, collector: Any
+) -> None:
+    """A decoupled player's evaluation, off the critical path: log the one that finished, start the one due
+    after update `done` on a snapshot of `policies` (one at a time: an evaluation due while another runs
+    starts at the next update, or, the final one, in `finish_in_background`). Never waits."""
+    if evaluation is None or not evaluation.on:
+        return
+    _log_finished(evaluation, session, wait=False)
+    step = session.env_step(done)
+    if evaluation.due(step, done == session.end_update) and not evaluation.busy:
+        evaluation.start(_models(policies), _frozen(collector), step)
+
+
+def finish_in_background(
     evaluation: PeriodicEvaluation | None,
     session: RunSession,
     done: int,
     policies: dict,
     collector: Any,
-    wait: bool = False,
+    final: bool,
 ) -> None:
-    """A decoupled player's evaluation, off the critical path: log the one that finished, start the one due
-    after update `done` on a snapshot of `policies` (one at a time: an evaluation due while another runs
-    starts at the next update). At the run's last update, or with `wait` (a stop), the one in flight and
-    the final evaluation are waited for, so the summary and the last checkpoint hold them."""
+    """The run's end, after its last collectives (the trainers wait in those only `collectives.timeout`):
+    the evaluation in flight and, at the last update (`final`; not at a stop), the final one if it could
+    not start there, waited for and logged, so that the checkpoint and the summary written next hold them."""
     if evaluation is None or not evaluation.on:
         return
-    last = done == session.end_update
-    _log_finished(evaluation, session, wait=last or wait)
+    _log_finished(evaluation, session, wait=True)
     step = session.env_step(done)
-    if evaluation.due(step, last) and not evaluation.busy and not wait:
+    if final and evaluation.submitted != step:
         evaluation.start(_models(policies), _frozen(collector), step)
-        if last:
-            _log_finished(evaluation, session, wait=True)
+        _log_finished(evaluation, session, wait=True)
 
 
 def _log_finished(evaluation: PeriodicEvaluation, session: RunSession, wait: bool) -> None:

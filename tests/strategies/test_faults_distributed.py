@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+from ppo_fabric.runs import checkpoint as ckpt
 from ppo_fabric.runs.metrics_file import read_rows
 from tests.conftest import job_env, job_processes
 
@@ -117,6 +118,25 @@ def test_a_stuck_evaluation_env_ends_a_decoupled_job(tmp_path: Path) -> None:
     assert line.startswith("ppo-fabric: error: player rank 0: no progress for "), proc.stderr[-3000:]
     assert "evaluat" in line, line
     assert not (tmp_path / "run" / "summary.json").exists() and took < 90, took
+
+
+def test_a_final_evaluation_longer_than_the_collectives_timeout_ends_the_run_with_it(tmp_path: Path) -> None:
+    """The first player waits for its final evaluation (8-9 s: each of its env's first 9 steps takes 1 s)
+    only after the trainers' last collectives, so a wait longer than `collectives.timeout` (6 s) fails no
+    trainer: the run ends 0, its last checkpoint and its summary holding the final evaluation."""
+    seeds = [42 + 1_000_003]  # the evaluation env's only (seed 42, 1 episode)
+    proc, _ = _job(
+        tmp_path, *DECOUPLED, "+env.kwargs.fault=slow", "+env.kwargs.after=1", "+env.kwargs.times=9",
+        f"+env.kwargs.seeds={seeds}", "eval.episodes=1", "eval.every=1000000", "algo.total_steps=512",
+        "collectives.timeout=6",
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["evaluation"]["last"]["env_step"] == 512
+    state = ckpt.load(tmp_path / "run" / "checkpoints" / "last.ckpt", env_state="fresh")
+    assert state["env_step"] == 512 and state["evaluation"]["last"]["env_step"] == 512
+    (row,) = read_rows(tmp_path / "run" / "evaluations.csv")
+    assert float(row["time/eval_background_s"]) > 6
 
 
 def test_a_rank_slow_to_stop_is_not_killed_by_the_launcher(tmp_path: Path) -> None:
