@@ -25,7 +25,7 @@ from ppo_fabric.policy.periodic import evaluate_if_due, evaluation_for
 from ppo_fabric.runs import checkpoint as ckpt
 from ppo_fabric.runs.metrics import parameters_digest
 from ppo_fabric.runs.session import RunSession, collector_state, end_of_run, episode_metrics, resume_collector
-from ppo_fabric.wire.protocol import all_gather_objects, max_over, sum_reduce
+from ppo_fabric.wire.protocol import all_gather_objects, boundary_group, max_over, sum_reduce
 
 
 def main(fabric: Fabric, cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
@@ -46,6 +46,8 @@ def main(fabric: Fabric, cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
             fabric.print(changed)
     session = RunSession(cfg, run_dir, rank == 0, per_update, resume)
     evaluation = evaluation_for(cfg, specs, per_update, session, resume) if rank == 0 else None
+    # the agreement after rank 0's evaluation: the other ranks wait for it there, however long it plays
+    boundary = boundary_group(float(cfg.collectives.timeout) + float(cfg.stall_timeout or 0))
 
     def mean_across(t: torch.Tensor) -> torch.Tensor:
         return fabric.all_reduce(t, reduce_op="mean")
@@ -97,7 +99,7 @@ def main(fabric: Fabric, cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
             )
         improved = evaluate_if_due(evaluation, session, done, learners, collector)
         flags = session.boundary_flags(improved)  # an evaluation's new best is saved by every rank
-        signum, clock_due, best = session.agreed(max_over(flags, fabric.device))
+        signum, clock_due, best = session.agreed(max_over(flags, "cpu", boundary))
         due = session.checkpoint_due(done) or clock_due
         if due or best or (signum and session.last_checkpoint < done):
             evaluating = evaluation is not None and evaluation.on

@@ -86,6 +86,16 @@ def max_over(values: torch.Tensor, device: Any, group: Any = None) -> torch.Tens
     return out.cpu()
 
 
+def boundary_group(timeout_s: float) -> Any:
+    """A gloo group of every rank for a coupled job's update-boundary agreement (`max_over`), whose wait
+    may last `timeout_s`: rank 0 evaluates in place just before it while the others wait there, and an
+    evaluation is progress its watchdog sees, not a stall (so the caller gives `collectives.timeout` +
+    `stall_timeout`). None in a 1-process job. Every rank calls it, at the same point."""
+    if not distributed() or dist.get_world_size() == 1:
+        return None
+    return dist.new_group(timeout=datetime.timedelta(seconds=timeout_s), backend="gloo")
+
+
 def end_process_group() -> None:
     if distributed():
         dist.destroy_process_group()
