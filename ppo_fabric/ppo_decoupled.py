@@ -20,6 +20,7 @@ Run as a script under `fabric run --accelerator=cpu --devices=3 ppo_fabric/ppo_d
 
 from __future__ import annotations
 
+import signal
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -52,7 +53,14 @@ from ppo_fabric.models.agent import ActorCritic
 from ppo_fabric.policy.periodic import evaluate_in_background, evaluation_for, finish_in_background
 from ppo_fabric.runs import checkpoint as ckpt
 from ppo_fabric.runs.metrics import parameters_digest
-from ppo_fabric.runs.session import RunSession, collector_state, end_of_run, episode_metrics, resume_collector
+from ppo_fabric.runs.session import (
+    STOP,
+    RunSession,
+    collector_state,
+    end_of_run,
+    episode_metrics,
+    resume_collector,
+)
 from ppo_fabric.wire.placement import (
     check_local_rank,
     player_kind,
@@ -180,6 +188,7 @@ class Player:
         self.session = session_for(fabric, cfg, run_dir, resume)
         self.state = PipelineState(self.session.start_update, self.session.start_update, saved)
         self.unwritten: tuple[int, list[dict[str, Any]]] | None = None  # a checkpoint gathered, not written
+        self.trainers_stop = 0  # a stop signal a trainer received, relayed with the parameters
         self.evaluation = (  # on a thread of the first player, off the critical path
             evaluation_for(cfg, specs, self.session.per_update, self.session, resume, background=True)
             if topo.rank == 0
@@ -238,6 +247,7 @@ class Player:
     def agree(self) -> tuple[int, bool]:
         """Stop on a signal, or checkpoint by the clock: every player decides the same at this boundary."""
         flags = self.session.boundary_flags()
+        flags[0] = max(float(flags[0]), float(self.trainers_stop))  # a signal that reached only trainers
         signum, clock_due, _ = self.session.agreed(max_over(flags, "cpu", self.topo.player_group))
         return signum, clock_due
 
@@ -252,7 +262,8 @@ class Player:
         """
         session = self.session
         t0 = time.perf_counter()
-        update, flat, metrics = self.link.receive_params()
+        update, flat, metrics, trainers_stop = self.link.receive_params()
+        self.trainers_stop = max(self.trainers_stop, trainers_stop)
         vector_to_parameters(flat.to(self.device), self.params)
         session.watch.add("wait_params", time.perf_counter() - t0)
         if update > session.start_update:
@@ -445,9 +456,12 @@ class Trainer:
         samples = sum(b["logprobs"].numel() for b in batches.values())  # steps, also inside sequences
         stats |= {"train/policy_lag": lag, "time/trainer_sps": samples / elapsed, "time/train_s": elapsed}
         names = self.names
-        metrics = self.mean_across(torch.tensor([stats[k] for k in names], dtype=torch.float32))
+        values = [stats[k] for k in names] + [float(STOP.signum)]  # any trainer's signal: a mean above 0
+        reduced = self.mean_across(torch.tensor(values, dtype=torch.float32))
+        metrics, asked = reduced[:-1], float(reduced[-1]) > 0
         metrics[names.index("time/trainer_sps")] *= len(self.topo.trainers)  # samples/s of all trainers
-        self.link.publish(self.params, metrics.cpu(), self.update)
+        signum = STOP.signum or (signal.SIGTERM if asked else 0)  # relayed: only players agree on stopping
+        self.link.publish(self.params, metrics.cpu(), self.update, signum)
         if session.checkpoint_due(self.update) or headers[0].checkpoint:
             self.checkpoint()
 

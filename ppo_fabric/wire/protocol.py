@@ -14,6 +14,7 @@ have one method per message, in the order the messages happen:
       send_data()      ---- DATA v ---------> receive_data()       one message per trained policy,
                                                                    one shard per trainer
       receive_params() <--- PARAMS v+1 ------ publish()            parameters + the update's METRICS
+                                                                   (+ a stop signal a trainer received)
       [gather()        <--- CHECKPOINT -----> gather()]            when a checkpoint is due: all ranks
     send_stop()        ---- STOP -----------> receive_data()       ends the trainers' loop (signum)
     [gather()          <--- CHECKPOINT -----> gather()]            stopped on a signal: the stop checkpoint
@@ -294,15 +295,17 @@ class PlayerLink:
         self.num_params, self.num_metrics = num_params, num_metrics
         self._in_transit: list[_InFlight] = []
 
-    def receive_params(self) -> tuple[int, torch.Tensor, torch.Tensor]:
-        """PARAMS: (the update they come from, flat parameters, the update's metrics averaged over trainers)."""
-        buf = torch.empty(2 + self.num_params + self.num_metrics)
+    def receive_params(self) -> tuple[int, torch.Tensor, torch.Tensor, int]:
+        """PARAMS: (the update they come from, flat parameters, the update's metrics averaged over trainers,
+        the signal that asked a trainer to stop: 0 for none; only players agree on stopping, so a signal
+        that reached only trainers comes to them this way)."""
+        buf = torch.empty(3 + self.num_params + self.num_metrics)
         with PROGRESS.waiting_for("parameters from the trainers"):
             dist.broadcast(buf, self.topo.first_trainer, group=self.topo.param_group)
-        kind, update = int(buf[0]), int(buf[1])
+        kind, update, signum = int(buf[0]), int(buf[1]), int(buf[2])
         if kind != Kind.PARAMS:
             raise ProtocolError(f"player {self.topo.rank} expected PARAMS, got message kind {kind}")
-        return update, buf[2 : 2 + self.num_params], buf[2 + self.num_params :]
+        return update, buf[3 : 3 + self.num_params], buf[3 + self.num_params :], signum
 
     def send_data(
         self, batches: dict[str, TensorDict], update: int, asynchronous: bool, checkpoint_after: bool
@@ -358,16 +361,19 @@ class TrainerLink:
         self.publishes = topo.rank == topo.first_trainer
         self.stage = HostStage(device)
 
-    def publish(self, params: list[torch.nn.Parameter], metrics: torch.Tensor, update: int) -> None:
-        """PARAMS: the flat float32 parameters after `update`, then its METRICS, to every player."""
+    def publish(
+        self, params: list[torch.nn.Parameter], metrics: torch.Tensor, update: int, signum: int = 0
+    ) -> None:
+        """PARAMS: the flat float32 parameters after `update`, then its METRICS, to every player, with
+        `signum`, a stop signal a trainer received (0: none)."""
         if not self.publishes:
             return
         flat = parameters_to_vector(params).detach().float()
         n, m = flat.numel(), metrics.numel()
-        message = self.stage.buffer("params", 2 + n + m, torch.float32)
-        message[0], message[1] = float(Kind.PARAMS), float(update)
-        message[2 : 2 + n].copy_(flat, non_blocking=self.stage.pinned)
-        message[2 + n :].copy_(metrics.float(), non_blocking=self.stage.pinned)
+        message = self.stage.buffer("params", 3 + n + m, torch.float32)
+        message[0], message[1], message[2] = float(Kind.PARAMS), float(update), float(signum)
+        message[3 : 3 + n].copy_(flat, non_blocking=self.stage.pinned)
+        message[3 + n :].copy_(metrics.float(), non_blocking=self.stage.pinned)
         self.stage.fence()
         with PROGRESS.waiting_for("the players to take the parameters"):
             dist.broadcast(message, self.topo.first_trainer, group=self.topo.param_group)

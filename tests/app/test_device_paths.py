@@ -236,10 +236,10 @@ def test_trainer_fences_before_reusing_its_buffers(monkeypatch: pytest.MonkeyPat
         torch.distributed, "broadcast", lambda t, src, group=None: log.append(("broadcast", t))
     )
     params = list(torch.nn.Linear(2, 1).parameters())
-    link.publish(params, torch.tensor([0.5]), 3)
+    link.publish(params, torch.tensor([0.5]), 3, signum=15)
     assert log[0] == "fence" and log[1][0] == "broadcast"
     message = log[1][1]
-    assert message[:2].tolist() == [float(Kind.PARAMS), 3.0] and message[-1].item() == 0.5
+    assert message[:3].tolist() == [float(Kind.PARAMS), 3.0, 15.0] and message[-1].item() == 0.5
 
 
 # --------------------------------------------------------------------------------------- RNG with CUDA

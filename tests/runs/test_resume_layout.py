@@ -17,7 +17,7 @@ import pytest
 import ppo_fabric
 from ppo_fabric.runs import checkpoint as ckpt
 from ppo_fabric.runs.metrics_file import read_rows
-from tests.conftest import job_env, numbered_checkpoint
+from tests.conftest import job_env, job_processes, numbered_checkpoint
 
 REPO = Path(__file__).resolve().parents[2]
 TINY = ["logger.tensorboard=false", "env.num_envs=4", "algo.rollout_steps=64", "algo.minibatch_size=64"]
@@ -154,6 +154,36 @@ def _wait_for_rows(run_dir: Path, proc: subprocess.Popen[str], rows: int, limit:
                 return
         time.sleep(0.2)
     pytest.fail("the run logged too few updates in time")
+
+
+@pytest.mark.multiprocess
+def test_a_signal_that_reaches_only_the_trainer_stops_the_run(tmp_path: Path) -> None:
+    """SIGTERM to the decoupled job's trainer alone (a node of trainers preempted): it comes to the player
+    with the next parameters, and the run stops as if every process had it, with a checkpoint."""
+    run_dir = tmp_path / "run"
+    args = [
+        "strategy=decoupled",
+        "fabric.devices=2",
+        *TINY,
+        "collectives.timeout=20",
+        "algo.total_steps=1000000",
+    ]
+    proc = _start([*args, f"hydra.run.dir={run_dir}"], tmp_path)
+    try:
+        _wait_for_rows(run_dir, proc, rows=3)
+        (trainer,) = [pid for pid in job_processes(run_dir)
+                      if b"LOCAL_RANK=1\0" in Path(f"/proc/{pid}/environ").read_bytes()]  # fmt: skip
+        os.kill(trainer, signal.SIGTERM)
+        _, err = proc.communicate(timeout=40)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 128 + signal.SIGTERM, err[-2000:]
+    lines = [line for line in err.splitlines() if line.startswith("ppo-fabric:")]
+    assert len(lines) == 1 and "stopped by SIGTERM" in lines[0], err[-2000:]
+    stopped = json.loads((run_dir / "summary.json").read_text())
+    assert stopped["interrupted"] is True and stopped["stop_signal"] == "SIGTERM"
+    assert ckpt.load(run_dir / "checkpoints" / "last.ckpt")["env_step"] == stopped["total_env_steps"]
 
 
 @pytest.mark.multiprocess
