@@ -252,6 +252,34 @@ def extra_for(env_id: str) -> str | None:
     return next((extra for prefix, extra in _EXTRA_BY_PREFIX.items() if name.startswith(prefix)), None)
 
 
+# The env packages ppo-fabric builds envs from by name; an env.id naming another module runs that module's code.
+KNOWN_ENV_PACKAGES = (
+    "gymnasium",
+    "pettingzoo",
+    "mpe2",
+    "ale_py",
+    "minatar",
+    "envpool",
+    "shimmy",
+    "ppo_fabric",
+)
+
+
+def module_named(env_id: str) -> str | None:
+    """The module building `env_id` imports (and whose callable it may call with `env.kwargs`): `module` of
+    gymnasium's `module:name`, or a PettingZoo-style dotted path; None for a registered id (`CartPole-v1`,
+    `ALE/Pong-v5`)."""
+    if ":" in env_id:
+        return env_id.partition(":")[0]
+    return env_id if "." in env_id and "/" not in env_id else None
+
+
+def foreign_module(env_id: str) -> str | None:
+    """`module_named(env_id)` when it lies outside `KNOWN_ENV_PACKAGES`: code that only the config names."""
+    module = module_named(env_id)
+    return module if module is not None and module.split(".")[0] not in KNOWN_ENV_PACKAGES else None
+
+
 def _import_env_module(env_id: str) -> Any:
     """Import the module of a `module:name` id (gymnasium's convention: the module registers `name`).
     Returns the module's callable `name` when no env of that name is registered: `module:factory`,

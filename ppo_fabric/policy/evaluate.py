@@ -38,6 +38,8 @@ USAGE = """usage: python -m ppo_fabric.evaluate checkpoint=PATH [key=value ...]
                         rates over `games` games
   games=100             games to play against the opponent (seats alternated; pool: shared among snapshots)
   policy=               multi-agent checkpoints: the policy that plays the game (default: the first trained)
+  trust_env=false       build an env whose id names a module outside the known env packages (your own
+                        `module:name`): that module's code runs; only for checkpoints you trust
 """
 
 SPEC: dict[str, tuple[type, Any]] = {
@@ -50,6 +52,7 @@ SPEC: dict[str, tuple[type, Any]] = {
     "opponent": (str, None),
     "games": (int, 100),
     "policy": (str, None),
+    "trust_env": (bool, False),
 }
 VIDEO_HINT = "video=true needs a video encoder: pip install 'ppo-fabric[video]'"
 
@@ -148,14 +151,18 @@ def evaluate(
     opponent: str | None = None,
     games: int = 100,
     policy: str | None = None,
+    trust_env: bool = False,
 ) -> dict[str, Any]:
     """Evaluate a checkpoint, write `eval.json` (and `eval.mp4`), and return the results.
 
+    The env is built from the checkpoint's config; one whose id names a module outside the known env
+    packages (`envs.make.foreign_module`) would run that module's code, with arguments the checkpoint
+    holds, so it is built only with `trust_env` (loading never runs code a checkpoint names).
     Raises EvalError with a one-line message for input that cannot be evaluated.
     """
     from omegaconf import OmegaConf
 
-    from ppo_fabric.envs.make import EnvError, make_env
+    from ppo_fabric.envs.make import EnvError, foreign_module, make_env
     from ppo_fabric.policy.trained import checkpoint_policies
     from ppo_fabric.runs import checkpoint as ckpt
 
@@ -169,6 +176,12 @@ def evaluate(
         raise EvalError(str(exc)) from exc
     out_dir = Path(out) if out is not None else ckpt.run_dir_of(checkpoint)
     env_cfg = OmegaConf.create(state["config"]["env"])
+    module = foreign_module(str(env_cfg.id))
+    if module is not None and not trust_env:
+        raise EvalError(
+            f"the checkpoint's env.id={str(env_cfg.id)!r} would import and run module {module!r}: loading "
+            "never runs code a checkpoint names; add trust_env=true if you trust this checkpoint"
+        )
     if opponent is not None or policy is not None:
         if video:
             raise EvalError("video=true records single-agent episodes; drop it for games")

@@ -180,7 +180,9 @@ def test_evaluate_and_export_take_the_masks(tmp_path: Path) -> None:
 
     _, summary = _train(tmp_path, "ProbeMaskedObs-v0", "algo.total_steps=1024")
     probe_envs._MaskedProbe.ILLEGAL[0] = 0
-    result = evaluate(summary["checkpoint"], episodes=20, deterministic=False, out=tmp_path / "eval")
+    result = evaluate(
+        summary["checkpoint"], episodes=20, deterministic=False, out=tmp_path / "eval", trust_env=True
+    )
     assert probe_envs._MaskedProbe.ILLEGAL[0] == 0 and min(result["returns"]) >= 0
     path = export(summary["checkpoint"], out=tmp_path / "policy.pt")
     obs = torch.zeros(2, 4)

@@ -121,6 +121,25 @@ def test_evaluate_never_reads_the_env_snapshot(tiny_run: Path, tmp_path: Path) -
     assert not marker.exists()
 
 
+def test_evaluate_builds_no_env_from_a_module_the_checkpoint_names(tiny_run: Path, tmp_path: Path) -> None:
+    """A checkpoint is plain data, but the env id in its config can name any module and callable
+    (`subprocess:run`, with the arguments in `env.kwargs`): evaluate refuses it in one line unless told
+    `trust_env=true`; the env packages ppo-fabric knows are built as before."""
+    from ppo_fabric.policy.evaluate import EvalError, evaluate
+
+    marker = tmp_path / "MARKER"
+    state = ckpt.load(_last(tiny_run), env_state="fresh")
+    state["config"]["env"] |= {"id": "subprocess:run", "kwargs": {"args": ["touch", str(marker)]}}
+    crafted = tmp_path / "crafted.ckpt"
+    crafted.write_bytes(ckpt.encode(state))
+    with pytest.raises(EvalError, match=r"env.id='subprocess:run' would import and run module 'subprocess'"):
+        evaluate(crafted, episodes=1, out=tmp_path)
+    assert not marker.exists()
+    with pytest.raises(EvalError):  # trusted: it runs, and is no gymnasium env
+        evaluate(crafted, episodes=1, out=tmp_path, trust_env=True)
+    assert marker.exists()
+
+
 def test_snapshot_signed_elsewhere_is_refused_and_resumes_fresh(
     tiny_run: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
