@@ -2,7 +2,7 @@
 
 `fault`: `nan_obs` (one observation entry NaN), `inf_reward`, `huge_reward` (1e200: finite, but its square
 is not), `raise` (step raises), `hang` (step sleeps for
-ever, a stuck simulator), `slow` (each step sleeps 1 s), `slow_close` (the process's first close takes 7 s; steps are fine) or `none`; it strikes at the `after`-th step of each env instance (a recreated env
+ever, a stuck simulator), `slow` (each step sleeps `pause` seconds, 1 by default), `slow_close` (the process's first close takes 7 s; steps are fine) or `none`; it strikes at the `after`-th step of each env instance (a recreated env
 starts counting again), on rank `rank` (-1: every rank), for `times` steps in a row (0: from then on);
 `others` is the fault of the other ranks then (default `none`).
 With `seeds`, only in an instance last reset with one of them (the evaluation envs' seeds: a fault in
@@ -31,12 +31,13 @@ class FaultyCartPole(CartPoleEnv):
         times: int = 0,
         seeds: list[int] | None = None,
         others: str = "none",
+        pause: float = 1.0,
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
         here = int(os.environ.get("LOCAL_RANK", os.environ.get("RANK", "0")))
         self.fault = fault if rank < 0 or here == rank else others
-        self.after, self.times, self.steps = after, times, 0
+        self.after, self.times, self.steps, self.pause = after, times, 0, pause
         self.seeds, self.seeded = (None if seeds is None else set(seeds)), None
 
     def reset(self, *, seed: int | None = None, options: dict | None = None) -> Any:
@@ -68,7 +69,7 @@ class FaultyCartPole(CartPoleEnv):
         elif self.fault == "raise":
             raise RuntimeError("simulator crashed (injected by the test env)")
         elif self.fault == "slow":
-            time.sleep(1.0)
+            time.sleep(self.pause)
         elif self.fault == "hang":
             while True:
                 time.sleep(1)

@@ -124,15 +124,16 @@ def test_a_stuck_evaluation_env_ends_a_decoupled_job(tmp_path: Path) -> None:
 def test_a_final_evaluation_longer_than_the_collectives_timeout_ends_the_run_with_it(
     tmp_path: Path, strategy: str
 ) -> None:
-    """A final evaluation of 8-9 s (each of its env's first 9 steps takes 1 s) against a
-    `collectives.timeout` of 6 s fails no rank: the first player waits for it only after the trainers'
-    last collectives; a coupled job's other rank waits for rank 0's in a group of its own that allows
-    `stall_timeout` more. The run ends 0, its last checkpoint and its summary holding the evaluation."""
+    """A final evaluation of 12-13.5 s (each of its env's first 9 steps takes 1.5 s; an episode lasts 8 or
+    more) against a `collectives.timeout` of 10 s (less would cut the processes' start on a loaded machine)
+    fails no rank: the first player waits for it only after the trainers' last collectives; a coupled job's
+    other rank waits for rank 0's in a group of its own that allows `stall_timeout` more. The run ends 0,
+    its last checkpoint and its summary holding the evaluation."""
     seeds = [42 + 1_000_003]  # the evaluation env's only (seed 42, 1 episode)
     proc, _ = _job(
-        tmp_path, f"strategy={strategy}", "fabric.devices=2", "+env.kwargs.fault=slow", "+env.kwargs.after=1", "+env.kwargs.times=9",
-        f"+env.kwargs.seeds={seeds}", "eval.episodes=1", "eval.every=1000000", "algo.total_steps=512",
-        "collectives.timeout=6",
+        tmp_path, f"strategy={strategy}", "fabric.devices=2", "+env.kwargs.fault=slow", "+env.kwargs.pause=1.5",
+        "+env.kwargs.after=1", "+env.kwargs.times=9", f"+env.kwargs.seeds={seeds}", "eval.episodes=1",
+        "eval.every=1000000", "algo.total_steps=512", "collectives.timeout=10",
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
@@ -140,7 +141,7 @@ def test_a_final_evaluation_longer_than_the_collectives_timeout_ends_the_run_wit
     state = ckpt.load(tmp_path / "run" / "checkpoints" / "last.ckpt", env_state="fresh")
     assert state["env_step"] == 512 and state["evaluation"]["last"]["env_step"] == 512
     (row,) = read_rows(tmp_path / "run" / "evaluations.csv")
-    assert float(row.get("time/eval_background_s") or row["time/eval_s"]) > 6  # the evaluator's own time
+    assert float(row.get("time/eval_background_s") or row["time/eval_s"]) > 10  # the evaluator's own time
 
 
 def test_a_rank_slow_to_stop_is_not_killed_by_the_launcher(tmp_path: Path) -> None:
