@@ -84,7 +84,10 @@ def objective_value(run_dir: Path, objective: str, seed: int, eval_episodes: int
     if objective == "eval":
         from ppo_fabric.policy.evaluate import evaluate
 
-        result = evaluate(run_dir / "checkpoints" / "last.ckpt", episodes=eval_episodes, seed=seed)
+        # the trial this study just trained from the user's own config: its env is the user's to build
+        result = evaluate(
+            run_dir / "checkpoints" / "last.ckpt", episodes=eval_episodes, seed=seed, trust_env=True
+        )
         return float(result["mean_return"])
     value: Any = summary
     for part in ("final_mean_return" if objective == "return" else objective).split("."):

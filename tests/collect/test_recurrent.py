@@ -353,7 +353,9 @@ def test_memory_probe_needs_the_lstm(memory_lstm: dict[str, Any], tmp_path: Path
 def test_evaluate_carries_the_state(memory_lstm: dict[str, Any], tmp_path: Path) -> None:
     """Deterministic evaluation of the LSTM checkpoint solves the probe: only possible if `evaluate`
     carries the state from step to step (a fresh state at every step would score ~0)."""
-    result = evaluate.main([f"checkpoint={memory_lstm['checkpoint']}", "episodes=20", f"out={tmp_path}"])
+    result = evaluate.main(
+        [f"checkpoint={memory_lstm['checkpoint']}", "episodes=20", f"out={tmp_path}", "trust_env=true"]
+    )
     assert result is not None
     saved = json.loads((tmp_path / "eval.json").read_text())
     assert saved["episodes"] == 20 and saved["lengths"] == [3] * 20
