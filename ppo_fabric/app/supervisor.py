@@ -235,6 +235,7 @@ def _attempts(cfg: DictConfig, run_dir: Path, invocation: Invocation) -> int:
     base = with_override(list(invocation.overrides), "hydra.run.dir", run_dir)
     job = Job(run_dir, job_stop_timeout(cfg))
     attempt, restarts, redone = base, 0, 0
+    started = time.time()  # a checkpoint older than this is not the job's own (another branch, a past job)
     while True:
         status = job.run([*flags, *attempt])
         if status == 0:
@@ -253,11 +254,13 @@ def _attempts(cfg: DictConfig, run_dir: Path, invocation: Invocation) -> int:
         from ppo_fabric.runs.resume import newest_checkpoint, report_skipped  # torch: only for a relaunch
 
         found = newest_checkpoint(run_dir, lambda path, why: report_skipped(run_dir, path, why, by="restart"))
+        if found is not None and found[0].stat().st_mtime < started:
+            found = None  # the job wrote none yet: what the directory holds may be another lineage's
         resumed_at = found[1] if found is not None else 0
         redone += max((last_logged_step(run_dir / "metrics.csv") or 0) - resumed_at, 0)
         if found is None:
-            attempt = base  # the user's own `resume` (or none); the run directory is the supervisor's own
-            where = "from scratch (no checkpoint yet)"
+            attempt = base  # the user's own `resume` (or none), as the job started
+            where = "as it started (it wrote no checkpoint yet)"
         else:
             attempt = with_override(base, "resume", found[0])
             where = f"from {found[0]} at {resumed_at} env steps"

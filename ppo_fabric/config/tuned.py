@@ -55,9 +55,15 @@ def with_tuned_values(overrides: list[str]) -> list[str]:
     - `env=` or `exp=` given: the user chose; `tuning` says which option.
     - `env.id=ID` alone: conf/tuned.yaml's options for ID, or `env=gym` when it has none.
     - neither: the config's default env option (CartPole's tuned values in ours).
-    A sweep over `env.id` (`env.id=A,B`) is left to each job, which expands its own id."""
+    A sweep over `env.id` (`env.id=A,B`) is left to each job, which expands its own id. A run resumed
+    from a checkpoint (`resume=PATH`) continues its saved config, tuned values included: nothing is added,
+    so an `env.id` named again with its saved value changes nothing (`resume=auto` may start a new run,
+    which gets them)."""
     parsed = _parsed(overrides)
     if parsed is None or "tuning" in [o.key_or_group for o in parsed]:
+        return list(overrides)
+    resumed = [o for o in parsed if o.key_or_group == "resume" and not o.is_sweep_override()]
+    if resumed and isinstance(resumed[-1].value(), str) and resumed[-1].value() not in ("auto", "null"):
         return list(overrides)
     chosen = [o.input_line for o in parsed if o.key_or_group in CHOOSERS and o.input_line is not None]
     ids = [o for o in parsed if o.key_or_group == "env.id"]

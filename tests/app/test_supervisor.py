@@ -23,6 +23,7 @@ from ppo_fabric import cli
 from ppo_fabric.app import prestart
 from ppo_fabric.app.supervisor import last_logged_step, with_override
 from ppo_fabric.config.values import ConfigError
+from ppo_fabric.runs.metrics_file import read_rows
 from tests.conftest import assert_cli_failure, job_env, job_processes
 
 SMALL = ["logger.tensorboard=false", "env.num_envs=4", "algo.rollout_steps=32", "collectives.timeout=20"]
@@ -98,6 +99,29 @@ def test_decoupled_player_killed_is_restarted(tmp_path: Path) -> None:
     proc = _run(cmd, tmp_path)
     assert (tmp_path / "killed").exists(), "the player was never killed"
     _check_restarted_run(proc, run_dir, 2048, 2 * 128)
+
+
+@pytest.mark.multiprocess
+def test_a_branch_that_fails_before_its_first_checkpoint_restarts_on_its_branch(tmp_path: Path) -> None:
+    """Resumed from an earlier checkpoint of its directory (a branch at 128 of a run that went on to 256),
+    the job dies before it writes one: the restart takes the job's own `resume=`, not the directory's
+    newest file, which is the other branch's."""
+    run_dir, marker = tmp_path / "run", tmp_path / "killed"
+    env = _killed_once(0, 40, marker)  # each env copy is at step 32 at 128 env steps: it dies in update 2
+    marker.touch()  # disarmed for the first run
+    ppo_fabric.run([*SMALL, *env, "checkpoint.every=1", "algo.total_steps=256", "eval.every=0",
+                    f"hydra.run.dir={run_dir}"])  # fmt: skip
+    (branch,) = [p for p in (run_dir / "checkpoints").glob("step_*.ckpt") if "_000000000128_" in p.name]
+    marker.unlink()
+    proc = _run(_python_m(run_dir, *env, "checkpoint.every=1", "algo.total_steps=512", "eval.every=0",
+                          "restarts=1", f"resume={branch}"), tmp_path)  # fmt: skip
+    assert proc.returncode == 0 and marker.exists(), proc.stderr[-3000:]
+    restarts = [line for line in proc.stderr.splitlines() if "restart 1/1" in line]
+    assert restarts == [
+        "ppo-fabric: rank failure (exit 137); restart 1/1 as it started (it wrote no checkpoint yet)"
+    ]
+    steps = [int(float(row["step"])) for row in read_rows(run_dir / "metrics.csv")]
+    assert steps == [128, 256, 384, 512], steps  # the branch's rows; the other one's 256 is gone
 
 
 @pytest.mark.multiprocess

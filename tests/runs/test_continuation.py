@@ -83,6 +83,17 @@ def test_repeating_the_original_command_line_changes_nothing() -> None:
     assert changes == {}
 
 
+def test_naming_the_env_id_again_adds_no_tuned_values_to_a_resume() -> None:
+    """`env.id=CartPole-v1` given again on resume: its tuned option (env=cartpole) is not put in front, so
+    the keys the run changed from it (rollout_steps, num_envs) are not named, reset or refused."""
+    original = ["env.id=CartPole-v1", "algo.rollout_steps=64", "algo.minibatch_size=64", "env.num_envs=2"]
+    saved = _saved(original)
+    merged, changes = _resume(["env.id=CartPole-v1"], saved)
+    assert changes == {} and merged["algo"] == saved["algo"] and merged["env"] == saved["env"]
+    fresh = with_tuned_values(["env.id=CartPole-v1", "resume=auto"])  # may start a new run: tuned
+    assert fresh[0] == "env=cartpole"
+
+
 def test_keys_the_saved_config_lacks_take_todays_defaults_and_its_own_keys_stay() -> None:
     saved = _saved(["env.id=Acrobot-v1", "+env.kwargs.foo=1"])
     del saved["stall_timeout"], saved["env"]["max_restarts"]  # a run from before these keys existed
