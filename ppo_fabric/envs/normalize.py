@@ -47,8 +47,7 @@ class RunningMoments:
     def observe(self, batch: np.ndarray) -> None:
         batch = np.asarray(batch, np.float64).reshape(-1, *self.mean.shape)
         self.p_sum += batch.sum(0)
-        with np.errstate(over="ignore"):  # values too large to square: `commit` ends the run in one line
-            self.p_sumsq += np.square(batch).sum(0)
+        self.p_sumsq += np.square(batch).sum(0)  # an overflow here: `commit` ends the run in one line
         self.p_count += batch.shape[0]
 
     def commit(self, reduce: Reduce | None) -> None:
