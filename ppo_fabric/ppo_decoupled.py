@@ -117,8 +117,8 @@ def main(fabric: Fabric, cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
     strategy = fabric.strategy
     if not isinstance(strategy, GroupDDPStrategy):
         raise ValueError(
-            "strategy=decoupled brings its own DDP strategy; do not pass --strategy to `fabric run` "
-            "(or fabric.strategy other than auto)"
+            "strategy=decoupled brings its own DDP strategy: `fabric run --strategy` and fabric.strategy "
+            "may only be ddp or auto"
         )
     roles = role_map(fabric.world_size, strategy.num_nodes, int(cfg.algo.players))
     role = roles[fabric.global_rank]

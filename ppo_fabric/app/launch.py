@@ -136,34 +136,43 @@ def build_fabric(cfg: DictConfig, world_size: int) -> Fabric:
             "num_nodes": int(cfg.fabric.num_nodes),
             "precision": cfg.fabric.precision,
         }
-    # `fabric run --strategy=...` reaches Fabric only through LT_STRATEGY; no public API reads it back.
-    if world_size > 1 and cfg.fabric.strategy in ("auto", "ddp") and not os.environ.get("LT_STRATEGY"):
+    # `fabric run --strategy=...` reaches Fabric only as LT_STRATEGY, which wins over a strategy passed in.
+    # For DDP (named or chosen by "auto") the job builds its own, so that its collectives wait
+    # `collectives.timeout` and not Lightning's 30 minutes: the variable is out of the way while it does.
+    cli_strategy = os.environ.get("LT_STRATEGY") if under_cli else None
+    if world_size > 1 and cfg.fabric.strategy in ("auto", "ddp") and cli_strategy in (None, "auto", "ddp"):
         ddp = GroupDDPStrategy if decoupled else DDPStrategy
         kwargs["strategy"] = ddp(timeout=timeout, start_method="popen")
     elif not under_cli:
         kwargs["strategy"] = cfg.fabric.strategy
-    if not (under_cli and decoupled):
-        return Fabric(**kwargs)
+    hidden = {"LT_STRATEGY": None} if cli_strategy is not None and "strategy" in kwargs else {}
     # Under `fabric run` the processes exist already and Fabric reads the accelerator from LT_ACCELERATOR
     # (passing another one raises), so a decoupled job swaps it for "cpu" while Fabric is built, and only
     # then: `algo.trainer_device=auto` goes on reading `fabric run --accelerator` (config.requested), as
     # the checks before launch did. Left at "cpu", `--accelerator=cuda` would put the trainers on the CPU.
-    with environment_variable("LT_ACCELERATOR", "cpu"):
+    swapped = {"LT_ACCELERATOR": "cpu"} if under_cli and decoupled else {}
+    with environment_variables({**hidden, **swapped}):
         return Fabric(**kwargs)
 
 
 @contextlib.contextmanager
-def environment_variable(name: str, value: str) -> Iterator[None]:
-    """`name=value` in this process's environment for the block; its previous value (or absence) after."""
-    before = os.environ.get(name)
-    os.environ[name] = value
+def environment_variables(values: dict[str, str | None]) -> Iterator[None]:
+    """Each `name=value` in this process's environment for the block (None: unset); their previous values
+    (or absence) after."""
+    before = {name: os.environ.get(name) for name in values}
     try:
+        for name, value in values.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
         yield
     finally:
-        if before is None:
-            os.environ.pop(name, None)
-        else:
-            os.environ[name] = before
+        for name, value in before.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
 
 
 def set_threads(threads: int) -> None:

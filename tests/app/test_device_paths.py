@@ -16,6 +16,7 @@ import pytest
 import torch
 from lightning_fabric import Fabric
 from lightning_fabric.plugins.precision import MixedPrecision
+from lightning_fabric.strategies import DDPStrategy
 from tensordict import TensorDict
 
 from ppo_fabric.app import launch as launch_module
@@ -54,6 +55,42 @@ def test_fabric_run_accelerator_still_places_the_trainers(monkeypatch: pytest.Mo
     monkeypatch.delenv("LT_ACCELERATOR")
     build_fabric(cfg, 1)
     assert "LT_ACCELERATOR" not in os.environ  # an unset variable is left unset
+
+
+@pytest.mark.parametrize("strategy", ["coupled", "decoupled"])
+@pytest.mark.parametrize("flag", ["ddp", "auto"])
+def test_fabric_run_strategy_ddp_keeps_the_collectives_timeout(
+    monkeypatch: pytest.MonkeyPatch, strategy: str, flag: str
+) -> None:
+    """`fabric run --strategy=ddp` (or auto) reaches Fabric as LT_STRATEGY, which wins over a strategy
+    passed in: the job's own DDP, with `collectives.timeout`, must still be the one Fabric gets (Lightning's
+    own waits 30 minutes on a stuck peer, and the decoupled strategy needs its group DDP). Fabric is
+    recorded, not built: under `fabric run` building it joins the process group."""
+    seen: list[tuple[Any, str | None]] = []
+    monkeypatch.setattr(
+        launch_module,
+        "Fabric",
+        lambda **kwargs: seen.append((kwargs.get("strategy"), os.environ.get("LT_STRATEGY"))),
+    )
+    for name, value in {"LT_CLI_USED": "1", "LT_ACCELERATOR": "cpu", "LT_DEVICES": "2", "LT_NUM_NODES": "1",
+                        "LT_STRATEGY": flag}.items():  # fmt: skip
+        monkeypatch.setenv(name, value)
+    overrides = DECOUPLED if strategy == "decoupled" else ["env.num_envs=4", "algo.rollout_steps=32"]
+    cfg, _, _ = load([*overrides, "fabric.devices=2", "collectives.timeout=17"])
+    build_fabric(cfg, 2)
+    [(built, variable)] = seen
+    assert isinstance(built, GroupDDPStrategy if strategy == "decoupled" else DDPStrategy)
+    assert built._timeout == datetime.timedelta(seconds=17)  # noqa: SLF001 (no public reader)
+    assert variable is None  # hidden while Fabric is built, or Fabric would build "ddp" from it instead
+    assert os.environ["LT_STRATEGY"] == flag  # and back afterwards
+
+
+def test_lightning_still_prefers_the_strategy_variable(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Why `build_fabric` hides LT_STRATEGY: Fabric takes the variable over a strategy object passed in.
+    If Lightning stops doing so, this fails and the hiding can go."""
+    monkeypatch.setenv("LT_STRATEGY", "ddp")
+    ours = DDPStrategy(timeout=datetime.timedelta(seconds=17))
+    assert Fabric(accelerator="cpu", devices=1, strategy=ours).strategy is not ours
 
 
 def test_ranks_numbered_otherwise_are_refused() -> None:

@@ -58,11 +58,14 @@ def _python_m(devices: int, *overrides: str) -> list[str]:
 
 
 def _fabric_run(devices: int, *overrides: str) -> list[str]:
-    """`fabric run`: torchrun starts every rank and the script must join them, not launch again."""
+    """`fabric run`: torchrun starts every rank and the script must join them, not launch again. With
+    `--strategy=ddp`, which Fabric gets as LT_STRATEGY: the job must still build its own group DDP
+    (tests/strategies/test_distributed.py runs `fabric run` without the flag)."""
     return [
         str(FABRIC),
         "run",
         "--accelerator=cpu",
+        "--strategy=ddp",
         f"--devices={devices}",
         str(DECOUPLED_SCRIPT),
         *overrides,
