@@ -64,7 +64,8 @@ class CsvMetrics:
     Columns are the union of every key logged; a new key rewrites the file once with the wider header.
     `resumed_at`: the env step of the checkpoint a resumed run starts from. Rows logged after it (a run
     that crashed or was stopped some updates past its last checkpoint) are dropped once, so the file holds
-    one timeline, the one the run continues, rather than two runs of the same steps one after the other.
+    one timeline, the one the run continues, rather than two runs of the same steps one after the other;
+    -1 drops every row (a run starting afresh where an attempt without a checkpoint logged).
     """
 
     def __init__(self, path: Path, resumed_at: int | None = None) -> None:
@@ -194,16 +195,30 @@ class RunLogger:
         self.next_line: float | None = None  # when the next progress line is due (None: no lines)
         if not enabled:
             return
-        self.tracker = open_tracker(cfg, run_dir)
+        # A run that starts afresh in a directory holding records (a supervisor's restart before the job's
+        # first checkpoint, `resume=auto` that found none, the same hydra.run.dir again after such a failure)
+        # replaces them: they are an attempt nothing continues, and appended to they would run the steps
+        # twice. Its tracker gets a new run for the same reason.
+        fresh = resumed_at is None
+        if fresh and any((run_dir / name).is_file() for name in (METRICS_CSV, EVALUATIONS_CSV)):
+            print(
+                f"ppo-fabric: {run_dir} holds the records of an attempt that wrote no checkpoint; this run "
+                "starts afresh and replaces them",
+                file=sys.stderr,
+                flush=True,
+            )
+        since = -1 if fresh else resumed_at
+        self.tracker = open_tracker(cfg, run_dir, continued=not fresh)
         if cfg.logger.tensorboard:
             from lightning_fabric.loggers import TensorBoardLogger
 
             # a resumed run's events after its checkpoint's step are hidden, as its CSV rows are dropped
-            purge = {} if resumed_at is None else {"purge_step": resumed_at + 1}
+            earlier = not fresh or (run_dir / "tensorboard").is_dir()
+            purge = {"purge_step": since + 1} if earlier else {}
             self.loggers.append(TensorBoardLogger(root_dir=run_dir, name="", version="tensorboard", **purge))
         if cfg.logger.csv:
-            self.csv = CsvMetrics(run_dir / METRICS_CSV, resumed_at)
-            self.evaluations = CsvMetrics(run_dir / EVALUATIONS_CSV, resumed_at)
+            self.csv = CsvMetrics(run_dir / METRICS_CSV, since)
+            self.evaluations = CsvMetrics(run_dir / EVALUATIONS_CSV, since)
         if is_terminal(self.stream):
             from tqdm import tqdm
 

@@ -92,12 +92,13 @@ def check(cfg: DictConfig) -> None:
             raise ConfigError("logger.project is required for logger=wandb; set logger.project=NAME")
 
 
-def open_tracker(cfg: DictConfig, run_dir: Path) -> Tracker | None:
-    """The tracker the config asks for, with its run started (or continued), or None."""
+def open_tracker(cfg: DictConfig, run_dir: Path, continued: bool = True) -> Tracker | None:
+    """The tracker the config asks for, with its run started (or continued), or None. `continued=False`
+    (a run starting afresh) starts a new tracker run even where the directory names one."""
     name = tracker_name(cfg)
     if name is None:
         return None
-    ids = _read_ids(run_dir)
+    ids = _read_ids(run_dir) if continued else {}
     tracker: Tracker = (
         MlflowTracker(cfg, run_dir, ids) if name == "mlflow" else WandbTracker(cfg, run_dir, ids)
     )

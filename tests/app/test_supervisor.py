@@ -125,6 +125,25 @@ def test_a_branch_that_fails_before_its_first_checkpoint_restarts_on_its_branch(
 
 
 @pytest.mark.multiprocess
+def test_a_restart_before_any_checkpoint_replaces_the_dead_attempts_records(tmp_path: Path) -> None:
+    """Killed in its 4th update with no checkpoint written (checkpoint.every=0), the job restarts as it
+    started in the same directory: metrics.csv must hold the new attempt's rows only, not the dead
+    attempt's 128..384 followed by 128..1024 again."""
+    run_dir = tmp_path / "run"
+    cmd = _python_m(
+        run_dir, "restarts=1", "checkpoint.every=0", "eval.every=0", "algo.total_steps=1024",
+        *_killed_once(0, 3 * 32 + 5, tmp_path / "killed"),
+    )  # fmt: skip
+    proc = _run(cmd, tmp_path)
+    assert proc.returncode == 0 and (tmp_path / "killed").exists(), proc.stderr[-3000:]
+    assert "restart 1/1 as it started (it wrote no checkpoint yet)" in proc.stderr
+    assert f"ppo-fabric: {run_dir} holds the records of an attempt that wrote no checkpoint" in proc.stderr
+    steps = [int(float(row["step"])) for row in read_rows(run_dir / "metrics.csv")]
+    assert steps == [128 * k for k in range(1, 9)], steps
+    assert json.loads((run_dir / "summary.json").read_text())["env_steps_redone"] == 3 * 128
+
+
+@pytest.mark.multiprocess
 def test_without_restarts_a_killed_rank_ends_the_job(tmp_path: Path) -> None:
     """Rank 0 (the job's first process) dies: its orphaned rank 1 must not wait out the collectives."""
     run_dir = tmp_path / "run"
