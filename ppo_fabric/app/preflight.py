@@ -29,7 +29,7 @@ from ppo_fabric.config.values import (
     sequence_length,
     under_fabric_run,
 )
-from ppo_fabric.envs.make import EnvError, check_normalizable
+from ppo_fabric.envs.make import EnvError, check_normalizable, foreign_module
 from ppo_fabric.envs.multiagent import is_multiagent, policy_settings
 from ppo_fabric.learn.learners import policy_specs, spaces_of
 from ppo_fabric.models.agent import ACTIVATIONS, ActorCritic
@@ -91,6 +91,7 @@ def continue_run(
         state = ckpt.load(path, env_state="fresh")  # the config and step only: check_resume loads it whole
     except ValueError as exc:
         raise ConfigError(str(exc)) from exc
+    check_env_trusted(path, str(state["config"]["env"]["id"]), str(cfg.env.id))
     merged, changes = continued_config(cfg, state["config"], overrides, compose_again)
     with open_dict(cfg):
         for key in list(cfg.keys()):
@@ -104,6 +105,20 @@ def continue_run(
             f"algo.total_steps={int(cfg.algo.total_steps):,}); nothing to do (raise algo.total_steps to train longer)"
         )
     return changes
+
+
+def check_env_trusted(path: str, saved_id: str, own_id: str) -> None:
+    """A resume builds the env its checkpoint names, and an id naming a module outside the known env
+    packages imports that module and may call it with the checkpoint's `env.kwargs`: that is code a file
+    chose. It is built only when the command line's own config names the same id (the user's env, or a
+    checkpoint they trust), as `evaluate` builds it only with `trust_env=true`."""
+    module = foreign_module(saved_id)
+    if module is not None and own_id != saved_id:
+        raise ConfigError(
+            f"resume={path!r}: the checkpoint's env.id={saved_id!r} would import and run module {module!r}; "
+            f"a resume builds it only when the command line names it: add env.id={saved_id} if you trust "
+            "this checkpoint"
+        )
 
 
 def _speaks_first() -> bool:

@@ -140,6 +140,26 @@ def test_evaluate_builds_no_env_from_a_module_the_checkpoint_names(tiny_run: Pat
     assert marker.exists()
 
 
+def test_resume_builds_no_env_from_a_module_only_the_checkpoint_names(tiny_run: Path, tmp_path: Path) -> None:
+    """`resume=` continues the env its checkpoint names: one of a module outside the known env packages
+    is built only when the command line names that id too (the user's own env, or a checkpoint they
+    trust); otherwise one line, before anything is built."""
+    from ppo_fabric.app.preflight import check_env_trusted
+
+    marker = tmp_path / "MARKER"
+    state = ckpt.load(_last(tiny_run), env_state="fresh")
+    state["config"]["env"] |= {"id": "subprocess:run", "kwargs": {"args": ["touch", str(marker)]}}
+    crafted = tmp_path / "crafted.ckpt"
+    crafted.write_bytes(ckpt.encode(state))
+    with pytest.raises(ValueError, match=r"env.id='subprocess:run' would import and run module 'subprocess'.*"
+                                         r"add env.id=subprocess:run if you trust"):  # fmt: skip
+        ppo_fabric.run([f"resume={crafted}", f"hydra.run.dir={tmp_path / 'run'}"])
+    assert not marker.exists()
+    check_env_trusted("x", "my_pkg.envs:Mine-v0", "my_pkg.envs:Mine-v0")  # named on the command line
+    check_env_trusted("x", "CartPole-v1", "Acrobot-v1")  # registered ids import nothing of the file's
+    check_env_trusted("x", "pettingzoo.classic.tictactoe_v3", "CartPole-v1")  # a known env package
+
+
 def test_snapshot_signed_elsewhere_is_refused_and_resumes_fresh(
     tiny_run: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
