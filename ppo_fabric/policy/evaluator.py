@@ -18,7 +18,7 @@ from ppo_fabric.config.values import ConfigError
 from ppo_fabric.envs.guard import EnvFault, error_line
 from ppo_fabric.learn.learners import PolicySpec
 from ppo_fabric.models.agent import ActorCritic
-from ppo_fabric.policy.scorers import scorer_for
+from ppo_fabric.policy.scorers import score, scorer_for
 from ppo_fabric.wire.progress import PROGRESS
 
 # The evaluator's scheduling priority relative to its player: evaluation is off the critical path, so on a
@@ -135,7 +135,7 @@ def _serve(
             for name, state in weights.items():
                 models[name].load_state_dict(state)
             start = time.perf_counter()
-            metrics = scorer.play(scorer.snapshot(models, obs_normalization))
+            metrics = score(scorer, models, obs_normalization)
             conn.send(("ok", (metrics, time.perf_counter() - start)))
     except EOFError:  # the player has gone
         pass

@@ -25,7 +25,7 @@ from ppo_fabric.envs.normalize import normalizer_state
 from ppo_fabric.learn.learners import PolicySpec
 from ppo_fabric.models.agent import ActorCritic
 from ppo_fabric.policy.evaluator import EvaluatorProcess
-from ppo_fabric.policy.scorers import EVAL_SEED_OFFSET, Episodes, Games, ParallelEpisodes, scorer_for
+from ppo_fabric.policy.scorers import EVAL_SEED_OFFSET, Episodes, Games, ParallelEpisodes, score, scorer_for
 from ppo_fabric.runs.session import RunSession
 
 EVALS_PER_RUN = 15  # eval.every=auto: about this many evaluations over algo.total_steps
@@ -90,7 +90,7 @@ class PeriodicEvaluation:
         assert self.scorer is not None
         start = time.perf_counter()
         self.next_step = (env_step // self.every + 1) * self.every
-        metrics = self.scorer.play(self.scorer.snapshot(models, obs_normalization))
+        metrics = score(self.scorer, models, obs_normalization)
         return self._record(env_step, metrics, time.perf_counter() - start)
 
     # ------------------------------------------------------------------------------------ in the background

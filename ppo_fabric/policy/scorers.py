@@ -236,6 +236,9 @@ def held_out(cfg: DictConfig, opponents: list[str]) -> set[str]:
 SEAT_RATES = ("win_rate", "win_rate_moving_first", "win_rate_moving_second")
 
 
+TRAINING_OPPONENTS = "choose random, win_or_block[:centre|:careful] or search[:DEPTH]"
+
+
 class Games:
     """A two-player turn-based game's evaluation: the trained policy's games against each of
     `game_opponents` (`eval.episodes` games each, seats alternated, `play_games`); its win rate against
@@ -255,18 +258,30 @@ class Games:
         self.deterministic = bool(cfg.eval.deterministic)
         self.seed = seed
         self.factory = aec_env_factory(str(cfg.env.id), dict(cfg.env.get("kwargs") or {}))
-        state = {"config": {"env": {"id": str(cfg.env.id)}}}
-        self.opponents = []
-        names = game_opponents(cfg)
-        self.held_out = held_out(cfg, names)
-        for opponent in names:
+        self.state = {"config": {"env": {"id": str(cfg.env.id)}}}
+        self.names = game_opponents(cfg)
+        self.held_out = held_out(cfg, self.names)
+        for opponent in self.names:
             if opponent == "pool" or opponent.startswith("snapshot:"):
                 raise ConfigError(f"eval.opponents: {opponent} is for `python -m ppo_fabric.evaluate`; "
                                   "evaluation during training plays random, win_or_block or search[:DEPTH]")  # fmt: skip
             try:
-                self.opponents += opponent_players(opponent, state, self.name, True, seed)
+                opponent_players(opponent, self.state, self.name, True, seed)
             except GameEvalError as exc:
-                raise ConfigError(f"eval.opponents: {exc}") from None
+                raise ConfigError(
+                    f"eval.opponents: {str(exc).partition('; choose')[0]}; {TRAINING_OPPONENTS}"
+                ) from None
+
+    def _opponents(self) -> list[tuple[str, Any]]:
+        """The opponents as new: each evaluation's random and scripted players draw the same moves (each its
+        own seed), so a policy scores alike at every evaluation and a resumed run as the uninterrupted one."""
+        from ppo_fabric.policy.game_eval import opponent_players
+
+        return [
+            player
+            for i, opponent in enumerate(self.names)
+            for player in opponent_players(opponent, self.state, self.name, True, self.seed + i)
+        ]
 
     def snapshot(self, models: dict[str, ActorCritic], obs_normalization: Any = None) -> Any:
         from ppo_fabric.policy.game_eval import policy_player
@@ -277,7 +292,7 @@ class Games:
         from ppo_fabric.games.play import GameResults, play_games
 
         record, unseen, metrics = GameResults(), GameResults(), {}
-        for i, (label, opponent) in enumerate(self.opponents):
+        for i, (label, opponent) in enumerate(self._opponents()):
             results = play_games(self.factory, player, opponent, self.games, self.seed + i * self.games)
             rates = results.summary()
             metrics |= {f"eval/{label}/{k}": rates[k] for k in SEAT_RATES if rates[k] is not None}
@@ -293,6 +308,20 @@ class Games:
 
     def close(self) -> None:
         pass
+
+
+def score(
+    scorer: Episodes | ParallelEpisodes | Games, models: dict[str, ActorCritic], obs_normalization: Any
+) -> dict[str, float]:
+    """One evaluation of `models`. Its sampled actions (`eval.deterministic=false`) draw from torch's
+    stream seeded anew from the scorer's seed, in a fork of the caller's: an evaluation leaves training's
+    random state where it was (a coupled run evaluates in its own process) and scores as it would in the
+    uninterrupted run (after a resume, whatever evaluations came before)."""
+    import torch
+
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(scorer.seed)
+        return scorer.play(scorer.snapshot(models, obs_normalization))
 
 
 def scorer_for(

@@ -165,6 +165,26 @@ def test_an_env_module_with_both_apis_is_evaluated_as_it_trains() -> None:
         scorer.close()
 
 
+def test_an_evaluation_scores_alike_each_time_and_leaves_the_random_state() -> None:
+    """Games against random and scripted players drawn anew each evaluation, and sampled actions from a
+    stream of the evaluation's own: the same weights score the same at every evaluation (so a resumed
+    run's record is the uninterrupted one's), and the training's torch stream is where it was."""
+    from ppo_fabric.policy.scorers import score, scorer_for
+
+    cfg, _ = compose(
+        ["exp=tictactoe", "eval.opponents=[random]", "eval.episodes=8", "eval.deterministic=false"]
+    )
+    specs = policy_specs(cfg)
+    scorer = scorer_for(cfg, specs, seed=7)
+    torch.manual_seed(0)
+    models = {n: ActorCritic(s.obs_space, s.action_space, s.model) for n, s in specs.items()}
+    before = torch.random.get_rng_state()
+    first = score(scorer, models, None)
+    assert torch.equal(torch.random.get_rng_state(), before), "an evaluation moved training's random state"
+    torch.rand(3)  # training goes on between evaluations
+    assert score(scorer, models, None) == first
+
+
 def test_a_multiagent_run_evaluates_every_policy(tmp_path: Path) -> None:
     """A Parallel env: every policy plays its agents; each policy's mean return and all agents' together,
     whose mean is the record (the episodes replayed by hand from the final checkpoint give the same)."""
@@ -252,7 +272,7 @@ def test_held_out_players_are_reported_apart_and_choose_nothing() -> None:
     games = Games.__new__(Games)  # its opponents by hand: random players under two labels
     games.games, games.seed = 6, 0
     games.factory = aec_env_factory("pettingzoo.classic.tictactoe_v3")
-    games.opponents = [("random", RandomPlayer(1)), ("search:1", RandomPlayer(2))]
+    games._opponents = lambda: [("random", RandomPlayer(1)), ("search:1", RandomPlayer(2))]  # type: ignore[method-assign]
     games.held_out = {"search:1"}
     metrics = games.play(RandomPlayer(3))
     assert metrics["eval/win_rate"] == metrics["eval/random/win_rate"]
