@@ -143,7 +143,12 @@ def evaluate_games(
         raise GameEvalError(f"opponent= needs a two-player AEC game: {exc}") from exc
     if not hasattr(probe, "agent_iter"):
         raise GameEvalError(f"opponent= plays AEC games; env.id={env_cfg['id']} is a Parallel env")
-    share = max(2, games // len(opponents))
+    if games < 2 * len(opponents):
+        raise GameEvalError(
+            f"games={games} is fewer than 2 per opponent (one from each seat) for {len(opponents)} opponents; "
+            f"use games={2 * len(opponents)} or more"
+        )
+    share = games // len(opponents) // 2 * 2  # an even share each: as many games from each seat
     start = time.perf_counter()
     total = GameResults()
     rows = {}

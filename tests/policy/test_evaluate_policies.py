@@ -215,6 +215,14 @@ def test_games_against_a_snapshot_and_the_pool(tmp_path: Path) -> None:
     pool = evaluate.evaluate(path, opponent="pool", games=8, out=tmp_path)
     assert set(pool["opponents"]) == {"pool:3", "pool:5"} and pool["games"] == 8
     assert all(row["win_rate"] == 0.5 for row in pool["opponents"].values())
+    odd = evaluate.evaluate(path, opponent="pool", games=7, out=tmp_path)
+    assert odd["games"] == 4, (
+        "an even share of each snapshot, as many games from each seat, never more than N"
+    )
+    with pytest.raises(
+        evaluate.EvalError, match=r"games=3 is fewer than 2 per opponent .* use games=4 or more"
+    ):
+        evaluate.evaluate(path, opponent="pool", games=3, out=tmp_path)
 
 
 @pytest.mark.parametrize(
