@@ -241,6 +241,8 @@ class Player:
         elif state.held is not None:  # the resumed rollout is sent: act with the newest parameters
             vector_to_parameters(state.held, self.params)
             state.behaviour, state.held = state.received, None
+            # where the original run received them: the checkpoint's state is from before (a snapshot due)
+            self.collector.after_update(self.policies, state.received)
         if not self.pipeline:
             state.adopt(self.receive())
 

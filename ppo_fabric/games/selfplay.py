@@ -77,6 +77,11 @@ def check_selfplay(cfg: DictConfig, specs: dict[str, Any], turn_based: bool) -> 
     spec = next(iter(specs.values()))
     if spec.agents != 2:
         raise EnvError(f"selfplay needs a two-player game; env.id={cfg.env.id} has {spec.agents} players")
+    if spec.action_mask is None:  # off, or a game without masks: the opponents could not play legal moves
+        raise EnvError(
+            "selfplay needs the game's action_mask (algo.action_mask=auto): its random, scripted and "
+            f"snapshot opponents play legal moves from it (algo.action_mask={cfg.algo.action_mask})"
+        )
     for key in ("snapshot_every", "pool_size"):
         value = sp.get(key)
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -273,6 +278,8 @@ class SelfPlay:
         self.opponent = np.full(num_envs, -1, dtype=np.int64)  # the snapshot id each copy plays
         self.greedy = np.zeros(num_envs, dtype=bool)  # copies whose snapshot plays its most likely moves
         self.nets: dict[int, ActorCritic] = {}
+        # snapshots that left the pool while copies were still playing them: they finish those games
+        self.retired: dict[int, dict[str, torch.Tensor]] = {}
         self.results = np.zeros(3, dtype=np.int64)  # wins, draws, losses since the last metrics()
         self.random_results = np.zeros(3, dtype=np.int64)  # the same, against the random player
         self.scripted_results = np.zeros(3, dtype=np.int64)  # the same, against the scripted player
@@ -291,7 +298,7 @@ class SelfPlay:
     def _playable(self, opponent: int) -> bool:
         if opponent <= SCRIPTED:
             return SCRIPTED - opponent < len(self.scripted)
-        return opponent == RANDOM or self.pool.get(opponent) is not None
+        return opponent == RANDOM or self.pool.get(opponent) is not None or opponent in self.retired
 
     def _draw(self) -> int:
         """The next opponent: the random player with probability `random_prob`, a scripted one with
@@ -330,10 +337,11 @@ class SelfPlay:
         net = self.nets.get(snap_id)
         if net is None:
             snap = self.pool.get(snap_id)
-            assert snap is not None, f"snapshot {snap_id} is no longer in the pool"
+            weights = snap.weights if snap is not None else self.retired.get(snap_id)
+            assert weights is not None, f"snapshot {snap_id} is no longer in the pool"
             with torch.random.fork_rng(devices=[]):  # its random init is overwritten: leave the RNG as it was
                 net = ActorCritic(self.spec.obs_space, self.spec.action_space, self.spec.model)
-            net.load_state_dict(snap.weights)
+            net.load_state_dict(weights)
             self.nets[snap_id] = net.to(self.device).eval()
         return net
 
@@ -420,7 +428,12 @@ class SelfPlay:
     def after_update(self, policy: ActorCritic, update: int) -> None:
         """Every `snapshot_every` updates the learner's weights join the pool."""
         if update % self.every == 0:
+            before = list(self.pool.snapshots)
             snap = self.pool.add(policy.state_dict(), update)
+            playing = set(self.opponent.tolist())
+            for gone in before[: len(before) + 1 - len(self.pool.snapshots)]:
+                if gone.id in playing:  # a game in progress finishes against it (its results count nowhere)
+                    self.retired[gone.id] = gone.weights
             self._prune()
             if self.rater is not None:
                 self._rate(snap)
@@ -435,7 +448,9 @@ class SelfPlay:
             self.elo = self.rater.rate(snap.weights, pool, snap.id, train_seconds=trained_s)
 
     def _prune(self) -> None:
-        keep = {s.id for s in self.pool.snapshots} | set(self.opponent.tolist())
+        playing = set(self.opponent.tolist())
+        self.retired = {i: w for i, w in self.retired.items() if i in playing}
+        keep = {s.id for s in self.pool.snapshots} | playing
         for snap_id in [i for i in self.nets if i not in keep]:
             del self.nets[snap_id]
 
@@ -477,6 +492,8 @@ class SelfPlay:
         }
         if self.greedy_prob > 0:
             out["greedy"] = torch.from_numpy(self.greedy.copy())
+        if self.retired:
+            out["retired"] = [{"id": i, "weights": dict(w)} for i, w in self.retired.items()]
         if self.scripted:  # their generators' states: plain ints and strings (one dict for one player)
             states = [player.rng.bit_generator.state for player in self.scripted]
             out["scripted_rng"] = states[0] if len(states) == 1 else states
@@ -497,6 +514,6 @@ class SelfPlay:
             self.opponent = np.asarray(state["opponent"], dtype=np.int64).copy()
             if "greedy" in state:
                 self.greedy = np.asarray(state["greedy"], dtype=bool).copy()
-        for e in range(self.num_envs):
-            if not self._playable(int(self.opponent[e])):
-                self._assign(e)
+            self.retired = {int(r["id"]): dict(r["weights"]) for r in state.get("retired", [])}
+        # a copy whose opponent is gone (another league, other copies) draws its next in `start`, after the
+        # random state is restored

@@ -219,6 +219,7 @@ def test_tictactoe_selfplay_two_processes(tmp_path: Path, strategy: str) -> None
     [
         (["model=lstm"], "feed-forward policies only"),
         (["selfplay.enabled=true", "selfplay.pool_size=0"], "selfplay.pool_size=0"),
+        (["selfplay.enabled=true", "algo.action_mask=off"], "selfplay needs the game's action_mask"),
         (["selfplay.enabled=true", "selfplay.opening_moves=-1"], "opening_moves=-1 must be a whole"),
         (["selfplay.enabled=true", "selfplay.sampling=best"], "selfplay.sampling=best"),
         (["selfplay.enabled=true", "selfplay.latest_prob=2"], "selfplay.latest_prob=2"),

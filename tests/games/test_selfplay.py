@@ -3,6 +3,9 @@ train when seats alternate, win/draw/loss counting, tictactoe runs, and the pool
 
 from __future__ import annotations
 
+import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -27,6 +30,7 @@ from ppo_fabric.learn.learners import policy_specs
 from ppo_fabric.models.agent import ActorCritic
 from ppo_fabric.runs import checkpoint as ckpt
 from ppo_fabric.runs.metrics_file import read_rows
+from tests.conftest import job_env, numbered_checkpoint
 
 CONNECT_FOUR = [
     "env=pettingzoo", "env.id=pettingzoo.classic.connect_four_v3", "env.num_envs=4", "algo.rollout_steps=32",
@@ -343,6 +347,34 @@ def test_greedy_snapshot_games_play_the_most_likely_legal_move(greedy_prob: floa
     assert greedy_prob == 0 or (restored.greedy == sp.greedy).all()
 
 
+def test_a_snapshot_that_leaves_the_pool_finishes_its_games_and_resumes_with_them(tmp_path: Path) -> None:
+    """Pool of 2, a snapshot every update: after two more snapshots the first copies' opponent has left the
+    pool with their games still going. Each finishes its game against it (not against another snapshot
+    drawn mid-game, whose statistics the result would reach), and a checkpoint taken meanwhile holds its
+    weights, so a resume plays the same opponent (and draws nothing before the random state is back)."""
+    sp = _selfplay([*TICTACTOE, "selfplay.pool_size=2", "selfplay.snapshot_every=1"])
+    learner = ActorCritic(sp.spec.obs_space, sp.spec.action_space, sp.spec.model)
+    assert sp.opponent.tolist() == [0, 0, 0, 0]  # the only snapshot
+    sp.after_update(learner, 1)
+    sp.after_update(learner, 2)  # snapshot 0 leaves the pool; no game has ended
+    assert [s.id for s in sp.pool.snapshots] == [1, 2]
+    sp.start(learner, 2)  # what the next rollout does first
+    assert sp.opponent.tolist() == [0, 0, 0, 0], "games in progress keep their opponent"
+    sp._net(0)  # its moves come from its own weights  # noqa: SLF001
+    torch.save(sp.state(), tmp_path / "selfplay.pt")
+    again = _selfplay([*TICTACTOE, "selfplay.pool_size=2", "selfplay.snapshot_every=1"])
+    state = np.random.get_state()
+    again.load_state(torch.load(tmp_path / "selfplay.pt", weights_only=True), exact=True)
+    assert np.random.get_state()[2] == state[2] and (np.random.get_state()[1] == state[1]).all()
+    again.start(learner, 2)
+    assert again.opponent.tolist() == [0, 0, 0, 0]
+    for key, value in sp._net(0).state_dict().items():  # noqa: SLF001
+        torch.testing.assert_close(again._net(0).state_dict()[key], value, rtol=0, atol=0)  # noqa: SLF001
+    sp.episodes_ended(np.ones(8, dtype=bool), np.zeros(8))  # every game ends: the next come from the pool
+    assert set(sp.opponent.tolist()) <= {1, 2} and sp.retired == {}
+    assert sp.pool.get(0) is None and 0 not in sp.nets
+
+
 # ----------------------------------------------------------------------------------------------- runs
 def _pool(path: Path) -> dict:
     return ckpt.load(path)["ranks"][0]["selfplay"]["pool"]
@@ -375,6 +407,30 @@ def test_selfplay_run_logs_results_and_pool_survives_resume(tmp_path: Path) -> N
         assert (a["wins"], a["draws"], a["losses"]) == (b["wins"], b["draws"], b["losses"])
         for key in a["weights"]:
             torch.testing.assert_close(a["weights"][key], b["weights"][key])
+
+
+@pytest.mark.multiprocess
+def test_a_pipelined_decoupled_selfplay_resume_keeps_every_snapshot(tmp_path: Path) -> None:
+    """A pipelined checkpoint holds the player's state from before the update it names joined the pool;
+    the resumed run must add that snapshot where the original did (after its first rollout), or the
+    pool loses it for good and the run goes another way."""
+    run = [*TICTACTOE, "strategy=decoupled", "fabric.devices=2", "algo.pipeline=true", "algo.rollout_steps=16",
+           "algo.minibatch_size=32", "selfplay.snapshot_every=1", "selfplay.pool_size=50", "checkpoint.keep=0",
+           "checkpoint.every=3", "algo.total_steps=384", "logger=none", "eval.every=0"]  # fmt: skip
+    env = job_env(supervisor=False)
+    for name, extra in (("full", []), ("resumed", [f"resume={tmp_path / 'middle.ckpt'}"])):
+        cmd = [sys.executable, "-m", "ppo_fabric", *run, *extra, f"hydra.run.dir={tmp_path / name}"]
+        proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=240)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        if name == "full":
+            shutil.copy(numbered_checkpoint(tmp_path / "full", 3), tmp_path / "middle.ckpt")
+    full, resumed = (ckpt.load(tmp_path / n / "checkpoints" / "last.ckpt") for n in ("full", "resumed"))
+    ids = [
+        [s["update"] for s in state["ranks"][0]["selfplay"]["pool"]["snapshots"]] for state in (full, resumed)
+    ]
+    assert ids[0] == ids[1] == [0, 1, 2, 3, 4, 5, 6], ids
+    for key, value in full["agent"]["shared"].items():
+        torch.testing.assert_close(resumed["agent"]["shared"][key], value, rtol=0, atol=0)
 
 
 def test_selfplay_metrics_in_the_csv(tmp_path: Path) -> None:
