@@ -35,6 +35,7 @@ from ppo_fabric.config.values import ConfigError, composer, under_fabric_run
 from ppo_fabric.learn.accel import set_cuda_math
 from ppo_fabric.runs import lock as run_lock
 from ppo_fabric.runs.continuation import describe
+from ppo_fabric.runs.metrics import close_after_failure
 from ppo_fabric.runs.session import STOP, Stopped
 from ppo_fabric.runs.watchdog import Watchdog
 from ppo_fabric.wire.placement import small_model_warning
@@ -242,6 +243,7 @@ def launch(
         os._exit(130)
     except Exception as exc:
         watchdog.stop()
+        close_after_failure()  # the records so far reach the tracker, whose run ends as failed
         if fabric.world_size == 1:
             raise  # the command line (or the caller of ppo_fabric.run) reports it
         if os.environ.get("PPO_FABRIC_TRACEBACK"):

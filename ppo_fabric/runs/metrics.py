@@ -3,12 +3,14 @@ terminal, a plain line every `logger.progress_every` seconds otherwise."""
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import hashlib
 import io
 import json
 import math
 import sys
+import threading
 import time
 import warnings
 from collections.abc import Callable, Iterable, Mapping
@@ -18,11 +20,14 @@ from typing import Any, TextIO
 import torch
 from omegaconf import DictConfig, OmegaConf
 
+from ppo_fabric.config.faults import FAULT_EXIT, RunFault
 from ppo_fabric.config.values import ConfigError
 from ppo_fabric.runs.metrics_file import EVALUATIONS_CSV, METRICS_CSV
-from ppo_fabric.runs.trackers import Tracker, open_tracker
+from ppo_fabric.runs.trackers import Tracker, open_tracker, tracker_name
+from ppo_fabric.wire.progress import PROGRESS
 
 WALL = "time/wall_s"
+ABORT_CLOSE_S = 30.0  # how long a failed run waits for its tracker to close before it exits
 PROGRESS_EVERY_S = 30.0  # `logger.progress_every` where the config has no such key
 
 
@@ -208,7 +213,13 @@ class RunLogger:
                 flush=True,
             )
         since = -1 if fresh else resumed_at
-        self.tracker = open_tracker(cfg, run_dir, continued=not fresh)
+        try:
+            with PROGRESS.waiting_for("the tracker"):  # a server's answer, not this process's stall
+                self.tracker = open_tracker(cfg, run_dir, continued=not fresh)
+        except Exception as exc:  # the run was asked to track: it does not start without its tracker
+            text = f"{type(exc).__name__}: {exc}".strip().splitlines()[0]
+            raise RunFault(f"logger.tracker={tracker_name(cfg)} could not start its run ({text})") from exc
+        OPEN_LOGGERS.add(self)
         if cfg.logger.tensorboard:
             from lightning_fabric.loggers import TensorBoardLogger
 
@@ -254,7 +265,8 @@ class RunLogger:
             table.log(metrics, step)
         if self.tracker is not None:
             try:
-                self.tracker.log(shared, step)
+                with PROGRESS.waiting_for("the tracker"):
+                    self.tracker.log(shared, step)
             except Exception as exc:  # a tracker's server or store failing mid-run
                 self._drop_tracker(exc)
 
@@ -285,10 +297,12 @@ class RunLogger:
         for logger in self.loggers:
             logger.finalize("success" if exit_code == 0 else "interrupted")
         self.loggers = []
+        OPEN_LOGGERS.discard(self)
         if self.tracker is not None:
             tracker, self.tracker = self.tracker, None
             try:
-                tracker.close(self.run_dir, summary, exit_code)
+                with PROGRESS.waiting_for("the tracker"):
+                    tracker.close(self.run_dir, summary, exit_code)
             except Exception as exc:
                 self.tracker = tracker
                 self._drop_tracker(exc)
@@ -302,6 +316,31 @@ class RunLogger:
             stacklevel=3,
         )
         self.tracker = None
+
+
+OPEN_LOGGERS: set[RunLogger] = set()  # this process's loggers not yet closed: a failed run closes them
+
+
+def close_after_failure(timeout_s: float = ABORT_CLOSE_S) -> None:
+    """Close the loggers of a run that failed (exit 1), at most `timeout_s`: TensorBoard's and the
+    tracker's pending rows written, the MLflow run ended as FAILED, W&B's finished with exit code 1 (a
+    process that ends without this leaves the MLflow run RUNNING with its unflushed rows lost, and a W&B
+    run with nothing to sync). Never raises: the run's own failure is what the user reads."""
+    loggers = list(OPEN_LOGGERS)
+    if not loggers:
+        return
+
+    def close() -> None:
+        for logger in loggers:
+            with contextlib.suppress(Exception):
+                logger.close(exit_code=FAULT_EXIT)
+
+    worker = threading.Thread(target=close, name="close-loggers", daemon=True)
+    worker.start()
+    worker.join(timeout_s)
+    if worker.is_alive():
+        print(f"ppo-fabric: the run's tracker did not close within {timeout_s:g} s; its last rows may be lost",
+              file=sys.stderr, flush=True)  # fmt: skip
 
 
 def write_json(path: Path, data: Mapping[str, Any]) -> None:

@@ -32,6 +32,9 @@ from omegaconf import DictConfig, OmegaConf
 from ppo_fabric.config.values import ConfigError
 
 TRACKERS = ("mlflow", "wandb")
+# An MLflow server that hangs or is gone costs at most ~70 s a call (3 tries of 20 s, 2 s and 4 s apart),
+# not MLflow's ~20 minutes: the run drops a tracker that fails mid-run, and refuses to start without it.
+HTTP_BOUNDS = {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "2", "MLFLOW_HTTP_REQUEST_TIMEOUT": "20"}
 WANDB_MODES = ("auto", "online", "offline", "disabled")
 IDS_FILE = "trackers.json"  # in the run dir: which tracker run this directory logs into
 ARTIFACTS = ("config.yaml", "learning_curve.png", "summary.json")
@@ -217,6 +220,9 @@ class MlflowTracker:
             OmegaConf.select(cfg, "logger.experiment", default=None) or group or DEFAULT_EXPERIMENT
         )
         saved = ids.get("mlflow") or {}
+        if not embedded:  # MLflow retries a call to a server 7 times, 120 s each: bounded waits instead
+            for name, value in HTTP_BOUNDS.items():
+                os.environ.setdefault(name, value)  # the user's own settings win
         with _store_lock(self.uri), _quiet_mlflow():
             self.client = MlflowClient(tracking_uri=self.uri)
             self.run_id = None
@@ -285,7 +291,8 @@ class MlflowTracker:
             for name in ARTIFACTS:
                 if (run_dir / name).is_file():
                     self.client.log_artifact(self.run_id, str(run_dir / name))
-            self.client.set_terminated(self.run_id, "FINISHED" if exit_code == 0 else "KILLED")
+            status = "FINISHED" if exit_code == 0 else "KILLED" if exit_code >= 128 else "FAILED"
+            self.client.set_terminated(self.run_id, status)
 
 
 # ---------------------------------------------------------------------------------------------- W&B
@@ -363,7 +370,7 @@ class WandbTracker:
             if (run_dir / name).is_file():
                 shutil.copyfile(run_dir / name, files / name)
                 self.run.save(str(files / name), base_path=str(files), policy="now")
-        if exit_code:
+        if exit_code >= 128:  # stopped by a signal, to be resumed
             self.run.mark_preempting()
         self.run.finish(exit_code=exit_code)
         if self.wandb.run is None:  # ours was the last: end wandb's service process now, not at exit

@@ -10,6 +10,7 @@ Runs are in-process (`ppo_fabric.run`) 4-update CartPoles; stores live under tmp
 from __future__ import annotations
 
 import json
+import os
 import struct
 import subprocess
 import sys
@@ -188,6 +189,50 @@ def test_mlflow_rows_wait_for_the_flush_and_a_stop_ends_killed(tmp_path: Path, s
     open_tracker(cfg, run_dir)
     assert client.get_run(run.info.run_id).info.status == "RUNNING"
     assert len(client.search_runs([run.info.experiment_id])) == 1
+
+
+def test_a_run_that_fails_sends_its_rows_and_ends_its_mlflow_run_failed(
+    tmp_path: Path, shared_store: str
+) -> None:
+    """An env that raises in the 3rd update: the rows logged before it (held for the flush) reach the
+    tracker and its run ends FAILED, not RUNNING with nothing in it."""
+    run_dir = tmp_path / "failed"
+    logger = [f"logger.tracking_uri={shared_store}", "logger.flush_seconds=3600", "logger.experiment=failed"]
+    with pytest.raises(Exception, match="probe failure injected"):
+        ppo_fabric.run([*SMALL, "logger=mlflow", *logger, "env.id=tests.failing_env:FailingCartPole-v0",
+                        "+env.kwargs.fail_rank=0", "+env.kwargs.fail_after=70", f"hydra.run.dir={run_dir}"])  # fmt: skip
+    client, run = mlflow_run(shared_store, run_dir)
+    assert run.info.status == "FAILED"
+    history = client.get_metric_history(run.info.run_id, "loss/value")
+    steps = [s for s, _ in csv_series(run_dir, "loss/value")]
+    assert [m.step for m in history] == steps and steps, steps
+
+
+def test_a_tracker_that_cannot_start_ends_the_run_in_one_line(
+    tmp_path: Path, capfd: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A server that is not there: one line and a non-zero exit, after bounded waits (MLflow's own retry
+    a call for minutes; the user's setting, here no retries at all, wins over the run's bounds)."""
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
+    monkeypatch.delenv("MLFLOW_HTTP_REQUEST_TIMEOUT", raising=False)
+    args = [
+        *SMALL,
+        "logger=mlflow",
+        "logger.tracking_uri=http://127.0.0.1:9",
+        f"hydra.run.dir={tmp_path / 'r'}",
+    ]
+    assert cli.main(args) == 1  # the supervisor's job, a process of its own
+    err = capfd.readouterr().err
+    lines = [line for line in err.splitlines() if line.startswith("ppo-fabric: error:")]
+    assert len(lines) == 1 and "logger.tracker=mlflow could not start its run (" in lines[0], err
+    assert "Traceback" not in err and "rank failure (exit 1)" in err
+    from ppo_fabric.runs.trackers import MlflowTracker
+
+    cfg = OmegaConf.create({"logger": {"tracker": "mlflow", "tracking_uri": "http://127.0.0.1:9"}})
+    with pytest.raises(Exception, match="Connection refused"):
+        MlflowTracker(cfg, tmp_path, {})
+    assert os.environ["MLFLOW_HTTP_REQUEST_MAX_RETRIES"] == "0"  # the user's
+    assert os.environ["MLFLOW_HTTP_REQUEST_TIMEOUT"] == "20"  # the run's bound
 
 
 class FailingTracker:
