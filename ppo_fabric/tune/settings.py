@@ -114,10 +114,12 @@ def check(cfg: TuneConfig) -> None:
         cfg.objective in OBJECTIVES
         or cfg.objective in SUMMARY_METRICS
         or re.fullmatch(r"policies\.[^.]+\.final_mean_return", cfg.objective)
+        or re.fullmatch(r"evaluation\.(last|best)\.[^.]+", cfg.objective)
     ):
         raise ConfigError(
             f"tune.objective={cfg.objective} is not one of {', '.join(OBJECTIVES)} or a summary.json metric "
-            f"({', '.join(SUMMARY_METRICS)}, policies.<name>.final_mean_return)"
+            f"({', '.join(SUMMARY_METRICS)}, policies.<name>.final_mean_return, evaluation.last.return_mean, "
+            "evaluation.best.return_mean, ...)"
         )
     for name, value, allowed in (
         ("direction", cfg.direction, DIRECTIONS),

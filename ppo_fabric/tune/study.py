@@ -15,6 +15,7 @@ to paste, and the optimisation-history and parameter-importance plots.
 
 from __future__ import annotations
 
+import json
 import signal
 import sys
 import threading
@@ -134,6 +135,7 @@ def open_study(plan: Plan) -> Any:
     import optuna
 
     plan.directory.mkdir(parents=True, exist_ok=True)
+    claim_directory(plan)
     storage: Any = plan.storage
     if "://" not in plan.storage:  # a journal file: several machines can share it over a network disk
         from optuna.storages import JournalStorage
@@ -164,6 +166,29 @@ def open_study(plan: Plan) -> Any:
     study.sampler = _sampler(plan.tune, done)
     study.pruner = _pruner(plan)
     return study
+
+
+STUDY_FILE = "study.json"  # in the study dir: the study whose trials it holds
+
+
+def claim_directory(plan: Plan) -> None:
+    """One study per directory: trial directories are numbered from 0 in every study, so a second study
+    (or the same one with another storage, whose numbers restart too) in the same `tune.dir` would run its
+    trials in the first one's and rewrite its trials.csv. Refused in one line."""
+    marker = plan.directory / STUDY_FILE
+    mine = {"name": plan.name, "storage": plan.storage}
+    if not marker.is_file():
+        marker.write_text(json.dumps(mine) + "\n")
+        return
+    try:
+        theirs = json.loads(marker.read_text())
+    except (OSError, ValueError):
+        theirs = {}
+    if theirs != mine:
+        raise ConfigError(
+            f"tune.dir={plan.directory} holds the trials of study {theirs.get('name')!r} (tune.storage="
+            f"{theirs.get('storage')}); give this study another tune.dir, or continue that one"
+        )
 
 
 def _sampler(cfg: TuneConfig, done: int) -> Any:

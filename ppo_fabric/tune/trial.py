@@ -83,10 +83,14 @@ def objective_value(run_dir: Path, objective: str, seed: int, eval_episodes: int
     summary = json.loads((run_dir / "summary.json").read_text())
     if objective == "eval":
         from ppo_fabric.policy.evaluate import evaluate
+        from ppo_fabric.policy.scorers import EVAL_SEED_OFFSET
 
         # the trial this study just trained from the user's own config: its env is the user's to build
-        result = evaluate(
-            run_dir / "checkpoints" / "last.ckpt", episodes=eval_episodes, seed=seed, trust_env=True
+        result = evaluate(  # on the evaluation seeds, never the training envs'
+            run_dir / "checkpoints" / "last.ckpt",
+            episodes=eval_episodes,
+            seed=seed + EVAL_SEED_OFFSET,
+            trust_env=True,
         )
         return float(result["mean_return"])
     value: Any = summary
@@ -146,8 +150,8 @@ class TrialRun:
                 ending = Outcome("failed", reason=f"seed {seed} exited with status {code} (see {log})")
             if ending is not None:
                 self._stop(procs, codes, stopped)
-        if ending is not None:
-            return ending
+        if ending is not None and not all(c == 0 for c in codes):
+            return ending  # a prune or an interrupt in the poll where every seed had finished scores them
         return self._score()
 
     def _stop(self, procs: list[RunProcess], codes: list[int | None], stopped: set[int]) -> None:

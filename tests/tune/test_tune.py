@@ -181,6 +181,20 @@ def test_a_named_study_refuses_another_search(tmp_path: Path) -> None:
         tune.open_study(tune.prepare([*base, "algo.lr=choice(1e-4, 1e-2)"]))
 
 
+def test_a_study_directory_holds_one_study(tmp_path: Path) -> None:
+    """Trial directories restart at trial_000 in every study: a second study in the same tune.dir (or the
+    same one with another storage) would run in the first one's trials, so it is refused in one line."""
+    base = [f"tune.dir={tmp_path}", *PROBE, "algo.lr=choice(1e-3, 1e-2)"]
+    tune.open_study(tune.prepare(["tune.name=a", *base]))
+    tune.open_study(tune.prepare(["tune.name=a", *base]))  # the same study continues
+    with pytest.raises(ConfigError, match=rf"tune.dir={tmp_path} holds the trials of study 'a'"):
+        tune.open_study(tune.prepare(["tune.name=b", *base]))
+    with pytest.raises(ConfigError, match="holds the trials of study 'a'"):
+        tune.open_study(
+            tune.prepare(["tune.name=a", *base, f"tune.storage=sqlite:///{tmp_path / 'other.db'}"])
+        )
+
+
 # ------------------------------------------------------------------------------------------ trial plumbing
 def test_intermediate_values_on_a_grid_of_env_steps(tmp_path: Path) -> None:
     """Mean over seeds at each grid step once every seed has passed it, each seed's latest value <= step."""
@@ -205,6 +219,40 @@ def test_objective_values_come_from_the_summary(tmp_path: Path) -> None:
     assert objective_value(tmp_path, "policies.red.final_mean_return", 0, 1) == 2.0
     with pytest.raises(ValueError, match="no number for best_mean_return"):
         objective_value(tmp_path, "best_mean_return", 0, 1)
+    evaluation = {
+        "last": {"env_step": 512, "return_mean": 7.0},
+        "best": {"env_step": 256, "return_mean": 9.0},
+    }
+    (tmp_path / "summary.json").write_text(json.dumps(summary | {"evaluation": evaluation}))
+    for objective, value in (("evaluation.last.return_mean", 7.0), ("evaluation.best.return_mean", 9.0)):
+        tune_config.parse([f"tune.objective={objective}"])  # accepted
+        assert objective_value(tmp_path, objective, 0, 1) == value
+
+
+def test_a_trial_whose_seeds_all_finished_is_scored_whatever_came_in_the_same_poll(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An interrupt (or a prune) noticed in the poll in which every seed exited 0 does not turn a finished
+    trial into an interrupted one, to be run again."""
+    from ppo_fabric.tune import trial as trial_module
+
+    class Finished:
+        @staticmethod
+        def start(*_args: object, **_kwargs: object) -> Finished:
+            return Finished()
+
+        def poll(self) -> int:
+            return 0
+
+    monkeypatch.setattr(trial_module, "RunProcess", Finished)
+    for seed, value in ((1, 2.0), (2, 4.0)):
+        (tmp_path / f"seed_{seed}").mkdir()
+        (tmp_path / f"seed_{seed}" / "summary.json").write_text(json.dumps({"final_mean_return": value}))
+    flags = trial_module.StopFlags()
+    flags.stop.set()
+    run = trial_module.TrialRun([], [1, 2], tmp_path, "return", 1, None, 0.0, flags)
+    outcome = run.execute(None)
+    assert (outcome.state, outcome.value) == ("complete", 3.0)
 
 
 # ------------------------------------------------------------------------------------------ real studies
