@@ -201,6 +201,7 @@ def learners_state(cfg: DictConfig, learners: dict[str, Learner]) -> dict[str, A
     return state | on_cpu(
         {
             "multiagent": True,
+            "action_masks": {n: lr.spec.action_mask for n, lr in learners.items()},  # None: no masks
             "agent": {n: lr.policy.state_dict() for n, lr in learners.items()},
             "optimizer": {
                 n: None if lr.optimizer is None else lr.optimizer.state_dict() for n, lr in learners.items()

@@ -487,14 +487,29 @@ def mask_width(state: dict[str, Any], policy: str | None = None) -> int | None:
         return state.get("action_mask")
     if "action_masks" in state:
         return (state["action_masks"] or {}).get(policy)
-    # Not recorded: a turn-based (AEC) game with algo.action_mask on trained every policy with the masks
-    # of its `{"observation", "action_mask"}` observations (the only multi-agent masks there are).
+    # Not recorded (a checkpoint from before the width was): a turn-based (AEC) game with algo.action_mask
+    # on trained every policy with the masks of its `{"observation", "action_mask"}` observations (the only
+    # multi-agent masks there are), read from the game itself, which is built only from a known env package:
+    # loading never runs code a checkpoint names.
     cfg = state["config"]
     if str(cfg["algo"]["action_mask"]) == "off":
         return None
+    from ppo_fabric.envs.make import foreign_module
     from ppo_fabric.games.play import aec_mask_width
 
-    return aec_mask_width(str(cfg["env"]["id"]), dict(cfg["env"].get("kwargs") or {}))
+    env_id = str(cfg["env"]["id"])
+    if (module := foreign_module(env_id)) is not None:
+        raise ValueError(
+            f"this checkpoint does not record its action-mask width, and reading it from env.id={env_id!r} "
+            f"would import and run module {module!r}; resume it for a few steps to write a checkpoint that does"
+        )
+    width = aec_mask_width(env_id, dict(cfg["env"].get("kwargs") or {}))
+    if width is None:
+        raise ValueError(
+            f"this checkpoint does not record its action-mask width, and env.id={env_id!r} cannot be built "
+            "here to read it (is its package installed?)"
+        )
+    return width
 
 
 def pool_snapshots(state: dict[str, Any]) -> list[dict[str, Any]]:

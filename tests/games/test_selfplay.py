@@ -403,6 +403,7 @@ def test_selfplay_run_logs_results_and_pool_survives_resume(tmp_path: Path) -> N
     for key in final:  # seats, opponents, games in progress and RNG all continued exactly
         torch.testing.assert_close(final[key], again[key], rtol=0, atol=0)
     assert resumed["next_id"] == 5 and [s["update"] for s in resumed["snapshots"]] == [4, 6, 8]
+    assert ckpt.load(tmp_path / "full" / "checkpoints" / "last.ckpt")["action_masks"] == {"shared": 9}
     for a, b in zip(pool["snapshots"], resumed["snapshots"], strict=True):
         assert (a["wins"], a["draws"], a["losses"]) == (b["wins"], b["draws"], b["losses"])
         for key in a["weights"]:
@@ -429,6 +430,7 @@ def test_a_pipelined_decoupled_selfplay_resume_keeps_every_snapshot(tmp_path: Pa
         [s["update"] for s in state["ranks"][0]["selfplay"]["pool"]["snapshots"]] for state in (full, resumed)
     ]
     assert ids[0] == ids[1] == [0, 1, 2, 3, 4, 5, 6], ids
+    assert full["action_masks"] == {"shared": 9}, "a loader reads the mask width, never builds the game"
     for key, value in full["agent"]["shared"].items():
         torch.testing.assert_close(resumed["agent"]["shared"][key], value, rtol=0, atol=0)
 

@@ -192,6 +192,28 @@ def _tictactoe_checkpoint(path: Path, with_pool: bool = True) -> Path:
     return path
 
 
+def test_loading_a_multiagent_checkpoint_builds_no_env_it_names(tmp_path: Path) -> None:
+    """Checkpoints record each policy's mask width; one that does not (an older one) has it read from a game
+    of a known env package only: a checkpoint naming `os:system` with a command in `env.kwargs` is refused
+    in one line by every loader, and the command never runs."""
+    path = _tictactoe_checkpoint(tmp_path / "game.ckpt", with_pool=False)
+    assert ppo_fabric.load_policy(path).mask_width == 9  # an older checkpoint of a known game: read from it
+    marker = tmp_path / "MARKER"
+    state = ckpt.load(path, env_state="fresh")
+    state["config"]["env"] |= {"id": "os:system", "kwargs": {"command": f"touch {marker}"}}
+    crafted = tmp_path / "crafted.ckpt"
+    crafted.write_bytes(ckpt.encode(state))
+    with pytest.raises(ValueError, match=r"would import and run module 'os'"):
+        ppo_fabric.load_policy(crafted)
+    with pytest.raises(evaluate.EvalError, match=r"would import and run module 'os'"):
+        evaluate.evaluate(crafted, episodes=1, out=tmp_path)
+    assert not marker.exists()
+    state["action_masks"] = {"shared": 9}  # what a checkpoint records now: nothing to build
+    crafted.write_bytes(ckpt.encode(state))
+    assert ppo_fabric.load_policy(crafted).mask_width == 9
+    assert not marker.exists()
+
+
 def test_games_against_random_match_the_scripted_player(tmp_path: Path) -> None:
     path = _tictactoe_checkpoint(tmp_path / "checkpoints" / "last.ckpt")
     result = evaluate.main([f"checkpoint={path}", "opponent=random", "games=30", "seed=2"])
