@@ -93,6 +93,21 @@ def write_mp4(frames: list[np.ndarray], path: Path, fps: float) -> Path:
     return path
 
 
+EVAL_MAX_EPISODE_STEPS = 100_000  # an evaluation episode of an env with no time limit ends here (truncated)
+
+
+def capped(env: Any) -> Any:
+    """`env` with a time limit where it has none (a `module:factory` env without `env.max_episode_steps`):
+    a greedy policy that never reaches a terminal state would otherwise hold the evaluation, and with it
+    the run, for ever while every step counts as progress."""
+    spec = env.spec
+    if spec is not None and spec.max_episode_steps is not None:
+        return env
+    from gymnasium.wrappers import TimeLimit
+
+    return TimeLimit(env, EVAL_MAX_EPISODE_STEPS)
+
+
 def play(
     policy: Any,
     env: Any,
@@ -204,8 +219,10 @@ def evaluate(
         os.environ.setdefault("SDL_AUDIODRIVER", "dummy")
     try:
         # A run with action masks (the checkpoint records their width): the env reports them again.
-        env = make_env(
-            env_cfg, render_mode="rgb_array" if video else None, action_mask=state.get("action_mask")
+        env = capped(
+            make_env(
+                env_cfg, render_mode="rgb_array" if video else None, action_mask=state.get("action_mask")
+            )
         )
     except EnvError as exc:
         raise EvalError(str(exc)) from exc

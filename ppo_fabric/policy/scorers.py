@@ -30,7 +30,7 @@ from ppo_fabric.envs.make import make_env, on_error
 from ppo_fabric.envs.multiagent import SINGLE, is_turn_based, make_parallel_env
 from ppo_fabric.learn.learners import PolicySpec
 from ppo_fabric.models.agent import ActorCritic
-from ppo_fabric.policy.evaluate import play
+from ppo_fabric.policy.evaluate import capped, play
 from ppo_fabric.policy.trained import Policy
 from ppo_fabric.wire.progress import PROGRESS
 
@@ -93,7 +93,7 @@ class Episodes:
         )
 
     def _make(self) -> gym.Env:
-        return Checked(make_env(self.env_cfg, action_mask=self.spec.action_mask))
+        return Checked(capped(make_env(self.env_cfg, action_mask=self.spec.action_mask)))
 
     def play(self, policy: Policy) -> dict[str, float]:
         if not self.envs:

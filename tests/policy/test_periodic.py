@@ -185,6 +185,24 @@ def test_an_evaluation_scores_alike_each_time_and_leaves_the_random_state() -> N
     assert score(scorer, models, None) == first
 
 
+def test_an_evaluation_episode_of_an_env_without_a_time_limit_ends(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A greedy policy that never reaches the only terminal state: the evaluation (in training and in the
+    evaluate tool) cuts its episodes at EVAL_MAX_EPISODE_STEPS instead of holding the run for ever."""
+    from ppo_fabric.policy import evaluate as evaluate_module
+    from ppo_fabric.policy.scorers import score, scorer_for
+
+    monkeypatch.setattr(evaluate_module, "EVAL_MAX_EPISODE_STEPS", 50)
+    cfg, _ = compose(["env.id=tests.endless_env:make", "eval.episodes=2"])
+    specs = policy_specs(cfg)
+    (spec,) = specs.values()
+    model = ActorCritic(spec.obs_space, spec.action_space, spec.model)
+    with torch.no_grad():
+        model.head.linear.weight.zero_()
+        model.head.linear.bias.copy_(torch.tensor([1.0, 0.0]))  # always action 0: never ends by itself
+    metrics = score(scorer_for(cfg, specs, seed=3), dict.fromkeys(specs, model), None)
+    assert metrics["eval/length_mean"] == 50 and metrics["eval/return_mean"] == 50.0
+
+
 def test_a_multiagent_run_evaluates_every_policy(tmp_path: Path) -> None:
     """A Parallel env: every policy plays its agents; each policy's mean return and all agents' together,
     whose mean is the record (the episodes replayed by hand from the final checkpoint give the same)."""
