@@ -190,6 +190,8 @@ def evaluate(
     except ValueError as exc:
         raise EvalError(str(exc)) from exc
     out_dir = Path(out) if out is not None else ckpt.run_dir_of(checkpoint)
+    if out_dir.exists() and not out_dir.is_dir():  # said before any episode is played
+        raise EvalError(f"out={out_dir} is a file; out= names the directory eval.json goes into")
     env_cfg = OmegaConf.create(state["config"]["env"])
     module = foreign_module(str(env_cfg.id))
     if module is not None and not trust_env:
@@ -235,8 +237,11 @@ def evaluate(
         fps = float(env.metadata.get("render_fps") or 30)
     finally:
         env.close()
-    out_dir.mkdir(parents=True, exist_ok=True)
-    video_path = write_mp4(frames, out_dir / "eval.mp4", fps) if video else None
+    try:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        video_path = write_mp4(frames, out_dir / "eval.mp4", fps) if video else None
+    except OSError as exc:
+        raise EvalError(f"out={out_dir}: cannot write there ({exc.strerror or type(exc).__name__})") from exc
     result = {
         **_run_summary(checkpoint, env_cfg, state, episodes, deterministic, seed, returns, lengths),
         "returns": returns,
@@ -249,8 +254,13 @@ def evaluate(
 def _write(result: dict[str, Any], out_dir: Path) -> dict[str, Any]:
     from ppo_fabric.runs.metrics import write_json
 
-    out_dir.mkdir(parents=True, exist_ok=True)
-    write_json(out_dir / "eval.json", result)
+    try:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        write_json(out_dir / "eval.json", result)
+    except OSError as exc:
+        raise EvalError(
+            f"out={out_dir}: cannot write eval.json there ({exc.strerror or type(exc).__name__})"
+        ) from exc
     result["eval_json"] = str(out_dir / "eval.json")
     return result
 

@@ -218,8 +218,10 @@ def export_torchscript(
 
 
 def _check_onnx_installed() -> None:
+    """onnxruntime too: without it the exported file could not be checked against the model."""
     try:
         import onnx  # noqa: F401
+        import onnxruntime  # noqa: F401
         import onnxscript  # noqa: F401
     except ImportError as exc:
         raise ExportError(ONNX_HINT) from exc
@@ -321,31 +323,30 @@ def _export_one(
         raise ExportError(
             f"{which}export supports Box observations; this policy reads {type(obs_space).__name__}"
         )
-    path.parent.mkdir(parents=True, exist_ok=True)
     policy = policy_module(agent, action_space, value, norm, masked)
     meta = _metadata(state, obs_space, action_space, policy, name)
-    (export_torchscript if format == "torchscript" else export_onnx)(
-        policy, example_inputs(policy, obs_space, batch=2), path, meta
-    )
+    if path.is_dir():
+        raise ExportError(
+            f"out={path} is a directory; name the file (e.g. out={path / ('policy' + FORMATS[format])})"
+        )
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        (export_torchscript if format == "torchscript" else export_onnx)(
+            policy, example_inputs(policy, obs_space, batch=2), path, meta
+        )
+    except OSError as exc:
+        raise ExportError(f"out={path}: cannot write there ({exc.strerror or type(exc).__name__})") from exc
     check = example_inputs(policy, obs_space, batch=7, seed=1)
     with torch.no_grad():
         expected = policy(*check)
     expected_np = [t.numpy() for t in (expected if isinstance(expected, tuple) else (expected,))]
-    got = run_exported(path, format, *check) if format == "torchscript" or _has_onnxruntime() else expected_np
+    got = run_exported(path, format, *check)
     for output, want, have in zip(meta["outputs"], expected_np, got, strict=True):
         if want.shape != have.shape or not np.allclose(want, have, rtol=1e-4, atol=1e-5):
             raise ExportError(
                 f"{which}the exported {format} policy's {output} differs from the checkpoint's model"
             )
     return path
-
-
-def _has_onnxruntime() -> bool:
-    try:
-        import onnxruntime  # noqa: F401
-    except ImportError:
-        return False
-    return True
 
 
 def main(argv: list[str] | None = None) -> Path | dict[str, Path] | None:

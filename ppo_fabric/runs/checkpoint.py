@@ -474,8 +474,17 @@ def policy_from_weights(
     own, or a self-play snapshot's)."""
     from ppo_fabric.models.agent import ActorCritic
 
-    agent = ActorCritic(obs_space, action_space, policy_model_config(state, policy))
-    agent.load_state_dict(weights)
+    try:
+        agent = ActorCritic(obs_space, action_space, policy_model_config(state, policy))
+        agent.load_state_dict(weights)
+    except (
+        RuntimeError,
+        KeyError,
+        TypeError,
+    ) as exc:  # weights of another model, or a config that builds none
+        which = "" if policy is None else f"policy {policy!r}: "
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise ValueError(f"{which}the weights do not fit the model its config describes ({first})") from exc
     return agent.eval()
 
 

@@ -142,6 +142,9 @@ def test_video_without_the_extra_names_it(
         pytest.param(["checkpoint={ckpt}", "epsiodes=3"], "epsiodes: unknown argument", id="unknown-key"),
         pytest.param(["checkpoint={ckpt}", "episodes"], "key=value", id="no-equals"),
         pytest.param(["episodes=3"], "checkpoint is required", id="no-checkpoint"),
+        pytest.param(
+            ["checkpoint={ckpt}", "out={config}"], "is a file; out= names the directory", id="out-a-file"
+        ),
     ],
 )
 def test_bad_input(

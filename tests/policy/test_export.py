@@ -120,10 +120,13 @@ def test_onnx_matches_the_agent(tiny_run: Path, tmp_path: Path) -> None:
         np.testing.assert_allclose(value, want_value[: len(batch)].numpy(), rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("missing", ["onnxscript", "onnxruntime"])
 def test_onnx_without_the_extra_names_it(
-    tiny_run: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+    tiny_run: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, missing: str
 ) -> None:
-    monkeypatch.setitem(sys.modules, "onnxscript", None)  # makes `import onnxscript` fail
+    """Without onnxruntime the exported file could not be checked against the model: refused like the rest
+    of the extra, not exported unchecked."""
+    monkeypatch.setitem(sys.modules, missing, None)  # makes `import <missing>` fail
     with pytest.raises(SystemExit) as exc:
         export.main([f"checkpoint={_ckpt(tiny_run)}", "format=onnx"])
     assert exc.value.code == 2
@@ -138,10 +141,21 @@ def test_onnx_without_the_extra_names_it(
         pytest.param(["checkpoint={ckpt}", "format=tflite"], "format=tflite is unknown", id="bad-format"),
         pytest.param(["checkpoint={ckpt}", "fromat=onnx"], "fromat: unknown argument", id="unknown-key"),
         pytest.param(["format=onnx"], "checkpoint is required", id="no-checkpoint"),
+        pytest.param(
+            ["checkpoint={ckpt}", "out={tmp}"], "is a directory; name the file", id="out-a-directory"
+        ),
+        pytest.param(
+            ["checkpoint={ckpt}", "out=/proc/nowhere/p.pt"], "cannot write there", id="out-unwritable"
+        ),
+        pytest.param(["checkpoint={misfit}"], "the weights do not fit the model its config", id="misfit"),
     ],
 )
 def test_bad_input(
     tiny_run: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], args: list[str], fragment: str
 ) -> None:
-    paths = {"missing": tmp_path / "nope.ckpt", "ckpt": _ckpt(tiny_run)}
+    state = ckpt.load(_ckpt(tiny_run), env_state="fresh")
+    state["agent"].pop(next(iter(state["agent"])))  # weights that no longer fit the model
+    (tmp_path / "misfit.ckpt").write_bytes(ckpt.encode(state))
+    paths = {"missing": tmp_path / "nope.ckpt", "ckpt": _ckpt(tiny_run), "tmp": tmp_path,
+             "misfit": tmp_path / "misfit.ckpt"}  # fmt: skip
     assert_cli_failure(capsys, export.main, [a.format(**paths) for a in args], fragment)
