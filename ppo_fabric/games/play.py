@@ -95,10 +95,19 @@ def aec_env_factory(env_id: str, kwargs: dict[str, Any] | None = None) -> Callab
 
 def aec_mask_width(env_id: str, kwargs: dict[str, Any] | None = None) -> int | None:
     """The action-mask width of a two-player AEC game whose observations carry an `action_mask` (all its
-    agents share it), or None when `env_id` is no such game."""
+    agents share it), or None when `env_id` is no such game. Raises ImportError when its module (or one
+    it needs) is not installed: the width is unknown, not absent."""
     try:
-        env = aec_env_factory(env_id, kwargs)()
-    except Exception:  # not importable, no env(): not a game
+        factory = aec_env_factory(env_id, kwargs)
+    except ValueError as exc:  # no env(): not a game; a module that does not import: unknown
+        if isinstance(exc.__cause__, ImportError):
+            raise ImportError(str(exc)) from exc
+        return None
+    try:
+        env = factory()
+    except ImportError:
+        raise
+    except Exception:  # it does not build as a game: not one
         return None
     try:
         if not hasattr(env, "agent_iter"):

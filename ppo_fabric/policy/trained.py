@@ -5,10 +5,11 @@
 
 `predict` has Stable-Baselines3's shape so code written against SB3 acts with ours unchanged: NumPy in and
 out, the recurrent state carried by the caller (`episode_start` marks the rows whose episode just began),
-`deterministic=True` by default. What training did to the env's side of the loop is done here too, so a
-caller feeds raw env observations and gets env actions: observations are normalised with the run's frozen
-statistics (`env.normalize_obs`), action masks are honoured, and Box actions are clipped to the action
-space as the rollout clips them before `env.step`. Evaluation acts through the same method, so what a user
+`deterministic=True` by default. What training did between the env and the network is done here too, so a
+caller feeds the observations of the env as the run built it (`Policy.make_env`, with the run's wrappers)
+and gets env actions: observations are normalised with the run's frozen statistics (`env.normalize_obs`),
+action masks are honoured, and Box actions are clipped to the action space as the rollout clips them before
+`env.step`. Evaluation acts through the same method, so what a user
 scores and what `python -m ppo_fabric.evaluate` scores cannot diverge.
 
 Loading never runs code from the file: checkpoints are read with `torch.load(weights_only=True)`
@@ -76,6 +77,27 @@ class Policy:
             f"action_space={self.action_space}, recurrent={self.recurrent}, mask_width={self.mask_width})"
         )
 
+    def make_env(self, render_mode: str | None = None, trust_env: bool = False) -> gym.Env:
+        """The env this policy was trained on, built from the run's config with its wrappers (velocity
+        masking, observation noise, action repeat, Atari preprocessing, the action mask in the infos), as
+        `python -m ppo_fabric.evaluate` builds it: the observations `predict` expects. A bare `gym.make` of
+        the same id lacks those wrappers. An env id naming a module outside the known env packages runs
+        that module's code with the run's `env.kwargs`, so it is built only with `trust_env=True`."""
+        from omegaconf import OmegaConf
+
+        from ppo_fabric.envs.make import foreign_module, make_env
+
+        env_cfg = (self.config or {}).get("env")
+        if not env_cfg or self.name != "main":
+            raise ValueError("Policy.make_env builds the env of a single-agent run's policy")
+        module = foreign_module(str(env_cfg["id"]))
+        if module is not None and not trust_env:
+            raise ValueError(
+                f"Policy.make_env: env.id={env_cfg['id']!r} would import and run module {module!r}; "
+                "pass trust_env=True if you trust this checkpoint"
+            )
+        return make_env(OmegaConf.create(env_cfg), render_mode=render_mode, action_mask=self.mask_width)
+
     def greedy_actor(self) -> Callable[[np.ndarray], np.ndarray] | None:
         """`predict(batch, deterministic=True)` for a batch of array observations, in NumPy on views of the
         parameters (`collect.numpy_actor`: no torch call, ~1/7 of `predict`'s ~140 us on a batch of 10 on 2
@@ -127,8 +149,18 @@ class Policy:
         torch_state = None
         if self.recurrent:
             torch_state = self.model.initial_state(n) if state is None else torch.as_tensor(state)
+            fresh = self.model.initial_state(n)
+            if torch_state.shape != fresh.shape:
+                raise ValueError(
+                    f"Policy.predict: state of shape {tuple(torch_state.shape)} does not fit {n} observation(s): "
+                    f"give the state the previous call returned, {tuple(fresh.shape)} (None: a fresh episode)"
+                )
             if episode_start is not None:
                 starts = torch.as_tensor(np.asarray(episode_start, dtype=bool).reshape(-1))
+                if starts.numel() != n:
+                    raise ValueError(
+                        f"Policy.predict: episode_start has {starts.numel()} entries for {n} observation(s)"
+                    )
                 torch_state = torch.where(
                     starts.view(-1, *([1] * (torch_state.dim() - 1))),
                     torch.zeros_like(torch_state),
@@ -136,8 +168,7 @@ class Policy:
                 )
         masks: tuple[torch.Tensor, ...] = ()
         if action_mask is not None:
-            mask = torch.as_tensor(np.asarray(action_mask, dtype=bool))
-            masks = (mask.unsqueeze(0) if mask.dim() == 1 else mask,)
+            masks = (self._mask(action_mask, n, single),)
         with torch.inference_mode():
             action, _, _, next_state = self.model.act_with_state(batch, torch_state, deterministic, *masks)
         out = action.numpy()
@@ -147,6 +178,24 @@ class Policy:
             out = out[0]
         new_state = None if next_state is None else next_state.numpy()
         return out, new_state
+
+    def _mask(self, action_mask: Any, n: int, single: bool) -> torch.Tensor:
+        """`action_mask` as [n, width], checked: the policy's own width, one row per observation, and a
+        legal action in every row (with none, the policy would return an illegal one; training refuses it)."""
+        mask = torch.as_tensor(np.asarray(action_mask, dtype=bool))
+        if mask.dim() == 1:
+            mask = mask.unsqueeze(0)
+        width = self.mask_width if self.mask_width is not None else mask.shape[-1]
+        if mask.dim() != 2 or mask.shape != (n, width):
+            one = f"[{width}]" if single else f"[{n}, {width}]"
+            raise ValueError(
+                f"Policy.predict: action_mask of shape {tuple(np.shape(action_mask))} does not fit {n} "
+                f"observation(s) of this policy's {width} actions: give {one}"
+            )
+        if not bool(mask.any(1).all()):
+            row = int((~mask.any(1)).nonzero()[0])
+            raise ValueError(f"Policy.predict: action_mask row {row} allows no action")
+        return mask
 
     def _batch(self, observation: Any) -> tuple[torch.Tensor | TensorDict, bool]:
         """(the observation as the model's batch, whether it was a single observation)."""

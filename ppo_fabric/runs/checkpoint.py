@@ -512,13 +512,13 @@ def mask_width(state: dict[str, Any], policy: str | None = None) -> int | None:
             f"this checkpoint does not record its action-mask width, and reading it from env.id={env_id!r} "
             f"would import and run module {module!r}; resume it for a few steps to write a checkpoint that does"
         )
-    width = aec_mask_width(env_id, dict(cfg["env"].get("kwargs") or {}))
-    if width is None:
+    try:
+        return aec_mask_width(env_id, dict(cfg["env"].get("kwargs") or {}))
+    except ImportError as exc:
         raise ValueError(
             f"this checkpoint does not record its action-mask width, and env.id={env_id!r} cannot be built "
-            "here to read it (is its package installed?)"
-        )
-    return width
+            f"here to read it ({exc})"
+        ) from exc
 
 
 def pool_snapshots(state: dict[str, Any]) -> list[dict[str, Any]]:

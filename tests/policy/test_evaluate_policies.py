@@ -9,6 +9,7 @@ whatever it sees, so it plays exactly as `games.first_legal_player`: its results
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -198,6 +199,10 @@ def test_loading_a_multiagent_checkpoint_builds_no_env_it_names(tmp_path: Path) 
     in one line by every loader, and the command never runs."""
     path = _tictactoe_checkpoint(tmp_path / "game.ckpt", with_pool=False)
     assert ppo_fabric.load_policy(path).mask_width == 9  # an older checkpoint of a known game: read from it
+    with pytest.MonkeyPatch.context() as patch:  # the game's package missing: unknown, not "no masks"
+        patch.setitem(sys.modules, "pettingzoo.classic.tictactoe_v3", None)
+        with pytest.raises(ValueError, match="does not record its action-mask width.*cannot be built here"):
+            ppo_fabric.load_policy(path)
     marker = tmp_path / "MARKER"
     state = ckpt.load(path, env_state="fresh")
     state["config"]["env"] |= {"id": "os:system", "kwargs": {"command": f"touch {marker}"}}

@@ -93,6 +93,15 @@ def test_action_masks_are_honoured(tmp_path: Path) -> None:
             obs, _, terminated, truncated, info = env.step(int(action))
             done = terminated or truncated
     assert differ > 0, "the mask never changed the greedy action: a dropped mask would go unseen"
+    obs, info = env.reset(seed=0)
+    for bad, fragment in (
+        (np.ones(3, bool), r"action_mask of shape \(3,\) does not fit 1 observation\(s\) of this policy's 4 "
+                           r"actions: give \[4\]"),
+        (np.ones((2, 4), bool), r"shape \(2, 4\) does not fit 1 observation"),  # not row 0 used silently
+        (np.zeros(4, bool), "action_mask row 0 allows no action"),  # an illegal action otherwise
+    ):  # fmt: skip
+        with pytest.raises(ValueError, match=fragment):
+            policy.predict(obs, action_mask=bad)
     env.close()
 
 
@@ -121,7 +130,33 @@ def test_recurrent_state_is_carried_by_the_caller(tmp_path: Path) -> None:
     assert not np.allclose(after[1:], fresh_state)
     one, one_state = policy.predict(obs[0][0])  # one observation: one action, state of a batch of one
     assert one.shape == () and one_state.shape == (1, *policy.model.state_shape)
+    with pytest.raises(ValueError, match=r"state of shape \(2, .*\) does not fit 3 observation\(s\)"):
+        policy.predict(np.zeros((3, 4), np.float32), state)
+    with pytest.raises(ValueError, match="episode_start has 2 entries for 3 observation"):
+        policy.predict(np.zeros((3, 4), np.float32), None, episode_start=np.array([True, False]))
     env.close()
+
+
+def test_make_env_builds_the_env_as_the_run_did(tmp_path: Path) -> None:
+    """`Policy.make_env`: the run's wrappers (here zeroed velocities), so `predict` gets the observations
+    the policy trained on; an env of a module outside the known packages only with trust_env=True."""
+    overrides = ["env.id=CartPole-v1", "env.mask_velocity=zero"]
+    cfg_env = compose(overrides)[0].env
+    trained = make_env(cfg_env)
+    path = _write(tmp_path / "v.ckpt", overrides, {"main": (trained.observation_space, trained.action_space)})
+    policy = ppo_fabric.load_policy(path)
+    env = policy.make_env()
+    obs, _ = env.reset(seed=0)
+    for _ in range(5):
+        obs, *_ = env.step(int(policy.predict(obs)[0]))
+    assert obs[1] == 0.0 and obs[3] == 0.0, "the velocities are hidden as in training"
+    env.close()
+    trained.close()
+    foreign = _write(tmp_path / "f.ckpt", ["env.id=tests.endless_env:make"],
+                     {"main": (gym.spaces.Box(-1, 1, (2,), np.float32), gym.spaces.Discrete(2))})  # fmt: skip
+    with pytest.raises(ValueError, match="would import and run module 'tests.endless_env'.*trust_env=True"):
+        ppo_fabric.load_policy(foreign).make_env()
+    ppo_fabric.load_policy(foreign).make_env(trust_env=True).close()
 
 
 def test_multiagent_checkpoint_needs_a_policy_name(tmp_path: Path) -> None:
