@@ -221,6 +221,24 @@ def save(
     return last
 
 
+def _unreadable(path: Path, exc: Exception) -> str:
+    """Why `torch.load(weights_only=True)` refused a file, in words: what the file is, where that can be
+    told (a torch zip archive or not, an exported TorchScript policy), else what the refusal says."""
+    if not zipfile.is_zipfile(path):
+        empty = path.stat().st_size == 0
+        return "the file is empty" if empty else "not a torch file: truncated, damaged or of another kind"
+    try:
+        with zipfile.ZipFile(path) as archive:
+            names = archive.namelist()
+    except (OSError, zipfile.BadZipFile):
+        return "a damaged zip archive"
+    if any(name.split("/")[1:2] == ["code"] or name.endswith("/constants.pkl") for name in names):
+        return "an exported TorchScript policy: load it with torch.jit.load"
+    if "Unsupported global" in str(exc) or "Weights only load failed" in str(exc) and "GLOBAL" in str(exc):
+        return "it holds objects that load only by running code"
+    return f"{type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else 'unreadable'}"
+
+
 def load(path: str | Path, key: str = "resume", env_state: str = "restore") -> dict[str, Any]:
     """Load a checkpoint written by `save` without running any code; raises ValueError with a one-line reason.
 
@@ -240,14 +258,14 @@ def load(path: str | Path, key: str = "resume", env_state: str = "restore") -> d
     if not path.is_file():
         raise ValueError(f"{where}: no such checkpoint file")
     try:
-        state = torch.load(path, map_location="cpu", weights_only=True)
+        with warnings.catch_warnings():  # torch's warning that a file is a TorchScript archive: said below
+            warnings.simplefilter("ignore")
+            state = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as exc:
         old = _peek_format(path)
         if old is not None and old < FORMAT_VERSION:
             raise ValueError(_older_format(where, old)) from exc
-        refused = "Weights only load failed" in str(exc)
-        reason = "it holds objects that load only by running code" if refused else type(exc).__name__
-        raise ValueError(f"{where}: not a readable checkpoint ({reason})") from exc
+        raise ValueError(f"{where}: not a readable checkpoint ({_unreadable(path, exc)})") from exc
     version = state.get("format") if isinstance(state, dict) else None
     if isinstance(version, int) and 0 < version < FORMAT_VERSION:
         raise ValueError(_older_format(where, version))

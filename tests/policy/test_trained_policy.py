@@ -3,6 +3,7 @@ policies' own outputs for feed-forward, normalised, Box, masked, recurrent and m
 
 from __future__ import annotations
 
+import warnings
 from pathlib import Path
 
 import gymnasium as gym
@@ -181,11 +182,23 @@ def test_multiagent_checkpoint_needs_a_policy_name(tmp_path: Path) -> None:
 
 
 def test_a_file_that_is_no_checkpoint_is_refused_in_one_line(tmp_path: Path) -> None:
-    bad = tmp_path / "bad.ckpt"
-    bad.write_bytes(b"not a checkpoint")
-    with pytest.raises(ValueError) as info:
-        ppo_fabric.load_policy(bad)
-    assert "\n" not in str(info.value)
+    """Each in one line that says what the file is (random bytes read as "objects that load only by running
+    code" before, an exported policy as torch's two-line warning and a RuntimeError)."""
+    scripted = tmp_path / "policy.pt"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # TorchScript's deprecation: the file is what export still writes
+        torch.jit.save(torch.jit.script(torch.nn.Linear(2, 2)), str(scripted))
+    (tmp_path / "bad.ckpt").write_bytes(b"not a checkpoint")
+    (tmp_path / "empty.ckpt").write_bytes(b"")
+    for path, fragment in (
+        (tmp_path / "bad.ckpt", "not a torch file: truncated, damaged or of another kind"),
+        (tmp_path / "empty.ckpt", "the file is empty"),
+        (scripted, "an exported TorchScript policy: load it with torch.jit.load"),
+    ):
+        with warnings.catch_warnings(), pytest.raises(ValueError) as info:
+            warnings.simplefilter("error")  # no warning beside the one line
+            ppo_fabric.load_policy(path)
+        assert "\n" not in str(info.value) and fragment in str(info.value), str(info.value)
 
 
 def test_a_wrong_sized_observation_names_both_shapes(tmp_path: Path) -> None:
