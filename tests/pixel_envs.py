@@ -19,7 +19,8 @@ class DictPixels(gym.Env):
     episodes end by truncation, so the rollout's final-observation bootstrap sees Dict observations too.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, end_prob: float = 0.0) -> None:
+        self.end_prob = end_prob  # a chance per step that the episode ends (terminated)
         self.observation_space = gym.spaces.Dict(
             {
                 "image": gym.spaces.Box(0, 255, (1, 36, 36), np.uint8),
@@ -40,10 +41,15 @@ class DictPixels(gym.Env):
 
     def step(self, action: Any) -> tuple[Any, float, bool, bool, dict]:
         reward = float(int(action) == int(self._vec[0] > 0))
-        return self._obs(), reward, False, False, {}
+        return self._obs(), reward, bool(self.np_random.random() < self.end_prob), False, {}
 
 
 gym.register("DictPixels-v0", entry_point=DictPixels, max_episode_steps=10)
+# Episodes that end at random too: the copies reach the time limit at different steps, so a step can cut
+# some copies' episodes (their final observations bootstrapped) and not the others'.
+gym.register(
+    "DictPixelsStaggered-v0", entry_point=DictPixels, max_episode_steps=10, kwargs={"end_prob": 0.15}
+)
 
 
 class FakeALE:

@@ -96,7 +96,8 @@ class Group:
         if isinstance(obs, dict):  # Dict observations: one tensor per key, with the storage's dtypes
             template = self.storage["obs"]
             parts = {k: torch.as_tensor(v, dtype=template[k].dtype, device=device) for k, v in obs.items()}
-            return TensorDict(parts, batch_size=template.batch_size[1:], device=device)
+            rows = next(iter(parts.values())).shape[:1]  # every copy, or the few cut at a time limit
+            return TensorDict(parts, batch_size=rows, device=device)
         return torch.as_tensor(obs, dtype=self.obs_dtype, device=device)
 
 
@@ -487,7 +488,7 @@ class RolloutCollector:
             self.envs = envs
             self.restore_carry(state["carry"])
         else:
-            load_normalizer_state(self.envs, state.get("normalizers", {}))
+            self._take_statistics(state)
         self.episodes.window.extend(state["episodes"])
         self.episodes.count = state["episode_count"]
         self.restarts = int(state.get("env_restarts", 0))
@@ -505,6 +506,11 @@ class RolloutCollector:
         next observation is the fresh envs' first, normalised with the loaded statistics."""
         if self.selfplay is not None and "selfplay" in state:  # the pool, without per-copy seats
             self.selfplay.load_state(state["selfplay"], exact=False)
+        self._take_statistics(state)
+
+    def _take_statistics(self, state: dict[str, Any]) -> None:
+        """The saved normaliser statistics, and the fresh envs' first observation normalised with them (it
+        was normalised with the warm-up's, which the first step would act on and store)."""
         load_normalizer_state(self.envs, state.get("normalizers", {}))
         first = renormalized_reset(self.envs, None)
         if first is not None and not self.multiagent:

@@ -471,7 +471,8 @@ def make_vector_env(
     obs, _ = envs.reset(seed=seeds)
     warmup = int(env_cfg.normalize_warmup or 0)
     if warmup > 0 and normalizers(envs):
-        warm_up(envs, warmup, warmup_seed(seed, rank), reduce)
+        masks = (lambda: current_action_masks(envs)) if action_mask is not None else None
+        warm_up(envs, warmup, warmup_seed(seed, rank), reduce, masks)
         # The same seeds again: the run's episodes start exactly where a run without warm-up starts them.
         obs, _ = envs.reset(seed=seeds)
         discard_pending(envs)  # these reset observations were counted by the warm-up already

@@ -20,6 +20,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+import gymnasium as gym
 import numpy as np
 from gymnasium.vector import VectorEnv, VectorWrapper
 
@@ -164,19 +165,46 @@ def sync_normalizers(envs: Any, reduce: Reduce | None) -> None:
             ) from None
 
 
-def warm_up(envs: Any, steps: int, action_seed: int, reduce: Reduce | None) -> None:
+def warm_up(
+    envs: Any,
+    steps: int,
+    action_seed: int,
+    reduce: Reduce | None,
+    masks: Callable[[], np.ndarray] | None = None,
+) -> None:
     """Step `envs` `steps` times with random actions and merge what the normalisers saw over the ranks.
 
     Call on every collecting rank at the same point (the merge is a collective); the caller resets the
     envs afterwards. The actions come from the vector action space seeded with `action_seed`, so a run
-    warms up the same way every time.
+    warms up the same way every time. With `masks` (the copies' current action masks, [E, width]) each
+    action is drawn among the legal ones: an env that refuses an illegal move would fail the run before it
+    starts, and one that plays it would seed the statistics with states training never reaches.
     """
     if steps <= 0 or not normalizers(envs):
         return
     envs.action_space.seed(action_seed)
+    rng = np.random.default_rng(action_seed)
     for _ in range(steps):
-        envs.step(envs.action_space.sample())
+        envs.step(envs.action_space.sample() if masks is None else legal_actions(envs, masks(), rng))
     sync_normalizers(envs, reduce)
+
+
+def legal_actions(envs: Any, masks: np.ndarray, rng: np.random.Generator) -> np.ndarray:
+    """One uniformly random legal action per copy of a Discrete or MultiDiscrete vector env, from its flat
+    `masks` [E, width] (a copy or action dimension with none legal draws among all)."""
+    space = envs.single_action_space
+    nvec = [int(space.n)] if isinstance(space, gym.spaces.Discrete) else [int(n) for n in space.nvec.ravel()]
+    start = np.asarray(space.start).ravel()
+    bounds = np.cumsum(nvec)[:-1]
+    rows = []
+    for mask in masks:
+        picks = []
+        for n, part in zip(nvec, np.split(mask, bounds), strict=True):
+            legal = np.flatnonzero(part)
+            picks.append(int(rng.choice(legal)) if legal.size else int(rng.integers(n)))
+        rows.append(np.asarray(picks) + start)
+    actions = np.stack(rows)
+    return actions[:, 0] if isinstance(space, gym.spaces.Discrete) else actions.reshape(-1, *space.nvec.shape)
 
 
 def discard_pending(envs: Any) -> None:

@@ -62,6 +62,11 @@ def policy_specs(cfg: DictConfig) -> dict[str, PolicySpec]:
     mask_mode = str(cfg.algo.action_mask)
     if not is_multiagent(cfg.env):
         obs_space, action_space, width = probe_env(cfg.env, mask_mode)
+        if width is not None and int(cfg.env.action_repeat) > 1:  # the repeats would replay illegal moves
+            raise EnvError(
+                f"env.action_repeat={cfg.env.action_repeat} cannot be used with action masks (a mask holds for "
+                "the first step of the repeat only); set env.action_repeat=1, or algo.action_mask=off"
+            )
         lr = float(cfg.algo.lr)
         single = {SINGLE: PolicySpec(SINGLE, obs_space, action_space, cfg.model, lr, True, 1, width)}
         check_selfplay(cfg, single, False)

@@ -140,6 +140,28 @@ def test_vector_env_infos_carry_the_masks() -> None:
     envs.close()
 
 
+@pytest.mark.parametrize("name", ["ProbeMaskedInfo-v0", "ProbeMaskedMethod-v0"])
+def test_the_normalisation_warm_up_takes_only_legal_actions(name: str) -> None:
+    """The random steps that seed the observation statistics before training draw among the legal actions
+    (they sampled the whole action space: an env refusing illegal moves failed the run before it began)."""
+    probe_envs._MaskedProbe.ILLEGAL[0] = 0
+    cfg = env_section(id=f"tests.probe_envs:{name}", num_envs=3, vector="sync", normalize_obs=True,
+                      normalize_warmup=64)  # fmt: skip
+    envs, _ = make_vector_env(cfg, seed=0, rank=0, action_mask=4)
+    assert probe_envs._MaskedProbe.ILLEGAL[0] == 0
+    envs.close()
+
+
+def test_action_repeat_with_masks_is_refused(capsys: pytest.CaptureFixture[str]) -> None:
+    """A mask holds for the first step of a repeat only: the later ones would replay a move that may have
+    become illegal."""
+    from ppo_fabric import cli
+    from tests.conftest import assert_cli_failure
+
+    argv = ["env.id=tests.probe_envs:ProbeMaskedInfo-v0", "env.action_repeat=2"]
+    assert_cli_failure(capsys, cli.main, argv, "env.action_repeat=2 cannot be used with action masks")
+
+
 # ----------------------------------------------------------------------------------------------- runs
 def _train(tmp_path: Path, name: str, *overrides: str) -> tuple[int, dict]:
     """(illegal actions taken, summary) of a whole in-process run on a masked probe."""

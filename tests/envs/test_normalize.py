@@ -240,6 +240,35 @@ def test_warm_up_statistics_are_merged_and_identical_on_every_rank() -> None:
     assert not np.array_equal(first0, first1)  # each rank's own episodes, normalised alike
 
 
+def test_a_resume_without_env_snapshot_normalises_the_first_observation_with_the_saved_statistics() -> None:
+    """Envs a checkpoint cannot hold (async, Box2D, MuJoCo) start fresh on resume: their first observation
+    must be normalised with the statistics loaded, not the fresh envs' warm-up ones it was built with."""
+    from ppo_fabric.collect.rollout import build_collector
+    from ppo_fabric.config.values import compose
+    from ppo_fabric.envs.normalize import NormalizeObservation
+    from ppo_fabric.learn.learners import policy_specs
+    from ppo_fabric.models.agent import ActorCritic
+
+    overrides = ["env=gym", "env.id=Pendulum-v1", "env.num_envs=2", "algo.rollout_steps=64",
+                 "algo.minibatch_size=32", "env.normalize_obs=true", "env.max_episode_steps=50"]  # fmt: skip
+    cfg, _ = compose(overrides)
+    specs = policy_specs(cfg)
+    (spec,) = specs.values()
+    model = ActorCritic(spec.obs_space, spec.action_space, spec.model)
+    trained = build_collector(cfg, specs, 0, "cpu", None)
+    for _ in range(3):
+        trained.collect(model, 0)
+    state = trained.state_dict()
+    resumed = build_collector(cfg, specs, 0, "cpu", None)
+    resumed.load_state_dict(state, None)
+    wrapper = next(w for w in normalizers(resumed.envs) if isinstance(w, NormalizeObservation))
+    np.testing.assert_allclose(wrapper.moments.mean, state["normalizers"]["NormalizeObservation"]["mean"])
+    want = wrapper.moments.normalize(wrapper.last_reset)
+    np.testing.assert_allclose(resumed.groups[0].next_obs.numpy(), want, rtol=1e-6)
+    trained.envs.close()
+    resumed.envs.close()
+
+
 def test_normalize_obs_on_uint8_images_is_refused_in_one_line() -> None:
     """Normalised floats written into the uint8 pixel storage would be garbage: refused before start."""
     from ppo_fabric.app.preflight import load
