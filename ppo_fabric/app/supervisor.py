@@ -28,7 +28,7 @@ from omegaconf import DictConfig
 from ppo_fabric.app import prestart
 from ppo_fabric.app.process import quiet_libraries
 from ppo_fabric.compat.linux import PR_SET_CHILD_SUBREAPER, die_with_parent, prctl
-from ppo_fabric.config.faults import FAULT_EXIT, failed_child, forget_failed_child
+from ppo_fabric.config.faults import FAULT_EXIT, SIGNAL_REPEAT_S, failed_child, forget_failed_child
 from ppo_fabric.config.values import OWN_RUN_DIR_ENV, SUPERVISED_ENV, ConfigError, under_fabric_run
 from ppo_fabric.runs import lock
 from ppo_fabric.runs.metrics_file import read_rows, series
@@ -116,6 +116,7 @@ class Job:
         self.run_dir, self.timeout_s = run_dir, timeout_s
         self.proc: subprocess.Popen[bytes] | None = None
         self.stop_signal: int | None = None  # the first SIGTERM/SIGINT received
+        self.first_signal_at = 0.0
         self.signals = 0
         self.kill_at: float | None = None  # after a forwarded signal: when waiting longer is pointless
         for signum in (signal.SIGTERM, signal.SIGINT):
@@ -125,14 +126,22 @@ class Job:
         )  # (Linux; elsewhere the ranks' own timeouts) ranks orphaned by rank 0's death come back to be reaped here
 
     def _on_signal(self, signum: int, _frame: FrameType | None) -> None:
+        now = time.monotonic()
+        if signum == self.stop_signal and now - self.first_signal_at < SIGNAL_REPEAT_S:
+            return  # the same request delivered twice (the cluster's, and a sweep's or tuner's forward)
         self.signals += 1
-        self.stop_signal = self.stop_signal or signum
+        if self.stop_signal is None:
+            self.stop_signal, self.first_signal_at = signum, now
         self._forward()
 
     def _forward(self) -> None:
-        """The first signal goes to every process of the job as it is; any later one kills them at once."""
+        """The first signal goes to every process of the job as it is; a later one (or another signal)
+        kills them at once, with a line: the checkpoints stay as the job last wrote them."""
         if self.proc is None or self.stop_signal is None:
             return
+        if self.signals > 1:
+            os.write(2, b"ppo-fabric: a second stop signal: killed the job at once; its checkpoints stay as "
+                        b"it last wrote them\n")  # fmt: skip
         self._kill_group(self.stop_signal if self.signals == 1 else signal.SIGKILL)
         if self.kill_at is None:
             self.kill_at = time.monotonic() + self.timeout_s + GRACE_S

@@ -17,6 +17,9 @@ from pathlib import Path
 from ppo_fabric.config.values import SUPERVISED_ENV
 
 FAULT_EXIT = 1  # the exit status of a run that ended on a fault (a failure the supervisor may restart)
+# The same stop signal again within this many seconds is one request delivered twice (a cluster signals every
+# process, and each supervisor forwards it too), not a second request to end at once.
+SIGNAL_REPEAT_S = 2.0
 FAILED_CHILD = ".failed-rank"  # in the run directory: a launcher child's cause, for the supervisor to read
 
 

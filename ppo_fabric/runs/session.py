@@ -25,7 +25,7 @@ import torch
 from omegaconf import DictConfig
 
 from ppo_fabric.collect.rollout import RolloutCollector
-from ppo_fabric.config.faults import RunFault
+from ppo_fabric.config.faults import SIGNAL_REPEAT_S, RunFault
 from ppo_fabric.envs.multiagent import SINGLE
 from ppo_fabric.learn.learners import PolicySpec, metric_name
 from ppo_fabric.learn.schedule import LrSchedule
@@ -67,7 +67,7 @@ class StopSignals:
         self._first = 0.0
         self._previous: dict[int, Any] = {}
 
-    REPEAT_S = 2.0  # the same signal again within this: one signal delivered twice, not a second request
+    REPEAT_S = SIGNAL_REPEAT_S
 
     def _handle(self, signum: int, _frame: Any) -> None:
         now = time.monotonic()

@@ -186,6 +186,28 @@ def test_sigterm_is_forwarded_to_the_job(tmp_path: Path) -> None:
     _assert_nothing_left(run_dir, within=1)
 
 
+def test_the_same_stop_signal_twice_is_one_request(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capfd: pytest.CaptureFixture[str]
+) -> None:
+    """A cluster signals every process and a sweep (or the tuner) forwards the same signal to each job's
+    supervisor: one request arriving twice within seconds must reach the job once, not SIGKILL it and lose
+    its stop checkpoint. Another signal still kills it at once, with a line."""
+    from ppo_fabric.app import supervisor
+
+    monkeypatch.setattr(supervisor.signal, "signal", lambda *_args: None)  # not this test process's handlers
+    monkeypatch.setattr(supervisor, "prctl", lambda *_args: None)
+    job = supervisor.Job(tmp_path, 10.0)
+    sent: list[int] = []
+    monkeypatch.setattr(job, "_kill_group", sent.append)
+    job.proc = object()  # type: ignore[assignment]  # stands for the running job
+    job._on_signal(signal.SIGTERM, None)  # noqa: SLF001
+    job._on_signal(signal.SIGTERM, None)  # noqa: SLF001
+    assert sent == [signal.SIGTERM]
+    job._on_signal(signal.SIGINT, None)  # noqa: SLF001
+    assert sent == [signal.SIGTERM, signal.SIGKILL]
+    assert "a second stop signal: killed the job at once" in capfd.readouterr().err
+
+
 def test_a_job_that_cannot_stop_is_killed_with_a_line(tmp_path: Path) -> None:
     """A signalled job whose rank cannot reach its stop (an env stuck in `step`, the watchdog off) is killed
     `collectives.timeout + stall_timeout` + 5 s after the signal, and the supervisor says so."""
