@@ -24,7 +24,8 @@ def run(overrides: list[str], env: Any = None) -> dict[str, Any]:
     no traceback through the package); a run that goes wrong raises `ppo_fabric.config.faults.RunFault`
     (bad env data, a diverged update, a checkpoint that could not be written), its message one line. With
     `resume=auto` and a fixed `hydra.run.dir` the call can be repeated: it continues the run, or returns the
-    finished run's summary."""
+    finished run's summary. SIGINT (Ctrl+C, a notebook's interrupt) stops a one-process run at its next
+    update boundary with a checkpoint and raises KeyboardInterrupt here; SIGTERM raises SystemExit(143)."""
     from ppo_fabric.cli import run as _run
     from ppo_fabric.config.values import ConfigError
 

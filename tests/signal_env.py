@@ -20,6 +20,7 @@ class SignalledCartPole(CartPoleEnv):
     after = 600  # env steps of every copy together before the signal
     steps = 0
     sent = False
+    signum = signal.SIGTERM  # or SIGINT, as Ctrl+C (a notebook's interrupt) sends
 
     def step(self, action: Any) -> Any:
         cls = type(self)
@@ -27,7 +28,7 @@ class SignalledCartPole(CartPoleEnv):
         handler = signal.getsignal(signal.SIGTERM)
         if not cls.sent and cls.steps > cls.after and getattr(handler, "__self__", None) is STOP:
             cls.sent = True
-            os.kill(os.getpid(), signal.SIGTERM)
+            os.kill(os.getpid(), cls.signum)
         return super().step(action)
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import datetime
 import os
+import signal
 import sys
 import traceback
 from collections.abc import Callable, Iterator
@@ -185,9 +186,16 @@ def set_threads(threads: int) -> None:
 
 
 def launch(
-    cfg: DictConfig, run_dir_template: str, facts: dict[str, Any], main: StrategyMain
+    cfg: DictConfig,
+    run_dir_template: str,
+    facts: dict[str, Any],
+    main: StrategyMain,
+    caller_owns_process: bool = False,
 ) -> dict[str, Any]:
-    """Start the processes and run `main` on each; returns this rank's summary."""
+    """Start the processes and run `main` on each; returns this rank's summary. `caller_owns_process`
+    (`ppo_fabric.run()` from a script or notebook): a one-process run stopped by a signal raises, after its
+    stop checkpoint, KeyboardInterrupt (SIGINT) or SystemExit(143) (SIGTERM) into the caller, whose
+    `except` and `finally` then run, instead of ending the interpreter."""
     fabric = build_fabric(cfg, facts["world_size"])
     set_cuda_math(bool(cfg.fabric.tf32))  # process-wide; a no-op without CUDA
     own = Path(run_dir_template).resolve()
@@ -234,12 +242,20 @@ def launch(
                 f"ppo-fabric: {stop}; continue with resume={stop.checkpoint} (or resume=auto "
                 f"hydra.run.dir={run_dir})\n".encode(),
             )
+        if caller_owns_process and fabric.world_size == 1:  # ppo_fabric.run(): the caller's to end
+            watchdog.stop()
+            if stop.signum == signal.SIGINT:
+                raise KeyboardInterrupt(str(stop)) from stop
+            raise SystemExit(stop_status(stop.signum)) from stop
         end_process(stop_status(stop.signum))
     except KeyboardInterrupt:
         if fabric.global_rank == 0:
             last = run_dir / "checkpoints" / "last.ckpt"
             hint = f"; continue with resume={last}" if last.exists() else ""
             os.write(2, f"ppo-fabric: interrupted{hint}\n".encode())
+        if caller_owns_process and fabric.world_size == 1:
+            watchdog.stop()
+            raise
         os._exit(130)
     except Exception as exc:
         watchdog.stop()
@@ -320,7 +336,7 @@ def train(
         overrides = list(HydraConfig.get().overrides.task)
     name = str(HydraConfig.get().job.config_name) if in_app else "config"
     facts = prepare(cfg, str(run_dir), overrides, composer(None, name))
-    return launch(cfg, str(run_dir), facts, main)
+    return launch(cfg, str(run_dir), facts, main, caller_owns_process=not in_app)
 
 
 def run_script(strategy: str, main: StrategyMain) -> NoReturn:

@@ -175,6 +175,30 @@ RUN = [
 ]  # evaluation off: the env counts the steps of all its instances, and evaluation's would move the signal
 
 
+@pytest.mark.parametrize(
+    ("signum", "raised"), [(signal.SIGINT, KeyboardInterrupt), (signal.SIGTERM, SystemExit)]
+)
+def test_a_signal_stops_an_api_run_into_its_caller(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, signum: int, raised: type[BaseException]
+) -> None:
+    """`ppo_fabric.run()` in a notebook or script: a signal stops the run with its checkpoint, then raises
+    into the caller (KeyboardInterrupt, or SystemExit(143)), whose `finally` runs; it ended the interpreter
+    before (os._exit), the caller's own handlers with it."""
+    monkeypatch.setattr(SignalledCartPole, "signum", signum)
+    SignalledCartPole.steps, SignalledCartPole.sent = 0, False
+    run_dir = tmp_path / "run"
+    with pytest.raises(raised) as info:
+        ppo_fabric.run([*RUN, "algo.total_steps=4096", f"hydra.run.dir={run_dir}"])
+    assert SignalledCartPole.sent
+    assert raised is KeyboardInterrupt or info.value.code == 143
+    assert ckpt.load(run_dir / "checkpoints" / "last.ckpt")["env_step"] == 768
+    assert json.loads((run_dir / "summary.json").read_text())["interrupted"] is True
+    assert (
+        signal.getsignal(signum) is not None
+        and getattr(signal.getsignal(signum), "__self__", None) is not STOP
+    )
+
+
 def test_a_stopped_run_writes_an_interrupted_summary_and_the_curve_then_resumes(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
