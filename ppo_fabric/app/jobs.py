@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import IO
 
 from ppo_fabric.app.supervisor import SUPERVISED_ENV, SUPERVISOR_PID_ENV, exit_status
+from ppo_fabric.config.tuned import override_value
 from ppo_fabric.config.values import OWN_RUN_DIR_ENV
 
 # Variables of a launcher or of a rank: a job that inherited them would take itself for a rank of a job
@@ -56,7 +57,7 @@ def job_environment(extra: dict[str, str] | None = None) -> dict[str, str]:
 def job_command(overrides: list[str], run_dir: Path) -> list[str]:
     """The command line of one job: the user's overrides, the run directory last (it wins)."""
     kept = [o for o in overrides if o.split("=", 1)[0].lstrip("+~") != "hydra.run.dir"]
-    return [sys.executable, "-m", "ppo_fabric", *kept, f"hydra.run.dir={run_dir}"]
+    return [sys.executable, "-m", "ppo_fabric", *kept, f"hydra.run.dir={override_value(str(run_dir))}"]
 
 
 @dataclass

@@ -14,7 +14,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import re
 import signal
 import subprocess
 import sys
@@ -29,6 +28,7 @@ from ppo_fabric.app import prestart
 from ppo_fabric.app.process import quiet_libraries
 from ppo_fabric.compat.linux import PR_SET_CHILD_SUBREAPER, die_with_parent, prctl
 from ppo_fabric.config.faults import FAULT_EXIT, SIGNAL_REPEAT_S, failed_child, forget_failed_child
+from ppo_fabric.config.tuned import override_value
 from ppo_fabric.config.values import OWN_RUN_DIR_ENV, SUPERVISED_ENV, ConfigError, under_fabric_run
 from ppo_fabric.runs import lock
 from ppo_fabric.runs.metrics_file import read_rows, series
@@ -74,10 +74,7 @@ def _key(override: str) -> str:
 
 def _value(path: Path) -> str:
     """A path as an override value: quoted when Hydra's grammar would read its characters otherwise."""
-    text = str(path)
-    if re.fullmatch(r"[\w./:+-]+", text):
-        return text
-    return "'" + text.replace("\\", "\\\\").replace("'", "\\'") + "'"
+    return override_value(str(path))
 
 
 def with_override(args: list[str], key: str, value: Path) -> list[str]:

@@ -34,7 +34,7 @@ from ppo_fabric.app.jobs import RunProcess
 from ppo_fabric.app.supervisor import SIGNAL_STOPS, say
 from ppo_fabric.config.arguments import fail
 from ppo_fabric.config.faults import RunComplete
-from ppo_fabric.config.tuned import with_tuned_values
+from ppo_fabric.config.tuned import quoted, with_tuned_values
 from ppo_fabric.config.values import ConfigError, composer, config_dir, translate_hydra_error
 
 # Overrides that configure the sweep itself; a job is a plain run and gets its own hydra.run.dir.
@@ -190,7 +190,7 @@ class Sweep:
         if cfg.get("group") is None:  # runs of one sweep are grouped by the sweep directory's name
             with open_dict(cfg):
                 cfg.group = sweep_dir.name
-            command.append(f"group='{sweep_dir.name}'")
+            command.append(f"group={quoted(sweep_dir.name)}")
         try:
             prepare(
                 cfg,

@@ -11,6 +11,7 @@ defaults. The options go first on the command line, so every override the user g
 from __future__ import annotations
 
 import fnmatch
+import re
 from functools import cache
 
 import yaml
@@ -87,3 +88,9 @@ def with_tuned_values(overrides: list[str]) -> list[str]:
 def quoted(text: str) -> str:
     """`text` as a Hydra override value: single-quoted, its quotes and backslashes escaped."""
     return "'" + text.replace("\\", "\\\\").replace("'", "\\'") + "'"
+
+
+def override_value(text: str) -> str:
+    """`text` (a path, a name) as an override value: as it is where Hydra's grammar reads it so (ASCII
+    letters, digits and `_ . / : + -`), else quoted (a space, a parenthesis, `=`, `,`, a non-ASCII letter)."""
+    return text if re.fullmatch(r"[\w./:+-]+", text, re.ASCII) else quoted(text)

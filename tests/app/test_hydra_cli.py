@@ -47,19 +47,20 @@ def test_multirun_jobs_are_processes_of_their_own_and_a_failure_is_recorded(tmp_
     """Two 2-process jobs, two at a time (a 2-process job inside the sweep's process would have every rank
     re-run the whole sweep). The first trains; in the second rank 1's env raises after 300 steps of each
     copy (update 10 of 16): the table says which failed, the other still has its summary, the sweep's status
-    says one failed, and each job's output is in its job.log. Each job belongs to the sweep's group."""
-    sweep_dir = tmp_path / "sweep"
+    says one failed, and each job's output is in its job.log. Each job belongs to the sweep's group. The
+    sweep's directory has a space and parentheses (`proj (1)`), which the jobs' overrides must quote."""
+    sweep_dir = tmp_path / "sweep (1)"
     args = [
         "-m", "env.id=CartPole-v1,tests.failing_env:FailingCartPole-v0", "fabric.devices=2",
         "hydra.launcher.n_jobs=2", "algo.total_steps=8192", "algo.update_epochs=1", "logger.tensorboard=false",
-        f"hydra.sweep.dir={sweep_dir}",
+        f"hydra.sweep.dir='{sweep_dir}'",
     ]  # fmt: skip
     proc = _python_m(args, tmp_path)
     assert proc.returncode == 1, proc.stderr[-3000:]
     summary = json.loads((sweep_dir / "0" / "summary.json").read_text())
     assert summary["world_size"] == 2 and summary["total_env_steps"] == 8192, summary
     saved = yaml.safe_load((sweep_dir / "0" / "config.yaml").read_text())
-    assert saved["group"] == "sweep", "each job belongs to the sweep named by its directory"
+    assert saved["group"] == "sweep (1)", "each job belongs to the sweep named by its directory"
     rows = _table(sweep_dir)
     assert [(r["job"], r["status"]) for r in rows] == [("0", "ok"), ("1", "failed (exit 1)")], rows
     assert rows[0]["overrides"].startswith("env.id=CartPole-v1 fabric.devices=2")
