@@ -164,8 +164,16 @@ def run_app(argv: list[str], task: Task, check: bool = True) -> Invocation:
         precheck(invocation, full=not args.multirun and args.cfg is None)
 
     def task_function(cfg: DictConfig) -> Any:
-        invocation.status = task(cfg, invocation)
-        return invocation.status
+        status = task(cfg, invocation)
+        if not args.multirun:
+            invocation.status = status
+            return status
+        # a job of a launcher that runs it in this process (basic): the sweep's status is its first failure,
+        # and a job stopped by a signal stops the sweep
+        invocation.status = invocation.status or status
+        if status >= 128:
+            raise SystemExit(status)
+        return status
 
     version.setbase(VERSION_BASE)
     make_plugins_discoverable()
@@ -176,4 +184,12 @@ def run_app(argv: list[str], task: Task, check: bool = True) -> Invocation:
         config_path=str(config_dir()),
         config_name=CONFIG_NAME,
     )
+    if args.multirun:  # our launcher's jobs ran as processes: the sweep fails if one of them did
+        from ppo_fabric.app.sweep import failed_jobs
+
+        failed = failed_jobs()
+        if failed:
+            more = f" (and {len(failed) - 1} more)" if len(failed) > 1 else ""
+            os.write(2, f"ppo-fabric: {failed[0]}{more}\n".encode())
+            invocation.status = invocation.status or 1
     return invocation

@@ -27,7 +27,6 @@ from typing import Any
 
 from hydra.core.hydra_config import HydraConfig
 from hydra.core.utils import JobReturn, JobStatus
-from hydra.errors import CompactHydraException
 from omegaconf import DictConfig, OmegaConf, open_dict
 
 from ppo_fabric.app.jobs import RunProcess
@@ -50,10 +49,6 @@ _SWEEP_KEYS = (
     "hydra.job.num",
 )
 COLUMNS = ("job", "overrides", "status", "final_mean_return", "sps", "wall_s", "run_dir")
-
-
-class JobFailed(CompactHydraException):
-    """A job that did not finish; Hydra's sweeper raises it after the sweep as one line."""
 
 
 def _key(override: str) -> str:
@@ -123,20 +118,29 @@ class Job:
         }
 
     def job_return(self) -> JobReturn:
+        """COMPLETED whatever the job's status (a failed one's value is None): a FAILED return makes Hydra's
+        sweeper raise after its batch, so with `hydra.sweeper.max_batch_size` the later batches never ran.
+        The sweep's own status says what failed, once every job has run (`failed_jobs`)."""
+        if self.exit_code != 0:
+            FAILED.append(f"job {self.num} ({self.shown}) {self.status}; see {self.run_dir}")
         ret = JobReturn(
             overrides=list(self.overrides),
             cfg=self.cfg,
             hydra_cfg=self.hydra_cfg,
             working_dir=os.getcwd(),
             task_name=str(self.hydra_cfg.hydra.job.name),
-            status=JobStatus.COMPLETED if self.exit_code == 0 else JobStatus.FAILED,
+            status=JobStatus.COMPLETED,
         )
-        ret.return_value = (
-            self.summary
-            if self.exit_code == 0
-            else JobFailed(f"ppo-fabric: job {self.num} ({self.shown}) {self.status}; see {self.run_dir}")
-        )
+        ret.return_value = self.summary if self.exit_code == 0 else None
         return ret
+
+
+FAILED: list[str] = []  # this process's sweep: a line for each job that did not finish
+
+
+def failed_jobs() -> list[str]:
+    """What failed in the sweep this process ran (its lines), read once the sweeper has run every batch."""
+    return list(FAILED)
 
 
 class Sweep:
@@ -145,6 +149,7 @@ class Sweep:
     def __init__(self, n_jobs: int = 1) -> None:
         if int(n_jobs) < 1:
             fail(f"hydra.launcher.n_jobs={n_jobs} must be >= 1")
+        FAILED.clear()
         self.n_jobs = int(n_jobs)
         self.jobs: list[Job] = []
         self.context: Any = None

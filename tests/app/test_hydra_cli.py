@@ -210,3 +210,26 @@ def test_other_launchers_stay_selectable(tmp_path: Path, monkeypatch: pytest.Mon
     seeds = [json.loads((tmp_path / str(n) / "summary.json").read_text())["seed"] for n in (0, 1)]
     assert seeds == [3, 4]
     assert not (tmp_path / "sweep.csv").exists()
+    # a failed job followed by one that finishes: the sweep's status is the failure's, not the last job's
+    failing = ["-m", "hydra/launcher=basic", "env.id=tests.faulty_env:FaultyCartPole-v0",
+               "+env.kwargs.fault=raise,none", *TINY, f"hydra.sweep.dir={tmp_path / 'failing'}"]  # fmt: skip
+    assert cli.main(failing) == 1
+    assert (tmp_path / "failing" / "1" / "summary.json").is_file(), "the job after the failure still ran"
+
+
+@pytest.mark.multiprocess
+def test_a_failed_job_leaves_the_later_batches_to_run(tmp_path: Path) -> None:
+    """`hydra.sweeper.max_batch_size=1`: Hydra's sweeper runs a batch at a time, and a failed job used to
+    end the sweep after its batch, the later jobs never started. They run; the sweep's status says one
+    failed, in one line."""
+    sweep_dir = tmp_path / "sweep"
+    args = ["-m", "env.id=tests.faulty_env:FaultyCartPole-v0", "+env.kwargs.fault=raise,none",
+            "hydra.sweeper.max_batch_size=1", *TINY, f"hydra.sweep.dir={sweep_dir}"]  # fmt: skip
+    proc = _python_m(args, tmp_path)
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    assert [(r["job"], r["status"]) for r in _table(sweep_dir)] == [("0", "failed (exit 1)"), ("1", "ok")]
+    assert "Traceback" not in proc.stderr and "HYDRA_FULL_ERROR" not in proc.stderr
+    (line,) = [
+        ln for ln in proc.stderr.splitlines() if ln.endswith(f"failed (exit 1); see {sweep_dir / '0'}")
+    ]
+    assert line.startswith("ppo-fabric: job 0 (") and "+env.kwargs.fault=raise" in line

@@ -363,7 +363,7 @@ def test_journal_storage_and_pruners(tmp_path: Path) -> None:
     assert len(reopened.trials) == 1 and (tmp_path / "journal.log").is_file()
     assert isinstance(reopened.pruner, optuna.pruners.HyperbandPruner)
     assert reopened.pruner._min_resource == 100 and reopened.pruner._max_resource == 2700
-    median = tune.open_study(tune.prepare([*base, "tune.name=m"])).pruner
+    median = tune.open_study(tune.prepare([*base, "tune.name=m", f"tune.dir={tmp_path / 'm'}"])).pruner
     assert isinstance(median, optuna.pruners.MedianPruner) and median._n_warmup_steps == 900
     assert plan.report_every == 8 * 16  # one update: num_envs x rollout_steps
 
