@@ -147,6 +147,11 @@ class RunSession:
                 record_session(run_dir, cfg, resume)  # the first session's config.yaml stays as it was
             else:
                 save_resolved_config(cfg, run_dir)
+            # The earlier session's summary says how that one ended: kept beside, not read as this session's
+            # if this one fails before it writes its own (a sweep's table, a reader of the directory).
+            earlier = run_dir / "summary.json"
+            if earlier.is_file():
+                earlier.replace(run_dir / "summary.previous.json")
         self.logger = RunLogger(
             run_dir, cfg, self.final_step, enabled=writer, resumed_at=self.start_step if resume else None
         )

@@ -226,6 +226,9 @@ def test_a_stopped_run_writes_an_interrupted_summary_and_the_curve_then_resumes(
     assert resumed["total_env_steps"] == 1280 and resumed["steps_this_run"] == 512
     assert resumed["total_wall_seconds"] > resumed["wall_seconds"]
     assert json.loads((run_dir / "summary.json").read_text()) == resumed
+    # the stopped session's summary is kept beside: a resumed session that failed would otherwise leave it
+    # to be read as its own ("interrupted" at 768, while metrics.csv went further)
+    assert json.loads((run_dir / "summary.previous.json").read_text())["total_env_steps"] == 768
     final = [line for line in capsys.readouterr().out.splitlines() if "final mean return" in line]
     assert len(final) == 1 and ": 512 steps this session in " in final[0] and ", 1,280 in all, " in final[0]
 
