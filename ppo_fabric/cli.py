@@ -18,7 +18,7 @@ from omegaconf import DictConfig
 
 from ppo_fabric.app import prestart, supervisor
 from ppo_fabric.app.hydra_app import Invocation, run_app, settled_overrides
-from ppo_fabric.app.process import end_process
+from ppo_fabric.app.process import end_process, stop_quietly_during_startup
 from ppo_fabric.compat.imports import skip_torchmetrics_probe
 from ppo_fabric.config.arguments import fail
 from ppo_fabric.config.faults import FAULT_EXIT, RunComplete, RunFault
@@ -139,6 +139,7 @@ def console_main() -> NoReturn:
     probe here, in a process of ppo-fabric's own (compat/imports.py: ~9 s per process on a CUDA image).
     A supervising process starts its job's first process before its checks (app/prestart.py), so the
     job imports while they run."""
+    stop_quietly_during_startup()
     skip_torchmetrics_probe()
     gate = prestart.gate()
     if gate is not None:  # a job's first process, started before its supervisor's checks

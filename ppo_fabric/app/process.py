@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import signal
 import sys
 import warnings
 from typing import NoReturn
@@ -35,6 +36,20 @@ def end_process(code: int = 0) -> NoReturn:
         with contextlib.suppress(OSError, ValueError):  # a closed pipe or stream: nothing left to say there
             stream.flush()
     os._exit(code)
+
+
+def stop_quietly_during_startup() -> None:
+    """Until a run's own handlers take over (the supervisor's, a sweep's, the ranks' STOP): SIGINT or
+    SIGTERM ends the process with one line and status 128+N, where Ctrl+C printed a KeyboardInterrupt
+    traceback from whatever was importing and SIGTERM ended it without a word. Nothing is written yet."""
+
+    def handler(signum: int, _frame: object) -> None:
+        name = signal.Signals(signum).name
+        os.write(2, f"ppo-fabric: stopped by {name} during start-up, before training began\n".encode())
+        os._exit(128 + signum)
+
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(signum, handler)
 
 
 def stop_status(signum: int) -> int:

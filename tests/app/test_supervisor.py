@@ -186,6 +186,39 @@ def test_sigterm_is_forwarded_to_the_job(tmp_path: Path) -> None:
     _assert_nothing_left(run_dir, within=1)
 
 
+@pytest.mark.multiprocess
+def test_a_signal_during_start_up_ends_the_command_in_one_line(tmp_path: Path) -> None:
+    """SIGTERM while the command is still starting (its checks import torch and build the env): one line
+    and 143, where it ended without a word (and Ctrl+C printed a KeyboardInterrupt traceback)."""
+    proc = subprocess.Popen(_python_m(tmp_path / "run", "algo.total_steps=100000", "algo.minibatch_size=64"),
+                            cwd=tmp_path, env=job_env(),
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)  # fmt: skip
+    try:
+        deadline = time.monotonic() + 30
+        while not _catches(proc.pid, signal.SIGTERM):  # the start-up handler is in place
+            assert proc.poll() is None and time.monotonic() < deadline, "it never caught SIGTERM"
+            time.sleep(0.01)
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 143, err
+    assert err.strip().splitlines() == [
+        "ppo-fabric: stopped by SIGTERM during start-up, before training began"
+    ]
+    assert not (tmp_path / "run" / "checkpoints").exists()
+
+
+def _catches(pid: int, signum: int) -> bool:
+    """Whether process `pid` has a handler of its own for `signum` (SigCgt in /proc/<pid>/status)."""
+    with contextlib.suppress(OSError):
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("SigCgt:"):
+                return bool(int(line.split()[1], 16) >> (signum - 1) & 1)
+    return False
+
+
 def test_the_same_stop_signal_twice_is_one_request(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capfd: pytest.CaptureFixture[str]
 ) -> None:
