@@ -130,7 +130,16 @@ def main(argv: list[str] | None = None) -> int:
     supervised = not supervisor.wanted()
     if supervised:
         supervisor.bind_to_supervisor()
-    return run_app(args, _task, check=not supervised or under_fabric_run()).status
+    invocation = run_app(args, _task, check=not supervised or under_fabric_run())
+    if invocation.multirun:  # our launcher's jobs ran as processes: the sweep fails if one of them did
+        from ppo_fabric.app.sweep import failed_jobs
+
+        failed = failed_jobs()
+        if failed:
+            more = f" (and {len(failed) - 1} more)" if len(failed) > 1 else ""
+            supervisor.say(f"{failed[0]}{more}")
+            return invocation.status or 1
+    return invocation.status
 
 
 def console_main() -> NoReturn:

@@ -52,6 +52,7 @@ class Invocation:
     config_name: str | None = None
     config_dir: str | None = None
     status: int = 0  # the task's exit status, set by the task function
+    multirun: bool = False  # -m: a sweep, whose jobs' failures the command line reads after it (cli.main)
 
     @property
     def flags(self) -> list[str]:
@@ -184,12 +185,5 @@ def run_app(argv: list[str], task: Task, check: bool = True) -> Invocation:
         config_path=str(config_dir()),
         config_name=CONFIG_NAME,
     )
-    if args.multirun:  # our launcher's jobs ran as processes: the sweep fails if one of them did
-        from ppo_fabric.app.sweep import failed_jobs
-
-        failed = failed_jobs()
-        if failed:
-            more = f" (and {len(failed) - 1} more)" if len(failed) > 1 else ""
-            os.write(2, f"ppo-fabric: {failed[0]}{more}\n".encode())
-            invocation.status = invocation.status or 1
+    invocation.multirun = bool(args.multirun)
     return invocation
