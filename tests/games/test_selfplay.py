@@ -3,9 +3,6 @@ train when seats alternate, win/draw/loss counting, tictactoe runs, and the pool
 
 from __future__ import annotations
 
-import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -30,7 +27,6 @@ from ppo_fabric.learn.learners import policy_specs
 from ppo_fabric.models.agent import ActorCritic
 from ppo_fabric.runs import checkpoint as ckpt
 from ppo_fabric.runs.metrics_file import read_rows
-from tests.conftest import job_env, numbered_checkpoint
 
 CONNECT_FOUR = [
     "env=pettingzoo", "env.id=pettingzoo.classic.connect_four_v3", "env.num_envs=4", "algo.rollout_steps=32",
@@ -408,31 +404,6 @@ def test_selfplay_run_logs_results_and_pool_survives_resume(tmp_path: Path) -> N
         assert (a["wins"], a["draws"], a["losses"]) == (b["wins"], b["draws"], b["losses"])
         for key in a["weights"]:
             torch.testing.assert_close(a["weights"][key], b["weights"][key])
-
-
-@pytest.mark.multiprocess
-def test_a_pipelined_decoupled_selfplay_resume_keeps_every_snapshot(tmp_path: Path) -> None:
-    """A pipelined checkpoint holds the player's state from before the update it names joined the pool;
-    the resumed run must add that snapshot where the original did (after its first rollout), or the
-    pool loses it for good and the run goes another way."""
-    run = [*TICTACTOE, "strategy=decoupled", "fabric.devices=2", "algo.pipeline=true", "algo.rollout_steps=16",
-           "algo.minibatch_size=32", "selfplay.snapshot_every=1", "selfplay.pool_size=50", "checkpoint.keep=0",
-           "checkpoint.every=3", "algo.total_steps=384", "logger=none", "eval.every=0"]  # fmt: skip
-    env = job_env(supervisor=False)
-    for name, extra in (("full", []), ("resumed", [f"resume={tmp_path / 'middle.ckpt'}"])):
-        cmd = [sys.executable, "-m", "ppo_fabric", *run, *extra, f"hydra.run.dir={tmp_path / name}"]
-        proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=240)
-        assert proc.returncode == 0, proc.stderr[-3000:]
-        if name == "full":
-            shutil.copy(numbered_checkpoint(tmp_path / "full", 3), tmp_path / "middle.ckpt")
-    full, resumed = (ckpt.load(tmp_path / n / "checkpoints" / "last.ckpt") for n in ("full", "resumed"))
-    ids = [
-        [s["update"] for s in state["ranks"][0]["selfplay"]["pool"]["snapshots"]] for state in (full, resumed)
-    ]
-    assert ids[0] == ids[1] == [0, 1, 2, 3, 4, 5, 6], ids
-    assert full["action_masks"] == {"shared": 9}, "a loader reads the mask width, never builds the game"
-    for key, value in full["agent"]["shared"].items():
-        torch.testing.assert_close(resumed["agent"]["shared"][key], value, rtol=0, atol=0)
 
 
 def test_selfplay_metrics_in_the_csv(tmp_path: Path) -> None:

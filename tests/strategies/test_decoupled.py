@@ -254,27 +254,41 @@ def test_pipelined_resume_is_exact(tmp_path: Path) -> None:
     state from before that rollout and the parameters it was collected with, so the resumed run retraces
     the original one (same parameters at later checkpoints, same number of episodes). The original
     evaluates during training (its evaluator process) and the resumed run does not: evaluation must leave
-    training as it was."""
+    training as it was. On tictactoe self-play, a snapshot every update into a pool of 3: the snapshot of
+    the update a checkpoint names joins the pool after the state it holds was taken, so the resumed run
+    must add it where the original did (it was lost for good), and snapshots leave the pool with games
+    still being played against them (their weights travel with the checkpoint)."""
     common = [
-        *SMALL,
-        "algo.pipeline=true",
-        "checkpoint.every=2",
-        "checkpoint.keep=0",
-        "algo.total_steps=1024",
-    ]
-    evaluated = ["eval.every=256", "eval.episodes=2"]
-    _run(_python_m(2, *common, *evaluated, f"hydra.run.dir={tmp_path / 'a'}"), tmp_path)
-    # the evaluator skips a due evaluation while it still plays the last one, so only the final is certain
-    assert [r["step"] for r in read_rows(tmp_path / "a" / "evaluations.csv")][-1:] == ["1024"], "evaluated"
-    source = numbered_checkpoint(tmp_path / "a", 4)
-    _run(
-        _python_m(2, *common, "eval.every=0", f"hydra.run.dir={tmp_path / 'b'}", f"resume={source}"), tmp_path
-    )
+        "env=pettingzoo", "env.id=pettingzoo.classic.tictactoe_v3", "strategy=decoupled", "fabric.devices=2",
+        "env.num_envs=4", "algo.rollout_steps=16", "algo.minibatch_size=32", "algo.update_epochs=2",
+        "logger.tensorboard=false", "selfplay.enabled=true", "selfplay.snapshot_every=1", "selfplay.pool_size=3",
+        "algo.pipeline=true", "checkpoint.every=2", "checkpoint.keep=0", "algo.total_steps=512",
+    ]  # fmt: skip
+    evaluated = ["eval.every=128", "eval.episodes=2"]
+    env = job_env(supervisor=False)
+    for name, extra in (("a", evaluated), ("b", ["eval.every=0", f"resume={tmp_path / 'middle.ckpt'}"])):
+        cmd = [sys.executable, "-m", "ppo_fabric", *common, *extra, f"hydra.run.dir={tmp_path / name}"]
+        proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=240)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        if (
+            name == "a"
+        ):  # the evaluator skips a due evaluation while it plays the last: only the final is certain
+            assert [r["step"] for r in read_rows(tmp_path / "a" / "evaluations.csv")][-1:] == ["512"], (
+                "evaluated"
+            )
+            (tmp_path / "middle.ckpt").write_bytes(numbered_checkpoint(tmp_path / "a", 4).read_bytes())
     for name in (6, 8):
-        original = _agent(numbered_checkpoint(tmp_path / "a", name)).state_dict()
-        again = _agent(numbered_checkpoint(tmp_path / "b", name)).state_dict()
-        for key, value in original.items():
-            torch.testing.assert_close(again[key], value, rtol=0, atol=0, msg=f"{name}: {key} differs")
+        original, again = (ckpt.load(numbered_checkpoint(tmp_path / d, name)) for d in ("a", "b"))
+        for key, value in original["agent"]["shared"].items():
+            torch.testing.assert_close(
+                again["agent"]["shared"][key], value, rtol=0, atol=0, msg=f"{name}: {key}"
+            )
+        pools = [state["ranks"][0]["selfplay"]["pool"] for state in (original, again)]
+        assert [s["update"] for s in pools[0]["snapshots"]] == [s["update"] for s in pools[1]["snapshots"]]
+        # a snapshot lost by the resume shifts every later id (6: the initial weights and updates 1-5, as
+        # update 6 joins after its checkpoint; the last checkpoint is written after update 8 joined)
+        assert pools[0]["next_id"] == pools[1]["next_id"] == {6: 6, 8: 9}[name], pools[1]["next_id"]
+    assert original["action_masks"] == {"shared": 9}, "a loader reads the mask width, never builds the game"
     episodes = [json.loads((tmp_path / d / "summary.json").read_text())["episodes"] for d in ("a", "b")]
     assert episodes[0] == episodes[1]
 
