@@ -209,25 +209,25 @@ def test_a_run_that_fails_sends_its_rows_and_ends_its_mlflow_run_failed(
 
 
 def test_a_tracker_that_cannot_start_ends_the_run_in_one_line(
-    tmp_path: Path, capfd: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """A server that is not there: one line and a non-zero exit, after bounded waits (MLflow's own retry
-    a call for minutes; the user's setting, here no retries at all, wins over the run's bounds)."""
-    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
-    monkeypatch.delenv("MLFLOW_HTTP_REQUEST_TIMEOUT", raising=False)
-    args = [
-        *SMALL,
-        "logger=mlflow",
-        "logger.tracking_uri=http://127.0.0.1:9",
-        f"hydra.run.dir={tmp_path / 'r'}",
-    ]
-    assert cli.main(args) == 1  # the supervisor's job, a process of its own
-    err = capfd.readouterr().err
-    lines = [line for line in err.splitlines() if line.startswith("ppo-fabric: error:")]
-    assert len(lines) == 1 and "logger.tracker=mlflow could not start its run (" in lines[0], err
-    assert "Traceback" not in err and "rank failure (exit 1)" in err
+    """A server that is not there: a RunFault of one line before anything trains (the command line prints
+    it and exits 1), after bounded waits (MLflow's own retry a call for minutes; the user's setting, here
+    no retries at all, wins over the run's bounds)."""
+    from ppo_fabric.config.faults import RunFault
     from ppo_fabric.runs.trackers import MlflowTracker
 
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
+    monkeypatch.delenv("MLFLOW_HTTP_REQUEST_TIMEOUT", raising=False)
+    run_dir = tmp_path / "r"
+    with pytest.raises(
+        RunFault, match=r"^logger.tracker=mlflow could not start its run \(MlflowException"
+    ) as info:
+        ppo_fabric.run(
+            [*SMALL, "logger=mlflow", "logger.tracking_uri=http://127.0.0.1:9", f"hydra.run.dir={run_dir}"]
+        )
+    assert "\n" not in str(info.value) and "Connection refused" in str(info.value)
+    assert not (run_dir / "metrics.csv").exists()
     cfg = OmegaConf.create({"logger": {"tracker": "mlflow", "tracking_uri": "http://127.0.0.1:9"}})
     with pytest.raises(Exception, match="Connection refused"):
         MlflowTracker(cfg, tmp_path, {})
