@@ -20,6 +20,10 @@ FAULT_EXIT = 1  # the exit status of a run that ended on a fault (a failure the 
 # The same stop signal again within this many seconds is one request delivered twice (a cluster signals every
 # process, and each supervisor forwards it too), not a second request to end at once.
 SIGNAL_REPEAT_S = 2.0
+# An evaluation episode (a game: its moves) of an env with no time limit of its own ends here, truncated: a
+# greedy policy that never reaches a terminal state would otherwise hold the run for ever while every step
+# counts as progress. Read at call time (tests lower it).
+EVAL_MAX_EPISODE_STEPS = 100_000
 FAILED_CHILD = ".failed-rank"  # in the run directory: a launcher child's cause, for the supervisor to read
 
 

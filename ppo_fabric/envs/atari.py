@@ -96,13 +96,17 @@ def gym_make_kwargs(kwargs: dict[str, Any]) -> dict[str, Any]:
     return {"frameskip": 1} | kwargs
 
 
-def wrap_atari(env: gym.Env) -> gym.Env:
-    """The standard Atari chain (module docstring) around an ALE env made with `frameskip=1`."""
+def wrap_atari(env: gym.Env, max_episode_steps: int | None = None) -> gym.Env:
+    """The standard Atari chain (module docstring) around an ALE env made with `frameskip=1`, with
+    `max_episode_steps` (`env.max_episode_steps`) counted in agent steps of 4 frames, as EnvPool counts
+    them: a time limit inside the frame skipping would count frames."""
     if not hasattr(env.unwrapped, "ale"):
         raise ValueError("env.preprocess=atari needs an ALE environment (env.id=ALE/<Game>-v5)")
     env = gym.wrappers.AtariPreprocessing(
         env, noop_max=30, frame_skip=4, screen_size=SCREEN_SIZE, grayscale_obs=True, scale_obs=False
     )
+    if max_episode_steps is not None:
+        env = gym.wrappers.TimeLimit(env, max_episode_steps)
     env = gym.wrappers.RecordEpisodeStatistics(env)
     env = EpisodicLife(env)
     if has_fire(env):
@@ -118,7 +122,7 @@ def records_games(env: gym.Env) -> bool:
         if isinstance(env, EpisodicLife):
             return True
         env = env.env
-    return False
+    return bool(getattr(env, "whole_games", False))  # EnvPool's Atari (`envpool_backend.PoolEnv`)
 
 
 class GameEpisodeStatistics(VectorWrapper):

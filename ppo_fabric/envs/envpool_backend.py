@@ -29,7 +29,7 @@ ended env's reset is sent at once and it acts again from the next episode's firs
 observation in `final_obs`, episode statistics of its own (per env, only for received steps).
 
 The pool cannot be pickled, so a checkpoint holds no env state and a resumed run starts fresh episodes
-(normalisation statistics are restored).
+(normalisation statistics are restored). Single envs (evaluation) are one-env pools: `PoolEnv`.
 """
 
 from __future__ import annotations
@@ -524,6 +524,49 @@ class _Results:
 
     def finish(self, env: int, ret: float, length: int) -> None:
         self.finished[env], self.ep_r[env], self.ep_l[env] = True, ret, length
+
+
+class PoolEnv(gym.Env):
+    """One env of a one-env sync pool behind gymnasium's `Env` API: what `make_env` builds for a run on
+    `env.backend=envpool` (its evaluation, `evaluate`, `Policy.make_env`), so an evaluation plays the
+    simulator, the options (`+env.kwargs`) and the time limit training played, EnvPool-only ids included.
+
+    `reset(seed=s)` starts from a pool seeded with `s`; `reset()` after a step that ended an episode goes on
+    from the observation the pool's own reset gave (Atari: after a lost life the game goes on). Atari games
+    report themselves as the gymnasium chain does (`whole_games`): a lost life ends the learner's episode,
+    and the step that ends the game carries `info["episode"]` with its raw score and length."""
+
+    metadata: dict[str, Any] = {"render_modes": []}
+
+    def __init__(self, env_cfg: DictConfig) -> None:
+        one = OmegaConf.merge(env_cfg, {"num_envs": 1, "envpool": {"batch_size": None}})
+        self.pool = EnvPoolVectorEnv(one)
+        self.observation_space = self.pool.single_observation_space
+        self.action_space = self.pool.single_action_space
+        self.whole_games = self.pool.games
+        self._next: Any = None  # the observation the pool's reset gave after the last episode ended
+
+    def reset(self, *, seed: int | None = None, options: dict[str, Any] | None = None) -> tuple[Any, dict]:
+        if seed is None and self._next is not None:
+            obs, self._next = self._next, None
+            return obs, {}
+        obs, _ = self.pool.reset(seed=None if seed is None else [int(seed)])
+        self._next = None
+        return obs[0], {}
+
+    def step(self, action: Any) -> tuple[Any, float, bool, bool, dict[str, Any]]:
+        obs, rewards, terminated, truncated, info = self.pool.step(np.asarray(action)[None])
+        out: dict[str, Any] = {}
+        if info.get("_episode") is not None and info["_episode"][0]:
+            out["episode"] = {"r": float(info["episode"]["r"][0]), "l": int(info["episode"]["l"][0])}
+        ended = bool(terminated[0] or truncated[0])
+        if ended:
+            self._next = obs[0]
+        last = info["final_obs"][0] if ended else obs[0]
+        return last, float(rewards[0]), bool(terminated[0]), bool(truncated[0]), out
+
+    def close(self) -> None:
+        self.pool.close()
 
 
 def make_vector(env_cfg: DictConfig) -> VectorEnv:

@@ -253,16 +253,11 @@ def extra_for(env_id: str) -> str | None:
 
 
 # The env packages ppo-fabric builds envs from by name; an env.id naming another module runs that module's code.
-KNOWN_ENV_PACKAGES = (
-    "gymnasium",
-    "pettingzoo",
-    "mpe2",
-    "ale_py",
-    "minatar",
-    "envpool",
-    "shimmy",
-    "ppo_fabric",
-)
+KNOWN_ENV_PACKAGES = ("gymnasium", "pettingzoo", "mpe2", "ale_py", "minatar", "envpool", "shimmy")
+# ppo-fabric's own env modules, by full name: the rest of the package holds callables that build whatever env
+# their arguments name (`ppo_fabric.policy.evaluate:main` with a checkpoint's `env.kwargs` would run another
+# checkpoint's env), so the package as a whole is not a known env package.
+KNOWN_ENV_MODULES = ("ppo_fabric.envs.toy_multiagent",)
 
 
 def module_named(env_id: str) -> str | None:
@@ -275,9 +270,12 @@ def module_named(env_id: str) -> str | None:
 
 
 def foreign_module(env_id: str) -> str | None:
-    """`module_named(env_id)` when it lies outside `KNOWN_ENV_PACKAGES`: code that only the config names."""
+    """`module_named(env_id)` when it lies outside `KNOWN_ENV_PACKAGES` and `KNOWN_ENV_MODULES`: code that
+    only the config names."""
     module = module_named(env_id)
-    return module if module is not None and module.split(".")[0] not in KNOWN_ENV_PACKAGES else None
+    if module is None or module.split(".")[0] in KNOWN_ENV_PACKAGES or module in KNOWN_ENV_MODULES:
+        return None
+    return module
 
 
 def _import_env_module(env_id: str) -> Any:
@@ -360,6 +358,10 @@ def make_env(env_cfg: DictConfig, render_mode: str | None = None, action_mask: i
     """One environment with the configured wrappers; raises EnvError with a one-line reason. With
     `action_mask` (the mask width `detect_action_mask` found) the env's mask arrives in its infos."""
     env_id = str(env_cfg.id)
+    if render_mode is None and _backend(env_cfg) == "envpool":  # the simulator and options it trained on
+        if action_mask is not None:
+            raise EnvError("action masks are not supported with env.backend=envpool")
+        return _envpool_call(envpool_backend.PoolEnv, env_cfg)
     preprocess = _preprocess(env_cfg)
     factory = _import_env_module(env_id)
     # An unregistered `module:factory` goes through gym.make too (as a spec of its own), so it gets the
@@ -370,8 +372,9 @@ def make_env(env_cfg: DictConfig, render_mode: str | None = None, action_mask: i
     kwargs: dict[str, Any] = dict(OmegaConf.to_container(env_cfg.kwargs, resolve=True) or {})
     if preprocess == "atari":
         kwargs = atari.gym_make_kwargs(kwargs)
-    if env_cfg.max_episode_steps is not None:
-        kwargs["max_episode_steps"] = int(env_cfg.max_episode_steps)
+    limit = None if env_cfg.max_episode_steps is None else int(env_cfg.max_episode_steps)
+    if limit is not None and preprocess != "atari":  # Atari's counts agent steps: `wrap_atari` sets it
+        kwargs["max_episode_steps"] = limit
     if render_mode is not None:
         kwargs["render_mode"] = render_mode
     try:
@@ -409,7 +412,7 @@ def make_env(env_cfg: DictConfig, render_mode: str | None = None, action_mask: i
         raise
     if preprocess == "atari":
         try:
-            env = atari.wrap_atari(env)
+            env = atari.wrap_atari(env, limit)
         except (ValueError, gym.error.DependencyNotInstalled) as exc:
             env.close()
             raise EnvError(

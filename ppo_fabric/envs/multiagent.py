@@ -82,6 +82,10 @@ def policy_settings(ma_cfg: DictConfig) -> dict[str, Any]:
         raise EnvError(
             "multiagent.policies must map policy names to settings, e.g. {red: {}, blue: {lr: 3e-4}}"
         )
+    if SINGLE in ma_cfg.policies:  # a multi-agent run whose only policy had it would be read as single-agent
+        raise EnvError(
+            f"multiagent.policies: {SINGLE!r} names a single-agent run's policy; choose another name"
+        )
     return {str(k): (OmegaConf.to_container(v, resolve=True) or {}) for k, v in ma_cfg.policies.items()}
 
 

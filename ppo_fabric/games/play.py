@@ -18,6 +18,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from ppo_fabric.config import faults
 from ppo_fabric.wire.progress import PROGRESS
 
 ACTION_MASK = "action_mask"
@@ -140,6 +141,7 @@ def play_games(
     A game is won by the player whose return (its rewards summed over the game) is higher. An illegal
     move (outside the mask: a policy trained without masks) loses the game on the spot, as PettingZoo's
     classic games rule, and is counted in `illegal_moves` so it never passes unnoticed.
+    A game with no end of its own stops after `faults.EVAL_MAX_EPISODE_STEPS` moves, scored as it stands.
     """
     if n_games <= 0:
         raise ValueError(f"n_games={n_games} must be > 0")
@@ -159,6 +161,10 @@ def play_games(
             returns = dict.fromkeys(seats, 0.0)
             moves, forfeit = 0, None
             for agent in env.agent_iter():
+                if (
+                    moves >= faults.EVAL_MAX_EPISODE_STEPS
+                ):  # a game with no end of its own: scored as it stands
+                    break
                 PROGRESS.mark("game move")  # the stall watchdog's heartbeat (evaluation during training)
                 obs, reward, terminated, truncated, _ = env.last()
                 returns[agent] += float(reward)

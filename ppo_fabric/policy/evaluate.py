@@ -22,6 +22,7 @@ from typing import Any
 
 import numpy as np
 
+from ppo_fabric.config import faults
 from ppo_fabric.wire.progress import PROGRESS
 
 USAGE = """usage: python -m ppo_fabric.evaluate checkpoint=PATH [key=value ...]
@@ -93,9 +94,6 @@ def write_mp4(frames: list[np.ndarray], path: Path, fps: float) -> Path:
     return path
 
 
-EVAL_MAX_EPISODE_STEPS = 100_000  # an evaluation episode of an env with no time limit ends here (truncated)
-
-
 def capped(env: Any) -> Any:
     """`env` with a time limit where it has none (a `module:factory` env without `env.max_episode_steps`):
     a greedy policy that never reaches a terminal state would otherwise hold the evaluation, and with it
@@ -105,7 +103,7 @@ def capped(env: Any) -> Any:
         return env
     from gymnasium.wrappers import TimeLimit
 
-    return TimeLimit(env, EVAL_MAX_EPISODE_STEPS)
+    return TimeLimit(env, faults.EVAL_MAX_EPISODE_STEPS)
 
 
 def play(
@@ -120,7 +118,7 @@ def play(
     first episode when recording).
 
     `predict` does what training did on the env's side: the run's observation statistics, the action mask
-    an env puts in its infos, Box actions clipped, the recurrent state carried across steps (a fresh one per
+    an env puts in its infos (for a policy that trained with it), Box actions clipped, the recurrent state carried across steps (a fresh one per
     episode). With the Atari preprocessing an episode is a whole game with its raw score: a lost life ends
     the learner's episode (and the step's clipped reward is what the policy saw), but the game plays on here.
     """
@@ -137,7 +135,8 @@ def play(
             frames.append(np.asarray(env.render()))
         total, length, done, state = 0.0, 0, False, None
         while not done:
-            action, state = policy.predict(obs, state, None, deterministic, info.get("action_mask"))
+            mask = info.get("action_mask") if policy.mask_width is not None else None  # as it trained
+            action, state = policy.predict(obs, state, None, deterministic, mask)
             env_action = int(action) if action.ndim == 0 else action
             obs, reward, terminated, truncated, info = env.step(env_action)
             total += float(reward)
@@ -312,7 +311,8 @@ def play_parallel(
     """Whole episodes of a PettingZoo Parallel env with each agent acting by its policy's `predict`;
     returns (policy -> every agent's return of every episode, episode lengths). Each agent carries its own
     recurrent state (a fresh one per episode), as in training; an agent that left the episode stops
-    acting. A policy trained with masks reads them from the `action_mask` key of a Dict observation."""
+    acting. A policy trained with masks reads them from the `action_mask` key of a Dict observation. An
+    episode ends after `faults.EVAL_MAX_EPISODE_STEPS` steps if its agents have not all left by then."""
     from ppo_fabric.games.play import split_observation
 
     policy_of = {agent: p for p, agents in groups.items() for agent in agents}
@@ -323,7 +323,7 @@ def play_parallel(
         totals = dict.fromkeys(policy_of, 0.0)
         states: dict[str, Any] = {}
         length = 0
-        while env.agents:
+        while env.agents and length < faults.EVAL_MAX_EPISODE_STEPS:
             actions = {}
             for agent in env.agents:
                 policy = policies[policy_of[agent]]

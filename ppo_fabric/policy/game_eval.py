@@ -67,10 +67,16 @@ def opponent_players(
             other_state, others = ckpt.load_policies(path, key="opponent=snapshot:")
         except ValueError as exc:
             raise GameEvalError(str(exc)) from exc
-        other = others.get(name) or (next(iter(others.values())) if len(others) == 1 else None)
-        if other is None:
+        other_name = name if name in others else next(iter(others)) if len(others) == 1 else None
+        if other_name is None:
             raise GameEvalError(f"opponent={opponent} has no policy {name!r} (it has {', '.join(others)})")
-        return [(f"snapshot:{path}", policy_player(other, deterministic))]
+        mine, theirs = _spaces(state, name), _spaces(other_state, other_name)
+        if mine != theirs:  # another game's (or a gymnasium run's) policy: it cannot play this board
+            raise GameEvalError(
+                f"opponent={opponent}: its policy {other_name!r} plays observations {theirs[0]} and actions "
+                f"{theirs[1]}, not this game's {mine[0]} and {mine[1]}"
+            )
+        return [(f"snapshot:{path}", policy_player(others[other_name], deterministic))]
     if opponent == "pool":
         pool = ckpt.pool_snapshots(state)
         if not pool:
@@ -84,13 +90,19 @@ def opponent_players(
         for snap in pool:
             try:
                 agent = ckpt.policy_from_weights(snap["weights"], obs_spaces, action_spaces, state, name)
-            except RuntimeError as exc:  # load_state_dict: weights of another model
-                raise GameEvalError(
-                    f"opponent=pool: snapshot {snap['id']} does not fit the policy ({exc})"
-                ) from exc
+            except ValueError as exc:  # weights of another model, said in one line
+                raise GameEvalError(f"opponent=pool: snapshot {snap['id']}: {exc}") from exc
             players.append((f"pool:{snap['id']}", policy_player(agent, deterministic)))
         return players
     raise GameEvalError(f"opponent={opponent} is unknown; choose {OPPONENTS}")
+
+
+def _spaces(state: dict[str, Any], name: str) -> tuple[Any, Any]:
+    """(observation space, action space) of a checkpoint's policy `name`."""
+    from ppo_fabric.runs import checkpoint as ckpt
+
+    obs, action = ckpt.saved_spaces(state)
+    return (obs[name], action[name]) if state.get("multiagent") else (obs, action)
 
 
 def scripted_player(opponent: str, env_id: str, seed: int) -> Any:

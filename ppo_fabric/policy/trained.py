@@ -185,7 +185,12 @@ class Policy:
         mask = torch.as_tensor(np.asarray(action_mask, dtype=bool))
         if mask.dim() == 1:
             mask = mask.unsqueeze(0)
-        width = self.mask_width if self.mask_width is not None else mask.shape[-1]
+        width = self.mask_width if self.mask_width is not None else maskable_width(self.action_space)
+        if width is None:
+            raise ValueError(
+                f"Policy.predict: an action_mask was given, but this policy's {type(self.action_space).__name__} "
+                "actions cannot be masked (Discrete and MultiDiscrete can)"
+            )
         if mask.dim() != 2 or mask.shape != (n, width):
             one = f"[{width}]" if single else f"[{n}, {width}]"
             raise ValueError(
@@ -292,3 +297,13 @@ def load_policy(path: str | Path, policy: str | None = None) -> Policy:
     if policy not in policies:
         raise ValueError(f"policy={policy!r} is not in {path} (it has {', '.join(policies)})")
     return policies[policy]
+
+
+def maskable_width(space: gym.Space) -> int | None:
+    """The width of an action mask over `space` (one flag per action, MultiDiscrete: per sub-action), for a
+    policy that trained without masks and is given one; None where actions cannot be masked."""
+    if isinstance(space, gym.spaces.Discrete):
+        return int(space.n)
+    if isinstance(space, gym.spaces.MultiDiscrete):
+        return int(np.sum(space.nvec))
+    return None

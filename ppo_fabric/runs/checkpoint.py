@@ -501,7 +501,11 @@ def policy_from_weights(
         TypeError,
     ) as exc:  # weights of another model, or a config that builds none
         which = "" if policy is None else f"policy {policy!r}: "
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        # load_state_dict's message opens with "Error(s) in loading state_dict for ActorCritic:": the
+        # first line that says what differs is the one worth reading
+        lines = [line.strip() for line in str(exc).splitlines() if line.strip()] or [type(exc).__name__]
+        first = lines[1] if len(lines) > 1 and lines[0].endswith(":") else lines[0]
+        first = first if len(first) <= 200 else first[:197] + "..."
         raise ValueError(f"{which}the weights do not fit the model its config describes ({first})") from exc
     return agent.eval()
 

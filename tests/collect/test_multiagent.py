@@ -534,6 +534,11 @@ def test_exact_resume_mid_episode(tmp_path: Path) -> None:
             "multiagent.policy_mapping={pattern: policy",
             id="two-policies-no-mapping",
         ),
+        pytest.param(  # read as a single-agent run's policy, it was 'add env=pettingzoo' under env=pettingzoo
+            ["multiagent.policies={main:{}}"],
+            "'main' names a single-agent run's policy; choose another name",
+            id="policy-named-main",
+        ),
         pytest.param(
             ["multiagent.policies={a:{},b:{}}", "multiagent.policy_mapping={*:a}"],
             "multiagent.policies ['b'] get no agents",

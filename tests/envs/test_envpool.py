@@ -20,7 +20,7 @@ from ppo_fabric.app.preflight import load
 from ppo_fabric.collect.rollout import build_collector
 from ppo_fabric.config.values import ConfigError, compose
 from ppo_fabric.envs import envpool_backend
-from ppo_fabric.envs.make import EnvError, make_vector_env, probe_env
+from ppo_fabric.envs.make import EnvError, make_env, make_vector_env, probe_env
 from ppo_fabric.envs.multiagent import SINGLE
 from ppo_fabric.learn.learners import policy_specs
 from ppo_fabric.models.agent import ActorCritic
@@ -204,6 +204,60 @@ def test_atari_lives_end_learner_episodes_but_statistics_report_whole_games() ->
     assert info["episode"]["l"][0] == steps
     assert info["episode"]["r"][0] >= sum(clipped)  # raw bricks score 1, 4 or 7; clipped ones 1
     envs.close()
+
+
+@needs_ale
+def test_atari_time_limits_count_agent_steps_on_both_backends() -> None:
+    """`env.max_episode_steps=100` ends a Pong episode at its 100th agent step on either backend (the
+    gymnasium chain's limit sat inside the frame skipping and cut it at 25): on the gymnasium chain the
+    two FIRE steps of its reset count among them (the documented difference in game lengths)."""
+    for backend, expected in zip(BACKENDS, (98, 100), strict=True):
+        cfg = _atari_cfg(backend, num_envs=1)
+        cfg.max_episode_steps = 100
+        env = make_env(cfg)
+        env.reset(seed=0)
+        steps, truncated = 0, False
+        while not truncated:
+            _, _, terminated, truncated, _ = env.step(0)
+            steps += 1
+            assert not terminated and steps <= 100, (backend, steps)
+        assert steps == expected, backend
+        env.close()
+
+
+def test_evaluation_plays_the_pool_it_trained_on() -> None:
+    """A run on EnvPool is evaluated on a one-env pool of its own options: `+env.kwargs.noop_max=1` (an
+    EnvPool option gymnasium's ALE refuses, which ended the run at its first evaluation) builds, and a
+    Breakout evaluation episode is a whole game (5 lives) with its raw score, as on the gymnasium chain."""
+    from ppo_fabric.envs.atari import records_games
+    from ppo_fabric.policy.evaluate import play
+
+    cfg = _atari_cfg("envpool", "ALE/Breakout-v5", num_envs=1)
+    cfg.kwargs = {"noop_max": 1}
+    env = make_env(cfg)
+    assert isinstance(env, envpool_backend.PoolEnv) and records_games(env)
+
+    class Random:
+        mask_width, recurrent = None, False
+        rng = np.random.default_rng(0)
+
+        def predict(self, *_args: Any) -> tuple[np.ndarray, None]:
+            return np.asarray(self.rng.integers(0, 4)), None
+
+    returns, lengths, _ = play(Random(), env, 1, True, seed=3)
+    assert lengths[0] > 50 and returns[0] >= 0  # a whole game of random play, not one life of it
+    lost = 0
+    env.reset(seed=3)
+    while True:  # the same game stepped by hand: 4 lost lives end learner episodes, the 5th ends the game
+        _, reward, terminated, truncated, info = env.step(int(Random.rng.integers(0, 4)))
+        assert reward in (-1.0, 0.0, 1.0)
+        if "episode" in info:
+            break
+        if terminated:
+            lost += 1
+            env.reset()
+    assert lost == 4 and terminated
+    env.close()
 
 
 @pytest.mark.slow

@@ -169,6 +169,8 @@ def test_evaluate_plays_whole_games_with_raw_scores() -> None:
     """evaluate's episodes are games: the lost life (terminated for the learner) does not end one."""
 
     class Noop:
+        mask_width = None  # a Policy's: trained without action masks
+
         def predict(self, obs: np.ndarray, state: None, *_: object) -> tuple[np.ndarray, None]:
             assert obs.shape == (4, 84, 84)
             return np.zeros((), dtype=np.int64), None

@@ -213,6 +213,17 @@ def test_loading_a_multiagent_checkpoint_builds_no_env_it_names(tmp_path: Path) 
     with pytest.raises(evaluate.EvalError, match=r"would import and run module 'os'"):
         evaluate.evaluate(crafted, episodes=1, out=tmp_path)
     assert not marker.exists()
+    # ppo-fabric's own callables are no env package: one that builds the env its arguments name would run
+    # the first crafted checkpoint's command
+    state["config"]["env"] |= {
+        "id": "ppo_fabric.policy.evaluate:main",
+        "kwargs": {"argv": [f"checkpoint={crafted}", "trust_env=true", f"out={tmp_path}"]},
+    }
+    chained = tmp_path / "chained.ckpt"
+    chained.write_bytes(ckpt.encode(state))
+    with pytest.raises(ValueError, match=r"would import and run module 'ppo_fabric.policy.evaluate'"):
+        ppo_fabric.load_policy(chained)
+    assert not marker.exists()
     state["action_masks"] = {"shared": 9}  # what a checkpoint records now: nothing to build
     crafted.write_bytes(ckpt.encode(state))
     assert ppo_fabric.load_policy(crafted).mask_width == 9
@@ -250,6 +261,37 @@ def test_games_against_a_snapshot_and_the_pool(tmp_path: Path) -> None:
         evaluate.EvalError, match=r"games=3 is fewer than 2 per opponent .* use games=4 or more"
     ):
         evaluate.evaluate(path, opponent="pool", games=3, out=tmp_path)
+
+
+def test_opponents_that_do_not_fit_the_game(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A snapshot of another env's run and a pool snapshot of another model: one line each, exit 2 (they
+    were a matrix-shape traceback and a ValueError traceback with an empty cause)."""
+    path = _tictactoe_checkpoint(tmp_path / "last.ckpt")
+    cfg, _ = compose(["env.id=CartPole-v1"])
+    spaces = gym.spaces.Box(-1, 1, (4,), np.float32), gym.spaces.Discrete(2)
+    cartpole = tmp_path / "cartpole.ckpt"
+    cartpole.write_bytes(
+        ckpt.encode(
+            {
+                "config": OmegaConf.to_container(cfg, resolve=True),
+                "observation_space": spaces[0],
+                "action_space": spaces[1],
+                "agent": ActorCritic(*spaces, cfg.model).state_dict(),
+                "update": 1,
+                "env_step": 8,
+                "ranks": [{}],
+            }
+        )  # fmt: skip
+    )
+    argv = [f"checkpoint={path}", f"opponent=snapshot:{cartpole}"]
+    assert_cli_failure(capsys, evaluate.main, argv, "its policy 'main' plays observations Box")
+    state = ckpt.load(path, env_state="fresh")
+    for snap in state["ranks"][0]["selfplay"]["pool"]["snapshots"]:
+        snap["weights"] = ActorCritic(*spaces, cfg.model).state_dict()
+    path.write_bytes(ckpt.encode(state))
+    argv = [f"checkpoint={path}", "opponent=pool"]
+    why = "opponent=pool: snapshot 3: policy 'shared': the weights do not fit the model its config describes"
+    assert_cli_failure(capsys, evaluate.main, argv, f"{why} (size mismatch for ")
 
 
 @pytest.mark.parametrize(

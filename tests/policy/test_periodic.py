@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
+from typing import Any
 
 import gymnasium as gym
 import numpy as np
@@ -188,10 +189,10 @@ def test_an_evaluation_scores_alike_each_time_and_leaves_the_random_state() -> N
 def test_an_evaluation_episode_of_an_env_without_a_time_limit_ends(monkeypatch: pytest.MonkeyPatch) -> None:
     """A greedy policy that never reaches the only terminal state: the evaluation (in training and in the
     evaluate tool) cuts its episodes at EVAL_MAX_EPISODE_STEPS instead of holding the run for ever."""
-    from ppo_fabric.policy import evaluate as evaluate_module
+    from ppo_fabric.config import faults
     from ppo_fabric.policy.scorers import score, scorer_for
 
-    monkeypatch.setattr(evaluate_module, "EVAL_MAX_EPISODE_STEPS", 50)
+    monkeypatch.setattr(faults, "EVAL_MAX_EPISODE_STEPS", 50)
     cfg, _ = compose(["env.id=tests.endless_env:make", "eval.episodes=2"])
     specs = policy_specs(cfg)
     (spec,) = specs.values()
@@ -201,6 +202,32 @@ def test_an_evaluation_episode_of_an_env_without_a_time_limit_ends(monkeypatch: 
         model.head.linear.bias.copy_(torch.tensor([1.0, 0.0]))  # always action 0: never ends by itself
     metrics = score(scorer_for(cfg, specs, seed=3), dict.fromkeys(specs, model), None)
     assert metrics["eval/length_mean"] == 50 and metrics["eval/return_mean"] == 50.0
+
+
+def test_multiagent_evaluation_episodes_and_games_end_at_the_cap(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A Parallel env's episode and a turn-based game with no end of their own stop at the same cap as a
+    single-agent env's (the toy games end at their episode length: 1,000 steps here, 40 moves allowed)."""
+    from ppo_fabric.config import faults
+    from ppo_fabric.envs.toy_multiagent import teams_v0, turn_v0
+    from ppo_fabric.games.play import play_games
+    from ppo_fabric.policy.evaluate import play_parallel
+
+    class First:
+        mask_width = None
+
+        def predict(self, obs: Any, state: Any, start: Any, deterministic: bool, mask: Any) -> tuple:
+            return np.asarray(0), None
+
+    def first_legal(obs: Any, mask: Any) -> int:
+        return 0 if mask is None else int(np.flatnonzero(mask)[0])
+
+    monkeypatch.setattr(faults, "EVAL_MAX_EPISODE_STEPS", 40)
+    env = teams_v0(episode_length=1000)
+    groups = {"all": list(env.possible_agents)}
+    _, lengths = play_parallel({"all": First()}, groups, env, 2, True, seed=0)
+    assert lengths == [40, 40]
+    results = play_games(lambda: turn_v0(length=1000), first_legal, first_legal, 2, seed=0)
+    assert results.lengths == [40, 40]
 
 
 def test_a_multiagent_run_evaluates_every_policy(tmp_path: Path) -> None:

@@ -106,6 +106,34 @@ def test_action_masks_are_honoured(tmp_path: Path) -> None:
     env.close()
 
 
+def test_a_policy_trained_without_masks(tmp_path: Path) -> None:
+    """A policy trained with `algo.action_mask=off` on an env that offers masks: `evaluate` plays it as it
+    trained (the env's mask left out, as the evaluation during training does); `predict` given a mask
+    checks it against the action count in one line, and refuses one for actions that cannot be masked."""
+    from ppo_fabric.policy.evaluate import play
+
+    env = make_env(compose([f"env.id={MASKED_ENV}"])[0].env)
+    path = _write(
+        tmp_path / "u.ckpt", [f"env.id={MASKED_ENV}"], {"main": (env.observation_space, env.action_space)}
+    )
+    policy = ppo_fabric.load_policy(path)
+    assert policy.mask_width is None
+    seen: list[object] = []
+    predict = policy.predict
+    policy.predict = lambda *a, **k: (seen.append(a[4]), predict(*a, **k))[1]  # type: ignore[method-assign]
+    play(policy, env, 2, True, seed=0)
+    assert seen and all(mask is None for mask in seen)
+    obs, info = env.reset(seed=0)
+    mask = np.asarray(info["action_mask"], dtype=bool)
+    assert predict(obs, action_mask=mask)[0].shape == ()  # a mask over its 4 actions: honoured
+    with pytest.raises(ValueError, match=r"action_mask of shape \(5,\) does not fit .* 4 actions"):
+        predict(obs, action_mask=np.ones(5, bool))
+    box = ppo_fabric.load_policy(_write(tmp_path / "b.ckpt", ["env.id=Pendulum-v1"], {"main": BOX}))
+    with pytest.raises(ValueError, match="Box actions cannot be masked"):
+        box.predict(np.zeros(3, np.float32), action_mask=np.ones(2, bool))
+    env.close()
+
+
 def test_recurrent_state_is_carried_by_the_caller(tmp_path: Path) -> None:
     env = gym.make("CartPole-v1")
     path = _write(
