@@ -34,14 +34,17 @@ def main(fabric: Fabric, cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
     specs = policy_specs(cfg)
     resume = ckpt.load(cfg.resume, env_state=str(cfg.resume_env)) if cfg.resume is not None else None
     learners = build_learners(fabric, specs, resume, float(cfg.algo.adam_eps))
-    collector = build_collector(cfg, specs, rank, fabric.device, sum_reduce(None, fabric.device))
+    start = 0 if resume is None else int(resume["env_step"])
+    collector = build_collector(
+        cfg, specs, rank, fabric.device, sum_reduce(None, fabric.device), start_step=start
+    )
     policies = policies_of(learners)
 
     layout = training_layout(cfg, world)
     per_update = layout.env_steps
     settings = UpdateSettings.of(cfg.algo)
     if resume is not None:
-        changed = resume_collector(collector, resume, rank, world, world)
+        changed = resume_collector(collector, resume, rank, world)
         if changed and rank == 0:
             fabric.print(changed)
     session = RunSession(cfg, run_dir, rank == 0, per_update, resume)

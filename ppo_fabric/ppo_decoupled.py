@@ -56,6 +56,7 @@ from ppo_fabric.runs.metrics import parameters_digest
 from ppo_fabric.runs.session import (
     STOP,
     RunSession,
+    collecting_parts,
     collector_state,
     end_of_run,
     episode_metrics,
@@ -172,17 +173,19 @@ class Player:
         self.params = all_parameters(self.policies)
         # normalisation statistics are merged over players
         self.collector = build_collector(
-            cfg, specs, topo.rank, self.device, sum_reduce(topo.player_group, "cpu"), role="player rank"
-        )
+            cfg, specs, topo.rank, self.device, sum_reduce(topo.player_group, "cpu"), role="player rank",
+            start_step=0 if resume is None else int(resume["env_step"]),
+        )  # fmt: skip
         self.names = metric_names(specs)
         codecs = codecs_for(specs, self.collector.storages, len(topo.trainers), cfg)
         self.gae_inputs = gae_inputs(cfg)
         self.link = PlayerLink(topo, codecs, sum(p.numel() for p in self.params), len(self.names))
         saved = None
         if resume is not None:
-            changed = resume_collector(self.collector, resume, topo.rank, self.world, len(topo.players))
-            if changed is None and self.pipeline and "policy" in resume["ranks"][topo.rank]:
-                saved = resume["ranks"][topo.rank]
+            player = topo.players.index(topo.rank)  # the k-th player continues the checkpoint's k-th
+            changed = resume_collector(self.collector, resume, player, len(topo.players))
+            if changed is None and self.pipeline and "policy" in collecting_parts(resume)[player]:
+                saved = collecting_parts(resume)[player]
             if changed and topo.rank == 0:
                 print(changed, flush=True)
         self.session = session_for(fabric, cfg, run_dir, resume)
@@ -409,8 +412,9 @@ class Trainer:
         specs = policy_specs(cfg)
         self.learners = build_learners(fabric, specs, resume, float(cfg.algo.adam_eps))
         self.params = all_parameters(policies_of(self.learners))
-        if resume is not None and len(resume["ranks"]) == fabric.world_size:
-            ckpt.set_rng_state(resume["ranks"][topo.rank]["rng"])
+        trainer_parts = [] if resume is None else [s for s in resume["ranks"] if "num_envs" not in s]
+        if len(trainer_parts) == len(topo.trainers):  # the k-th trainer continues the checkpoint's k-th
+            ckpt.set_rng_state(trainer_parts[topo.trainers.index(topo.rank)]["rng"])
         steps, copies = int(cfg.algo.rollout_steps), int(cfg.env.num_envs)
         delayed = is_async(cfg.env)  # the players' storages have a `mask`: so has the template
         templates = {n: policy_storage(steps, copies, s, "cpu", delayed) for n, s in specs.items()}

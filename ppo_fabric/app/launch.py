@@ -237,11 +237,7 @@ def launch(
             summary = main(fabric, cfg, run_dir)
     except Stopped as stop:
         if fabric.global_rank == 0:
-            os.write(
-                2,
-                f"ppo-fabric: {stop}; continue with resume={stop.checkpoint} (or resume=auto "
-                f"hydra.run.dir={run_dir})\n".encode(),
-            )
+            os.write(2, f"ppo-fabric: {stop}; {stop.continuation(run_dir)}\n".encode())
         if caller_owns_process and fabric.world_size == 1:  # ppo_fabric.run(): the caller's to end
             watchdog.stop()
             if stop.signum == signal.SIGINT:

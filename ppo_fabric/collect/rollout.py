@@ -650,6 +650,16 @@ def _copy_in(stored: torch.Tensor | TensorDict, host: HostArrays) -> None:
 
 
 # ---------------------------------------------------------------------------------------------- set-up
+def session_seed(seed: int, start_step: int) -> int:
+    """The seed a session's envs are built from: the run's own at its start; a resumed session's its own
+    (derived from the step it starts at), so that envs which start fresh (another layout, or envs a
+    checkpoint cannot hold: EnvPool, async) do not replay the run's opening episodes at every requeue.
+    Envs restored from the checkpoint replace these, so an exact resume stays exact."""
+    if start_step == 0:
+        return seed
+    return int(np.random.SeedSequence([seed, start_step]).generate_state(1, dtype=np.uint32)[0])
+
+
 def build_collector(
     cfg: DictConfig,
     specs: dict[str, PolicySpec],
@@ -657,13 +667,16 @@ def build_collector(
     device: torch.device | str,
     reduce: Reduce | None,
     role: str = "rank",
+    start_step: int = 0,
 ) -> RolloutCollector:
     """The rank's envs and rollout storage: [T, E] for a gymnasium env; for a PettingZoo env one storage
     per policy, [T, E * its agents per copy], with the `mask` of steps that hold a transition. `role` names
-    the rank in fault lines (`player rank 1`)."""
+    the rank in fault lines (`player rank 1`). `start_step`: the env step a resumed session starts at,
+    whose fresh envs get seeds of their own (`session_seed`)."""
     algo = cfg.algo
     steps, copies = int(algo.rollout_steps), int(cfg.env.num_envs)
     label = f"{role} {rank}"
+    seed = session_seed(int(cfg.seed), start_step)
     single = list(specs) == [SINGLE]
     note = restart_note(cfg.env, multiagent=not single)
     if note is not None and rank == 0:
@@ -672,13 +685,13 @@ def build_collector(
     try:
         if single:
             width = specs[SINGLE].action_mask
-            envs, first = make_vector_env(cfg.env, int(cfg.seed), rank, float(algo.gamma), reduce, width)
+            envs, first = make_vector_env(cfg.env, seed, rank, float(algo.gamma), reduce, width)
             storage: Any = policy_storage(steps, copies, specs[SINGLE], device, is_async(cfg.env))
         else:
             masked = any(spec.action_mask is not None for spec in specs.values())
             opening = int(cfg.selfplay.opening_moves) if bool(cfg.selfplay.enabled) else 0
             envs, first = make_multiagent_vector_env(
-                cfg.env, cfg.multiagent, int(cfg.seed), rank, masked, opening_moves=opening
+                cfg.env, cfg.multiagent, seed, rank, masked, opening_moves=opening
             )
             storage = {name: policy_storage(steps, copies, spec, device) for name, spec in specs.items()}
     except NonFiniteData as bad:

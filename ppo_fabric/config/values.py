@@ -425,6 +425,18 @@ def check_layout(cfg: DictConfig, world: int) -> None:
             f"each player's batch of {per_collector} samples (algo.rollout_steps*env.num_envs) cannot be "
             f"split evenly over {layout.trainers} trainers; change env.num_envs or algo.rollout_steps"
         )
+    refreshed = bool(cfg.algo.pipeline) and bool(cfg.algo.lag_refresh_advantages)
+    feed_forward = sequence_length(cfg.model) == 1 and cfg.env.get("api", "gymnasium") != "pettingzoo"
+    steps = int(cfg.algo.rollout_steps)
+    if cfg.strategy == "decoupled" and refreshed and feed_forward and steps % layout.trainers:
+        # each trainer recomputes GAE over whole time rows of its shard: a shard that is no whole number
+        # of rows would keep the player's stale advantages without a word
+        raise ConfigError(
+            f"algo.lag_refresh_advantages=true recomputes advantages over whole time steps, and "
+            f"algo.rollout_steps={steps} does not split into equal time rows over {layout.trainers} trainers; "
+            f"use a multiple of {layout.trainers} (e.g. {steps + layout.trainers - steps % layout.trainers}) "
+            "or algo.lag_refresh_advantages=false"
+        )
     mb, trainers = layout.minibatch, layout.trainers
     if mb % trainers:
         raise ConfigError(

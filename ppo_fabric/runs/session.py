@@ -49,9 +49,20 @@ Reduce = Callable[[torch.Tensor], torch.Tensor]
 class Stopped(Exception):  # noqa: N818 - a stop asked for, not an error
     """The run stopped at an update boundary on SIGTERM/SIGINT, after writing a checkpoint every rank agrees on."""
 
-    def __init__(self, signum: int, env_step: int, checkpoint: Path) -> None:
+    def __init__(self, signum: int, env_step: int, checkpoint: Path | None) -> None:
         super().__init__(f"stopped by {signal.Signals(signum).name} at {env_step} env steps")
         self.signum, self.env_step, self.checkpoint = signum, env_step, checkpoint
+
+    def continuation(self, run_dir: Path) -> str:
+        """How to go on: the checkpoint that holds the run's state now (`resume=auto` in `run_dir` finds it
+        only when it is that directory's `last.ckpt`); a fresh run stopped before its first checkpoint has
+        none."""
+        if self.checkpoint is None:
+            return "no checkpoint was written before it: run the command again to start over"
+        hint = f"continue with resume={self.checkpoint}"
+        if self.checkpoint == run_dir / "checkpoints" / "last.ckpt":
+            hint += f" (or resume=auto hydra.run.dir={run_dir})"
+        return hint
 
 
 class CheckpointFault(RunFault):
@@ -136,6 +147,7 @@ class RunSession:
         self.start_wall = float(resume.get("wall_s", 0.0)) if resume is not None else 0.0
         self.protect = (Path(str(cfg.resume)),) if cfg.resume is not None else ()
         self.last_checkpoint = self.start_update if resume is not None else -1
+        self._no_checkpoint_yet = self.last_checkpoint
         self._checkpoint_clock = time.monotonic()
         saved = resume.get("lr_schedule") if resume is not None else None
         self.lr_schedule = LrSchedule.continued(
@@ -284,7 +296,15 @@ class RunSession:
                 warnings.warn(f"ppo-fabric: could not write summary.json: {exc!r}", stacklevel=2)
             save_learning_curve(self.run_dir, title=str(self.cfg.env.id))  # warns on any failure
         self.logger.close(summary, exit_code=128 + signum)
-        raise Stopped(signum, self.env_step(update), self.checkpoint_path)
+        raise Stopped(signum, self.env_step(update), self.stop_checkpoint())
+
+    def stop_checkpoint(self) -> Path | None:
+        """The checkpoint a stopped run continues from: this session's `last.ckpt` once it wrote one, else
+        the checkpoint it resumed from (a decoupled run stopped before its first update writes none, and
+        this directory's `last.ckpt` may be another run's or branch's), None for a fresh run."""
+        if self.last_checkpoint != self._no_checkpoint_yet:
+            return self.checkpoint_path
+        return Path(str(self.cfg.resume)) if self.cfg.resume is not None else None
 
     # ------------------------------------------------------------------------------------------- the end
     def summary(
@@ -373,18 +393,22 @@ def collector_state(collector: RolloutCollector) -> dict[str, Any]:
     return {"rng": ckpt.rng_state(), "envs": ckpt.pickle_envs(collector.envs)} | collector.state_dict()
 
 
+def collecting_parts(resume: dict[str, Any]) -> list[dict[str, Any]]:
+    """The checkpoint's collecting ranks' parts, in rank order: the k-th is the k-th collecting rank's,
+    whichever rank number it had (a decoupled layout on another node count puts players on other ranks)."""
+    return [state for state in resume["ranks"] if "num_envs" in state]
+
+
 def resume_collector(
-    collector: RolloutCollector, resume: dict[str, Any], rank: int, world: int, collecting: int
+    collector: RolloutCollector, resume: dict[str, Any], collector_index: int, collecting: int
 ) -> str | None:
-    """Continue this collecting rank from the checkpoint: exactly when the layout is the same (as many
-    processes, as many collecting ranks, as many envs each); otherwise with fresh envs and RNG but the
-    normaliser statistics (identical on every collecting rank) carried over. Returns the line to print in
-    that case (None when exact)."""
-    ranks = resume["ranks"]
-    saved = [state for state in ranks if "num_envs" in state]  # the collecting ranks' parts
-    same = len(ranks) == world and len(saved) == collecting
-    if same and all(int(state["num_envs"]) == collector.num_envs for state in saved):
-        restore_collector(collector, ranks[rank])
+    """Continue the `collector_index`-th collecting rank from the checkpoint's: exactly when the collecting
+    layout is the same (as many collecting ranks, as many envs each; trainer ranks may differ); otherwise
+    with fresh envs and RNG but the normaliser statistics (identical on every collecting rank) carried
+    over. Returns the line to print in that case (None when exact)."""
+    saved = collecting_parts(resume)
+    if len(saved) == collecting and all(int(state["num_envs"]) == collector.num_envs for state in saved):
+        restore_collector(collector, saved[collector_index])
         return None
     if saved:
         collector.carry_statistics(saved[0])

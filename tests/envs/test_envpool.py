@@ -294,6 +294,26 @@ def test_resume_continues_with_fresh_episodes(tmp_path: Path) -> None:
     assert summary["total_env_steps"] == 1024 and summary["resumed_from"] is not None
 
 
+def test_a_resumed_sessions_fresh_envs_do_not_replay_the_opening() -> None:
+    """A pool cannot be pickled, so every resumed session starts fresh envs: seeded from the step it
+    resumes at, not the run's first seeds (a job requeued again and again trained on its first episodes)."""
+    cfg, _ = compose(["env.backend=envpool", "env.num_envs=4", "algo.rollout_steps=8"])
+    specs = policy_specs(cfg)
+
+    def first_obs(start_step: int) -> torch.Tensor:
+        collector = build_collector(cfg, specs, 0, "cpu", None, start_step=start_step)
+        policy = ActorCritic(specs[SINGLE].obs_space, specs[SINGLE].action_space, cfg.model)
+        collector.collect(policy, 0)
+        collector.envs.close()
+        return collector.storage["obs"][0].clone()
+
+    opening = first_obs(0)
+    torch.testing.assert_close(first_obs(0), opening)  # a fresh run: the run's own seeds
+    resumed = first_obs(512)
+    assert not torch.allclose(resumed, opening)
+    torch.testing.assert_close(first_obs(512), resumed)  # reproducible all the same
+
+
 @pytest.mark.multiprocess
 def test_decoupled_run_on_envpool(tmp_path: Path) -> None:
     """Env construction is shared: a decoupled job (1 player + 1 trainer, gloo) collects from EnvPool."""

@@ -161,6 +161,25 @@ def test_the_final_line_of_a_resumed_session_counts_its_own_steps_and_the_runs_t
     )
 
 
+def test_a_run_stopped_before_its_first_checkpoint_names_the_one_that_holds_it(tmp_path: Path) -> None:
+    """A decoupled session stopped before its first update writes no checkpoint: its line names the
+    checkpoint it resumed from (this directory's last.ckpt may be another branch's), with `resume=auto` only
+    when that file is this directory's last.ckpt; a fresh run has none to name. Once it wrote its own, that."""
+    source = tmp_path / "elsewhere" / "step_000079.ckpt"
+    resumed = _session(tmp_path, {"env_step": 20_224, "update": 79})
+    resumed.cfg.resume = str(source)
+    stop = Stopped(15, 20_224, resumed.stop_checkpoint())
+    assert stop.continuation(tmp_path) == f"continue with resume={source}"
+    resumed.last_checkpoint = 80  # what `checkpoint(80)` records on every rank
+    last = tmp_path / "checkpoints" / "last.ckpt"
+    assert resumed.stop_checkpoint() == last
+    assert Stopped(15, 20_480, last).continuation(tmp_path) == (
+        f"continue with resume={last} (or resume=auto hydra.run.dir={tmp_path})"
+    )
+    fresh = Stopped(2, 0, _session(tmp_path, None).stop_checkpoint())
+    assert fresh.continuation(tmp_path).startswith("no checkpoint was written before it")
+
+
 # ------------------------------------------------------------------------------------ a stopped run
 RUN = [
     "env=gym",

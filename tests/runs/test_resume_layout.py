@@ -35,6 +35,34 @@ def _steps(ckpt_dir: Path) -> list[tuple[int, str]]:
     return sorted(ckpt.parse_numbered(p) for p in ckpt_dir.glob("step_*.ckpt"))  # type: ignore[type-var]
 
 
+def test_the_kth_player_continues_the_checkpoints_kth_player(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Players are matched by their order, not their rank number: 2 nodes x 2 processes with 2 players put
+    them on ranks 0 and 2, and the same job on 1 node x 4 on ranks 0 and 1, whose second player continues
+    rank 2's part (not rank 1's, a trainer's: KeyError 'envs'). A change in the trainers alone keeps every
+    player's envs, RNG and episode count (it restarted them, with the run's first seeds)."""
+    from types import SimpleNamespace
+
+    from ppo_fabric.runs import session
+    from ppo_fabric.wire.placement import players_of, role_map
+
+    restored: list[int] = []
+    monkeypatch.setattr(session, "restore_collector", lambda _c, part: restored.append(part["id"]))
+    collector = SimpleNamespace(num_envs=4, carry_statistics=lambda _part: restored.append(-1))
+
+    def checkpoint(roles: list) -> dict:
+        return {"ranks": [{"id": r.rank, "num_envs": 4} if r.plays else {"id": r.rank} for r in roles]}
+
+    two_nodes = checkpoint(role_map(4, 2, 2))
+    one_node = role_map(4, 1, 2)
+    assert players_of(role_map(4, 2, 2)) == [0, 2] and players_of(one_node) == [0, 1]
+    for player in range(2):
+        assert session.resume_collector(collector, two_nodes, player, 2) is None
+    assert restored == [0, 2]
+    restored.clear()
+    one_trainer = checkpoint(role_map(2, 1, 1))  # resumed with fabric.devices=3: two trainers
+    assert session.resume_collector(collector, one_trainer, 0, 1) is None and restored == [0]
+
+
 @pytest.mark.multiprocess
 def test_two_ranks_resumed_on_one_with_another_batch(tmp_path: Path) -> None:
     """2 ranks x 4 envs x 64 steps to half of 4096 env steps, resumed on 1 rank x 2 envs x 128 steps: the

@@ -410,8 +410,12 @@ def test_failing_player_ends_the_job(tmp_path: Path, launcher: Callable[..., lis
             ["fabric.devices=3", "env.num_envs=3", "algo.rollout_steps=5"],
             "batch of 15 samples .* cannot be split evenly over 2 trainers",
         ),
+        (  # 20 samples split 10 + 10: no whole time rows of 4 envs, so no advantage refresh
+            ["fabric.devices=3", "env.num_envs=4", "algo.rollout_steps=5", "algo.minibatch_size=10"],
+            "algo.rollout_steps=5 does not split into equal time rows over 2 trainers.*e.g. 6",
+        ),
     ],
-    ids=["one-process", "no-trainer", "batch-not-splittable"],
+    ids=["one-process", "no-trainer", "batch-not-splittable", "rows-not-splittable-for-the-refresh"],
 )
 def test_impossible_layouts_are_refused(
     overrides: list[str], message: str, monkeypatch: pytest.MonkeyPatch
@@ -445,6 +449,14 @@ def test_bad_minibatch_for_the_layout_is_refused(
         load(["strategy=decoupled", "fabric.devices=3", "env.num_envs=4", "algo.rollout_steps=32",
               f"algo.minibatch_size={minibatch}"])  # fmt: skip
     assert "\n" not in str(info.value)
+
+
+@pytest.mark.multiprocess
+def test_rows_that_do_not_split_are_fine_without_the_refresh(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("LT_CLI_USED", raising=False)
+    for off in ("algo.lag_refresh_advantages=false", "algo.pipeline=false"):
+        load(["strategy=decoupled", "fabric.devices=3", "env.num_envs=4", "algo.rollout_steps=5",
+              "algo.minibatch_size=10", off])  # fmt: skip
 
 
 @pytest.mark.multiprocess
