@@ -33,6 +33,7 @@ from ppo_fabric.compat.private import set_fabric_precision
 from ppo_fabric.config.arguments import fail
 from ppo_fabric.config.faults import FAULT_EXIT, RunComplete, RunFault, fault_status
 from ppo_fabric.config.values import ConfigError, composer, under_fabric_run
+from ppo_fabric.envs.make import rank_seed
 from ppo_fabric.learn.accel import set_cuda_math
 from ppo_fabric.runs import lock as run_lock
 from ppo_fabric.runs.continuation import describe
@@ -228,7 +229,7 @@ def launch(
         os.write(2, f"ppo-fabric: {warning}\n".encode())
     if fabric.global_rank == 0:
         print(opening_lines(cfg, facts.get("resume_changes")), flush=True)
-    seed_everything(int(cfg.seed) + fabric.global_rank, verbose=False)
+    seed_everything(rank_seed(int(cfg.seed), fabric.global_rank), verbose=False)
     PROGRESS.label = f"rank {fabric.global_rank}"  # the decoupled strategy names the role too
     stall_s = float(cfg.stall_timeout or 0)
     watchdog = Watchdog(run_dir, stall_s, fabric.world_size).start()

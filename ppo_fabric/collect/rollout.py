@@ -174,7 +174,7 @@ class RolloutCollector:
         self.num_envs = int(envs.num_envs)
         # multi-agent: the per-agent view of the storages
         self.buffer = (
-            MultiAgentRolloutBuffer(storages, envs.groups, self.num_envs) if self.multiagent else None
+            MultiAgentRolloutBuffer(storages, envs.groups, self.num_envs, gamma) if self.multiagent else None
         )
         self.steps_per_tick = int(envs.batch_size) if self.asynchronous else self.num_envs  # env steps
         self.selfplay = selfplay

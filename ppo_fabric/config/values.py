@@ -331,7 +331,8 @@ class Layout:
 
     `algo.minibatch_size` is the minibatch over all training ranks (RLlib's sgd_minibatch_size): each rank
     takes `minibatch_size / trainers` samples per step and DDP averages the gradients, so the same config
-    learns the same way on 1 or N training ranks.
+    takes as many gradient steps of the same size on 1 or N training ranks (advantages are normalised per
+    rank, over its share).
     """
 
     collectors: int  # ranks that step envs

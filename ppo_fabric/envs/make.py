@@ -433,9 +433,18 @@ def _preprocess(env_cfg: DictConfig) -> str:
     return preprocess
 
 
+def rank_seed(seed: int, rank: int) -> int:
+    """The seed of one rank of a run seeded `seed`: `seed` itself for rank 0, for a later rank one drawn
+    from (seed, rank). Never `seed + rank`: rank 1 of seed 1 would be rank 0 of seed 2, and runs over
+    seeds 1-10 with several ranks would share envs and action noise."""
+    if rank == 0:
+        return seed
+    return int(np.random.SeedSequence([seed, rank]).generate_state(1, dtype=np.uint32)[0])
+
+
 def env_seeds(seed: int, rank: int, num_envs: int) -> list[int]:
-    """Distinct, reproducible seeds for the envs of one rank, derived from `seed + rank`."""
-    seq = np.random.SeedSequence(seed + rank)
+    """Distinct, reproducible seeds for the envs of one rank, derived from `rank_seed(seed, rank)`."""
+    seq = np.random.SeedSequence(rank_seed(seed, rank))
     return [int(s) for s in seq.generate_state(num_envs, dtype=np.uint32)]
 
 
@@ -538,7 +547,7 @@ def _envpool_call(fn: Callable[..., Any], *args: Any) -> Any:
 def warmup_seed(seed: int, rank: int) -> int:
     """The seed of the normalisation warm-up's random actions: reproducible per run and rank, and a stream
     apart from `env_seeds` (a child of the same seed sequence)."""
-    child = np.random.SeedSequence(seed + rank).spawn(1)[0]
+    child = np.random.SeedSequence(rank_seed(seed, rank)).spawn(1)[0]
     return int(child.generate_state(1, dtype=np.uint32)[0])
 
 

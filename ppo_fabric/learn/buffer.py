@@ -115,7 +115,10 @@ class MultiAgentRolloutBuffer:
     FIELDS = ("states", "state_values", "actions", "log_probs", "rewards", "next_states",
               "next_state_values", "dones")  # fmt: skip
 
-    def __init__(self, storages: dict[str, TensorDict], groups: dict[str, list[str]], num_envs: int) -> None:
+    def __init__(
+        self, storages: dict[str, TensorDict], groups: dict[str, list[str]], num_envs: int, gamma: float
+    ) -> None:
+        self.gamma = gamma  # the tail's bootstrap value is read back from its advantage
         self.episodes: list[dict[str, Any]] = []
         self._rows: dict[Any, tuple[TensorDict, int]] = {}  # agent -> (its policy's storage, column)
         for policy, agents in groups.items():
@@ -153,13 +156,24 @@ class MultiAgentRolloutBuffer:
             out["log_probs"].append(steps["logprobs"])
             out["rewards"].append(steps["rewards"])
             out["dones"].append(done)
-            # the next step's value, or the bootstrap value GAE used
             out["next_states"].append(None)
-            out["next_state_values"].append(steps["returns"] - steps["advantages"])
+            out["next_state_values"].append(self._next_values(steps))
             for key, value in _extras(steps).items():
                 extras.setdefault(key, []).append(value)
         out["extras"] = extras
         return out
+
+    def _next_values(self, steps: TensorDict) -> torch.Tensor:
+        """The value each step's advantage bootstrapped from: the agent's next step's, 0 at a termination,
+        the final observation's at a truncation, and at the rollout's end the bootstrap GAE used (from
+        A = r + gamma * V_next - V, its one-step advantage there)."""
+        values = steps["values"]
+        out = torch.empty_like(values)
+        if values.shape[0]:
+            out[:-1] = values[1:]
+            out[-1] = (steps["advantages"][-1] - steps["rewards"][-1] + values[-1]) / self.gamma
+        out = torch.where(steps["truncated"].bool(), steps["final_values"], out)
+        return torch.where(steps["terminated"].bool(), torch.zeros_like(out), out)
 
     def end_episode(self) -> dict[str, Any]:
         """Close the current episode: each agent's and the average length and reward; kept in `episodes`."""

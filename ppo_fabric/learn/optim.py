@@ -108,8 +108,10 @@ def clip_and_adam(
     """The direct path's end of a minibatch step: clip `grads` to `max_norm` (<= 0: no clipping), then one
     fused Adam kernel per parameter group at its learning rate in `lrs` (a float, or a one-element tensor on
     the device, which the whole-step CUDA graph reads at each replay). The kernel leaves parameters and
-    moments as they are when the gradient norm is not finite (`found_inf`). Returns that flag: 1.0
-    skipped, 0.0 taken. No host sync, so it can be recorded in a CUDA graph (`learn/graph.py`)."""
+    moments as they are when the gradient norm is not finite (`found_inf`), and Adam's step count is given
+    back right after it, as torch's fused Adam does: the next steps' bias correction counts only the steps
+    taken. Returns that flag: 1.0 skipped, 0.0 taken. No host sync, so it can be recorded in a CUDA graph
+    (`learn/graph.py`)."""
     total = clip_grad_norm_(grads, max_norm) if max_norm > 0 else grad_norm(grads)
     skipped = nonfinite_flag(total)  # the kernel's `found_inf`: 1.0 leaves everything as it is
     for (group, params, (exp_avgs, exp_avg_sqs, steps)), lr in zip(groups, lrs, strict=True):
@@ -132,6 +134,7 @@ def clip_and_adam(
             grad_scale=None,
             found_inf=skipped,
         )
+        foreach_add_(steps, [skipped] * len(steps), alpha=-1.0)  # a skipped step is not counted
     return skipped
 
 
@@ -140,8 +143,7 @@ class GradientStep:
     a step whose gradient norm is not finite is skipped, parameters and Adam's moments untouched.
     `__call__` returns 1.0 for a step skipped, 0.0 for one taken, as a tensor: the direct path never waits
     for the device, its fused Adam kernel skips the step itself (`found_inf`, as for a gradient scaler's
-    inf). Adam's step count is advanced before the kernel as always; `settle()` gives the skipped steps'
-    counts back once the update knows it skipped some (rare), instead of one more op per minibatch step.
+    inf) and `clip_and_adam` gives the step count back at once.
 
     Built once per update (an optimiser state loaded since is picked up by the next update's). The direct
     path holds each parameter group's lists of parameters and Adam states; it is taken on a call where
@@ -155,7 +157,6 @@ class GradientStep:
         self.direct = _plain_layers(fabric, optimizer) and _plain_fused_adam(inner)
         self.params = [p for group in inner.param_groups for p in group["params"]]
         self._groups: AdamGroups | None = None
-        self._counted: list[torch.Tensor] = []  # the direct path's skip flags: steps it counted anyway
 
     def states(self) -> AdamGroups | None:
         """Per group: (options, params, [exp_avgs, exp_avg_sqs, steps]); None until every state exists, or
@@ -185,27 +186,7 @@ class GradientStep:
             or not all(isinstance(group["lr"], float) for group, _, _ in groups)
         ):
             return self._layered()
-        skipped = clip_and_adam(grads, groups, self.max_norm, [group["lr"] for group, _, _ in groups])
-        self._counted.append(skipped)
-        return skipped
-
-    def record(self, skipped: torch.Tensor) -> None:
-        """Count a step that `clip_and_adam` took outside `__call__` (the whole-step graph's replay), so that
-        `settle` gives its count back too if it was skipped."""
-        if self._groups is None:
-            self._groups = self.states()
-        self._counted.append(skipped)
-
-    def settle(self) -> None:
-        """Give back the step counts of the direct path's skipped steps (after the update, which read how
-        many it skipped): Adam's state is then what it would be had those steps never been tried."""
-        if not self._counted:
-            return
-        back = float(torch.stack(self._counted).sum())
-        self._counted = []
-        if back and self._groups is not None:
-            for _, _, (_, _, steps) in self._groups:
-                foreach_add_(steps, -back)
+        return clip_and_adam(grads, groups, self.max_norm, [group["lr"] for group, _, _ in groups])
 
     def _layered(self) -> torch.Tensor:
         """Through Fabric: clipping, then `optimizer.step()` unless the norm is not finite (one host sync,

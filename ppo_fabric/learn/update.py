@@ -296,7 +296,6 @@ class MinibatchSteps:
             graph = self.whole_step(part) if self.graph_mode else None
             if graph is not None:  # its outputs are its own, overwritten by the next replay: copied out
                 stats, new_logp, skipped = (t.clone() for t in graph(part))
-                self.finish.record(skipped)
                 self.skips.append(skipped)
                 new_logps.append(new_logp)
                 self.losses.append(stats)
@@ -355,7 +354,6 @@ class MinibatchSteps:
         stacked = torch.stack(self.losses)
         skipped = int(torch.stack(self.skips).sum().item())
         if skipped:  # the losses of the steps taken (those skipped may hold NaN/inf)
-            self.finish.settle()
             finite = torch.isfinite(stacked).all(1)
             stacked = stacked[finite] if bool(finite.any()) else stacked
         pg_mean, vl_mean, el_mean = stacked.mean(0).tolist()

@@ -34,7 +34,7 @@ from ppo_fabric.policy.evaluate import capped, play
 from ppo_fabric.policy.trained import Policy
 from ppo_fabric.wire.progress import PROGRESS
 
-EVAL_SEED_OFFSET = 1_000_003  # training envs are seeded from SeedSequence(seed + rank): never these
+EVAL_SEED_OFFSET = 1_000_003  # training envs take seeds drawn by envs.make.env_seeds: not these
 
 
 class EpisodeFailed(Exception):  # noqa: N818 - one evaluation episode's env failed; `str` is the cause

@@ -138,7 +138,7 @@ def rollouts(request: pytest.FixtureRequest) -> dict[str, Any]:
         for p in policy.parameters():
             p.add_(0.1 * torch.randn_like(p))
     collector = build_collector(cfg, specs, 0, "cpu", None)
-    stores, trajectories, summaries, next_obs = [], [], [], []
+    stores, trajectories, summaries, next_obs, next_values = [], [], [], [], []
     for i in range(2):
         assert collector.collect({"shared": policy}, i * STEPS * COPIES) == STEPS * COPIES
         stores.append(collector.storages["shared"].clone())
@@ -146,12 +146,15 @@ def rollouts(request: pytest.FixtureRequest) -> dict[str, Any]:
         trajectories.append(
             {(a, e): buffer.trajectory((a, e)).clone() for a in AGENTS for e in range(COPIES)}
         )
+        view = buffer.current_episode
+        next_values.append(dict(zip(buffer.agents, view["next_state_values"], strict=True)))
         summaries.append(buffer.end_episode())
         next_obs.append(collector.groups[0].next_obs.clone())
     collector.envs.close()
     replay = _replay([s["actions"] for s in stores], truncate)
     return {"cfg": cfg, "policy": policy, "stores": stores, "trajectories": trajectories,
-            "summaries": summaries, "next_obs": next_obs, "replay": replay, "truncate": truncate}  # fmt: skip
+            "summaries": summaries, "next_obs": next_obs, "replay": replay, "truncate": truncate,
+            "next_values": next_values}  # fmt: skip
 
 
 def test_agent_trajectories_match_the_env(rollouts: dict[str, Any]) -> None:
@@ -187,6 +190,25 @@ def test_agent_trajectories_match_the_env(rollouts: dict[str, Any]) -> None:
     assert bool(truncated.any()) == rollouts["truncate"], (
         "agent_0 is cut by the time limit only with truncate"
     )
+
+
+def test_the_per_agent_view_gives_the_value_each_step_bootstrapped_from(rollouts: dict[str, Any]) -> None:
+    """`current_episode["next_state_values"]`: the agent's next step's value inside an episode, 0 after a
+    termination, the final observation's value after a truncation (it was the step's own value)."""
+    gamma = float(rollouts["cfg"].algo.gamma)
+    for i, trajectories in enumerate(rollouts["trajectories"]):
+        for agent, traj in trajectories.items():
+            nxt = rollouts["next_values"][i][agent]
+            term, trunc = traj["terminated"].bool(), traj["truncated"].bool()
+            inside = ~(term | trunc)
+            inside[-1] = False  # the rollout's last step bootstraps from the next rollout's first
+            torch.testing.assert_close(nxt[:-1][inside[:-1]], traj["values"][1:][inside[:-1]])
+            assert (nxt[term] == 0).all()
+            torch.testing.assert_close(nxt[trunc & ~term], traj["final_values"][trunc & ~term])
+            ended = term | trunc  # no continuation there: the advantage is the one-step TD error
+            torch.testing.assert_close(
+                traj["advantages"][ended], traj["rewards"][ended] + gamma * nxt[ended] - traj["values"][ended]
+            )
 
 
 def test_departed_agents_are_masked(rollouts: dict[str, Any]) -> None:

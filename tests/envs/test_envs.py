@@ -65,6 +65,12 @@ def test_env_seeds_differ_across_ranks_and_envs_but_repeat() -> None:
     a, b = env_seeds(7, 0, 4), env_seeds(7, 1, 4)
     assert len(set(a) | set(b)) == 8
     assert a == env_seeds(7, 0, 4)
+    # nor across runs: rank 1 of seed 7 is no rank of seeds 8-17 (it was rank 0 of seed 8: `seed + rank`)
+    others = {s for seed in range(8, 18) for rank in range(4) for s in env_seeds(seed, rank, 4)}
+    assert not set(b) & others
+    from ppo_fabric.envs.make import rank_seed
+
+    assert rank_seed(7, 0) == 7 and rank_seed(7, 1) not in range(8, 18)
 
 
 def test_vector_env_reproduces_with_seed_and_rank() -> None:

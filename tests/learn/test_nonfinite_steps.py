@@ -50,8 +50,12 @@ def test_a_nonfinite_step_leaves_parameters_and_adam_untouched(poison: float, pa
         assert finish.direct and finish._groups is not None
     before = [p.detach().clone() for p in model.parameters()]
     state = copy.deepcopy(opt.optimizer.state_dict())
+    # a twin that never sees the skipped step: plain torch, from the same parameters and Adam state
+    twin = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2))
+    twin.load_state_dict({k.removeprefix("_forward_module."): v for k, v in model.state_dict().items()})
+    twin_opt = torch.optim.Adam(twin.parameters(), lr=1e-2, fused=True)
+    twin_opt.load_state_dict(copy.deepcopy(state))
     assert float(_step(fabric, model, finish, poison)) == 1.0  # skipped
-    finish.settle()  # as the update does once it counted a skip: the step count given back
     for a, p in zip(before, model.parameters(), strict=True):
         assert torch.equal(a, p.detach())
     after = opt.optimizer.state_dict()
@@ -59,8 +63,17 @@ def test_a_nonfinite_step_leaves_parameters_and_adam_untouched(poison: float, pa
     for k, s in state["state"].items():
         for key, value in s.items():
             assert torch.equal(value, after["state"][k][key]), (k, key)
-    assert float(_step(fabric, model, finish, None)) == 0.0  # and the next finite step is taken
+    # the next finite step is taken as if the skipped one had never been tried: Adam's bias correction
+    # counts the steps taken (the direct path once counted the skipped one until the update's end)
+    torch.manual_seed(1)
+    assert float(_step(fabric, model, finish, None)) == 0.0
+    torch.manual_seed(1)
+    twin(torch.randn(16, 4)).pow(2).mean().backward()
+    torch.nn.utils.clip_grad_norm_(twin.parameters(), 0.5)
+    twin_opt.step()
     assert not all(torch.equal(a, p.detach()) for a, p in zip(before, model.parameters(), strict=True))
+    for t, p in zip(twin.parameters(), model.parameters(), strict=True):
+        torch.testing.assert_close(p.detach(), t.detach(), rtol=0, atol=1e-7)
 
 
 def test_nonfinite_term_names_the_first_bad_loss() -> None:
