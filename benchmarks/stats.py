@@ -335,6 +335,9 @@ def markdown_table(
     table = scores(runs, group, score)
     if not table:
         return []
+    # with evaluated runs only those are ranked: a variant never evaluated (SB3 in time_to_score --eval)
+    # leaves the table, and says so below it
+    unranked = [v for v in dict.fromkeys(str(r["variant"]) for r in runs) if v not in table]
     names = _ordered(list(table), variants)
     rows = _ordered(list(dict.fromkeys(t for by_task in table.values() for t in by_task)), tasks)
     pairs = [(a, b) for a, b in pairs if a in table and b in table]
@@ -378,9 +381,17 @@ def markdown_table(
         "runs cut from each end, so with 3 seeds it is the plain mean), with its stratified bootstrap "
         f"{pct} interval ({reps:,} resamples of the seeds) and the number of runs. P(A > B): the probability "
         "that a run of A ends above a run of B (ties count half), with its bootstrap interval (the runs of "
-        "both resampled); an interval that includes 0.5 means these seeds cannot tell A and B apart."
+        "both resampled); an interval that includes 0.5 means these seeds cannot tell A and B apart. The "
+        "converse needs more runs: when every run of A ends above every run of B the interval is [1.00, 1.00] "
+        "however few they are (3 against 3: a two-sided Mann-Whitney p of 0.10), so with fewer than about 5 "
+        "runs a side an interval without 0.5 is no evidence of a difference."
         + (" The last row averages P over the tasks both ran." if several else "")
-        + " Agarwal et al. 2021 (rliable), computed by `benchmarks/stats.py`.",
+        + " Agarwal et al. 2021 (rliable), computed by `benchmarks/stats.py`."
+        + (
+            f" Left out (no run with a final score of the table's kind, or stopped short): {', '.join(unranked)}."
+            if unranked
+            else ""
+        ),
     ]  # fmt: skip
 
 

@@ -167,6 +167,13 @@ def test_the_reports_table_and_command(st, tmp_path: Path) -> None:  # type: ign
         cells["all envs"][2].startswith(f"{(6 / 9 + 1 / 2) / 2:.2f} [") and "(2 envs)" in cells["all envs"][2]
     )
     assert st.markdown_table([r for r in _runs() if r["variant"] == "sb3"], "env") == []
+    assert lines[-1].endswith(
+        "Left out (no run with a final score of the table's kind, or stopped short): sb3."
+    )
+    evaluated = [r | {"final_eval_return": 1.0} for r in _runs() if r["variant"] != "sb3"]  # sb3: never
+    sb3 = [r | {"stopped": False, "final_mean_return": 9.0} for r in _runs() if r["variant"] == "sb3"]
+    ranked = st.markdown_table(evaluated + sb3, "env", reps=REPS)
+    assert "IQM sb3" not in ranked[0] and ranked[-1].endswith("stopped short): sb3.")
 
     report = tmp_path / "learning_x.json"
     report.write_text(json.dumps({"runs": _runs()}))
