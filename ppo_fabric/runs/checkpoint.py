@@ -11,14 +11,15 @@ snapshot, is signed with this installation's key (`signing`) and unpickled only 
 
 from __future__ import annotations
 
+import contextlib
 import io
 import itertools
 import os
 import pickle
 import pickletools
 import random
+import secrets
 import sys
-import tempfile
 import warnings
 import zipfile
 from collections import deque
@@ -147,9 +148,15 @@ def to_plain(obj: Any) -> Any:
 
 
 def atomic_write(data: bytes, path: Path) -> None:
-    """Write to a temp file in the same directory, fsync, then rename: readers never see a partial file."""
+    """Write to a temp file in the same directory, fsync, then rename: readers never see a partial file.
+    The file gets the permissions of any file this user creates (the umask's; tempfile's 0600 kept a
+    teammate's `evaluate` out of a shared run directory), and the temp files of a writer that died
+    mid-write (SIGKILL) are removed at this process's first write there: a run preempted again and again
+    would otherwise fill the disk with them."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    _remove_dead_writers_files(path.parent)
+    tmp = path.parent / f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp"  # not `random`: a run's RNG
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
     try:
         with os.fdopen(fd, "wb") as fh:
             fh.write(data)
@@ -159,6 +166,22 @@ def atomic_write(data: bytes, path: Path) -> None:
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+
+
+_SWEPT: set[Path] = set()  # the directories whose dead writers' temp files this process removed
+
+
+def _remove_dead_writers_files(directory: Path) -> None:
+    """Temp files of `atomic_write` left by other processes (one writer per run directory: its lock), once
+    per directory and process. Those of this process are its own writes in progress (another thread's)."""
+    if directory in _SWEPT:
+        return
+    _SWEPT.add(directory)
+    mine = f".{os.getpid()}."
+    for tmp in directory.glob(".*.ckpt.*.tmp"):
+        if mine not in tmp.name:
+            with contextlib.suppress(OSError):
+                tmp.unlink()
 
 
 def encode(state: dict[str, Any]) -> bytes:

@@ -9,7 +9,8 @@ The lock is a file created with O_CREAT|O_EXCL (one creator wins, on local file 
 where cluster run directories often live and `flock` is emulated or unreliable), holding the owner's pid,
 host, start time and command line as JSON, so that the refusal can say which run to wait for. A run killed
 without its exit hooks (SIGKILL, the OOM killer, a node lost) leaves the file behind: on the same host a
-dead pid proves it stale, and the next run takes it over with one line saying so. On another host liveness
+dead pid proves it stale, as does a pid whose process started after the lock (a restarted container or a
+rebooted node hands pids out again), and the next run takes it over with one line saying so. On another host liveness
 cannot be checked, so such a lock is honoured until a person deletes it.
 
 Who takes it: the supervisor of `python -m ppo_fabric`, once for all of the job's attempts (its job's
@@ -72,16 +73,49 @@ class Owner:
         return owner if owner.pid > 0 else None
 
     def alive(self) -> bool | None:
-        """Whether the owner still runs: None on another host, where its pid means nothing here."""
+        """Whether the owner still runs: None on another host, where its pid means nothing here. A pid in
+        use is the owner only if that process started before the lock did: a container restarted after an
+        OOM kill, or a rebooted node, hands small pids out again (the dead owner's may even be this
+        process's own, which holds no lock it has not taken)."""
         if self.host != socket.gethostname():
             return None
+        if self.pid == os.getpid():
+            return any(held.owner == self for held in _HELD)
         try:
             os.kill(self.pid, 0)
         except ProcessLookupError:
             return False
-        except PermissionError:  # another user's process: alive
-            return True
-        return True
+        except PermissionError:  # another user's process: alive, unless it is younger than the lock
+            pass
+        began, locked = process_start(self.pid), _timestamp(self.started)
+        return began is None or locked is None or began <= locked + 1.0  # `started` has whole seconds
+
+
+def _timestamp(iso: str) -> float | None:
+    try:
+        return datetime.datetime.fromisoformat(iso).timestamp()
+    except ValueError:
+        return None
+
+
+def process_start(pid: int) -> float | None:
+    """When process `pid` started (seconds since the epoch), from Linux's /proc; None elsewhere or when it
+    cannot be read (the lock then trusts the pid alone)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+        boot = next(
+            float(line.split()[1])
+            for line in Path("/proc/stat").read_text().splitlines()
+            if line.startswith("btime ")
+        )
+        ticks = os.sysconf("SC_CLK_TCK")
+        # after the command name, which may hold spaces and parentheses: field 22 (starttime) is the 20th
+        return boot + int(stat.rpartition(")")[2].split()[19]) / ticks
+    except (OSError, ValueError, IndexError, StopIteration):
+        return None
+
+
+_HELD: list[RunDirLock] = []  # the locks this process holds (not yet released)
 
 
 class RunDirLock:
@@ -91,6 +125,7 @@ class RunDirLock:
     def __init__(self, path: Path, owner: Owner) -> None:
         self.path, self.owner = path, owner
         self.released = False
+        _HELD.append(self)
         atexit.register(self.release)
 
     def release(self) -> None:
@@ -100,6 +135,8 @@ class RunDirLock:
         if self.released or os.getpid() != self.owner.pid:
             return
         self.released = True
+        with contextlib.suppress(ValueError):
+            _HELD.remove(self)
         atexit.unregister(self.release)
         with contextlib.suppress(OSError, UnicodeDecodeError):
             found = Owner.parse(self.path.read_text())

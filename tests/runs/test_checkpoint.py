@@ -94,6 +94,27 @@ def test_atomic_write_keeps_the_old_file_when_interrupted(
     assert [p.name for p in tmp_path.iterdir()] == ["last.ckpt"]
 
 
+def test_checkpoints_take_the_umask_and_a_dead_writers_temp_files_go(tmp_path: Path) -> None:
+    """A checkpoint is readable by whoever the user's umask lets read (tempfile's 0600 kept a teammate's
+    `evaluate` out of a shared directory); the temp files a killed writer left (SIGKILL mid-write: no
+    Python left to remove them) are removed at the next writer's first write there, not another write's
+    in progress in this process."""
+    old = os.umask(0o022)
+    try:
+        ckpt.atomic_write(b"x", tmp_path / "a" / "last.ckpt")
+        assert (tmp_path / "a" / "last.ckpt").stat().st_mode & 0o777 == 0o644
+    finally:
+        os.umask(old)
+    run = tmp_path / "b"
+    run.mkdir()
+    dead = [run / ".last.ckpt.4242.0a1b2c3d.tmp", run / ".step_000000000512_abcd.ckpt.x1y2.tmp"]
+    ours = run / f".best.ckpt.{os.getpid()}.00000000.tmp"  # another thread's write in progress
+    for path in (*dead, ours):
+        path.write_bytes(b"partial")
+    ckpt.atomic_write(b"y", run / "last.ckpt")
+    assert sorted(p.name for p in run.iterdir()) == sorted([ours.name, "last.ckpt"])
+
+
 def test_used_run_dir_is_refused_but_can_be_continued(tmp_path: Path) -> None:
     run = ["logger.tensorboard=false", "algo.total_steps=512", f"hydra.run.dir={tmp_path}"]
     ppo_fabric.run(run)

@@ -24,10 +24,15 @@ from tests.conftest import job_env, job_processes
 SMALL = ["env.num_envs=4", "algo.rollout_steps=64", "collectives.timeout=20"]  # 256 samples: one minibatch
 
 
-def _write_owner(run_dir: Path, pid: int, host: str | None = None, age_s: float = 0.0) -> Path:
+NOW = lock.Owner.this_process().started  # a live owner's lock is younger than its process
+
+
+def _write_owner(
+    run_dir: Path, pid: int, host: str | None = None, age_s: float = 0.0, started: str = NOW
+) -> Path:
     run_dir.mkdir(parents=True, exist_ok=True)
     path = run_dir / lock.LOCK_NAME
-    owner = lock.Owner(pid, host or socket.gethostname(), "2024-01-02T03:04:05+00:00", "python -m ppo_fabric")
+    owner = lock.Owner(pid, host or socket.gethostname(), started, "python -m ppo_fabric")
     path.write_text(owner.to_json())
     if age_s:
         os.utime(path, (time.time() - age_s, time.time() - age_s))
@@ -65,7 +70,7 @@ def test_a_live_owner_is_refused_in_one_line_naming_it(tmp_path: Path) -> None:
     message = str(refused.value)
     assert "\n" not in message
     assert message.startswith(f"hydra.run.dir={tmp_path.resolve()} is in use by a live run "), message
-    assert f"(pid {os.getppid()} on {socket.gethostname()}, started 2024-01-02T03:04:05+00:00)" in message
+    assert f"(pid {os.getppid()} on {socket.gethostname()}, started {NOW})" in message
     assert f"delete {path}" in message
     assert lock.Owner.parse(path.read_text()).pid == os.getppid(), "the owner's file is left alone"
 
@@ -92,6 +97,29 @@ def test_a_dead_owners_lock_is_taken_over_with_one_line(
     ]
     held.release()
     assert not path.exists() and not list(tmp_path.glob("*.stale")), "nothing left beside it"
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("whose", ["a process younger than the lock", "this process's own"])
+def test_a_pid_handed_out_again_is_no_owner(
+    tmp_path: Path, capfd: pytest.CaptureFixture[str], whose: str
+) -> None:
+    """A container restarted after an OOM kill, or a rebooted node, hands the dead owner's pid out again:
+    to a process that started after the lock was taken, or to the run that now wants it. Either way the
+    lock is stale (every retry of a requeued job was refused as "in use by a live run")."""
+    if whose == "this process's own":
+        pid, started = os.getpid(), NOW
+    else:
+        pid, started = os.getppid(), "2024-01-02T03:04:05+00:00"
+        assert lock.process_start(pid) is not None, "Linux's /proc tells when a process started"
+    path = _write_owner(tmp_path, pid, age_s=60, started=started)
+    with lock.acquire(tmp_path):
+        assert json.loads(path.read_text())["started"] != "2024-01-02T03:04:05+00:00"
+        assert lock.Owner.parse(path.read_text()).alive() is True  # the lock this process holds: live
+    assert _err_lines(capfd) == [
+        f"ppo-fabric: took over the lock of {tmp_path.resolve()} from pid {pid} on {socket.gethostname()} "
+        "(no longer running)"
+    ]
 
 
 @pytest.mark.unit
