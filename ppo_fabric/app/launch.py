@@ -332,7 +332,10 @@ def train(
     if overrides is None and in_app:
         overrides = list(HydraConfig.get().overrides.task)
     name = str(HydraConfig.get().job.config_name) if in_app else "config"
+    threads = int(cfg.torch_threads)
     facts = prepare(cfg, str(run_dir), overrides, composer(None, name))
+    if int(cfg.torch_threads) > 0 and int(cfg.torch_threads) != threads:  # a resume's own, restored
+        set_threads(int(cfg.torch_threads))
     return launch(cfg, str(run_dir), facts, main, caller_owns_process=not in_app)
 
 

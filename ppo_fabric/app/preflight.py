@@ -73,8 +73,10 @@ def prepare(
         changes = continue_run(cfg, overrides or [], compose_again, auto, run_dir)
     facts = check(cfg)
     check_run_dir(cfg, run_dir, auto=auto)
-    if changes is not None:
-        facts["resume_changes"] = changes
+    if changes is not None:  # the values as the checks left them (algo.total_steps=1e4 is 10000)
+        facts["resume_changes"] = {
+            key: (before, OmegaConf.select(cfg, key, default=now)) for key, (before, now) in changes.items()
+        }
     return facts
 
 
@@ -194,6 +196,11 @@ def _check_multiagent(cfg: DictConfig) -> None:
     """What building the policies cannot see: sequence lengths of per-policy recurrent models; and
     multi-agent settings given for a single-agent env, which would otherwise be ignored."""
     if not is_multiagent(cfg.env):
+        if cfg.eval.get("opponents"):
+            raise ConfigError(
+                f"eval.opponents is set but env.id={cfg.env.id} is a single-agent env; opponents are for "
+                "two-player games (env=pettingzoo): drop it"
+            )
         given = [
             k
             for k in ("policies", "policy_mapping", "policies_to_train")
@@ -212,6 +219,10 @@ def _check_multiagent(cfg: DictConfig) -> None:
         )
     if str(cfg.env.backend) != "gymnasium":
         raise ConfigError(f"PettingZoo envs run with env.backend=gymnasium, not {cfg.env.backend}")
+    if cfg.eval.get("opponents"):  # the evaluation builds them in the job: a misspelt one ends it there
+        from ppo_fabric.policy.scorers import check_opponents
+
+        check_opponents(cfg)
     for key, off in (
         ("normalize_obs", "false"),
         ("normalize_reward", "false"),
@@ -253,6 +264,10 @@ def _check_accelerator(cfg: DictConfig, world: int) -> str:
         if kind == "cuda":
             _check_trainer_gpus(cfg, world, available)
         return kind
+    if accelerator == "mps" and not torch.backends.mps.is_available():
+        raise ConfigError(
+            "fabric.accelerator=mps but this machine has no MPS device (Apple silicon); use fabric=cpu"
+        )
     if accelerator not in ("cuda", "gpu"):
         return "cuda" if accelerator == "auto" and available else "cpu"
     if available == 0:

@@ -12,6 +12,7 @@ plays this part) nor the in-process `ppo_fabric.run()` has one.
 from __future__ import annotations
 
 import contextlib
+import copy
 import json
 import os
 import signal
@@ -224,7 +225,30 @@ def supervise(cfg: DictConfig, run_dir: Path, invocation: Invocation) -> int:
         print(f"ppo-fabric: error: {exc}", file=sys.stderr, flush=True)  # as config.arguments.fail
         return CONFIG_REFUSED
     with held:
-        return _attempts(cfg, run_dir, invocation)
+        return _attempts(run_config(cfg, run_dir, list(invocation.overrides)), run_dir, invocation)
+
+
+def run_config(cfg: DictConfig, run_dir: Path, overrides: list[str]) -> DictConfig:
+    """The config the job runs, whose `restarts` and timeouts the supervisor keeps: a resume continues its
+    checkpoint's (what the command line, `overrides`, may change on top, as the job's own checks make it),
+    not the command line's defaults. The command line's where the checkpoint cannot be read: the job says why."""
+    if cfg.get("resume") is None:
+        return cfg
+    from hydra.core.hydra_config import HydraConfig
+
+    from ppo_fabric.app.preflight import continue_run
+    from ppo_fabric.config.values import composer
+    from ppo_fabric.runs.resume import resolve_auto
+
+    run = copy.deepcopy(cfg)
+    name = str(HydraConfig.get().job.config_name) if HydraConfig.initialized() else "config"
+    try:
+        auto = resolve_auto(run, str(run_dir))
+        if run.resume is not None:
+            continue_run(run, overrides, composer(None, name), auto, str(run_dir))
+    except Exception:  # noqa: BLE001 - the job's checks report it in one line
+        return cfg
+    return run
 
 
 def job_stop_timeout(cfg: DictConfig) -> float:

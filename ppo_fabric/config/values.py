@@ -196,17 +196,19 @@ class _Rule:
     low: float | None = None  # inclusive unless strict
     high: float | None = None
     strict_low: bool = False
-    optional: bool = False
+    optional: bool = False  # null allowed (it means off, or the env's own)
+    absent_ok: bool = False  # the key may be missing (another config group), but never null
 
 
 _RULES = (
-    _Rule("seed", int, 0),
+    _Rule("seed", int, 0, 2**32 - 1),  # numpy's and torch's seeding take 32 bits
     _Rule("torch_threads", int, 0),
     _Rule("restarts", int, 0),
     _Rule("stall_timeout", float, 0, optional=True),
-    _Rule("algo.max_skipped_updates", int, 0, optional=True),
-    _Rule("algo.max_param_abs", float, 0, optional=True),
-    _Rule("env.max_restarts", int, 0, optional=True),
+    _Rule("algo.max_skipped_updates", int, 0, absent_ok=True),
+    _Rule("algo.max_param_abs", float, 0, absent_ok=True),
+    _Rule("env.max_restarts", int, 0, absent_ok=True),
+    _Rule("env.observation_noise", float, 0, optional=True),
     _Rule("algo.total_steps", int, 0, strict_low=True),
     _Rule("algo.rollout_steps", int, 0, strict_low=True),
     _Rule("algo.minibatch_size", int, 0, strict_low=True),
@@ -233,11 +235,11 @@ _RULES = (
     _Rule("checkpoint.every_minutes", float, 0),
     _Rule("logger.log_every", int, 0, strict_low=True),
     _Rule("logger.progress_every", float, 0, optional=True),
-    _Rule("eval.episodes", int, 0, strict_low=True, optional=True),
+    _Rule("eval.episodes", int, 0, strict_low=True, absent_ok=True),
     _Rule("collectives.timeout", float, 0, strict_low=True),
-    _Rule("model.lstm.hidden_size", int, 0, optional=True),  # model=lstm only
-    _Rule("model.lstm.num_layers", int, 1, optional=True),
-    _Rule("model.lstm.seq_len", int, 1, optional=True),
+    _Rule("model.lstm.hidden_size", int, 0, absent_ok=True),  # model=lstm only
+    _Rule("model.lstm.num_layers", int, 1, absent_ok=True),
+    _Rule("model.lstm.seq_len", int, 1, absent_ok=True),
 )
 
 _CHOICES = {
@@ -266,14 +268,21 @@ _BOOLS = (
     "fabric.tf32",
     "logger.tensorboard",
     "logger.csv",
+    "env.normalize_obs",
+    "env.normalize_reward",
+    "selfplay.enabled",
 )
+_BOOLS_IF_SET = ("model.lstm.shared",)  # model=lstm only
+_ABSENT = object()
 
 
 def _check_number(cfg: DictConfig, rule: _Rule) -> None:
-    value = OmegaConf.select(cfg, rule.key, throw_on_missing=False)
-    if value is None:
-        if rule.optional:
-            return
+    value = OmegaConf.select(cfg, rule.key, default=_ABSENT, throw_on_missing=False)
+    if value is _ABSENT and (rule.optional or rule.absent_ok):
+        return
+    if value is None and rule.optional:
+        return
+    if value is None or value is _ABSENT:
         raise ConfigError(f"{rule.key} is required; set {rule.key}=VALUE")
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
         shown = str(value).lower() if isinstance(value, bool) else repr(value)
@@ -283,13 +292,17 @@ def _check_number(cfg: DictConfig, rule: _Rule) -> None:
             raise ConfigError(f"{rule.key}={value!r} must be a whole number")
         value = int(value)
         OmegaConf.update(cfg, rule.key, value)
+
+    def shown(limit: float) -> str:
+        return str(int(limit)) if rule.kind is int else f"{limit:g}"
+
     bound = ""
     if rule.low is not None and (value <= rule.low if rule.strict_low else value < rule.low):
-        bound = f"> {rule.low:g}" if rule.strict_low else f">= {rule.low:g}"
+        bound = f"> {shown(rule.low)}" if rule.strict_low else f">= {shown(rule.low)}"
     if rule.high is not None and value > rule.high:
-        bound = f"<= {rule.high:g}"
+        bound = f"<= {shown(rule.high)}"
     if bound:
-        span = f"in [{rule.low:g}, {rule.high:g}]" if rule.high is not None else bound
+        span = f"in [{shown(rule.low or 0)}, {shown(rule.high)}]" if rule.high is not None else bound
         raise ConfigError(f"{rule.key}={value} is out of range; it must be {span}")
 
 
@@ -385,9 +398,11 @@ def check_values(cfg: DictConfig) -> None:
         value = OmegaConf.select(cfg, key)
         if value not in choices:
             raise ConfigError(f"{key}={value!r} is not one of {', '.join(map(str, choices))}")
-    for key in _BOOLS:
-        if not isinstance(OmegaConf.select(cfg, key), bool):
-            raise ConfigError(f"{key}={OmegaConf.select(cfg, key)!r} must be true or false")
+    for key in (*_BOOLS, *_BOOLS_IF_SET):  # `off`, `no`, 'false' are strings, which `if` takes for true
+        value = OmegaConf.select(cfg, key, default=_ABSENT)
+        if not isinstance(value, bool) and not (value is _ABSENT and key in _BOOLS_IF_SET):
+            shown = "missing" if value is _ABSENT else repr(value)
+            raise ConfigError(f"{key}={shown} must be true or false")
     mode = OmegaConf.select(cfg, "algo.compile")
     if not isinstance(mode, bool | str) or mode not in COMPILE_MODES:
         raise ConfigError(f"algo.compile={mode!r} must be false, true or graph")

@@ -220,6 +220,26 @@ def game_opponents(cfg: DictConfig) -> list[str]:
     return ["random", *(["win_or_block", *HELD_OUT] if known else [])]
 
 
+def check_opponents(cfg: DictConfig) -> list[str]:
+    """`game_opponents`, each one a player the evaluation during training can build; ConfigError (one line)
+    otherwise. The checks before a run call it too, so a misspelt opponent ends the command, not a job."""
+    from ppo_fabric.policy.game_eval import GameEvalError, opponent_players
+
+    names = game_opponents(cfg)
+    state = {"config": {"env": {"id": str(cfg.env.id)}}}
+    for opponent in names:
+        if opponent == "pool" or opponent.startswith("snapshot:"):
+            raise ConfigError(f"eval.opponents: {opponent} is for `python -m ppo_fabric.evaluate`; "
+                              "evaluation during training plays random, win_or_block or search[:DEPTH]")  # fmt: skip
+        try:
+            opponent_players(opponent, state, "policy", True, 0)
+        except GameEvalError as exc:
+            raise ConfigError(
+                f"eval.opponents: {str(exc).partition('; choose')[0]}; {TRAINING_OPPONENTS}"
+            ) from None
+    return names
+
+
 def held_out(cfg: DictConfig, opponents: list[str]) -> set[str]:
     """The opponents of `opponents` that this run never trains against: those of `HELD_OUT`, less the
     scripted players its self-play spars with (`selfplay.scripted` with `scripted_prob` > 0). Every
@@ -251,7 +271,6 @@ class Games:
 
     def __init__(self, cfg: DictConfig, specs: dict[str, PolicySpec], seed: int) -> None:
         from ppo_fabric.games.play import aec_env_factory
-        from ppo_fabric.policy.game_eval import GameEvalError, opponent_players
 
         self.name = next((n for n, s in specs.items() if s.trained), next(iter(specs)))
         self.games = int(cfg.eval.episodes)
@@ -259,18 +278,8 @@ class Games:
         self.seed = seed
         self.factory = aec_env_factory(str(cfg.env.id), dict(cfg.env.get("kwargs") or {}))
         self.state = {"config": {"env": {"id": str(cfg.env.id)}}}
-        self.names = game_opponents(cfg)
+        self.names = check_opponents(cfg)
         self.held_out = held_out(cfg, self.names)
-        for opponent in self.names:
-            if opponent == "pool" or opponent.startswith("snapshot:"):
-                raise ConfigError(f"eval.opponents: {opponent} is for `python -m ppo_fabric.evaluate`; "
-                                  "evaluation during training plays random, win_or_block or search[:DEPTH]")  # fmt: skip
-            try:
-                opponent_players(opponent, self.state, self.name, True, seed)
-            except GameEvalError as exc:
-                raise ConfigError(
-                    f"eval.opponents: {str(exc).partition('; choose')[0]}; {TRAINING_OPPONENTS}"
-                ) from None
 
     def _opponents(self) -> list[tuple[str, Any]]:
         """The opponents as new: each evaluation's random and scripted players draw the same moves (each its

@@ -297,6 +297,43 @@ def test_resume_auto_starts_fresh_then_continues(tmp_path: Path) -> None:
     assert steps == [256, 512, 768, 1024], "the second run continued where the first stopped"
 
 
+def test_a_resume_keeps_the_runs_own_threads_restarts_and_timeouts(tmp_path: Path) -> None:
+    """`torch_threads`, `restarts`, `collectives.timeout` and `stall_timeout` are the run's own on resume,
+    as every other key: the supervisor and the process's threads once took the command line's defaults
+    (a run started with restarts=3 and resumed without repeating it had no restarts left)."""
+    import torch
+
+    from ppo_fabric.app.supervisor import run_config
+    from ppo_fabric.config.values import compose
+    from ppo_fabric.runs import checkpoint as ckpt
+
+    first = tmp_path / "first"
+    args = ["logger.tensorboard=false", "algo.rollout_steps=32", "eval.every=0"]
+    ppo_fabric.run([*args, "algo.total_steps=256", "torch_threads=2", f"hydra.run.dir={first}"])
+    last = first / "checkpoints" / "last.ckpt"
+    state = ckpt.load(last, env_state="fresh")
+    state["config"] |= {"restarts": 3, "stall_timeout": 123.0}
+    state["config"]["collectives"]["timeout"] = 77.0
+    last.write_bytes(ckpt.encode(state))
+    given = [f"resume={last}", "algo.total_steps=512"]
+    cfg, _ = compose(given)
+    run = run_config(cfg, tmp_path / "second", given)
+    assert (run.restarts, run.stall_timeout, run.collectives.timeout) == (3, 123.0, 77.0)
+    assert cfg.restarts == 0, "the command line's config is left as it was"
+    again, _ = compose([*given, "restarts=1"])
+    assert (
+        run_config(again, tmp_path / "second", [*given, "restarts=1"]).restarts == 1
+    )  # what a resume may change, it changes
+    torch.set_num_threads(1)
+    try:
+        ppo_fabric.run(
+            [*args, f"resume={last}", "algo.total_steps=512", f"hydra.run.dir={tmp_path / 'second'}"]
+        )
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(1)
+
+
 def test_restarts_need_the_supervisor(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="restarts=1 needs the supervisor"):
         ppo_fabric.run(["restarts=1", "algo.total_steps=512", f"hydra.run.dir={tmp_path}"])

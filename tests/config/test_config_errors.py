@@ -83,7 +83,7 @@ CASES: list[Any] = [
     pytest.param(["env.num_envs=0"], ["env.num_envs=0", "out of range", "> 0"], id="num-envs-0"),
     pytest.param(["algo.lr=0"], ["algo.lr=0", "out of range", "> 0"], id="lr-0"),
     pytest.param(["algo.lr=-1"], ["algo.lr=-1", "out of range", "> 0"], id="lr-neg"),
-    pytest.param(["seed=-1"], ["seed=-1", "out of range", ">= 0"], id="seed-neg"),
+    pytest.param(["seed=-1"], ["seed=-1", "out of range", "in [0, 4294967295]"], id="seed-neg"),
     pytest.param(
         ["env.max_episode_steps=0"], ["env.max_episode_steps=0", "out of range"], id="max-episode-steps-0"
     ),
@@ -248,8 +248,11 @@ def test_resume_already_finished(finished_checkpoint: Path) -> None:
 
 
 def test_resume_compatible_checkpoint_is_accepted(finished_checkpoint: Path) -> None:
-    """The guard against the cases above must not also refuse the legitimate resume."""
-    load([f"resume={finished_checkpoint}", "algo.total_steps=1024"])
+    """The guard against the cases above must not also refuse the legitimate resume; the line it prints
+    shows the values as the run takes them (`algo.total_steps=1.024e3` is 1024, not 1024.0)."""
+    _, _, facts = load([f"resume={finished_checkpoint}", "algo.total_steps=1.024e3"])
+    (before, now) = facts["resume_changes"]["algo.total_steps"]
+    assert now == 1024 and isinstance(now, int) and before < now
 
 
 # ------------------------------------------------------------------------------ fixed gaps (regressions)
@@ -276,6 +279,21 @@ REGRESSIONS: list[Any] = [
     _case(["env.kwargs=5"], "env.kwargs"),
     _case(["seed=[1"], "seed=[1"),
     _case(["=1"], "'=1'"),
+    # strings Hydra reads for "off", which `if` takes for true: self-play and normalisation came on
+    _case(["selfplay.enabled=off"], "selfplay.enabled='off' must be true or false"),
+    _case(["env.normalize_obs=no"], "env.normalize_obs='no' must be true or false"),
+    _case(["model=lstm", "model.lstm.shared=off"], "model.lstm.shared='off' must be true or false"),
+    # accepted, then a traceback in the job (a rank failure the supervisor would restart)
+    _case(["algo.max_skipped_updates=null"], "algo.max_skipped_updates is required"),
+    _case(["eval.episodes=null"], "eval.episodes is required"),
+    _case(["model=lstm", "model.lstm.seq_len=null"], "model.lstm.seq_len is required"),
+    _case(["env.on_error=restart", "env.max_restarts=null"], "env.max_restarts is required"),
+    _case(["env.observation_noise=abc"], "env.observation_noise='abc' must be a finite number"),
+    _case(["seed=5000000000"], "seed=5000000000 is out of range; it must be in [0, 4294967295]"),
+    _case(["fabric.accelerator=mps"], "no MPS device", cuda_free=True),
+    # checked in the job (exp=tictactoe), or ignored (CartPole)
+    _case(["exp=tictactoe", "eval.opponents=[foo]", "algo.total_steps=1024"], "opponent=foo is unknown"),
+    _case(["eval.opponents=[random]"], "eval.opponents is set but env.id=CartPole-v1 is a single-agent env"),
 ]
 
 
