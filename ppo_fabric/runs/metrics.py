@@ -214,7 +214,7 @@ class RunLogger:
             )
         since = -1 if fresh else resumed_at
         try:
-            with PROGRESS.waiting_for("the tracker"):  # a server's answer, not this process's stall
+            with PROGRESS.waiting_for("the tracker", peer=False):  # a server: bounded by stall_timeout
                 self.tracker = open_tracker(cfg, run_dir, continued=not fresh)
         except Exception as exc:  # the run was asked to track: it does not start without its tracker
             text = f"{type(exc).__name__}: {exc}".strip().splitlines()[0]
@@ -265,7 +265,7 @@ class RunLogger:
             table.log(metrics, step)
         if self.tracker is not None:
             try:
-                with PROGRESS.waiting_for("the tracker"):
+                with PROGRESS.waiting_for("the tracker", peer=False):
                     self.tracker.log(shared, step)
             except Exception as exc:  # a tracker's server or store failing mid-run
                 self._drop_tracker(exc)
@@ -301,7 +301,7 @@ class RunLogger:
         if self.tracker is not None:
             tracker, self.tracker = self.tracker, None
             try:
-                with PROGRESS.waiting_for("the tracker"):
+                with PROGRESS.waiting_for("the tracker", peer=False):
                     tracker.close(self.run_dir, summary, exit_code)
             except Exception as exc:
                 self.tracker = tracker

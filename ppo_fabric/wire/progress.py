@@ -32,10 +32,12 @@ class Progress:
         self.waiting = False
 
     @contextlib.contextmanager
-    def waiting_for(self, what: str) -> Iterator[None]:
+    def waiting_for(self, what: str, peer: bool = True) -> Iterator[None]:
         """A wait on other ranks (`params from the trainers`): the peer's own watchdog names a stuck peer,
-        and a collective that never completes ends with `collectives.timeout`."""
-        self.at, self.doing, self.waiting = time.monotonic(), f"waiting for {what}", True
+        and a collective that never completes ends with `collectives.timeout`. `peer=False`: a wait on a
+        service outside the job (a tracker's server), which nothing else bounds: named as what this
+        process does, and a stall once it outlasts `stall_timeout` like any other."""
+        self.at, self.doing, self.waiting = time.monotonic(), f"waiting for {what}", peer
         try:
             yield
         finally:

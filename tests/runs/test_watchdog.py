@@ -7,6 +7,8 @@ import threading
 import time
 from pathlib import Path
 
+import pytest
+
 from ppo_fabric.runs import watchdog as watchdog_module
 from ppo_fabric.runs.watchdog import Watchdog
 
@@ -75,3 +77,30 @@ def test_a_launcher_child_ending_the_job_leaves_after_its_parent(tmp_path: Path,
     looks.clear()
     answering.leave(1)
     assert exits == [3, 1, 1] and not looks
+
+
+def test_a_tracker_that_never_answers_is_a_stall_and_a_peer_is_not(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A wait on a tracker's server is bounded by nothing else: past `stall_timeout` it ends the run (it
+    hung a one-process run for ever while counted as waiting); a wait on a peer rank stays a wait, which
+    the peer's own watchdog and `collectives.timeout` bound."""
+    from ppo_fabric.wire.progress import PROGRESS
+
+    monkeypatch.setattr(watchdog_module, "POLL_S", 0.05)
+    ended: list[str] = []
+    dog = Watchdog(tmp_path, 0.3, 1)
+    monkeypatch.setattr(dog, "end_job", ended.append)
+    dog.start()
+    try:
+        with PROGRESS.waiting_for("params from the trainers"):
+            time.sleep(0.8)
+        assert ended == []
+        with PROGRESS.waiting_for("the tracker", peer=False):
+            deadline = time.monotonic() + 5
+            while not ended and time.monotonic() < deadline:
+                time.sleep(0.05)
+        assert ended and "no progress for" in ended[0] and "waiting for the tracker" in ended[0], ended
+    finally:
+        dog.stop()
+        PROGRESS.mark("test over")
