@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 from ppo_fabric.compat.private import hydra_args_parser, run_hydra
 from ppo_fabric.config.arguments import fail
@@ -33,6 +33,7 @@ from ppo_fabric.config.tuned import quoted, with_tuned_values
 from ppo_fabric.config.values import (
     ConfigError,
     compose,
+    composer,
     config_dir,
     make_plugins_discoverable,
     under_fabric_run,
@@ -133,6 +134,32 @@ def precheck(invocation: Invocation, full: bool) -> None:
         raise SystemExit(0) from None
 
 
+def _resumes(invocation: Invocation) -> bool:
+    given = [o.split("=", 1)[1] for o in invocation.overrides if o.startswith("resume=")]
+    return bool(given) and given[-1] not in ("null", "None", "")
+
+
+def resumed_config(invocation: Invocation) -> DictConfig:
+    """What `--cfg job` shows for a resume: the config the run continues (its checkpoint's, with what the
+    command line may change on top, as the run's checks make it), where Hydra would print the command
+    line's defaults (CartPole's, for an Acrobot run resumed without repeating its overrides)."""
+    from ppo_fabric.app.preflight import continue_run
+    from ppo_fabric.runs.resume import resolve_auto
+
+    path, name = invocation.config_path, invocation.config_name or CONFIG_NAME
+    overrides = list(invocation.overrides)
+    try:
+        cfg, run_dir = compose(overrides, path, name)
+        auto = resolve_auto(cfg, run_dir)
+        if cfg.resume is not None:
+            continue_run(cfg, overrides, composer(path, name), auto, run_dir)
+    except ConfigError as exc:
+        fail(str(exc))
+    except RunComplete:
+        pass  # the config it would have continued, shown as it stands
+    return cfg
+
+
 def run_app(argv: list[str], task: Task, check: bool = True) -> Invocation:
     """Run Hydra's command line `argv` with `task` as its task function; returns the invocation, whose
     `status` the task set. `check=False` leaves the run's checks to the task: a supervised job and its
@@ -163,6 +190,9 @@ def run_app(argv: list[str], task: Task, check: bool = True) -> Invocation:
     helps = args.help or args.hydra_help or args.info is not None or args.shell_completion
     if check and args.config_dir is None and not helps:
         precheck(invocation, full=not args.multirun and args.cfg is None)
+    if args.cfg == "job" and not args.multirun and args.config_dir is None and _resumes(invocation):
+        print(OmegaConf.to_yaml(resumed_config(invocation)), end="")  # the run's, not the command line's
+        return invocation
 
     def task_function(cfg: DictConfig) -> Any:
         status = task(cfg, invocation)

@@ -112,6 +112,24 @@ def test_cfg_job_prints_the_composed_config_once(capsys: pytest.CaptureFixture[s
     assert out.count("\nseed: 5\n") == 1
 
 
+def test_cfg_job_of_a_resume_prints_the_config_the_run_continues(
+    tiny_run: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A resume continues its checkpoint's config with what the command line changes: `--cfg job` shows
+    that one (it printed the command line's defaults, another experiment than the one that would run)."""
+    from ppo_fabric.runs import checkpoint as ckpt
+
+    state = ckpt.load(tiny_run / "checkpoints" / "last.ckpt", env_state="fresh")
+    state["config"]["algo"]["lr"] = 0.00123  # the run's own, not conf/'s default
+    path = tmp_path / "run" / "checkpoints" / "last.ckpt"
+    path.parent.mkdir(parents=True)
+    path.write_bytes(ckpt.encode(state))
+    assert cli.main(["--cfg", "job", f"resume={path}", "algo.total_steps=2048"]) == 0
+    cfg = yaml.safe_load(capsys.readouterr().out)
+    assert cfg["algo"]["lr"] == 0.00123 and cfg["algo"]["total_steps"] == 2048
+    assert cfg["resume"] == str(path)
+
+
 def test_cfg_prints_on_rank_0_only_under_fabric_run(
     capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
