@@ -63,18 +63,54 @@ def _step(row: Mapping[str, Any]) -> float | None:
         return None
 
 
+RUN_ID = "run_id"  # the column of the session that logged a row (the checkpoints' `run_id`)
+
+
+def _read_strictly(path: Path) -> list[dict[str, str]]:
+    if not path.is_file():
+        return []
+    with path.open(newline="") as fh:
+        return list(csv.DictReader(fh))
+
+
+def _columns(key_lists: list[list[str]]) -> list[str]:
+    """The union of `key_lists`, `step` first, the rest sorted (a metrics file's header)."""
+    union = {k for keys in key_lists for k in keys if k is not None}
+    return sorted(union, key=lambda k: (k != "step", k))
+
+
+def _write_rows(path: Path, keys: list[str], rows: list[dict[str, str]]) -> None:
+    tmp = path.with_suffix(".csv.tmp")
+    with tmp.open("w", newline="") as fh:
+        writer = csv.DictWriter(fh, fieldnames=keys, extrasaction="ignore")  # a torn row's overflow
+        writer.writeheader()
+        writer.writerows(rows)
+    tmp.replace(path)
+
+
 class CsvMetrics:
     """metrics.csv that a resumed run appends to (Lightning's CSV logger deletes an existing file).
 
     Columns are the union of every key logged; a new key rewrites the file once with the wider header.
     `resumed_at`: the env step of the checkpoint a resumed run starts from. Rows logged after it (a run
-    that crashed or was stopped some updates past its last checkpoint) are dropped once, so the file holds
+    that crashed or was stopped some updates past its last checkpoint) leave the file once, so it holds
     one timeline, the one the run continues, rather than two runs of the same steps one after the other;
-    -1 drops every row (a run starting afresh where an attempt without a checkpoint logged).
+    -1 takes every row out (a run starting afresh where an attempt without a checkpoint logged). Each row
+    records the session that logged it (`run_id`), so that with the checkpoint's `lineage` the rows of
+    another branch leave too (a run resumed into its own directory from an older checkpoint, then from a
+    newer one of the first timeline, kept the other branch's rows below that step), and the rows of this
+    timeline that an earlier resume took out come back. What leaves goes to `dropped_path`.
     """
 
-    def __init__(self, path: Path, resumed_at: int | None = None) -> None:
+    def __init__(
+        self,
+        path: Path,
+        resumed_at: int | None = None,
+        run_id: str | None = None,
+        lineage: list[list[Any]] | None = None,
+    ) -> None:
         self.path = path
+        self.run_id, self.lineage = run_id, lineage
         self.keys: list[str] = []
         if path.is_file():
             with path.open(newline="") as fh:
@@ -83,17 +119,28 @@ class CsvMetrics:
                 self._rewrite(self.keys, through=resumed_at)
 
     def log(self, metrics: Mapping[str, float], step: int) -> None:
-        row = {"step": step, **metrics}
+        row: dict[str, Any] = {"step": step, **metrics}
+        if self.run_id is not None:
+            row[RUN_ID] = self.run_id
         new = [k for k in row if k not in self.keys]
         if new:
             self._rewrite(sorted([*self.keys, *new], key=lambda k: (k != "step", k)))
         with self.path.open("a", newline="") as fh:
             csv.DictWriter(fh, fieldnames=self.keys).writerow(row)
 
+    @property
+    def dropped_path(self) -> Path:
+        """Where the rows a resume leaves out of the file go (`metrics.dropped.csv`): another branch's, and
+        those an attempt logged past its last checkpoint. Nothing is deleted: a later resume into that
+        branch takes its rows back."""
+        return self.path.with_name(f"{self.path.stem}.dropped.csv")
+
     def _rewrite(self, keys: list[str], through: int | None = None) -> None:
-        """The file with the header `keys`; with `through`, without the rows of later steps and without a
-        last line a crash cut short (no newline: the next row appended would run on from it)."""
-        rows = []
+        """The file with the header `keys`; with `through`, the timeline the run continues (`_continued`),
+        from the file and the rows dropped before, the others moved to `dropped_path`, and without a last
+        line a crash cut short (no newline: the next row appended would run on from it)."""
+        rows: list[dict[str, str]] = []
+        torn = False
         if self.path.is_file():  # read strictly: a row lost here would be lost from the file
             with self.path.open(newline="") as fh:
                 text = fh.read()
@@ -101,19 +148,36 @@ class CsvMetrics:
             if torn:
                 text = text[: text.rfind("\n") + 1]
             rows = list(csv.DictReader(io.StringIO(text, newline="")))
-            if through is not None:
-                kept = [r for r in rows if (step := _step(r)) is not None and step <= through]
-                if len(kept) == len(rows) and not torn:
-                    self.keys = keys
-                    return
-                rows = kept
-        tmp = self.path.with_suffix(".csv.tmp")
-        with tmp.open("w", newline="") as fh:
-            writer = csv.DictWriter(fh, fieldnames=keys)
-            writer.writeheader()
-            writer.writerows(rows)
-        tmp.replace(self.path)
+        if through is not None:
+            aside = _read_strictly(self.dropped_path)
+            pool = rows + aside
+            keep = [self._continued(r, through, aside=i >= len(rows)) for i, r in enumerate(pool)]
+            if all(keep[: len(rows)]) and not any(keep[len(rows) :]) and not torn:  # nothing moves
+                self.keys = keys
+                return
+            rows = sorted((r for r, k in zip(pool, keep, strict=True) if k), key=lambda r: _step(r) or 0.0)
+            dropped = [r for r, k in zip(pool, keep, strict=True) if not k]
+            keys = _columns([keys, *(list(r) for r in rows)])
+            if dropped:
+                _write_rows(self.dropped_path, _columns([list(r) for r in dropped]), dropped)
+            else:
+                self.dropped_path.unlink(missing_ok=True)
+        _write_rows(self.path, keys, rows)
         self.keys = keys
+
+    def _continued(self, row: dict[str, str], through: int, aside: bool = False) -> bool:
+        """Whether a row is of the timeline the run continues: logged by then, and by a session of the
+        checkpoint's lineage before the next one resumed from it. A row without a session (older files)
+        stays in the file by its step alone, and a dropped one stays dropped: it cannot be placed."""
+        step = _step(row)
+        if step is None or step > through:
+            return False
+        session = row.get(RUN_ID)
+        if not session or self.lineage is None:
+            return not aside
+        from ppo_fabric.runs.checkpoint import in_lineage
+
+        return in_lineage(int(step), session, self.lineage)
 
 
 def progress_every(cfg: DictConfig) -> float:
@@ -184,7 +248,9 @@ class RunLogger:
         stream: TextIO | None = None,
         clock: Callable[[], float] = time.monotonic,
         resumed_at: int | None = None,
+        session: tuple[str, list[list[Any]]] | None = None,
     ) -> None:
+        """`session`: (this session's run id, its lineage), which the CSV rows record and a resume keeps."""
         self.enabled = enabled
         self.run_dir = run_dir
         self.total_steps = total_steps
@@ -228,8 +294,9 @@ class RunLogger:
             purge = {"purge_step": since + 1} if earlier else {}
             self.loggers.append(TensorBoardLogger(root_dir=run_dir, name="", version="tensorboard", **purge))
         if cfg.logger.csv:
-            self.csv = CsvMetrics(run_dir / METRICS_CSV, since)
-            self.evaluations = CsvMetrics(run_dir / EVALUATIONS_CSV, since)
+            run_id, lineage = session if session is not None else (None, None)
+            self.csv = CsvMetrics(run_dir / METRICS_CSV, since, run_id, lineage)
+            self.evaluations = CsvMetrics(run_dir / EVALUATIONS_CSV, since, run_id, lineage)
         if is_terminal(self.stream):
             from tqdm import tqdm
 

@@ -165,7 +165,12 @@ class RunSession:
             if earlier.is_file():
                 earlier.replace(run_dir / "summary.previous.json")
         self.logger = RunLogger(
-            run_dir, cfg, self.final_step, enabled=writer, resumed_at=self.start_step if resume else None
+            run_dir,
+            cfg,
+            self.final_step,
+            enabled=writer,
+            resumed_at=self.start_step if resume else None,
+            session=(self.run_id, self.lineage),
         )
         self.watch = Stopwatch()
 

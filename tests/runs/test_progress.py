@@ -268,3 +268,32 @@ def test_a_resumed_csv_keeps_the_rows_through_its_checkpoint(tmp_path: Path) -> 
     path.write_text("")  # cut before its header
     CsvMetrics(path, resumed_at=300).log({"a": 1.0}, 400)
     assert [(r["step"], r["a"]) for r in read_rows(path)] == [("400", "1.0")]
+    assert [r["step"] for r in read_rows(tmp_path / "metrics.dropped.csv")] == ["300"]  # kept aside
+
+
+def test_a_resumed_csv_holds_the_timeline_of_its_checkpoints_lineage(tmp_path: Path) -> None:
+    """Session A logs 100-1000; B resumes from A's checkpoint at 500 (same directory) and logs 600-800; C
+    resumes from A's checkpoint at 1000. C's file is A's timeline, 100-1000: B's rows leave (they were kept
+    below 1000, between A's), and A's rows 600-1000 that B's start took out come back."""
+    from ppo_fabric.runs.metrics import CsvMetrics
+    from ppo_fabric.runs.metrics_file import read_rows
+
+    path = tmp_path / "metrics.csv"
+    a = CsvMetrics(path, None, "A", [["A", 0]])
+    for step in range(100, 1001, 100):
+        a.log({"x": 1.0}, step)
+    b = CsvMetrics(path, 500, "B", [["A", 0], ["B", 500]])
+    for step in (600, 700, 800):
+        b.log({"x": 2.0}, step)
+    assert [(r["step"], r["run_id"]) for r in read_rows(path)][4:] == [
+        ("500", "A"),
+        ("600", "B"),
+        ("700", "B"),
+        ("800", "B"),
+    ]
+    CsvMetrics(path, 1000, "C", [["A", 0], ["C", 1000]])
+    rows = read_rows(path)
+    assert [int(r["step"]) for r in rows] == list(range(100, 1001, 100)) and {r["run_id"] for r in rows} == {
+        "A"
+    }
+    assert [r["run_id"] for r in read_rows(tmp_path / "metrics.dropped.csv")] == ["B", "B", "B"]

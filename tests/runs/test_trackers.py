@@ -100,7 +100,7 @@ def test_mlflow_embedded_store_holds_params_metrics_and_artifacts(tmp_path: Path
     assert set(run.data.params) == set(flat)
 
     # every metric of metrics.csv, with the same values at the same env steps
-    keys = [k for k in csv_rows(run_dir)[0] if k != "step"]
+    keys = [k for k in csv_rows(run_dir)[0] if k not in ("step", "run_id")]  # run_id: the CSV's own
     assert "loss/value" in keys and "rollout/episode_return" in keys
     for key in keys:
         history = [(m.step, m.value) for m in client.get_metric_history(run.info.run_id, key)]
