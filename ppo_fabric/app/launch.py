@@ -322,6 +322,7 @@ def train(
     # Before the checks, which build the env and the model: every process of a job runs them, and each
     # taking every core for them (the model's orthogonal init and probe forward) oversubscribes the node.
     # Fifteen processes on 16 cores spent ~100 s there before any training.
+    torch_default = torch.get_num_threads()  # what torch_threads=0 leaves it at
     if int(cfg.torch_threads) > 0:
         set_threads(int(cfg.torch_threads))
     from hydra.core.hydra_config import HydraConfig
@@ -334,8 +335,8 @@ def train(
     name = str(HydraConfig.get().job.config_name) if in_app else "config"
     threads = int(cfg.torch_threads)
     facts = prepare(cfg, str(run_dir), overrides, composer(None, name))
-    if int(cfg.torch_threads) > 0 and int(cfg.torch_threads) != threads:  # a resume's own, restored
-        set_threads(int(cfg.torch_threads))
+    if int(cfg.torch_threads) != threads:  # a resume's own, restored (0: torch's choice)
+        set_threads(int(cfg.torch_threads) or torch_default)
     return launch(cfg, str(run_dir), facts, main, caller_owns_process=not in_app)
 
 

@@ -12,6 +12,7 @@ import math
 import os
 import sys
 import tempfile
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from importlib import resources
@@ -442,16 +443,26 @@ def check_layout(cfg: DictConfig, world: int) -> None:
             f"split evenly over {layout.trainers} trainers; change env.num_envs or algo.rollout_steps"
         )
     refreshed = bool(cfg.algo.pipeline) and bool(cfg.algo.lag_refresh_advantages)
-    feed_forward = sequence_length(cfg.model) == 1 and cfg.env.get("api", "gymnasium") != "pettingzoo"
+    # batches the refresh applies to: feed-forward, unmasked (multi-agent and async pools keep the player's)
+    plain = layout.env_steps == layout.batch and cfg.env.get("api", "gymnasium") != "pettingzoo"
     steps = int(cfg.algo.rollout_steps)
-    if cfg.strategy == "decoupled" and refreshed and feed_forward and steps % layout.trainers:
+    feed_forward = sequence_length(cfg.model) == 1
+    if cfg.strategy == "decoupled" and refreshed and plain and feed_forward and steps % layout.trainers:
         # each trainer recomputes GAE over whole time rows of its shard: a shard that is no whole number
         # of rows would keep the player's stale advantages without a word
-        raise ConfigError(
+        why = (
             f"algo.lag_refresh_advantages=true recomputes advantages over whole time steps, and "
-            f"algo.rollout_steps={steps} does not split into equal time rows over {layout.trainers} trainers; "
-            f"use a multiple of {layout.trainers} (e.g. {steps + layout.trainers - steps % layout.trainers}) "
-            "or algo.lag_refresh_advantages=false"
+            f"algo.rollout_steps={steps} does not split into equal time rows over {layout.trainers} "
+            f"trainers"
+        )
+        if cfg.get("resume") is None:
+            raise ConfigError(
+                f"{why}; use a multiple of {layout.trainers} (e.g. "
+                f"{steps + layout.trainers - steps % layout.trainers}) or algo.lag_refresh_advantages=false"
+            )
+        # a run that trained so continues so (neither key may change on resume): said, not refused
+        warnings.warn(
+            f"ppo-fabric: {why}: this run's lagged batches keep the player's advantages", stacklevel=2
         )
     mb, trainers = layout.minibatch, layout.trainers
     if mb % trainers:

@@ -4,7 +4,8 @@
 
 1. `gymnasium.make(id, frameskip=1)`: the wrapper below does the frame skipping, so the ALE must not;
 2. `AtariPreprocessing`: up to 30 no-op actions at reset, the action repeated 4 frames with the last two
-   max-pooled (Atari sprites flicker between frames), 84x84 grayscale uint8;
+   max-pooled (Atari sprites flicker between frames), 84x84 grayscale uint8; then `env.max_episode_steps`
+   as a `TimeLimit` in agent steps (EnvPool's unit), when it is set;
 3. `RecordEpisodeStatistics`: the real game's return and length (in agent steps), recorded *before* the
    life-loss episodes and the reward clipping below change what an "episode" and a "reward" are;
 4. `EpisodicLife`: a lost life ends the episode for the learner (no bootstrap across it), but the game

@@ -35,6 +35,7 @@ The pool cannot be pickled, so a checkpoint holds no env state and a resumed run
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import warnings
 from collections import deque
 from typing import Any
@@ -64,6 +65,11 @@ def backend(env_cfg: DictConfig) -> str:
     if name not in BACKENDS:
         raise EnvPoolError(f"env.backend={name!r} is not one of {', '.join(BACKENDS)}")
     return name
+
+
+def installed() -> bool:
+    """Whether EnvPool can be looked for here (found: `import_envpool` says why it fails, if it does)."""
+    return importlib.util.find_spec("envpool") is not None
 
 
 def import_envpool() -> Any:

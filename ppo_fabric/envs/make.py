@@ -358,7 +358,9 @@ def make_env(env_cfg: DictConfig, render_mode: str | None = None, action_mask: i
     """One environment with the configured wrappers; raises EnvError with a one-line reason. With
     `action_mask` (the mask width `detect_action_mask` found) the env's mask arrives in its infos."""
     env_id = str(env_cfg.id)
-    if render_mode is None and _backend(env_cfg) == "envpool":  # the simulator and options it trained on
+    if render_mode is None and _backend(env_cfg) == "envpool" and envpool_backend.installed():
+        # the simulator and options it trained on; without EnvPool here (a checkpoint evaluated on another
+        # machine) and for frames (EnvPool draws none), the gymnasium env of the same id
         if action_mask is not None:
             raise EnvError("action masks are not supported with env.backend=envpool")
         return _envpool_call(envpool_backend.PoolEnv, env_cfg)

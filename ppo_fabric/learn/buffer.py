@@ -171,7 +171,12 @@ class MultiAgentRolloutBuffer:
         out = torch.empty_like(values)
         if values.shape[0]:
             out[:-1] = values[1:]
-            out[-1] = (steps["advantages"][-1] - steps["rewards"][-1] + values[-1]) / self.gamma
+            # with gamma 0 no value is bootstrapped from (any would do): 0
+            out[-1] = (
+                (steps["advantages"][-1] - steps["rewards"][-1] + values[-1]) / self.gamma
+                if self.gamma
+                else 0.0
+            )
         out = torch.where(steps["truncated"].bool(), steps["final_values"], out)
         return torch.where(steps["terminated"].bool(), torch.zeros_like(out), out)
 

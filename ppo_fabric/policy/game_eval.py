@@ -98,11 +98,17 @@ def opponent_players(
 
 
 def _spaces(state: dict[str, Any], name: str) -> tuple[Any, Any]:
-    """(observation space, action space) of a checkpoint's policy `name`."""
+    """(board space, action space) of a checkpoint's policy `name`: the `observation` part of a game's
+    Dict observation, which a policy trained without masks records whole (`policy_player` plays both)."""
+    import gymnasium as gym
+
     from ppo_fabric.runs import checkpoint as ckpt
 
     obs, action = ckpt.saved_spaces(state)
-    return (obs[name], action[name]) if state.get("multiagent") else (obs, action)
+    obs, action = (obs[name], action[name]) if state.get("multiagent") else (obs, action)
+    if isinstance(obs, gym.spaces.Dict) and "observation" in obs.spaces:
+        obs = obs["observation"]
+    return obs, action
 
 
 def scripted_player(opponent: str, env_id: str, seed: int) -> Any:

@@ -81,8 +81,10 @@ class Policy:
         """The env this policy was trained on, built from the run's config with its wrappers (velocity
         masking, observation noise, action repeat, Atari preprocessing, the action mask in the infos), as
         `python -m ppo_fabric.evaluate` builds it: the observations `predict` expects. A bare `gym.make` of
-        the same id lacks those wrappers. An env id naming a module outside the known env packages runs
-        that module's code with the run's `env.kwargs`, so it is built only with `trust_env=True`."""
+        the same id lacks those wrappers; a run on `env.backend=envpool` gets a one-env pool of its options
+        (`envpool_backend.PoolEnv`) where EnvPool is installed and no `render_mode` is asked for. An env id
+        naming a module outside the known env packages runs that module's code with the run's `env.kwargs`,
+        so it is built only with `trust_env=True`."""
         from omegaconf import OmegaConf
 
         from ppo_fabric.envs.make import foreign_module, make_env

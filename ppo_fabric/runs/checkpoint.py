@@ -155,8 +155,9 @@ def atomic_write(data: bytes, path: Path) -> None:
     would otherwise fill the disk with them."""
     path.parent.mkdir(parents=True, exist_ok=True)
     _remove_dead_writers_files(path.parent)
-    tmp = path.parent / f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp"  # not `random`: a run's RNG
+    tmp = path.parent / f".{path.name}.{secrets.token_hex(6)}.tmp"  # not `random`, whose state a run keeps
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
+    _WRITING.add(tmp)
     try:
         with os.fdopen(fd, "wb") as fh:
             fh.write(data)
@@ -166,20 +167,23 @@ def atomic_write(data: bytes, path: Path) -> None:
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+    finally:
+        _WRITING.discard(tmp)
 
 
 _SWEPT: set[Path] = set()  # the directories whose dead writers' temp files this process removed
+_WRITING: set[Path] = set()  # this process's writes in progress (another thread's, while one sweeps)
 
 
 def _remove_dead_writers_files(directory: Path) -> None:
-    """Temp files of `atomic_write` left by other processes (one writer per run directory: its lock), once
-    per directory and process. Those of this process are its own writes in progress (another thread's)."""
+    """Temp files of `atomic_write` that no write of this process holds: left by a writer killed mid-write
+    (one writer per run directory, its lock's holder; a restarted container's may even share its pid),
+    once per directory and process."""
     if directory in _SWEPT:
         return
     _SWEPT.add(directory)
-    mine = f".{os.getpid()}."
     for tmp in directory.glob(".*.ckpt.*.tmp"):
-        if mine not in tmp.name:
+        if tmp not in _WRITING:
             with contextlib.suppress(OSError):
                 tmp.unlink()
 

@@ -53,11 +53,21 @@ class Owner:
     host: str
     started: str  # ISO time, local time zone
     command: str
+    boot: str = ""  # the host's boot id and the process's start in clock ticks since that boot (Linux's
+    ticks: int = -1  # /proc): which process a pid is, immune to the wall clock being set
 
     @classmethod
     def this_process(cls) -> Owner:
         started = datetime.datetime.now().astimezone().isoformat(timespec="seconds")
-        return cls(os.getpid(), socket.gethostname(), started, shlex.join(sys.orig_argv))
+        ticks = start_ticks(os.getpid())
+        return cls(
+            os.getpid(),
+            socket.gethostname(),
+            started,
+            shlex.join(sys.orig_argv),
+            boot_id(),
+            -1 if ticks is None else ticks,
+        )
 
     def to_json(self) -> str:
         return json.dumps(asdict(self)) + "\n"
@@ -67,8 +77,15 @@ class Owner:
         """The owner a lock file names, or None for a file that is not one of ours (garbled, truncated)."""
         try:
             data = json.loads(text)
-            owner = cls(int(data["pid"]), str(data["host"]), str(data["started"]), str(data["command"]))
-        except (ValueError, TypeError, KeyError):
+            owner = cls(
+                int(data["pid"]),
+                str(data["host"]),
+                str(data["started"]),
+                str(data["command"]),
+                str(data.get("boot", "")),
+                int(data.get("ticks", -1)),
+            )
+        except (ValueError, TypeError, KeyError, AttributeError):
             return None
         return owner if owner.pid > 0 else None
 
@@ -85,10 +102,15 @@ class Owner:
             os.kill(self.pid, 0)
         except ProcessLookupError:
             return False
-        except PermissionError:  # another user's process: alive, unless it is younger than the lock
+        except PermissionError:  # another user's process: alive, unless it is another process
             pass
+        ticks, boot = start_ticks(self.pid), boot_id()
+        if self.ticks >= 0 and self.boot and ticks is not None and boot:
+            return (boot, ticks) == (self.boot, self.ticks)
+        # a lock of an earlier release (no boot id): a process that started well after the lock's time is
+        # another one (a margin for the wall clock being set since)
         began, locked = process_start(self.pid), _timestamp(self.started)
-        return began is None or locked is None or began <= locked + 1.0  # `started` has whole seconds
+        return began is None or locked is None or began <= locked + 60.0
 
 
 def _timestamp(iso: str) -> float | None:
@@ -98,21 +120,36 @@ def _timestamp(iso: str) -> float | None:
         return None
 
 
-def process_start(pid: int) -> float | None:
-    """When process `pid` started (seconds since the epoch), from Linux's /proc; None elsewhere or when it
-    cannot be read (the lock then trusts the pid alone)."""
+def boot_id() -> str:
+    """This boot of the host (Linux), "" where unknown: the same pid after a reboot is another process."""
+    try:
+        return Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+    except OSError:
+        return ""
+
+
+def start_ticks(pid: int) -> int | None:
+    """When process `pid` started, in clock ticks since boot (Linux's /proc/<pid>/stat), None where unknown."""
     try:
         stat = Path(f"/proc/{pid}/stat").read_text()
+        # after the command name, which may hold spaces and parentheses: field 22 (starttime) is the 20th
+        return int(stat.rpartition(")")[2].split()[19])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def process_start(pid: int) -> float | None:
+    """When process `pid` started (seconds since the epoch, by the wall clock now), None where unknown."""
+    ticks = start_ticks(pid)
+    try:
         boot = next(
             float(line.split()[1])
             for line in Path("/proc/stat").read_text().splitlines()
             if line.startswith("btime ")
         )
-        ticks = os.sysconf("SC_CLK_TCK")
-        # after the command name, which may hold spaces and parentheses: field 22 (starttime) is the 20th
-        return boot + int(stat.rpartition(")")[2].split()[19]) / ticks
     except (OSError, ValueError, IndexError, StopIteration):
         return None
+    return None if ticks is None else boot + ticks / os.sysconf("SC_CLK_TCK")
 
 
 _HELD: list[RunDirLock] = []  # the locks this process holds (not yet released)

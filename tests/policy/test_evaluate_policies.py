@@ -285,6 +285,15 @@ def test_opponents_that_do_not_fit_the_game(tmp_path: Path, capsys: pytest.Captu
     )
     argv = [f"checkpoint={path}", f"opponent=snapshot:{cartpole}"]
     assert_cli_failure(capsys, evaluate.main, argv, "its policy 'main' plays observations Box")
+    # the same game trained without masks records the whole Dict observation: the same board, it fits
+    from ppo_fabric.envs.spaces import space_to_data
+    from ppo_fabric.policy.game_eval import _spaces
+
+    board = gym.spaces.Box(0, 1, (3, 3, 2), np.int8)
+    whole = gym.spaces.Dict({"observation": board, "action_mask": gym.spaces.Box(0, 1, (9,), np.int8)})
+    unmasked = {"multiagent": True, "action_space": {"shared": space_to_data(gym.spaces.Discrete(9))},
+                "observation_space": {"shared": space_to_data(whole)}}  # fmt: skip
+    assert _spaces(unmasked, "shared") == _spaces(ckpt.load(path, env_state="fresh"), "shared")
     state = ckpt.load(path, env_state="fresh")
     for snap in state["ranks"][0]["selfplay"]["pool"]["snapshots"]:
         snap["weights"] = ActorCritic(*spaces, cfg.model).state_dict()

@@ -107,11 +107,15 @@ def test_checkpoints_take_the_umask_and_a_dead_writers_temp_files_go(tmp_path: P
         os.umask(old)
     run = tmp_path / "b"
     run.mkdir()
-    dead = [run / ".last.ckpt.4242.0a1b2c3d.tmp", run / ".step_000000000512_abcd.ckpt.x1y2.tmp"]
-    ours = run / f".best.ckpt.{os.getpid()}.00000000.tmp"  # another thread's write in progress
+    dead = [run / ".last.ckpt.0a1b2c3d4e5f.tmp", run / ".step_000000000512_abcd.ckpt.x1y2.tmp"]
+    ours = run / ".best.ckpt.00000000.tmp"  # another thread's write in progress
     for path in (*dead, ours):
         path.write_bytes(b"partial")
-    ckpt.atomic_write(b"y", run / "last.ckpt")
+    ckpt._WRITING.add(ours)
+    try:
+        ckpt.atomic_write(b"y", run / "last.ckpt")
+    finally:
+        ckpt._WRITING.discard(ours)
     assert sorted(p.name for p in run.iterdir()) == sorted([ours.name, "last.ckpt"])
 
 

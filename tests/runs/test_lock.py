@@ -11,6 +11,7 @@ import subprocess
 import sys
 import threading
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -120,6 +121,21 @@ def test_a_pid_handed_out_again_is_no_owner(
         f"ppo-fabric: took over the lock of {tmp_path.resolve()} from pid {pid} on {socket.gethostname()} "
         "(no longer running)"
     ]
+
+
+@pytest.mark.unit
+def test_a_lock_names_its_process_by_boot_and_start_not_by_the_wall_clock(tmp_path: Path) -> None:
+    """A lock records the host's boot id and its process's start in ticks since boot: a live process with
+    that pid is its owner only if both match (the wall clock being set since does not matter); another
+    process with the pid, or the pid after a reboot, is not."""
+    me = lock.Owner.this_process()
+    assert me.boot and me.ticks == lock.start_ticks(os.getpid())
+    parent = lock.Owner(os.getppid(), socket.gethostname(), "2024-01-02T03:04:05+00:00", "x",
+                        me.boot, lock.start_ticks(os.getppid()))  # fmt: skip
+    assert parent.alive() is True  # its start ticks hold, however old its wall-clock time reads
+    assert replace(parent, ticks=parent.ticks + 1).alive() is False
+    assert replace(parent, boot="another-boot").alive() is False
+    assert lock.Owner.parse(me.to_json()) == me
 
 
 @pytest.mark.unit

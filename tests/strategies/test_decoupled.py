@@ -9,6 +9,7 @@ layout, and the first half of the resume test also covers the `fabric run` launc
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import json
 import os
 import signal
@@ -457,6 +458,9 @@ def test_rows_that_do_not_split_are_fine_without_the_refresh(monkeypatch: pytest
     for off in ("algo.lag_refresh_advantages=false", "algo.pipeline=false"):
         load(["strategy=decoupled", "fabric.devices=3", "env.num_envs=4", "algo.rollout_steps=5",
               "algo.minibatch_size=10", off])  # fmt: skip
+    if importlib.util.find_spec("envpool") is not None:  # an async pool's batches are never refreshed
+        load(["strategy=decoupled", "fabric.devices=3", "env.num_envs=4", "algo.rollout_steps=5",
+              "algo.minibatch_size=10", "env.backend=envpool", "env.envpool.batch_size=2"])  # fmt: skip
 
 
 @pytest.mark.multiprocess
