@@ -98,3 +98,19 @@ def nan_matching_v0(after: int = 10, agent: str = "agent_1", **kwargs: Any) -> A
             return super().step(actions)
 
     return NanMatching(**kwargs)
+
+
+def nan_final_matching_v0(**kwargs: Any) -> Any:
+    """matching_v0 whose agents observe NaN only at the step the time limit cuts their episode: the vector
+    env returns the next episode's first observation there, the NaN one only as `final_obs`."""
+    from ppo_fabric.envs.toy_multiagent import MatchingGame
+
+    class NanAtTheCut(MatchingGame):
+        def _observe(self, who: str) -> np.ndarray:
+            obs = super()._observe(who)
+            if self._t >= self.episode_length:
+                obs = obs.copy()
+                obs[0] = np.nan
+            return obs
+
+    return NanAtTheCut(**{"truncate": True, "episode_length": 4, **kwargs})

@@ -21,7 +21,7 @@ from tensordict import TensorDict
 from ppo_fabric.collect.actors import Actor, acting_for
 from ppo_fabric.collect.numpy_actor import unsupported
 from ppo_fabric.envs.envpool_backend import is_async
-from ppo_fabric.envs.guard import RESTART_INFO, EnvFault, NonFiniteData, find_nonfinite
+from ppo_fabric.envs.guard import RESTART_INFO, EnvFault, NonFiniteData, find_nonfinite, nonfinite_final
 from ppo_fabric.envs.make import (
     ACTION_MASK,
     EnvError,
@@ -269,8 +269,10 @@ class RolloutCollector:
             text = f"{type(exc).__name__}: {exc}".strip().splitlines()[0]
             raise EnvFault(f"{self.label}: env.step raised {text} at env step {at:,}") from exc
         if self.multiagent:
-            for g, (obs, rewards, *_rest) in zip(self.groups, results, strict=True):
+            for g, (obs, rewards, _, truncated, info) in zip(self.groups, results, strict=True):
                 found = find_nonfinite(obs, rewards)
+                if found is None:  # a truncated agent's last observation: its value is bootstrapped
+                    found = nonfinite_final(info["final_obs"], truncated)
                 if found is not None:
                     agents = self.envs.groups[g.name]
                     row, what = found

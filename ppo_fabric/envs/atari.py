@@ -55,6 +55,11 @@ class EpisodicLife(gym.Wrapper):
         self.lives = lives
         return obs, reward, terminated, truncated, info
 
+    def end_game(self) -> None:
+        """The next reset starts a new game (and takes its seed): after the normalisation warm-up, whose
+        games must leave nothing behind in the run's first episode (`make_vector_env`)."""
+        self.game_over = True
+
     def reset(self, **kwargs: Any) -> tuple[Any, dict[str, Any]]:
         if self.game_over:
             obs, info = self.env.reset(**kwargs)

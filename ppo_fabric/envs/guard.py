@@ -115,15 +115,22 @@ def check_step(obs: Any, rewards: Any, info: dict[str, Any]) -> None:
     vector envs, and EnvPool's, whose async pool keeps a row per env too). The common case, all finite,
     costs one dot product per array; only a suspect step is searched row by row."""
     found = find_nonfinite(obs, rewards)
+    if found is None and "_final_obs" in info:
+        found = nonfinite_final(info["final_obs"], info["_final_obs"])
     if found is not None:
         raise NonFiniteData(*found)
-    if "_final_obs" in info:
-        for j in np.flatnonzero(info["_final_obs"]):
-            final = info["final_obs"][j]
-            if not surely_finite(final):
-                what = nonfinite_value(final)
-                if what is not None:
-                    raise NonFiniteData(int(j), what.replace("observation", "final observation", 1))
+
+
+def nonfinite_final(finals: Any, rows: Any) -> tuple[int, str] | None:
+    """(row, what) of the first final observation (`finals[j]`, for each row `j` that `rows` marks) holding
+    a NaN or an inf: a truncated episode bootstraps from its value."""
+    for j in np.flatnonzero(rows):
+        final = finals[j]
+        if final is not None and not surely_finite(final):
+            what = nonfinite_value(final)
+            if what is not None:
+                return int(j), what.replace("observation", "final observation", 1)
+    return None
 
 
 class FiniteCheck(VectorWrapper):

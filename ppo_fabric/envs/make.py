@@ -337,21 +337,24 @@ def _refuse_missing_callable(env_id: str, module: Any, attr: str, candidate: Any
     raise EnvError(f"{where} has no attribute {attr!r} (no callable, no registered env of that name){hint}")
 
 
-def _gymnasium_factory(env_id: str, factory: Callable[..., Any]) -> Callable[..., gym.Env]:
-    """`factory` as a gymnasium entry point that refuses anything but a gymnasium env in one line."""
+class _GymnasiumFactory:
+    """`factory` as a gymnasium entry point that refuses anything but a gymnasium env in one line. A class,
+    not a closure: the entry point is in every sub-env's spec, and a closure cannot be pickled, so the
+    checkpoint of a `module:factory` env held no env state and its resume was never exact."""
 
-    def make(**kwargs: Any) -> gym.Env:
-        env = factory(**kwargs)
+    def __init__(self, env_id: str, factory: Callable[..., Any]) -> None:
+        self.env_id, self.factory = env_id, factory
+
+    def __call__(self, **kwargs: Any) -> gym.Env:
+        env = self.factory(**kwargs)
         if not isinstance(env, gym.Env):
             kind = (
                 "a PettingZoo env: add env=pettingzoo"
                 if hasattr(env, "possible_agents")
                 else type(env).__name__
             )
-            raise EnvError(f"env.id={env_id!r} returned {kind}, not a gymnasium.Env")
+            raise EnvError(f"env.id={self.env_id!r} returned {kind}, not a gymnasium.Env")
         return env
-
-    return make
 
 
 def make_env(env_cfg: DictConfig, render_mode: str | None = None, action_mask: int | None = None) -> gym.Env:
@@ -369,7 +372,7 @@ def make_env(env_cfg: DictConfig, render_mode: str | None = None, action_mask: i
     # An unregistered `module:factory` goes through gym.make too (as a spec of its own), so it gets the
     # same time limit, render mode and env checker as a registered id.
     target: Any = (
-        env_id if factory is None else EnvSpec(id=env_id, entry_point=_gymnasium_factory(env_id, factory))
+        env_id if factory is None else EnvSpec(id=env_id, entry_point=_GymnasiumFactory(env_id, factory))
     )
     kwargs: dict[str, Any] = dict(OmegaConf.to_container(env_cfg.kwargs, resolve=True) or {})
     if preprocess == "atari":
@@ -392,7 +395,7 @@ def make_env(env_cfg: DictConfig, render_mode: str | None = None, action_mask: i
     except gym.error.Error as exc:
         raise EnvError(f"env.id={env_id!r}: {error_line(exc)}") from exc
     except EnvError:
-        raise  # a factory's result refused in one line already (_gymnasium_factory)
+        raise  # a factory's result refused in one line already (_GymnasiumFactory)
     except TypeError as exc:
         raise EnvError(f"env.id={env_id!r} rejected env.kwargs: {error_line(exc)}") from exc
     except (ValueError, AssertionError) as exc:  # a value the env refuses (LunarLander's gravity=5)
@@ -488,6 +491,8 @@ def make_vector_env(
         masks = (lambda: current_action_masks(envs)) if action_mask is not None else None
         warm_up(envs, warmup, warmup_seed(seed, rank), reduce, masks)
         # The same seeds again: the run's episodes start exactly where a run without warm-up starts them.
+        if _preprocess(env_cfg) == "atari" and _backend(env_cfg) == "gymnasium":
+            envs.unwrapped.call("end_game")  # a game mid-way resets for real (not a lost life's no-op), seed and all
         obs, _ = envs.reset(seed=seeds)
         discard_pending(envs)  # these reset observations were counted by the warm-up already
     envs.action_space.seed(seeds[0])

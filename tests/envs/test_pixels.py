@@ -129,6 +129,23 @@ def test_episodic_life_ends_episodes_per_life_but_resets_only_at_game_over() -> 
     assert game.resets == 2
 
 
+@needs_ale
+def test_the_normalisation_warm_up_leaves_no_game_behind() -> None:
+    """Atari with `env.normalize_reward=true`: after the warm-up's random games the seeded reset starts new
+    games, so the run starts where a run without warm-up starts (a game mid-way took a lost life's no-op
+    instead, kept its seed-less state and counted the warm-up's steps in the run's first game)."""
+    from tests.conftest import env_section
+
+    def first(warmup: int) -> np.ndarray:
+        cfg = env_section(id="ALE/Pong-v5", num_envs=2, vector="sync", preprocess="atari",
+                          normalize_reward=True, normalize_warmup=warmup)  # fmt: skip
+        envs, obs = make_vector_env(cfg, seed=3, rank=0)
+        envs.close()
+        return np.asarray(obs)
+
+    np.testing.assert_array_equal(first(200), first(0))
+
+
 def test_fire_reset_presses_fire_and_refuses_games_without_it() -> None:
     game = FakeAtari()
     FireReset(game).reset(seed=0)

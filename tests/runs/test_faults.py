@@ -145,6 +145,15 @@ def test_a_failed_write_keeps_the_previous_checkpoint(
     session.logger.close()
 
 
+def test_a_nan_final_observation_of_a_cut_agent_ends_the_run(tmp_path: Path) -> None:
+    """The observation a truncated agent's episode ends on is bootstrapped from: a NaN there (only in
+    `final_obs`, the next episode's first observation being finite) made every advantage NaN unchecked."""
+    with pytest.raises(
+        EnvFault, match=r"rank 0, env 0, agent 'agent_0': final observation holds NaN at env step 16"
+    ):
+        _run(tmp_path, "env=pettingzoo", "env.id=tests.faulty_env:nan_final_matching_v0", "eval.every=0")
+
+
 @pytest.mark.slow
 def test_a_nan_observation_of_one_agent_names_the_agent(tmp_path: Path) -> None:
     """PettingZoo parallel envs: the policy's rows are checked together; the line names the env copy and

@@ -19,6 +19,7 @@ import yaml
 import ppo_fabric
 from ppo_fabric import cli
 from ppo_fabric.config.values import ConfigError
+from ppo_fabric.runs import checkpoint as ckpt
 from ppo_fabric.runs.metrics_file import read_rows, series
 from tests.envs import factory_envs
 
@@ -121,7 +122,12 @@ def test_a_config_error_from_python_is_one_line_and_a_short_traceback(tmp_path: 
 
 
 def test_an_env_factory_from_python(tmp_path: Path) -> None:
-    summary = _run(tmp_path / "run", "algo.total_steps=512", env=factory_envs.short_cartpole)
+    summary = _run(
+        tmp_path / "run", "algo.total_steps=512", "env.vector=sync", env=factory_envs.short_cartpole
+    )
     assert summary["env_id"] == "tests.envs.factory_envs:short_cartpole"
+    # its checkpoint holds the envs (the entry point was a closure, which no pickle takes): exact resume
+    state = ckpt.load(tmp_path / "run" / "checkpoints" / "last.ckpt")
+    assert state["ranks"][0]["envs"] is not None
     with pytest.raises(ConfigError, match="module-level function or class"):
         _run(tmp_path / "other", "algo.total_steps=512", env=lambda: None)
