@@ -492,7 +492,8 @@ def make_vector_env(
         warm_up(envs, warmup, warmup_seed(seed, rank), reduce, masks)
         # The same seeds again: the run's episodes start exactly where a run without warm-up starts them.
         if _preprocess(env_cfg) == "atari" and _backend(env_cfg) == "gymnasium":
-            envs.unwrapped.call("end_game")  # a game mid-way resets for real (not a lost life's no-op), seed and all
+            # a game mid-way resets for real (not a lost life's no-op), seed and all
+            envs.unwrapped.call("end_game")
         obs, _ = envs.reset(seed=seeds)
         discard_pending(envs)  # these reset observations were counted by the warm-up already
     envs.action_space.seed(seeds[0])
