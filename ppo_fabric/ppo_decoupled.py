@@ -191,6 +191,7 @@ class Player:
         self.session = session_for(fabric, cfg, run_dir, resume)
         self.state = PipelineState(self.session.start_update, self.session.start_update, saved)
         self.unwritten: tuple[int, list[dict[str, Any]]] | None = None  # a checkpoint gathered, not written
+        self.recorded: dict[str, Any] | None = None  # the evaluation record the last checkpoint written holds
         self.trainers_stop = 0  # a stop signal a trainer received, relayed with the parameters
         self.evaluation = (  # on a thread of the first player, off the critical path
             evaluation_for(cfg, specs, self.session.per_update, self.session, resume, background=True)
@@ -278,7 +279,8 @@ class Player:
                 episodes = episode_metrics(self.collector, self.link.sum_over_players if several else None)
                 row = dict(zip(self.names, metrics.tolist(), strict=True)) | episodes
                 session.log(update, row, self.collector)
-            evaluate_in_background(self.evaluation, session, update, self.policies, self.collector)
+            if evaluate_in_background(self.evaluation, session, update, self.policies, self.collector):
+                self.amend_evaluation()  # the last checkpoint was written while this evaluation ran
             if self.checkpoint_due(update):  # the last one is written once the final evaluation is in it
                 self.checkpoint(update, snapshot, write=update < session.end_update)
         return update
@@ -303,13 +305,38 @@ class Player:
         learner = parts[self.topo.first_trainer]["learner"]
         evaluating = self.evaluation is not None and self.evaluation.on
         if evaluating:
-            learner = learner | {"evaluation": self.evaluation.state()}
+            self.recorded = self.evaluation.state()
+            learner = learner | {"evaluation": self.recorded}
         # with evaluation on, best.ckpt holds the parameters the evaluator scored best (`write_best`)
         path = self.session.write_checkpoint(
             learner, [part["rank_state"] for part in parts], update, best=False if evaluating else None
         )
         if evaluating and self.session.writer:
             self.write_best(path)
+
+    def amend_evaluation(self) -> None:
+        """The evaluation record in the last checkpoint written (and its numbered copy) as it is now, and
+        best.ckpt if that evaluation found a new best: a background evaluation started at an update runs
+        while that update's checkpoint is written, and a stop (or a crash) before the next checkpoint lost
+        it from the checkpoint, the resume's record and best.ckpt, which the summary still named."""
+        if (
+            not self.session.writer
+            or self.evaluation is None
+            or not self.evaluation.on
+            or self.recorded is None
+        ):
+            return
+        now = self.evaluation.state()
+        last = self.session.checkpoint_path
+        if now == self.recorded or not last.is_file():
+            return
+        step = self.session.env_step(self.session.last_checkpoint)
+        numbered = last.parent / ckpt.numbered_name(step, self.session.run_id)
+        for path in (last, numbered):
+            if path.is_file():
+                ckpt.amend(path, evaluation=now)
+        self.recorded = now
+        self.write_best(last)
 
     def write_best(self, written: Path) -> None:
         """best.ckpt from the evaluation that found a new best since the last checkpoint: the parameters it
@@ -344,6 +371,7 @@ class Player:
         # the evaluation in flight is waited for, so that the checkpoint and the summary keep it
         finish_in_background(self.evaluation, self.session, state.received, {}, self.collector, final=False)
         self.write_checkpoint()
+        self.amend_evaluation()  # when that checkpoint was written before the evaluation ended
         summary = self.summary(parts, signum)  # summary.json, interrupted
         self.collector.envs.close()
         if self.evaluation is not None:

@@ -208,16 +208,18 @@ def evaluate_if_due(
 
 def evaluate_in_background(
     evaluation: PeriodicEvaluation | None, session: RunSession, done: int, policies: dict, collector: Any
-) -> None:
+) -> int | None:
     """A decoupled player's evaluation, off the critical path: log the one that finished, start the one due
     after update `done` on a snapshot of `policies` (one at a time: an evaluation due while another runs
-    starts at the next update, or, the final one, in `finish_in_background`). Never waits."""
+    starts at the next update, or, the final one, in `finish_in_background`). Never waits. Returns the env
+    step of the evaluation that finished, if one did (its checkpoint may have been written without it)."""
     if evaluation is None or not evaluation.on:
-        return
-    _log_finished(evaluation, session, wait=False)
+        return None
+    finished = _log_finished(evaluation, session, wait=False)
     step = session.env_step(done)
     if evaluation.due(step, done == session.end_update) and not evaluation.busy:
         evaluation.start(_models(policies), _frozen(collector), step)
+    return finished
 
 
 def finish_in_background(
@@ -240,8 +242,10 @@ def finish_in_background(
         _log_finished(evaluation, session, wait=True)
 
 
-def _log_finished(evaluation: PeriodicEvaluation, session: RunSession, wait: bool) -> None:
+def _log_finished(evaluation: PeriodicEvaluation, session: RunSession, wait: bool) -> int | None:
     finished = evaluation.collect(wait)
-    if finished is not None:
-        step, metrics = finished
-        session.logger.log_evaluation(metrics | {"time/wall_s": session.wall_s()}, step)
+    if finished is None:
+        return None
+    step, metrics = finished
+    session.logger.log_evaluation(metrics | {"time/wall_s": session.wall_s()}, step)
+    return step

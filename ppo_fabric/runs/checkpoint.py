@@ -188,6 +188,16 @@ def _remove_dead_writers_files(directory: Path) -> None:
                 tmp.unlink()
 
 
+def amend(path: Path, **fields: Any) -> None:
+    """Replace top-level `fields` of a written checkpoint, atomically, the rest as it was written: what
+    arrived after it was written (a background evaluation of its own update)."""
+    raw = torch.load(path, map_location="cpu", weights_only=True)
+    raw.update(to_plain(fields))
+    buffer = io.BytesIO()
+    torch.save(raw, buffer)
+    atomic_write(buffer.getvalue(), path)
+
+
 def encode(state: dict[str, Any]) -> bytes:
     """A checkpoint's bytes: the state as plain data, with the format version."""
     buffer = io.BytesIO()

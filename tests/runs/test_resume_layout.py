@@ -219,7 +219,12 @@ def test_a_signal_that_reaches_only_the_trainer_stops_the_run(tmp_path: Path) ->
     ("strategy", "extra", "signum"),
     [
         pytest.param("coupled", [], signal.SIGTERM, id="coupled-2-SIGTERM"),
-        pytest.param("decoupled", ["algo.pipeline=true"], signal.SIGINT, id="decoupled-1+1-pipelined-SIGINT"),
+        pytest.param(  # an evaluation every update, in the background while that update's checkpoint is written
+            "decoupled",
+            ["algo.pipeline=true", "eval.every=256", "eval.episodes=2", "checkpoint.every=1"],
+            signal.SIGINT,
+            id="decoupled-1+1-pipelined-SIGINT",
+        ),  # fmt: skip
     ],
 )
 def test_signal_stops_every_rank_with_a_checkpoint(
@@ -259,6 +264,13 @@ def test_signal_stops_every_rank_with_a_checkpoint(
     assert stopped["total_env_steps"] == stopped_at and stopped["ranks_in_sync"] is True
     assert stopped["world_size"] == 2 and stopped["strategy"] == strategy
     assert (run_dir / "learning_curve.png").stat().st_size > 0
+    # the checkpoint's evaluation record is the summary's, and best.ckpt the best it names (a background
+    # evaluation still running when its update's checkpoint was written once stayed out of both)
+    assert state.get("evaluation") == stopped.get("evaluation")
+    best = (stopped.get("evaluation") or {}).get("best")
+    if best is not None:
+        kept = ckpt.load(run_dir / "checkpoints" / "best.ckpt", key="checkpoint", env_state="fresh")
+        assert kept["env_step"] == best["env_step"], (kept["env_step"], best)
     total = stopped_at + 512
     proc = _start([*common, f"algo.total_steps={total}", f"hydra.run.dir={run_dir}", "resume=" + str(run_dir / "checkpoints" / "last.ckpt")], tmp_path)  # fmt: skip
     _, err = proc.communicate(timeout=90)
