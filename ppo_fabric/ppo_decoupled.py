@@ -272,6 +272,9 @@ class Player:
         self.trainers_stop = max(self.trainers_stop, trainers_stop)
         vector_to_parameters(flat.to(self.device), self.params)
         session.watch.add("wait_params", time.perf_counter() - t0)
+        if update == session.start_update and self.evaluation is not None and self.evaluation.owed:
+            # the checkpoint's own parameters, whose evaluation was in flight when it was written
+            evaluate_in_background(self.evaluation, session, update, self.policies, self.collector)
         if update > session.start_update:
             self.collector.after_update(self.policies, update)
             if session.log_due(update):

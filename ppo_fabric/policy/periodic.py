@@ -62,6 +62,11 @@ class PeriodicEvaluation:
         if self.every:
             self.scorer = scorer_for(cfg, specs, self.seed)
         self.next_step = (start_step // self.every + 1) * self.every if self.every else 0
+        # the checkpoint's own update was being evaluated (in the background) when it was written, and the
+        # run stopped before that evaluation reached it: the resumed run owes it, on the same parameters
+        self.owed = bool(self.every) and (saved or {}).get("in_flight") == start_step
+        if self.owed:
+            self.next_step = start_step
         self.last: dict[str, Any] | None = (saved or {}).get("last")
         self.best: dict[str, Any] | None = (saved or {}).get("best")
         self.background = background and self.every > 0
@@ -105,6 +110,7 @@ class PeriodicEvaluation:
         scores), the episodes play while training goes on, and `collect` hands their metrics over."""
         assert self.background and self.pending is None, "one evaluation at a time, in the background"
         self.next_step = (env_step // self.every + 1) * self.every
+        self.owed = False
         if self.evaluator is None:
             self.evaluator = EvaluatorProcess(self.cfg, self.specs, self.seed)
         weights = {
@@ -160,7 +166,9 @@ class PeriodicEvaluation:
         return self.best is not None and self.best["env_step"] == env_step
 
     def state(self) -> dict[str, Any]:
-        return {"last": self.last, "best": self.best}
+        """The record a checkpoint keeps: the last and best evaluation, and the env step of the one in
+        flight (None: none), which a run resumed from that checkpoint owes (`owed`)."""
+        return {"last": self.last, "best": self.best, "in_flight": self.pending}
 
     def close(self) -> None:
         if self.evaluator is not None:

@@ -119,6 +119,27 @@ def test_a_background_evaluation_scores_the_snapshot_taken_when_it_started() -> 
     here.close()
 
 
+def test_a_resume_owes_the_evaluation_its_checkpoint_had_in_flight() -> None:
+    """A decoupled checkpoint is written while its own update's evaluation plays in the background; a run
+    resumed from it after a crash owes that evaluation (its cadence started above the checkpoint's step,
+    so those parameters were never scored); one whose evaluation had reached it owes nothing."""
+    cfg, _ = compose(["eval.every=512", "eval.episodes=2"])
+    specs = policy_specs(cfg)
+    running, models = _evaluation(background=True)
+    running.start(models, None, 512)
+    saved = running.state()  # what the checkpoint at 512 holds
+    assert saved["in_flight"] == 512
+    resumed = PeriodicEvaluation(cfg, specs, 512, 512, saved, background=True)
+    assert resumed.owed and resumed.due(512)
+    resumed.start(models, None, 512)
+    assert not resumed.owed and resumed.collect(wait=True)[0] == 512
+    running.collect(wait=True)
+    done = PeriodicEvaluation(cfg, specs, 512, 512, running.state(), background=True)
+    assert not done.owed and not done.due(512) and done.due(1024)
+    for evaluation in (running, resumed, done):
+        evaluation.close()
+
+
 def test_an_evaluation_env_that_fails_ends_the_run_in_one_line_or_loses_only_its_episode() -> None:
     """A NaN observation in an evaluation episode: an EnvFault naming the env and its seed (the run ends
     with it, as with a training env); with env.on_error=restart the episode is left out and counted, the
@@ -141,7 +162,9 @@ def test_an_evaluation_env_that_fails_ends_the_run_in_one_line_or_loses_only_its
     first = list(evaluation.scorer.envs)
     metrics = evaluation.run(model, None, 1024)
     assert metrics["eval/failed_episodes"] == 4 and "eval/return_mean" not in metrics
-    assert evaluation.state() == {"last": None, "best": None}, "nothing scored, nothing recorded"
+    assert evaluation.state() == {"last": None, "best": None, "in_flight": None}, (
+        "nothing scored, nothing recorded"
+    )
     assert not set(map(id, evaluation.scorer.envs)) & set(map(id, first)), "rebuilt after each evaluation"
     assert len(evaluation.scorer.envs) == 4
 

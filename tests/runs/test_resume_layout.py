@@ -272,8 +272,15 @@ def test_signal_stops_every_rank_with_a_checkpoint(
         kept = ckpt.load(run_dir / "checkpoints" / "best.ckpt", key="checkpoint", env_state="fresh")
         assert kept["env_step"] == best["env_step"], (kept["env_step"], best)
     total = stopped_at + 512
+    owed = strategy == "decoupled"  # as if the run had died while its checkpoint's evaluation played
+    if owed:
+        record = state["evaluation"] | {"in_flight": stopped_at}
+        ckpt.amend(run_dir / "checkpoints" / "last.ckpt", evaluation=record)
     proc = _start([*common, f"algo.total_steps={total}", f"hydra.run.dir={run_dir}", "resume=" + str(run_dir / "checkpoints" / "last.ckpt")], tmp_path)  # fmt: skip
     _, err = proc.communicate(timeout=90)
     assert proc.returncode == 0, err[-2000:]
+    if owed:  # the resumed run scored the checkpoint's own parameters first
+        at_start = [r for r in read_rows(run_dir / "evaluations.csv") if int(r["step"]) == stopped_at]
+        assert at_start and at_start[-1]["run_id"] != state["run_id"], at_start
     finished = json.loads((run_dir / "summary.json").read_text())
     assert finished["total_env_steps"] == total and finished["interrupted"] is False
