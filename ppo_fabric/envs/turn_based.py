@@ -29,6 +29,8 @@ import numpy as np
 from ppo_fabric.envs.make import ACTION_MASK, EnvError, env_action
 from ppo_fabric.envs.traits import TURN_BASED
 
+OPENING_TRIES = 1000  # random openings discarded in a row (they ended the game) before the length is refused
+
 TURN = "acted"  # the info key: rows whose agent moved at this step
 OBSERVATION = "observation"  # the key of a PettingZoo game's observation beside its action_mask
 
@@ -200,11 +202,17 @@ class TurnBasedVectorEnv:
     def _open(self, e: int) -> None:
         """Play copy `e`'s random opening (0..`opening_moves` legal moves, drawn uniformly), recorded in its
         moves so that a checkpoint replays it. An opening that ends the game is discarded and drawn again
-        (a draw of no moves always ends the loop)."""
+        (a draw of no moves always ends the loop). `OPENING_TRIES` discarded in a row is an opening too long
+        for the game (it would redraw for ever): one line, not a hang."""
         env = self.envs[e]
-        done = False
+        done, tries = False, 0
         while not done:
-            done = True
+            done, tries = True, tries + 1
+            if tries > OPENING_TRIES:
+                raise EnvError(
+                    f"selfplay.opening_moves={self.opening_moves}: {OPENING_TRIES} random openings in a row "
+                    "ended the game before it began; use fewer opening moves"
+                )
             for _ in range(int(self._rng.integers(0, self.opening_moves + 1))):
                 value = env.observe(env.agent_selection)
                 legal = (

@@ -23,6 +23,7 @@ import numpy as np
 
 ROWS, COLS = 6, 7
 HEIGHT = ROWS + 1  # bits per column: the extra top bit keeps lines from wrapping between columns
+BOARD = (ROWS, COLS, 2)  # the observation these players read: the mover's pieces, then the opponent's
 CENTRE_FIRST = (3, 2, 4, 1, 5, 0, 6)
 WIN = 1_000_000
 
@@ -62,8 +63,8 @@ def connected_four(board: int) -> bool:
 def position(observation: Any) -> tuple[int, int, list[int]]:
     """(the mover's bitboard, the opponent's, the number of pieces in each column) of an observation."""
     planes = np.asarray(observation)
-    if planes.shape != (ROWS, COLS, 2):
-        raise ValueError(f"a Connect Four observation is [6, 7, 2], got {list(planes.shape)}")
+    if planes.shape != BOARD:
+        raise ValueError(f"a Connect Four observation is {list(BOARD)}, got {list(planes.shape)}")
     mine = theirs = 0
     heights = [0] * COLS
     for col in range(COLS):

@@ -36,11 +36,13 @@ training time, and `selfplay/elo` is logged: a learning curve where the return i
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+import gymnasium as gym
 import numpy as np
 import torch
 from omegaconf import DictConfig, ListConfig
@@ -123,11 +125,21 @@ def check_selfplay(cfg: DictConfig, specs: dict[str, Any], turn_based: bool) -> 
             raise EnvError(
                 f"selfplay.scripted={sp.get('scripted')} plays connect_four_v3 only, not env.id={cfg.env.id}"
             )
+        board = spec.obs_space
+        if isinstance(board, gym.spaces.Dict) and "observation" in board.spaces:
+            board = board["observation"]
+        shape, moves = getattr(board, "shape", None), getattr(spec.action_space, "n", None)
+        if shape != scripted.BOARD or moves != scripted.COLS:  # a connect_four id of another board: the
+            # players would fail at their first move, inside the rollout
+            raise EnvError(
+                f"selfplay.scripted={sp.get('scripted')} plays Connect Four's {list(scripted.BOARD)} board "
+                f"and {scripted.COLS} moves; env.id={cfg.env.id} has {list(shape or ())} and {moves}"
+            )
     if not isinstance(sp.elo, bool):
         raise EnvError(f"selfplay.elo={sp.elo} must be true or false")
     power = sp.get("pfsp_power")
-    if isinstance(power, bool) or not isinstance(power, (int, float)) or power < 0:
-        raise EnvError(f"selfplay.pfsp_power={power} must be a number >= 0")
+    if isinstance(power, bool) or not isinstance(power, (int, float)) or not 0 <= power < math.inf:
+        raise EnvError(f"selfplay.pfsp_power={power} must be a finite number >= 0")
 
 
 # ------------------------------------------------------------------------------------------- sampling
@@ -138,8 +150,10 @@ def learner_scores(wins: np.ndarray, draws: np.ndarray, losses: np.ndarray) -> n
 
 
 def pfsp_weights(scores: np.ndarray, power: float) -> np.ndarray:
-    """Prioritised fictitious self-play ("hard" weighting): (1 - score)^power, normalised."""
-    weights = (1.0 - np.asarray(scores, dtype=np.float64)) ** power
+    """Prioritised fictitious self-play ("hard" weighting): (1 - score)^power, normalised. Computed in logs
+    (a score is below 1, so every log is finite): a large power would underflow every weight to 0."""
+    logs = power * np.log1p(-np.asarray(scores, dtype=np.float64))
+    weights = np.exp(logs - logs.max())
     return weights / weights.sum()
 
 
@@ -497,6 +511,11 @@ class SelfPlay:
         if self.scripted:  # their generators' states: plain ints and strings (one dict for one player)
             states = [player.rng.bit_generator.state for player in self.scripted]
             out["scripted_rng"] = states[0] if len(states) == 1 else states
+        if self.rater is not None and self.rater.calls:  # the rating curve goes on where it was: the newest
+            # rating, the pool's ratings (later snapshots play them) and the count that seeds the next games
+            rated = {s.id for s in self.pool.snapshots}
+            out["elo"] = {"latest": self.elo, "calls": self.rater.calls,
+                          "ratings": {i: r for i, r in self.rater.ratings.items() if i in rated}}  # fmt: skip
         return out
 
     def load_state(self, state: dict[str, Any], exact: bool) -> None:
@@ -509,6 +528,10 @@ class SelfPlay:
             # a resume that changed the league (resume_overrides=allow) restores the players both runs share
             for player, rng_state in zip(self.scripted, saved, strict=False):
                 player.rng.bit_generator.state = rng_state
+        if self.rater is not None and "elo" in state:
+            self.elo = state["elo"]["latest"]
+            self.rater.calls = int(state["elo"]["calls"])
+            self.rater.ratings = {int(i): float(r) for i, r in state["elo"]["ratings"].items()}
         if exact:
             self.seat = np.asarray(state["seat"], dtype=np.int64).copy()
             self.opponent = np.asarray(state["opponent"], dtype=np.int64).copy()

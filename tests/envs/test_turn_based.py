@@ -26,6 +26,7 @@ from ppo_fabric import cli
 from ppo_fabric.collect.rollout import build_collector
 from ppo_fabric.config.values import compose
 from ppo_fabric.envs.guard import EnvFault
+from ppo_fabric.envs.make import EnvError
 from ppo_fabric.envs.multiagent import make_parallel_env
 from ppo_fabric.envs.turn_based import TurnBasedVectorEnv
 from ppo_fabric.learn.learners import policy_specs
@@ -143,6 +144,18 @@ def test_only_legal_moves_and_masks_off_fails(tmp_path: Path, capsys: pytest.Cap
         ppo_fabric.run([*base, "logger=none", "algo.action_mask=off", f"hydra.run.dir={tmp_path / 'off'}"])
 
 
+def test_an_opening_too_long_for_the_game_is_one_line_not_a_hang() -> None:
+    """No tictactoe game outlasts 9 moves, so openings of up to 10**6 random moves are all but always
+    discarded and drawn again: after `OPENING_TRIES` in a row the env refuses the length (it redrew for
+    ever)."""
+    cfg, _ = compose([*TICTACTOE, "env.num_envs=1"])
+    envs = TurnBasedVectorEnv(
+        [partial(make_parallel_env, cfg.env)], {"shared": ["player_1", "player_2"]}, True, opening_moves=10**6
+    )
+    with pytest.raises(EnvError, match=r"selfplay.opening_moves=1000000: 1000 random openings in a row"):
+        envs.reset(seed=[0])
+
+
 def _marks(env: Any) -> int:
     """Pieces on a tictactoe board: both players' planes of the observation."""
     return int(env.observe(env.agent_selection)["observation"].sum())
@@ -225,6 +238,8 @@ def test_tictactoe_selfplay_two_processes(tmp_path: Path, strategy: str) -> None
         (["selfplay.enabled=true", "selfplay.latest_prob=2"], "selfplay.latest_prob=2"),
         (["selfplay.enabled=true", "selfplay.random_prob=-0.1"], "selfplay.random_prob=-0.1"),
         (["selfplay.enabled=true", "selfplay.scripted_prob=1.5"], "selfplay.scripted_prob=1.5"),
+        (["selfplay.enabled=true", "selfplay.pfsp_power=inf"], "selfplay.pfsp_power=inf must be a finite"),
+        (["selfplay.enabled=true", "selfplay.pfsp_power=nan"], "selfplay.pfsp_power=nan must be a finite"),
         (["selfplay.enabled=true", "selfplay.random_prob=0.6", "selfplay.scripted_prob=0.6"], "at most 1"),
         (["selfplay.enabled=true", "selfplay.scripted_prob=0.2"], "plays connect_four_v3 only"),
         (
@@ -247,6 +262,21 @@ def test_turn_based_config_errors(
     capsys: pytest.CaptureFixture[str], override: list[str], fragment: str
 ) -> None:
     assert_cli_failure(capsys, cli.main, [*TICTACTOE, *override], fragment)
+
+
+def test_scripted_players_refuse_a_board_they_cannot_read(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The scripted players read Connect Four's [6, 7, 2] board: an env whose id names a game they know but
+    whose board is another (here tictactoe, let through by its id) is refused before the run, not at its
+    first scripted move inside the rollout."""
+    from ppo_fabric.games import scripted
+
+    monkeypatch.setattr(scripted, "GAMES", ("tictactoe",))
+    assert_cli_failure(
+        capsys, cli.main, [*TICTACTOE, "selfplay.enabled=true", "selfplay.scripted_prob=0.2"],
+        "plays Connect Four's [6, 7, 2] board and 7 moves; env.id=pettingzoo.classic.tictactoe_v3 has [3, 3, 2] and 9",
+    )  # fmt: skip
 
 
 def test_selfplay_needs_a_turn_based_game(capsys: pytest.CaptureFixture[str]) -> None:

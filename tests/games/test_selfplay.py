@@ -66,6 +66,9 @@ def test_pfsp_weights_favour_opponents_the_learner_loses_to() -> None:
     weights = pfsp_weights(np.array([0.25, 0.5, 0.75]), 2.0)
     np.testing.assert_allclose(weights, [0.5625 / 0.875, 0.25 / 0.875, 0.0625 / 0.875])
     np.testing.assert_allclose(pfsp_weights(np.array([0.25, 0.75]), 0.0), [0.5, 0.5])  # power 0: uniform
+    # a large power: every (1 - score)^power underflows to 0 in floats; the weights still sum to 1
+    huge = pfsp_weights(np.array([0.5, 0.5, 0.75]), 1100.0)
+    np.testing.assert_allclose(huge, [0.5, 0.5, 0.0], atol=1e-12)
 
 
 def test_uniform_and_latest_sampling() -> None:
@@ -410,12 +413,26 @@ def test_selfplay_metrics_in_the_csv(tmp_path: Path) -> None:
     """Win/draw/loss rates every update; an Elo rating once the first snapshot after the start (update 2)
     joined, rating it without touching the training's random stream (the same weights as a run without)."""
     run = [*TICTACTOE, "algo.total_steps=512", "logger.tensorboard=false", "logger.log_every=1"]
-    ppo_fabric.run([*run, f"hydra.run.dir={tmp_path / 'elo'}"])
+    ppo_fabric.run([*run, "checkpoint.every=2", "checkpoint.keep=0", f"hydra.run.dir={tmp_path / 'elo'}"])
     rows = read_rows(tmp_path / "elo" / "metrics.csv")
     assert len(rows) == 4 and all(float(r["selfplay/games"]) > 0 for r in rows)
     rates = [float(rows[-1][f"selfplay/{k}_rate"]) for k in ("win", "draw", "loss")]
     assert abs(sum(rates) - 1) < 1e-6
     assert rows[0]["selfplay/elo"] == "" and np.isfinite(float(rows[-1]["selfplay/elo"]))
+    # resumed at update 2 (its snapshot rated): the rating curve goes on from the first update, and the next
+    # snapshot's rating games are seeded where the run left off (the rater's count)
+    middle = ckpt.load(tmp_path / "elo" / "checkpoints" / "last.ckpt")["ranks"][0]["selfplay"]["elo"]
+    assert middle["calls"] == 2 and set(middle["ratings"]) <= {1, 2}  # snapshots 1 (update 2), 2 (update 4)
+    mid = next((tmp_path / "elo" / "checkpoints").glob("step_*256_*.ckpt"))
+    saved = ckpt.load(mid)["ranks"][0]["selfplay"]["elo"]
+    assert saved["calls"] == 1 and list(saved["ratings"]) == [1]
+    ppo_fabric.run([*run, f"resume={mid}", f"hydra.run.dir={tmp_path / 'resumed'}"])
+    resumed = read_rows(tmp_path / "resumed" / "metrics.csv")
+    assert float(resumed[0]["selfplay/elo"]) == pytest.approx(saved["latest"])
+    assert (
+        ckpt.load(tmp_path / "resumed" / "checkpoints" / "last.ckpt")["ranks"][0]["selfplay"]["elo"]["calls"]
+        == 2
+    )
     ppo_fabric.run([*run, "selfplay.elo=false", f"hydra.run.dir={tmp_path / 'plain'}"])
     rated = ckpt.load(tmp_path / "elo" / "checkpoints" / "last.ckpt")["agent"]["shared"]
     plain = ckpt.load(tmp_path / "plain" / "checkpoints" / "last.ckpt")["agent"]["shared"]
