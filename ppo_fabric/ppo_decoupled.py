@@ -293,7 +293,7 @@ class Player:
         parts are kept for `write_checkpoint`: at the run's end and at a stop the trainers are released
         (the gathers done) before the first player waits for its evaluations."""
         rank_state = snapshot if snapshot is not None else collector_state(self.collector)
-        self.unwritten = (update, self.topo.gather({"rank_state": rank_state}))
+        self.unwritten = (update, self.topo.gather({"rank_state": rank_state}, "checkpoint"))
         if write:
             self.write_checkpoint()
 
@@ -370,7 +370,7 @@ class Player:
         self.link.send_stop(state.received, signum)
         if self.checkpointed() < state.received:
             self.checkpoint(state.received, snapshot, write=False)
-        parts = self.topo.gather(self.end_part())  # the trainers' last collective: they may leave
+        parts = self.topo.gather(self.end_part(), "end")  # the trainers' last collective: they may leave
         # the evaluation in flight is waited for, so that the checkpoint and the summary keep it
         finish_in_background(self.evaluation, self.session, state.received, {}, self.collector, final=False)
         self.write_checkpoint()
@@ -389,7 +389,7 @@ class Player:
     def finish(self) -> dict[str, Any]:
         """Gather every rank's end-of-run part (the trainers' last collective), then wait for the final
         evaluation and write the last checkpoint with it; the first player writes the summary."""
-        parts = self.topo.gather(self.end_part())
+        parts = self.topo.gather(self.end_part(), "end")
         state = self.state
         finish_in_background(
             self.evaluation, self.session, state.received, self.policies, self.collector, True
@@ -510,7 +510,7 @@ class Trainer:
         part: dict[str, Any] = {"rank_state": {"rng": ckpt.rng_state()}}
         if self.link.publishes:
             part["learner"] = learners_state(self.cfg, self.learners)
-        parts = self.topo.gather(part)
+        parts = self.topo.gather(part, "checkpoint")
         self.session.write_checkpoint({}, [p["rank_state"] for p in parts], self.update)
 
     def finish(self, signum: int) -> dict[str, Any]:
@@ -519,7 +519,9 @@ class Trainer:
         if signum and session.last_checkpoint < self.update:
             self.checkpoint()
         digest = parameters_digest(*policies_of(self.learners).values())
-        self.topo.gather({"digest": digest, "time": session.watch.totals, "device": str(self.fabric.device)})
+        self.topo.gather(
+            {"digest": digest, "time": session.watch.totals, "device": str(self.fabric.device)}, "end"
+        )
         if signum:
             session.stop(signum, self.update)
         session.logger.close()

@@ -70,6 +70,7 @@ class RunProcess:
     proc: subprocess.Popen[bytes]
     started: float = field(default_factory=time.monotonic)
     log: IO[bytes] | None = None
+    stop_signal: int | None = None  # the first stop signal sent, if any
 
     @classmethod
     def start(
@@ -106,7 +107,23 @@ class RunProcess:
 
     def stop(self, signum: int = signal.SIGTERM) -> None:
         """Ask the job to stop at its next update boundary (its supervisor forwards the signal to every
-        rank; they write last.ckpt and summary.json); a second signal kills it."""
+        rank; they write last.ckpt and summary.json); a second call kills it (`kill`)."""
+        if self.stop_signal is not None:
+            self.kill()
+            return
+        self.stop_signal = signum
+        self._send(signum)
+
+    def kill(self) -> None:
+        """End the job at once, through its supervisor (which kills the job's own process group and says
+        so): the other stop signal than the first. The same signal again within a second or two the
+        supervisor takes for one request delivered twice, so a repeated Ctrl+C would not kill."""
+        if self.stop_signal is None:
+            self.stop_signal = signal.SIGTERM
+            self._send(signal.SIGTERM)
+        self._send(signal.SIGINT if self.stop_signal == signal.SIGTERM else signal.SIGTERM)
+
+    def _send(self, signum: int) -> None:
         with contextlib.suppress(ProcessLookupError):
             self.proc.send_signal(signum)
 

@@ -260,6 +260,11 @@ def _check_accelerator(cfg: DictConfig, world: int) -> str:
     accelerator = requested(cfg, "accelerator")
     available = torch.cuda.device_count() if torch.cuda.is_available() else 0
     if cfg.strategy == "decoupled":
+        if accelerator == "mps":  # its trainers take CUDA or the CPU: mps would train on the CPU unsaid
+            raise ConfigError(
+                "fabric.accelerator=mps: the decoupled strategy's trainers run on CUDA or the CPU; use "
+                "strategy=coupled for MPS, or fabric=cpu"
+            )
         kind = trainer_kind(str(cfg.algo.trainer_device), accelerator, available > 0)
         if kind == "cuda":
             _check_trainer_gpus(cfg, world, available)

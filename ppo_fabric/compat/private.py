@@ -69,6 +69,13 @@ def fabric_optimizer_callbacks(optimizer: Any) -> Any:
     return getattr(optimizer, "_callbacks", None)
 
 
+def copy_state_dict_metadata(source: Any, target: Any) -> None:
+    """torch's state dicts carry `_metadata` (each module's version, which `load_state_dict` reads to
+    upgrade old layouts): a copy of a state dict keeps it (tests/app/test_placement.py)."""
+    if hasattr(source, "_metadata"):
+        target._metadata = source._metadata
+
+
 def set_fabric_precision(fabric: Any, plugin: Any) -> None:
     """Give Fabric a precision plugin after launch: Fabric keeps its own reference (`_precision`) for
     `setup()` and `autocast()`, besides the strategy's, and a decoupled trainer takes its GPU (and its

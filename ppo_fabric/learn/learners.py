@@ -13,6 +13,7 @@ import gymnasium as gym
 import torch
 from omegaconf import DictConfig, OmegaConf
 
+from ppo_fabric.compat.private import copy_state_dict_metadata
 from ppo_fabric.config.values import sequence_length
 from ppo_fabric.envs.make import ACTION_MASK, EnvError, probe_env
 from ppo_fabric.envs.multiagent import (
@@ -180,8 +181,7 @@ def on_cpu(tree: Any) -> Any:
         return tree.cpu()
     if isinstance(tree, dict):
         out = type(tree)((key, on_cpu(value)) for key, value in tree.items())
-        if hasattr(tree, "_metadata"):
-            out._metadata = tree._metadata  # type: ignore[attr-defined]
+        copy_state_dict_metadata(tree, out)
         return out
     if isinstance(tree, (list, tuple)):
         return type(tree)(on_cpu(v) for v in tree)

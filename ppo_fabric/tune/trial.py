@@ -11,10 +11,8 @@ and exit 143); a second interrupt kills their process groups.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import math
-import os
 import signal
 import threading
 import time
@@ -160,8 +158,7 @@ class TrialRun:
             if code is not None:
                 continue
             if self.flags.kill.is_set():
-                with contextlib.suppress(ProcessLookupError, PermissionError):
-                    os.killpg(proc.proc.pid, signal.SIGKILL)
+                proc.kill()  # through its supervisor: the job runs in a session of its own
             elif i not in stopped:
                 proc.stop(signal.SIGTERM)
                 stopped.add(i)

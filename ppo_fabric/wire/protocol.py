@@ -167,11 +167,16 @@ class Topology:
     def first_trainer(self) -> int:
         return self.trainers[0]
 
-    def gather(self, obj: Any) -> list[Any]:
-        """CHECKPOINT and end-of-run summaries: every rank's object, in rank order (pickled, rare)."""
-        out = all_gather_objects((int(Kind.CHECKPOINT), obj), group=self.everyone)
-        if any(kind != Kind.CHECKPOINT for kind, _ in out):
-            raise ProtocolError("a rank sent something other than CHECKPOINT state")
+    def gather(self, obj: Any, purpose: str) -> list[Any]:
+        """CHECKPOINT state (`purpose` "checkpoint") and end-of-run parts ("end"): every rank's object, in
+        rank order (pickled, rare). Every rank names what it gathers for, so a rank checkpointing while
+        another ends is a ProtocolError naming both, not a KeyError in whoever reads the parts."""
+        out = all_gather_objects((purpose, obj), group=self.everyone)
+        purposes = [tag for tag, _ in out]
+        if any(tag != purpose for tag in purposes):
+            raise ProtocolError(
+                f"rank {self.rank} gathered for {purpose!r} while the ranks gathered for {purposes} (rank order)"
+            )
         return [payload for _, payload in out]
 
 
@@ -338,7 +343,8 @@ class PlayerLink:
 
     def sum_over_players(self, values: torch.Tensor) -> torch.Tensor:
         """Episode statistics of every player (in place)."""
-        dist.all_reduce(values, group=self.topo.player_group)
+        with PROGRESS.waiting_for("the other players (episode statistics)"):
+            dist.all_reduce(values, group=self.topo.player_group)
         return values
 
     def _scatter(self, codec: BatchCodec, shards: list[torch.Tensor], asynchronous: bool) -> _InFlight | None:
@@ -418,5 +424,6 @@ class TrainerLink:
         if len(self.topo.trainers) == 1:
             return values
         out = values.clone()
-        dist.all_reduce(out, op=dist.ReduceOp.SUM, group=self.topo.trainer_group)
+        with PROGRESS.waiting_for("the other trainers (mean)"):
+            dist.all_reduce(out, op=dist.ReduceOp.SUM, group=self.topo.trainer_group)
         return out / len(self.topo.trainers)

@@ -314,3 +314,22 @@ def test_a_header_says_one_thing_per_field_and_survives_the_wire(header: Header)
     codec = BatchCodec(_template(4), 1)
     message = codec.empty(header)[0] if header.kind == Kind.STOP else codec.pack(_template(4), header)[0]
     assert codec.unpack(message, torch.device("cpu"))[0] == header
+
+
+def test_a_rank_gathering_for_another_purpose_is_a_protocol_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Checkpoints and the run's end are both gathers over every rank: a trainer checkpointing while a
+    player ends would pair the two and fail later in whoever reads the parts (a KeyError naming neither).
+    Each rank says what it gathers for, and a mismatch names both."""
+    from ppo_fabric.wire import protocol
+
+    topo = Topology(2, [0, 1], [2], datetime.timedelta(seconds=5))
+    answers = {"agree": [("end", {"a": 0}), ("end", {"a": 1}), ("end", {"a": 2})],
+               "differ": [("end", {}), ("end", {}), ("checkpoint", {"rank_state": {}})]}  # fmt: skip
+    for case, out in answers.items():
+        monkeypatch.setattr(protocol, "all_gather_objects", lambda obj, group=None, out=out: out)
+        if case == "agree":
+            assert topo.gather({"a": 2}, "end") == [{"a": 0}, {"a": 1}, {"a": 2}]
+        else:
+            with pytest.raises(protocol.ProtocolError, match=r"rank 2 gathered for 'end' while the ranks "
+                               r"gathered for \['end', 'end', 'checkpoint'\]"):  # fmt: skip
+                topo.gather({}, "end")

@@ -241,6 +241,36 @@ def test_the_same_stop_signal_twice_is_one_request(
     assert "a second stop signal: killed the job at once" in capfd.readouterr().err
 
 
+def test_a_sweep_or_tuner_stopping_a_job_twice_kills_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A sweep forwards each Ctrl+C to its jobs (`RunProcess.stop`) and the tuner kills a trial on a second
+    interrupt (`RunProcess.kill`): their signals go to a supervisor that takes the same signal twice within
+    seconds for one request, so the second must be another signal, or a double Ctrl+C would not kill."""
+    from ppo_fabric.app import supervisor
+    from ppo_fabric.app.jobs import RunProcess
+
+    monkeypatch.setattr(supervisor.signal, "signal", lambda *_args: None)
+    monkeypatch.setattr(supervisor, "prctl", lambda *_args: None)
+    for first, action in ((signal.SIGINT, "stop"), (signal.SIGTERM, "stop"), (None, "kill")):
+        job = supervisor.Job(tmp_path, 10.0)
+        sent: list[int] = []
+        monkeypatch.setattr(job, "_kill_group", sent.append)
+        job.proc = object()  # type: ignore[assignment]  # stands for the running job
+
+        class Supervisor:  # the supervisor's process, as RunProcess signals it
+            @staticmethod
+            def send_signal(signum: int, job: supervisor.Job = job) -> None:
+                job._on_signal(signum, None)  # noqa: SLF001
+
+        run = RunProcess([], tmp_path, Supervisor())  # type: ignore[arg-type]
+        if first is not None:
+            run.stop(first)
+            assert sent == [first]
+        getattr(run, action)()
+        assert sent[-1] == signal.SIGKILL, (first, action, sent)
+
+
 def test_a_job_that_cannot_stop_is_killed_with_a_line(tmp_path: Path) -> None:
     """A signalled job whose rank cannot reach its stop (an env stuck in `step`, the watchdog off) is killed
     `collectives.timeout + stall_timeout` + 5 s after the signal, and the supervisor says so."""

@@ -4,7 +4,9 @@ naming it."""
 
 from __future__ import annotations
 
+import contextlib
 import inspect
+from collections.abc import Iterator
 
 import pytest
 import torch
@@ -101,16 +103,34 @@ def test_fabric_inner_module_is_the_model(fabric: Fabric) -> None:
 
 
 def test_fabric_optimizer_callbacks_are_where_we_read_them(fabric: Fabric) -> None:
+    """Without callbacks the direct step may run; with one that hooks the step, the wrapper's callbacks
+    must be found where we read them, or the direct step would skip the user's callback unsaid."""
     optimizer = fabric.setup_optimizers(torch.optim.Adam(nn.Linear(3, 2).parameters()))
-    assert hasattr(optimizer, "_callbacks"), "Lightning moved the optimizer wrapper's callbacks"
     assert not private.fabric_optimizer_callbacks(optimizer)
+
+    class Hook:
+        def on_before_optimizer_step(self, *_args: object, **_kwargs: object) -> None:
+            pass
+
+    hooked = Fabric(accelerator="cpu", devices=1, callbacks=[Hook()])
+    optimizer = hooked.setup_optimizers(torch.optim.Adam(nn.Linear(3, 2).parameters()))
+    assert private.fabric_optimizer_callbacks(optimizer), "Lightning moved the optimizer wrapper's callbacks"
 
 
 def test_fabric_precision_reference_is_replaced(fabric: Fabric) -> None:
-    assert hasattr(fabric, "_precision"), "Lightning renamed Fabric's precision reference"
-    plugin = Precision()
-    private.set_fabric_precision(fabric, plugin)
-    assert fabric._precision is plugin
+    """The plugin set after launch is the one Fabric's own `autocast()` enters."""
+    entered: list[str] = []
+
+    class Recording(Precision):
+        @contextlib.contextmanager
+        def forward_context(self) -> Iterator[None]:
+            entered.append("forward")
+            yield
+
+    private.set_fabric_precision(fabric, Recording())
+    with fabric.autocast():
+        pass
+    assert entered == ["forward"], "Lightning no longer reads the precision reference we replace"
 
 
 def test_hydra_command_line_entry_points() -> None:

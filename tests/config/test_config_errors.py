@@ -291,6 +291,10 @@ REGRESSIONS: list[Any] = [
     _case(["env.observation_noise=abc"], "env.observation_noise='abc' must be a finite number"),
     _case(["seed=5000000000"], "seed=5000000000 is out of range; it must be in [0, 4294967295]"),
     _case(["fabric.accelerator=mps"], "no MPS device", cuda_free=True),
+    _case(
+        ["strategy=decoupled", "fabric.devices=2", "fabric.accelerator=mps"],
+        "trainers run on CUDA or the CPU",
+    ),
     # checked in the job (exp=tictactoe), or ignored (CartPole)
     _case(["exp=tictactoe", "eval.opponents=[foo]", "algo.total_steps=1024"], "opponent=foo is unknown"),
     _case(["eval.opponents=[random]"], "eval.opponents is set but env.id=CartPole-v1 is a single-agent env"),
