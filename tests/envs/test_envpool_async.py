@@ -293,7 +293,14 @@ def test_coupled_async_run_honours_the_budget_and_learns(tmp_path: Path) -> None
     156 / 156 / 207 (seed 3 three times alike), the sync pool (256 env steps per update) 162 / 147 at seeds
     3, 4 on the same budget; random play ~22."""
     summary = ppo_fabric.run(
-        [*ASYNC, "algo.total_steps=10000", "logger=none", "seed=3", f"hydra.run.dir={tmp_path}"]
+        [
+            *ASYNC,
+            "algo.total_steps=10000",
+            "eval.every=0",
+            "logger=none",
+            "seed=3",
+            f"hydra.run.dir={tmp_path}",
+        ]
     )
     assert summary["total_env_steps"] == 79 * 128 and summary["updates"] == 79
     assert summary["final_mean_return"] > 100, summary["final_mean_return"]
@@ -305,7 +312,7 @@ def test_decoupled_async_run_learns(tmp_path: Path) -> None:
     player's `mask`, and the run learns (150 / 248 at seeds 3 / 4 when measured; random play ~22)."""
     done = subprocess.run(
         [sys.executable, "-m", "ppo_fabric", "strategy=decoupled", "fabric.devices=2", *ASYNC,
-         "algo.total_steps=10000", "logger=none", "seed=3", f"hydra.run.dir={tmp_path}"],
+         "algo.total_steps=10000", "eval.every=0", "logger=none", "seed=3", f"hydra.run.dir={tmp_path}"],
         cwd=tmp_path, env=job_env(supervisor=False), capture_output=True, text=True, timeout=240,
     )  # fmt: skip
     assert done.returncode == 0, done.stderr[-2000:]
