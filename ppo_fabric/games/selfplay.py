@@ -538,5 +538,11 @@ class SelfPlay:
             if "greedy" in state:
                 self.greedy = np.asarray(state["greedy"], dtype=bool).copy()
             self.retired = {int(r["id"]): dict(r["weights"]) for r in state.get("retired", [])}
+            # a smaller pool (resume_overrides=allow) drops its oldest snapshots: a game in progress against
+            # one finishes against it, as when a snapshot leaves the pool during a run
+            playing, kept = set(self.opponent.tolist()), {snap.id for snap in self.pool.snapshots}
+            for snap in state["pool"]["snapshots"]:
+                if int(snap["id"]) in playing - kept:
+                    self.retired.setdefault(int(snap["id"]), dict(snap["weights"]))
         # a copy whose opponent is gone (another league, other copies) draws its next in `start`, after the
         # random state is restored

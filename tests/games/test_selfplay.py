@@ -372,6 +372,14 @@ def test_a_snapshot_that_leaves_the_pool_finishes_its_games_and_resumes_with_the
     sp.episodes_ended(np.ones(8, dtype=bool), np.zeros(8))  # every game ends: the next come from the pool
     assert set(sp.opponent.tolist()) <= {1, 2} and sp.retired == {}
     assert sp.pool.get(0) is None and 0 not in sp.nets
+    # resumed with a smaller pool (resume_overrides=allow): snapshot 1 leaves it, and the games against it
+    # finish against it rather than against a snapshot drawn mid-game
+    torch.save(sp.state(), tmp_path / "selfplay.pt")
+    smaller = _selfplay([*TICTACTOE, "selfplay.pool_size=1", "selfplay.snapshot_every=1"])
+    smaller.load_state(torch.load(tmp_path / "selfplay.pt", weights_only=True), exact=True)
+    smaller.start(learner, 2)
+    assert [s.id for s in smaller.pool.snapshots] == [2] and smaller.opponent.tolist() == sp.opponent.tolist()
+    assert 1 in sp.opponent.tolist() and set(smaller.retired) == {1}
 
 
 # ----------------------------------------------------------------------------------------------- runs

@@ -110,6 +110,17 @@ def _state(value: float) -> dict:
     return {"agent": {"w": torch.full((2, 2), value)}, "optimizer": {}}
 
 
+def _only_the_good_save(good: Path) -> bool:
+    """The folder holds the good save, `last.ckpt`, and its numbered copy (the default 10-minute clock
+    numbers every save), and nothing else: no temp file, no later copy, no best.ckpt."""
+    names = sorted(p.name for p in good.parent.iterdir())
+    numbered = [n for n in names if n.startswith("step_000000000128_")]
+    if len(names) != 2 or names[0] != "last.ckpt" or len(numbered) != 1:
+        return False
+    copy, last = (torch.load(good.parent / name, weights_only=True) for name in (numbered[0], "last.ckpt"))
+    return bool(torch.equal(copy["agent"]["w"], last["agent"]["w"]))
+
+
 def test_a_nonfinite_checkpoint_is_never_written(tmp_path: Path) -> None:
     session = _session(tmp_path)
     good = session.write_checkpoint(_state(1.0), [{}], 1)
@@ -117,7 +128,7 @@ def test_a_nonfinite_checkpoint_is_never_written(tmp_path: Path) -> None:
     with pytest.raises(CheckpointFault, match=r"at env step 256 was not written: agent.w holds NaN; "):
         session.write_checkpoint(_state(math.nan), [{}], 2)
     assert good.read_bytes() == before
-    assert sorted(p.name for p in good.parent.iterdir()) == ["last.ckpt"]  # no temp file, no best.ckpt
+    assert _only_the_good_save(good)  # no temp file, no best.ckpt
     session.logger.close()
 
 
@@ -141,7 +152,7 @@ def test_a_failed_write_keeps_the_previous_checkpoint(
         f"the last good checkpoint is {good}"
     )
     assert good.read_bytes() == before
-    assert sorted(p.name for p in good.parent.iterdir()) == ["last.ckpt"]
+    assert _only_the_good_save(good)
     session.logger.close()
 
 
