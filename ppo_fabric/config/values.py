@@ -254,8 +254,11 @@ _CHOICES = {
     "algo.trainer_device": ("auto", "cpu", "cuda"),
     "algo.action_mask": ("auto", "off"),
     "fabric.strategy": ("auto", "ddp"),
-    "fabric.precision": ("32-true", "32", "bf16-mixed", "16-mixed", "bf16-true", "16-true", "64-true", "64"),
+    "fabric.precision": ("32-true", "32", "bf16-mixed", "16-mixed"),
 }
+# Whole-model precisions Fabric offers that the policies cannot run: their encoders, recurrent states and
+# rollout storage are float32, so the first forward failed on a dtype mismatch.
+_WHOLE_MODEL_PRECISIONS = ("bf16-true", "16-true", "64-true", "64", "transformer-engine")
 COMPILE_MODES = (False, True, "graph")  # eager, torch.compile, the whole step in one CUDA graph
 _BOOLS = (
     "algo.anneal_lr",
@@ -395,6 +398,12 @@ def check_values(cfg: DictConfig) -> None:
     """Each key on its own: numbers in range, one of the choices, booleans, layer widths."""
     for rule in _RULES:
         _check_number(cfg, rule)
+    precision = OmegaConf.select(cfg, "fabric.precision")
+    if precision in _WHOLE_MODEL_PRECISIONS:
+        raise ConfigError(
+            f"fabric.precision={precision} (every parameter in that type) is not supported: the policies "
+            "compute in float32; bf16-mixed or 16-mixed runs the forward in half precision"
+        )
     for key, choices in _CHOICES.items():
         value = OmegaConf.select(cfg, key)
         if value not in choices:

@@ -690,7 +690,9 @@ class ActorCritic(nn.Module):
         if action_mask is None:
             action, logprob = self.head.sample(self.actor_body.forward(actor), deterministic)
         else:
-            action, logprob = self.head.sample(self.actor_body.forward(actor), deterministic, action_mask)
+            action, logprob = self.head.sample(
+                self.actor_body.forward(actor), deterministic, mask=action_mask
+            )
         return action, logprob, self._value(critic), state
 
     def sample(
@@ -710,7 +712,7 @@ class ActorCritic(nn.Module):
             action, logprob = self.head.sample(self.actor_body.forward(actor), deterministic, noise=noise)
         else:
             action, logprob = self.head.sample(
-                self.actor_body.forward(actor), deterministic, action_mask, noise=noise
+                self.actor_body.forward(actor), deterministic, mask=action_mask, noise=noise
             )
         return action, logprob, state
 

@@ -199,9 +199,14 @@ class Policy:
                 f"Policy.predict: action_mask of shape {tuple(np.shape(action_mask))} does not fit {n} "
                 f"observation(s) of this policy's {width} actions: give {one}"
             )
-        if not bool(mask.any(1).all()):
-            row = int((~mask.any(1)).nonzero()[0])
-            raise ValueError(f"Policy.predict: action_mask row {row} allows no action")
+        starts = [0]  # each action dimension's first column: every dimension needs a legal sub-action
+        if isinstance(self.action_space, gym.spaces.MultiDiscrete):
+            starts = np.concatenate([[0], np.cumsum(self.action_space.nvec.ravel())[:-1]]).tolist()
+        legal = np.logical_or.reduceat(mask.numpy(), starts, axis=1)  # [n, dimensions]
+        if not legal.all():
+            row, dim = (int(i[0]) for i in np.nonzero(~legal))
+            which = f" in action dimension {dim}" if len(starts) > 1 else ""
+            raise ValueError(f"Policy.predict: action_mask row {row} allows no action{which}")
         return mask
 
     def _batch(self, observation: Any) -> tuple[torch.Tensor | TensorDict, bool]:

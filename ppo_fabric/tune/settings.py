@@ -139,8 +139,13 @@ def check(cfg: TuneConfig) -> None:
 
 def intermediate_values(cfg: TuneConfig) -> bool:
     """Whether the training return reported per update tracks the objective (so pruning can use it):
-    the mean return (`return`, `eval`, a return metric), never a speed or a count."""
-    return cfg.objective in OBJECTIVES or cfg.objective.endswith("_mean_return")
+    the mean return (`return`, `eval`, a return metric, an evaluation's `return_mean`), never a speed, a
+    count, an episode length or a game's score."""
+    return (
+        cfg.objective in OBJECTIVES
+        or cfg.objective.endswith("_mean_return")
+        or re.fullmatch(r"evaluation\.(last|best)\.return_mean", cfg.objective) is not None
+    )
 
 
 def identity(cfg: TuneConfig, fixed: list[str], search: list[str]) -> dict[str, Any]:

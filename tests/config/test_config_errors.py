@@ -292,6 +292,11 @@ REGRESSIONS: list[Any] = [
     _case(["seed=5000000000"], "seed=5000000000 is out of range; it must be in [0, 4294967295]"),
     _case(["fabric.accelerator=mps"], "no MPS device", cuda_free=True),
     _case(
+        ["fabric.precision=bf16-true"],
+        "fabric.precision=bf16-true (every parameter in that type) is not supported",
+    ),
+    _case(["fabric.precision=64-true"], "fabric.precision=64-true (every parameter"),
+    _case(
         ["strategy=decoupled", "fabric.devices=2", "fabric.accelerator=mps"],
         "trainers run on CUDA or the CPU",
     ),

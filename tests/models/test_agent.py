@@ -364,3 +364,14 @@ def test_model_grid_mirror_gives_the_mirrored_board_exactly_the_mirrored_policy(
     cfg.grid.mirror = "yes"
     with pytest.raises(ValueError, match="model.grid.mirror=yes must be true or false"):
         ActorCritic(board, gym.spaces.Discrete(7), cfg)
+
+
+def test_a_mask_given_to_a_box_policy_is_refused_not_used_as_noise() -> None:
+    """The mask goes to the head by name: a Gaussian head has no mask, and its third positional parameter
+    is the sampling noise, which a mask of 100s turned into actions of about 100."""
+    model = ActorCritic(OBS, gym.spaces.Box(-1.0, 1.0, (2,), np.float32), model_cfg())
+    mask = torch.ones(4, 2, dtype=torch.bool)
+    with pytest.raises(TypeError, match="mask"):
+        model.act_with_state(torch.zeros(4, *OBS.shape), None, False, mask)
+    with pytest.raises(TypeError, match="mask"):
+        model.sample(torch.zeros(4, *OBS.shape), None, False, mask)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import warnings
 from pathlib import Path
+from types import SimpleNamespace
 
 import gymnasium as gym
 import numpy as np
@@ -269,3 +270,16 @@ def test_a_dict_observation_is_checked_key_by_key() -> None:
         policy.predict({**batch, "goal": one["goal"]})
     with pytest.raises(ValueError, match="differ in size"):
         policy.predict({**batch, "goal": np.zeros((5, 3), np.float32)})
+
+
+def test_a_multidiscrete_mask_needs_a_legal_choice_in_every_dimension() -> None:
+    """A mask that allows actions in one dimension but none in another would have the policy draw an
+    illegal sub-action (its log-probability -log n, its entropy 0): refused per dimension, as training's
+    check does, not only per row."""
+    from ppo_fabric.policy.trained import Policy
+
+    stub = SimpleNamespace(action_space=gym.spaces.MultiDiscrete([3, 3]), mask_width=6)
+    ok = np.array([True, False, False, False, True, False])
+    assert Policy._mask(stub, ok, 1, True).shape == (1, 6)  # noqa: SLF001
+    with pytest.raises(ValueError, match="action_mask row 1 allows no action in action dimension 1"):
+        Policy._mask(stub, np.stack([ok, [True, True, True, False, False, False]]), 2, False)  # noqa: SLF001

@@ -400,3 +400,20 @@ def test_failed_trials_are_recorded_and_the_study_goes_on(
     assert json.loads((tmp_path / "best.json").read_text())["trial"] == 2
     out = capsys.readouterr().out
     assert "no trial has completed yet" in out and "best trial 2: return 0.5" in out
+
+
+def test_return_objectives_are_pruned_and_others_are_not() -> None:
+    """The training return is reported for every objective it tracks, the evaluation's return included
+    (`evaluation.last.return_mean` ran every trial to its end under the default median pruner)."""
+    from ppo_fabric.tune.settings import TuneConfig, intermediate_values
+
+    tracked = [
+        "return",
+        "eval",
+        "final_mean_return",
+        "evaluation.last.return_mean",
+        "evaluation.best.return_mean",
+    ]
+    others = ["sps", "evaluation.last.length_mean", "evaluation.last.score"]
+    assert [intermediate_values(TuneConfig(objective=o)) for o in tracked] == [True] * len(tracked)
+    assert [intermediate_values(TuneConfig(objective=o)) for o in others] == [False] * len(others)
