@@ -15,6 +15,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf, open_dict
 
 from ppo_fabric.config.faults import RunComplete
+from ppo_fabric.config.tuned import without_tuned_values
 from ppo_fabric.config.values import (
     SUPERVISED_ENV,
     ConfigError,
@@ -94,6 +95,8 @@ def continue_run(
     except ValueError as exc:
         raise ConfigError(str(exc)) from exc
     check_env_trusted(path, str(state["config"]["env"]["id"]), str(cfg.env.id))
+    if auto:  # the tuned values added in case it started afresh are not the user's overrides
+        overrides = without_tuned_values(overrides)
     merged, changes = continued_config(cfg, state["config"], overrides, compose_again)
     with open_dict(cfg):
         for key in list(cfg.keys()):

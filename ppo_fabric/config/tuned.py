@@ -85,6 +85,26 @@ def with_tuned_values(overrides: list[str]) -> list[str]:
     return [*options, *overrides, f"tuning={quoted(note)}"]
 
 
+def without_tuned_values(overrides: list[str]) -> list[str]:
+    """The command line as the user typed it, from `with_tuned_values`'s: the options and the `tuning=` note
+    it added taken out (unchanged when it added none). A `resume=auto` that finds a checkpoint continues
+    the run's own config, and the options added in case it started afresh are not the user's overrides:
+    taken for them, they reset every key of their files to its tuned value (`env=lunarlander` cut a
+    3M-step run back to its recipe's 1M)."""
+    parsed = _parsed(overrides)
+    if parsed is None or not overrides or not overrides[-1].startswith("tuning="):
+        return list(overrides)
+    ids = [str(o.value()) for o in parsed if o.key_or_group == "env.id" and not o.is_sweep_override()]
+    added = list(tuned_options(ids[-1]) or (GENERIC,)) if ids else []
+    candidates = [list(overrides[:-1])]  # the note alone (the user chose the option, or named no id)
+    if added and list(overrides[: len(added)]) == added:
+        candidates.insert(0, list(overrides[len(added) : -1]))
+    for candidate in candidates:  # what with_tuned_values made this command line from
+        if with_tuned_values(candidate) == list(overrides):
+            return candidate
+    return list(overrides)
+
+
 def quoted(text: str) -> str:
     """`text` as a Hydra override value: single-quoted, its quotes and backslashes escaped."""
     return "'" + text.replace("\\", "\\\\").replace("'", "\\'") + "'"

@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 from omegaconf import OmegaConf
 
-from ppo_fabric.config.tuned import table, tuned_options, with_tuned_values
+from ppo_fabric.config.tuned import table, tuned_options, with_tuned_values, without_tuned_values
 from ppo_fabric.config.values import ConfigError, compose, composer
 from ppo_fabric.learn.schedule import LrSchedule
 from ppo_fabric.runs.continuation import continued_config, named_keys
@@ -170,3 +170,24 @@ def test_every_option_the_table_names_exists() -> None:
         compose(list(options))
     assert tuned_options("ALE/Breakout-v5") == ("exp=atari",)
     assert tuned_options("my_pkg.envs:make_env") is None
+
+
+def test_a_resume_auto_that_finds_a_checkpoint_continues_the_runs_own_config() -> None:
+    """`resume=auto` may start a new run, so the env id's tuned option is added in front of the command
+    line; when it finds a checkpoint, that option is not the user's: it reset every key of its file, and
+    `env=lunarlander` cut a 3M-step run back to the recipe's 1M (the lr annealing to zero there)."""
+    saved = _saved(["env.id=LunarLander-v3", "algo.total_steps=3000000"])
+    settled = with_tuned_values(["env.id=LunarLander-v3", "resume=auto", "hydra.run.dir=R"])
+    assert settled[0] == "env=lunarlander"
+    typed = without_tuned_values(settled)
+    assert typed == ["env.id=LunarLander-v3", "resume=auto", "hydra.run.dir=R"]
+    cfg, _ = compose(settled)
+    merged, changes = continued_config(cfg, saved, typed, composer())
+    assert OmegaConf.select(merged, "algo.total_steps") == 3000000 and changes == {}
+    _, as_typed_before = continued_config(cfg, saved, settled, composer())  # the option taken as named
+    assert as_typed_before["algo.total_steps"] == (3000000, 1000000)
+    # the other shapes of with_tuned_values' output come back as typed
+    for line in (["env=gym", "env.id=Acrobot-v1"], ["env.id=Acrobot-v1", "seed=3"], ["seed=3"], []):
+        assert without_tuned_values(with_tuned_values([*line, "resume=auto"])) == [*line, "resume=auto"]
+    own = ["env=lunarlander", "env.id=LunarLander-v3", "tuning=mine"]  # the user's own note: theirs
+    assert without_tuned_values(own) == own

@@ -131,3 +131,14 @@ def test_an_env_factory_from_python(tmp_path: Path) -> None:
     assert state["ranks"][0]["envs"] is not None
     with pytest.raises(ConfigError, match="module-level function or class"):
         _run(tmp_path / "other", "algo.total_steps=512", env=lambda: None)
+
+
+def test_a_resume_auto_with_the_env_id_keeps_the_runs_own_values(tmp_path: Path) -> None:
+    """The same command requeued (`env.id=Acrobot-v1 resume=auto`, the budget raised) continues the run:
+    the generic option added in case it started afresh (`env=gym`) is not the user's override, and taken
+    for one it refused the resume (env.num_envs=4, was 2)."""
+    run_dir = tmp_path / "acrobot"
+    _run(run_dir, "env.id=Acrobot-v1", "env.num_envs=2", "algo.total_steps=512", "resume=auto")
+    summary = _run(run_dir, "env.id=Acrobot-v1", "algo.total_steps=1024", "resume=auto")
+    assert summary["total_env_steps"] == 1024 and summary["resumed_from"] is not None
+    assert ckpt.load(run_dir / "checkpoints" / "last.ckpt")["config"]["env"]["num_envs"] == 2
