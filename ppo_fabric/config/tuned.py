@@ -18,6 +18,9 @@ import yaml
 
 from ppo_fabric.config.values import config_dir
 
+# The env packages ppo-fabric builds envs from by name; an env.id naming another module runs that module's code
+# (`envs.make.foreign_module`). Their `module:id` ids are the id's own envs, tuned values included.
+KNOWN_ENV_PACKAGES = ("gymnasium", "pettingzoo", "mpe2", "ale_py", "minatar", "envpool", "shimmy")
 TABLE = "tuned.yaml"
 CHOOSERS = ("env", "exp")  # groups whose option decides an env's values
 GENERIC = "env=gym"
@@ -32,7 +35,14 @@ def table() -> tuple[tuple[str, tuple[str, ...]], ...]:
 
 
 def tuned_options(env_id: str) -> tuple[str, ...] | None:
-    """The options holding `env_id`'s tuned values, or None when the project has none for it."""
+    """The options holding `env_id`'s tuned values, or None when the project has none for it. A known env
+    package's `module:id` (`ale_py:ALE/Pong-v5`, which imports the package that registers the id) is its
+    id; another module's is its own env, whatever id follows the colon."""
+    module, sep, name = env_id.partition(":")
+    if sep and module.split(".")[0] in KNOWN_ENV_PACKAGES:
+        env_id = name
+    elif sep:
+        return None
     for pattern, options in table():
         if fnmatch.fnmatchcase(env_id, pattern):
             return options

@@ -15,6 +15,7 @@ from gymnasium.envs.registration import EnvSpec
 from gymnasium.vector import AsyncVectorEnv, AutoresetMode, SyncVectorEnv, VectorEnv
 from omegaconf import DictConfig, OmegaConf
 
+from ppo_fabric.config.tuned import KNOWN_ENV_PACKAGES
 from ppo_fabric.envs import atari, envpool_backend
 from ppo_fabric.envs.guard import ON_ERROR, FiniteCheck, error_line, restartable
 from ppo_fabric.envs.normalize import (
@@ -252,8 +253,6 @@ def extra_for(env_id: str) -> str | None:
     return next((extra for prefix, extra in _EXTRA_BY_PREFIX.items() if name.startswith(prefix)), None)
 
 
-# The env packages ppo-fabric builds envs from by name; an env.id naming another module runs that module's code.
-KNOWN_ENV_PACKAGES = ("gymnasium", "pettingzoo", "mpe2", "ale_py", "minatar", "envpool", "shimmy")
 # ppo-fabric's own env modules, by full name: the rest of the package holds callables that build whatever env
 # their arguments name (`ppo_fabric.policy.evaluate:main` with a checkpoint's `env.kwargs` would run another
 # checkpoint's env), so the package as a whole is not a known env package.

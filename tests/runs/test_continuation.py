@@ -191,3 +191,14 @@ def test_a_resume_auto_that_finds_a_checkpoint_continues_the_runs_own_config() -
         assert without_tuned_values(with_tuned_values([*line, "resume=auto"])) == [*line, "resume=auto"]
     own = ["env=lunarlander", "env.id=LunarLander-v3", "tuning=mine"]  # the user's own note: theirs
     assert without_tuned_values(own) == own
+
+
+def test_a_known_packages_module_id_gets_the_ids_tuned_values() -> None:
+    """`ale_py:ALE/Pong-v5` builds ALE's Pong (importing ale_py registers it) and gets its recipe, as
+    `ALE/Pong-v5` does (it got the generic defaults: raw frames, no skip or stack); another module's env
+    is its own, whatever id follows the colon (`*NoFrameskip-v4` matched a foreign one)."""
+    assert tuned_options("ale_py:ALE/Pong-v5") == tuned_options("ALE/Pong-v5") == ("exp=atari",)
+    assert tuned_options("minatar:MinAtar/Breakout-v1") == ("exp=minatar",)
+    assert tuned_options("gymnasium:CartPole-v1") == ("env=cartpole",)
+    assert tuned_options("my.mod:CartPole-v1") is None
+    assert tuned_options("mygames:PongNoFrameskip-v4") is None
