@@ -293,16 +293,22 @@ class RunLogger:
             earlier = not fresh or (run_dir / "tensorboard").is_dir()
             purge = {"purge_step": since + 1} if earlier else {}
             self.loggers.append(TensorBoardLogger(root_dir=run_dir, name="", version="tensorboard", **purge))
+        run_id, lineage = session if session is not None else (None, None)
         if cfg.logger.csv:
-            run_id, lineage = session if session is not None else (None, None)
             self.csv = CsvMetrics(run_dir / METRICS_CSV, since, run_id, lineage)
             self.evaluations = CsvMetrics(run_dir / EVALUATIONS_CSV, since, run_id, lineage)
+        else:  # not written to, but what is there is still this directory's record: the plot, the
+            # supervisor and the tuner read it, so another timeline's rows leave it as they would
+            for name in (METRICS_CSV, EVALUATIONS_CSV):
+                if (run_dir / name).is_file():
+                    CsvMetrics(run_dir / name, since, run_id, lineage)
         if is_terminal(self.stream):
             from tqdm import tqdm
 
-            self.bar = tqdm(
-                total=total_steps, unit="step", unit_scale=True, dynamic_ncols=True, file=self.stream
-            )
+            self.bar = tqdm(  # `initial`: a resumed run's rate and time left count this session's steps only
+                total=total_steps, initial=0 if fresh else resumed_at, unit="step", unit_scale=True,
+                dynamic_ncols=True, file=self.stream,
+            )  # fmt: skip
         elif self.progress_every > 0:
             self.next_line = self.clock() + self.progress_every
 

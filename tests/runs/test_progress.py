@@ -119,6 +119,19 @@ def test_a_terminal_gets_the_bar_and_no_lines(tmp_path: Path) -> None:
     assert "ppo-fabric:" not in out and "return=87.3" in out and "step" in out
 
 
+def test_a_resumed_runs_bar_counts_this_sessions_rate(tmp_path: Path) -> None:
+    """Resumed at 900k of 1M, 20k steps in 10 s: 2k steps/s and 40 s left. The bar started at 0 took the
+    checkpoint's steps for this session's (92k steps/s, nothing left)."""
+    stream = Terminal()
+    run = RunLogger(tmp_path, _cfg(), 1_000_000, enabled=True, stream=stream, resumed_at=900_000)
+    assert run.bar is not None
+    run.bar.start_t -= 10
+    run.progress(920_000, 2_000.0, 1.0)
+    line = stream.getvalue().replace("\r", "\n").splitlines()[-1]
+    assert "<00:40" in line or "<00:39" in line, line
+    run.close()
+
+
 def test_the_progress_line_before_any_episode_and_long_etas() -> None:
     assert (
         progress_line(0, 1_000_000, 0.0, None)
@@ -269,6 +282,21 @@ def test_a_resumed_csv_keeps_the_rows_through_its_checkpoint(tmp_path: Path) -> 
     CsvMetrics(path, resumed_at=300).log({"a": 1.0}, 400)
     assert [(r["step"], r["a"]) for r in read_rows(path)] == [("400", "1.0")]
     assert [r["step"] for r in read_rows(tmp_path / "metrics.dropped.csv")] == ["300"]  # kept aside
+
+
+def test_a_fresh_run_without_csv_still_clears_a_dead_attempts_rows(tmp_path: Path) -> None:
+    """`logger.csv=false` writes no rows, but the plot, the supervisor and the tuner read metrics.csv: a
+    fresh run in a directory where an attempt without a checkpoint logged moves that attempt's rows aside,
+    as it says it does, instead of drawing its curve from them."""
+    from ppo_fabric.runs.metrics_file import read_rows
+
+    (tmp_path / "metrics.csv").write_text("step,a\n100,1\n200,2\n")
+    run = RunLogger(
+        tmp_path, _cfg(csv=False), 1_000, enabled=True, stream=Stream(), session=("new", [["new", 0]])
+    )
+    run.close()
+    assert read_rows(tmp_path / "metrics.csv") == []
+    assert [r["step"] for r in read_rows(tmp_path / "metrics.dropped.csv")] == ["100", "200"]
 
 
 def test_a_resumed_csv_holds_the_timeline_of_its_checkpoints_lineage(tmp_path: Path) -> None:
