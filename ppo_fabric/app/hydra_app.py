@@ -190,8 +190,15 @@ def run_app(argv: list[str], task: Task, check: bool = True) -> Invocation:
     helps = args.help or args.hydra_help or args.info is not None or args.shell_completion
     if check and args.config_dir is None and not helps:
         precheck(invocation, full=not args.multirun and args.cfg is None)
-    if args.cfg == "job" and not args.multirun and args.config_dir is None and _resumes(invocation):
-        print(OmegaConf.to_yaml(resumed_config(invocation)), end="")  # the run's, not the command line's
+    if args.cfg is not None and not args.multirun and args.config_dir is None and _resumes(invocation):
+        if args.cfg != "job":  # Hydra would show the command line's config, not the one the run continues
+            fail(f"--cfg {args.cfg} with resume= shows the command line's config; --cfg job shows the config "
+                 "the resumed run continues")  # fmt: skip
+        shown = resumed_config(invocation)  # the run's, not the command line's
+        if args.package:
+            shown = OmegaConf.select(shown, args.package)
+            print(f"# @package {args.package}")
+        print(OmegaConf.to_yaml(shown) if isinstance(shown, DictConfig) else f"{shown}\n", end="")
         return invocation
 
     def task_function(cfg: DictConfig) -> Any:

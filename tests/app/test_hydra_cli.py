@@ -128,6 +128,16 @@ def test_cfg_job_of_a_resume_prints_the_config_the_run_continues(
     cfg = yaml.safe_load(capsys.readouterr().out)
     assert cfg["algo"]["lr"] == 0.00123 and cfg["algo"]["total_steps"] == 2048
     assert cfg["resume"] == str(path)
+    # --package shows that node of it; --cfg all or hydra would show the command line's: refused
+    assert cli.main(["--cfg", "job", "-p", "algo", f"resume={path}"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("# @package algo\n") and yaml.safe_load(out)["lr"] == 0.00123
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["--cfg", "all", f"resume={path}"])
+    assert (
+        exc.value.code == 2
+        and "--cfg job shows the config the resumed run continues" in capsys.readouterr().err
+    )
 
 
 def test_cfg_prints_on_rank_0_only_under_fabric_run(
