@@ -251,6 +251,18 @@ def run_config(cfg: DictConfig, run_dir: Path, overrides: list[str]) -> DictConf
     return run
 
 
+def _start_step(cfg: DictConfig) -> int:
+    """The env step the job's first attempt started from: its own `resume=` checkpoint's, else 0."""
+    if cfg.get("resume") is None:
+        return 0
+    from ppo_fabric.runs import checkpoint as ckpt
+
+    try:
+        return int(ckpt.load(str(cfg.resume), env_state="fresh")["env_step"])
+    except (OSError, ValueError, KeyError):  # unreadable: the job itself said why
+        return 0
+
+
 def job_stop_timeout(cfg: DictConfig) -> float:
     """Seconds a signalled job may take to stop: its ranks finish a rollout, an update, an evaluation and
     the checkpoint, each of which may take up to `stall_timeout` without a sign of progress before their
@@ -286,7 +298,7 @@ def _attempts(cfg: DictConfig, run_dir: Path, invocation: Invocation) -> int:
         found = newest_checkpoint(run_dir, lambda path, why: report_skipped(run_dir, path, why, by="restart"))
         if found is not None and found[0].stat().st_mtime < started:
             found = None  # the job wrote none yet: what the directory holds may be another lineage's
-        resumed_at = found[1] if found is not None else 0
+        resumed_at = found[1] if found is not None else _start_step(cfg)
         redone += max((last_logged_step(run_dir / "metrics.csv") or 0) - resumed_at, 0)
         if found is None:
             attempt = base  # the user's own `resume` (or none), as the job started

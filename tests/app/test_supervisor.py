@@ -122,6 +122,8 @@ def test_a_branch_that_fails_before_its_first_checkpoint_restarts_on_its_branch(
     ]
     steps = [int(float(row["step"])) for row in read_rows(run_dir / "metrics.csv")]
     assert steps == [128, 256, 384, 512], steps  # the branch's rows; the other one's 256 is gone
+    # nothing past the branch's 128 was trained twice (counted from 0, the whole history was "redone")
+    assert json.loads((run_dir / "summary.json").read_text())["env_steps_redone"] == 0
 
 
 @pytest.mark.multiprocess
