@@ -24,7 +24,14 @@ from ppo_fabric.learn.update import update_policies
 from ppo_fabric.policy.periodic import evaluate_if_due, evaluation_for
 from ppo_fabric.runs import checkpoint as ckpt
 from ppo_fabric.runs.metrics import parameters_digest
-from ppo_fabric.runs.session import RunSession, collector_state, end_of_run, episode_metrics, resume_collector
+from ppo_fabric.runs.session import (
+    RunSession,
+    collector_state,
+    end_of_run,
+    episode_metrics,
+    recent_windows,
+    resume_collector,
+)
 from ppo_fabric.wire.protocol import all_gather_objects, boundary_group, max_over, sum_reduce
 
 
@@ -97,9 +104,11 @@ def main(fabric: Fabric, cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
         done = update + 1
         if session.log_due(done):
             episodes = episode_metrics(collector, sum_across if world > 1 else None)
-            session.log(
-                done, stats | episodes | {"time/collect_s": t1 - t0, "time/train_s": t2 - t1}, collector
+            windows = recent_windows(
+                collector.episodes.window, rank, world, sum_across if world > 1 else None
             )
+            row = stats | episodes | {"time/collect_s": t1 - t0, "time/train_s": t2 - t1}
+            session.log(done, row, collector, windows)
         improved = evaluate_if_due(evaluation, session, done, learners, collector)
         flags = session.boundary_flags(improved)  # an evaluation's new best is saved by every rank
         signum, clock_due, best = session.agreed(max_over(flags, "cpu", boundary))

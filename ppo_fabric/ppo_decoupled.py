@@ -60,6 +60,7 @@ from ppo_fabric.runs.session import (
     collector_state,
     end_of_run,
     episode_metrics,
+    recent_windows,
     resume_collector,
 )
 from ppo_fabric.wire.placement import (
@@ -278,10 +279,14 @@ class Player:
         if update > session.start_update:
             self.collector.after_update(self.policies, update)
             if session.log_due(update):
-                several = len(self.topo.players) > 1
-                episodes = episode_metrics(self.collector, self.link.sum_over_players if several else None)
+                players = self.topo.players
+                summed = self.link.sum_over_players if len(players) > 1 else None
+                episodes = episode_metrics(self.collector, summed)
+                windows = recent_windows(
+                    self.collector.episodes.window, players.index(self.topo.rank), len(players), summed
+                )
                 row = dict(zip(self.names, metrics.tolist(), strict=True)) | episodes
-                session.log(update, row, self.collector)
+                session.log(update, row, self.collector, windows)
             if evaluate_in_background(self.evaluation, session, update, self.policies, self.collector):
                 self.amend_evaluation()  # the last checkpoint was written while this evaluation ran
             if self.checkpoint_due(update):  # the last one is written once the final evaluation is in it

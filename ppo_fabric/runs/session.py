@@ -17,7 +17,7 @@ import threading
 import time
 import uuid
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any, NamedTuple, NoReturn
 
@@ -201,11 +201,19 @@ class RunSession:
     def log_due(self, update: int) -> bool:
         return update % self.log_every == 0 or update == self.end_update
 
-    def log(self, update: int, metrics: dict[str, float], collector: RolloutCollector) -> None:
-        """A log row of the update just finished, with the SPS so far and the recent mean return."""
+    def log(
+        self,
+        update: int,
+        metrics: dict[str, float],
+        collector: RolloutCollector,
+        windows: list[list[tuple[int, float, int]]] | None = None,
+    ) -> None:
+        """A log row of the update just finished, with the SPS so far and the recent mean return: of the
+        last 20 episodes over every collecting rank (`windows`, from `recent_windows`), as summary.json's
+        `final_mean_return`; this rank's alone without."""
         PROGRESS.mark("logging")  # trackers may wait on the network
         sps = self.sps(update)
-        recent = final_mean_return([collector.episodes.window])
+        recent = final_mean_return(windows if windows is not None else [collector.episodes.window])
         row = metrics | {"time/sps": sps, "time/wall_s": self.wall_s()}
         if recent is not None:
             row["rollout/return_mean20"] = recent
@@ -463,6 +471,23 @@ def episode_metrics(collector: RolloutCollector, sum_over_ranks: Reduce | None) 
         restarts = torch.tensor([float(collector.restarts)])
         out["env/restarts"] = float((restarts if sum_over_ranks is None else sum_over_ranks(restarts))[0])
     return out
+
+
+RECENT = 20  # episodes in `rollout/return_mean20`
+
+
+def recent_windows(
+    window: Iterable[tuple[int, float, int]], slot: int, slots: int, sum_over_ranks: Reduce | None
+) -> list[list[tuple[int, float, int]]]:
+    """Every collecting rank's last `RECENT` episodes (env step ended, return), this one's being `slot` of
+    `slots`: each rank fills its own row of a zero tensor and the sum over the ranks holds them all."""
+    if sum_over_ranks is None or slots == 1:
+        return [list(window)]
+    rows = torch.zeros(slots, RECENT, 3, dtype=torch.float64)
+    for i, (step, ret, *_) in enumerate(list(window)[-RECENT:]):
+        rows[slot, i] = torch.tensor([float(step), float(ret), 1.0], dtype=torch.float64)
+    rows = sum_over_ranks(rows)
+    return [[(int(s), r, 0) for s, r, seen in rank if seen] for rank in rows.tolist()]
 
 
 def policy_returns(windows: list[dict[str, list]]) -> dict[str, float | None]:

@@ -159,6 +159,9 @@ def test_layout_runs_to_the_end(tmp_path: Path, players: int, devices: int, pipe
     run_dir = _single_run_dir(tmp_path)
     summary = _check_summary(run_dir, players, devices - players, pipeline, total)
     _check_policy_lag(run_dir, pipeline, total // (128 * players))
+    if not pipeline:  # the last row's mean of the last 20 episodes is every player's, as the summary's
+        last = [row for row in read_rows(run_dir / "metrics.csv") if row.get("rollout/return_mean20")][-1]
+        assert float(last["rollout/return_mean20"]) == pytest.approx(summary["final_mean_return"], rel=1e-9)
     # the first player evaluates the parameters it received at each due update, on envs of its own, on a
     # thread (off the critical path: the run waits only for the final one)
     rows = read_rows(run_dir / "evaluations.csv")

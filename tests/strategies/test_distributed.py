@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from ppo_fabric.runs.metrics_file import read_rows
 from tests.conftest import job_env, job_processes
 
 REPO = Path(__file__).resolve().parents[2]
@@ -48,6 +49,9 @@ def _check_summary(run_dir: Path, world_size: int) -> dict:
     assert summary["episodes"] > 0 and summary["final_mean_return"] is not None
     assert (run_dir / "checkpoints" / "last.ckpt").is_file()
     assert (run_dir / "metrics.csv").is_file() and (run_dir / "config.yaml").is_file()
+    # the logged mean of the last 20 episodes is every rank's, as the summary's (it was rank 0's alone)
+    last = [row for row in read_rows(run_dir / "metrics.csv") if row.get("rollout/return_mean20")][-1]
+    assert float(last["rollout/return_mean20"]) == pytest.approx(summary["final_mean_return"], rel=1e-9)
     return summary
 
 
