@@ -29,7 +29,7 @@ class Entry(NamedTuple):
     args: tuple[str, ...] = ()  # its arguments in `all`
 
 
-# make bench's CartPole sitting: the layouts (the synchronous 1+1 one as a candidate) and SB3, SPS and time to 475
+# make bench's CartPole sitting: three layouts (the synchronous 1+1 one too) and SB3, SPS and time to 475
 CARTPOLE_SITTING = ("--workloads", "cartpole", "--seeds", "3", "--force",
                     "--variants", "coupled", "pipelined", "synchronous", "sb3")  # fmt: skip
 EVERY_LAYOUT = ("coupled", "pipelined", "synchronous", "pipelined_1_2", "synchronous_1_2")

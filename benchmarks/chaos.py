@@ -43,6 +43,7 @@ def chaos_command(run_dir: Path, state: Path, seed: int, steps: int, gap: int, s
         "env.id=benchmarks.chaos_env:ChaosLunarLander-v3", f"+env.kwargs.state_dir={state}",
         f"+env.kwargs.gap={gap}", "env.on_error=restart", f"stall_timeout={stall}", "restarts=4",
         "checkpoint.every=4", "checkpoint.keep=0", "logger.tensorboard=false", "resume=auto",
+        "eval.every=0",  # as the undisturbed runs (common.run_once): the wall times compare
         f"hydra.run.dir={run_dir}",
     ]  # fmt: skip
 

@@ -321,6 +321,21 @@ def mean_reached(values: list[float | None], fmt: str) -> str:
     return shown if len(got) == len(values) else f"{shown} ({len(got)}/{len(values)})"
 
 
+def load_report(path: Path, fresh: dict[str, Any], keys: tuple[str, ...]) -> dict[str, Any]:
+    """The report at `path` to add runs to, or `fresh` when there is none or another script wrote it (its
+    runs keyed otherwise: a retired script's file of the same name), which this sitting replaces, saying so
+    (the old one stays in git history)."""
+    if not path.is_file():
+        return fresh
+    report = json.loads(path.read_text())
+    runs = report.get("runs")
+    if isinstance(runs, list) and all(isinstance(r, dict) and all(k in r for k in keys) for r in runs):
+        return report
+    print(f"{path} holds another script's report (no runs keyed by {', '.join(keys)}): this sitting starts "
+          "a new one in its place", flush=True)  # fmt: skip
+    return fresh
+
+
 def runs_to_replace(report: dict[str, Any], force: bool, **key: Any) -> list[dict[str, Any]] | None:
     """The runs of a resumable report with these key values, which a new run replaces; None when there
     are some and `force` is off (the run is skipped)."""

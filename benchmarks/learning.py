@@ -439,7 +439,7 @@ def main() -> None:
     evaluate = args.eval or args.suite in EVALUATED
     name = f"learning_{args.suite}"
     path = args.out / f"{name}.json"
-    report = json.loads(path.read_text()) if path.is_file() else {"suite": args.suite, "runs": []}
+    report = common.load_report(path, {"suite": args.suite, "runs": []}, ("env", "variant", "seed"))
     if report.get("extra", []) != list(extra) and report["runs"]:
         parser.error(f"{path} holds runs with the overrides {report.get('extra', [])}, not {list(extra)}")
     report["machine"], report["extra"] = common.machine(), list(extra)

@@ -38,7 +38,6 @@ MuJoCo run takes ~15 minutes on 2 cores); such runs show their time to the thres
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -147,8 +146,10 @@ def markdown(report: dict[str, Any], command: str, name: str = "time_to_score") 
             best = common.mean_std(
                 [r["best_mean_return"] for r in whole if r["best_mean_return"] is not None]
             )
-            wall_key = "wall_at_threshold_no_eval" if evaluated else "wall_at_threshold"
-            wall_at = common.mean_reached([r.get(wall_key) for r in rows], ".0f")
+            # evaluated runs' time to the threshold leaves out their evaluations; SB3's have none to leave out
+            wall_at = common.mean_reached(
+                [r.get("wall_at_threshold_no_eval", r["wall_at_threshold"]) for r in rows], ".0f"
+            )
             if all(r["wall_at_threshold"] is None and r.get("stopped") == "wall cap" for r in rows):
                 wall_at = (
                     f"> {min(r['wall_seconds'] for r in rows):.0f} (cap)"  # stopped before getting there
@@ -247,9 +248,11 @@ def main() -> None:
     if unknown := [v for v in args.variants if v not in variants]:
         parser.error(f"unknown variants {unknown}: of {list(variants)}")
     path = args.out / f"{args.name}.json"
-    report = json.loads(path.read_text()) if path.is_file() else {"runs": []}
+    report = common.load_report(path, {"runs": []}, ("workload", "variant", "seed"))
     report["machine"] = common.machine()
     command = common.command_line(__file__)
+    if args.first_seed > args.seeds:
+        parser.error(f"--first-seed {args.first_seed} --seeds {args.seeds}: no seed to run (seeds FIRST..N)")
     for seed in range(args.first_seed, args.seeds + 1):  # seed-major, the variants alternating within a seed
         for workload in args.workloads:
             for variant in args.variants:

@@ -264,3 +264,19 @@ def test_an_evaluated_run_is_found_wherever_its_evaluation_overrides_stand(
     assert not learning.same_overrides([*base, *ev], [*ev, *base], evaluate=False)
     assert not learning.same_overrides([*base, *ev], [*ev, *base[:2], "seed=2"], evaluate=True)
     assert not learning.same_overrides(base, [*ev, *base], evaluate=True)  # that run was not evaluated
+
+
+def test_a_report_of_another_scripts_format_is_replaced_not_a_crash(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`make bench`'s fast_recipe and cartpole_solve sittings write where retired scripts wrote (no `runs`,
+    or runs keyed by `layout`): they ended in KeyError; they start a new report, with a line."""
+    common = _script(monkeypatch, "common")
+    keys = ("workload", "variant", "seed")
+    mine = {"runs": [{"workload": "cartpole", "variant": "coupled", "seed": 1}]}
+    for name, old in (("a", {"rows": []}), ("b", {"runs": [{"layout": "coupled", "seed": 1}]}), ("c", mine)):
+        (tmp_path / f"{name}.json").write_text(json.dumps(old))
+        report = common.load_report(tmp_path / f"{name}.json", {"runs": []}, keys)
+        assert report == (mine if name == "c" else {"runs": []})
+    assert capsys.readouterr().out.count("holds another script's report") == 2
+    assert common.load_report(tmp_path / "none.json", {"runs": [], "x": 1}, keys) == {"runs": [], "x": 1}

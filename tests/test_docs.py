@@ -334,8 +334,16 @@ def citing_texts() -> list[str]:
     return [(REPO / p).read_text(errors="ignore") for p in paths if (REPO / p).is_file()]
 
 
+def tracked_results() -> list[Path]:
+    """The result files in git: a sitting's new report is not one until it is committed with the page that
+    quotes it (`make bench` writes some the pages do not quote yet)."""
+    listed = subprocess.run(["git", "ls-files", "benchmarks/results"], cwd=REPO, capture_output=True, text=True,
+                            check=True).stdout.split()  # fmt: skip
+    return [REPO / p for p in listed if (REPO / p).is_file()]
+
+
 def test_every_result_file_is_cited_and_every_cited_one_exists() -> None:
-    reports = {p.name: p.read_text() if p.suffix == ".md" else "" for p in RESULTS.iterdir() if p.is_file()}
+    reports = {p.name: p.read_text() if p.suffix == ".md" else "" for p in tracked_results()}
     texts = citing_texts()
     assert sorted(set(reports) - cited_results(texts, reports)) == []
     pages = [page_text(str(p.relative_to(REPO / "docs"))) for p in (REPO / "docs").rglob("*.md")]
