@@ -32,9 +32,11 @@ from ppo_fabric.envs.make import (
 )
 from ppo_fabric.envs.multiagent import SINGLE, make_multiagent_vector_env
 from ppo_fabric.envs.normalize import (
+    NormalizeReward,
     Reduce,
     load_normalizer_state,
     normalizer_state,
+    normalizers,
     renormalized_reset,
     sync_normalizers,
 )
@@ -489,6 +491,9 @@ class RolloutCollector:
         if envs is not None:
             self.envs = envs
             self.restore_carry(state["carry"])
+            for wrapper in normalizers(envs):  # the run's discount (resume_overrides=allow may change it),
+                if isinstance(wrapper, NormalizeReward):  # not the one pickled with the envs
+                    wrapper.gamma = self.gamma
         else:
             self._take_statistics(state)
         self.episodes.window.extend(state["episodes"])

@@ -284,3 +284,24 @@ def test_normalize_obs_on_uint8_images_is_refused_in_one_line() -> None:
         assert "\n" not in message and message == message.strip()
         assert all(part in message for part in ("env.normalize_obs=true", "uint8", "env.normalize_obs=false"))
     load(["exp=atari", "env.normalize_reward=true", "logger=none"])  # rewards may still be scaled
+
+
+def test_restored_envs_scale_rewards_with_the_runs_discount(tmp_path: Path) -> None:
+    """Envs restored from a checkpoint carry the reward normaliser pickled with them, discount included: a
+    resume that changes `algo.gamma` (resume_overrides=allow) scaled rewards by the old one's returns."""
+    from ppo_fabric.collect.rollout import build_collector
+    from ppo_fabric.config.values import compose
+    from ppo_fabric.envs.normalize import NormalizeReward, normalizers
+    from ppo_fabric.learn.learners import policy_specs
+
+    built = []
+    for gamma in (0.99, 0.95):
+        cfg, _ = compose(["env.num_envs=2", "env.normalize_reward=true", f"algo.gamma={gamma}",
+                          f"hydra.run.dir={tmp_path}"])  # fmt: skip
+        built.append(build_collector(cfg, policy_specs(cfg), 0, "cpu", None))
+    saved, resumed = built
+    resumed.envs.close()
+    resumed.load_state_dict(saved.state_dict(), saved.envs)  # the envs as a checkpoint restores them
+    gammas = [w.gamma for w in normalizers(resumed.envs) if isinstance(w, NormalizeReward)]
+    assert gammas == [0.95]
+    resumed.envs.close()
