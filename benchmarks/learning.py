@@ -417,12 +417,14 @@ def main() -> None:
                         help="keep each run's folder under DIR, checkpointed every 10 minutes; the same "
                         "command given again resumes an unfinished run (a budget longer than a sitting)")  # fmt: skip
     parser.add_argument("--out", type=Path, default=RESULTS)
-    parser.add_argument("--reuse", nargs="*", type=Path, default=[RESULTS / "time_to_score.json"],
+    parser.add_argument("--reuse", nargs="*", type=Path, default=None,
                         help="reports whose runs with the same overrides are taken instead of training again "
-                        "(default: time_to_score.json; none: --reuse with no path)")  # fmt: skip
+                        "(default: time_to_score.json, none with --force; none: --reuse with no path)")  # fmt: skip
     parser.add_argument("extra", nargs="*", help="overrides added to every run (after --); needs an --out of "
                         "its own, as they change the recipe")  # fmt: skip
     args = parser.parse_args()
+    if args.reuse is None:  # --force trains again: it does not take another report's runs unless told to
+        args.reuse = [] if args.force else [RESULTS / "time_to_score.json"]
     extra = tuple(args.extra)
     if extra and args.out.resolve() == RESULTS.resolve():
         parser.error("overrides after -- change the recipe: write their runs elsewhere with --out DIR")
