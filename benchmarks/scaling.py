@@ -131,6 +131,7 @@ def main() -> None:
     if args.quick:
         args.envs, args.steps_scale, args.min_updates = [4, 64], args.steps_scale / 4, 4
 
+    commit = common.git_commit()  # the code the sitting starts with (commits made beside it are not its)
     groups = [args.only] if args.only else list(ENVS)
     budgets = {g: int(ENVS[g][1] * args.steps_scale) for g in groups}
     results: list[dict[str, Any]] = []
@@ -164,7 +165,7 @@ def main() -> None:
     report = {"settings": {"rollout_steps": ROLLOUT_STEPS, "update_epochs": UPDATE_EPOCHS,
                            "minibatches": MINIBATCHES, "strategy": "coupled", "vector": "sync"},
               "budgets": budgets, "min_updates": args.min_updates, "quick": args.quick, "seed": args.seed,
-              "extra_overrides": args.extra, "machine": common.machine(), "commit": common.git_commit(),
+              "extra_overrides": args.extra, "machine": common.machine(), "commit": commit,
               "command": command, "results": results}  # fmt: skip
     args.out.mkdir(parents=True, exist_ok=True)
     plot(results, groups, args.out / "scaling.png")
