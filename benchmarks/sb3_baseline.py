@@ -86,6 +86,11 @@ def flat_workload(overrides: list[str]) -> dict[str, Any]:
     for group in ("env", "algo", "model"):
         for key, value in flat[group].items():
             out[f"{group}.{key}"] = value
+    # env options the SB3 child does not build: refused, rather than SB3 trained on another env than ours
+    unbuilt = {"env.action_repeat": 1, "env.mask_velocity": False, "env.observation_noise": 0.0,
+               "env.preprocess": "none"}  # fmt: skip
+    if changed := [f"{k}={out[k]}" for k, plain in unbuilt.items() if out.get(k, plain) != plain]:
+        raise SystemExit(f"the SB3 baseline builds the plain env; it cannot run {', '.join(changed)}")
     return out
 
 

@@ -280,3 +280,12 @@ def test_a_report_of_another_scripts_format_is_replaced_not_a_crash(
         assert report == (mine if name == "c" else {"runs": []})
     assert capsys.readouterr().out.count("holds another script's report") == 2
     assert common.load_report(tmp_path / "none.json", {"runs": [], "x": 1}, keys) == {"runs": [], "x": 1}
+
+
+def test_the_sb3_baseline_refuses_env_options_it_does_not_build(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The SB3 child builds the plain env: a workload that hides velocities, adds noise, repeats actions or
+    preprocesses frames would have SB3 train on another env than ppo-fabric's, unsaid."""
+    sb3 = _script(monkeypatch, "sb3_baseline")
+    assert sb3.flat_workload(["env=lunarlander"])["env.id"] == "LunarLander-v3"
+    with pytest.raises(SystemExit, match="cannot run env.mask_velocity=True"):
+        sb3.flat_workload(["env.mask_velocity=true"])
