@@ -258,7 +258,7 @@ _CHOICES = {
 }
 # Whole-model precisions Fabric offers that the policies cannot run: their encoders, recurrent states and
 # rollout storage are float32, so the first forward failed on a dtype mismatch.
-_WHOLE_MODEL_PRECISIONS = ("bf16-true", "16-true", "64-true", "64", "transformer-engine")
+_WHOLE_MODEL_PRECISIONS = ("bf16-true", "16-true", "64-true", "64")
 COMPILE_MODES = (False, True, "graph")  # eager, torch.compile, the whole step in one CUDA graph
 _BOOLS = (
     "algo.anneal_lr",
