@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from ppo_fabric.compat.private import hydra_args_parser, run_hydra
 from ppo_fabric.config.arguments import fail
@@ -190,15 +190,18 @@ def run_app(argv: list[str], task: Task, check: bool = True) -> Invocation:
     helps = args.help or args.hydra_help or args.info is not None or args.shell_completion
     if check and args.config_dir is None and not helps:
         precheck(invocation, full=not args.multirun and args.cfg is None)
-    if args.cfg is not None and not args.multirun and args.config_dir is None and _resumes(invocation):
-        if args.cfg != "job":  # Hydra would show the command line's config, not the one the run continues
-            fail(f"--cfg {args.cfg} with resume= shows the command line's config; --cfg job shows the config "
-                 "the resumed run continues")  # fmt: skip
+    if args.cfg in ("job", "all") and not args.multirun and args.config_dir is None and _resumes(invocation):
+        if args.cfg == "all":  # Hydra would show the command line's job config, not the one the run continues
+            fail("--cfg all with resume= shows the command line's config; --cfg job shows the config the "
+                 "resumed run continues, --cfg hydra Hydra's own")  # fmt: skip
         shown = resumed_config(invocation)  # the run's, not the command line's
         if args.package:
-            shown = OmegaConf.select(shown, args.package)
+            shown = OmegaConf.select(shown, args.package, default=None)
+            if shown is None:
+                fail(f"--package {args.package}: no such key in the config the resumed run continues")
             print(f"# @package {args.package}")
-        print(OmegaConf.to_yaml(shown) if isinstance(shown, DictConfig) else f"{shown}\n", end="")
+        is_node = isinstance(shown, (DictConfig, ListConfig))
+        print(OmegaConf.to_yaml(shown) if is_node else f"{shown}\n", end="")
         return invocation
 
     def task_function(cfg: DictConfig) -> Any:

@@ -22,6 +22,10 @@ from ppo_fabric.app.supervisor import SUPERVISED_ENV, SUPERVISOR_PID_ENV, exit_s
 from ppo_fabric.config.tuned import override_value
 from ppo_fabric.config.values import OWN_RUN_DIR_ENV
 
+KILL_GRACE_S = (
+    5.0  # after `RunProcess.kill`, how long its supervisor has to kill the job before it is SIGKILLed
+)
+
 # Variables of a launcher or of a rank: a job that inherited them would take itself for a rank of a job
 # that is not there (a leaked LOCAL_RANK makes Lightning wait for peers that never come).
 _RANK_VARIABLES = (
@@ -71,6 +75,7 @@ class RunProcess:
     started: float = field(default_factory=time.monotonic)
     log: IO[bytes] | None = None
     stop_signal: int | None = None  # the first stop signal sent, if any
+    killed_at: float | None = None  # when `kill` asked the supervisor to kill the job
 
     @classmethod
     def start(
@@ -117,7 +122,16 @@ class RunProcess:
     def kill(self) -> None:
         """End the job at once, through its supervisor (which kills the job's own process group and says
         so): the other stop signal than the first. The same signal again within a second or two the
-        supervisor takes for one request delivered twice, so a repeated Ctrl+C would not kill."""
+        supervisor takes for one request delivered twice, so a repeated Ctrl+C would not kill. Called
+        again (a poll loop, a third Ctrl+C): nothing more for `KILL_GRACE_S`, then SIGKILL to the
+        supervisor, whose job dies with it (`die_with_parent`)."""
+        now = time.monotonic()
+        if self.killed_at is not None:
+            if now - self.killed_at > KILL_GRACE_S:
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.killpg(self.proc.pid, signal.SIGKILL)
+            return
+        self.killed_at = now
         if self.stop_signal is None:
             self.stop_signal = signal.SIGTERM
             self._send(signal.SIGTERM)

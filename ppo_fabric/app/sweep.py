@@ -229,8 +229,8 @@ class Sweep:
                     log = job.run_dir / "job.log" if self.n_jobs > 1 else None
                     say(f"job {job.num} ({job.shown}) starting in {job.run_dir}")
                     running.append((job, RunProcess.start(job.command, job.run_dir, log_path=log)))
-                    if stop:  # a signal that came while it was being started, which `on_signal` missed
-                        running[-1][1].stop(stop[0])
+                    if stop and running[-1][1].stop_signal is None:  # a signal that came while it was
+                        running[-1][1].stop(stop[0])  # being started, which `on_signal` missed
                 if stop:
                     pending.clear()  # never started: "not started" in the table
                 for pair in list(running):

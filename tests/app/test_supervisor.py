@@ -271,6 +271,21 @@ def test_a_sweep_or_tuner_stopping_a_job_twice_kills_it(
             assert sent == [first]
         getattr(run, action)()
         assert sent[-1] == signal.SIGKILL, (first, action, sent)
+    # kill again (the tuner polls): nothing more at once; past the grace, SIGKILL to the supervisor itself
+    from ppo_fabric.app import jobs
+
+    signals: list[int] = []
+    run = RunProcess([], tmp_path, Supervisor())  # type: ignore[arg-type]
+    monkeypatch.setattr(Supervisor, "send_signal", staticmethod(signals.append))
+    killed: list[tuple[int, int]] = []
+    monkeypatch.setattr(jobs.os, "killpg", lambda pid, sig: killed.append((pid, sig)))
+    run.proc.pid = 4321  # type: ignore[attr-defined]
+    run.kill()
+    run.kill()
+    assert signals == [signal.SIGTERM, signal.SIGINT] and killed == []
+    run.killed_at -= jobs.KILL_GRACE_S + 1  # type: ignore[operator]
+    run.kill()
+    assert signals == [signal.SIGTERM, signal.SIGINT] and killed == [(4321, signal.SIGKILL)]
 
 
 def test_a_job_that_cannot_stop_is_killed_with_a_line(tmp_path: Path) -> None:
@@ -445,3 +460,30 @@ def test_the_checks_before_a_run_leave_tensordict_unimported(tmp_path: Path, tin
                           capture_output=True, text=True, timeout=120)  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.splitlines()[-1] == "['torch']", proc.stdout
+
+
+@pytest.mark.multiprocess
+def test_a_restarted_resume_auto_keeps_the_runs_own_values(tmp_path: Path) -> None:
+    """A requeued `resume=auto` job that names only its env id (the generic `env=gym` is added in case it
+    starts afresh) loses a rank after its first checkpoint: the relaunch resumes that checkpoint with the
+    command line as typed. With the added option taken for the user's, it reset env.num_envs to 4 (was 2),
+    was refused and not restarted."""
+    run_dir, marker = tmp_path / "run", tmp_path / "killed"
+    base = [sys.executable, "-m", "ppo_fabric", "logger.tensorboard=false", "algo.rollout_steps=32",
+            "collectives.timeout=20", "eval.every=0", "checkpoint.every=1", f"hydra.run.dir={run_dir}"]  # fmt: skip
+    marker.touch()  # disarmed for the first run
+    killed = _killed_once(0, 128 + 32 + 5, marker)  # each env copy is at step 128 when the first run ends
+    first = _run([*base, *killed, "env.num_envs=2", "algo.minibatch_size=32",
+                  "algo.total_steps=256"], tmp_path)  # fmt: skip
+    assert first.returncode == 0, first.stderr[-3000:]
+    marker.unlink()  # armed: killed in the requeue's second update, after its first checkpoint
+    proc = _run([*base, *killed, "algo.total_steps=768", "resume=auto",
+                 "restarts=1"], tmp_path)  # fmt: skip
+    assert proc.returncode == 0 and marker.exists(), proc.stderr[-3000:]
+    assert "restart 1/1 from" in proc.stderr
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["total_env_steps"] == 768 and summary["restarts"] == 1
+    from ppo_fabric.runs import checkpoint as ckpt
+
+    saved = ckpt.load(run_dir / "checkpoints" / "last.ckpt", env_state="fresh")["config"]
+    assert saved["env"]["num_envs"] == 2
