@@ -85,6 +85,17 @@ def machine() -> dict[str, Any]:
             "python": platform.python_version()}  # fmt: skip
 
 
+def machines_line(runs: list[dict[str, Any]], machine: dict[str, Any]) -> str:
+    """The report's `Machine:` words: the CPUs its runs recorded (runs from before they recorded one are
+    counted apart), else the last sitting's, which is all an older report knows."""
+    named = sorted({r["machine"] for r in runs if r.get("machine")})
+    unnamed = sum(1 for r in runs if not r.get("machine"))
+    if not named:
+        return f"{machine['cpu']} (the last sitting's), {machine['cores']} cores, torch {machine['torch']}"
+    more = f"; {unnamed} runs from before runs named theirs" if unnamed else ""
+    return f"{', '.join(named)} (the runs' own{more}); the last sitting on {machine['cores']} cores, torch {machine['torch']}"
+
+
 def fmt(value: float | None, spec: str = ".1f", none: str = "n/a") -> str:
     """A figure for a table; `none` where there is none (no episode ended, the threshold never reached)."""
     return none if value is None else format(value, spec)
@@ -304,7 +315,10 @@ def threshold_figures(summary: dict[str, Any], threshold: float) -> dict[str, An
         "step_at_threshold": None if first is None else first[0],
         "wall_at_threshold": None if first is None else first[1],
         "wall_seconds": summary.get("total_wall_seconds", summary["wall_seconds"]),  # a resumed run's whole
-        "sps": summary["sps"],
+        # and its rate over the same whole (summary.json's `sps` is the last sitting's alone)
+        "sps": summary["total_env_steps"] / summary["total_wall_seconds"]
+        if summary.get("total_wall_seconds")
+        else summary["sps"],
         "curve": thin(curve, 500),
         **eval_figures,
     }

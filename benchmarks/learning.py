@@ -213,6 +213,7 @@ def run_record(
         "seed": seed,
         "overrides": overrides,
         "commit": commit,
+        "machine": common.machine()["cpu"],  # each run's own: a report gathers sittings of several machines
         "total_env_steps": s["total_env_steps"],
         "final_mean_return": s["final_mean_return"],
         "wall_seconds": wall,
@@ -314,7 +315,7 @@ def markdown(suite: str, report: dict[str, Any], command: str) -> str:
     lines = [
         f"# Learning: the {suite} suite",
         "",
-        f"Machine: {m['cpu']}, {m['cores']} cores, torch {m['torch']}. Final: mean return of the last 20 "
+        f"Machine: {common.machines_line(runs, m)}. Final: mean return of the last 20 "
         "training episodes at the end of each run, mean ± std over the seeds shown. Wall: the run's own "
         "training time (process start-up excluded), mean over seeds.",
         "",

@@ -93,6 +93,7 @@ def run_record(
     return {
         **meta,
         "commit": commit,
+        "machine": common.machine()["cpu"],  # each run's own: a report gathers sittings of several machines
         **figures,
         **stopped,
         "load": [load_before, os.getloadavg()[0]],
@@ -106,7 +107,7 @@ def markdown(report: dict[str, Any], command: str, name: str = "time_to_score") 
     lines = [
         "# Time to score: the layouts and Stable-Baselines3",
         "",
-        f"Machine: {m['cpu']}, {m['cores']} cores, torch {m['torch']}. Pipelined: 1 player + 1 trainer. "
+        f"Machine: {common.machines_line(runs, m)}. Pipelined: 1 player + 1 trainer. "
         "Wall s at the threshold: mean over the seeds that reached it (how many in brackets). Final and "
         "best: mean return of the last 20 episodes, mean ± std over seeds. Load: the 1-minute load average "
         "before and after each run, highest of the row (above ~2.2 on 2 cores something else ran).",

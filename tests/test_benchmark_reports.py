@@ -289,3 +289,19 @@ def test_the_sb3_baseline_refuses_env_options_it_does_not_build(monkeypatch: pyt
     assert sb3.flat_workload(["env=lunarlander"])["env.id"] == "LunarLander-v3"
     with pytest.raises(SystemExit, match="cannot run env.mask_velocity=True"):
         sb3.flat_workload(["env.mask_velocity=true"])
+
+
+def test_reports_name_each_runs_machine_and_a_whole_runs_rate(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A report gathers sittings: its Machine line names the CPUs its runs recorded, not only the last
+    sitting's; a run trained over several commands reports its whole rate beside its whole wall time (the
+    rate was the last command's alone)."""
+    common = _script(monkeypatch, "common")
+    m = {"cpu": "Xeon", "cores": 2, "torch": "2.13"}
+    assert common.machines_line([{"machine": "EPYC"}, {"machine": "Xeon"}, {}], m) == (
+        "EPYC, Xeon (the runs' own; 1 runs from before runs named theirs); the last sitting on 2 cores, torch 2.13"
+    )
+    assert common.machines_line([{}], m).startswith("Xeon (the last sitting's)")
+    summary = {"curve": [[512, 10.0, 1.0], [1024, 30.0, 2.0]], "total_env_steps": 1024, "final_mean_return": 2.0,
+               "wall_seconds": 20.0, "total_wall_seconds": 32.0, "sps": 25.6}  # fmt: skip
+    figures = common.threshold_figures(summary, 100.0)
+    assert figures["wall_seconds"] == 32.0 and figures["sps"] == 1024 / 32.0
