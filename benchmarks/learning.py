@@ -284,6 +284,7 @@ def reused_record(
                         "commit": r["commit"], "total_env_steps": r["total_env_steps"],
                         "final_mean_return": r["final_mean_return"], "wall_seconds": r["wall_seconds"],
                         "sps": r["sps"], "curve": thin(r["curve"]),
+                        **({"machine": r["machine"]} if r.get("machine") else {}),
                         **{k: r[k] for k in EVALUATED_FIELDS if evaluate and k in r},
                         **({"sitting": str(path)} if path.name.startswith("learning_") else {"run_by": path.name})}  # fmt: skip
     return None

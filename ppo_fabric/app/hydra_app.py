@@ -196,8 +196,9 @@ def run_app(argv: list[str], task: Task, check: bool = True) -> Invocation:
                  "resumed run continues, --cfg hydra Hydra's own")  # fmt: skip
         shown = resumed_config(invocation)  # the run's, not the command line's
         if args.package:
-            shown = OmegaConf.select(shown, args.package, default=None)
-            if shown is None:
+            missing = object()
+            shown = OmegaConf.select(shown, args.package, default=missing)
+            if shown is missing:
                 fail(f"--package {args.package}: no such key in the config the resumed run continues")
             print(f"# @package {args.package}")
         is_node = isinstance(shown, (DictConfig, ListConfig))

@@ -29,7 +29,7 @@ from ppo_fabric.app import prestart
 from ppo_fabric.app.process import quiet_libraries
 from ppo_fabric.compat.linux import PR_SET_CHILD_SUBREAPER, die_with_parent, prctl
 from ppo_fabric.config.faults import FAULT_EXIT, SIGNAL_REPEAT_S, failed_child, forget_failed_child
-from ppo_fabric.config.tuned import override_value, without_tuned_values
+from ppo_fabric.config.tuned import override_value
 from ppo_fabric.config.values import OWN_RUN_DIR_ENV, SUPERVISED_ENV, ConfigError, under_fabric_run
 from ppo_fabric.runs import lock
 from ppo_fabric.runs.metrics_file import read_rows, series
@@ -275,9 +275,6 @@ def _attempts(cfg: DictConfig, run_dir: Path, invocation: Invocation) -> int:
     allowed = int(cfg.restarts)
     flags = invocation.flags
     base = with_override(list(invocation.overrides), "hydra.run.dir", run_dir)
-    # a relaunch resumes the job's own checkpoint, which holds the run's config: the command line as typed,
-    # without the tuned options added in case it started afresh (taken for the user's, they reset their keys)
-    typed = with_override(without_tuned_values(list(invocation.overrides)), "hydra.run.dir", run_dir)
     job = Job(run_dir, job_stop_timeout(cfg))
     attempt, restarts, redone = base, 0, 0
     started = time.time()  # a checkpoint older than this is not the job's own (another branch, a past job)
@@ -307,6 +304,9 @@ def _attempts(cfg: DictConfig, run_dir: Path, invocation: Invocation) -> int:
             attempt = base  # the user's own `resume` (or none), as the job started
             where = "as it started (it wrote no checkpoint yet)"
         else:
-            attempt = with_override(typed, "resume", found[0])
+            # `resume=auto` finds that same file (the newest valid one, the job's own) and, as for any
+            # resume=auto, continues the run's config without taking the tuned options it composes with for
+            # the user's overrides (`resume=<file>` named them, and they reset every key of their files)
+            attempt = with_override(base, "resume", "auto")
             where = f"from {found[0]} at {resumed_at} env steps"
         say(f"rank failure (exit {status}); restart {restarts}/{allowed} {where}")

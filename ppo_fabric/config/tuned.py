@@ -101,17 +101,23 @@ def without_tuned_values(overrides: list[str]) -> list[str]:
     the run's own config, and the options added in case it started afresh are not the user's overrides:
     taken for them, they reset every key of their files to its tuned value (`env=lunarlander` cut a
     3M-step run back to its recipe's 1M)."""
-    parsed = _parsed(overrides)
-    if parsed is None or not overrides or not overrides[-1].startswith("tuning="):
+    notes = [i for i, o in enumerate(overrides) if o.startswith("tuning=")]
+    if not notes:
+        return list(overrides)
+    # what with_tuned_values made ends at its note; overrides put after it (a relaunch's hydra.run.dir and
+    # resume=auto) are the caller's and stay
+    head, tail = list(overrides[: notes[-1] + 1]), list(overrides[notes[-1] + 1 :])
+    parsed = _parsed(head)
+    if parsed is None:
         return list(overrides)
     ids = [str(o.value()) for o in parsed if o.key_or_group == "env.id" and not o.is_sweep_override()]
     added = list(tuned_options(ids[-1]) or (GENERIC,)) if ids else []
-    candidates = [list(overrides[:-1])]  # the note alone (the user chose the option, or named no id)
-    if added and list(overrides[: len(added)]) == added:
-        candidates.insert(0, list(overrides[len(added) : -1]))
+    candidates = [head[:-1]]  # the note alone (the user chose the option, or named no id)
+    if added and head[: len(added)] == added:
+        candidates.insert(0, head[len(added) : -1])
     for candidate in candidates:  # what with_tuned_values made this command line from
-        if with_tuned_values(candidate) == list(overrides):
-            return candidate
+        if with_tuned_values(candidate) == head:
+            return [*candidate, *tail]
     return list(overrides)
 
 

@@ -202,3 +202,15 @@ def test_a_known_packages_module_id_gets_the_ids_tuned_values() -> None:
     assert tuned_options("gymnasium:CartPole-v1") == ("env=cartpole",)
     assert tuned_options("my.mod:CartPole-v1") is None
     assert tuned_options("mygames:PongNoFrameskip-v4") is None
+
+
+def test_a_relaunch_composes_with_the_tuned_option_and_names_only_the_users_keys() -> None:
+    """The supervisor relaunches a failed job with `resume=auto` after the command line it started with:
+    the tuned option stays in it (keys only it brings, `model.grid.*` of exp=minatar, compose), and the
+    overrides after the note are kept when the option is taken out for naming the user's keys."""
+    settled = with_tuned_values(["env.id=MinAtar/Breakout-v1", "model.grid.filters=32"])
+    relaunch = [*settled, "hydra.run.dir=R", "resume=auto"]
+    assert relaunch[0] == "exp=minatar"
+    assert compose([*relaunch[:-1], "resume=null"])[0].model.grid.filters == 32
+    typed = ["env.id=MinAtar/Breakout-v1", "model.grid.filters=32", "hydra.run.dir=R", "resume=auto"]
+    assert without_tuned_values(relaunch) == typed
