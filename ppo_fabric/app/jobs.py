@@ -22,9 +22,8 @@ from ppo_fabric.app.supervisor import SUPERVISED_ENV, SUPERVISOR_PID_ENV, exit_s
 from ppo_fabric.config.tuned import override_value
 from ppo_fabric.config.values import OWN_RUN_DIR_ENV
 
-KILL_GRACE_S = (
-    5.0  # after `RunProcess.kill`, how long its supervisor has to kill the job before it is SIGKILLed
-)
+# After `RunProcess.kill`, how long its supervisor has to kill the job before it is SIGKILLed itself.
+KILL_GRACE_S = 5.0
 
 # Variables of a launcher or of a rank: a job that inherited them would take itself for a rank of a job
 # that is not there (a leaked LOCAL_RANK makes Lightning wait for peers that never come).

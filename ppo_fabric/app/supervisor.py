@@ -304,9 +304,9 @@ def _attempts(cfg: DictConfig, run_dir: Path, invocation: Invocation) -> int:
             attempt = base  # the user's own `resume` (or none), as the job started
             where = "as it started (it wrote no checkpoint yet)"
         else:
-            # `resume=auto` finds that same file (the newest valid one, the job's own) and, as for any
-            # resume=auto, continues the run's config without taking the tuned options it composes with for
-            # the user's overrides (`resume=<file>` named them, and they reset every key of their files)
+            # `resume=auto` finds that same file (the newest valid one, the job's own) and, as any resume=auto
+            # that finds one, continues the run's config: the tuned options the command line composes with
+            # are not taken for the user's overrides (with `resume=<file>` they were, and reset their keys)
             attempt = with_override(base, "resume", "auto")
             where = f"from {found[0]} at {resumed_at} env steps"
         say(f"rank failure (exit {status}); restart {restarts}/{allowed} {where}")
