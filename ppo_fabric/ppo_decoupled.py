@@ -180,7 +180,6 @@ class Player:
         self.names = metric_names(specs)
         codecs = codecs_for(specs, self.collector.storages, len(topo.trainers), cfg)
         self.gae_inputs = gae_inputs(cfg)
-        self.link = PlayerLink(topo, codecs, sum(p.numel() for p in self.params), len(self.names))
         saved = None
         if resume is not None:
             player = topo.players.index(topo.rank)  # the k-th player continues the checkpoint's k-th
@@ -190,7 +189,9 @@ class Player:
             if changed and topo.rank == 0:
                 print(changed, flush=True)
         self.session = session_for(fabric, cfg, run_dir, resume)
-        self.state = PipelineState(self.session.start_update, self.session.start_update, saved)
+        start = self.session.start_update
+        self.link = PlayerLink(topo, codecs, sum(p.numel() for p in self.params), len(self.names), start)
+        self.state = PipelineState(start, start, saved)
         self.unwritten: tuple[int, list[dict[str, Any]]] | None = None  # a checkpoint gathered, not written
         self.recorded: dict[str, Any] | None = None  # the evaluation record the last checkpoint written holds
         self.trainers_stop = 0  # a stop signal a trainer received, relayed with the parameters

@@ -114,6 +114,20 @@ class ProtocolError(RuntimeError):
     """A message arrived that the receiver did not expect: the two sides disagree on the schedule."""
 
 
+# PARAMS travels as one float32 tensor: [kind, update // 2**22, update % 2**22, signum, parameters...,
+# metrics...]. float32 holds integers exactly only up to 2**24, so the update goes in two halves.
+PARAMS_HEADER = 4
+_HALF = 2**22
+
+
+def _float_halves(value: int) -> tuple[float, float]:
+    return float(value // _HALF), float(value % _HALF)
+
+
+def _int_of(high: torch.Tensor, low: torch.Tensor) -> int:
+    return int(high) * _HALF + int(low)
+
+
 class Header(NamedTuple):
     """What every DATA/STOP message starts with: its kind, `update` (the update whose parameters collected
     the batch; STOP: the newest the player received), `checkpoint` (DATA: a checkpoint is to follow the update on this batch, a time-based one, which
@@ -294,23 +308,36 @@ class PlayerLink:
     """
 
     def __init__(
-        self, topo: Topology, codecs: dict[str, BatchCodec], num_params: int, num_metrics: int
+        self,
+        topo: Topology,
+        codecs: dict[str, BatchCodec],
+        num_params: int,
+        num_metrics: int,
+        first_update: int,
     ) -> None:
         self.topo, self.codecs = topo, codecs
         self.num_params, self.num_metrics = num_params, num_metrics
+        self.next_update = first_update  # the trainers publish the first (or resumed) update, then each next
         self._in_transit: list[_InFlight] = []
 
     def receive_params(self) -> tuple[int, torch.Tensor, torch.Tensor, int]:
         """PARAMS: (the update they come from, flat parameters, the update's metrics averaged over trainers,
         the signal that asked a trainer to stop: 0 for none; only players agree on stopping, so a signal
-        that reached only trainers comes to them this way)."""
-        buf = torch.empty(3 + self.num_params + self.num_metrics)
+        that reached only trainers comes to them this way). The update must be the next one: parameters of
+        another would train on and log under the wrong update without a word."""
+        buf = torch.empty(PARAMS_HEADER + self.num_params + self.num_metrics)
         with PROGRESS.waiting_for("parameters from the trainers"):
             dist.broadcast(buf, self.topo.first_trainer, group=self.topo.param_group)
-        kind, update, signum = int(buf[0]), int(buf[1]), int(buf[2])
+        kind, update, signum = int(buf[0]), _int_of(buf[1], buf[2]), int(buf[3])
         if kind != Kind.PARAMS:
             raise ProtocolError(f"player {self.topo.rank} expected PARAMS, got message kind {kind}")
-        return update, buf[3 : 3 + self.num_params], buf[3 + self.num_params :], signum
+        if update != self.next_update:
+            raise ProtocolError(
+                f"player {self.topo.rank} expected the parameters of update {self.next_update}, got update {update}"
+            )
+        self.next_update = update + 1
+        body = buf[PARAMS_HEADER:]
+        return update, body[: self.num_params], body[self.num_params :], signum
 
     def send_data(
         self, batches: dict[str, TensorDict], update: int, asynchronous: bool, checkpoint_after: bool
@@ -376,10 +403,12 @@ class TrainerLink:
             return
         flat = parameters_to_vector(params).detach().float()
         n, m = flat.numel(), metrics.numel()
-        message = self.stage.buffer("params", 3 + n + m, torch.float32)
-        message[0], message[1], message[2] = float(Kind.PARAMS), float(update), float(signum)
-        message[3 : 3 + n].copy_(flat, non_blocking=self.stage.pinned)
-        message[3 + n :].copy_(metrics.float(), non_blocking=self.stage.pinned)
+        message = self.stage.buffer("params", PARAMS_HEADER + n + m, torch.float32)
+        high, low = _float_halves(update)
+        message[0], message[1], message[2], message[3] = float(Kind.PARAMS), high, low, float(signum)
+        body = message[PARAMS_HEADER:]
+        body[:n].copy_(flat, non_blocking=self.stage.pinned)
+        body[n:].copy_(metrics.float(), non_blocking=self.stage.pinned)
         self.stage.fence()
         with PROGRESS.waiting_for("the players to take the parameters"):
             dist.broadcast(message, self.topo.first_trainer, group=self.topo.param_group)

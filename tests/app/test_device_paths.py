@@ -27,7 +27,16 @@ from ppo_fabric.envs.multiagent import SINGLE
 from ppo_fabric.learn.learners import build_learners, policy_specs
 from ppo_fabric.runs import checkpoint as ckpt
 from ppo_fabric.wire.placement import check_local_rank, role_map, trainer_kind
-from ppo_fabric.wire.protocol import BatchCodec, Header, HostStage, Kind, Topology, TrainerLink
+from ppo_fabric.wire.protocol import (
+    BatchCodec,
+    Header,
+    HostStage,
+    Kind,
+    PlayerLink,
+    ProtocolError,
+    Topology,
+    TrainerLink,
+)
 
 DECOUPLED = ["strategy=decoupled", "env.num_envs=4", "algo.rollout_steps=32", "algo.minibatch_size=64"]
 
@@ -276,7 +285,35 @@ def test_trainer_fences_before_reusing_its_buffers(monkeypatch: pytest.MonkeyPat
     link.publish(params, torch.tensor([0.5]), 3, signum=15)
     assert log[0] == "fence" and log[1][0] == "broadcast"
     message = log[1][1]
-    assert message[:3].tolist() == [float(Kind.PARAMS), 3.0, 15.0] and message[-1].item() == 0.5
+    assert message[:4].tolist() == [float(Kind.PARAMS), 0.0, 3.0, 15.0] and message[-1].item() == 0.5
+
+
+def test_parameters_carry_their_exact_update_and_come_in_order(monkeypatch: pytest.MonkeyPatch) -> None:
+    """PARAMS is one float32 tensor: an update past 2**24 (which float32 rounds: 16,777,217 -> 16,777,216)
+    arrives exact, and a player refuses parameters that are not the next update's (it would train on and
+    log them under the wrong update without a word)."""
+    timeout = datetime.timedelta(seconds=5)
+    params = list(torch.nn.Linear(2, 1).parameters())
+    on_wire: list[torch.Tensor] = []
+    monkeypatch.setattr(torch.distributed, "broadcast", lambda t, src, group=None: on_wire.append(t.clone()))
+    trainer = TrainerLink(Topology(1, [0], [1], timeout), {}, torch.device("cpu"))
+    first = 2**24 + 1
+    for update in (first, first + 1, first + 3):
+        trainer.publish(params, torch.tensor([0.25]), update, signum=2)
+
+    def receive(t: torch.Tensor, src: int, group: Any = None) -> None:
+        t.copy_(on_wire.pop(0))
+
+    monkeypatch.setattr(torch.distributed, "broadcast", receive)
+    player = PlayerLink(Topology(0, [0], [1], timeout), {}, num_params=3, num_metrics=1, first_update=first)
+    update, flat, metrics, signum = player.receive_params()
+    assert (update, signum, metrics.tolist()) == (first, 2, [0.25])
+    assert torch.equal(flat, torch.nn.utils.parameters_to_vector(params).detach())
+    assert player.receive_params()[0] == first + 1
+    with pytest.raises(
+        ProtocolError, match=rf"expected the parameters of update {first + 2}, got update {first + 3}"
+    ):
+        player.receive_params()
 
 
 # --------------------------------------------------------------------------------------- RNG with CUDA
