@@ -549,3 +549,23 @@ def test_the_lstm_recipe_runs_with_another_model(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="model.lstm lacks num_layers") as err:
         load(["+model.lstm.hidden_size=8", "+model.lstm.seq_len=4", f"hydra.run.dir={tmp_path}/b"])
     assert "\n" not in str(err.value)
+
+
+def test_recurrent_core_reads_the_resets_in_one_transfer(monkeypatch: pytest.MonkeyPatch) -> None:
+    """On a GPU each tensor read on the host waits for the device: where the sequences reset is read once
+    per minibatch, not once per time step (a 32-step sequence made 31 waits)."""
+    core = RecurrentCore(in_dim=3, hidden_size=4, num_layers=1)
+    starts = torch.zeros(2, 32, dtype=torch.bool)
+    starts[0, 10] = starts[1, 20] = True
+    reads: list[str] = []
+    for name in ("__bool__", "item", "tolist"):
+        original = getattr(torch.Tensor, name)
+
+        def counted(self: torch.Tensor, *args: Any, _name: str = name, _original: Any = original) -> Any:
+            reads.append(_name)
+            return _original(self, *args)
+
+        monkeypatch.setattr(torch.Tensor, name, counted)
+    with torch.no_grad():
+        out = core.sequence(torch.randn(2, 32, 3), torch.zeros(2, *core.state_shape), starts)
+    assert out.shape == (2, 32, 4) and len(reads) == 1, reads
