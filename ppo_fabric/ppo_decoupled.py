@@ -230,8 +230,10 @@ class Player:
             self.stop(signum, pipelined)
         if clock_due:
             state.timed.add(update + 1)
-        # a checkpoint of update k (received during this rollout) holds the state from before it
+        # a checkpoint of update k (received during this rollout) holds the state from before it, and so
+        # does its log row: the episodes that ended up to its env step
         snapshot = self.snapshot() if pipelined and self.checkpoint_due(update) else None
+        episodes = self.episode_rows() if pipelined and session.log_due(update) else None
         t0 = time.perf_counter()
         self.collector.collect(self.policies, session.env_step(update))
         session.watch.add("collect", time.perf_counter() - t0)
@@ -243,7 +245,8 @@ class Player:
         self.link.send_data(batches, state.behaviour, self.pipeline, checkpoint_after=clock_due)
         session.watch.add("send", time.perf_counter() - t0)
         if pipelined:
-            state.adopt(self.receive(snapshot))  # update `update - 1` finished meanwhile
+            # the update on rollout `update - 1`, done meanwhile
+            state.adopt(self.receive(snapshot, episodes))
         elif state.held is not None:  # the resumed rollout is sent: act with the newest parameters
             vector_to_parameters(state.held, self.params)
             state.behaviour, state.held = state.received, None
@@ -262,11 +265,16 @@ class Player:
     def checkpoint_due(self, update: int) -> bool:
         return self.session.checkpoint_due(update) or update in self.state.timed
 
-    def receive(self, snapshot: dict[str, Any] | None = None) -> int:
+    def receive(
+        self,
+        snapshot: dict[str, Any] | None = None,
+        episodes: tuple[dict[str, float], list] | None = None,
+    ) -> int:
         """PARAMS: load the newest parameters, log the update they came from, checkpoint when due.
 
         `snapshot` is this player's state from before the rollout now in flight (pipeline), which is what
-        a checkpoint of the new update must hold for an exact resume.
+        a checkpoint of the new update must hold for an exact resume; `episodes`, the episode statistics
+        from before it (`episode_rows`), what the update's log row holds.
         """
         session = self.session
         t0 = time.perf_counter()
@@ -280,19 +288,24 @@ class Player:
         if update > session.start_update:
             self.collector.after_update(self.policies, update)
             if session.log_due(update):
-                players = self.topo.players
-                summed = self.link.sum_over_players if len(players) > 1 else None
-                episodes = episode_metrics(self.collector, summed)
-                windows = recent_windows(
-                    self.collector.episodes.window, players.index(self.topo.rank), len(players), summed
-                )
-                row = dict(zip(self.names, metrics.tolist(), strict=True)) | episodes
+                finished, windows = episodes if episodes is not None else self.episode_rows()
+                row = dict(zip(self.names, metrics.tolist(), strict=True)) | finished
                 session.log(update, row, self.collector, windows)
             if evaluate_in_background(self.evaluation, session, update, self.policies, self.collector):
                 self.amend_evaluation()  # the last checkpoint was written while this evaluation ran
             if self.checkpoint_due(update):  # the last one is written once the final evaluation is in it
                 self.checkpoint(update, snapshot, write=update < session.end_update)
         return update
+
+    def episode_rows(self) -> tuple[dict[str, float], list]:
+        """The episodes finished since the last row and the recent ones, over every player (a collective
+        of the players: each calls it at the same update)."""
+        players = self.topo.players
+        summed = self.link.sum_over_players if len(players) > 1 else None
+        windows = recent_windows(
+            self.collector.episodes.window, players.index(self.topo.rank), len(players), summed
+        )
+        return episode_metrics(self.collector, summed), windows
 
     def checkpoint(self, update: int, snapshot: dict[str, Any] | None, write: bool = True) -> None:
         """CHECKPOINT: every rank's part; the first trainer's holds the learners. Without `write`, the

@@ -180,6 +180,29 @@ def test_layout_runs_to_the_end(tmp_path: Path, players: int, devices: int, pipe
 
 
 @pytest.mark.multiprocess
+def test_a_rows_episodes_are_those_collected_up_to_its_env_step(tmp_path: Path) -> None:
+    """A row at env step s holds the episodes that ended up to s, as a coupled run's does: the pipelined
+    player receives update k while rollout k is collected, and its rows counted that rollout's episodes too
+    (one rollout early on the x-axis). Each one-step episode of the clock env returns how many steps its
+    env had taken, so a row's mean return says which rollout its episodes came from."""
+    envs, steps, updates = 2, 8, 5
+    overrides = ["logger.tensorboard=false", "env=gym", "env.id=tests.clock_env:make", f"env.num_envs={envs}",
+                 f"algo.rollout_steps={steps}", "algo.minibatch_size=8", f"algo.total_steps={envs * steps * updates}",
+                 "eval.every=0"]  # fmt: skip
+    # update u learnt from rollout u - 1: each env's steps (u - 1) * steps + 1 .. u * steps
+    expected = [(u * envs * steps, (u - 1) * steps + (steps + 1) / 2) for u in range(1, updates + 1)]
+    coupled = tmp_path / "coupled"
+    ppo_fabric.run([*overrides, f"hydra.run.dir={coupled}"])
+    for run_dir in (coupled, None):
+        if run_dir is None:
+            _run(_python_m(2, *overrides, "algo.pipeline=true"), tmp_path)
+            run_dir = _single_run_dir(tmp_path)
+        rows = [row for row in read_rows(run_dir / "metrics.csv") if row.get("train/approx_kl")]
+        got = [(int(row["step"]), float(row["rollout/episode_return"])) for row in rows]
+        assert got == expected, run_dir
+
+
+@pytest.mark.multiprocess
 def test_probe_learned_with_two_ddp_trainers(tmp_path: Path) -> None:
     """1 player + 2 trainers with the pipeline: DDP among the trainers and the lagged data still learn.
 
