@@ -1,6 +1,7 @@
 """ppo-fabric: PPO on Lightning Fabric, coupled or decoupled, configured by Hydra.
 
-The public face: `run` trains, `load_policy` gives a trained policy to act with (`Policy.predict`)."""
+The public face: `run` trains, `load_policy` gives a trained policy to act with (`Policy.predict`);
+`ConfigError` (a config that cannot run) and `RunFault` (a run that went wrong) are what `run` raises."""
 
 from __future__ import annotations
 
@@ -9,10 +10,12 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from pathlib import Path
 
+    from ppo_fabric.config.faults import RunFault
+    from ppo_fabric.config.values import ConfigError
     from ppo_fabric.policy.trained import Policy
 
 __version__ = "0.1.0"
-__all__ = ["Policy", "load_policy", "run"]
+__all__ = ["ConfigError", "Policy", "RunFault", "load_policy", "run"]
 
 
 def run(overrides: list[str], env: Any = None) -> dict[str, Any]:
@@ -48,4 +51,12 @@ def __getattr__(name: str) -> Any:
         from ppo_fabric.policy.trained import Policy
 
         return Policy
+    if name == "ConfigError":
+        from ppo_fabric.config.values import ConfigError
+
+        return ConfigError
+    if name == "RunFault":
+        from ppo_fabric.config.faults import RunFault
+
+        return RunFault
     raise AttributeError(f"module 'ppo_fabric' has no attribute {name!r}")

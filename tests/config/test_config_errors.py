@@ -25,6 +25,7 @@ import torch
 
 import ppo_fabric
 from ppo_fabric.app.preflight import load
+from ppo_fabric.config.faults import RunFault
 from ppo_fabric.config.values import ConfigError, group_options
 
 # A run small enough to finish in well under a second: one rollout of the default CartPole, 4 envs x 128
@@ -172,10 +173,13 @@ def test_unknown_group_option_lists_every_option() -> None:
 
 
 def test_python_api_raises_config_error() -> None:
-    """`ppo_fabric.run` is the documented API; it must raise the same `ConfigError`, not start training."""
-    with pytest.raises(ConfigError, match=r"algo\.lr=0 ") as info:
+    """`ppo_fabric.run` is the documented API; it must raise the same `ConfigError`, not start training,
+    and a caller catches it (and `RunFault`) by the names the package root gives."""
+    with pytest.raises(ppo_fabric.ConfigError, match=r"algo\.lr=0 ") as info:
         ppo_fabric.run(["algo.lr=0"])
     _assert_one_line(str(info.value))
+    assert ppo_fabric.ConfigError is ConfigError and ppo_fabric.RunFault is RunFault
+    assert {"ConfigError", "RunFault"} <= set(ppo_fabric.__all__)
 
 
 # ------------------------------------------------------------------------------------- optional extras
