@@ -15,7 +15,22 @@ from typing import NoReturn
 from ppo_fabric.config.faults import launcher_child
 
 
+def one_line_warnings(
+    message: Warning | str, category: type[Warning], filename: str, lineno: int, line: str | None = None
+) -> str:
+    """ppo-fabric's own warnings (`ppo-fabric: ...`) as the one line they are, as its errors print; any
+    other as Python prints it (file, line and source)."""
+    text = str(message)
+    if text.startswith("ppo-fabric: "):
+        return text + "\n"
+    return _python_format(message, category, filename, lineno, line)
+
+
+_python_format = warnings.formatwarning
+
+
 def quiet_libraries() -> None:
+    warnings.formatwarning = one_line_warnings
     warnings.filterwarnings("ignore", message=".*is not a supported pipeline.*")
     warnings.filterwarnings("ignore", category=UserWarning, module="lightning_fabric.*")
     warnings.filterwarnings("ignore", message=".*does not have many workers.*")

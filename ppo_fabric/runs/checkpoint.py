@@ -456,7 +456,7 @@ def restore_envs(snapshot: dict[str, Any] | None, fallback: Any) -> Any:
     none (async or unpicklable envs, or resume_env=fresh). An unsigned snapshot raises ValueError unread."""
     if snapshot is None:
         warnings.warn(
-            "the checkpoint holds no env state (async or unpicklable envs, envs whose pickle does not keep "
+            "ppo-fabric: the checkpoint holds no env state (async or unpicklable envs, envs whose pickle does not keep "
             "their state, or resume_env=fresh): episodes restart on resume",
             stacklevel=2,
         )

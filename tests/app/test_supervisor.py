@@ -485,3 +485,21 @@ def test_a_restarted_resume_auto_keeps_the_runs_own_values(tmp_path: Path) -> No
 
     saved = ckpt.load(run_dir / "checkpoints" / "last.ckpt", env_state="fresh")["config"]
     assert saved["env"]["num_envs"] == 2
+
+
+def test_the_runs_own_warnings_print_as_one_line(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A run's process prints ppo-fabric's warnings (a resume without env state, a tracker that failed) as
+    the one line they are, as its errors; a library's warning keeps Python's file, line and category."""
+    import warnings
+
+    from ppo_fabric.app import process
+
+    monkeypatch.setattr(warnings, "formatwarning", warnings.formatwarning)
+    monkeypatch.setattr(warnings, "filters", list(warnings.filters))
+    process.quiet_libraries()
+    ours = warnings.formatwarning(
+        UserWarning("ppo-fabric: episodes restart"), UserWarning, "/x/ckpt.py", 9, "src"
+    )
+    theirs = warnings.formatwarning(UserWarning("deprecated"), DeprecationWarning, "/y/lib.py", 3, "src")
+    assert ours == "ppo-fabric: episodes restart\n"
+    assert theirs.startswith("/y/lib.py:3: DeprecationWarning: deprecated"), theirs
