@@ -87,14 +87,16 @@ def _rank() -> int:
     return int(os.environ.get("RANK", os.environ.get("LOCAL_RANK", "0")) or 0)
 
 
-def settled_overrides(overrides: list[str]) -> list[str]:
+def settled_overrides(
+    overrides: list[str], config_path: str | None = None, config_name: str | None = None
+) -> list[str]:
     """The command line as every process of the run sees it: the env id's tuned values first
-    (`tuned.with_tuned_values`), and for `resume=<checkpoint>` without `hydra.run.dir` the checkpoint's
+    (`tuned.with_tuned_values`, which reads a user's own primary config), and for `resume=<checkpoint>` without `hydra.run.dir` the checkpoint's
     own run directory, so that a resumed run goes on writing one metrics.csv, plot and summary (a
     checkpoint kept outside a `<run>/checkpoints/` folder starts a new directory as any run does)."""
     from hydra.core.override_parser.overrides_parser import OverridesParser
 
-    settled = with_tuned_values(list(overrides))
+    settled = with_tuned_values(list(overrides), config_path, config_name)
     try:
         parsed = OverridesParser.create().parse_overrides(settled)
     except Exception:  # Hydra's grammar errors have no common base; composing names the override
@@ -171,10 +173,10 @@ def run_app(argv: list[str], task: Task, check: bool = True) -> Invocation:
     args = args_parser.parse_intermixed_args(argv)  # flags anywhere: `env=x -m seed=1,2` works too
     if args.experimental_rerun is not None:
         fail("--experimental-rerun is not supported: it unpickles a file; rerun the overrides instead")
-    if not args.multirun:  # a sweep's jobs settle their own command lines
-        args.overrides = settled_overrides(list(args.overrides))
     args.config_path = _absolute(args.config_path)
     args.config_dir = _absolute(args.config_dir)
+    if not args.multirun:  # a sweep's jobs settle their own command lines
+        args.overrides = settled_overrides(list(args.overrides), args.config_path, args.config_name)
     invocation = Invocation(list(args.overrides), args.config_path, args.config_name, args.config_dir)
     shows = args.cfg is not None or args.info is not None or args.shell_completion
     if under_fabric_run():

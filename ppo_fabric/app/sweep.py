@@ -178,7 +178,9 @@ class Sweep:
 
         assert self.config is not None
         shown = " ".join(job_overrides(overrides))
-        settled = with_tuned_values(overrides)  # as the job's own command line will (hydra_app)
+        # as the job's own command line will (hydra_app), with the sweep's primary config
+        own = str(self.config.hydra.job.config_name)
+        settled = with_tuned_values(overrides, None if own == "config" else "", own)
         try:
             sweep_config = self.context.config_loader.load_sweep_config(self.config, settled)
         except Exception as exc:  # Hydra raises many types; each becomes one line

@@ -59,13 +59,17 @@ def _parsed(overrides: list[str]) -> list | None:
         return None
 
 
-def with_tuned_values(overrides: list[str]) -> list[str]:
+def with_tuned_values(
+    overrides: list[str], config_path: str | None = None, config_name: str | None = None
+) -> list[str]:
     """`overrides` with the tuned options of the env id they name put first and a `tuning=` override
     saying where the values come from; unchanged when they already say (`tuning=` present).
 
     - `env=` or `exp=` given: the user chose; `tuning` says which option.
     - `env.id=ID` alone: conf/tuned.yaml's options for ID, or `env=gym` when it has none.
-    - neither: the config's default env option (CartPole's tuned values in ours).
+    - neither: the config's default env option (CartPole's tuned values in ours). A user's own primary
+      config (`config_path`/`config_name`) decides as a command line would: its own `env`/`exp` choice,
+      or the id it sets with ours left at `env=cartpole` (`_own_config`).
     A sweep over `env.id` (`env.id=A,B`) is left to each job, which expands its own id. A run resumed
     from a checkpoint (`resume=PATH`) continues its saved config, tuned values included: nothing is added,
     so an `env.id` named again with its saved value changes nothing (`resume=auto` may start a new run,
@@ -81,18 +85,64 @@ def with_tuned_values(overrides: list[str]) -> list[str]:
     if chosen:
         note = f"{' '.join(chosen)} (chosen on the command line)"
         return [*overrides, f"tuning={quoted(note)}"]
-    if not ids or ids[-1].is_sweep_override():
-        if ids:
-            return list(overrides)
-        note = "the default env option, in ours env=cartpole with tuned values for CartPole-v1"
-        return [*overrides, f"tuning={quoted(note)}"]
-    env_id = str(ids[-1].value())
+    if ids and ids[-1].is_sweep_override():
+        return list(overrides)
+    if ids:
+        return _for_id(str(ids[-1].value()), overrides, "")
+    own = _own_config(parsed, config_path, config_name)
+    if own is not None:
+        name, chosen_by_it, env_id = own
+        if chosen_by_it:
+            return [*overrides, f"tuning={quoted(f'{chosen_by_it} (chosen by the config {name})')}"]
+        if env_id != DEFAULT_ID:
+            return _for_id(env_id, overrides, f"{OWN_MARK} {name})")
+    note = f"the default env option, in ours {DEFAULT_OPTION} with tuned values for {DEFAULT_ID}"
+    return [*overrides, f"tuning={quoted(note)}"]
+
+
+DEFAULT_OPTION, DEFAULT_ID = "env=cartpole", "CartPole-v1"  # conf/config.yaml's default env option
+OWN_MARK = "(env.id set by the config"  # the note of an id a user's own config sets
+
+
+def _for_id(env_id: str, overrides: list[str], source: str) -> list[str]:
+    """The tuned options of `env_id` first, then `overrides`, then the note (`source`: who set the id)."""
     options = tuned_options(env_id)
     if options is None:
         note = f"{GENERIC}, the generic defaults: conf/tuned.yaml has no tuned values for {env_id}"
-        return [GENERIC, *overrides, f"tuning={quoted(note)}"]
-    note = f"{' '.join(options)}, tuned values for {env_id} (conf/tuned.yaml)"
-    return [*options, *overrides, f"tuning={quoted(note)}"]
+        options = (GENERIC,)
+    else:
+        note = f"{' '.join(options)}, tuned values for {env_id} (conf/tuned.yaml)"
+    return [*options, *overrides, f"tuning={quoted(f'{note} {source}'.strip())}"]
+
+
+def _own_config(
+    parsed: list, config_path: str | None, config_name: str | None
+) -> tuple[str, str, str] | None:
+    """For a user's own primary config: (its name, the `env=`/`exp=` option it chose over ours or "",
+    the env id it composes to); None for ours, or for one that does not compose (composing says why)."""
+    if config_path is None and config_name in (None, "config"):
+        return None
+    from hydra import compose as hydra_compose
+    from hydra.core.global_hydra import GlobalHydra
+
+    from ppo_fabric.config.values import compose
+
+    name = config_name or "config"
+    fixed = [o.input_line for o in parsed if not o.is_sweep_override() and o.input_line is not None]
+    try:
+        if GlobalHydra.instance().is_initialized():  # inside a running app (a sweep's launcher)
+            cfg = hydra_compose(name, overrides=fixed, return_hydra_config=True)
+        else:
+            cfg = compose(fixed, config_path, name, keep_hydra=True)[0]
+        choices = cfg.hydra.runtime.choices
+        env_option, exp_option, env_id = choices.get("env"), choices.get("exp"), str(cfg.env.id)
+    except Exception:  # ConfigError, or Hydra's many types: the run's own compose names the mistake
+        return None
+    if exp_option not in (None, "null"):
+        return name, f"exp={exp_option}", env_id
+    if f"env={env_option}" != DEFAULT_OPTION:
+        return name, f"env={env_option}", env_id
+    return name, "", env_id
 
 
 def without_tuned_values(overrides: list[str]) -> list[str]:
@@ -112,6 +162,11 @@ def without_tuned_values(overrides: list[str]) -> list[str]:
         return list(overrides)
     ids = [str(o.value()) for o in parsed if o.key_or_group == "env.id" and not o.is_sweep_override()]
     added = list(tuned_options(ids[-1]) or (GENERIC,)) if ids else []
+    note = str(parsed[-1].value())
+    if not ids and OWN_MARK in note:  # an id the user's own config sets: the note names its options
+        added = note.split(",", 1)[0].split()
+        if head[: len(added)] == added:
+            return [*head[len(added) : -1], *tail]
     candidates = [head[:-1]]  # the note alone (the user chose the option, or named no id)
     if added and head[: len(added)] == added:
         candidates.insert(0, head[len(added) : -1])

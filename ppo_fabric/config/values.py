@@ -113,10 +113,14 @@ def _unparsable_override(overrides: list[str]) -> tuple[str, str] | None:
 
 
 def compose(
-    overrides: list[str], config_path: str | None = None, config_name: str = "config"
+    overrides: list[str],
+    config_path: str | None = None,
+    config_name: str = "config",
+    keep_hydra: bool = False,
 ) -> tuple[DictConfig, str]:
     """Compose the primary config (ours, `conf/config.yaml`, or a user's `config_path`/`config_name`, which
-    finds our groups through the search-path plugin) with overrides; returns (config, run-dir template)."""
+    finds our groups through the search-path plugin) with overrides; returns (config, run-dir template).
+    `keep_hydra`: the config keeps its `hydra` node (the options chosen: `hydra.runtime.choices`)."""
     from hydra import compose as hydra_compose
     from hydra import initialize_config_dir, initialize_config_module
 
@@ -138,8 +142,9 @@ def compose(
         raise translate_hydra_error(exc, overrides) from exc
     _check_auto_resume_dir(cfg)
     run_dir = str(cfg.hydra.run.dir)
-    with open_dict(cfg):
-        del cfg["hydra"]
+    if not keep_hydra:
+        with open_dict(cfg):
+            del cfg["hydra"]
     return cfg, run_dir
 
 

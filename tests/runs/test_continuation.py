@@ -8,6 +8,8 @@ total_steps, CartPole's values for another env), the lr line was recomputed from
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 from omegaconf import OmegaConf
 
@@ -162,6 +164,24 @@ def test_a_chosen_option_is_kept_and_recorded() -> None:
     assert with_tuned_values(given) == given  # settled once: every process sees the same command line
     default, _ = compose(with_tuned_values([]))
     assert default.env.id == "CartPole-v1" and "default env option" in default.tuning
+
+
+def test_a_users_own_config_decides_as_a_command_line_would(tmp_path: Path) -> None:
+    """A primary config of the user's (`--config-path/--config-name`) that picks an env option is recorded
+    as its choice (the note said ours, CartPole); one that sets only `env.id` over ours gets that id's
+    values, as `env.id=` on the command line does (it trained Acrobot with CartPole's 20 epochs)."""
+    (tmp_path / "lunar.yaml").write_text("defaults:\n  - config\n  - override env: lunarlander\n  - _self_\n")
+    (tmp_path / "acro.yaml").write_text("defaults:\n  - config\n  - _self_\nenv:\n  id: Acrobot-v1\n")
+    where = str(tmp_path)
+    lunar = with_tuned_values(["seed=3"], where, "lunar")
+    assert lunar == ["seed=3", "tuning='env=lunarlander (chosen by the config lunar)'"]
+    acro = with_tuned_values(["seed=3", "resume=auto", "hydra.run.dir=R"], where, "acro")
+    cfg, _ = compose(acro, where, "acro")
+    assert cfg.env.id == "Acrobot-v1" and cfg.algo.update_epochs == 4 and cfg.algo.gamma == 0.99
+    assert acro[0] == "env=gym" and "(env.id set by the config acro)" in cfg.tuning
+    assert without_tuned_values(acro) == ["seed=3", "resume=auto", "hydra.run.dir=R"]  # as typed
+    assert with_tuned_values(["env.id=CartPole-v1"], where, "acro")[0] == "env=cartpole"  # the line wins
+    assert with_tuned_values([], where, "nosuch")[-1].startswith("tuning='the default env option")
 
 
 @pytest.mark.slow  # seconds in process (a run, or every option composed): not the unit tier
