@@ -21,10 +21,11 @@ __all__ = ["ConfigError", "Policy", "RunFault", "load_policy", "run"]
 def run(overrides: list[str], env: Any = None) -> dict[str, Any]:
     """Train with Hydra-style overrides, e.g. `run(["env.id=Acrobot-v1", "algo.total_steps=1e5"])`; returns
     the run's summary (what `summary.json` holds). `env`: an env factory, a module-level function or class
-    returning a gymnasium env (the same as `env.id=module:name`).
+    returning a gymnasium env (the same as `env.id=module:name`). A job of several processes
+    (`fabric.devices=2`, `strategy=decoupled`) runs as `python -m ppo_fabric` in a child process.
 
     A config that cannot run raises `ConfigError` (a ValueError with a one-line message, raised from here:
-    no traceback through the package); a run that goes wrong raises `ppo_fabric.config.faults.RunFault`
+    no traceback through the package); a run that goes wrong raises `RunFault`
     (bad env data, a diverged update, a checkpoint that could not be written), its message one line. With
     `resume=auto` and a fixed `hydra.run.dir` the call can be repeated: it continues the run, or returns the
     finished run's summary. SIGINT (Ctrl+C, a notebook's interrupt) stops a one-process run at its next

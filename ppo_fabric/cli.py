@@ -23,7 +23,13 @@ from ppo_fabric.compat.imports import skip_torchmetrics_probe
 from ppo_fabric.config.arguments import fail
 from ppo_fabric.config.faults import FAULT_EXIT, RunComplete, RunFault
 from ppo_fabric.config.tuned import quoted
-from ppo_fabric.config.values import ConfigError, check_values, compose, under_fabric_run
+from ppo_fabric.config.values import (
+    ConfigError,
+    check_values,
+    compose,
+    launched_world_size,
+    under_fabric_run,
+)
 
 if TYPE_CHECKING:
     from ppo_fabric.app.launch import StrategyMain
@@ -68,7 +74,8 @@ def env_reference(env: Any) -> str:
 
 
 def run(overrides: list[str], env: Any = None) -> dict[str, Any]:
-    """Train in this process; returns rank 0's summary. This is the Python API: `ppo_fabric.run([...])`.
+    """Train in this process (a job of several processes: in a child, `_run_processes`); returns rank 0's
+    summary. This is the Python API: `ppo_fabric.run([...])`.
 
     `env`: an env factory (a module-level function or class returning a gymnasium env), the same as
     `env.id=module:name`. Raises `ConfigError` for a config that cannot run; a `resume=auto` run that is
@@ -79,10 +86,12 @@ def run(overrides: list[str], env: Any = None) -> dict[str, Any]:
     overrides = settled_overrides(overrides)
     cfg, run_dir = compose(overrides)
     check_values(cfg)
+    if launched_world_size(cfg) > 1 and not under_fabric_run():
+        return _run_processes(cfg, overrides, Path(run_dir))
     if int(cfg.restarts) > 0:
         raise ConfigError(
             f"restarts={cfg.restarts} needs the supervisor of python -m ppo_fabric / ppo-fabric; "
-            "ppo_fabric.run() trains in this process"
+            "ppo_fabric.run() trains in this process (or give fabric.devices=2 or more)"
         )
     try:
         return train(cfg, run_dir, overrides)
@@ -90,6 +99,36 @@ def run(overrides: list[str], env: Any = None) -> dict[str, Any]:
         supervisor.say(str(done))
         summary = Path(run_dir) / "summary.json"
         return json.loads(summary.read_text()) if summary.is_file() else {}
+
+
+def _run_processes(cfg: DictConfig, overrides: list[str], run_dir: Path) -> dict[str, Any]:
+    """`ppo_fabric.run()` of a job of several processes: the job runs as `python -m ppo_fabric` would run
+    it, in a child process with its supervisor, its output copied here. Launched from this process,
+    Lightning would start the other ranks by running the caller's script again (every `run()` before this
+    one trained again) or the notebook's kernel. Its failure is raised as the in-process run's would be."""
+    import signal
+
+    from ppo_fabric.app.jobs import run_attached
+
+    if str(cfg.env.id).startswith("__main__:"):
+        raise ConfigError(
+            f"env.id={cfg.env.id}: a job of {launched_world_size(cfg)} processes rebuilds the env in each, and "
+            "they cannot import the calling script or notebook; define the factory in a module (a .py file)"
+        )
+    status, lines = run_attached(overrides, run_dir, sys.stdout)
+    # the cause: the first error a rank reported (the supervisor's last line says only that a rank failed)
+    errors = [line for line in lines if line.startswith("ppo-fabric: error: ")]
+    said = (errors or lines or [""])[0 if errors else -1].removeprefix("ppo-fabric: ").removeprefix("error: ")
+    if status == 0:
+        summary = run_dir.resolve() / "summary.json"
+        return json.loads(summary.read_text()) if summary.is_file() else {}
+    if status == 2:
+        raise ConfigError(said or "the job refused its config (exit 2)")
+    if status == 128 + signal.SIGTERM:
+        raise SystemExit(status)
+    if status == 128 + signal.SIGINT:
+        raise KeyboardInterrupt(said)
+    raise RunFault(said or f"the job ended with exit status {status}")
 
 
 def _task(cfg: DictConfig, invocation: Invocation) -> int:

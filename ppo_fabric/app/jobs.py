@@ -13,6 +13,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -83,8 +84,10 @@ class RunProcess:
         run_dir: Path,
         env: dict[str, str] | None = None,
         log_path: Path | None = None,
+        piped: bool = False,
     ) -> RunProcess:
-        """Start the job; its output goes to `log_path` when given, else to this process's stdout/stderr."""
+        """Start the job; its output goes to `log_path` when given, to a pipe (`proc.stdout`, both streams)
+        with `piped`, else to this process's stdout/stderr."""
         run_dir = Path(run_dir).resolve()
         run_dir.parent.mkdir(parents=True, exist_ok=True)
         log = None
@@ -94,8 +97,8 @@ class RunProcess:
         proc = subprocess.Popen(
             job_command(overrides, run_dir),
             env=job_environment(env),
-            stdout=log,
-            stderr=subprocess.STDOUT if log is not None else None,
+            stdout=subprocess.PIPE if piped else log,
+            stderr=subprocess.STDOUT if log is not None or piped else None,
             start_new_session=True,
         )
         return cls(list(overrides), run_dir, proc, log=log)
@@ -148,3 +151,37 @@ class RunProcess:
         if self.log is not None and not self.log.closed:
             self.log.close()
         return exit_status(code)
+
+
+def run_attached(overrides: list[str], run_dir: Path, out: IO[str]) -> tuple[int, list[str]]:
+    """Run one job to its end, its output copied line by line to `out` (a notebook's cell shows what is
+    written to `sys.stdout`, not what the job's processes write to their file descriptors); returns its
+    exit status and its `ppo-fabric:` lines. A KeyboardInterrupt stops the job as a terminal's Ctrl+C
+    would (its ranks write their stop checkpoint), a second one kills it; the interrupt is raised once
+    the job has ended."""
+    job = RunProcess.start(overrides, run_dir, piped=True)
+    said: list[str] = []
+
+    def copy() -> None:
+        assert job.proc.stdout is not None
+        for raw in iter(job.proc.stdout.readline, b""):
+            line = raw.decode(errors="replace")
+            if line.startswith("ppo-fabric:"):
+                said.append(line.strip())
+            out.write(line)
+            out.flush()
+
+    copier = threading.Thread(target=copy, name="ppo-fabric job output", daemon=True)
+    copier.start()
+    interrupted = False
+    while True:
+        try:
+            status = job.wait()
+            break
+        except KeyboardInterrupt:
+            interrupted = True
+            job.stop(signal.SIGINT)  # a second interrupt: `stop` kills
+    copier.join(timeout=5)
+    if interrupted:
+        raise KeyboardInterrupt(said[-1] if said else "the job was interrupted")
+    return status, said

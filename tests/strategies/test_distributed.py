@@ -66,6 +66,34 @@ def test_python_m_launches_two_processes(tmp_path: Path) -> None:
 
 
 @pytest.mark.multiprocess
+def test_the_python_api_runs_a_job_of_two_processes_without_running_the_script_again(tmp_path: Path) -> None:
+    """`ppo_fabric.run([... "fabric.devices=2"])` from a script: Lightning started the second rank by running
+    the script again (every `run()` before that call trained again; a notebook's kernel cannot be run
+    again at all). The job runs as `python -m ppo_fabric` in a child process; its summary comes back, its
+    output is this process's, and a failure is raised as `RunFault` naming the rank's cause."""
+    script = tmp_path / "train.py"
+    script.write_text(
+        "import ppo_fabric\n"
+        "open('started.txt', 'a').write('x')\n"
+        f"summary = ppo_fabric.run([{', '.join(repr(o) for o in SMALL)}, 'fabric.devices=2', 'hydra.run.dir=ok'])\n"
+        "print('SUMMARY', summary['world_size'], summary['total_env_steps'])\n"
+        "try:\n"
+        "    ppo_fabric.run(['fabric.devices=2', 'env.id=tests.faulty_env:FaultyCartPole-v0', "
+        "'+env.kwargs.fault=raise', 'hydra.run.dir=bad', 'eval.every=0'])\n"
+        "except ppo_fabric.RunFault as fault:\n"
+        "    print('FAULT', fault)\n"
+    )
+    proc = _run([sys.executable, str(script)], tmp_path)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert (tmp_path / "started.txt").read_text() == "x", "the script ran again"
+    assert "SUMMARY 2 4096" in proc.stdout and "ppo-fabric: coupled CartPole-v1: 4096 steps" in proc.stdout
+    (fault,) = [line for line in proc.stdout.splitlines() if line.startswith("FAULT")]
+    assert fault.startswith("FAULT rank ") and "env.step raised RuntimeError: simulator crashed" in fault, (
+        fault
+    )
+
+
+@pytest.mark.multiprocess
 def test_fabric_run_joins_existing_processes(tmp_path: Path) -> None:
     cmd = [
         str(FABRIC),
