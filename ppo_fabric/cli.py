@@ -53,7 +53,7 @@ def train(
     change of the run's own config) to the Hydra run's. Raises `ConfigError`."""
     from ppo_fabric.app import launch
 
-    return launch.train(cfg, strategy_of(cfg), run_dir, overrides)
+    return launch.train(cfg, strategy_of, run_dir, overrides)
 
 
 def env_reference(env: Any) -> str:
@@ -93,8 +93,12 @@ def run(overrides: list[str], env: Any = None) -> dict[str, Any]:
             f"restarts={cfg.restarts} needs the supervisor of python -m ppo_fabric / ppo-fabric; "
             "ppo_fabric.run() trains in this process (or give fabric.devices=2 or more)"
         )
+    from ppo_fabric.app.launch import NeedsProcesses
+
     try:
         return train(cfg, run_dir, overrides)
+    except NeedsProcesses:  # a resumed run's own config asks for several processes
+        return _run_processes(cfg, overrides, Path(run_dir))
     except RunComplete as done:
         supervisor.say(str(done))
         summary = Path(run_dir) / "summary.json"

@@ -308,13 +308,15 @@ def timed_out(exc: BaseException) -> bool:
 
 def train(
     cfg: DictConfig,
-    main: StrategyMain,
+    strategy: Callable[[DictConfig], StrategyMain],
     run_dir: str | Path | None = None,
     overrides: list[str] | None = None,
 ) -> dict[str, Any]:
     """The one way a run starts, whatever started it (the Hydra app's job, `ppo_fabric.run([...])`, each
     rank under `fabric run`): check the composed config for `run_dir` (default: the Hydra run's output
-    directory), then launch `main`; returns this rank's summary. `overrides`: the command line `cfg` was
+    directory), then launch the `main` that `strategy` gives for it; returns this rank's summary. The
+    strategy is chosen after the checks: a resume continues the checkpoint's config, its strategy
+    included (a decoupled run resumed without `strategy=decoupled` trained on as coupled). `overrides`: the command line `cfg` was
     composed from (default: the running Hydra app's), which is all a resume may change of the run's own
     config. Raises `ConfigError` before anything starts, `RunComplete` for a finished `resume=auto` run.
     """
@@ -337,7 +339,15 @@ def train(
     facts = prepare(cfg, str(run_dir), overrides, composer(None, name))
     if int(cfg.torch_threads) != threads:  # a resume's own, restored (0: torch's choice)
         set_threads(int(cfg.torch_threads) or torch_default)
-    return launch(cfg, str(run_dir), facts, main, caller_owns_process=not in_app)
+    if not in_app and int(facts["world_size"]) > 1 and not under_fabric_run():
+        raise NeedsProcesses(int(facts["world_size"]))  # a resume's own layout: `ppo_fabric.run` starts a job
+    return launch(cfg, str(run_dir), facts, strategy(cfg), caller_owns_process=not in_app)
+
+
+class NeedsProcesses(Exception):
+    """`ppo_fabric.run()` of a config that turned out, once its checks restored a resumed run's own config,
+    to need several processes: the caller runs it as a job of its own (`cli._run_processes`), since
+    Lightning would start the other ranks by running the calling script again."""
 
 
 def run_script(strategy: str, main: StrategyMain) -> NoReturn:
@@ -349,9 +359,17 @@ def run_script(strategy: str, main: StrategyMain) -> NoReturn:
     if given and given[-1] != strategy:
         fail(f"strategy={given[-1]} conflicts with the launched file, which runs strategy={strategy}")
 
+    def this_file(cfg: DictConfig) -> StrategyMain:
+        if cfg.strategy != strategy:  # a resume's own config: the checkpoint's strategy
+            raise ConfigError(
+                f"resume={cfg.resume} continues a strategy={cfg.strategy} run; launch "
+                f"ppo_fabric/{'ppo_decoupled' if cfg.strategy == 'decoupled' else 'ppo'}.py"
+            )
+        return main
+
     def task(cfg: DictConfig, _: Any) -> int:
         try:
-            train(cfg, main)
+            train(cfg, this_file)
         except ConfigError as exc:
             fail(str(exc))
         except RunComplete as done:  # every rank finds it; rank 0 says it

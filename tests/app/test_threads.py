@@ -50,7 +50,7 @@ def test_torch_threads_hold_for_the_checks_every_process_runs(monkeypatch: pytes
         try:
             torch.set_num_threads(2)
             with pytest.raises(ConfigError, match="checked"):
-                launch.train(OmegaConf.create({"torch_threads": 1}), lambda *a: {}, "unused")
+                launch.train(OmegaConf.create({"torch_threads": 1}), lambda cfg: lambda *a: {}, "unused")
         finally:
             torch.set_num_threads(torch_before)
     assert seen == [1]

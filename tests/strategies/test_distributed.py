@@ -93,6 +93,25 @@ def test_the_python_api_runs_a_job_of_two_processes_without_running_the_script_a
     )
 
 
+def test_the_python_api_runs_a_resume_of_several_processes_as_a_job(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A resume's process count is the checkpoint's, known only once its checks restored the run's config:
+    the run in this process stops there and the job runs as a child, with the caller's overrides."""
+    from ppo_fabric import cli
+    from ppo_fabric.app import launch
+
+    def prepare(cfg: object, *_: object) -> dict:
+        return {"world_size": 2}
+
+    started: list[list[str]] = []
+    monkeypatch.setattr(launch, "prepare", prepare)
+    monkeypatch.setattr(launch, "launch", lambda *a, **k: pytest.fail("launched in this process"))
+    monkeypatch.setattr(
+        cli, "_run_processes", lambda cfg, overrides, run_dir: started.append(overrides) or {}
+    )
+    assert cli.run(["seed=5", "hydra.run.dir=unused"]) == {}
+    assert len(started) == 1 and "seed=5" in started[0]
+
+
 @pytest.mark.multiprocess
 def test_fabric_run_joins_existing_processes(tmp_path: Path) -> None:
     cmd = [
