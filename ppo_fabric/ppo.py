@@ -118,11 +118,11 @@ def main(fabric: Fabric, cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
             checkpoint(done, best=improved if evaluating else None, numbered=due or bool(signum))
         if signum and done < session.end_update:
             stopped = summary(done, signum)
-            collector.envs.close()
+            collector.close()
             session.stop(signum, done, stopped)
 
     finished = summary(session.end_update)
-    collector.envs.close()
+    collector.close()
     if evaluation is not None:
         evaluation.close()
     session.finish(finished)

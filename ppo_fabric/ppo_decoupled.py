@@ -395,7 +395,7 @@ class Player:
         self.write_checkpoint()
         self.amend_evaluation()  # when that checkpoint was written before the evaluation ended
         summary = self.summary(parts, signum)  # summary.json, interrupted
-        self.collector.envs.close()
+        self.collector.close()
         if self.evaluation is not None:
             self.evaluation.close()
         self.session.stop(signum, state.received, summary)
@@ -415,7 +415,7 @@ class Player:
         )
         self.write_checkpoint()
         summary = self.summary(parts)
-        self.collector.envs.close()
+        self.collector.close()
         if self.evaluation is not None:
             self.evaluation.close()
         self.session.finish(summary)

@@ -2,7 +2,8 @@
 
 `fault`: `nan_obs` (one observation entry NaN), `inf_reward`, `huge_reward` (1e200: finite, but its square
 is not), `raise` (step raises), `hang` (step sleeps for
-ever, a stuck simulator), `slow` (each step sleeps `pause` seconds, 1 by default), `slow_close` (the process's first close takes 7 s; steps are fine) or `none`; it strikes at the `after`-th step of each env instance (a recreated env
+ever, a stuck simulator), `slow` (each step sleeps `pause` seconds, 1 by default), `slow_close` (the process's first close takes 7 s; steps are fine), `raise_init` (the constructor
+raises), `raise_close` (`close` raises once the env has stepped) or `none`; it strikes at the `after`-th step of each env instance (a recreated env
 starts counting again), on rank `rank` (-1: every rank), for `times` steps in a row (0: from then on);
 `others` is the fault of the other ranks then (default `none`).
 With `seeds`, only in an instance last reset with one of them (the evaluation envs' seeds: a fault in
@@ -34,6 +35,8 @@ class FaultyCartPole(CartPoleEnv):
         pause: float = 1.0,
         **kwargs: Any,
     ) -> None:
+        if fault == "raise_init":
+            raise RuntimeError("no licence for the simulator (injected by the test env)")
         super().__init__(**kwargs)
         here = int(os.environ.get("LOCAL_RANK", os.environ.get("RANK", "0")))
         self.fault = fault if rank < 0 or here == rank else others
@@ -46,6 +49,8 @@ class FaultyCartPole(CartPoleEnv):
         return super().reset(seed=seed, options=options)
 
     def close(self) -> None:
+        if self.fault == "raise_close" and self.steps > 0:  # the run's envs, not the checks' probe env
+            raise OSError("device busy (injected by the test env)")
         if self.fault == "slow_close" and _SLOW_CLOSES:
             _SLOW_CLOSES.pop()
             time.sleep(7.0)
@@ -57,7 +62,7 @@ class FaultyCartPole(CartPoleEnv):
         striking = self.steps >= self.after and (self.times == 0 or self.steps < self.after + self.times)
         if self.seeds is not None and self.seeded not in self.seeds:
             striking = False
-        if not striking or self.fault in ("none", "slow_close"):
+        if not striking or self.fault in ("none", "slow_close", "raise_close"):
             return obs, reward, terminated, truncated, info
         if self.fault == "nan_obs":
             obs = np.array(obs, dtype=np.float32)

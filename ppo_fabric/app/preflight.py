@@ -7,14 +7,17 @@ run directory; any problem is one `ConfigError` line.
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
+import threading
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import gymnasium as gym
 import torch
 from omegaconf import DictConfig, OmegaConf, open_dict
 
-from ppo_fabric.config.faults import RunComplete
+from ppo_fabric.app import prestart
+from ppo_fabric.config.faults import FAULT_EXIT, RunComplete
 from ppo_fabric.config.tuned import without_tuned_values
 from ppo_fabric.config.values import (
     SUPERVISED_ENV,
@@ -39,6 +42,7 @@ from ppo_fabric.runs.continuation import continued_config
 from ppo_fabric.runs.lock import refuse_if_held
 from ppo_fabric.runs.resume import resolve_auto
 from ppo_fabric.runs.trackers import check as check_tracker
+from ppo_fabric.runs.watchdog import main_thread_place
 from ppo_fabric.wire.placement import role_map, trainer_kind, trainers_per_node
 
 # Keys whose change makes a checkpoint meaningless for a new run: what shapes the saved parameters.
@@ -178,7 +182,8 @@ def _check_env_and_model(cfg: DictConfig) -> tuple[tuple[Any, Any], int]:
         )
     _check_multiagent(cfg)
     try:
-        specs = policy_specs(cfg)
+        with bounded(float(cfg.stall_timeout or 0), f"building env.id={cfg.env.id!r} for the checks"):
+            specs = policy_specs(cfg)
         for spec in specs.values():
             check_normalizable(cfg.env, spec.obs_space)
     except EnvError as exc:
@@ -347,3 +352,28 @@ def check_resume(cfg: DictConfig, path: str, obs_space: gym.Space, action_space:
             f"{cfg.algo.total_steps}; raise algo.total_steps to train further"
         )
     return state
+
+
+@contextmanager
+def bounded(seconds: float, what: str) -> Iterator[None]:
+    """A check that runs the user's code (building and closing a probe env) ends the command after
+    `stall_timeout` seconds without returning, in one line naming where it is stuck: no watchdog runs
+    before the run starts, and an env whose constructor or `close` never returns hung it for ever."""
+    if seconds <= 0:
+        yield
+        return
+    done = threading.Event()
+
+    def watch() -> None:
+        if done.wait(seconds):
+            return
+        line = f"{what}: no progress for {seconds:g} s{main_thread_place()} (stall_timeout={seconds:g})"
+        os.write(2, f"ppo-fabric: error: {line}\n".encode())
+        prestart.discard()  # a job's first process started before these checks: it never runs
+        os._exit(FAULT_EXIT)
+
+    threading.Thread(target=watch, name="ppo-fabric-check-watchdog", daemon=True).start()
+    try:
+        yield
+    finally:
+        done.set()

@@ -25,6 +25,7 @@ from ppo_fabric.envs.guard import RESTART_INFO, EnvFault, NonFiniteData, find_no
 from ppo_fabric.envs.make import (
     ACTION_MASK,
     EnvError,
+    close_envs,
     current_action_masks,
     make_vector_env,
     on_error,
@@ -468,6 +469,11 @@ class RolloutCollector:
             self.selfplay.after_update(next(iter(policies.values())), update)
 
     # --------------------------------------------------------------------------------- its state
+    def close(self) -> None:
+        """Close the envs at the run's end or stop (a `close` that raises is a warning: the results are
+        written)."""
+        close_envs(self.envs)
+
     def state_dict(self) -> dict[str, Any]:
         """What this collector needs to continue its rollouts exactly, but its envs themselves (a checkpoint
         pickles and signs those, `runs.checkpoint.pickle_envs`): the normaliser statistics (also for envs

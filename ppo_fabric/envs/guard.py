@@ -44,22 +44,39 @@ class EnvFault(RunFault):
     """An env sent bad data, failed, or failed too often to be restarted: the run ends with this line."""
 
 
+# The rollout stores observations and rewards as float32: a finite float64 beyond its range (a reward of
+# 1e200) becomes inf there, and the update, not the env, was then blamed for the NaN losses that followed.
+F32_MAX = float(np.finfo(np.float32).max)
+
+
 def _kind(values: np.ndarray) -> str:
-    """`NaN`, `+inf` or `-inf`: the first non-finite value's kind."""
-    bad = values[~np.isfinite(values)]
+    """`NaN`, `+inf`, `-inf` or the finite value beyond float32's range: the first bad value."""
+    bad = values[~_good(values)]
     v = bad.flat[0]
+    if np.isfinite(v):
+        return f"{float(v):.3g}, beyond float32's range (the rollout stores float32)"
     return "NaN" if np.isnan(v) else ("+inf" if v > 0 else "-inf")
 
 
+def _good(array: np.ndarray) -> np.ndarray:
+    """Finite, and within float32's range for wider floats."""
+    good = np.isfinite(array)
+    if array.dtype.kind == "f" and array.dtype.itemsize > 4:
+        good &= np.abs(np.where(good, array, 0.0)) <= F32_MAX
+    return good
+
+
 def _bad_rows(values: Any) -> np.ndarray | None:
-    """Rows (first axis) holding a non-finite value, or None when every value is finite (or integer)."""
+    """Rows (first axis) holding a non-finite value (or one beyond float32's range), or None when every
+    value is good (or integer)."""
     array = np.asarray(values)
     if array.dtype.kind not in "fc":  # uint8 pixels, int positions: nothing to check
         return None
-    if np.isfinite(array).all():  # the common case: one pass, no allocation kept
+    good = _good(array)
+    if good.all():  # the common case
         return None
-    flat = array.reshape(array.shape[0], -1) if array.ndim > 1 else array.reshape(-1, 1)
-    return np.flatnonzero(~np.isfinite(flat).all(1))
+    flat = good.reshape(array.shape[0], -1) if array.ndim > 1 else good.reshape(-1, 1)
+    return np.flatnonzero(~flat.all(1))
 
 
 def nonfinite_rows(obs: Any, rewards: Any) -> tuple[int, str] | None:
@@ -99,7 +116,9 @@ def surely_finite(values: Any) -> bool:
     if array.dtype.kind != "f":
         return array.dtype.kind != "c" or bool(np.isfinite(array).all())
     flat = array.reshape(-1)
-    return math.isfinite(flat @ flat)
+    square = flat @ flat
+    # a wider float whose squares sum past float32's range squared may hold a value float32 cannot
+    return math.isfinite(square) and (array.dtype.itemsize <= 4 or square <= F32_MAX * F32_MAX)
 
 
 def find_nonfinite(obs: Any, rewards: Any) -> tuple[int, str] | None:

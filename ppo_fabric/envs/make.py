@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import difflib
 import importlib
+import os
 import re
-from collections.abc import Callable
+import warnings
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from functools import partial
 from typing import Any
 
@@ -27,6 +30,7 @@ from ppo_fabric.envs.normalize import (
     normalizers,
     warm_up,
 )
+from ppo_fabric.wire.progress import PROGRESS
 
 # Which pip extra provides the simulator behind an env id, so a missing one is named in the error.
 _EXTRA_BY_PREFIX = {
@@ -560,11 +564,12 @@ def warmup_seed(seed: int, rank: int) -> int:
 
 def probe_spaces(env_cfg: DictConfig) -> tuple[gym.Space, gym.Space]:
     """Build one env to validate the id and read its spaces before any process or vector env starts."""
-    env = make_env(env_cfg)
-    try:
-        return env.observation_space, env.action_space
-    finally:
-        env.close()
+    with _probing(env_cfg):
+        env = make_env(env_cfg)
+        try:
+            return env.observation_space, env.action_space
+        finally:
+            env.close()
 
 
 def probe_env(env_cfg: DictConfig, action_mask: str = "auto") -> tuple[gym.Space, gym.Space, int | None]:
@@ -573,13 +578,46 @@ def probe_env(env_cfg: DictConfig, action_mask: str = "auto") -> tuple[gym.Space
     `action_mask` key removed). With `env.backend=envpool` the spaces are the pool's (no action masks)."""
     if _backend(env_cfg) == "envpool":
         return (*_envpool_call(envpool_backend.probe, env_cfg), None)
-    env = make_env(env_cfg)
+    with _probing(env_cfg):
+        env = make_env(env_cfg)
+        try:
+            width = detect_action_mask(env) if action_mask == "auto" else None
+            obs_space = (
+                env.observation_space if width is None else ActionMaskInfo(env, width).observation_space
+            )
+            return obs_space, env.action_space, width
+        finally:
+            env.close()
+
+
+@contextmanager
+def _probing(env_cfg: DictConfig) -> Iterator[None]:
+    """The env's own failure while it is built, read or closed before the run (a RuntimeError of its
+    constructor, an OSError of its `close`) as one line naming it, as its failures during the run are;
+    PPO_FABRIC_TRACEBACK=1 lets it through with its traceback."""
     try:
-        width = detect_action_mask(env) if action_mask == "auto" else None
-        obs_space = env.observation_space if width is None else ActionMaskInfo(env, width).observation_space
-        return obs_space, env.action_space, width
-    finally:
-        env.close()
+        yield
+    except EnvError:
+        raise
+    except Exception as exc:
+        if os.environ.get("PPO_FABRIC_TRACEBACK"):
+            raise
+        raise EnvError(
+            f"env.id={env_cfg.id!r} raised {type(exc).__name__}: {error_line(exc)} while it was built, read "
+            "or closed for the checks (PPO_FABRIC_TRACEBACK=1 shows where)"
+        ) from exc
+
+
+def close_envs(envs: Any, what: str = "the envs") -> None:
+    """Close a run's envs at its end or stop, its results already written: an env whose `close` raises
+    costs a warning line, not the run's summary (Hydra printed a traceback and the summary was lost)."""
+    PROGRESS.mark(f"closing {what}")
+    try:
+        envs.close()
+    except Exception as exc:
+        warnings.warn(
+            f"ppo-fabric: closing {what} raised {type(exc).__name__}: {error_line(exc)}", stacklevel=2
+        )
 
 
 def current_action_masks(envs: Any) -> np.ndarray:

@@ -46,12 +46,16 @@ SAID = ".said"  # in the stall directory: the claiming process has printed the j
 
 def where_stuck() -> str:
     """`env.step (my_env.py:42, in step)`: what the main thread was marked doing, and its innermost frame."""
+    return f"{PROGRESS.doing}{main_thread_place()}"
+
+
+def main_thread_place() -> str:
+    """` (my_env.py:42, in step)`: the main thread's innermost frame ("" when it has none)."""
     frame = sys._current_frames().get(threading.main_thread().ident or -1)
-    place = ""
-    if frame is not None:
-        last = traceback.extract_stack(frame)[-1]
-        place = f" ({Path(last.filename).name}:{last.lineno}, in {last.name})"
-    return f"{PROGRESS.doing}{place}"
+    if frame is None:
+        return ""
+    last = traceback.extract_stack(frame)[-1]
+    return f" ({Path(last.filename).name}:{last.lineno}, in {last.name})"
 
 
 class Watchdog:

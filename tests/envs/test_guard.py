@@ -19,6 +19,7 @@ from ppo_fabric.envs.guard import (
     FiniteCheck,
     NonFiniteData,
     RecreateOnError,
+    find_nonfinite,
     nonfinite_rows,
 )
 from ppo_fabric.envs.make import make_vector_env
@@ -53,9 +54,22 @@ def _vector(fault: str, after: int, envs: int = 3, **kw: Any) -> SyncVectorEnv:
     return SyncVectorEnv(fns, autoreset_mode=AutoresetMode.SAME_STEP)
 
 
+def test_values_float32_cannot_hold_are_named_where_they_arrive() -> None:
+    """The rollout stores float32: a finite float64 reward of 1e200 (or 1e100, whose square still passes
+    float64's quick test) became inf there, and the update's NaN losses were blamed three updates later."""
+    for big in (1e200, 1e100, -4e38):
+        rewards = np.array([0.0, 0.0, big])
+        assert find_nonfinite(np.zeros((3, 2)), rewards) == (2, f"reward holds {big:.3g}, beyond float32's "
+                                                                   "range (the rollout stores float32)")  # fmt: skip
+    assert nonfinite_rows(np.full((2, 2), 3e38), np.zeros(2)) is None  # within range: fine
+    assert nonfinite_rows(np.array([[1e39], [0.0]], np.float64), np.zeros(2))[0] == 0
+
+
 @pytest.mark.parametrize(
-    ("fault", "what"), [("nan_obs", "observation holds NaN"), ("inf_reward", "reward holds +inf")]
-)
+    ("fault", "what"),
+    [("nan_obs", "observation holds NaN"), ("inf_reward", "reward holds +inf"),
+     ("huge_reward", "reward holds 1e+200, beyond float32's range (the rollout stores float32)")],
+)  # fmt: skip
 def test_finite_check_raises_with_the_env_index(fault: str, what: str) -> None:
     envs = FiniteCheck(_vector(fault, after=3))
     envs.reset(seed=0)
