@@ -33,7 +33,7 @@ from ppo_fabric.compat.private import set_fabric_precision
 from ppo_fabric.config.arguments import fail
 from ppo_fabric.config.faults import FAULT_EXIT, RunComplete, RunFault, fault_status
 from ppo_fabric.config.values import ConfigError, composer, under_fabric_run
-from ppo_fabric.envs.make import rank_seed
+from ppo_fabric.envs.make import end_env_workers, rank_seed
 from ppo_fabric.learn.accel import set_cuda_math
 from ppo_fabric.runs import lock as run_lock
 from ppo_fabric.runs.continuation import describe
@@ -256,6 +256,7 @@ def launch(
         os._exit(130)
     except Exception as exc:
         watchdog.stop()
+        end_env_workers()  # not left to print tracebacks when they find their pipes closed
         close_after_failure()  # the records so far reach the tracker, whose run ends as failed
         if fabric.world_size == 1:
             raise  # the command line (or the caller of ppo_fabric.run) reports it

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import difflib
 import importlib
 import os
 import re
 import warnings
+import weakref
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from functools import partial
@@ -515,10 +517,27 @@ def _backend_vector_env(env_cfg: DictConfig, action_mask: int | None) -> VectorE
     if on_error(env_cfg) == "restart":  # each sub-env rebuilt from its factory when it fails (guard.py)
         fns = [partial(restartable, fn) for fn in fns]
     cls = AsyncVectorEnv if env_cfg.vector == "async" else SyncVectorEnv
+    vector = cls(fns, autoreset_mode=AutoresetMode.SAME_STEP)
+    if isinstance(vector, AsyncVectorEnv):
+        _WORKER_POOLS.add(vector)
     # Raw values are checked below everything else, normalisation included (guard.py); EnvPool's vector
     # envs check their own.
-    envs = FiniteCheck(cls(fns, autoreset_mode=AutoresetMode.SAME_STEP))
-    return atari.wrap_vector(envs, _preprocess(env_cfg))
+    return atari.wrap_vector(FiniteCheck(vector), _preprocess(env_cfg))
+
+
+_WORKER_POOLS: weakref.WeakSet[AsyncVectorEnv] = weakref.WeakSet()  # this process's async vector envs
+
+
+def end_env_workers() -> None:
+    """Kill the worker processes of this process's async vector envs, on the way out of a run that failed:
+    left behind, each found its pipe closed and printed an EOFError and a BrokenPipeError traceback under
+    the run's one line. SIGKILL: a forked worker inherited the run's SIGTERM handler, which only asks the
+    run to stop. Never raises."""
+    for vector in list(_WORKER_POOLS):
+        for process in vector.processes:
+            with contextlib.suppress(Exception):
+                if process.is_alive():
+                    process.kill()
 
 
 def on_error(env_cfg: DictConfig) -> str:

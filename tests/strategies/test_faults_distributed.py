@@ -50,12 +50,17 @@ def _errors(proc: subprocess.CompletedProcess) -> list[str]:
 
 
 def test_nan_observation_on_a_player_ends_the_job(tmp_path: Path) -> None:
-    proc, _ = _job(tmp_path, *DECOUPLED, "+env.kwargs.fault=nan_obs", "+env.kwargs.after=20")
+    """Its envs in worker processes (env.vector=async): the workers are ended with the job, not left to
+    print an EOFError and a BrokenPipeError traceback each under its line."""
+    proc, _ = _job(
+        tmp_path, *DECOUPLED, "+env.kwargs.fault=nan_obs", "+env.kwargs.after=20", "env.vector=async"
+    )
     assert proc.returncode == 1, proc.stderr[-3000:]
     assert _errors(proc)[0] == (
         "ppo-fabric: error: player rank 0, env 0: observation holds NaN at env step 80"
     ), proc.stderr[-3000:]
     assert not (tmp_path / "run" / "summary.json").exists()
+    assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
 
 
 def test_an_output_that_cannot_be_written_ends_a_one_process_job_in_one_line(tmp_path: Path) -> None:
