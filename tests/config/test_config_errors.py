@@ -165,6 +165,15 @@ def test_bad_config_is_one_line_naming_the_key(overrides: list[str], fragments: 
         assert fragment in message, f"{fragment!r} missing from {message!r}"
 
 
+def test_runs_started_together_get_their_own_directories() -> None:
+    """The default run directory is named to the microsecond: two runs of a loop started in the same
+    second shared one name, and the second was refused (the directory in use by a live run)."""
+    from ppo_fabric.config.values import compose
+
+    first, second = compose([])[1], compose([])[1]
+    assert first != second and first.startswith("runs/") and second.startswith("runs/")
+
+
 def test_unknown_group_option_lists_every_option() -> None:
     """The user has to pick a valid option next, so all of them, not a sample, must be in the message."""
     message = _config_error(["env=nosuch"])
