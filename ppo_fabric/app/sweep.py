@@ -13,6 +13,7 @@ Used by the Hydra launcher plugin `hydra_plugins/ppo_fabric/launcher.py` (`hydra
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import csv
 import json
@@ -143,6 +144,17 @@ def failed_jobs() -> list[str]:
     return list(FAILED)
 
 
+def _unmake(sweep_dir: Path) -> None:
+    """A sweep refused before its first job: the directory Hydra made for it (holding only its
+    multirun.yaml) goes, and its parent if that is left empty (`multirun/`), as a refused run leaves none."""
+    with contextlib.suppress(OSError):
+        if sorted(p.name for p in sweep_dir.iterdir()) == ["multirun.yaml"]:
+            (sweep_dir / "multirun.yaml").unlink()
+            sweep_dir.rmdir()
+            if sweep_dir.parent.name == "multirun":  # the default sweep directory's parent, when empty
+                sweep_dir.parent.rmdir()
+
+
 class Sweep:
     """The state of one multirun: its jobs so far (a sweeper may launch several batches) and its table."""
 
@@ -162,7 +174,12 @@ class Sweep:
         """Check every job's config, run the jobs, write the table; returns Hydra's JobReturns."""
         assert self.config is not None
         sweep_dir = Path(str(self.config.hydra.sweep.dir)).resolve()
-        batch = [self._plan(initial_job_idx + i, list(o), sweep_dir) for i, o in enumerate(job_overrides)]
+        try:
+            batch = [self._plan(initial_job_idx + i, list(o), sweep_dir) for i, o in enumerate(job_overrides)]
+        except SystemExit:
+            if initial_job_idx == 0:
+                _unmake(sweep_dir)
+            raise
         sweep_dir.mkdir(parents=True, exist_ok=True)
         self.jobs += batch
         stopped_by = self._run(batch)

@@ -193,8 +193,11 @@ def test_multirun_under_fabric_run_is_refused(
 def test_mistakes_are_one_line_before_any_job_starts(
     argv: list[str], fragment: str, capsys: pytest.CaptureFixture[str], tmp_path: Path
 ) -> None:
-    assert_cli_failure(capsys, cli.main, [*argv, f"hydra.sweep.dir={tmp_path}"], fragment)
-    assert not (tmp_path / "0").exists(), "no job started"
+    """No job starts, and no directory is left (a job's refusal left the sweep's, with Hydra's
+    multirun.yaml in it)."""
+    sweep_dir = tmp_path / "sweep"
+    assert_cli_failure(capsys, cli.main, [*argv, f"hydra.sweep.dir={sweep_dir}"], fragment)
+    assert not sweep_dir.exists(), list(sweep_dir.iterdir())
 
 
 @pytest.mark.slow  # seconds in process (a run, or every option composed): not the unit tier
