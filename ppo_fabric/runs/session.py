@@ -155,10 +155,10 @@ class RunSession:
         )
         if writer:
             run_dir.mkdir(parents=True, exist_ok=True)
-            if (run_dir / "config.yaml").is_file() and resume is not None:
-                record_session(run_dir, cfg, resume)  # the first session's config.yaml stays as it was
-            else:
-                save_resolved_config(cfg, run_dir)
+            if not (run_dir / "config.yaml").is_file() or resume is None:
+                save_resolved_config(cfg, run_dir)  # a resume's own directory keeps its first session's
+            if resume is not None:  # in a new directory too: what the branch changed is noted there
+                record_session(run_dir, cfg, resume)
             # The earlier session's summary says how that one ended: kept beside, not read as this session's
             # if this one fails before it writes its own (a sweep's table, a reader of the directory).
             earlier = run_dir / "summary.json"

@@ -74,6 +74,13 @@ def test_a_change_to_the_experiment_is_refused_unless_allowed(tmp_path: Path) ->
     assert summary["total_env_steps"] == 1024
     changed = json.loads((run_dir / "resumes.jsonl").read_text().splitlines()[-1])["changed"]
     assert changed["algo.gamma"] == [0.98, 0.9]
+    # continued in a directory of its own (a branch): the change is noted there too (it was not at all)
+    branch = tmp_path / "branch"
+    ppo_fabric.run([f"resume={last}", "algo.total_steps=1536", "algo.gamma=0.95", "resume_overrides=allow",
+                    f"hydra.run.dir={branch}"])  # fmt: skip
+    (noted,) = [json.loads(line) for line in (branch / "resumes.jsonl").read_text().splitlines()]
+    assert noted["changed"]["algo.gamma"] == [0.9, 0.95] and noted["resume"] == str(last)
+    assert yaml.safe_load((branch / "config.yaml").read_text())["algo"]["gamma"] == 0.95
 
 
 def test_requeued_resume_auto_of_a_finished_run_is_done(
