@@ -419,3 +419,17 @@ def test_envpool_that_does_not_import_is_named(
     with pytest.raises(ConfigError) as error:
         load(["env.backend=envpool", "algo.total_steps=512"])
     assert fragment in str(error.value) and "\n" not in str(error.value)
+
+
+def test_under_fabric_run_rank_0_alone_says_the_mistake(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Every rank `fabric run` started checks the same command line: the line came once per rank."""
+    from ppo_fabric.config.arguments import fail
+
+    monkeypatch.setenv("LT_CLI_USED", "1")
+    for rank, said in (("1", ""), ("0", "ppo-fabric: error: restarts=2 needs the supervisor\n")):
+        monkeypatch.setenv("RANK", rank)
+        with pytest.raises(SystemExit) as ended:
+            fail("restarts=2 needs the supervisor")
+        assert ended.value.code == 2 and capsys.readouterr().err == said
