@@ -708,7 +708,10 @@ def build_collector(
             )
             storage = {name: policy_storage(steps, copies, spec, device) for name, spec in specs.items()}
     except NonFiniteData as bad:
-        raise EnvFault(f"{label}, env {bad.index}: {bad.what} at its first reset") from None
+        where = (
+            "at its first reset, or in the normalisers' warm-up steps before the run (env.normalize_warmup)"
+        )
+        raise EnvFault(f"{label}, env {bad.index}: {bad.what} {where}") from None
     selfplay = None
     if bool(cfg.selfplay.enabled):
         spec = next(iter(specs.values()))

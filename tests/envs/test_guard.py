@@ -164,3 +164,17 @@ def test_restarts_are_counted_and_bounded() -> None:
     with pytest.raises(EnvFault, match=r"more than env.max_restarts=6 restarts in the run"):
         collector.collect(policy, 32)
     collector.envs.close()
+
+
+def test_bad_data_before_the_run_names_the_warm_up_too() -> None:
+    """A NaN in the normalisers' warm-up steps (random actions before the run) was reported as found at
+    the first reset, where the env had done nothing wrong."""
+    from ppo_fabric.collect.rollout import build_collector
+    from ppo_fabric.config.values import compose
+    from ppo_fabric.learn.learners import policy_specs
+
+    cfg, _ = compose(["env.id=tests.faulty_env:FaultyCartPole-v0", "+env.kwargs.fault=nan_obs",
+                      "+env.kwargs.after=5", "env.normalize_obs=true", "env.num_envs=2"])  # fmt: skip
+    with pytest.raises(EnvFault, match=r"^rank 0, env \d: observation holds NaN at its first reset, or in "
+                                       r"the normalisers' warm-up steps before the run \(env.normalize_warmup\)"):  # fmt: skip
+        build_collector(cfg, policy_specs(cfg), 0, "cpu", None)
