@@ -673,6 +673,17 @@ def session_seed(seed: int, start_step: int) -> int:
     return int(np.random.SeedSequence([seed, start_step]).generate_state(1, dtype=np.uint32)[0])
 
 
+def _before_the_run(env_cfg: DictConfig) -> str:
+    """Where bad data found while the envs are built came from: their first reset, and the normalisers'
+    warm-up steps (random actions) when a normaliser is on."""
+    normalising = env_cfg.get("normalize_obs") or env_cfg.get("normalize_reward")
+    if normalising and env_cfg.get("normalize_warmup"):
+        return (
+            "at its first reset, or in the normalisers' warm-up steps before the run (env.normalize_warmup)"
+        )
+    return "at its first reset"
+
+
 def build_collector(
     cfg: DictConfig,
     specs: dict[str, PolicySpec],
@@ -708,10 +719,7 @@ def build_collector(
             )
             storage = {name: policy_storage(steps, copies, spec, device) for name, spec in specs.items()}
     except NonFiniteData as bad:
-        where = (
-            "at its first reset, or in the normalisers' warm-up steps before the run (env.normalize_warmup)"
-        )
-        raise EnvFault(f"{label}, env {bad.index}: {bad.what} {where}") from None
+        raise EnvFault(f"{label}, env {bad.index}: {bad.what} {_before_the_run(cfg.env)}") from None
     selfplay = None
     if bool(cfg.selfplay.enabled):
         spec = next(iter(specs.values()))
