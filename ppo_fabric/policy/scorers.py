@@ -26,7 +26,7 @@ from omegaconf import DictConfig
 
 from ppo_fabric.config.values import ConfigError
 from ppo_fabric.envs.guard import EnvFault, error_line, nonfinite_value, surely_finite
-from ppo_fabric.envs.make import make_env, on_error
+from ppo_fabric.envs.make import close_envs, make_env, on_error
 from ppo_fabric.envs.multiagent import SINGLE, is_turn_based, make_parallel_env
 from ppo_fabric.learn.learners import PolicySpec
 from ppo_fabric.models.agent import ActorCritic
@@ -136,7 +136,7 @@ class Episodes:
 
     def close(self) -> None:
         for env in self.envs:
-            env.close()
+            close_envs(env, "the evaluation envs")  # one that raises is a warning: the results stand
         self.envs = []
 
 
@@ -199,7 +199,7 @@ class ParallelEpisodes:
 
     def close(self) -> None:
         if self.env is not None:
-            self.env.close()
+            close_envs(self.env, "the evaluation env")
             self.env = None
 
 

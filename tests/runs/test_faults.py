@@ -183,8 +183,12 @@ def test_an_env_that_fails_in_its_constructor_or_close_is_one_line(tmp_path: Pat
     assert str(raised.value).startswith(
         "env.id='tests.faulty_env:FaultyCartPole-v0' raised RuntimeError: no licence for the simulator"
     ), raised.value
-    with pytest.warns(UserWarning, match=r"^ppo-fabric: closing the envs raised OSError: device busy"):
-        summary = _run(tmp_path / "b", FAULTY, "+env.kwargs.fault=raise_close", "eval.every=0")
+    with pytest.warns(UserWarning) as warned:  # the evaluation's envs too (evaluation on, as by default)
+        summary = _run(
+            tmp_path / "b", FAULTY, "+env.kwargs.fault=raise_close", "eval.every=512", "eval.episodes=1"
+        )
+    said = {str(w.message).split(" raised")[0] for w in warned if "closing" in str(w.message)}
+    assert said == {"ppo-fabric: closing the envs", "ppo-fabric: closing the evaluation envs"}, said
     assert summary["total_env_steps"] == 1024 and (tmp_path / "b" / "summary.json").is_file()
 
 
