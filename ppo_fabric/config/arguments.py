@@ -10,9 +10,10 @@ from typing import Any, NoReturn
 
 def fail(message: str, code: int = 2) -> NoReturn:
     """The one line every entry point ends with on bad input (status 2 by default). Under `fabric run`
-    every rank checks the same command line and finds the same mistake: rank 0 says it."""
-    launched_rank = int(os.environ.get("RANK", "0") or 0) if os.environ.get("LT_CLI_USED") else 0
-    if launched_rank == 0:
+    every rank checks the same command line and finds the same mistake: each node's first rank says it
+    (another node may lack what this one has: a package, a device, the resumed file)."""
+    local_rank = int(os.environ.get("LOCAL_RANK", "0") or 0) if os.environ.get("LT_CLI_USED") else 0
+    if local_rank == 0:
         print(f"ppo-fabric: error: {message}", file=sys.stderr, flush=True)
     raise SystemExit(code)
 

@@ -424,12 +424,13 @@ def test_envpool_that_does_not_import_is_named(
 def test_under_fabric_run_rank_0_alone_says_the_mistake(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    """Every rank `fabric run` started checks the same command line: the line came once per rank."""
+    """Every rank `fabric run` started checks the same command line: the line came once per rank. Each
+    node's first rank says it (another node may find another mistake)."""
     from ppo_fabric.config.arguments import fail
 
     monkeypatch.setenv("LT_CLI_USED", "1")
     for rank, said in (("1", ""), ("0", "ppo-fabric: error: restarts=2 needs the supervisor\n")):
-        monkeypatch.setenv("RANK", rank)
+        monkeypatch.setenv("LOCAL_RANK", rank)
         with pytest.raises(SystemExit) as ended:
             fail("restarts=2 needs the supervisor")
         assert ended.value.code == 2 and capsys.readouterr().err == said
