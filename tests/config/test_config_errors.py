@@ -421,7 +421,7 @@ def test_envpool_that_does_not_import_is_named(
     assert fragment in str(error.value) and "\n" not in str(error.value)
 
 
-def test_under_fabric_run_rank_0_alone_says_the_mistake(
+def test_under_fabric_run_each_nodes_first_rank_says_the_mistake(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """Every rank `fabric run` started checks the same command line: the line came once per rank. Each
