@@ -192,6 +192,7 @@ def console_main() -> NoReturn:
     A supervising process starts its job's first process before its checks (app/prestart.py), so the
     job imports while they run."""
     stop_quietly_during_startup()
+    supervisor.bind_to_caller()
     skip_torchmetrics_probe()
     gate = prestart.gate()
     if gate is not None:  # a job's first process, started before its supervisor's checks

@@ -17,9 +17,9 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO
+from typing import IO, Any
 
-from ppo_fabric.app.supervisor import SUPERVISED_ENV, SUPERVISOR_PID_ENV, exit_status
+from ppo_fabric.app.supervisor import CALLER_PID_ENV, SUPERVISED_ENV, SUPERVISOR_PID_ENV, exit_status
 from ppo_fabric.config.tuned import override_value
 from ppo_fabric.config.values import OWN_RUN_DIR_ENV
 
@@ -158,9 +158,22 @@ def run_attached(overrides: list[str], run_dir: Path, out: IO[str]) -> tuple[int
     written to `sys.stdout`, not what the job's processes write to their file descriptors); returns its
     exit status and its `ppo-fabric:` lines. A KeyboardInterrupt stops the job as a terminal's Ctrl+C
     would (its ranks write their stop checkpoint), a second one kills it; the interrupt is raised once
-    the job has ended."""
-    job = RunProcess.start(overrides, run_dir, piped=True)
+    the job has ended. A SIGTERM to this process stops the job too, then raises SystemExit(143); a caller
+    that dies takes the job with it (`supervisor.bind_to_caller`). The job imports what the caller can
+    (its `sys.path`: an env factory's module beside the calling script)."""
+    path = os.pathsep.join([p for p in sys.path if p] + [os.environ.get("PYTHONPATH", "")]).strip(os.pathsep)
+    extra = {CALLER_PID_ENV: str(os.getpid()), "PYTHONPATH": path}
+    job = RunProcess.start(overrides, run_dir, env=extra, piped=True)
     said: list[str] = []
+    terminated: list[int] = []
+
+    def on_sigterm(signum: int, _frame: Any) -> None:
+        terminated.append(signum)
+        job.stop(signal.SIGTERM)
+
+    previous = None
+    with contextlib.suppress(ValueError):  # not the main thread: the caller handles its signals
+        previous = signal.signal(signal.SIGTERM, on_sigterm)
 
     def copy() -> None:
         assert job.proc.stdout is not None
@@ -174,14 +187,20 @@ def run_attached(overrides: list[str], run_dir: Path, out: IO[str]) -> tuple[int
     copier = threading.Thread(target=copy, name="ppo-fabric job output", daemon=True)
     copier.start()
     interrupted = False
-    while True:
-        try:
-            status = job.wait()
-            break
-        except KeyboardInterrupt:
-            interrupted = True
-            job.stop(signal.SIGINT)  # a second interrupt: `stop` kills
+    try:
+        while True:
+            try:
+                status = job.wait()
+                break
+            except KeyboardInterrupt:
+                interrupted = True
+                job.stop(signal.SIGINT)  # a second interrupt: `stop` kills
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
     copier.join(timeout=5)
     if interrupted:
         raise KeyboardInterrupt(said[-1] if said else "the job was interrupted")
+    if terminated:
+        raise SystemExit(128 + signal.SIGTERM)
     return status, said

@@ -38,6 +38,9 @@ if TYPE_CHECKING:
     from ppo_fabric.app.hydra_app import Invocation
 
 SUPERVISOR_PID_ENV = "PPO_FABRIC_SUPERVISOR_PID"  # the job's first process only: die with this parent
+CALLER_PID_ENV = (
+    "PPO_FABRIC_CALLER_PID"  # a job `ppo_fabric.run()` started: its supervisor dies with the caller
+)
 SIGNAL_STOPS = (130, 143)  # SIGINT / SIGTERM stops: the user or the cluster asked, never restarted
 CONFIG_REFUSED = 2  # a relaunch whose config was refused fails the same way every time
 GRACE_S = 5.0  # how long the job's other processes may outlive its first one before they are killed
@@ -66,6 +69,15 @@ def bind_to_supervisor() -> None:
     if pid is None:
         return
     if not die_with_parent(int(pid)):  # the supervisor died before the signal was armed: nobody watches
+        os._exit(137)
+
+
+def bind_to_caller() -> None:
+    """In a supervisor that `ppo_fabric.run()` started (`jobs.run_attached`): die with the calling process
+    (a notebook kernel restarted, a script killed), and the job with it, instead of training on unwatched
+    in a session of its own. Popped, so that the job's processes do not inherit it."""
+    pid = os.environ.pop(CALLER_PID_ENV, None)
+    if pid is not None and not die_with_parent(int(pid)):
         os._exit(137)
 
 

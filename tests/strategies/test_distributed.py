@@ -70,23 +70,48 @@ def test_the_python_api_runs_a_job_of_two_processes_without_running_the_script_a
     """`ppo_fabric.run([... "fabric.devices=2"])` from a script: Lightning started the second rank by running
     the script again (every `run()` before that call trained again; a notebook's kernel cannot be run
     again at all). The job runs as `python -m ppo_fabric` in a child process; its summary comes back, its
-    output is this process's, and a failure is raised as `RunFault` naming the rank's cause."""
-    script = tmp_path / "train.py"
+    output is this process's, a failure is raised as `RunFault` naming the rank's cause, and a SIGTERM to
+    the caller stops the job with its checkpoint."""
+    (tmp_path / "scripts").mkdir()  # the env factory's module beside the script, not in the working directory
+    (tmp_path / "scripts" / "my_envs.py").write_text(
+        "import gymnasium as gym\n\ndef make():\n    return gym.make('CartPole-v1')\n"
+    )
+    script = tmp_path / "scripts" / "train.py"
     script.write_text(
         "import ppo_fabric\n"
+        "import my_envs\n"
         "open('started.txt', 'a').write('x')\n"
-        f"summary = ppo_fabric.run([{', '.join(repr(o) for o in SMALL)}, 'fabric.devices=2', 'hydra.run.dir=ok'])\n"
+        f"summary = ppo_fabric.run([{', '.join(repr(o) for o in SMALL)}, 'fabric.devices=2', 'hydra.run.dir=ok'],"
+        " env=my_envs.make)\n"
         "print('SUMMARY', summary['world_size'], summary['total_env_steps'])\n"
         "try:\n"
         "    ppo_fabric.run(['fabric.devices=2', 'env.id=tests.faulty_env:FaultyCartPole-v0', "
         "'+env.kwargs.fault=raise', 'hydra.run.dir=bad', 'eval.every=0'])\n"
         "except ppo_fabric.RunFault as fault:\n"
-        "    print('FAULT', fault)\n"
+        "    print('FAULT', fault, flush=True)\n"
+        "ppo_fabric.run(['fabric.devices=2', 'algo.total_steps=10000000', 'hydra.run.dir=long', 'eval.every=0'])\n"
     )
-    proc = _run([sys.executable, str(script)], tmp_path)
-    assert proc.returncode == 0, proc.stderr[-2000:]
+    # the third job trains until this process is asked to stop (SIGTERM, as a cluster would): it stops the
+    # job (its ranks write their stop checkpoint) and ends with 143, as a one-process run does
+    proc = subprocess.Popen([sys.executable, str(script)], cwd=tmp_path, env=_env(), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)  # fmt: skip
+    try:
+        deadline = time.monotonic() + 90
+        while not read_rows(tmp_path / "long" / "metrics.csv") and proc.poll() is None:
+            assert time.monotonic() < deadline, "the third job logged nothing"
+            time.sleep(0.2)
+        proc.send_signal(signal.SIGTERM)
+        out, err = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    assert proc.returncode == 143, err[-2000:]
+    assert json.loads((tmp_path / "long" / "summary.json").read_text())["stop_signal"] == "SIGTERM"
+    assert (tmp_path / "long" / "checkpoints" / "last.ckpt").is_file() and not job_processes(
+        tmp_path / "long"
+    )
+    proc = subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
     assert (tmp_path / "started.txt").read_text() == "x", "the script ran again"
-    assert "SUMMARY 2 4096" in proc.stdout and "ppo-fabric: coupled CartPole-v1: 4096 steps" in proc.stdout
+    assert "SUMMARY 2 4096" in proc.stdout and "ppo-fabric: coupled my_envs:make: 4096 steps" in proc.stdout
     (fault,) = [line for line in proc.stdout.splitlines() if line.startswith("FAULT")]
     assert fault.startswith("FAULT rank ") and "env.step raised RuntimeError: simulator crashed" in fault, (
         fault
