@@ -36,6 +36,7 @@ import traceback
 from pathlib import Path
 
 from ppo_fabric.config.faults import FAULT_EXIT, fault_status, launcher_child
+from ppo_fabric.envs.make import end_env_workers
 from ppo_fabric.wire.progress import PROGRESS
 
 CLAIM = ".stall-claim"  # in the run directory: which stall directory this job's end writes its stacks to
@@ -137,6 +138,7 @@ class Watchdog:
             parent, deadline = os.getppid(), time.monotonic() + SETTLE_S + 5.0
             while os.getppid() == parent and time.monotonic() < deadline:
                 time.sleep(0.05)
+        end_env_workers()  # os._exit skips multiprocessing's cleanup: an async env's workers would stay
         os._exit(status)
 
     def wait_for_line(self, target: Path) -> bool:

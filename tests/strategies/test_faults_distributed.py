@@ -90,6 +90,16 @@ def test_a_stuck_env_ends_a_one_process_job_within_the_stall_timeout(tmp_path: P
     assert took < 60, took
 
 
+def test_a_stuck_async_env_ends_the_job_and_its_workers(tmp_path: Path) -> None:
+    """The envs in worker processes (env.vector=async), one stuck in `step`: the watchdog ends the job
+    and its workers with it (`_job` waits for every process of the job to be gone); they were left, one
+    of them sleeping for ever."""
+    proc, _ = _job(tmp_path, "+env.kwargs.fault=hang", "+env.kwargs.after=20", "stall_timeout=2",
+                   "env.vector=async", "env.num_envs=2")  # fmt: skip
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    assert _errors(proc)[0].startswith("ppo-fabric: error: rank 0: no progress for "), proc.stderr[-3000:]
+
+
 @pytest.mark.parametrize("how", ["watchdog", "collective timeout"])
 def test_a_stuck_player_is_named_with_every_rank_stacks(tmp_path: Path, how: str) -> None:
     """With the watchdog the player names itself; with it off, the trainer's wait times out first and it
