@@ -382,5 +382,10 @@ def run_script(strategy: str, main: StrategyMain) -> NoReturn:
             return FAULT_EXIT
         return 0
 
-    args = [*(a for a in args if not a.startswith("strategy=")), f"strategy={strategy}"]
+    # The file names the strategy of a new run; a resume continues its checkpoint's (`this_file` refuses
+    # the other's in one line: given as an override, it read as a change to the run's experiment)
+    resumed = [a.split("=", 1)[1] for a in args if a.startswith("resume=")]
+    args = [a for a in args if not a.startswith("strategy=")]
+    if not resumed or resumed[-1] in ("auto", "null", "None", ""):
+        args.append(f"strategy={strategy}")
     end_process(run_app(args, task).status)

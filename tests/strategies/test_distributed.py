@@ -160,6 +160,39 @@ def test_fabric_run_file_refuses_other_strategy(tmp_path: Path) -> None:
     assert "conflicts with the launched file" in proc.stderr
 
 
+def test_a_strategy_file_resuming_the_other_strategys_run_is_refused_in_one_line(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`fabric run ppo_fabric/ppo.py resume=<a decoupled run's checkpoint>`: the file's strategy was added
+    as an override, and the refusal read as a change to the run's experiment (drop an override the user
+    never typed). A resume is not given the file's strategy; the run's own, once restored, is checked."""
+    from types import SimpleNamespace
+
+    from omegaconf import OmegaConf
+
+    from ppo_fabric.app import hydra_app, launch
+
+    seen: dict = {}
+    monkeypatch.setattr(
+        hydra_app,
+        "run_app",
+        lambda args, task: seen.update(args=args, task=task) or SimpleNamespace(status=0),
+    )
+    monkeypatch.setattr(launch, "end_process", lambda code: None)
+    for given, added in ((["seed=1"], True), (["resume=r/last.ckpt"], False), (["resume=auto"], True)):
+        monkeypatch.setattr(sys, "argv", ["ppo.py", *given])
+        launch.run_script("coupled", lambda *a: {})
+        assert ("strategy=coupled" in seen["args"]) is added, seen["args"]
+    monkeypatch.setattr(launch, "train", lambda cfg, strategy: strategy(cfg))
+    with pytest.raises(SystemExit) as ended:
+        seen["task"](OmegaConf.create({"strategy": "decoupled", "resume": "r/last.ckpt"}), None)
+    assert ended.value.code == 2
+    assert capsys.readouterr().err == (
+        "ppo-fabric: error: resume=r/last.ckpt continues a strategy=decoupled run; launch "
+        "ppo_fabric/ppo_decoupled.py\n"
+    )
+
+
 @pytest.mark.multiprocess
 def test_failing_rank_ends_the_job(tmp_path: Path) -> None:
     cmd = [
