@@ -583,7 +583,7 @@ def warmup_seed(seed: int, rank: int) -> int:
 
 def probe_spaces(env_cfg: DictConfig) -> tuple[gym.Space, gym.Space]:
     """Build one env to validate the id and read its spaces before any process or vector env starts."""
-    with _probing(env_cfg):
+    with probing(env_cfg):
         env = make_env(env_cfg)
         try:
             return env.observation_space, env.action_space
@@ -597,7 +597,7 @@ def probe_env(env_cfg: DictConfig, action_mask: str = "auto") -> tuple[gym.Space
     `action_mask` key removed). With `env.backend=envpool` the spaces are the pool's (no action masks)."""
     if _backend(env_cfg) == "envpool":
         return (*_envpool_call(envpool_backend.probe, env_cfg), None)
-    with _probing(env_cfg):
+    with probing(env_cfg):
         env = make_env(env_cfg)
         try:
             width = detect_action_mask(env) if action_mask == "auto" else None
@@ -610,7 +610,7 @@ def probe_env(env_cfg: DictConfig, action_mask: str = "auto") -> tuple[gym.Space
 
 
 @contextmanager
-def _probing(env_cfg: DictConfig) -> Iterator[None]:
+def probing(env_cfg: DictConfig) -> Iterator[None]:
     """The env's own failure while it is built, read or closed before the run (a RuntimeError of its
     constructor, an OSError of its `close`) as one line naming it, as its failures during the run are;
     PPO_FABRIC_TRACEBACK=1 lets it through with its traceback."""

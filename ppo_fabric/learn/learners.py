@@ -15,7 +15,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from ppo_fabric.compat.private import copy_state_dict_metadata
 from ppo_fabric.config.values import sequence_length
-from ppo_fabric.envs.make import ACTION_MASK, EnvError, probe_env
+from ppo_fabric.envs.make import ACTION_MASK, EnvError, probe_env, probing
 from ppo_fabric.envs.multiagent import (
     SINGLE,
     group_spaces,
@@ -73,13 +73,15 @@ def policy_specs(cfg: DictConfig) -> dict[str, PolicySpec]:
         check_selfplay(cfg, single, False)
         return single
     ma = cfg.multiagent
-    env = make_parallel_env(cfg.env)
+    with probing(cfg.env):  # the env's own failure: one line naming it
+        env = make_parallel_env(cfg.env)
     try:
         groups = policy_mapping(list(env.possible_agents), ma)
         spaces = group_spaces(env, groups, masked=mask_mode == "auto")
         turns = is_turn_based(env)
     finally:
-        env.close()
+        with probing(cfg.env):
+            env.close()
     if mask_mode == "auto" and not turns:
         for name, (obs_space, _, _) in spaces.items():
             if isinstance(obs_space, gym.spaces.Dict) and ACTION_MASK in obs_space.spaces:

@@ -29,7 +29,7 @@ from ppo_fabric import cli
 from ppo_fabric import ppo as ppo_module
 from ppo_fabric.collect.rollout import RolloutCollector, build_collector
 from ppo_fabric.config.values import compose
-from ppo_fabric.envs.make import env_seeds
+from ppo_fabric.envs.make import EnvError, env_seeds
 from ppo_fabric.envs.multiagent import MultiAgentVectorEnv
 from ppo_fabric.envs.toy_multiagent import MatchingGame, matching_v0
 from ppo_fabric.learn.advantages import compute_advantages
@@ -682,3 +682,15 @@ def test_lstm_multiagent_run(tmp_path: Path) -> None:
         spaces = obs_spaces[name], action_spaces[name]
         assert carry[name]["state"].shape == (4 * 2, *ActorCritic(*spaces, model_cfg).state_shape)
         assert any("lstm" in k for k in state["agent"][name])
+
+
+def broken_parallel_v0(**_: Any) -> Any:
+    raise RuntimeError("no licence for the game server (injected by the test)")
+
+
+def test_a_parallel_env_that_fails_while_the_checks_build_it_is_one_line() -> None:
+    """As for gymnasium envs, a PettingZoo factory's own failure is one line naming it, not a traceback."""
+    cfg, _ = compose(["env=pettingzoo", "env.id=tests.collect.test_multiagent:broken_parallel_v0"])
+    with pytest.raises(EnvError, match=r"^env.id='tests.collect.test_multiagent:broken_parallel_v0' raised "
+                                       r"RuntimeError: no licence for the game server"):  # fmt: skip
+        policy_specs(cfg)
