@@ -114,7 +114,7 @@ def settled_overrides(
     return [*settled, f"hydra.run.dir={quoted(str(checkpoint.parent.parent))}"]
 
 
-def precheck(invocation: Invocation, full: bool) -> None:
+def precheck(invocation: Invocation, full: bool, sweep: bool = False) -> None:
     """One line and exit 2 for a config that cannot run, before Hydra makes any directory.
 
     `full`: a run (not a sweep, not `--cfg`): every check of `preflight.load`, environment included. A
@@ -124,6 +124,8 @@ def precheck(invocation: Invocation, full: bool) -> None:
         # Composing first: a mistake in the command line itself is reported before torch and gymnasium
         # are imported for the checks that need them (seconds; `--cfg` and sweeps never need them).
         compose(without_sweeps(list(invocation.overrides)), path, name)
+        if sweep:
+            check_sweep_values(list(invocation.overrides), path, name)
         if full:
             from ppo_fabric.app.preflight import load
 
@@ -134,6 +136,36 @@ def precheck(invocation: Invocation, full: bool) -> None:
         if _rank() == 0:
             os.write(2, f"ppo-fabric: {done}\n".encode())
         raise SystemExit(0) from None
+
+
+def check_sweep_values(overrides: list[str], path: str | None, name: str) -> None:
+    """Every value of every sweep override composed, the other sweeps at their first value: a value that
+    cannot compose (`model=mlp,nosuch`, `algo.nosuch=1,2`) ends the sweep in one line naming its first job,
+    before Hydra makes the sweep's directory (its sweeper printed a many-line error, exit 1, and left the
+    directory). Whole jobs are checked by the launcher before the first starts."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    parsed = OverridesParser.create().parse_overrides(overrides)
+    lines = [o.input_line or "" for o in parsed]
+    sweeps: dict[int, list[str]] = {}
+    for i, override in enumerate(parsed):
+        if override.is_sweep_override():
+            try:
+                sweeps[i] = [f"{override.get_key_element()}={v}" for v in override.sweep_string_iterator()]
+            except Exception:  # a sweep the basic sweeper does not expand (interval): the launcher's to check
+                return
+    later = 1  # jobs run in itertools.product order: a value of sweep k is first at index * later sweeps
+    for i in reversed(sweeps):
+        values, stride = sweeps[i], later
+        later *= len(values)
+        for index, value in enumerate(values):
+            job = [sweeps[j][0] if j in sweeps else line for j, line in enumerate(lines)]
+            job[i] = value
+            try:
+                compose(job, path, name)
+            except ConfigError as exc:
+                shown = " ".join(o for o in job if not o.lstrip("+~").startswith("hydra."))
+                fail(f"job {index * stride} ({shown}): {exc}")
 
 
 def _resumes(invocation: Invocation) -> bool:
@@ -191,7 +223,7 @@ def run_app(argv: list[str], task: Task, check: bool = True) -> Invocation:
     # search path in a way our compose cannot repeat: such a run's task does the checks.
     helps = args.help or args.hydra_help or args.info is not None or args.shell_completion
     if check and args.config_dir is None and not helps:
-        precheck(invocation, full=not args.multirun and args.cfg is None)
+        precheck(invocation, full=not args.multirun and args.cfg is None, sweep=bool(args.multirun))
     if args.cfg in ("job", "all") and not args.multirun and args.config_dir is None and _resumes(invocation):
         if args.cfg == "all":  # Hydra would show the command line's job config, not the one the run continues
             fail("--cfg all with resume= shows the command line's config; --cfg job shows the config the "

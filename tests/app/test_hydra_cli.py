@@ -188,6 +188,16 @@ def test_multirun_under_fabric_run_is_refused(
         pytest.param(["--cfg", "job", "algo.nosuch=1"], "algo.nosuch: unknown config key", id="cfg"),
         pytest.param(["--nosuch"], "unrecognized arguments: --nosuch", id="flag"),
         pytest.param(["-m", "hydra.launcher.n_jobs=0", "seed=1,2"], "n_jobs=0 must be >= 1", id="n_jobs"),
+        pytest.param(  # a value Hydra's sweeper cannot compose: its own many-line error and exit 1 before
+            ["-m", "seed=1,2", "model=mlp,nosuch"],
+            "job 1 (seed=1 model=nosuch): model=nosuch: unknown option",
+            id="sweep-value",
+        ),
+        pytest.param(
+            ["-m", "algo.nosuch=1,2"],
+            "job 0 (algo.nosuch=1): algo.nosuch: unknown config key",
+            id="sweep-key",
+        ),
     ],
 )
 def test_mistakes_are_one_line_before_any_job_starts(
