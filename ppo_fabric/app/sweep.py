@@ -196,8 +196,13 @@ class Sweep:
         assert self.config is not None
         shown = " ".join(job_overrides(overrides))
         # as the job's own command line will (hydra_app), with the sweep's primary config
-        own = str(self.config.hydra.job.config_name)
-        settled = with_tuned_values(overrides, None if own == "config" else "", own)
+        flags = config_flags(self.config)  # the primary config each job is started with: ours, or the user's
+        own = (
+            str(self.config.hydra.job.config_name)
+            if any(f.startswith("--config-name") for f in flags)
+            else None
+        )
+        settled = with_tuned_values(overrides, None if own is None else "", own)
         try:
             sweep_config = self.context.config_loader.load_sweep_config(self.config, settled)
         except Exception as exc:  # Hydra raises many types; each becomes one line

@@ -96,6 +96,8 @@ def with_tuned_values(
             return [*overrides, f"tuning={quoted(f'{chosen_by_it} (chosen by the config {name})')}"]
         if env_id != DEFAULT_ID:
             return _for_id(env_id, overrides, f"{OWN_MARK} {name})")
+    elif config_path is not None or config_name not in (None, "config"):  # not composed here (--config-dir)
+        return [*overrides, f"tuning={quoted(f'the env option the config {config_name} picks')}"]
     note = f"the default env option, in ours {DEFAULT_OPTION} with tuned values for {DEFAULT_ID}"
     return [*overrides, f"tuning={quoted(note)}"]
 
@@ -119,7 +121,8 @@ def _own_config(
     parsed: list, config_path: str | None, config_name: str | None
 ) -> tuple[str, str, str] | None:
     """For a user's own primary config: (its name, the `env=`/`exp=` option it chose over ours or "",
-    the env id it composes to); None for ours, or for one that does not compose (composing says why)."""
+    the env id it composes to); None for ours, or for one that does not compose here (composing the run
+    says why; its options may come from `--config-dir`, which this compose cannot add)."""
     if config_path is None and config_name in (None, "config"):
         return None
     from hydra import compose as hydra_compose

@@ -181,7 +181,7 @@ def test_a_users_own_config_decides_as_a_command_line_would(tmp_path: Path) -> N
     assert acro[0] == "env=gym" and "(env.id set by the config acro)" in cfg.tuning
     assert without_tuned_values(acro) == ["seed=3", "resume=auto", "hydra.run.dir=R"]  # as typed
     assert with_tuned_values(["env.id=CartPole-v1"], where, "acro")[0] == "env=cartpole"  # the line wins
-    assert with_tuned_values([], where, "nosuch")[-1].startswith("tuning='the default env option")
+    assert with_tuned_values([], where, "nosuch")[-1] == "tuning='the env option the config nosuch picks'"
 
 
 @pytest.mark.slow  # seconds in process (a run, or every option composed): not the unit tier
