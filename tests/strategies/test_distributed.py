@@ -14,6 +14,8 @@ from pathlib import Path
 
 import pytest
 
+import ppo_fabric
+from ppo_fabric.config.values import compose
 from ppo_fabric.runs.metrics_file import read_rows
 from tests.conftest import job_env, job_processes
 
@@ -69,9 +71,10 @@ def test_python_m_launches_two_processes(tmp_path: Path) -> None:
 def test_the_python_api_runs_a_job_of_two_processes_without_running_the_script_again(tmp_path: Path) -> None:
     """`ppo_fabric.run([... "fabric.devices=2"])` from a script: Lightning started the second rank by running
     the script again (every `run()` before that call trained again; a notebook's kernel cannot be run
-    again at all). The job runs as `python -m ppo_fabric` in a child process; its summary comes back, its
-    output is this process's, a failure is raised as `RunFault` naming the rank's cause, and a SIGTERM to
-    the caller stops the job with its checkpoint."""
+    again at all). The job runs as `python -m ppo_fabric` in a child process, its output this process's: a
+    failure is raised as `RunFault` naming the rank's cause, the job imports the env factory's module
+    beside the script, and a SIGTERM to the caller stops the job with its checkpoint (143, as a
+    one-process run)."""
     (tmp_path / "scripts").mkdir()  # the env factory's module beside the script, not in the working directory
     (tmp_path / "scripts" / "my_envs.py").write_text(
         "import gymnasium as gym\n\ndef make():\n    return gym.make('CartPole-v1')\n"
@@ -81,41 +84,65 @@ def test_the_python_api_runs_a_job_of_two_processes_without_running_the_script_a
         "import ppo_fabric\n"
         "import my_envs\n"
         "open('started.txt', 'a').write('x')\n"
-        f"summary = ppo_fabric.run([{', '.join(repr(o) for o in SMALL)}, 'fabric.devices=2', 'hydra.run.dir=ok'],"
-        " env=my_envs.make)\n"
-        "print('SUMMARY', summary['world_size'], summary['total_env_steps'])\n"
         "try:\n"
         "    ppo_fabric.run(['fabric.devices=2', 'env.id=tests.faulty_env:FaultyCartPole-v0', "
         "'+env.kwargs.fault=raise', 'hydra.run.dir=bad', 'eval.every=0'])\n"
         "except ppo_fabric.RunFault as fault:\n"
         "    print('FAULT', fault, flush=True)\n"
-        "ppo_fabric.run(['fabric.devices=2', 'algo.total_steps=10000000', 'hydra.run.dir=long', 'eval.every=0'])\n"
+        "ppo_fabric.run(['fabric.devices=2', 'algo.total_steps=10000000', 'hydra.run.dir=long', 'eval.every=0'], "
+        "env=my_envs.make)\n"
     )
-    # the third job trains until this process is asked to stop (SIGTERM, as a cluster would): it stops the
-    # job (its ranks write their stop checkpoint) and ends with 143, as a one-process run does
     proc = subprocess.Popen([sys.executable, str(script)], cwd=tmp_path, env=_env(), stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)  # fmt: skip
     try:
         deadline = time.monotonic() + 90
         while not read_rows(tmp_path / "long" / "metrics.csv") and proc.poll() is None:
-            assert time.monotonic() < deadline, "the third job logged nothing"
+            assert time.monotonic() < deadline, "the second job logged nothing"
             time.sleep(0.2)
         proc.send_signal(signal.SIGTERM)
         out, err = proc.communicate(timeout=60)
     finally:
         proc.kill()
     assert proc.returncode == 143, err[-2000:]
-    assert json.loads((tmp_path / "long" / "summary.json").read_text())["stop_signal"] == "SIGTERM"
-    assert (tmp_path / "long" / "checkpoints" / "last.ckpt").is_file() and not job_processes(
-        tmp_path / "long"
-    )
-    proc = subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
     assert (tmp_path / "started.txt").read_text() == "x", "the script ran again"
-    assert "SUMMARY 2 4096" in proc.stdout and "ppo-fabric: coupled my_envs:make: 4096 steps" in proc.stdout
-    (fault,) = [line for line in proc.stdout.splitlines() if line.startswith("FAULT")]
+    (fault,) = [line for line in out.splitlines() if line.startswith("FAULT")]
     assert fault.startswith("FAULT rank ") and "env.step raised RuntimeError: simulator crashed" in fault, (
         fault
     )
+    summary = json.loads((tmp_path / "long" / "summary.json").read_text())
+    assert (summary["stop_signal"], summary["world_size"], summary["env_id"]) == (
+        "SIGTERM",
+        2,
+        "my_envs:make",
+    )
+    assert (tmp_path / "long" / "checkpoints" / "last.ckpt").is_file() and not job_processes(
+        tmp_path / "long"
+    )
+
+
+def test_the_python_api_returns_the_summary_of_the_job_it_ran(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """What the job of several processes ended with, as the in-process run gives it: its summary, or
+    the exceptions a one-process run raises."""
+    from ppo_fabric import cli
+    from ppo_fabric.app import jobs
+
+    ended: list[tuple[int, list[str]]] = []
+    monkeypatch.setattr(jobs, "run_attached", lambda overrides, run_dir, out: ended.pop())
+    (tmp_path / "summary.json").write_text('{"total_env_steps": 4096}')
+    cfg = compose(["fabric.devices=2"])[0]
+    ended.append((0, ["ppo-fabric: coupled CartPole-v1: 4096 steps"]))
+    assert cli._run_processes(cfg, [], tmp_path) == {"total_env_steps": 4096}
+    ended.append((2, ["ppo-fabric: error: algo.lr=0 must be > 0"]))
+    with pytest.raises(ppo_fabric.ConfigError, match=r"^algo.lr=0 must be > 0$"):
+        cli._run_processes(cfg, [], tmp_path)
+    ended.append((1, ["ppo-fabric: error: rank 1: env.step raised X", "ppo-fabric: rank failure (exit 1)"]))
+    with pytest.raises(ppo_fabric.RunFault, match=r"^rank 1: env.step raised X$"):
+        cli._run_processes(cfg, [], tmp_path)
+    ended.append((130, ["ppo-fabric: stopped by SIGINT"]))
+    with pytest.raises(KeyboardInterrupt):
+        cli._run_processes(cfg, [], tmp_path)
 
 
 def test_the_python_api_runs_a_resume_of_several_processes_as_a_job(monkeypatch: pytest.MonkeyPatch) -> None:
