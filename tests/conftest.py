@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import contextlib
 import os
+import subprocess
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -148,3 +150,20 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
             item.add_marker(pytest.mark.unit)
     rank = {"multiprocess": 0, "slow": 1, "gpu": 2}
     items.sort(key=lambda item: min((rank[m.name] for m in item.iter_markers() if m.name in rank), default=3))
+
+
+def signal_when_ready(
+    proc: subprocess.Popen[str], ready: Callable[[], bool], signum: int, wait_s: float = 120
+) -> tuple[str, str]:
+    """Send `signum` to `proc` once `ready()` holds (failing if it ended first or `wait_s` passed), wait
+    for it to end (90 s at most) and return its (stdout, stderr); it is killed on the way out whatever
+    happened."""
+    try:
+        deadline = time.monotonic() + wait_s
+        while not ready():
+            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+            time.sleep(0.2)
+        proc.send_signal(signum)
+        return proc.communicate(timeout=90)
+    finally:
+        proc.kill()

@@ -13,7 +13,6 @@ import json
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -21,7 +20,7 @@ import yaml
 
 from ppo_fabric import cli
 from ppo_fabric.app.supervisor import SUPERVISED_ENV
-from tests.conftest import assert_cli_failure, job_env
+from tests.conftest import assert_cli_failure, job_env, signal_when_ready
 
 TINY = ["algo.total_steps=512", "logger.tensorboard=false"]
 
@@ -88,15 +87,7 @@ def test_sigint_stops_the_running_job_and_ends_the_sweep_with_130(tmp_path: Path
         stderr=subprocess.PIPE,
         text=True,
     )
-    try:
-        deadline = time.monotonic() + 120
-        while not (sweep_dir / "0" / "metrics.csv").exists():
-            assert sweep.poll() is None and time.monotonic() < deadline, sweep.communicate()
-            time.sleep(0.2)
-        sweep.send_signal(signal.SIGINT)
-        _, err = sweep.communicate(timeout=90)
-    finally:
-        sweep.kill()
+    _, err = signal_when_ready(sweep, (sweep_dir / "0" / "metrics.csv").exists, signal.SIGINT)
     assert sweep.returncode == 130, err[-3000:]
     rows = _table(sweep_dir)
     assert [r["status"] for r in rows] == ["stopped (exit 130)", "not started"], rows

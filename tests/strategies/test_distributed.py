@@ -17,7 +17,7 @@ import pytest
 import ppo_fabric
 from ppo_fabric.config.values import compose
 from ppo_fabric.runs.metrics_file import read_rows
-from tests.conftest import job_env, job_processes
+from tests.conftest import job_env, job_processes, signal_when_ready
 
 REPO = Path(__file__).resolve().parents[2]
 FABRIC = Path(sys.executable).parent / "fabric"
@@ -94,15 +94,9 @@ def test_the_python_api_runs_a_job_of_two_processes_without_running_the_script_a
     )
     proc = subprocess.Popen([sys.executable, str(script)], cwd=tmp_path, env=_env(), stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)  # fmt: skip
-    try:
-        deadline = time.monotonic() + 90
-        while not read_rows(tmp_path / "long" / "metrics.csv") and proc.poll() is None:
-            assert time.monotonic() < deadline, "the second job logged nothing"
-            time.sleep(0.2)
-        proc.send_signal(signal.SIGTERM)
-        out, err = proc.communicate(timeout=60)
-    finally:
-        proc.kill()
+    out, err = signal_when_ready(
+        proc, lambda: bool(read_rows(tmp_path / "long" / "metrics.csv")), signal.SIGTERM
+    )
     assert proc.returncode == 143, err[-2000:]
     assert (tmp_path / "started.txt").read_text() == "x", "the script ran again"
     (fault,) = [line for line in out.splitlines() if line.startswith("FAULT")]
