@@ -89,7 +89,8 @@ def pickle_keeps_state(envs: Any) -> bool:
     MuJoCo one goes on from its initial pose. Resume must start fresh episodes there instead.
 
     Walks the vector env's wrappers (`.env`) down to the object holding the sub-envs (`.envs`), then each
-    sub-env's wrappers (gymnasium's and PettingZoo's both keep the wrapped env in `.env`). A holder with a
+    sub-env's wrappers (gymnasium's and PettingZoo's keep the wrapped env in `.env`; PettingZoo's
+    AEC-to-parallel conversion, which MPE's parallel envs are, in `.aec_env`). A holder with a
     `__setstate__` of its own restores its envs itself and is trusted."""
     from gymnasium.utils import EzPickle
 
@@ -97,7 +98,8 @@ def pickle_keeps_state(envs: Any) -> bool:
         out: list[Any] = []
         while obj is not None and len(out) < 64 and not any(obj is seen for seen in out):
             out.append(obj)
-            obj = getattr(obj, "env", None)
+            inner = getattr(obj, "env", None)
+            obj = inner if inner is not None else getattr(obj, "aec_env", None)
         return out
 
     layers = chain(envs)

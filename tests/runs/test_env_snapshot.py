@@ -77,3 +77,19 @@ def test_a_run_of_such_envs_resumes_with_fresh_episodes(tmp_path: Path) -> None:
         )
     assert resumed["total_env_steps"] == 512
     assert any("episodes restart on resume" in str(w.message) for w in caught)
+
+
+def test_a_pettingzoo_parallel_env_converted_from_aec_is_seen_through() -> None:
+    """MPE's parallel envs are PettingZoo's AEC-to-parallel conversion, which keeps its env in `.aec_env`:
+    the walk stopped there, the rebuilt-by-pickle env under it was missed, and a resumed MPE run failed
+    its first step ('raw_env' object has no attribute 'agent_selection')."""
+    pytest.importorskip("mpe2")
+    from ppo_fabric.config.values import compose
+    from ppo_fabric.envs.multiagent import make_multiagent_vector_env
+
+    cfg, _ = compose(["exp=mpe_spread", "env.num_envs=2"])
+    envs, _ = make_multiagent_vector_env(cfg.env, cfg.multiagent, 0, 0, False)
+    try:
+        assert not ckpt.pickle_keeps_state(envs)
+    finally:
+        envs.close()
