@@ -28,7 +28,7 @@ import ppo_fabric
 from ppo_fabric import cli
 from ppo_fabric import ppo as ppo_module
 from ppo_fabric.collect.rollout import RolloutCollector, build_collector
-from ppo_fabric.config.values import compose
+from ppo_fabric.config.values import ConfigError, compose
 from ppo_fabric.envs.make import EnvError, env_seeds
 from ppo_fabric.envs.multiagent import MultiAgentVectorEnv
 from ppo_fabric.envs.toy_multiagent import MatchingGame, matching_v0
@@ -528,6 +528,12 @@ def test_exact_resume_mid_episode(tmp_path: Path) -> None:
     assert summary["total_env_steps"] == 360 and summary["steps_this_run"] == 360 - 120
     full = _final_params(tmp_path / "full")
     assert _assert_same_params(full, _final_params(tmp_path / "resumed"))
+    # the policies named in another order: equal as dicts, but the restored envs hand out actions by
+    # position, so each would play the other's agents (or crash on their shapes)
+    reordered = [o.replace("{first:{},rest:{lr:1e-3}}", "{rest:{lr:1e-3},first:{}}") for o in RESUME]
+    with pytest.raises(ConfigError, match=r"multiagent.policies lists \['rest', 'first'\], the checkpoint "
+                                          r"\['first', 'rest'\]; keep the checkpoint's order"):  # fmt: skip
+        ppo_fabric.run([*reordered, f"hydra.run.dir={tmp_path / 'reordered'}", f"resume={middle}"])
 
     state["ranks"][0]["carry"]["rest"]["alive"] = torch.ones_like(
         alive
