@@ -60,8 +60,9 @@ def stop_quietly_during_startup() -> None:
 
     def handler(signum: int, _frame: object) -> None:
         name = signal.Signals(signum).name
-        os.write(2, f"ppo-fabric: stopped by {name} during start-up, before training began\n".encode())
-        os._exit(128 + signum)
+        if not launcher_child():  # one line for the job: its first process (or the supervisor) says it
+            os.write(2, f"ppo-fabric: stopped by {name} during start-up, before training began\n".encode())
+        os._exit(stop_status(signum))  # a launcher child's 128+N got its node's first process SIGKILLed (137)
 
     for signum in (signal.SIGINT, signal.SIGTERM):
         signal.signal(signum, handler)

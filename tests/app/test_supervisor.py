@@ -503,3 +503,28 @@ def test_the_runs_own_warnings_print_as_one_line(monkeypatch: pytest.MonkeyPatch
     theirs = warnings.formatwarning(UserWarning("deprecated"), DeprecationWarning, "/y/lib.py", 3, "src")
     assert ours == "ppo-fabric: episodes restart\n"
     assert theirs.startswith("/y/lib.py:3: DeprecationWarning: deprecated"), theirs
+
+
+def test_a_signal_during_start_up_ends_a_launcher_child_quietly_with_0(
+    monkeypatch: pytest.MonkeyPatch, capfd: pytest.CaptureFixture[str]
+) -> None:
+    """A job stopped while its processes start: a child Fabric's launcher started exited 128+N, and its
+    node's first process SIGKILLed itself on seeing it (the job ended 137, which a requeue script reads as
+    a kill). The child leaves with 0 and no line; the first process says it and carries 128+N."""
+    import signal as signals
+
+    from ppo_fabric.app import process
+
+    codes: list[int] = []
+    monkeypatch.setattr(process.os, "_exit", codes.append)
+    saved = {s: signals.getsignal(s) for s in (signals.SIGINT, signals.SIGTERM)}
+    try:
+        process.stop_quietly_during_startup()
+        handler = signals.getsignal(signals.SIGTERM)
+        for child, code, said in ((True, 0, ""), (False, 143, "stopped by SIGTERM during start-up")):
+            monkeypatch.setattr(process, "launcher_child", lambda child=child: child)
+            handler(signals.SIGTERM, None)
+            assert codes.pop() == code and said in capfd.readouterr().err
+    finally:
+        for s, h in saved.items():
+            signals.signal(s, h)
