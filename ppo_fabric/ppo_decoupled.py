@@ -327,14 +327,14 @@ class Player:
         learner = parts[self.topo.first_trainer]["learner"]
         evaluating = self.evaluation is not None and self.evaluation.on
         if evaluating:
-            self.recorded = self.evaluation.state()
+            self.recorded = self.evaluation.state(upto=self.session.env_step(update))
             learner = learner | {"evaluation": self.recorded}
         # with evaluation on, best.ckpt holds the parameters the evaluator scored best (`write_best`)
         path = self.session.write_checkpoint(
             learner, [part["rank_state"] for part in parts], update, best=False if evaluating else None
         )
         if evaluating and self.session.writer:
-            self.write_best(path)
+            self.write_best(path, upto=self.session.env_step(update))
 
     def amend_evaluation(self) -> None:
         """The evaluation record in the last checkpoint written (and its numbered copy) as it is now, and
@@ -348,22 +348,23 @@ class Player:
             or self.recorded is None
         ):
             return
-        now = self.evaluation.state()
+        step = self.session.env_step(self.session.last_checkpoint)
+        now = self.evaluation.state(upto=step)  # what had been evaluated by the checkpoint's step
         last = self.session.checkpoint_path
         if now == self.recorded or not last.is_file():
             return
-        step = self.session.env_step(self.session.last_checkpoint)
         numbered = last.parent / ckpt.numbered_name(step, self.session.run_id)
         for path in (last, numbered):
             if path.is_file():
                 ckpt.amend(path, evaluation=now)
         self.recorded = now
-        self.write_best(last)
+        self.write_best(last, upto=step)
 
-    def write_best(self, written: Path) -> None:
-        """best.ckpt from the evaluation that found a new best since the last checkpoint: the parameters it
-        scored, cut from the checkpoint just `written` (`ckpt.policy_checkpoint`: loadable, not resumable)."""
-        best = self.evaluation.take_best_policy()
+    def write_best(self, written: Path, upto: int) -> None:
+        """best.ckpt from the evaluation that found a new best since the last checkpoint, at its step
+        `upto` or before: the parameters it scored, cut from the checkpoint just `written`
+        (`ckpt.policy_checkpoint`: loadable, not resumable)."""
+        best = self.evaluation.take_best_policy(upto)
         if best is None:
             return
         env_step, weights, frozen = best

@@ -69,6 +69,10 @@ class PeriodicEvaluation:
             self.next_step = start_step
         self.last: dict[str, Any] | None = (saved or {}).get("last")
         self.best: dict[str, Any] | None = (saved or {}).get("best")
+        # every evaluation's record in step order (the resumed ones first): a checkpoint keeps the record
+        # as it stood at its own step (`state(upto=...)`)
+        kept = [r for r in (self.best, self.last) if r is not None]
+        self.records = sorted({r["env_step"]: r for r in kept}.values(), key=lambda r: r["env_step"])
         self.background = background and self.every > 0
         self.cfg, self.specs = cfg, specs
         self.evaluator: EvaluatorProcess | None = None  # started at the first evaluation in the background
@@ -152,12 +156,17 @@ class PeriodicEvaluation:
             if "eval/win_rate" in metrics:
                 record["win_rate"] = metrics["eval/win_rate"]
             self.last = record
+            self.records.append(record)
             if self.best is None or record[key] > self.best.get(key, -np.inf):
                 self.best = record
         return metrics | {"time/eval_s": seconds}
 
-    def take_best_policy(self) -> tuple[int, dict[str, Any], Any] | None:
-        """The best evaluated parameters not yet written (background evaluation), once."""
+    def take_best_policy(self, upto: int | None = None) -> tuple[int, dict[str, Any], Any] | None:
+        """The best evaluated parameters not yet written (background evaluation), once; with `upto`, only
+        when they are from that env step or before (best.ckpt is never ahead of the checkpoint written
+        with it: a crash would leave it from a timeline the resumed run does not follow)."""
+        if self.best_policy is None or (upto is not None and self.best_policy[0] > upto):
+            return None
         best, self.best_policy = self.best_policy, None
         return best
 
@@ -165,10 +174,21 @@ class PeriodicEvaluation:
         """Whether the evaluation at `env_step` is the best so far (what `best.ckpt` keeps when on)."""
         return self.best is not None and self.best["env_step"] == env_step
 
-    def state(self) -> dict[str, Any]:
+    def state(self, upto: int | None = None) -> dict[str, Any]:
         """The record a checkpoint keeps: the last and best evaluation, and the env step of the one in
-        flight (None: none), which a run resumed from that checkpoint owes (`owed`)."""
-        return {"last": self.last, "best": self.best, "in_flight": self.pending}
+        flight (None: none), which a run resumed from that checkpoint owes (`owed`). `upto`: as it stood
+        at that env step, the checkpoint's: an evaluation in the background may finish after later updates,
+        and a checkpoint holding it named a best from a timeline its resumed run does not follow."""
+        if upto is None:
+            return {"last": self.last, "best": self.best, "in_flight": self.pending}
+        kept = [r for r in self.records if r["env_step"] <= upto]
+        key = self.scorer.score if self.scorer is not None else ""
+        best = None
+        for record in kept:  # the first of the highest, as `_record` keeps it
+            if best is None or record.get(key, -np.inf) > best.get(key, -np.inf):
+                best = record
+        pending = self.pending if self.pending is not None and self.pending <= upto else None
+        return {"last": kept[-1] if kept else None, "best": best, "in_flight": pending}
 
     def close(self) -> None:
         if self.evaluator is not None:

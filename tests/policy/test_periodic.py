@@ -140,6 +140,33 @@ def test_a_resume_owes_the_evaluation_its_checkpoint_had_in_flight() -> None:
         evaluation.close()
 
 
+def test_a_checkpoint_keeps_the_record_as_it_stood_at_its_own_step() -> None:
+    """A decoupled checkpoint at step 4608 held the evaluation at 5120 (it finished in the background
+    while later updates ran, and was amended in): after a crash and a resume from 4608, the summary named
+    a best from the timeline the resumed run did not follow, and best.ckpt held its parameters."""
+    evaluation, _ = _evaluation()
+    for step, score in ((512, 10.0), (1024, 30.0), (1536, 20.0), (2048, 40.0)):
+        evaluation._record(step, {"eval/return_mean": score}, 0.1)
+    evaluation.pending = 2560
+    at = evaluation.state(upto=1536)
+    assert (at["last"]["env_step"], at["best"]["env_step"], at["in_flight"]) == (1536, 1024, None)
+    assert evaluation.state(upto=2560)["in_flight"] == 2560
+    assert evaluation.state(upto=100) == {"last": None, "best": None, "in_flight": None}
+    assert evaluation.state()["best"]["env_step"] == 2048  # the summary's: everything so far
+    evaluation.best_policy = (2048, {}, None)  # best.ckpt is never ahead of its checkpoint
+    assert (
+        evaluation.take_best_policy(upto=1536) is None and evaluation.take_best_policy(upto=2048)[0] == 2048
+    )
+    resumed = PeriodicEvaluation(evaluation.cfg, evaluation.specs, 512, 1536, at)  # its record goes on
+    resumed._record(2048, {"eval/return_mean": 25.0}, 0.1)
+    assert (
+        resumed.state(upto=2048)["best"]["env_step"] == 1024
+        and resumed.state()["last"]["return_mean"] == 25.0
+    )
+    evaluation.close()
+    resumed.close()
+
+
 def test_an_evaluation_env_that_fails_ends_the_run_in_one_line_or_loses_only_its_episode() -> None:
     """A NaN observation in an evaluation episode: an EnvFault naming the env and its seed (the run ends
     with it, as with a training env); with env.on_error=restart the episode is left out and counted, the
