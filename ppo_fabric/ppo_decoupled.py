@@ -230,6 +230,7 @@ class Player:
             self.stop(signum, pipelined)
         if clock_due:
             state.timed.add(update + 1)
+            session.clock_checkpoint_planned()
         # a checkpoint of update k (received during this rollout) holds the state from before it, and so
         # does its log row: the episodes that ended up to its env step
         snapshot = self.snapshot() if pipelined and self.checkpoint_due(update) else None

@@ -229,6 +229,12 @@ class RunSession:
         clock_due = self.every_seconds > 0 and time.monotonic() - self._checkpoint_clock >= self.every_seconds
         return torch.tensor([float(STOP.signum), float(clock_due), float(best)])
 
+    def clock_checkpoint_planned(self) -> None:
+        """A checkpoint by the clock is decided for a later boundary (the decoupled player's: after the
+        update on the rollout now sent): the clock starts again now, not when it is written, or the next
+        boundary, before that write, would decide another (clock checkpoints came in pairs)."""
+        self._checkpoint_clock = time.monotonic()
+
     @staticmethod
     def agreed(flags: torch.Tensor) -> Boundary:
         """What the ranks agreed on at this boundary, from the reduced flags."""

@@ -216,3 +216,21 @@ def test_a_check_that_never_returns_ends_the_command_in_one_line(
         pass
     time.sleep(0.5)
     assert capfd.readouterr().err == ""
+
+
+def test_a_planned_clock_checkpoint_restarts_the_clock(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The decoupled player decides a clock checkpoint for the update after the rollout it sends, and the
+    clock ran on until that checkpoint was written: the next boundary, before the write, decided another
+    (clock checkpoints came in pairs on consecutive updates, halving what checkpoint.keep kept)."""
+    import time
+
+    session = _session(tmp_path)
+    session.every_seconds = 60.0
+    now = [time.monotonic() + 61.0]
+    monkeypatch.setattr(time, "monotonic", lambda: now[0])
+    assert session.agreed(session.boundary_flags()).clock_due
+    session.clock_checkpoint_planned()
+    now[0] += 1.0  # the next boundary, the planned checkpoint not written yet
+    assert not session.agreed(session.boundary_flags()).clock_due
