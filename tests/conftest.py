@@ -161,7 +161,9 @@ def signal_when_ready(
     try:
         deadline = time.monotonic() + wait_s
         while not ready():
-            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+            if proc.poll() is not None or time.monotonic() >= deadline:
+                proc.kill()  # still running at the deadline: its output only once it has ended
+                pytest.fail(f"never ready (exit {proc.poll()}): {proc.communicate(timeout=30)}")
             time.sleep(0.2)
         proc.send_signal(signum)
         return proc.communicate(timeout=90)

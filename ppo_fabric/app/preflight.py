@@ -334,13 +334,15 @@ def check_resume(cfg: DictConfig, path: str, obs_space: gym.Space, action_space:
     for group in _MODEL_KEYS:
         now = OmegaConf.to_container(cfg[group], resolve=True) if cfg.get(group) is not None else {}
         before = saved.get(group) or {}
-        order, saved_order = list(now.get("policies") or {}), list(before.get("policies") or {})
-        if group == "multiagent" and order != saved_order and sorted(order) == sorted(saved_order):
-            # dicts compare equal in any order, but a restored vector env hands its groups actions by position
-            raise ConfigError(
-                f"resume={path!r}: multiagent.policies lists {order}, the checkpoint {saved_order}; keep "
-                "the checkpoint's order (the policies would play each other's agents)"
-            )
+        for key in ("policies", "policy_mapping") if group == "multiagent" else ():
+            # dicts compare equal in any order, but the order decides: a restored vector env hands its
+            # groups actions by position, and the first pattern that matches an agent wins
+            order, saved_order = list(now.get(key) or {}), list(before.get(key) or {})
+            if order != saved_order and sorted(order) == sorted(saved_order):
+                raise ConfigError(
+                    f"resume={path!r}: multiagent.{key} lists {order}, the checkpoint {saved_order}; keep "
+                    "the checkpoint's order (the policies would play each other's agents)"
+                )
         for key in sorted(set(now) | set(before)):
             if now.get(key) != before.get(key):
                 raise ConfigError(

@@ -56,13 +56,17 @@ def end_process(code: int = 0) -> NoReturn:
 def stop_quietly_during_startup() -> None:
     """Until a run's own handlers take over (the supervisor's, a sweep's, the ranks' STOP): SIGINT or
     SIGTERM ends the process with one line and status 128+N, where Ctrl+C printed a KeyboardInterrupt
-    traceback from whatever was importing and SIGTERM ended it without a word. Nothing is written yet."""
+    traceback from whatever was importing and SIGTERM ended it without a word. Nothing is written yet. A
+    child of Fabric's launcher passes the signal to its node's first process and leaves with 0 (`stop_status`)."""
 
     def handler(signum: int, _frame: object) -> None:
         name = signal.Signals(signum).name
-        if not launcher_child():  # one line for the job: its first process (or the supervisor) says it
+        if launcher_child():  # its 128+N got its node's first process SIGKILLed (137): that one says it
+            with contextlib.suppress(OSError):  # and stops too when the signal reached this child alone
+                os.kill(os.getppid(), signum)
+        else:
             os.write(2, f"ppo-fabric: stopped by {name} during start-up, before training began\n".encode())
-        os._exit(stop_status(signum))  # a launcher child's 128+N got its node's first process SIGKILLed (137)
+        os._exit(stop_status(signum))
 
     for signum in (signal.SIGINT, signal.SIGTERM):
         signal.signal(signum, handler)

@@ -26,7 +26,13 @@ from ppo_fabric.config.values import ConfigError
 from ppo_fabric.runs.metrics_file import read_rows
 from tests.conftest import assert_cli_failure, job_env, job_processes
 
-SMALL = ["logger.tensorboard=false", "env.num_envs=4", "algo.rollout_steps=32", "collectives.timeout=20"]
+SMALL = [
+    "logger.tensorboard=false",
+    "eval.every=0",
+    "env.num_envs=4",
+    "algo.rollout_steps=32",
+    "collectives.timeout=20",
+]
 
 
 def _python_m(run_dir: Path, *overrides: str) -> list[str]:
@@ -521,10 +527,17 @@ def test_a_signal_during_start_up_ends_a_launcher_child_quietly_with_0(
     try:
         process.stop_quietly_during_startup()
         handler = signals.getsignal(signals.SIGTERM)
-        for child, code, said in ((True, 0, ""), (False, 143, "stopped by SIGTERM during start-up")):
+        passed: list[tuple[int, int]] = []
+        monkeypatch.setattr(process.os, "kill", lambda pid, signum: passed.append((pid, signum)))
+        for child, code, said in (
+            (True, 0, ""),
+            (False, 143, "ppo-fabric: stopped by SIGTERM during start-up"),
+        ):
             monkeypatch.setattr(process, "launcher_child", lambda child=child: child)
             handler(signals.SIGTERM, None)
-            assert codes.pop() == code and said in capfd.readouterr().err
+            err = capfd.readouterr().err
+            assert codes.pop() == code and (err == "" if child else err.startswith(said)), err
+        assert passed == [(os.getppid(), signals.SIGTERM)]  # the child passed it to its node's first process
     finally:
         for s, h in saved.items():
             signals.signal(s, h)

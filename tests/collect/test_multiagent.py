@@ -534,6 +534,9 @@ def test_exact_resume_mid_episode(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match=r"multiagent.policies lists \['rest', 'first'\], the checkpoint "
                                           r"\['first', 'rest'\]; keep the checkpoint's order"):  # fmt: skip
         ppo_fabric.run([*reordered, f"hydra.run.dir={tmp_path / 'reordered'}", f"resume={middle}"])
+    remapped = [o.replace("{agent_0:first,agent_*:rest}", "{agent_*:rest,agent_0:first}") for o in RESUME]
+    with pytest.raises(ConfigError, match=r"multiagent.policy_mapping lists \['agent_\*', 'agent_0'\]"):
+        ppo_fabric.run([*remapped, f"hydra.run.dir={tmp_path / 'remapped'}", f"resume={middle}"])
 
     state["ranks"][0]["carry"]["rest"]["alive"] = torch.ones_like(
         alive

@@ -157,6 +157,10 @@ def test_a_checkpoint_keeps_the_record_as_it_stood_at_its_own_step() -> None:
     assert (
         evaluation.take_best_policy(upto=1536) is None and evaluation.take_best_policy(upto=2048)[0] == 2048
     )
+    # a checkpoint written before this rule held later evaluations: they are dropped on resume
+    legacy = PeriodicEvaluation(evaluation.cfg, evaluation.specs, 512, 1536, evaluation.state())
+    assert legacy.best is None and legacy.last is None and legacy.state(upto=1536)["best"] is None
+    legacy.close()
     resumed = PeriodicEvaluation(evaluation.cfg, evaluation.specs, 512, 1536, at)  # its record goes on
     resumed._record(2048, {"eval/return_mean": 25.0}, 0.1)
     assert (

@@ -20,7 +20,13 @@ from ppo_fabric.runs.metrics_file import read_rows
 from tests.conftest import job_env, job_processes, numbered_checkpoint
 
 REPO = Path(__file__).resolve().parents[2]
-TINY = ["logger.tensorboard=false", "env.num_envs=4", "algo.rollout_steps=64", "algo.minibatch_size=64"]
+TINY = [
+    "logger.tensorboard=false",
+    "eval.every=0",
+    "env.num_envs=4",
+    "algo.rollout_steps=64",
+    "algo.minibatch_size=64",
+]
 
 
 def _env() -> dict[str, str]:

@@ -41,6 +41,7 @@ DECOUPLED_SCRIPT = REPO / "ppo_fabric" / "ppo_decoupled.py"
 # every layout here. CartPole's tuned config trains 20 epochs; 4 keep the runs short.
 SMALL = [
     "logger.tensorboard=false",
+    "eval.every=0",  # no evaluator process where a test does not evaluate (tests that do set it)
     "env.num_envs=4",
     "algo.rollout_steps=32",
     "algo.minibatch_size=64",

@@ -21,7 +21,13 @@ from tests.conftest import job_env, job_processes, signal_when_ready
 
 REPO = Path(__file__).resolve().parents[2]
 FABRIC = Path(sys.executable).parent / "fabric"
-SMALL = ["algo.total_steps=4096", "logger.tensorboard=false", "env.num_envs=4", "algo.rollout_steps=64"]
+SMALL = [
+    "algo.total_steps=4096",
+    "logger.tensorboard=false",
+    "eval.every=0",
+    "env.num_envs=4",
+    "algo.rollout_steps=64",
+]
 
 
 def _env() -> dict[str, str]:

@@ -22,7 +22,7 @@ from tests.conftest import job_env, job_processes
 
 pytestmark = pytest.mark.multiprocess
 
-SMALL = ["logger.tensorboard=false", "env.num_envs=4", "algo.rollout_steps=32", "algo.minibatch_size=64",
+SMALL = ["logger.tensorboard=false", "eval.every=0", "env.num_envs=4", "algo.rollout_steps=32", "algo.minibatch_size=64",
          "algo.update_epochs=2", "env.id=tests.faulty_env:FaultyCartPole-v0"]  # fmt: skip
 DECOUPLED = ["strategy=decoupled", "fabric.devices=2"]
 
@@ -126,7 +126,7 @@ def test_a_stuck_evaluation_env_ends_a_decoupled_job(tmp_path: Path) -> None:
     seeds = [42 + 1_000_003 + k for k in range(3)]  # the evaluation envs' only (seed 42, 3 episodes)
     proc, took = _job(
         tmp_path, *DECOUPLED, "+env.kwargs.fault=hang", "+env.kwargs.after=5", f"+env.kwargs.seeds={seeds}",
-        "eval.episodes=3", "algo.total_steps=1024", "stall_timeout=3",
+        "eval.every=auto", "eval.episodes=3", "algo.total_steps=1024", "stall_timeout=3",
     )  # fmt: skip
     assert proc.returncode == 1, proc.stderr[-3000:]
     line = _errors(proc)[0]
