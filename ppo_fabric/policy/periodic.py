@@ -67,16 +67,15 @@ class PeriodicEvaluation:
         self.owed = bool(self.every) and (saved or {}).get("in_flight") == start_step
         if self.owed:
             self.next_step = start_step
+
         # a checkpoint's own record ends at its step (`state(upto=...)`); one written before that rule may
         # hold later evaluations, from a timeline the resumed run does not follow: they are dropped
-        kept_saved = {k: (saved or {}).get(k) for k in ("last", "best")}
-        for k, record in kept_saved.items():
-            if record is not None and record["env_step"] > start_step:
-                kept_saved[k] = None
-        if kept_saved["best"] is None and kept_saved["last"] is not None and (saved or {}).get("best"):
-            kept_saved["best"] = kept_saved["last"]  # the best left of what the checkpoint's timeline scored
-        self.last: dict[str, Any] | None = kept_saved["last"]
-        self.best: dict[str, Any] | None = kept_saved["best"]
+        def own(record: dict[str, Any] | None) -> dict[str, Any] | None:
+            return record if record is not None and record["env_step"] <= start_step else None
+
+        self.last: dict[str, Any] | None = own((saved or {}).get("last"))
+        # a best dropped: the last kept is the best left of what the checkpoint's timeline scored
+        self.best: dict[str, Any] | None = own((saved or {}).get("best")) or self.last
         # every evaluation's record in step order (the resumed ones first): a checkpoint keeps the record
         # as it stood at its own step (`state(upto=...)`)
         kept = [r for r in (self.best, self.last) if r is not None]
