@@ -46,14 +46,18 @@ def strategy_of(cfg: DictConfig) -> StrategyMain:
 
 
 def train(
-    cfg: DictConfig, run_dir: str | Path | None = None, overrides: list[str] | None = None
+    cfg: DictConfig,
+    run_dir: str | Path | None = None,
+    overrides: list[str] | None = None,
+    *,
+    python_api: bool = False,
 ) -> dict[str, Any]:
     """Train the composed `cfg` in this process (Fabric launches more for fabric.devices>1) and return rank
     0's summary; `run_dir` defaults to the Hydra run's output directory, `overrides` (what a resume may
-    change of the run's own config) to the Hydra run's. Raises `ConfigError`."""
+    change of the run's own config) to the Hydra run's; `python_api`: `run()`'s call. Raises `ConfigError`."""
     from ppo_fabric.app import launch
 
-    return launch.train(cfg, strategy_of, run_dir, overrides)
+    return launch.train(cfg, strategy_of, run_dir, overrides, python_api=python_api)
 
 
 def env_reference(env: Any) -> str:
@@ -96,7 +100,7 @@ def run(overrides: list[str], env: Any = None) -> dict[str, Any]:
     from ppo_fabric.app.launch import NeedsProcesses
 
     try:
-        return train(cfg, run_dir, overrides)
+        return train(cfg, run_dir, overrides, python_api=True)
     except NeedsProcesses:  # a resumed run's own config asks for several processes
         return _run_processes(cfg, overrides, Path(run_dir))
     except RunComplete as done:

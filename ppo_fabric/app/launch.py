@@ -312,6 +312,8 @@ def train(
     strategy: Callable[[DictConfig], StrategyMain],
     run_dir: str | Path | None = None,
     overrides: list[str] | None = None,
+    *,
+    python_api: bool = False,
 ) -> dict[str, Any]:
     """The one way a run starts, whatever started it (the Hydra app's job, `ppo_fabric.run([...])`, each
     rank under `fabric run`): check the composed config for `run_dir` (default: the Hydra run's output
@@ -319,7 +321,9 @@ def train(
     strategy is chosen after the checks: a resume continues the checkpoint's config, its strategy
     included (a decoupled run resumed without `strategy=decoupled` trained on as coupled). `overrides`: the command line `cfg` was
     composed from (default: the running Hydra app's), which is all a resume may change of the run's own
-    config. Raises `ConfigError` before anything starts, `RunComplete` for a finished `resume=auto` run.
+    config. `python_api`: called by `ppo_fabric.run()`, never the Hydra app's job, even where Hydra's
+    global config is set (a user's own Hydra app calling it, an earlier app in the process). Raises
+    `ConfigError` before anything starts, `RunComplete` for a finished `resume=auto` run.
     """
     quiet_libraries()
     # Before the checks, which build the env and the model: every process of a job runs them, and each
@@ -330,7 +334,7 @@ def train(
         set_threads(int(cfg.torch_threads))
     from hydra.core.hydra_config import HydraConfig
 
-    in_app = HydraConfig.initialized()
+    in_app = not python_api and HydraConfig.initialized()
     if run_dir is None:
         run_dir = HydraConfig.get().runtime.output_dir
     if overrides is None and in_app:

@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 
 import pytest
+from omegaconf import OmegaConf
 
 import ppo_fabric
 from ppo_fabric.config.values import compose
@@ -24,6 +25,7 @@ FABRIC = Path(sys.executable).parent / "fabric"
 SMALL = [
     "algo.total_steps=4096",
     "logger.tensorboard=false",
+    "logger.plot=false",
     "eval.every=0",
     "env.num_envs=4",
     "algo.rollout_steps=64",
@@ -162,6 +164,30 @@ def test_the_python_api_runs_a_resume_of_several_processes_as_a_job(monkeypatch:
     )
     assert cli.run(["seed=5", "hydra.run.dir=unused"]) == {}
     assert len(started) == 1 and "seed=5" in started[0]
+
+
+def test_the_python_api_is_not_the_hydra_apps_job_while_hydras_config_is_set(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`ppo_fabric.run()` inside a user's own Hydra app (or after a Hydra app ran in the process), where
+    Hydra's global config is set: the run is still the Python API's, with its own run directory and
+    overrides (it took the app's, and a resume of several processes trained in the calling process)."""
+    from hydra.core.hydra_config import HydraConfig
+
+    from ppo_fabric import cli
+    from ppo_fabric.app import launch
+
+    theirs = OmegaConf.create({"hydra": {"runtime": {"output_dir": str(tmp_path / "theirs")},
+                                         "overrides": {"task": ["their=1"]}, "job": {"config_name": "app"}}})  # fmt: skip
+    monkeypatch.setattr(HydraConfig.instance(), "cfg", theirs)
+    seen: list[tuple[str, list[str]]] = []
+    monkeypatch.setattr(launch, "prepare", lambda cfg, run_dir, overrides, *_: seen.append((run_dir, overrides))
+                        or {"world_size": 2})  # fmt: skip
+    monkeypatch.setattr(launch, "launch", lambda *a, **k: pytest.fail("launched in this process"))
+    monkeypatch.setattr(cli, "_run_processes", lambda cfg, overrides, run_dir: {"child": True})
+    ours = str(tmp_path / "ours")
+    assert cli.run(["seed=5", f"hydra.run.dir={ours}"]) == {"child": True}
+    assert seen[0][0] == ours and "seed=5" in seen[0][1] and "their=1" not in seen[0][1]
 
 
 @pytest.mark.multiprocess
