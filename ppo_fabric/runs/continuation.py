@@ -171,12 +171,12 @@ def continued_config(
             _drop(merged, prefix)
     merged_leaves = dict(leaves(merged))
     changes = {
-        dotted(p): (saved_leaves.get(p), v)
+        dotted(p): (saved_leaves.get(p, ABSENT), v)
         for p, v in merged_leaves.items()
         if p != ("resume",) and (saved_leaves[p] != v if p in saved_leaves else _under(p, named))
     }
     changes |= {
-        dotted(p): (v, None)
+        dotted(p): (v, ABSENT)
         for p, v in saved_leaves.items()
         if p not in merged_leaves and not overlaps(merged_leaves, p)
     }
@@ -193,10 +193,22 @@ def continued_config(
     return out, changes
 
 
+class _Absent:
+    """A key one side of a change lacks: shown `(absent)`, where a key set to null shows `null`."""
+
+    def __repr__(self) -> str:
+        return "(absent)"
+
+
+ABSENT: Any = _Absent()
+
+
 def _show(value: Any) -> str:
-    return (
-        "(absent)" if value is None else json.dumps(value) if isinstance(value, (list, dict)) else str(value)
-    )
+    if value is ABSENT:
+        return "(absent)"
+    if value is None:
+        return "null"
+    return json.dumps(value) if isinstance(value, (list, dict)) else str(value)
 
 
 def describe(changes: dict[str, tuple[Any, Any]]) -> str:

@@ -60,6 +60,7 @@ def test_budget_and_logging_change_freely_and_are_reported() -> None:
         (["strategy=decoupled", "fabric.devices=2"], "strategy=decoupled (was coupled)"),
         (["env=cartpole"], "algo.update_epochs=20 (was 4)"),  # a group option names the keys it changes
         (["+env.kwargs.y=2"], "env.kwargs.y=2 (was (absent))"),
+        (["env.max_episode_steps=50"], "env.max_episode_steps=50 (was null)"),  # set to null, not absent
     ],
 )
 def test_changes_to_the_experiment_are_refused_in_one_line(given: list[str], named: str | None) -> None:
