@@ -277,6 +277,7 @@ _BOOLS = (
     "fabric.tf32",
     "logger.tensorboard",
     "logger.csv",
+    "logger.plot",
     "env.normalize_obs",
     "env.normalize_reward",
     "selfplay.enabled",

@@ -313,7 +313,7 @@ class RunSession:
                 write_json(self.run_dir / "summary.json", summary)
             except Exception as exc:  # a full disk, say: the stop checkpoint is what matters
                 warnings.warn(f"ppo-fabric: could not write summary.json: {exc!r}", stacklevel=2)
-            save_learning_curve(self.run_dir, title=str(self.cfg.env.id))  # warns on any failure
+            self._plot()  # warns on any failure
         self.logger.close(summary, exit_code=128 + signum)
         raise Stopped(signum, self.env_step(update), self.stop_checkpoint())
 
@@ -384,9 +384,15 @@ class RunSession:
             self.logger.close()
             return
         write_json(self.run_dir / "summary.json", summary)
-        save_learning_curve(self.run_dir, title=str(self.cfg.env.id))
+        self._plot()
         self.logger.close(summary)
         print(self.final_line(summary), file=sys.stdout, flush=True)
+
+    def _plot(self) -> None:
+        """learning_curve.png, unless `logger.plot=false`: the first figure of a process costs ~0.5 s of
+        CPU (matplotlib's import and fonts), which sweeps of many short runs pay once per run."""
+        if self.cfg.logger.plot:
+            save_learning_curve(self.run_dir, title=str(self.cfg.env.id))
 
     def final_line(self, summary: dict[str, Any]) -> str:
         """What the writer says at the end: the env steps, time and SPS of this session and, when it

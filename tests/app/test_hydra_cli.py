@@ -22,7 +22,7 @@ from ppo_fabric import cli
 from ppo_fabric.app.supervisor import SUPERVISED_ENV
 from tests.conftest import assert_cli_failure, job_env, signal_when_ready
 
-TINY = ["algo.total_steps=512", "logger.tensorboard=false"]
+TINY = ["algo.total_steps=512", "logger.tensorboard=false", "logger.plot=false"]
 
 
 def _python_m(args: list[str], cwd: Path, timeout: float = 240) -> subprocess.CompletedProcess[str]:
@@ -52,6 +52,7 @@ def test_multirun_jobs_are_processes_of_their_own_and_a_failure_is_recorded(tmp_
     args = [
         "-m", "env.id=CartPole-v1,tests.failing_env:FailingCartPole-v0", "fabric.devices=2",
         "hydra.launcher.n_jobs=2", "algo.total_steps=8192", "algo.update_epochs=1", "logger.tensorboard=false",
+        "logger.plot=false",
         f"hydra.sweep.dir='{sweep_dir}'",
     ]  # fmt: skip
     proc = _python_m(args, tmp_path)
@@ -78,7 +79,14 @@ def test_multirun_jobs_are_processes_of_their_own_and_a_failure_is_recorded(tmp_
 @pytest.mark.multiprocess
 def test_sigint_stops_the_running_job_and_ends_the_sweep_with_130(tmp_path: Path) -> None:
     sweep_dir = tmp_path / "sweep"
-    args = ["-m", "seed=1,2", "algo.total_steps=10000000", "logger.tensorboard=false", "logger.log_every=1"]
+    args = [
+        "-m",
+        "seed=1,2",
+        "algo.total_steps=10000000",
+        "logger.tensorboard=false",
+        "logger.plot=false",
+        "logger.log_every=1",
+    ]
     sweep = subprocess.Popen(
         [sys.executable, "-m", "ppo_fabric", *args, f"hydra.sweep.dir={sweep_dir}"],
         cwd=tmp_path,

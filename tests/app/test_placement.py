@@ -233,7 +233,7 @@ def test_two_node_job_spreads_players(tmp_path: Path) -> None:
     comes after a trainer's, and every rank on the same parameters at the end."""
     port = _free_port()
     overrides = ["strategy=decoupled", "fabric.devices=2", "fabric.num_nodes=2", "algo.players=2",
-                 "logger.tensorboard=false", "env.num_envs=4", "algo.rollout_steps=32", "algo.minibatch_size=64",
+                 "logger.tensorboard=false", "logger.plot=false", "env.num_envs=4", "algo.rollout_steps=32", "algo.minibatch_size=64",
                  "algo.update_epochs=2", "algo.total_steps=1024", "collectives.timeout=60"]  # fmt: skip
     procs = []
     for node in (1, 0):

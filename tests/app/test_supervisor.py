@@ -28,6 +28,7 @@ from tests.conftest import assert_cli_failure, job_env, job_processes
 
 SMALL = [
     "logger.tensorboard=false",
+    "logger.plot=false",
     "eval.every=0",
     "env.num_envs=4",
     "algo.rollout_steps=32",
@@ -361,7 +362,7 @@ def test_a_resume_keeps_the_runs_own_threads_restarts_and_timeouts(tmp_path: Pat
     from ppo_fabric.runs import checkpoint as ckpt
 
     first = tmp_path / "first"
-    args = ["logger.tensorboard=false", "algo.rollout_steps=32", "eval.every=0"]
+    args = ["logger.tensorboard=false", "logger.plot=false", "algo.rollout_steps=32", "eval.every=0"]
     ppo_fabric.run([*args, "algo.total_steps=256", "torch_threads=2", f"hydra.run.dir={first}"])
     last = first / "checkpoints" / "last.ckpt"
     state = ckpt.load(last, env_state="fresh")
@@ -475,7 +476,7 @@ def test_a_restarted_resume_auto_keeps_the_runs_own_values(tmp_path: Path) -> No
     command line as typed. With the added option taken for the user's, it reset env.num_envs to 4 (was 2),
     was refused and not restarted."""
     run_dir, marker = tmp_path / "run", tmp_path / "killed"
-    base = [sys.executable, "-m", "ppo_fabric", "logger.tensorboard=false", "algo.rollout_steps=32",
+    base = [sys.executable, "-m", "ppo_fabric", "logger.tensorboard=false", "logger.plot=false", "algo.rollout_steps=32",
             "collectives.timeout=20", "eval.every=0", "checkpoint.every=1", f"hydra.run.dir={run_dir}"]  # fmt: skip
     marker.touch()  # disarmed for the first run
     killed = _killed_once(0, 128 + 32 + 5, marker)  # each env copy is at step 128 when the first run ends

@@ -246,7 +246,7 @@ def test_decoupled_trainers_update_with_the_masks(tmp_path: Path) -> None:
     cmd = [
         sys.executable, "-m", "ppo_fabric", "strategy=decoupled", "fabric.devices=2",
         "env.id=tests.probe_envs:ProbeMaskedInfo-v0", *FAST[1:-2], "algo.total_steps=1024",
-        "logger.tensorboard=false", f"+env.kwargs.illegal_log={log}", f"hydra.run.dir={tmp_path / 'run'}",
+        "logger.tensorboard=false", "logger.plot=false", f"+env.kwargs.illegal_log={log}", f"hydra.run.dir={tmp_path / 'run'}",
     ]  # fmt: skip
     env = job_env(supervisor=False)  # the job's masks, not the supervisor
     proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=180)

@@ -50,7 +50,13 @@ TEAMS = [
     "multiagent.policies={adversary:{},agent:{model:{actor_hidden:[32]}}}",
     "multiagent.policy_mapping={adversary_*:adversary,agent_*:agent}",
 ]
-SMALL_RUN = ["env.num_envs=4", "algo.total_steps=1024", "algo.update_epochs=2", "logger.tensorboard=false"]
+SMALL_RUN = [
+    "env.num_envs=4",
+    "algo.total_steps=1024",
+    "algo.update_epochs=2",
+    "logger.tensorboard=false",
+    "logger.plot=false",
+]
 
 
 # ------------------------------------------------------------------------------------ collected rollouts
@@ -381,6 +387,7 @@ def teams_run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
                 "algo.lr=2e-3",
                 "algo.total_steps=12288",
                 "logger.tensorboard=false",
+                "logger.plot=false",
                 "seed=1",
                 f"hydra.run.dir={run_dir}",
             ]  # fmt: skip

@@ -321,7 +321,7 @@ def test_train_one_minibatch_metrics_at_ratio_one() -> None:
 # ---------------------------------------------------------------------------------------- memory probe
 MEMORY = ["env=gym", "env.id=tests.probe_envs:ProbeMemory-v0", "env.num_envs=8", "algo.rollout_steps=24",
           "algo.minibatch_size=48", "algo.update_epochs=4", "algo.lr=3e-3", "algo.ent_coef=0.0",
-          "algo.total_steps=9216", "seed=0", "logger.tensorboard=false"]  # fmt: skip
+          "algo.total_steps=9216", "seed=0", "logger.tensorboard=false", "logger.plot=false"]  # fmt: skip
 LSTM = ["model=lstm", "model.lstm.hidden_size=32", "model.lstm.seq_len=6"]
 
 
@@ -429,7 +429,7 @@ def test_sequence_layout_errors(
 
 
 # --------------------------------------------------------------------------------------- resume in-process
-RESUME = ["logger.tensorboard=false", "seed=3", "env.num_envs=4", "algo.rollout_steps=16", "algo.minibatch_size=32",
+RESUME = ["logger.tensorboard=false", "logger.plot=false", "seed=3", "env.num_envs=4", "algo.rollout_steps=16", "algo.minibatch_size=32",
           "algo.total_steps=1024", "algo.update_epochs=2", "model=lstm", "model.lstm.hidden_size=16",
           "model.lstm.seq_len=8", "env.mask_velocity=true"]  # fmt: skip
 
@@ -467,7 +467,7 @@ def test_resume_mid_episode_matches_uninterrupted_run(tmp_path: Path) -> None:
 
 
 # ---------------------------------------------------------------------------------------- multi-process
-MULTI = ["logger.tensorboard=false", "env.num_envs=4", "algo.rollout_steps=32", "algo.minibatch_size=64",
+MULTI = ["logger.tensorboard=false", "logger.plot=false", "env.num_envs=4", "algo.rollout_steps=32", "algo.minibatch_size=64",
          "algo.update_epochs=2", "model=lstm", "model.lstm.hidden_size=16", "model.lstm.seq_len=8",
          "env.mask_velocity=true"]  # fmt: skip
 # 1 player + 1 trainer with the pipeline, a numbered checkpoint every 2 of the 6 updates: resumed below.

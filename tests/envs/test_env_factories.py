@@ -114,6 +114,7 @@ def test_factory_env_in_both_strategies_with_two_processes(strategy: str, tmp_pa
         "algo.minibatch_size=32",
         "algo.total_steps=256",
         "logger.tensorboard=false",
+        "logger.plot=false",
         f"hydra.run.dir={tmp_path}",
     ]
     done = subprocess.run(

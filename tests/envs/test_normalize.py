@@ -101,7 +101,7 @@ def test_reward_scaling_uses_the_return_spread() -> None:
 def test_two_ranks_normalise_alike_and_resume_evaluate_export_use_it(tmp_path: Path) -> None:
     run = tmp_path / "run"
     cmd = [sys.executable, "-m", "ppo_fabric", "fabric.devices=2", "env.normalize_obs=true", "env.normalize_reward=true",
-           "algo.total_steps=4096", "logger.tensorboard=false", f"hydra.run.dir={run}"]  # fmt: skip
+           "algo.total_steps=4096", "logger.tensorboard=false", "logger.plot=false", f"hydra.run.dir={run}"]  # fmt: skip
     env = job_env(supervisor=False)  # the job's own normalisation, not the supervisor's
     proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=180)
     assert proc.returncode == 0, proc.stderr[-2000:]
@@ -138,7 +138,7 @@ def test_two_ranks_normalise_alike_and_resume_evaluate_export_use_it(tmp_path: P
 
 @pytest.mark.slow
 def test_resume_is_exact_with_normalisation(tmp_path: Path) -> None:
-    base = ["logger.tensorboard=false", "algo.total_steps=3072", "seed=3", "env.num_envs=4", "algo.rollout_steps=64",
+    base = ["logger.tensorboard=false", "logger.plot=false", "algo.total_steps=3072", "seed=3", "env.num_envs=4", "algo.rollout_steps=64",
             "env.normalize_obs=true", "env.normalize_reward=true"]  # fmt: skip
     ppo_fabric.run([*base, f"hydra.run.dir={tmp_path / 'full'}"])
     ppo_fabric.run([*base, f"hydra.run.dir={tmp_path / 'part'}", "checkpoint.every=6"])

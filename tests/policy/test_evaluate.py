@@ -17,6 +17,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+import ppo_fabric
 from ppo_fabric.policy import evaluate
 from ppo_fabric.runs import plots
 from tests.conftest import assert_cli_failure
@@ -32,6 +33,14 @@ def _ckpt(run_dir: Path) -> str:
 def test_training_writes_the_learning_curve(tiny_run: Path) -> None:
     png = tiny_run / "learning_curve.png"
     assert png.is_file() and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_logger_plot_false_draws_no_curve(tmp_path: Path) -> None:
+    """`logger.plot=false`: the run's other outputs, no figure (the first costs a process ~0.5 s of CPU)."""
+    ppo_fabric.run(["algo.total_steps=256", "logger.tensorboard=false", "logger.plot=false", "eval.every=0",
+                    f"hydra.run.dir={tmp_path}"])  # fmt: skip
+    assert (tmp_path / "summary.json").is_file() and (tmp_path / "metrics.csv").is_file()
+    assert not (tmp_path / "learning_curve.png").exists()
 
 
 def test_a_plotting_failure_only_warns(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -41,6 +41,7 @@ DECOUPLED_SCRIPT = REPO / "ppo_fabric" / "ppo_decoupled.py"
 # every layout here. CartPole's tuned config trains 20 epochs; 4 keep the runs short.
 SMALL = [
     "logger.tensorboard=false",
+    "logger.plot=false",
     "eval.every=0",  # no evaluator process where a test does not evaluate (tests that do set it)
     "env.num_envs=4",
     "algo.rollout_steps=32",
@@ -187,7 +188,7 @@ def test_a_rows_episodes_are_those_collected_up_to_its_env_step(tmp_path: Path) 
     (one rollout early on the x-axis). Each one-step episode of the clock env returns how many steps its
     env had taken, so a row's mean return says which rollout its episodes came from."""
     envs, steps, updates = 2, 8, 5
-    overrides = ["logger.tensorboard=false", "env=gym", "env.id=tests.clock_env:make", f"env.num_envs={envs}",
+    overrides = ["logger.tensorboard=false", "logger.plot=false", "env=gym", "env.id=tests.clock_env:make", f"env.num_envs={envs}",
                  f"algo.rollout_steps={steps}", "algo.minibatch_size=8", f"algo.total_steps={envs * steps * updates}",
                  "eval.every=0"]  # fmt: skip
     # update u learnt from rollout u - 1: each env's steps (u - 1) * steps + 1 .. u * steps
@@ -213,7 +214,7 @@ def test_probe_learned_with_two_ddp_trainers(tmp_path: Path) -> None:
     """
     overrides = [
         "env=gym", "env.id=tests.probe_envs:ProbeObsAndAction-v0", "env.num_envs=8", "algo.rollout_steps=16",
-        "algo.minibatch_size=64", "algo.total_steps=4096", "algo.lr=2e-3", "seed=0", "logger.tensorboard=false",
+        "algo.minibatch_size=64", "algo.total_steps=4096", "algo.lr=2e-3", "seed=0", "logger.tensorboard=false", "logger.plot=false",
     ]  # fmt: skip
     _run(_python_m(3, *overrides), tmp_path)
     run_dir = _single_run_dir(tmp_path)
@@ -289,7 +290,7 @@ def test_pipelined_resume_is_exact(tmp_path: Path) -> None:
     common = [
         "env=pettingzoo", "env.id=pettingzoo.classic.tictactoe_v3", "strategy=decoupled", "fabric.devices=2",
         "env.num_envs=4", "algo.rollout_steps=16", "algo.minibatch_size=32", "algo.update_epochs=2",
-        "logger.tensorboard=false", "selfplay.enabled=true", "selfplay.snapshot_every=1", "selfplay.pool_size=3",
+        "logger.tensorboard=false", "logger.plot=false", "selfplay.enabled=true", "selfplay.snapshot_every=1", "selfplay.pool_size=3",
         "algo.pipeline=true", "checkpoint.every=2", "checkpoint.keep=0", "algo.total_steps=512",
     ]  # fmt: skip
     evaluated = ["eval.every=128", "eval.episodes=2"]

@@ -22,7 +22,7 @@ from tests.conftest import job_env, job_processes
 
 pytestmark = pytest.mark.multiprocess
 
-SMALL = ["logger.tensorboard=false", "eval.every=0", "env.num_envs=4", "algo.rollout_steps=32", "algo.minibatch_size=64",
+SMALL = ["logger.tensorboard=false", "logger.plot=false", "eval.every=0", "env.num_envs=4", "algo.rollout_steps=32", "algo.minibatch_size=64",
          "algo.update_epochs=2", "env.id=tests.faulty_env:FaultyCartPole-v0"]  # fmt: skip
 DECOUPLED = ["strategy=decoupled", "fabric.devices=2"]
 
