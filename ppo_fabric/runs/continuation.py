@@ -58,6 +58,10 @@ MUTABLE: tuple[Path_, ...] = (
     ("torch_threads",),
     ("group",),
 )
+# Keys no resume may change, resume_overrides=allow or not: the checkpoint's networks are built from the
+# model and the multi-agent policies (`app.preflight.check_resume` compares them), and its env and strategy
+# are what its weights and state were trained in. Naming allow for them only led to a second refusal.
+FIXED: tuple[Path_, ...] = (("model",), ("multiagent",), ("env", "id"), ("strategy",))
 IDENTITY: tuple[Path_, ...] = (("tuning",),)  # the run's own record: always the saved value
 SESSIONS_FILE = "resumes.jsonl"  # one line per resumed session: when, from where, what it changed
 
@@ -180,6 +184,13 @@ def continued_config(
         for p, v in saved_leaves.items()
         if p not in merged_leaves and not overlaps(merged_leaves, p)
     }
+    fixed = [key for key in changes if _under(tuple(key.split(".")), FIXED)]
+    if fixed:
+        shown = ", ".join(f"{k}={_show(changes[k][1])} (was {_show(changes[k][0])})" for k in fixed[:6])
+        raise ConfigError(
+            f"resume={str(cfg.resume)!r}: {shown} cannot change on a resume, even with resume_overrides=allow "
+            "(the checkpoint's networks, env and strategy are the run's); start a new run to change it"
+        )
     refused = [key for key in changes if not _under(tuple(key.split(".")), MUTABLE)]
     if refused and merged.get("resume_overrides") != "allow":
         shown = ", ".join(f"{k}={_show(changes[k][1])} (was {_show(changes[k][0])})" for k in refused[:6])

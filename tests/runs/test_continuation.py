@@ -58,7 +58,8 @@ def test_budget_and_logging_change_freely_and_are_reported() -> None:
         (["algo.lr=1e-3"], "algo.lr=0.001 (was 0.00025)"),
         (["seed=7"], "seed=7 (was 42)"),
         (["strategy=decoupled", "fabric.devices=2"], "strategy=decoupled (was coupled)"),
-        (["env=cartpole"], "algo.update_epochs=20 (was 4)"),  # a group option names the keys it changes
+        # a group option names the keys it changes
+        (["env=cartpole", "env.id=Acrobot-v1"], "algo.update_epochs=20 (was 4)"),
         (["+env.kwargs.y=2"], "env.kwargs.y=2 (was (absent))"),
         (["env.max_episode_steps=50"], "env.max_episode_steps=50 (was null)"),  # set to null, not absent
     ],
@@ -71,6 +72,25 @@ def test_changes_to_the_experiment_are_refused_in_one_line(given: list[str], nam
     assert "\n" not in text and "resume_overrides=allow" in text
     if named is not None:
         assert named in text, text
+
+
+@pytest.mark.parametrize(
+    ("given", "named"),
+    [
+        (["model.actor_hidden=[32]"], "model.actor_hidden=[32] (was [64, 64])"),
+        (["strategy=decoupled", "fabric.devices=2"], "strategy=decoupled (was coupled)"),
+        (["env.id=CartPole-v1"], "env.id=CartPole-v1 (was Acrobot-v1)"),
+    ],
+)
+def test_what_no_resume_may_change_is_refused_without_offering_allow(given: list[str], named: str) -> None:
+    """The networks, the env and the strategy are the checkpoint's: resume_overrides=allow does not let
+    them change (the checks that load the checkpoint refused them next), so the line does not offer it."""
+    saved = _saved(["env.id=Acrobot-v1"])
+    for allow in ([], ["resume_overrides=allow"]):
+        with pytest.raises(ConfigError) as exc:
+            _resume([*given, *allow], saved)
+        text = str(exc.value)
+        assert named in text and "cannot change on a resume" in text and "\n" not in text, text
 
 
 def test_resume_overrides_allow_applies_and_reports_every_change() -> None:
