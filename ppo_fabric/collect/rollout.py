@@ -521,6 +521,21 @@ class RolloutCollector:
             self.selfplay.load_state(state["selfplay"], exact=False)
         self._take_statistics(state)
 
+    def carry_episodes(self, states: list[dict[str, Any]]) -> None:
+        """From every collecting rank of a checkpoint of another layout: the run's episode record (counts,
+        recent windows, env restarts), which one rank of the new layout takes so that the run's totals (the
+        summary's `episodes`) go on from the checkpoint's instead of counting this session alone."""
+        self.episodes.count += sum(int(s["episode_count"]) for s in states)
+        self.restarts += sum(int(s.get("env_restarts", 0)) for s in states)
+        for state in states:
+            self.episodes.window.extend(state["episodes"])
+        if self.multiagent:
+            for g in self.groups:
+                for state in states:
+                    window, count = state["policy_episodes"].get(g.name, ([], 0))
+                    g.episodes.window.extend(window)
+                    g.episodes.count += count
+
     def _take_statistics(self, state: dict[str, Any]) -> None:
         """The saved normaliser statistics, and the fresh envs' first observation normalised with them (it
         was normalised with the warm-up's, which the first step would act on and store)."""

@@ -430,13 +430,15 @@ def resume_collector(
     """Continue the `collector_index`-th collecting rank from the checkpoint's: exactly when the collecting
     layout is the same (as many collecting ranks, as many envs each; trainer ranks may differ); otherwise
     with fresh envs and RNG but the normaliser statistics (identical on every collecting rank) carried
-    over. Returns the line to print in that case (None when exact)."""
+    over, and the run's episode record in the first collecting rank's. Returns the line to print in that case (None when exact)."""
     saved = collecting_parts(resume)
     if len(saved) == collecting and all(int(state["num_envs"]) == collector.num_envs for state in saved):
         restore_collector(collector, saved[collector_index])
         return None
     if saved:
         collector.carry_statistics(saved[0])
+        if collector_index == 0:  # the run's episode record goes on in one rank's counts
+            collector.carry_episodes(saved)
     was = f"{len(saved)} collecting rank(s) x {saved[0]['num_envs'] if saved else '?'} envs"
     return (
         f"resume: the checkpoint has {was}, this run {collecting} x {collector.num_envs}; "

@@ -128,6 +128,20 @@ def test_resume_never_stops_short_with_a_larger_batch(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
+def test_a_resume_on_another_layout_goes_on_counting_the_runs_episodes(tmp_path: Path) -> None:
+    """4 envs resumed on 2 (fresh envs): the summary's episodes are the run's, the checkpoint's count plus
+    this session's (they were this session's alone), and the recent-episode window carries over."""
+    ppo_fabric.run([*TINY, "algo.total_steps=1024", f"hydra.run.dir={tmp_path / 'a'}"])
+    saved = ckpt.load(tmp_path / "a" / "checkpoints" / "last.ckpt")["ranks"][0]
+    summary = ppo_fabric.run([*TINY, "algo.total_steps=1536", "env.num_envs=2", "resume_overrides=allow",
+                              f"resume={tmp_path / 'a' / 'checkpoints' / 'last.ckpt'}",
+                              f"hydra.run.dir={tmp_path / 'b'}"])  # fmt: skip
+    state = ckpt.load(tmp_path / "b" / "checkpoints" / "last.ckpt")["ranks"][0]
+    assert summary["episodes"] == state["episode_count"] > saved["episode_count"] > 0
+    assert len(state["episodes"]) == 20  # the window: the saved run's recent episodes and this session's
+
+
+@pytest.mark.slow
 def test_resume_then_prune_keeps_the_lineage_and_spares_other_branches(tmp_path: Path) -> None:
     """A run writes checkpoints at updates 2, 4, 6, 8; resumed from update 4 into the same directory with
     checkpoint.keep=1, the new branch keeps its newest file and the one it resumed from; the first run's
