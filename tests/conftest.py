@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import signal
 import subprocess
 import time
 from collections.abc import Callable, Iterator
@@ -150,6 +151,17 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
             item.add_marker(pytest.mark.unit)
     rank = {"multiprocess": 0, "slow": 1, "gpu": 2}
     items.sort(key=lambda item: min((rank[m.name] for m in item.iter_markers() if m.name in rank), default=3))
+
+
+def end_group(proc: subprocess.Popen[Any]) -> None:
+    """SIGKILL what is left of the process group of `proc` (a job a test started with
+    `start_new_session=True`) and reap it, but only while `proc` is not yet reaped: once it is, its pid and
+    group id are free, and with pid_max at 32768 a suite goes round them; `os.killpg` on a reaped leader's
+    pid killed another test's job that had just been given it (an exit -9 with nothing said)."""
+    if proc.returncode is None:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
 
 
 def signal_when_ready(

@@ -129,7 +129,8 @@ class RunProcess:
         supervisor, whose job dies with it (`die_with_parent`)."""
         now = time.monotonic()
         if self.killed_at is not None:
-            if now - self.killed_at > KILL_GRACE_S:
+            # only while the supervisor is not reaped: a reaped one's pid may be another session's by now
+            if now - self.killed_at > KILL_GRACE_S and self.proc.returncode is None:
                 with contextlib.suppress(ProcessLookupError, PermissionError):
                     os.killpg(self.proc.pid, signal.SIGKILL)
             return

@@ -131,9 +131,8 @@ class Job:
         self.kill_at: float | None = None  # after a forwarded signal: when waiting longer is pointless
         for signum in (signal.SIGTERM, signal.SIGINT):
             signal.signal(signum, self._on_signal)
-        prctl(
-            PR_SET_CHILD_SUBREAPER, 1
-        )  # (Linux; elsewhere the ranks' own timeouts) ranks orphaned by rank 0's death come back to be reaped here
+        # (Linux; elsewhere the ranks' own timeouts) ranks orphaned by rank 0's death come back to be reaped here
+        self.reaper = prctl(PR_SET_CHILD_SUBREAPER, 1)
 
     def _on_signal(self, signum: int, _frame: FrameType | None) -> None:
         now = time.monotonic()
@@ -209,17 +208,48 @@ class Job:
             time.sleep(0.05)
 
     def _group_alive(self) -> bool:
+        """Whether a process of the job's group is left. Asked of the processes that descend from this
+        one (its subreaper), not of the group id: the job's first process is reaped by now, so once its
+        group is empty the kernel may give its pid to an unrelated new session (pid_max is 32768 on many
+        machines), and `killpg` would take that session for the job's and kill it."""
         assert self.proc is not None
         with contextlib.suppress(ChildProcessError):
             while os.waitpid(-1, os.WNOHANG)[0] > 0:  # reap orphaned ranks (this process is their reaper)
                 pass
-        try:
+        members = group_descendants(self.proc.pid) if self.reaper else None
+        if members is not None:
+            return bool(members)
+        try:  # no /proc to read, or orphans not ours: the group id is all there is to ask
             os.killpg(self.proc.pid, 0)
         except ProcessLookupError:
             return False
         except PermissionError:
             return True
         return True
+
+
+def group_descendants(pgid: int) -> list[int] | None:
+    """Pids of this process's descendants in process group `pgid` (None without a readable /proc): the
+    members whose parent is this process, or another such member."""
+    parents: dict[int, int] = {}
+    try:
+        entries = os.listdir("/proc")
+    except OSError:
+        return None
+    for name in entries:
+        if not name.isdigit():
+            continue
+        with contextlib.suppress(OSError, ValueError, IndexError):
+            with open(f"/proc/{name}/stat", "rb") as fh:
+                fields = fh.read().rsplit(b")", 1)[1].split()
+            if fields[0] != b"Z" and int(fields[2]) == pgid:  # state, ppid, pgrp
+                parents[int(name)] = int(fields[1])
+    found: set[int] = set()
+    grown = {os.getpid()}
+    while grown:
+        grown = {pid for pid, parent in parents.items() if parent in grown and pid not in found}
+        found |= grown
+    return sorted(found)
 
 
 def supervise(cfg: DictConfig, run_dir: Path, invocation: Invocation) -> int:

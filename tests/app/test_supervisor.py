@@ -20,7 +20,7 @@ import pytest
 
 import ppo_fabric
 from ppo_fabric import cli
-from ppo_fabric.app import prestart
+from ppo_fabric.app import prestart, supervisor
 from ppo_fabric.app.supervisor import last_logged_step, with_override
 from ppo_fabric.config.values import ConfigError
 from ppo_fabric.runs.metrics_file import read_rows
@@ -286,13 +286,40 @@ def test_a_sweep_or_tuner_stopping_a_job_twice_kills_it(
     monkeypatch.setattr(Supervisor, "send_signal", staticmethod(signals.append))
     killed: list[tuple[int, int]] = []
     monkeypatch.setattr(jobs.os, "killpg", lambda pid, sig: killed.append((pid, sig)))
-    run.proc.pid = 4321  # type: ignore[attr-defined]
+    run.proc.pid, run.proc.returncode = 4321, None  # type: ignore[attr-defined,misc]
     run.kill()
     run.kill()
     assert signals == [signal.SIGTERM, signal.SIGINT] and killed == []
     run.killed_at -= jobs.KILL_GRACE_S + 1  # type: ignore[operator]
     run.kill()
     assert signals == [signal.SIGTERM, signal.SIGINT] and killed == [(4321, signal.SIGKILL)]
+    run.proc.returncode = 0  # type: ignore[misc]  # reaped: its pid may be another session's by now
+    run.kill()
+    assert killed == [(4321, signal.SIGKILL)]
+
+
+def test_the_supervisor_finds_what_is_left_of_its_job_by_descent(tmp_path: Path) -> None:
+    """The job's group as the supervisor sees it once the job's first process is reaped: its processes that
+    descend from the supervisor, not whatever holds the group id (the kernel may reuse a reaped leader's
+    pid for another session, which `killpg` then killed)."""
+    code = "import subprocess, time; subprocess.Popen(['sleep', '60']); time.sleep(60)"
+    leader = subprocess.Popen([sys.executable, "-c", code], start_new_session=True)
+    try:
+        deadline = time.monotonic() + 30
+        while len(supervisor.group_descendants(leader.pid) or []) < 2:
+            assert time.monotonic() < deadline, supervisor.group_descendants(leader.pid)
+            time.sleep(0.05)
+        (child,) = [pid for pid in supervisor.group_descendants(leader.pid) or [] if pid != leader.pid]
+        assert supervisor.group_descendants(leader.pid) == sorted([leader.pid, child])
+        assert supervisor.group_descendants(os.getpgid(0)) is not None  # another group: not the job's
+        assert leader.pid not in (supervisor.group_descendants(os.getpgid(0)) or [])
+    finally:
+        os.killpg(leader.pid, signal.SIGKILL)
+        leader.wait()
+    deadline = time.monotonic() + 10
+    while supervisor.group_descendants(leader.pid):  # the sleep, killed, waits for init to reap it
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
 
 
 def test_a_job_that_cannot_stop_is_killed_with_a_line(tmp_path: Path) -> None:

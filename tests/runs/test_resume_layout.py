@@ -17,7 +17,7 @@ import pytest
 import ppo_fabric
 from ppo_fabric.runs import checkpoint as ckpt
 from ppo_fabric.runs.metrics_file import read_rows
-from tests.conftest import job_env, job_processes, numbered_checkpoint
+from tests.conftest import end_group, job_env, job_processes, numbered_checkpoint
 
 REPO = Path(__file__).resolve().parents[2]
 TINY = [
@@ -224,8 +224,7 @@ def test_a_signal_that_reaches_only_the_trainer_stops_the_run(tmp_path: Path) ->
         os.kill(trainer, signal.SIGTERM)
         _, err = proc.communicate(timeout=40)
     finally:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGKILL)
+        end_group(proc)
     assert proc.returncode == 128 + signal.SIGTERM, err[-2000:]
     lines = [line for line in err.splitlines() if line.startswith("ppo-fabric:")]
     assert len(lines) == 1 and "stopped by SIGTERM" in lines[0], err[-2000:]
@@ -261,20 +260,15 @@ def test_signal_stops_every_rank_with_a_checkpoint(
         os.killpg(proc.pid, signum)
         _, err = proc.communicate(timeout=40)
     finally:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGKILL)
+        end_group(proc)
     assert proc.returncode == 128 + signum, err[-2000:]
     lines = [line for line in err.splitlines() if line.startswith("ppo-fabric:")]
     assert len(lines) == 1 and f"stopped by {signal.Signals(signum).name}" in lines[0], err[-2000:]
     deadline = time.monotonic() + 20  # collectives.timeout: every process of the job is gone by then
-    while time.monotonic() < deadline:
-        try:
-            os.killpg(proc.pid, 0)
-        except ProcessLookupError:
-            break
+    while job_processes(run_dir):  # by its run directory: the reaped leader's group id may be reused
+        if time.monotonic() > deadline:
+            pytest.fail("a process of the job outlived the stop")
         time.sleep(0.2)
-    else:
-        pytest.fail("a process of the job outlived the stop")
     state = ckpt.load(run_dir / "checkpoints" / "last.ckpt")
     assert state["env_step"] >= 3 * 256
     stopped_at = state["env_step"]

@@ -32,7 +32,7 @@ from ppo_fabric.policy.scorers import EVAL_SEED_OFFSET
 from ppo_fabric.runs import checkpoint as ckpt
 from ppo_fabric.runs.checkpoint import saved_spaces
 from ppo_fabric.runs.metrics_file import read_rows, series
-from tests.conftest import job_env, job_processes, numbered_checkpoint
+from tests.conftest import end_group, job_env, job_processes, numbered_checkpoint
 
 REPO = Path(__file__).resolve().parents[2]
 FABRIC = Path(sys.executable).parent / "fabric"
@@ -404,8 +404,7 @@ def test_killed_rank_ends_the_job(tmp_path: Path, players: int, devices: int, vi
         assert proc.returncode != 0, stderr[-2000:]
         _assert_job_gone(run_dir, within=TIMEOUT + 10)
     finally:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGKILL)
+        end_group(proc)
 
 
 @pytest.mark.multiprocess
@@ -427,8 +426,7 @@ def test_failing_player_ends_the_job(tmp_path: Path, launcher: Callable[..., lis
         assert "error: player rank 0: env.step raised RuntimeError: probe failure" in stderr, stderr[-2000:]
         _assert_job_gone(tmp_path / "run", within=TIMEOUT + 10)
     finally:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGKILL)
+        end_group(proc)
 
 
 # ------------------------------------------------------------------------------------------- bad input

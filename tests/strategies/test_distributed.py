@@ -18,7 +18,7 @@ from omegaconf import OmegaConf
 import ppo_fabric
 from ppo_fabric.config.values import compose
 from ppo_fabric.runs.metrics_file import read_rows
-from tests.conftest import job_env, job_processes, signal_when_ready
+from tests.conftest import end_group, job_env, job_processes, signal_when_ready
 
 REPO = Path(__file__).resolve().parents[2]
 FABRIC = Path(sys.executable).parent / "fabric"
@@ -284,8 +284,7 @@ def test_killed_launcher_leaves_no_orphans(tmp_path: Path) -> None:
                 pytest.fail("a rank outlived the killed launcher by more than 60 s")
             time.sleep(0.2)
     finally:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGKILL)
+        end_group(proc)
         for pid in job_processes(run_dir):
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)

@@ -5,7 +5,6 @@ process's stacks in the run directory for a stall, and nothing left running."""
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import signal
@@ -18,7 +17,7 @@ import pytest
 
 from ppo_fabric.runs import checkpoint as ckpt
 from ppo_fabric.runs.metrics_file import read_rows
-from tests.conftest import job_env, job_processes
+from tests.conftest import end_group, job_env, job_processes
 
 pytestmark = pytest.mark.multiprocess
 
@@ -177,8 +176,7 @@ def test_a_rank_slow_to_stop_is_not_killed_by_the_launcher(tmp_path: Path) -> No
         os.killpg(proc.pid, signal.SIGTERM)
         _, err = proc.communicate(timeout=60)
     finally:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGKILL)
+        end_group(proc)
     assert proc.returncode == 128 + signal.SIGTERM, err[-3000:]
     assert json.loads((run_dir / "summary.json").read_text())["interrupted"] is True
 
