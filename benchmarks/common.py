@@ -254,7 +254,9 @@ def run_once(
         else:
             trace.join()
             if proc.returncode != 0:
-                raise SystemExit(f"benchmark run failed: {' '.join(cmd)}\n{trace.stderr()[-2000:]}")
+                raise SystemExit(
+                    f"benchmark run failed (exit {proc.returncode}): {' '.join(cmd)}\n{trace.stderr()[-2000:]}"
+                )
             summary = json.loads((run_dir / "summary.json").read_text())
         if kept and "total_wall_seconds" not in summary:  # stopped: metrics.csv's wall is the whole run's;
             # this command's share is what it added to the last row before it (a stopped command's last row
