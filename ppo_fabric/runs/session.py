@@ -159,6 +159,7 @@ class RunSession:
                 save_resolved_config(cfg, run_dir)  # a resume's own directory keeps its first session's
             if resume is not None:  # in a new directory too: what the branch changed is noted there
                 record_session(run_dir, cfg, resume)
+                inherit_best(Path(str(cfg.resume)), run_dir, resume)
             # The earlier session's summary says how that one ended: kept beside, not read as this session's
             # if this one fails before it writes its own (a sweep's table, a reader of the directory).
             earlier = run_dir / "summary.json"
@@ -412,6 +413,28 @@ class RunSession:
 
 
 # ------------------------------------------------------------------------------ a collecting rank's state
+def inherit_best(source: Path, run_dir: Path, resume: dict[str, Any]) -> None:
+    """A run continued in a new directory gets the `best.ckpt` beside the checkpoint it resumed from, when
+    that one is of its own lineage (written at or before the step it resumes from): the session writes
+    best.ckpt only when it beats the run's best so far, so a branch that never did had none, while its
+    summary and evaluation record named that best."""
+    best, target = source.parent / "best.ckpt", run_dir / "checkpoints" / "best.ckpt"
+    if not best.is_file() or target.exists():
+        return
+    try:
+        state = ckpt.load(best, env_state="fresh")
+    except ValueError:  # unreadable: the branch goes on without it, as before
+        return
+    lineage, step = state.get("lineage") or [], int(state["env_step"])
+    if (
+        lineage
+        and step <= int(resume["env_step"])
+        and ckpt.in_lineage(step, str(lineage[-1][0]), resume.get("lineage", []))
+    ):
+        target.parent.mkdir(parents=True, exist_ok=True)
+        ckpt.atomic_write(best.read_bytes(), target)
+
+
 def collector_state(collector: RolloutCollector) -> dict[str, Any]:
     """What one collecting rank needs to continue its rollouts exactly: its RNG, its envs (pickled and
     signed, None where that cannot keep them) and the collector's own state."""

@@ -17,6 +17,7 @@ import pytest
 import ppo_fabric
 from ppo_fabric.runs import checkpoint as ckpt
 from ppo_fabric.runs.metrics_file import read_rows
+from ppo_fabric.runs.session import inherit_best
 from tests.conftest import end_group, job_env, job_processes, numbered_checkpoint
 
 REPO = Path(__file__).resolve().parents[2]
@@ -139,6 +140,26 @@ def test_a_resume_on_another_layout_goes_on_counting_the_runs_episodes(tmp_path:
     state = ckpt.load(tmp_path / "b" / "checkpoints" / "last.ckpt")["ranks"][0]
     assert summary["episodes"] == state["episode_count"] > saved["episode_count"] > 0
     assert len(state["episodes"]) == 20  # the window: the saved run's recent episodes and this session's
+
+
+def test_a_run_continued_in_a_new_directory_takes_its_best_checkpoint_along(
+    tiny_run: Path, tmp_path: Path
+) -> None:
+    """`best.ckpt` is written when a session beats the run's best, so a run continued in a new directory
+    that never did had none there: it takes the one beside the checkpoint it resumes from, when that one is
+    of its lineage and not after the step it resumes from (another branch's future stays behind)."""
+    last = tiny_run / "checkpoints" / "last.ckpt"
+    resume = ckpt.load(last)
+    best = tiny_run / "checkpoints" / "best.ckpt"
+    assert ckpt.load(best)["env_step"] <= resume["env_step"]
+    inherit_best(last, tmp_path / "b", resume)
+    assert (tmp_path / "b" / "checkpoints" / "best.ckpt").read_bytes() == best.read_bytes()
+    for name, other in (("future", {"env_step": 0}), ("other", {"lineage": [["elsewhere", 0]]})):
+        inherit_best(last, tmp_path / name, resume | other)
+        assert not (tmp_path / name / "checkpoints" / "best.ckpt").exists(), name
+    (tmp_path / "b" / "checkpoints" / "best.ckpt").write_bytes(b"the branch's own")  # never overwritten
+    inherit_best(last, tmp_path / "b", resume)
+    assert (tmp_path / "b" / "checkpoints" / "best.ckpt").read_bytes() == b"the branch's own"
 
 
 @pytest.mark.slow
