@@ -422,7 +422,7 @@ def inherit_best(source: Path, run_dir: Path, resume: dict[str, Any]) -> None:
     if not best.is_file() or target.exists():
         return
     try:
-        state = ckpt.load(best, env_state="fresh")
+        state = ckpt.load(best, key="checkpoint", env_state="fresh")  # a decoupled run's holds a policy only
     except ValueError:  # unreadable: the branch goes on without it, as before
         return
     lineage, step = state.get("lineage") or [], int(state["env_step"])
