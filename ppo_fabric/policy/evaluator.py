@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import contextlib
+import faulthandler
 import multiprocessing
 import os
 import signal
 import sys
+import tempfile
 import threading
 import time
+from pathlib import Path
 from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
@@ -19,12 +22,13 @@ from ppo_fabric.envs.guard import EnvFault, error_line
 from ppo_fabric.learn.learners import PolicySpec
 from ppo_fabric.models.agent import ActorCritic
 from ppo_fabric.policy.scorers import score, scorer_for
-from ppo_fabric.wire.progress import PROGRESS
+from ppo_fabric.wire.progress import PROGRESS, STACK_HOOKS
 
 # The evaluator's scheduling priority relative to its player: evaluation is off the critical path, so on a
 # machine whose cores the player and the trainer fill, it runs in their idle moments (their waits for data
 # and parameters) instead of taking time slices from them; alone on a core, it runs as fast as before.
 EVALUATOR_NICE = 19
+STACKS_SIGNAL = signal.SIGUSR2  # the evaluator writes its stacks (faulthandler) to its file on this signal
 
 
 class EvaluatorProcess:
@@ -48,14 +52,47 @@ class EvaluatorProcess:
         self.conn, child = context.Pipe()
         self.beat = context.Value("d", 0.0, lock=False)  # the evaluator's last progress (`_watch`)
         config = OmegaConf.to_container(cfg, resolve=True)
+        # Where the evaluator writes its stacks when asked (`write_stacks`): a forked one writes to this
+        # descriptor, whose file is unlinked at once (nothing is left behind, however the run ends); a
+        # spawned one opens the file by its name.
+        self.stacks_fd, path = tempfile.mkstemp(prefix="ppo-fabric-evaluator-", suffix=".stacks")
+        self.forked = context.get_start_method() == "fork"
+        self.stacks_path = None if self.forked else Path(path)
+        if self.forked:
+            os.unlink(path)
         self.process = context.Process(
             target=_serve,
-            args=(child, config, specs, seed, os.getpid(), self.beat),
+            args=(
+                child,
+                config,
+                specs,
+                seed,
+                os.getpid(),
+                self.beat,
+                self.stacks_fd if self.forked else path,
+            ),
             name="ppo-fabric-evaluator",
             daemon=True,
         )
         self.process.start()
         child.close()
+        STACK_HOOKS.append(self.write_stacks)
+
+    def write_stacks(self, target: Path) -> None:
+        """The evaluator's stacks into the stall directory `target` (`<label>-evaluator.stacks`, beside
+        the ranks' own files): an evaluation env that never returns is named by its player's watchdog,
+        and this shows where it is stuck."""
+        if not self.process.is_alive() or self.process.pid is None:
+            return
+        size = os.fstat(self.stacks_fd).st_size
+        os.kill(self.process.pid, STACKS_SIGNAL)
+        deadline = time.monotonic() + 2.0
+        while os.fstat(self.stacks_fd).st_size == size and time.monotonic() < deadline:
+            time.sleep(0.05)
+        time.sleep(0.1)  # the rest of the dump (every thread)
+        end = os.fstat(self.stacks_fd).st_size
+        label = PROGRESS.label.replace(" ", "-")
+        (target / f"{label}-evaluator.stacks").write_bytes(os.pread(self.stacks_fd, end - size, size))
 
     def submit(self, weights: dict[str, dict[str, Any]], obs_normalization: dict[str, Any] | None) -> None:
         self.conn.send((weights, obs_normalization))
@@ -83,6 +120,8 @@ class EvaluatorProcess:
         return value
 
     def close(self) -> None:
+        with contextlib.suppress(ValueError):
+            STACK_HOOKS.remove(self.write_stacks)
         with contextlib.suppress(OSError):  # it may have gone already
             self.conn.send(None)
         self.process.join(10)
@@ -90,6 +129,9 @@ class EvaluatorProcess:
             self.process.kill()
             self.process.join()
         self.conn.close()
+        os.close(self.stacks_fd)
+        if self.stacks_path is not None:
+            self.stacks_path.unlink(missing_ok=True)
 
 
 def _watch(parent: int, beat: Any) -> None:
@@ -116,11 +158,14 @@ def _serve(
     seed: int,
     parent: int,
     beat: Any,
+    stacks: int | str,
 ) -> None:
     """The evaluator process: score each (weights, statistics) received until None or the pipe closes."""
     import torch
 
     _watch(parent, beat)
+    stacks_file = stacks if isinstance(stacks, int) else os.open(stacks, os.O_WRONLY | os.O_APPEND)
+    faulthandler.register(STACKS_SIGNAL, file=stacks_file, all_threads=True)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     torch.set_num_threads(1)

@@ -37,7 +37,7 @@ from pathlib import Path
 
 from ppo_fabric.config.faults import FAULT_EXIT, fault_status, launcher_child
 from ppo_fabric.envs.make import end_env_workers
-from ppo_fabric.wire.progress import PROGRESS
+from ppo_fabric.wire.progress import PROGRESS, STACK_HOOKS
 
 CLAIM = ".stall-claim"  # in the run directory: which stall directory this job's end writes its stacks to
 POLL_S = 1.0
@@ -171,6 +171,9 @@ class Watchdog:
             fh.write(json.dumps(status) + "\n" + (note + "\n" if note else "") + "\n")
             fh.flush()
             faulthandler.dump_traceback(fh, all_threads=True)
+        for hook in list(STACK_HOOKS):  # this process's own helpers (an evaluator), stuck with it or not
+            with contextlib.suppress(Exception):
+                hook(target)
 
     def _others(self, target: Path) -> list[dict]:
         """The statuses the processes wrote into `target` (waiting up to SETTLE_S for all of them)."""

@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from pathlib import Path
 
 
 class Progress:
@@ -45,3 +46,7 @@ class Progress:
 
 
 PROGRESS = Progress()
+
+# Processes of this one's own that the watchdog's stall directory should hold the stacks of too (a decoupled
+# player's evaluator): each hook writes them into the directory it is given, within a second or two.
+STACK_HOOKS: list[Callable[[Path], None]] = []

@@ -121,7 +121,8 @@ def test_a_stuck_player_is_named_with_every_rank_stacks(tmp_path: Path, how: str
 
 def test_a_stuck_evaluation_env_ends_a_decoupled_job(tmp_path: Path) -> None:
     """An evaluation env that hangs in the first player's evaluator process: the player goes on training,
-    waits for it at the end, and its watchdog ends the job in one line naming where it waits."""
+    waits for it at the end, and its watchdog ends the job in one line naming where it waits; the stall
+    directory holds the evaluator's stacks beside the ranks'."""
     seeds = [42 + 1_000_003 + k for k in range(3)]  # the evaluation envs' only (seed 42, 3 episodes)
     proc, took = _job(
         tmp_path, *DECOUPLED, "+env.kwargs.fault=hang", "+env.kwargs.after=5", f"+env.kwargs.seeds={seeds}",
@@ -132,6 +133,8 @@ def test_a_stuck_evaluation_env_ends_a_decoupled_job(tmp_path: Path) -> None:
     assert line.startswith("ppo-fabric: error: player rank 0: no progress for "), proc.stderr[-3000:]
     assert "evaluat" in line, line
     assert not (tmp_path / "run" / "summary.json").exists() and took < 90, took
+    (stall,) = (tmp_path / "run").glob("stall-*")  # and where the evaluator is stuck: its own stacks
+    assert "faulty_env.py" in (stall / "player-rank-0-evaluator.stacks").read_text()
 
 
 @pytest.mark.parametrize("strategy", ["decoupled", "coupled"])
