@@ -62,7 +62,10 @@ MUTABLE: tuple[Path_, ...] = (
 # model and the multi-agent policies (`app.preflight.check_resume` compares them), and its env and strategy
 # are what its weights and state were trained in. Naming allow for them only led to a second refusal.
 FIXED: tuple[Path_, ...] = (("model",), ("multiagent",), ("env", "id"), ("strategy",))
-IDENTITY: tuple[Path_, ...] = (("tuning",),)  # the run's own record: always the saved value
+IDENTITY: tuple[Path_, ...] = (("tuning",),)
+# What this command asks of its resume, never the run's own: always the command line's value, and no change
+# of the run's. Taken from the checkpoint, one `resume_overrides=allow` allowed every later resume's changes.
+PER_SESSION: tuple[Path_, ...] = (("resume",), ("resume_overrides",), ("resume_env",))  # the run's own record: always the saved value
 SESSIONS_FILE = "resumes.jsonl"  # one line per resumed session: when, from where, what it changed
 
 
@@ -173,11 +176,13 @@ def continued_config(
             set_leaf(merged, prefix, value)
         else:
             _drop(merged, prefix)
+    for path in PER_SESSION:
+        set_leaf(merged, path, _get(now, path)[1])
     merged_leaves = dict(leaves(merged))
     changes = {
         dotted(p): (saved_leaves.get(p, ABSENT), v)
         for p, v in merged_leaves.items()
-        if p != ("resume",) and (saved_leaves[p] != v if p in saved_leaves else _under(p, named))
+        if p not in PER_SESSION and (saved_leaves[p] != v if p in saved_leaves else _under(p, named))
     }
     changes |= {
         dotted(p): (v, ABSENT)
@@ -187,6 +192,7 @@ def continued_config(
     fixed = [key for key in changes if _under(tuple(key.split(".")), FIXED)]
     if fixed:
         shown = ", ".join(f"{k}={_show(changes[k][1])} (was {_show(changes[k][0])})" for k in fixed[:6])
+        shown += f" and {len(fixed) - 6} more" if len(fixed) > 6 else ""
         raise ConfigError(
             f"resume={str(cfg.resume)!r}: {shown} cannot change on a resume, even with resume_overrides=allow "
             "(the checkpoint's networks, env and strategy are the run's); start a new run to change it"
@@ -238,7 +244,7 @@ def record_session(run_dir: Path, cfg: DictConfig, state: dict[str, Any]) -> dic
     changes = {
         dotted(p): [saved[p], v]
         for p, v in current.items()
-        if p in saved and saved[p] != v and p != ("resume",)
+        if p in saved and saved[p] != v and p not in PER_SESSION
     }
     entry = {
         "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),

@@ -96,8 +96,18 @@ def test_what_no_resume_may_change_is_refused_without_offering_allow(given: list
 def test_resume_overrides_allow_applies_and_reports_every_change() -> None:
     saved = _saved(["env.id=Acrobot-v1"])
     merged, changes = _resume(["algo.lr=1e-3", "resume_overrides=allow"], saved)
-    assert merged["algo"]["lr"] == 1e-3
-    assert changes["algo.lr"] == (2.5e-4, 1e-3) and changes["resume_overrides"] == ("refuse", "allow")
+    assert merged["algo"]["lr"] == 1e-3 and merged["resume_overrides"] == "allow"
+    assert changes == {"algo.lr": (2.5e-4, 1e-3)}  # what the command asks of its resume is no change
+
+
+def test_resume_overrides_allow_holds_for_its_own_resume_only() -> None:
+    """The next resume of a session resumed with allow refuses a change again (allow was saved with the
+    run's config and taken from the checkpoint: every later resume changed the experiment unasked)."""
+    saved = _saved(["env.id=Acrobot-v1", "resume_overrides=allow", "resume_env=fresh"])
+    merged, changes = _resume([], saved)
+    assert merged["resume_overrides"] == "refuse" and merged["resume_env"] == "restore" and changes == {}
+    with pytest.raises(ConfigError, match=r"algo.update_epochs=2 \(was 4\).*resume_overrides=allow"):
+        _resume(["algo.update_epochs=2"], saved)
 
 
 def test_repeating_the_original_command_line_changes_nothing() -> None:
