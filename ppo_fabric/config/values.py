@@ -426,11 +426,14 @@ def check_values(cfg: DictConfig) -> None:
     if isinstance(every, float) and every.is_integer():  # eval.every=1e5
         every = int(every)
         OmegaConf.update(cfg, "eval.every", every)
-    if every != "auto" and (isinstance(every, bool) or not isinstance(every, int | None) or (every or 0) < 0):
-        raise ConfigError(f"eval.every={every!r} must be a whole number of env steps >= 0 (0: off) or auto")
+    # null is neither: it read as off (every) and as sampled actions (deterministic), silently
+    if every != "auto" and (isinstance(every, bool) or not isinstance(every, int) or every < 0):
+        shown = "null" if every is None else repr(every)
+        raise ConfigError(f"eval.every={shown} must be a whole number of env steps >= 0 (0: off) or auto")
     deterministic = OmegaConf.select(cfg, "eval.deterministic")
-    if deterministic is not None and not isinstance(deterministic, bool):
-        raise ConfigError(f"eval.deterministic={deterministic!r} must be true or false")
+    if not isinstance(deterministic, bool):
+        shown = "null" if deterministic is None else repr(deterministic)
+        raise ConfigError(f"eval.deterministic={shown} must be true or false")
     for key in ("model.actor_hidden", "model.critic_hidden"):
         widths = OmegaConf.select(cfg, key)
         if not OmegaConf.is_list(widths) or not all(isinstance(w, int) and w > 0 for w in widths):

@@ -65,7 +65,11 @@ FIXED: tuple[Path_, ...] = (("model",), ("multiagent",), ("env", "id"), ("strate
 IDENTITY: tuple[Path_, ...] = (("tuning",),)
 # What this command asks of its resume, never the run's own: always the command line's value, and no change
 # of the run's. Taken from the checkpoint, one `resume_overrides=allow` allowed every later resume's changes.
-PER_SESSION: tuple[Path_, ...] = (("resume",), ("resume_overrides",), ("resume_env",))  # the run's own record: always the saved value
+PER_SESSION: tuple[Path_, ...] = (
+    ("resume",),
+    ("resume_overrides",),
+    ("resume_env",),
+)  # the run's own record: always the saved value
 SESSIONS_FILE = "resumes.jsonl"  # one line per resumed session: when, from where, what it changed
 
 

@@ -133,6 +133,13 @@ CASES: list[Any] = [
         ["fabric.accelerator=tpu"], ["fabric.accelerator='tpu'", "cpu", "cuda"], id="accelerator-choice"
     ),
     pytest.param(["algo.anneal_lr=maybe"], ["algo.anneal_lr='maybe'", "true or false"], id="bool"),
+    # null read as sampled actions and as evaluation off, silently
+    pytest.param(
+        ["eval.deterministic=null"],
+        ["eval.deterministic=null", "true or false"],
+        id="eval-deterministic-null",
+    ),
+    pytest.param(["eval.every=null"], ["eval.every=null", "or auto"], id="eval-every-null"),
     pytest.param(["model.actor_hidden=[0]"], ["model.actor_hidden=[0]", "positive widths"], id="hidden-zero"),
     pytest.param(
         ["model.actor_hidden=64"], ["model.actor_hidden=64", "list of positive widths"], id="hidden-not-list"

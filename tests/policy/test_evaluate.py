@@ -148,6 +148,7 @@ def test_video_without_the_extra_names_it(
         pytest.param(["checkpoint={ckpt}", "episodes=-3"], "must be > 0", id="negative-episodes"),
         pytest.param(["checkpoint={ckpt}", "episodes=two"], "whole number", id="episodes-not-a-number"),
         pytest.param(["checkpoint={ckpt}", "deterministic=maybe"], "true or false", id="bad-bool"),
+        pytest.param(["checkpoint={ckpt}", "seed=-1"], "seed=-1 must be in [0, ", id="negative-seed"),
         pytest.param(["checkpoint={ckpt}", "epsiodes=3"], "epsiodes: unknown argument", id="unknown-key"),
         pytest.param(["checkpoint={ckpt}", "episodes"], "key=value", id="no-equals"),
         pytest.param(["episodes=3"], "checkpoint is required", id="no-checkpoint"),
