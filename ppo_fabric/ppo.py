@@ -68,7 +68,7 @@ def main(fabric: Fabric, cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
     def checkpoint(update: int, best: bool | None = None, numbered: bool = True) -> None:
         rank_states = all_gather_objects(collector_state(collector))
         state = learners_state(cfg, learners)
-        if evaluation is not None and evaluation.on:
+        if evaluation is not None and evaluation.keeps_record:
             state["evaluation"] = evaluation.state()
         session.write_checkpoint(state, rank_states, update, best, numbered)
 
@@ -79,7 +79,7 @@ def main(fabric: Fabric, cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
         summary = session.summary(
             "coupled", update, players, digests, session.watch.totals, specs, world, signum
         )
-        if evaluation is not None and evaluation.on:
+        if evaluation is not None and evaluation.keeps_record:
             summary["evaluation"] = evaluation.state()
         return summary
 
@@ -114,7 +114,7 @@ def main(fabric: Fabric, cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
         signum, clock_due, best = session.agreed(max_over(flags, "cpu", boundary))
         due = session.checkpoint_due(done) or clock_due
         if due or best or (signum and session.last_checkpoint < done):
-            evaluating = evaluation is not None and evaluation.on
+            evaluating = evaluation is not None and evaluation.keeps_record
             checkpoint(done, best=improved if evaluating else None, numbered=due or bool(signum))
         if signum and done < session.end_update:
             stopped = summary(done, signum)

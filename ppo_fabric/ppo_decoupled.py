@@ -326,7 +326,7 @@ class Player:
             return
         (update, parts), self.unwritten = self.unwritten, None
         learner = parts[self.topo.first_trainer]["learner"]
-        evaluating = self.evaluation is not None and self.evaluation.on
+        evaluating = self.evaluation is not None and self.evaluation.keeps_record
         if evaluating:
             self.recorded = self.evaluation.state(upto=self.session.env_step(update))
             learner = learner | {"evaluation": self.recorded}
@@ -433,7 +433,7 @@ class Player:
         summary = session.summary(
             "decoupled", self.state.received, players, digests, time_split, self.specs, self.world, signum
         )
-        if self.evaluation is not None and self.evaluation.on:
+        if self.evaluation is not None and self.evaluation.keeps_record:
             summary["evaluation"] = self.evaluation.state()
         summary |= {
             "players": len(self.topo.players),

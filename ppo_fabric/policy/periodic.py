@@ -94,6 +94,13 @@ class PeriodicEvaluation:
     def on(self) -> bool:
         return self.every > 0
 
+    @property
+    def keeps_record(self) -> bool:
+        """On, or off in a session resumed from a run that evaluated: its checkpoints and summary carry the
+        record on as it was, and best.ckpt (the best evaluation's) is left alone. Dropped, the next resume
+        with evaluation on started a fresh record and overwrote best.ckpt with a worse policy."""
+        return self.on or self.last is not None
+
     def due(self, env_step: int, last: bool = False) -> bool:
         """At the cadence, and at the run's last update (its final evaluation, what the tables report)."""
         return self.every > 0 and (env_step >= self.next_step or last)
@@ -189,7 +196,10 @@ class PeriodicEvaluation:
         if upto is None:
             return {"last": self.last, "best": self.best, "in_flight": self.pending}
         kept = [r for r in self.records if r["env_step"] <= upto]
-        key = self.scorer.score if self.scorer is not None else ""
+        if self.scorer is None:  # off (`keeps_record`): the resumed record as it came, nothing scored since
+            best = self.best if self.best is not None and self.best["env_step"] <= upto else None
+            return {"last": kept[-1] if kept else None, "best": best, "in_flight": None}
+        key = self.scorer.score
         best = None
         for record in kept:  # the first of the highest, as `_record` keeps it
             if best is None or record.get(key, -np.inf) > best.get(key, -np.inf):

@@ -89,6 +89,25 @@ def test_a_coupled_run_evaluates_keeps_its_best_and_resumes_the_record(tmp_path:
     assert json.loads((run_dir / "summary.json").read_text())["evaluation"] == resumed["evaluation"]
 
 
+def test_a_session_without_evaluation_keeps_the_runs_record_and_best(tmp_path: Path) -> None:
+    """A run that evaluated, resumed with eval.every=0 and again with evaluation on: the middle session
+    carries the record on (it dropped it) and leaves best.ckpt alone (best by training return replaced the
+    best evaluation's), so the last session's best is the run's, never a worse one scored after."""
+    run_dir = tmp_path / "run"
+    common = ["logger.tensorboard=false", "eval.episodes=2", f"hydra.run.dir={run_dir}"]
+    first = ppo_fabric.run([*common, "eval.every=512", "algo.total_steps=2048"])
+    best = run_dir / "checkpoints" / "best.ckpt"
+    assert ckpt.load(best)["env_step"] == first["evaluation"]["best"]["env_step"]
+    before = best.read_bytes()
+    last = run_dir / "checkpoints" / "last.ckpt"
+    off = ppo_fabric.run([*common, f"resume={last}", "algo.total_steps=3072", "eval.every=0"])
+    assert off["evaluation"] == first["evaluation"] | {"in_flight": None}
+    assert ckpt.load(last)["evaluation"]["best"] == first["evaluation"]["best"]
+    assert best.read_bytes() == before, "best.ckpt is the best evaluation's, whatever training returned"
+    on = ppo_fabric.run([*common, f"resume={last}", "algo.total_steps=3584", "eval.every=512"])
+    assert on["evaluation"]["best"]["return_mean"] >= first["evaluation"]["best"]["return_mean"]
+
+
 def _evaluation(*overrides: str, background: bool = False) -> tuple[PeriodicEvaluation, dict]:
     cfg, _ = compose(["eval.every=512", "eval.episodes=4", *overrides])
     specs = policy_specs(cfg)
