@@ -448,25 +448,30 @@ def collecting_parts(resume: dict[str, Any]) -> list[dict[str, Any]]:
 
 
 def resume_collector(
-    collector: RolloutCollector, resume: dict[str, Any], collector_index: int, collecting: int
+    collector: RolloutCollector, resume: dict[str, Any], collector_index: int, collecting: int, seed: int
 ) -> str | None:
     """Continue the `collector_index`-th collecting rank from the checkpoint's: exactly when the collecting
-    layout is the same (as many collecting ranks, as many envs each; trainer ranks may differ); otherwise
-    with fresh envs and RNG but the normaliser statistics (identical on every collecting rank) carried
-    over, and the run's episode record in the first collecting rank's. Returns the line to print in that case (None when exact)."""
+    layout is the same (as many collecting ranks, as many envs each; trainer ranks may differ) and so is
+    the seed; otherwise with fresh envs and RNG (from `seed`, this run's) but the normaliser statistics
+    (identical on every collecting rank) carried over, and the run's episode record in the first
+    collecting rank's. Returns the line to print in that case (None when exact). A new seed restored
+    exactly was named in the run's config and summary but trained nothing differently."""
     saved = collecting_parts(resume)
-    if len(saved) == collecting and all(int(state["num_envs"]) == collector.num_envs for state in saved):
+    was_seed = int(resume["config"]["seed"])
+    same_layout = len(saved) == collecting and all(int(s["num_envs"]) == collector.num_envs for s in saved)
+    if same_layout and was_seed == seed:
         restore_collector(collector, saved[collector_index])
         return None
     if saved:
         collector.carry_statistics(saved[0])
         if collector_index == 0:  # the run's episode record goes on in one rank's counts
             collector.carry_episodes(saved)
-    was = f"{len(saved)} collecting rank(s) x {saved[0]['num_envs'] if saved else '?'} envs"
-    return (
-        f"resume: the checkpoint has {was}, this run {collecting} x {collector.num_envs}; "
-        "envs start fresh, normaliser statistics carried over"
-    )
+    if not same_layout:
+        was = f"{len(saved)} collecting rank(s) x {saved[0]['num_envs'] if saved else '?'} envs"
+        why = f"the checkpoint has {was}, this run {collecting} x {collector.num_envs}"
+    else:
+        why = f"seed {was_seed} -> {seed}"
+    return f"ppo-fabric: resume: {why}; envs and RNG start fresh, normaliser statistics carried over"
 
 
 def restore_collector(collector: RolloutCollector, state: dict[str, Any]) -> None:

@@ -57,17 +57,18 @@ def test_the_kth_player_continues_the_checkpoints_kth_player(monkeypatch: pytest
     collector = SimpleNamespace(num_envs=4, carry_statistics=lambda _part: restored.append(-1))
 
     def checkpoint(roles: list) -> dict:
-        return {"ranks": [{"id": r.rank, "num_envs": 4} if r.plays else {"id": r.rank} for r in roles]}
+        ranks = [{"id": r.rank, "num_envs": 4} if r.plays else {"id": r.rank} for r in roles]
+        return {"ranks": ranks, "config": {"seed": 42}}
 
     two_nodes = checkpoint(role_map(4, 2, 2))
     one_node = role_map(4, 1, 2)
     assert players_of(role_map(4, 2, 2)) == [0, 2] and players_of(one_node) == [0, 1]
     for player in range(2):
-        assert session.resume_collector(collector, two_nodes, player, 2) is None
+        assert session.resume_collector(collector, two_nodes, player, 2, 42) is None
     assert restored == [0, 2]
     restored.clear()
     one_trainer = checkpoint(role_map(2, 1, 1))  # resumed with fabric.devices=3: two trainers
-    assert session.resume_collector(collector, one_trainer, 0, 1) is None and restored == [0]
+    assert session.resume_collector(collector, one_trainer, 0, 1, 42) is None and restored == [0]
 
 
 @pytest.mark.multiprocess
@@ -126,6 +127,22 @@ def test_resume_never_stops_short_with_a_larger_batch(tmp_path: Path) -> None:
         ]
     )
     assert summary["total_env_steps"] == 3072 + 2048
+
+
+@pytest.mark.slow
+def test_a_resume_with_another_seed_starts_fresh_envs_and_rng_from_it(tmp_path: Path) -> None:
+    """`seed=7 resume_overrides=allow`: the envs and the RNG start fresh from the new seed (one line says
+    so), so the rest of the run differs from the same resume with the saved seed (it was identical: the
+    new seed was named in the config and summary but the restored envs and RNG trained on as before)."""
+    ppo_fabric.run([*TINY, "algo.total_steps=1024", f"hydra.run.dir={tmp_path / 'a'}"])
+    last = tmp_path / "a" / "checkpoints" / "last.ckpt"
+    rows = {}
+    for seed in (42, 7):
+        out = tmp_path / f"seed{seed}"
+        ppo_fabric.run([*TINY, "algo.total_steps=2048", f"seed={seed}", "resume_overrides=allow",
+                        f"resume={last}", f"hydra.run.dir={out}"])  # fmt: skip
+        rows[seed] = [r["rollout/episode_return"] for r in _rows(out)]
+    assert len(rows[7]) == len(rows[42]) == 4 and rows[7] != rows[42]
 
 
 @pytest.mark.slow
