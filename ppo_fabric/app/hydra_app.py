@@ -208,7 +208,10 @@ def run_app(argv: list[str], task: Task, check: bool = True) -> Invocation:
     args.config_path = _absolute(args.config_path)
     args.config_dir = _absolute(args.config_dir)
     if not args.multirun:  # a sweep's jobs settle their own command lines
-        args.overrides = settled_overrides(list(args.overrides), args.config_path, args.config_name)
+        try:
+            args.overrides = settled_overrides(list(args.overrides), args.config_path, args.config_name)
+        except ConfigError as exc:
+            fail(str(exc))
     invocation = Invocation(list(args.overrides), args.config_path, args.config_name, args.config_dir)
     shows = args.cfg is not None or args.info is not None or args.shell_completion
     if under_fabric_run():

@@ -202,8 +202,8 @@ class Sweep:
             if any(f.startswith("--config-name") for f in flags)
             else None
         )
-        settled = with_tuned_values(overrides, None if own is None else "", own)
         try:
+            settled = with_tuned_values(overrides, None if own is None else "", own)
             sweep_config = self.context.config_loader.load_sweep_config(self.config, settled)
         except Exception as exc:  # Hydra raises many types; each becomes one line
             fail(f"job {num} ({shown}): {translate_hydra_error(exc, overrides)}")

@@ -16,7 +16,7 @@ from functools import cache
 
 import yaml
 
-from ppo_fabric.config.values import config_dir
+from ppo_fabric.config.values import ConfigError, config_dir
 
 # The env packages ppo-fabric builds envs from by name; an env.id naming another module runs that module's code
 # (`envs.make.foreign_module`). Their `module:id` ids are the id's own envs, tuned values included.
@@ -75,7 +75,11 @@ def with_tuned_values(
     so an `env.id` named again with its saved value changes nothing (`resume=auto` may start a new run,
     which gets them)."""
     parsed = _parsed(overrides)
-    if parsed is None or "tuning" in [o.key_or_group for o in parsed]:
+    if parsed is None:
+        return list(overrides)
+    notes = [o for o in parsed if o.key_or_group == "tuning" and not o.is_sweep_override()]
+    if notes:
+        _check_note(str(notes[-1].value()))
         return list(overrides)
     resumed = [o for o in parsed if o.key_or_group == "resume" and not o.is_sweep_override()]
     if resumed and isinstance(resumed[-1].value(), str) and resumed[-1].value() not in ("auto", "null"):
@@ -104,6 +108,27 @@ def with_tuned_values(
 
 DEFAULT_OPTION, DEFAULT_ID = "env=cartpole", "CartPole-v1"  # conf/config.yaml's default env option
 OWN_MARK = "(env.id set by the config"  # the note of an id a user's own config sets
+# What every note `with_tuned_values` writes holds one of: a `tuning=` without any is a user's own
+NOTE_MARKS = (
+    "(chosen on the command line)",
+    "(conf/tuned.yaml)",
+    "conf/tuned.yaml has no tuned values for",
+    "(chosen by the config ",
+    "the env option the config ",
+    "the default env option, in ours",
+    OWN_MARK,
+)
+
+
+def _check_note(note: str) -> None:
+    """A `tuning=` this module wrote (a relaunch's or a sweep job's command line passes it on), never one
+    typed by hand: that one turned the choice of tuned values off, so `env.id=Acrobot-v1 tuning=mine`
+    trained Acrobot with CartPole's values under the note `mine`."""
+    if not any(mark in note for mark in NOTE_MARKS):
+        raise ConfigError(
+            f"tuning={note!r} is not for the command line: ppo-fabric sets it at launch to record where the "
+            "run's values come from; drop it (choose the values with env=, exp= or env.id=)"
+        )
 
 
 def _for_id(env_id: str, overrides: list[str], source: str) -> list[str]:

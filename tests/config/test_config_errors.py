@@ -172,6 +172,13 @@ def test_bad_config_is_one_line_naming_the_key(overrides: list[str], fragments: 
         assert fragment in message, f"{fragment!r} missing from {message!r}"
 
 
+def test_a_tuning_note_by_hand_is_refused() -> None:
+    """`tuning=` records where a run's values come from and is set at launch; typed by hand it turned the
+    choice of tuned values off (Acrobot trained with CartPole's values under the note `mine`)."""
+    with pytest.raises(ConfigError, match=r"^tuning='mine' is not for the command line"):
+        ppo_fabric.run(["env.id=Acrobot-v1", "tuning=mine", "algo.total_steps=256"])
+
+
 def test_runs_started_together_get_their_own_directories() -> None:
     """The default run directory is named to the microsecond: two runs of a loop started in the same
     second shared one name, and the second was refused (the directory in use by a live run)."""
