@@ -405,7 +405,7 @@ class RunSession:
             counted = f"{summary['steps_this_run']:,} steps this session in {wall} ({sps}), "
             counted += f"{summary['total_env_steps']:,} in all"
         else:
-            counted = f"{summary['total_env_steps']} steps in {wall} ({sps})"
+            counted = f"{summary['total_env_steps']:,} steps in {wall} ({sps})"
         return (
             f"ppo-fabric: {summary['strategy']} {summary['env_id']}: {counted}, final mean return {ret_text}; "
             f"outputs in {self.run_dir}"

@@ -163,7 +163,7 @@ def test_the_final_line_of_a_resumed_session_counts_its_own_steps_and_the_runs_t
                "sps": 6_905.2, "final_mean_return": 187.3}  # fmt: skip
     fresh = _session(tmp_path, None)
     assert fresh.final_line(summary | {"steps_this_run": 30_208}) == (
-        f"ppo-fabric: coupled CartPole-v1: 30208 steps in 1.4s (6,905 steps/s), final mean return 187.3; "
+        f"ppo-fabric: coupled CartPole-v1: 30,208 steps in 1.4s (6,905 steps/s), final mean return 187.3; "
         f"outputs in {tmp_path}"
     )
     resumed = _session(tmp_path, {"env_step": 20_224, "update": 79})
