@@ -465,7 +465,8 @@ class Trainer:
         self.learners = build_learners(fabric, specs, resume, float(cfg.algo.adam_eps))
         self.params = all_parameters(policies_of(self.learners))
         trainer_parts = [] if resume is None else [s for s in resume["ranks"] if "num_envs" not in s]
-        if len(trainer_parts) == len(topo.trainers):  # the k-th trainer continues the checkpoint's k-th
+        same_seed = resume is not None and int(resume["config"]["seed"]) == int(cfg.seed)
+        if same_seed and len(trainer_parts) == len(topo.trainers):  # the k-th continues the saved k-th
             ckpt.set_rng_state(trainer_parts[topo.trainers.index(topo.rank)]["rng"])
         steps, copies = int(cfg.algo.rollout_steps), int(cfg.env.num_envs)
         delayed = is_async(cfg.env)  # the players' storages have a `mask`: so has the template

@@ -322,7 +322,7 @@ def train(
     included (a decoupled run resumed without `strategy=decoupled` trained on as coupled). `overrides`: the command line `cfg` was
     composed from (default: the running Hydra app's), which is all a resume may change of the run's own
     config. `python_api`: called by `ppo_fabric.run()`, never the Hydra app's job, even where Hydra's
-    global config is set (a user's own Hydra app calling it, an earlier app in the process). Raises
+    global config is still set (a Hydra app that ran earlier in the process). Raises
     `ConfigError` before anything starts, `RunComplete` for a finished `resume=auto` run.
     """
     quiet_libraries()

@@ -277,12 +277,14 @@ _BOOLS = (
     "fabric.tf32",
     "logger.tensorboard",
     "logger.csv",
-    "logger.plot",
     "env.normalize_obs",
     "env.normalize_reward",
     "selfplay.enabled",
 )
-_BOOLS_IF_SET = ("model.lstm.shared",)  # model=lstm only
+_BOOLS_IF_SET = (
+    "model.lstm.shared",
+    "logger.plot",
+)  # model=lstm only; a user's own logger option may lack plot
 _ABSENT = object()
 
 

@@ -182,12 +182,8 @@ def evaluate(
 
     if episodes <= 0:
         raise EvalError(f"episodes={episodes} must be > 0")
-    if (
-        not 0 <= seed <= 2**32 - 1 - episodes
-    ):  # episode i resets with seed + i, which gymnasium takes in [0, 2**32)
-        raise EvalError(
-            f"seed={seed} must be in [0, {2**32 - 1 - episodes}] (episode i is reset with seed + i)"
-        )
+    if seed < 0:  # episode i resets with seed + i, which gymnasium refuses below 0
+        raise EvalError(f"seed={seed} must be >= 0 (episode i is reset with seed + i)")
     if video:
         _video_writer()
     try:

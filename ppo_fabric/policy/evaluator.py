@@ -91,8 +91,9 @@ class EvaluatorProcess:
             time.sleep(0.05)
         time.sleep(0.1)  # the rest of the dump (every thread)
         end = os.fstat(self.stacks_fd).st_size
-        label = PROGRESS.label.replace(" ", "-")
-        (target / f"{label}-evaluator.stacks").write_bytes(os.pread(self.stacks_fd, end - size, size))
+        if end > size:  # nothing written (not started yet, or past its last moment): no file
+            label = PROGRESS.label.replace(" ", "-")
+            (target / f"{label}-evaluator.stacks").write_bytes(os.pread(self.stacks_fd, end - size, size))
 
     def submit(self, weights: dict[str, dict[str, Any]], obs_normalization: dict[str, Any] | None) -> None:
         self.conn.send((weights, obs_normalization))
@@ -161,11 +162,12 @@ def _serve(
     stacks: int | str,
 ) -> None:
     """The evaluator process: score each (weights, statistics) received until None or the pipe closes."""
+    # first: the signal's default action ends the process, and the player may ask for stacks at any time
+    stacks_file = stacks if isinstance(stacks, int) else os.open(stacks, os.O_WRONLY | os.O_APPEND)
+    faulthandler.register(STACKS_SIGNAL, file=stacks_file, all_threads=True)
     import torch
 
     _watch(parent, beat)
-    stacks_file = stacks if isinstance(stacks, int) else os.open(stacks, os.O_WRONLY | os.O_APPEND)
-    faulthandler.register(STACKS_SIGNAL, file=stacks_file, all_threads=True)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     torch.set_num_threads(1)

@@ -99,7 +99,7 @@ class PeriodicEvaluation:
         """On, or off in a session resumed from a run that evaluated: its checkpoints and summary carry the
         record on as it was, and best.ckpt (the best evaluation's) is left alone. Dropped, the next resume
         with evaluation on started a fresh record and overwrote best.ckpt with a worse policy."""
-        return self.on or self.last is not None
+        return self.on or self.last is not None or self.best is not None
 
     def due(self, env_step: int, last: bool = False) -> bool:
         """At the cadence, and at the run's last update (its final evaluation, what the tables report)."""

@@ -62,14 +62,14 @@ MUTABLE: tuple[Path_, ...] = (
 # model and the multi-agent policies (`app.preflight.check_resume` compares them), and its env and strategy
 # are what its weights and state were trained in. Naming allow for them only led to a second refusal.
 FIXED: tuple[Path_, ...] = (("model",), ("multiagent",), ("env", "id"), ("strategy",))
-IDENTITY: tuple[Path_, ...] = (("tuning",),)
+IDENTITY: tuple[Path_, ...] = (("tuning",),)  # the run's own record: always the saved value
 # What this command asks of its resume, never the run's own: always the command line's value, and no change
 # of the run's. Taken from the checkpoint, one `resume_overrides=allow` allowed every later resume's changes.
 PER_SESSION: tuple[Path_, ...] = (
     ("resume",),
     ("resume_overrides",),
     ("resume_env",),
-)  # the run's own record: always the saved value
+)
 SESSIONS_FILE = "resumes.jsonl"  # one line per resumed session: when, from where, what it changed
 
 

@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any, NamedTuple, NoReturn
 
 import torch
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 from ppo_fabric.collect.rollout import RolloutCollector
 from ppo_fabric.config.faults import SIGNAL_REPEAT_S, RunFault
@@ -392,7 +392,7 @@ class RunSession:
     def _plot(self) -> None:
         """learning_curve.png, unless `logger.plot=false`: the first figure of a process costs ~0.5 s of
         CPU (matplotlib's import and fonts), which sweeps of many short runs pay once per run."""
-        if self.cfg.logger.plot:
+        if OmegaConf.select(self.cfg, "logger.plot", default=True):  # a user's own logger option may lack it
             save_learning_curve(self.run_dir, title=str(self.cfg.env.id))
 
     def final_line(self, summary: dict[str, Any]) -> str:

@@ -22,6 +22,7 @@ from typing import Any
 
 import pytest
 import torch
+from omegaconf import open_dict
 
 import ppo_fabric
 from ppo_fabric.app.preflight import load
@@ -170,6 +171,21 @@ def test_bad_config_is_one_line_naming_the_key(overrides: list[str], fragments: 
     message = _config_error(overrides)
     for fragment in fragments:
         assert fragment in message, f"{fragment!r} missing from {message!r}"
+
+
+def test_a_logger_option_without_plot_is_taken() -> None:
+    """`logger.plot` came after users wrote logger options of their own: one without it plots (the
+    default), and a value that is not a boolean is refused."""
+    from ppo_fabric.config.values import check_values, compose
+
+    cfg, _ = compose([])
+    with open_dict(cfg):
+        del cfg.logger["plot"]
+    check_values(cfg)
+    with open_dict(cfg):
+        cfg.logger.plot = "maybe"
+    with pytest.raises(ConfigError, match="logger.plot='maybe' must be true or false"):
+        check_values(cfg)
 
 
 def test_a_tuning_note_by_hand_is_refused() -> None:

@@ -108,6 +108,16 @@ def test_a_session_without_evaluation_keeps_the_runs_record_and_best(tmp_path: P
     assert on["evaluation"]["best"]["return_mean"] >= first["evaluation"]["best"]["return_mean"]
 
 
+def test_a_kept_best_alone_is_a_record_to_keep() -> None:
+    """A checkpoint written before the record rule may hold a last evaluation after its step (dropped)
+    and a best before it (kept): with evaluation off that best is still the run's record to carry on."""
+    cfg, _ = compose(["eval.every=0"])
+    saved = {"last": {"env_step": 5000, "return_mean": 9.0}, "best": {"env_step": 100, "return_mean": 50.0}}
+    evaluation = PeriodicEvaluation(cfg, policy_specs(cfg), 512, 1024, saved)
+    assert evaluation.keeps_record and not evaluation.on
+    assert evaluation.state(upto=1024)["best"] == saved["best"]
+
+
 def _evaluation(*overrides: str, background: bool = False) -> tuple[PeriodicEvaluation, dict]:
     cfg, _ = compose(["eval.every=512", "eval.episodes=4", *overrides])
     specs = policy_specs(cfg)

@@ -169,8 +169,8 @@ def test_the_python_api_runs_a_resume_of_several_processes_as_a_job(monkeypatch:
 def test_the_python_api_is_not_the_hydra_apps_job_while_hydras_config_is_set(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """`ppo_fabric.run()` inside a user's own Hydra app (or after a Hydra app ran in the process), where
-    Hydra's global config is set: the run is still the Python API's, with its own run directory and
+    """`ppo_fabric.run()` after a Hydra app ran in the process, whose global config Hydra leaves set: the
+    run is still the Python API's, with its own run directory and
     overrides (it took the app's, and a resume of several processes trained in the calling process)."""
     from hydra.core.hydra_config import HydraConfig
 
