@@ -502,14 +502,7 @@ class RolloutCollector:
                     wrapper.gamma = self.gamma
         else:
             self._take_statistics(state)
-        self.episodes.window.extend(state["episodes"])
-        self.episodes.count = state["episode_count"]
-        self.restarts = int(state.get("env_restarts", 0))
-        if self.multiagent:
-            for g in self.groups:
-                window, count = state["policy_episodes"][g.name]
-                g.episodes.window.extend(window)
-                g.episodes.count = count
+        self._add_record(state)
         if self.selfplay is not None and "selfplay" in state:
             self.selfplay.load_state(state["selfplay"], exact=envs is not None)
 
@@ -525,16 +518,19 @@ class RolloutCollector:
         """From every collecting rank of a checkpoint of another layout: the run's episode record (counts,
         recent windows, env restarts), which one rank of the new layout takes so that the run's totals (the
         summary's `episodes`) go on from the checkpoint's instead of counting this session alone."""
-        self.episodes.count += sum(int(s["episode_count"]) for s in states)
-        self.restarts += sum(int(s.get("env_restarts", 0)) for s in states)
         for state in states:
-            self.episodes.window.extend(state["episodes"])
+            self._add_record(state)
+
+    def _add_record(self, state: dict[str, Any]) -> None:
+        """A saved rank's episode record (recent windows, counts, env restarts) added to this one's."""
+        self.episodes.window.extend(state["episodes"])
+        self.episodes.count += int(state["episode_count"])
+        self.restarts += int(state.get("env_restarts", 0))
         if self.multiagent:
             for g in self.groups:
-                for state in states:
-                    window, count = state["policy_episodes"].get(g.name, ([], 0))
-                    g.episodes.window.extend(window)
-                    g.episodes.count += count
+                window, count = state["policy_episodes"].get(g.name, ([], 0))
+                g.episodes.window.extend(window)
+                g.episodes.count += int(count)
 
     def _take_statistics(self, state: dict[str, Any]) -> None:
         """The saved normaliser statistics, and the fresh envs' first observation normalised with them (it
