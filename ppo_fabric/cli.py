@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any, NoReturn
 from omegaconf import DictConfig
 
 from ppo_fabric.app import prestart, supervisor
-from ppo_fabric.app.hydra_app import Invocation, run_app, settled_overrides
+from ppo_fabric.app.hydra_app import Invocation, answer_check, run_app, settled_overrides
 from ppo_fabric.app.process import end_process, stop_quietly_during_startup
 from ppo_fabric.compat.imports import skip_torchmetrics_probe
 from ppo_fabric.config.arguments import fail
@@ -204,7 +204,7 @@ def console_main() -> NoReturn:
         supervisor.bind_to_supervisor()
         from ppo_fabric import ppo, ppo_decoupled  # noqa: F401  torch, Lightning: what it was started early for
 
-        prestart.await_handover(gate, inherited)
+        prestart.await_handover(gate[0], inherited, gate[1], answer_check)
     if supervisor.wanted() and prestart.runs_a_job(sys.argv[1:]):
         prestart.start(sys.argv[1:], supervisor.job_environment())
     try:

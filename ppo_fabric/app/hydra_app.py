@@ -26,12 +26,14 @@ from typing import Any
 
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
+from ppo_fabric.app import prestart
 from ppo_fabric.compat.private import hydra_args_parser, run_hydra
 from ppo_fabric.config.arguments import fail
-from ppo_fabric.config.faults import RunComplete
+from ppo_fabric.config.faults import FAULT_EXIT, RunComplete
 from ppo_fabric.config.tuned import quoted, with_tuned_values
 from ppo_fabric.config.values import (
     ConfigError,
+    check_values,
     compose,
     composer,
     config_dir,
@@ -39,6 +41,7 @@ from ppo_fabric.config.values import (
     under_fabric_run,
     without_sweeps,
 )
+from ppo_fabric.runs import lock
 
 VERSION_BASE = "1.3"  # hydra.job.chdir defaults to false: the run keeps the user's working directory
 CONFIG_NAME = "config"
@@ -123,10 +126,15 @@ def precheck(invocation: Invocation, full: bool, sweep: bool = False) -> None:
     try:
         # Composing first: a mistake in the command line itself is reported before torch and gymnasium
         # are imported for the checks that need them (seconds; `--cfg` and sweeps never need them).
-        compose(without_sweeps(list(invocation.overrides)), path, name)
+        cfg, run_dir = compose(without_sweeps(list(invocation.overrides)), path, name)
         if sweep:
             check_sweep_values(list(invocation.overrides), path, name)
-        if full:
+        if full and cfg.get("resume") is None:  # what `load` checks first, needing no torch: a mistaken
+            # value is refused at once, not once the job's first process has imported torch to check it
+            if lock.speaks_first():
+                lock.refuse_if_held(run_dir)
+            check_values(cfg)
+        if full and not _checked_by_the_job(list(invocation.overrides), path, name):
             from ppo_fabric.app.preflight import load
 
             load(list(invocation.overrides), path, name)
@@ -136,6 +144,40 @@ def precheck(invocation: Invocation, full: bool, sweep: bool = False) -> None:
         if _rank() == 0:
             os.write(2, f"ppo-fabric: {done}\n".encode())
         raise SystemExit(0) from None
+
+
+def _checked_by_the_job(overrides: list[str], path: str | None, name: str) -> bool:
+    """Whether the job's first process, started before these checks (app/prestart.py), ran them for this
+    process: it has imported torch, which they need and this process then never does. Raises what they
+    raise; False where no such process answered (the checks then run here)."""
+    request = {"overrides": overrides, "config_path": path, "config_name": name, "env": dict(os.environ)}
+    reply = prestart.ask(request)
+    if reply is None or reply.get("unanswered"):
+        return False
+    if "exited" in reply:
+        if reply["exited"] == FAULT_EXIT:  # a check's stall timeout ended it, and it said so in one line
+            raise SystemExit(FAULT_EXIT)
+        return False
+    if "error" in reply:
+        raise ConfigError(str(reply["error"]))
+    if "complete" in reply:
+        raise RunComplete(str(reply["complete"]))
+    return True
+
+
+def answer_check(request: dict[str, Any]) -> dict[str, Any]:
+    """In the job's first process: `preflight.load` for its supervisor's `_checked_by_the_job`."""
+    from ppo_fabric.app.preflight import load
+
+    try:
+        load(list(request["overrides"]), request["config_path"], str(request["config_name"]))
+    except ConfigError as exc:
+        return {"error": str(exc)}
+    except RunComplete as done:
+        return {"complete": str(done)}
+    except Exception:  # noqa: BLE001 - the supervisor checks again in-process: its traceback, as ever
+        return {"unanswered": True}
+    return {"ok": True}
 
 
 def check_sweep_values(overrides: list[str], path: str | None, name: str) -> None:

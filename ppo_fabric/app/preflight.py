@@ -20,7 +20,6 @@ from ppo_fabric.app import prestart
 from ppo_fabric.config.faults import FAULT_EXIT, RunComplete
 from ppo_fabric.config.tuned import without_tuned_values
 from ppo_fabric.config.values import (
-    SUPERVISED_ENV,
     ConfigError,
     check_layout,
     check_run_dir,
@@ -39,7 +38,7 @@ from ppo_fabric.learn.learners import policy_specs, spaces_of
 from ppo_fabric.models.agent import ACTIVATIONS, ActorCritic
 from ppo_fabric.runs import checkpoint as ckpt
 from ppo_fabric.runs.continuation import continued_config
-from ppo_fabric.runs.lock import refuse_if_held
+from ppo_fabric.runs.lock import refuse_if_held, speaks_first
 from ppo_fabric.runs.resume import resolve_auto
 from ppo_fabric.runs.trackers import check as check_tracker
 from ppo_fabric.runs.watchdog import main_thread_place
@@ -70,7 +69,7 @@ def prepare(
     `overrides` (the command line `cfg` was composed from; None: nothing) may change on top
     (`continuation.continued_config`; `compose_again` composes a command line for the group options it
     names). A `resume=auto` run that is already complete raises `RunComplete`."""
-    if _speaks_first():
+    if speaks_first():
         refuse_if_held(run_dir)  # a live run's directory: named before any other check says otherwise
     auto = resolve_auto(cfg, run_dir)
     changes = None
@@ -128,14 +127,6 @@ def check_env_trusted(path: str, saved_id: str, own_id: str) -> None:
             f"a resume builds it only when the command line names it: add env.id={saved_id} if you trust "
             "this checkpoint"
         )
-
-
-def _speaks_first() -> bool:
-    """The process that takes the run directory's lock before anything starts: the command line's (not a
-    supervised job's, whose supervisor holds it, nor a `fabric run` rank, whose rank 0 takes it at launch
-    while the other ranks may still be checking)."""
-    ranks = (os.environ.get(name, "0") or "0" for name in ("RANK", "LOCAL_RANK", "NODE_RANK"))
-    return not (os.environ.get(SUPERVISED_ENV) or under_fabric_run()) and all(r == "0" for r in ranks)
 
 
 def check(cfg: DictConfig) -> dict[str, Any]:

@@ -8,6 +8,13 @@ until the supervisor hands it the settled command line and environment through a
 checks refuse closes the pipe and kills the waiting process, so a refused command still ends in one line
 and leaves nothing behind.
 
+The checks themselves need torch (the model for the env's spaces, the devices, the checkpoint to resume):
+~2 s of CPU to import, ~300 MB the supervisor would hold for the whole run without using them again. The
+waiting process imports torch anyway, so the supervisor asks it to run them (`ask`), in the supervisor's own
+environment, and reports what it answers: the command's one line, as before. A fresh run's supervisor then
+never imports torch (one that resumes, or restarts its job, reads checkpoints itself). Where no process
+waits, or it ends without answering, the supervisor checks in-process.
+
 Only the first attempt is started this way; a relaunch after a failure starts as before. Sweeps, help and
 `--cfg` never start one (they run no job, or run each job as a process of its own).
 """
@@ -21,12 +28,14 @@ import os
 import signal
 import subprocess
 import sys
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from typing import Any
 
 from ppo_fabric.compat.private import hydra_args_parser
 
 GATE_ENV = "PPO_FABRIC_GATE_FD"  # in the waiting process: the pipe its command line comes through
+ANSWER_ENV = "PPO_FABRIC_ANSWER_FD"  # in the waiting process: the pipe its answers to `ask` go back through
 # Hydra's flags under which the command runs no job of its own (a sweep runs each job as a process)
 NO_JOB = ("multirun", "help", "hydra_help", "cfg", "info", "shell_completion", "experimental_rerun")
 
@@ -42,6 +51,7 @@ class _Unparsable(Exception):
 class Waiting:
     proc: subprocess.Popen[bytes]
     gate: int  # the pipe's write end
+    answer: int = -1  # the read end of the pipe its answers come back through (-1: none)
 
 
 _waiting: Waiting | None = None
@@ -76,19 +86,54 @@ def start(argv: list[str], env: dict[str, str]) -> None:
     it imports, then waits to be handed its real one (`take`). Called once, by the supervising process."""
     global _waiting
     read, write = os.pipe()
+    answer_read, answer_write = os.pipe()
     try:
         proc = subprocess.Popen(
             [sys.executable, "-m", "ppo_fabric", *argv],
-            env={**env, GATE_ENV: str(read)},
-            pass_fds=(read,),
+            env={**env, GATE_ENV: str(read), ANSWER_ENV: str(answer_write)},
+            pass_fds=(read, answer_write),
             start_new_session=True,
         )
     except OSError:
         os.close(write)
+        os.close(answer_read)
         return  # the job starts the usual way
     finally:
         os.close(read)
-    _waiting = Waiting(proc, write)
+        os.close(answer_write)
+    _waiting = Waiting(proc, write, answer_read)
+
+
+def ask(request: dict[str, Any]) -> dict[str, Any] | None:
+    """The waiting process's answer to `request` (JSON), which it computes once its imports are done; None
+    when no process waits. A process that ends without answering (killed, out of memory, or ended by
+    a check's own stall timeout after saying why) is reaped and forgotten: `{"exited": status}`, and the
+    job then starts the usual way."""
+    global _waiting
+    waiting = _waiting
+    if waiting is None or waiting.answer < 0:
+        return None
+    line = b""
+    try:
+        _write_all(waiting.gate, json.dumps({"check": request}).encode() + b"\n")
+        while not line.endswith(b"\n"):
+            chunk = os.read(waiting.answer, 65536)
+            if not chunk:
+                break
+            line += chunk
+    except OSError:
+        line = b""
+    if line.endswith(b"\n"):
+        return json.loads(line)
+    _waiting = None
+    _end(waiting)
+    return {"exited": waiting.proc.returncode}
+
+
+def _write_all(fd: int, data: bytes) -> None:
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view) :]
 
 
 def take(args: list[str], env: dict[str, str]) -> subprocess.Popen[bytes] | None:
@@ -98,7 +143,9 @@ def take(args: list[str], env: dict[str, str]) -> subprocess.Popen[bytes] | None
     waiting, _waiting = _waiting, None
     if waiting is None:
         return None
-    message = json.dumps({"argv": args, "env": env}).encode()
+    message = json.dumps({"argv": args, "env": env}).encode() + b"\n"
+    with contextlib.suppress(OSError):
+        os.close(waiting.answer)
     if not _fits(waiting.gate, len(message)):  # the write would wait for the importing process to read,
         _end(waiting)  # and signals meanwhile would reach no job: start it the usual way instead
         return None
@@ -135,36 +182,70 @@ def discard() -> None:
 
 
 def _end(waiting: Waiting) -> None:
-    with contextlib.suppress(OSError):
-        os.close(waiting.gate)
+    for fd in (waiting.gate, waiting.answer):
+        if fd >= 0:
+            with contextlib.suppress(OSError):
+                os.close(fd)
     _kill(waiting.proc)
 
 
 def _kill(proc: subprocess.Popen[bytes]) -> None:
-    with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.killpg(proc.pid, signal.SIGKILL)
+    if proc.returncode is None:  # not reaped: its pid, and so its group's id, is still its own
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(proc.pid, signal.SIGKILL)
     proc.wait()
 
 
-def gate() -> int | None:
-    """In a process `start` began: the pipe its command line will come through (taken out of the
-    environment, so that the ranks it launches do not wait too); None in any other process."""
+def gate() -> tuple[int, int] | None:
+    """In a process `start` began: the pipe its command line will come through and the one its answers go
+    back through (-1: none), both taken out of the environment, so that the ranks it launches do not wait
+    too; None in any other process."""
     fd = os.environ.pop(GATE_ENV, None)
-    return None if fd is None else int(fd)
+    answer = os.environ.pop(ANSWER_ENV, None)
+    return None if fd is None else (int(fd), -1 if answer is None else int(answer))
 
 
-def await_handover(fd: int, inherited: Mapping[str, str]) -> None:
+Checker = Callable[[dict[str, Any]], dict[str, Any]]
+
+
+def await_handover(
+    fd: int, inherited: Mapping[str, str], answer: int = -1, check: Checker | None = None
+) -> None:
     """Wait for the command line and environment on pipe `fd` and take them as this process's own.
     `inherited`: the environment it started with; of it only what the handed one leaves out goes, so
     what its imports set for themselves (Lightning's `PYTORCH_NVML_BASED_CUDA_CHECK`, pygame's banner
     switch, ...) stays, as in a job started after the checks. Leaves at once, silently, when the pipe
-    closes empty (the command ran no job, or was refused)."""
+    closes empty (the command ran no job, or was refused).
+
+    Before the handover the supervisor may `ask` for its checks: each request is answered by `check`
+    on pipe `answer`, in the environment the request carries (the supervisor's own, taken as the handover
+    takes one), which is put back afterwards."""
     with os.fdopen(fd, "rb") as pipe:
-        message = pipe.read()
-    if not message:
-        os._exit(0)
-    handed = json.loads(message)
-    for key in inherited.keys() - handed["env"].keys():
+        for line in pipe:
+            message = json.loads(line)
+            if "check" not in message:
+                break
+            request = message["check"]
+            reply: dict[str, Any] = {"unanswered": True}
+            if check is not None:
+                saved = dict(os.environ)
+                _take_environment(request.get("env") or saved, inherited)
+                try:
+                    reply = check(request)
+                finally:
+                    os.environ.clear()
+                    os.environ.update(saved)
+            _write_all(answer, json.dumps(reply).encode() + b"\n")
+        else:
+            os._exit(0)
+    if answer >= 0:
+        with contextlib.suppress(OSError):
+            os.close(answer)
+    _take_environment(message["env"], inherited)
+    sys.argv[1:] = message["argv"]
+
+
+def _take_environment(handed: Mapping[str, str], inherited: Mapping[str, str]) -> None:
+    for key in inherited.keys() - handed.keys():
         os.environ.pop(key, None)
-    os.environ.update(handed["env"])
-    sys.argv[1:] = handed["argv"]
+    os.environ.update(handed)

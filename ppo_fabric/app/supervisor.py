@@ -32,7 +32,7 @@ from ppo_fabric.config.faults import FAULT_EXIT, SIGNAL_REPEAT_S, failed_child, 
 from ppo_fabric.config.tuned import override_value
 from ppo_fabric.config.values import OWN_RUN_DIR_ENV, SUPERVISED_ENV, ConfigError, under_fabric_run
 from ppo_fabric.runs import lock
-from ppo_fabric.runs.metrics_file import read_rows, series
+from ppo_fabric.runs.metrics_file import read_rows, series, write_json
 
 if TYPE_CHECKING:
     from ppo_fabric.app.hydra_app import Invocation
@@ -112,8 +112,6 @@ def record_restarts(summary_json: Path, restarts: int, redone: int) -> None:
         return
     summary = json.loads(summary_json.read_text())
     summary.update(restarts=restarts, env_steps_redone=redone)
-    from ppo_fabric.runs.metrics import write_json
-
     write_json(summary_json, summary)
 
 

@@ -253,7 +253,7 @@ def evaluate(
 
 
 def _write(result: dict[str, Any], out_dir: Path) -> dict[str, Any]:
-    from ppo_fabric.runs.metrics import write_json
+    from ppo_fabric.runs.metrics_file import write_json
 
     try:
         out_dir.mkdir(parents=True, exist_ok=True)

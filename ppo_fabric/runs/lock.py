@@ -34,7 +34,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import TYPE_CHECKING
 
-from ppo_fabric.config.values import ConfigError
+from ppo_fabric.config.values import SUPERVISED_ENV, ConfigError, under_fabric_run
 
 if TYPE_CHECKING:
     from lightning_fabric import Fabric
@@ -227,6 +227,14 @@ def acquire(run_dir: str | Path) -> RunDirLock:
         f"hydra.run.dir={run_dir}: could not take its lock {path} (other processes kept taking it); "
         "try again, or choose another directory"
     )
+
+
+def speaks_first() -> bool:
+    """The process that refuses a live run's directory before anything starts: the command line's (not a
+    supervised job's, whose supervisor holds the lock, nor a `fabric run` rank, whose rank 0 takes it at
+    launch while the other ranks may still be checking)."""
+    ranks = (os.environ.get(name, "0") or "0" for name in ("RANK", "LOCAL_RANK", "NODE_RANK"))
+    return not (os.environ.get(SUPERVISED_ENV) or under_fabric_run()) and all(r == "0" for r in ranks)
 
 
 def refuse_if_held(run_dir: str | Path) -> None:

@@ -7,7 +7,6 @@ import contextlib
 import csv
 import hashlib
 import io
-import json
 import math
 import sys
 import threading
@@ -414,12 +413,6 @@ def close_after_failure(timeout_s: float = ABORT_CLOSE_S) -> None:
     if worker.is_alive():
         print(f"ppo-fabric: the run's tracker did not close within {timeout_s:g} s; its last rows may be lost",
               file=sys.stderr, flush=True)  # fmt: skip
-
-
-def write_json(path: Path, data: Mapping[str, Any]) -> None:
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
-    tmp.replace(path)
 
 
 def save_resolved_config(cfg: DictConfig, run_dir: Path) -> None:

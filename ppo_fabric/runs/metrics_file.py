@@ -7,9 +7,11 @@ standard library: the supervising process reads it too."""
 from __future__ import annotations
 
 import csv
+import json
 import math
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from pathlib import Path
+from typing import Any
 
 METRICS_CSV = "metrics.csv"  # one row per logged update
 EVALUATIONS_CSV = "evaluations.csv"  # one row per evaluation during training (`eval.every`)
@@ -37,3 +39,10 @@ def series(rows: Iterable[dict[str, str]], key: str, x: str = "step") -> list[tu
         if math.isfinite(point[0]) and math.isfinite(point[1]):
             out.append(point)
     return out
+
+
+def write_json(path: Path, data: Mapping[str, Any]) -> None:
+    """`data` as `path` (a summary, an evaluation), replaced whole: a reader never sees half of it."""
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
+    tmp.replace(path)

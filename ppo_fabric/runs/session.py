@@ -38,8 +38,8 @@ from ppo_fabric.runs.metrics import (
     episode_sums,
     final_mean_return,
     save_resolved_config,
-    write_json,
 )
+from ppo_fabric.runs.metrics_file import write_json
 from ppo_fabric.runs.plots import save_learning_curve
 from ppo_fabric.wire.progress import PROGRESS
 

@@ -16,6 +16,7 @@ import pytest
 from ppo_fabric.app import prestart
 from ppo_fabric.app.supervisor import job_environment
 from ppo_fabric.config.values import OWN_RUN_DIR_ENV
+from ppo_fabric.runs import lock
 from tests.conftest import job_env, job_processes
 
 
@@ -65,6 +66,15 @@ def test_the_waiting_process_runs_the_command_line_it_is_handed(
     monkeypatch.chdir(tmp_path)
     run_dir = tmp_path / "run"
     prestart.start(["not_a_key=1"], job_environment())
+    # before the handover it runs the supervisor's checks for it, in the environment the request carries
+    # (with the waiting process's own it would take itself for a supervised job and skip the lock)
+    ask = {"config_path": None, "config_name": "config", "env": dict(os.environ)}
+    refused = prestart.ask({**ask, "overrides": ["env.id=CartPol-v1"]})
+    assert refused is not None and "did you mean CartPole-v1" in refused["error"], refused
+    with lock.acquire(run_dir):  # a live run's directory (this process holds it)
+        held = prestart.ask({**ask, "overrides": [*RUN, f"hydra.run.dir={run_dir}"]})
+    assert held is not None and str(os.getpid()) in held["error"], held
+    assert prestart.ask({**ask, "overrides": [*RUN, f"hydra.run.dir={run_dir}"]}) == {"ok": True}
     env = job_environment() | {OWN_RUN_DIR_ENV: str(run_dir)}
     proc = prestart.take([*RUN, f"hydra.run.dir={run_dir}"], env)
     assert proc is not None and prestart.take([], env) is None, "handed over once"
@@ -74,18 +84,66 @@ def test_the_waiting_process_runs_the_command_line_it_is_handed(
 
 
 @pytest.mark.multiprocess
-def test_a_refused_command_leaves_no_waiting_process(tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    ("override", "fragment", "asked"),
+    [
+        ("algo.gamma=1.5", "algo.gamma", False),  # a value: refused before the job's process is asked
+        ("env.id=CartPol-v1", "did you mean CartPole-v1", True),  # the env: the job's process finds it
+    ],
+)
+def test_a_refused_command_leaves_no_waiting_process(
+    tmp_path: Path, override: str, fragment: str, asked: bool
+) -> None:
     """`python -m ppo_fabric` with a value the checks refuse: one line, status 2, and the job's first
-    process, started before the checks, is gone when the command returns."""
+    process, started before the checks, is gone when the command returns. The supervising process never
+    imports torch (`-X importtime` lists its imports alone: the job's processes are started without it):
+    the checks that need it ran in the job's first process, which has it imported anyway."""
     run_dir = tmp_path / "run"
     proc = subprocess.run(
-        [sys.executable, "-m", "ppo_fabric", *RUN, "algo.gamma=1.5", f"hydra.run.dir={run_dir}"],
+        [sys.executable, "-X", "importtime", "-m", "ppo_fabric", *RUN, override, f"hydra.run.dir={run_dir}"],
         cwd=tmp_path, env=job_env(), capture_output=True, text=True, timeout=120,
     )  # fmt: skip
     assert proc.returncode == 2, proc.stderr[-2000:]
-    assert proc.stderr.count("\n") == 1 and "algo.gamma" in proc.stderr, proc.stderr
+    imports = [
+        line.rsplit("|", 1)[-1].strip()
+        for line in proc.stderr.splitlines()
+        if line.startswith("import time:")
+    ]
+    said = [line for line in proc.stderr.splitlines() if not line.startswith("import time:")]
+    assert len(said) == 1 and said[0].startswith("ppo-fabric: error: ") and fragment in said[0], said
+    assert "hydra" in imports and "torch" not in imports and "gymnasium" not in imports, (
+        "the supervisor imported them"
+    )
     assert not job_processes(run_dir), "the waiting process outlived the refused command"
     assert not run_dir.exists()
+
+
+def test_checks_fall_back_to_this_process_when_the_waiting_one_cannot_answer(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A waiting process that died (killed, out of memory while importing) is forgotten and the checks run
+    here; one a check's stall timeout ended (it said why) ends the command with its status, said once."""
+    from ppo_fabric.app import hydra_app
+    from ppo_fabric.config.faults import FAULT_EXIT
+
+    for status, checked_here in ((0, True), (-9, True), (FAULT_EXIT, False)):
+        proc = subprocess.Popen([sys.executable, "-c", f"import os; os._exit({max(status, 0)})"])
+        if status < 0:
+            proc.kill()
+        proc.wait()
+        gate_read, gate = os.pipe()
+        answer, answer_write = os.pipe()
+        os.close(answer_write)  # its end: gone with it
+        monkeypatch.setattr(prestart, "_waiting", prestart.Waiting(proc, gate, answer))
+        monkeypatch.setattr(proc, "returncode", status)
+        if checked_here:
+            assert hydra_app._checked_by_the_job(["seed=1"], None, "config") is False
+        else:
+            with pytest.raises(SystemExit) as ended:
+                hydra_app._checked_by_the_job(["seed=1"], None, "config")
+            assert ended.value.code == FAULT_EXIT
+        assert prestart._waiting is None, "forgotten: the job starts the usual way"
+        os.close(gate_read)
 
 
 @pytest.mark.multiprocess
