@@ -57,6 +57,9 @@ class Invocation:
     config_dir: str | None = None
     status: int = 0  # the task's exit status, set by the task function
     multirun: bool = False  # -m: a sweep, whose jobs' failures the command line reads after it (cli.main)
+    checked: dict[str, Any] | None = (
+        None  # the config as the job's first process checked it (a resume's, continued)
+    )
 
     @property
     def flags(self) -> list[str]:
@@ -134,7 +137,9 @@ def precheck(invocation: Invocation, full: bool, sweep: bool = False) -> None:
             if lock.speaks_first():
                 lock.refuse_if_held(run_dir)
             check_values(cfg)
-        if full and not _checked_by_the_job(list(invocation.overrides), path, name):
+        if full:
+            invocation.checked = _checked_by_the_job(list(invocation.overrides), path, name)
+        if full and invocation.checked is None:
             from ppo_fabric.app.preflight import load
 
             load(list(invocation.overrides), path, name)
@@ -146,23 +151,24 @@ def precheck(invocation: Invocation, full: bool, sweep: bool = False) -> None:
         raise SystemExit(0) from None
 
 
-def _checked_by_the_job(overrides: list[str], path: str | None, name: str) -> bool:
-    """Whether the job's first process, started before these checks (app/prestart.py), ran them for this
-    process: it has imported torch, which they need and this process then never does. Raises what they
-    raise; False where no such process answered (the checks then run here)."""
+def _checked_by_the_job(overrides: list[str], path: str | None, name: str) -> dict[str, Any] | None:
+    """The config as the job's first process, started before these checks (app/prestart.py), checked it
+    for this process (a resume's: the run's own, continued): it has imported torch, which the checks need
+    and this process then never does. Raises what they raise; None where no such process answered (the
+    checks then run here)."""
     request = {"overrides": overrides, "config_path": path, "config_name": name, "env": dict(os.environ)}
     reply = prestart.ask(request)
     if reply is None or reply.get("unanswered"):
-        return False
+        return None
     if "exited" in reply:
         if reply["exited"] == FAULT_EXIT:  # a check's stall timeout ended it, and it said so in one line
             raise SystemExit(FAULT_EXIT)
-        return False
+        return None
     if "error" in reply:
         raise ConfigError(str(reply["error"]))
     if "complete" in reply:
         raise RunComplete(str(reply["complete"]))
-    return True
+    return dict(reply["config"])
 
 
 def answer_check(request: dict[str, Any]) -> dict[str, Any]:
@@ -170,14 +176,14 @@ def answer_check(request: dict[str, Any]) -> dict[str, Any]:
     from ppo_fabric.app.preflight import load
 
     try:
-        load(list(request["overrides"]), request["config_path"], str(request["config_name"]))
+        cfg, _, _ = load(list(request["overrides"]), request["config_path"], str(request["config_name"]))
     except ConfigError as exc:
         return {"error": str(exc)}
     except RunComplete as done:
         return {"complete": str(done)}
     except Exception:  # noqa: BLE001 - the supervisor checks again in-process: its traceback, as ever
         return {"unanswered": True}
-    return {"ok": True}
+    return {"config": OmegaConf.to_container(cfg)}
 
 
 def check_sweep_values(overrides: list[str], path: str | None, name: str) -> None:

@@ -21,9 +21,9 @@ import sys
 import time
 from pathlib import Path
 from types import FrameType
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 from ppo_fabric.app import prestart
 from ppo_fabric.app.process import quiet_libraries
@@ -265,15 +265,24 @@ def supervise(cfg: DictConfig, run_dir: Path, invocation: Invocation) -> int:
         print(f"ppo-fabric: error: {exc}", file=sys.stderr, flush=True)  # as config.arguments.fail
         return CONFIG_REFUSED
     with held:
-        return _attempts(run_config(cfg, run_dir, list(invocation.overrides)), run_dir, invocation)
+        config = run_config(cfg, run_dir, list(invocation.overrides), invocation.checked)
+        return _attempts(config, run_dir, invocation)
 
 
-def run_config(cfg: DictConfig, run_dir: Path, overrides: list[str]) -> DictConfig:
+def run_config(
+    cfg: DictConfig, run_dir: Path, overrides: list[str], checked: dict[str, Any] | None = None
+) -> DictConfig:
     """The config the job runs, whose `restarts` and timeouts the supervisor keeps: a resume continues its
     checkpoint's (what the command line, `overrides`, may change on top, as the job's own checks make it),
-    not the command line's defaults. The command line's where the checkpoint cannot be read: the job says why."""
+    not the command line's defaults: `checked`, where the job's first process ran the checks (it read the
+    checkpoint, and this process need not import torch to read it again). The command line's where the
+    checkpoint cannot be read: the job says why."""
     if cfg.get("resume") is None:
         return cfg
+    if checked is not None:
+        run = OmegaConf.create(checked)
+        OmegaConf.set_struct(run, True)
+        return run
     from hydra.core.hydra_config import HydraConfig
 
     from ppo_fabric.app.preflight import continue_run

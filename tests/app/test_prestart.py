@@ -74,7 +74,8 @@ def test_the_waiting_process_runs_the_command_line_it_is_handed(
     with lock.acquire(run_dir):  # a live run's directory (this process holds it)
         held = prestart.ask({**ask, "overrides": [*RUN, f"hydra.run.dir={run_dir}"]})
     assert held is not None and str(os.getpid()) in held["error"], held
-    assert prestart.ask({**ask, "overrides": [*RUN, f"hydra.run.dir={run_dir}"]}) == {"ok": True}
+    answer = prestart.ask({**ask, "overrides": [*RUN, f"hydra.run.dir={run_dir}"]})
+    assert answer is not None and answer["config"]["algo"]["total_steps"] == 128, answer
     env = job_environment() | {OWN_RUN_DIR_ENV: str(run_dir)}
     proc = prestart.take([*RUN, f"hydra.run.dir={run_dir}"], env)
     assert proc is not None and prestart.take([], env) is None, "handed over once"
@@ -118,6 +119,29 @@ def test_a_refused_command_leaves_no_waiting_process(
     assert not run_dir.exists()
 
 
+@pytest.mark.multiprocess
+def test_a_resume_is_supervised_without_torch(tmp_path: Path, tiny_run: Path) -> None:
+    """A resume's supervisor keeps the restarts and timeouts of the run's own config, continued from its
+    checkpoint: the job's first process read it for the checks and hands it back with its answer, so this
+    supervisor does not import torch to read it again."""
+    run_dir = tmp_path / "run"
+    resume = tiny_run / "checkpoints" / "last.ckpt"
+    argv = [f"resume={resume}", "algo.total_steps=1024", "logger.plot=false", f"hydra.run.dir={run_dir}"]
+    proc = subprocess.run(
+        [sys.executable, "-X", "importtime", "-m", "ppo_fabric", *argv],
+        cwd=tmp_path, env=job_env(), capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    imports = [
+        line.rsplit("|", 1)[-1].strip()
+        for line in proc.stderr.splitlines()
+        if line.startswith("import time:")
+    ]
+    assert "hydra" in imports and "torch" not in imports, "the supervisor imported torch"
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert (summary["total_env_steps"], summary["resumed_from"]) == (1024, str(resume))
+
+
 def test_checks_fall_back_to_this_process_when_the_waiting_one_cannot_answer(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -137,7 +161,7 @@ def test_checks_fall_back_to_this_process_when_the_waiting_one_cannot_answer(
         monkeypatch.setattr(prestart, "_waiting", prestart.Waiting(proc, gate, answer))
         monkeypatch.setattr(proc, "returncode", status)
         if checked_here:
-            assert hydra_app._checked_by_the_job(["seed=1"], None, "config") is False
+            assert hydra_app._checked_by_the_job(["seed=1"], None, "config") is None
         else:
             with pytest.raises(SystemExit) as ended:
                 hydra_app._checked_by_the_job(["seed=1"], None, "config")

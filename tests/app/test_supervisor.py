@@ -401,6 +401,12 @@ def test_a_resume_keeps_the_runs_own_threads_restarts_and_timeouts(tmp_path: Pat
     run = run_config(cfg, tmp_path / "second", given)
     assert (run.restarts, run.stall_timeout, run.collectives.timeout) == (3, 123.0, 77.0)
     assert cfg.restarts == 0, "the command line's config is left as it was"
+    # as the job's first process answers the supervisor's checks (app/prestart.py): the same config
+    from ppo_fabric.app.hydra_app import answer_check
+
+    answered = answer_check({"overrides": given, "config_path": None, "config_name": "config"})
+    run = run_config(cfg, tmp_path / "second", given, answered["config"])
+    assert (run.restarts, run.stall_timeout, run.collectives.timeout) == (3, 123.0, 77.0)
     again, _ = compose([*given, "restarts=1"])
     assert (
         run_config(again, tmp_path / "second", [*given, "restarts=1"]).restarts == 1
