@@ -9,11 +9,12 @@ checks refuse closes the pipe and kills the waiting process, so a refused comman
 and leaves nothing behind.
 
 The checks themselves need torch (the model for the env's spaces, the devices, the checkpoint to resume):
-~2 s of CPU to import, ~300 MB the supervisor would hold for the whole run without using them again. The
+~2 s of CPU to import, ~220 MB the supervisor would hold for the whole run without using them again. The
 waiting process imports torch anyway, so the supervisor asks it to run them (`ask`), in the supervisor's own
-environment, and reports what it answers: the command's one line, as before. A fresh run's supervisor then
-never imports torch (one that resumes, or restarts its job, reads checkpoints itself). Where no process
-waits, or it ends without answering, the supervisor checks in-process.
+environment, and reports what it answers: the command's one line, as before, or the config the job runs (a
+resume's, continued from its checkpoint). The supervisor then never imports torch unless it restarts a
+failed job (it looks for the newest checkpoint). Where no process waits, or it ends without answering, the
+supervisor checks in-process.
 
 Only the first attempt is started this way; a relaunch after a failure starts as before. Sweeps, help and
 `--cfg` never start one (they run no job, or run each job as a process of its own).
