@@ -3,7 +3,7 @@
 `fault`: `nan_obs` (one observation entry NaN), `inf_reward`, `huge_reward` (1e200: finite, but its square
 is not), `raise` (step raises), `hang` (step sleeps for
 ever, a stuck simulator), `slow` (each step sleeps `pause` seconds, 1 by default), `slow_close` (the process's first close takes 7 s; steps are fine), `raise_init` (the constructor
-raises), `raise_close` (`close` raises once the env has stepped) or `none`; it strikes at the `after`-th step of each env instance (a recreated env
+raises), `hang_init` (the constructor never returns), `raise_close` (`close` raises once the env has stepped) or `none`; it strikes at the `after`-th step of each env instance (a recreated env
 starts counting again), on rank `rank` (-1: every rank), for `times` steps in a row (0: from then on);
 `others` is the fault of the other ranks then (default `none`).
 With `seeds`, only in an instance last reset with one of them (the evaluation envs' seeds: a fault in
@@ -37,6 +37,8 @@ class FaultyCartPole(CartPoleEnv):
     ) -> None:
         if fault == "raise_init":
             raise RuntimeError("no licence for the simulator (injected by the test env)")
+        while fault == "hang_init":
+            time.sleep(1)
         super().__init__(**kwargs)
         here = int(os.environ.get("LOCAL_RANK", os.environ.get("RANK", "0")))
         self.fault = fault if rank < 0 or here == rank else others

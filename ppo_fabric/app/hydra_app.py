@@ -160,9 +160,9 @@ def _checked_by_the_job(overrides: list[str], path: str | None, name: str) -> di
     reply = prestart.ask(request)
     if reply is None or reply.get("unanswered"):
         return None
-    if "exited" in reply:
-        if reply["exited"] == FAULT_EXIT:  # a check's stall timeout ended it, and it said so in one line
-            raise SystemExit(FAULT_EXIT)
+    if reply.get("said"):  # a check's stall timeout ended it, and it said why in one line
+        raise SystemExit(FAULT_EXIT)
+    if "exited" in reply:  # it could not check (a failed import, killed): the checks run here
         return None
     if "error" in reply:
         raise ConfigError(str(reply["error"]))

@@ -370,6 +370,7 @@ def bounded(seconds: float, what: str) -> Iterator[None]:
         line = f"{what}: no progress for {seconds:g} s{main_thread_place()} (stall_timeout={seconds:g})"
         os.write(2, f"ppo-fabric: error: {line}\n".encode())
         prestart.discard()  # a job's first process started before these checks: it never runs
+        prestart.said()  # in that process, checking for the supervisor: its status, and nothing more said
         os._exit(FAULT_EXIT)
 
     threading.Thread(target=watch, name="ppo-fabric-check-watchdog", daemon=True).start()

@@ -12,9 +12,9 @@ The checks themselves need torch (the model for the env's spaces, the devices, t
 ~2 s of CPU to import, ~220 MB the supervisor would hold for the whole run without using them again. The
 waiting process imports torch anyway, so the supervisor asks it to run them (`ask`), in the supervisor's own
 environment, and reports what it answers: the command's one line, as before, or the config the job runs (a
-resume's, continued from its checkpoint). The supervisor then never imports torch unless it restarts a
+resume's, continued from its checkpoint). The supervisor then does not import torch unless it restarts a
 failed job (it looks for the newest checkpoint). Where no process waits, or it ends without answering, the
-supervisor checks in-process.
+supervisor checks in-process. The price: the checks no longer overlap the imports (~0.2 s a command here).
 
 Only the first attempt is started this way; a relaunch after a failure starts as before. Sweeps, help and
 `--cfg` never start one (they run no job, or run each job as a process of its own).
@@ -56,6 +56,7 @@ class Waiting:
 
 
 _waiting: Waiting | None = None
+_answering = -1  # in the waiting process, while it checks for its supervisor: the pipe its answer goes to
 
 
 def runs_a_job(argv: list[str]) -> bool:
@@ -86,8 +87,16 @@ def start(argv: list[str], env: dict[str, str]) -> None:
     """Start the job's first process with `argv` as its visible command line (what `ps` shows) and `env`;
     it imports, then waits to be handed its real one (`take`). Called once, by the supervising process."""
     global _waiting
-    read, write = os.pipe()
-    answer_read, answer_write = os.pipe()
+    try:
+        read, write = os.pipe()
+    except OSError:
+        return  # out of file descriptors: the job starts the usual way
+    try:
+        answer_read, answer_write = os.pipe()
+    except OSError:
+        os.close(read)
+        os.close(write)
+        return
     try:
         proc = subprocess.Popen(
             [sys.executable, "-m", "ppo_fabric", *argv],
@@ -107,9 +116,9 @@ def start(argv: list[str], env: dict[str, str]) -> None:
 
 def ask(request: dict[str, Any]) -> dict[str, Any] | None:
     """The waiting process's answer to `request` (JSON), which it computes once its imports are done; None
-    when no process waits. A process that ends without answering (killed, out of memory, or ended by
-    a check's own stall timeout after saying why) is reaped and forgotten: `{"exited": status}`, and the
-    job then starts the usual way."""
+    when no process waits. A process that ends without answering (killed, out of memory, a failed import)
+    is reaped and forgotten: `{"exited": status}`, and the job then starts the usual way. One that a
+    check's stall timeout ends answers `{"said": true}` first: it has said why in one line (`said`)."""
     global _waiting
     waiting = _waiting
     if waiting is None or waiting.answer < 0:
@@ -147,6 +156,7 @@ def take(args: list[str], env: dict[str, str]) -> subprocess.Popen[bytes] | None
     message = json.dumps({"argv": args, "env": env}).encode() + b"\n"
     with contextlib.suppress(OSError):
         os.close(waiting.answer)
+    waiting.answer = -1
     if not _fits(waiting.gate, len(message)):  # the write would wait for the importing process to read,
         _end(waiting)  # and signals meanwhile would reach no job: start it the usual way instead
         return None
@@ -203,7 +213,14 @@ def gate() -> tuple[int, int] | None:
     too; None in any other process."""
     fd = os.environ.pop(GATE_ENV, None)
     answer = os.environ.pop(ANSWER_ENV, None)
-    return None if fd is None else (int(fd), -1 if answer is None else int(answer))
+    if fd is None:
+        return None
+    fds = (int(fd), -1 if answer is None else int(answer))
+    for one in fds:  # passed to this process alone: no process it starts (an env's, a rank) holds them,
+        if one >= 0:  # so the supervisor reads the end of the answers when this process ends
+            with contextlib.suppress(OSError):
+                os.set_inheritable(one, False)
+    return fds
 
 
 Checker = Callable[[dict[str, Any]], dict[str, Any]]
@@ -221,22 +238,32 @@ def await_handover(
     Before the handover the supervisor may `ask` for its checks: each request is answered by `check`
     on pipe `answer`, in the environment the request carries (the supervisor's own, taken as the handover
     takes one), which is put back afterwards."""
+    global _answering
     with os.fdopen(fd, "rb") as pipe:
         for line in pipe:
             message = json.loads(line)
             if "check" not in message:
                 break
             request = message["check"]
-            reply: dict[str, Any] = {"unanswered": True}
+            answered = json.dumps({"unanswered": True})
             if check is not None:
                 saved = dict(os.environ)
-                _take_environment(request.get("env") or saved, inherited)
+                _take_environment(request.get("env", saved), inherited)
+                _answering = answer
                 try:
-                    reply = check(request)
+                    answered = json.dumps(check(request))
+                except Exception:  # noqa: BLE001 - e.g. a config value JSON cannot hold: the supervisor checks
+                    pass
                 finally:
+                    _answering = -1
                     os.environ.clear()
                     os.environ.update(saved)
-            _write_all(answer, json.dumps(reply).encode() + b"\n")
+            try:
+                _write_all(answer, answered.encode() + b"\n")
+            except (
+                OSError
+            ):  # the supervisor is gone (this process outlives it only where it cannot die with it)
+                os._exit(0)
         else:
             os._exit(0)
     if answer >= 0:
@@ -244,6 +271,15 @@ def await_handover(
             os.close(answer)
     _take_environment(message["env"], inherited)
     sys.argv[1:] = message["argv"]
+
+
+def said() -> None:
+    """In the waiting process, while it checks for its supervisor: the check's stall timeout has said why in
+    one line and ends this process, so the supervisor ends the command with its status, saying nothing more
+    (any other end of this process, it takes for one that cannot check, and checks in-process)."""
+    if _answering >= 0:
+        with contextlib.suppress(OSError):
+            _write_all(_answering, json.dumps({"said": True}).encode() + b"\n")
 
 
 def _take_environment(handed: Mapping[str, str], inherited: Mapping[str, str]) -> None:

@@ -17,7 +17,7 @@ from ppo_fabric.app import prestart
 from ppo_fabric.app.supervisor import job_environment
 from ppo_fabric.config.values import OWN_RUN_DIR_ENV
 from ppo_fabric.runs import lock
-from tests.conftest import job_env, job_processes
+from tests.conftest import assert_cli_failure, job_env, job_processes
 
 
 @pytest.fixture(autouse=True)
@@ -86,15 +86,13 @@ def test_the_waiting_process_runs_the_command_line_it_is_handed(
 
 @pytest.mark.multiprocess
 @pytest.mark.parametrize(
-    ("override", "fragment", "asked"),
+    ("override", "fragment"),
     [
-        ("algo.gamma=1.5", "algo.gamma", False),  # a value: refused before the job's process is asked
-        ("env.id=CartPol-v1", "did you mean CartPole-v1", True),  # the env: the job's process finds it
+        ("algo.gamma=1.5", "algo.gamma"),  # a value: refused before the job's process is asked
+        ("env.id=CartPol-v1", "did you mean CartPole-v1"),  # the env: the job's process finds it
     ],
 )
-def test_a_refused_command_leaves_no_waiting_process(
-    tmp_path: Path, override: str, fragment: str, asked: bool
-) -> None:
+def test_a_refused_command_leaves_no_waiting_process(tmp_path: Path, override: str, fragment: str) -> None:
     """`python -m ppo_fabric` with a value the checks refuse: one line, status 2, and the job's first
     process, started before the checks, is gone when the command returns. The supervising process never
     imports torch (`-X importtime` lists its imports alone: the job's processes are started without it):
@@ -117,6 +115,24 @@ def test_a_refused_command_leaves_no_waiting_process(
     )
     assert not job_processes(run_dir), "the waiting process outlived the refused command"
     assert not run_dir.exists()
+
+
+@pytest.mark.multiprocess
+def test_an_env_stuck_in_the_checks_ends_the_command_in_one_line(tmp_path: Path) -> None:
+    """The job's first process builds the env for its supervisor's checks; a constructor that never returns
+    ends the command after `stall_timeout` with the one line of the checks' watchdog (said in that process;
+    the supervisor adds none), status 1, no run directory and no process left."""
+    run_dir = tmp_path / "run"
+    argv = ["env.id=tests.faulty_env:FaultyCartPole-v0", "+env.kwargs.fault=hang_init", "stall_timeout=2"]
+    proc = subprocess.run(
+        [sys.executable, "-m", "ppo_fabric", *RUN, *argv, f"hydra.run.dir={run_dir}"],
+        cwd=tmp_path, env=job_env(), capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert proc.returncode == 1, proc.stderr[-2000:]
+    lines = proc.stderr.splitlines()
+    assert len(lines) == 1 and "for the checks: no progress for 2 s" in lines[0], lines
+    assert lines[0].startswith("ppo-fabric: error: building env.id="), lines
+    assert not job_processes(run_dir) and not run_dir.exists()
 
 
 @pytest.mark.multiprocess
@@ -145,29 +161,48 @@ def test_a_resume_is_supervised_without_torch(tmp_path: Path, tiny_run: Path) ->
 def test_checks_fall_back_to_this_process_when_the_waiting_one_cannot_answer(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """A waiting process that died (killed, out of memory while importing) is forgotten and the checks run
-    here; one a check's stall timeout ended (it said why) ends the command with its status, said once."""
+    """A waiting process that ended without answering (a failed import: status 1; killed; out of memory)
+    is forgotten and the checks run here; one that answered it could not check, too. One that a check's
+    stall timeout ended says so first (it printed why): the command ends with its status, said once."""
     from ppo_fabric.app import hydra_app
     from ppo_fabric.config.faults import FAULT_EXIT
 
-    for status, checked_here in ((0, True), (-9, True), (FAULT_EXIT, False)):
-        proc = subprocess.Popen([sys.executable, "-c", f"import os; os._exit({max(status, 0)})"])
-        if status < 0:
-            proc.kill()
-        proc.wait()
+    cases = [
+        ("import os; os._exit(1)", None),
+        ("import os, signal; os.kill(os.getpid(), signal.SIGKILL)", None),
+        ("import os, sys; os.write(int(sys.argv[1]), b'{\"unanswered\": true}\\n')", None),
+        ("import os, sys; os.write(int(sys.argv[1]), b'{\"said\": true}\\n'); os._exit(1)", FAULT_EXIT),
+    ]
+    for code, ended in cases:
         gate_read, gate = os.pipe()
         answer, answer_write = os.pipe()
-        os.close(answer_write)  # its end: gone with it
+        proc = subprocess.Popen([sys.executable, "-c", code, str(answer_write)], pass_fds=(answer_write,))
+        os.close(answer_write)  # the child's alone: gone with it
         monkeypatch.setattr(prestart, "_waiting", prestart.Waiting(proc, gate, answer))
-        monkeypatch.setattr(proc, "returncode", status)
-        if checked_here:
-            assert hydra_app._checked_by_the_job(["seed=1"], None, "config") is None
+        if ended is None:
+            assert hydra_app._checked_by_the_job(["seed=1"], None, "config") is None, code
         else:
-            with pytest.raises(SystemExit) as ended:
+            with pytest.raises(SystemExit) as stopped:
                 hydra_app._checked_by_the_job(["seed=1"], None, "config")
-            assert ended.value.code == FAULT_EXIT
-        assert prestart._waiting is None, "forgotten: the job starts the usual way"
+            assert stopped.value.code == ended
+        prestart.discard()
+        assert prestart._waiting is None and proc.poll() is not None, "forgotten and reaped"
         os.close(gate_read)
+
+
+def test_a_mistaken_value_is_refused_before_the_job_is_asked(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    """Values need no torch: the supervisor refuses them itself, at once, without waiting for the job's
+    first process to import it (~3 s here, more on a GPU node)."""
+    from ppo_fabric import cli
+
+    def ask(request: dict[str, object]) -> None:
+        raise AssertionError("asked the job's first process")
+
+    monkeypatch.setattr(prestart, "ask", ask)
+    monkeypatch.chdir(tmp_path)
+    assert_cli_failure(capsys, cli.main, ["algo.gamma=1.5"], "algo.gamma")
 
 
 @pytest.mark.multiprocess

@@ -405,6 +405,7 @@ def test_a_resume_keeps_the_runs_own_threads_restarts_and_timeouts(tmp_path: Pat
     from ppo_fabric.app.hydra_app import answer_check
 
     answered = answer_check({"overrides": given, "config_path": None, "config_name": "config"})
+    answered = json.loads(json.dumps(answered))  # through the pipe
     run = run_config(cfg, tmp_path / "second", given, answered["config"])
     assert (run.restarts, run.stall_timeout, run.collectives.timeout) == (3, 123.0, 77.0)
     again, _ = compose([*given, "restarts=1"])
