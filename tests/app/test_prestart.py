@@ -84,6 +84,18 @@ def test_the_waiting_process_runs_the_command_line_it_is_handed(
     assert summary["total_env_steps"] == 128
 
 
+def _supervised(argv: list[str], cwd: Path) -> tuple[subprocess.CompletedProcess[str], list[str], list[str]]:
+    """`python -m ppo_fabric argv` with `-X importtime`: (the process, the modules the supervising process
+    imported, the other lines of its stderr). The job's processes are started without the flag."""
+    proc = subprocess.run(
+        [sys.executable, "-X", "importtime", "-m", "ppo_fabric", *argv],
+        cwd=cwd, env=job_env(), capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    lines = proc.stderr.splitlines()
+    imports = [line.rsplit("|", 1)[-1].strip() for line in lines if line.startswith("import time:")]
+    return proc, imports, [line for line in lines if not line.startswith("import time:")]
+
+
 @pytest.mark.multiprocess
 @pytest.mark.parametrize(
     ("override", "fragment"),
@@ -98,17 +110,8 @@ def test_a_refused_command_leaves_no_waiting_process(tmp_path: Path, override: s
     imports torch (`-X importtime` lists its imports alone: the job's processes are started without it):
     the checks that need it ran in the job's first process, which has it imported anyway."""
     run_dir = tmp_path / "run"
-    proc = subprocess.run(
-        [sys.executable, "-X", "importtime", "-m", "ppo_fabric", *RUN, override, f"hydra.run.dir={run_dir}"],
-        cwd=tmp_path, env=job_env(), capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
+    proc, imports, said = _supervised([*RUN, override, f"hydra.run.dir={run_dir}"], tmp_path)
     assert proc.returncode == 2, proc.stderr[-2000:]
-    imports = [
-        line.rsplit("|", 1)[-1].strip()
-        for line in proc.stderr.splitlines()
-        if line.startswith("import time:")
-    ]
-    said = [line for line in proc.stderr.splitlines() if not line.startswith("import time:")]
     assert len(said) == 1 and said[0].startswith("ppo-fabric: error: ") and fragment in said[0], said
     assert "hydra" in imports and "torch" not in imports and "gymnasium" not in imports, (
         "the supervisor imported them"
@@ -143,16 +146,8 @@ def test_a_resume_is_supervised_without_torch(tmp_path: Path, tiny_run: Path) ->
     run_dir = tmp_path / "run"
     resume = tiny_run / "checkpoints" / "last.ckpt"
     argv = [f"resume={resume}", "algo.total_steps=1024", "logger.plot=false", f"hydra.run.dir={run_dir}"]
-    proc = subprocess.run(
-        [sys.executable, "-X", "importtime", "-m", "ppo_fabric", *argv],
-        cwd=tmp_path, env=job_env(), capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
+    proc, imports, _ = _supervised(argv, tmp_path)
     assert proc.returncode == 0, proc.stderr[-2000:]
-    imports = [
-        line.rsplit("|", 1)[-1].strip()
-        for line in proc.stderr.splitlines()
-        if line.startswith("import time:")
-    ]
     assert "hydra" in imports and "torch" not in imports, "the supervisor imported torch"
     summary = json.loads((run_dir / "summary.json").read_text())
     assert (summary["total_env_steps"], summary["resumed_from"]) == (1024, str(resume))
