@@ -1,19 +1,10 @@
-"""Statistics for results over a few seeds, as Agarwal et al. 2021 ("Deep reinforcement learning at the edge of
-the statistical precipice", NeurIPS; their library is `rliable`) recommend, in NumPy alone: the interquartile
+"""Statistics over a few seeds as Agarwal et al. 2021 (`rliable`) recommend, in NumPy alone: the interquartile
 mean (IQM), stratified bootstrap confidence intervals, the probability of improvement and performance profiles.
-
-Scores come as `{task: the final scores of its runs}` (one value per seed; a task is an env or a workload).
-Everything aggregated across tasks pools the runs of all tasks, as rliable does on its runs x tasks matrix
-(with different numbers of runs per task, a task with more runs weighs more); scores of different tasks must
-first be put on one scale (`normalise`). One task needs no normalisation.
+Scores come as `{task: the final scores of its runs}`, raw: the reports give each task's figures alone (P of
+improvement also averaged over tasks), so no score is normalised across tasks.
 
     python -m benchmarks stats benchmarks/results/learning_classic.json        # -> learning_classic_stats.{md,png}
     python -m benchmarks stats benchmarks/results/time_to_score.json --out /tmp/s --reps 5000
-
-The command reads a `learning.py` or `time_to_score.py` report (runs keyed by `env` or `workload`), and writes
-the statistics table of the final return over seeds (`<name>_stats.md`) and the performance profiles, one
-panel per env or workload (`<name>_stats.png`), next to it unless `--out` says elsewhere; it never rewrites
-the report itself. The learning and time-to-score reports carry the same table and plot (`*_profile.png`).
 """
 
 from __future__ import annotations
@@ -79,45 +70,10 @@ def improvement_probability(x: ArrayLike, y: ArrayLike) -> float:
     return float((a > b).mean() + 0.5 * (a == b).mean())
 
 
-def normalise(
-    scores_by_task: Mapping[str, ArrayLike], bounds: Mapping[str, tuple[float, float]]
-) -> dict[str, Floats]:
-    """Min-max normalised scores, `(score - low) / (high - low)` with each task's own `(low, high)`: e.g. a
-    random policy's return and a reference (published or human) one, so that 0 is random and 1 the reference
-    on every task. Needed only to aggregate across tasks (a suite's IQM or profile): on one task the IQM
-    moves with the same affine map, and the probability of improvement does not change at all."""
-    out: dict[str, Floats] = {}
-    for task, runs in scores_by_task.items():
-        if task not in bounds:
-            raise ValueError(f"no (low, high) to normalise task {task!r}")
-        low, high = bounds[task]
-        if high == low:
-            raise ValueError(f"task {task!r}: low and high are both {low}")
-        out[task] = (_runs(runs, task) - low) / (high - low)
-    return out
-
-
-def performance_profile(
-    scores_by_task: Mapping[str, ArrayLike],
-    taus: ArrayLike,
-    bounds: Mapping[str, tuple[float, float]] | None = None,
-) -> Floats:
-    """The run-score distribution at each threshold tau: the fraction of all runs (of every task pooled, each
-    task normalised by `bounds` first when given) whose score is above tau, strictly (rliable's
-    `run_score_distribution`). A variant's curve lying above another's everywhere dominates it."""
-    data = _tasks(normalise(scores_by_task, bounds) if bounds else scores_by_task)
-    return _profile_statistic(np.asarray(taus, dtype=np.float64))({t: v[None, :] for t, v in data.items()})[0]
-
-
 # ------------------------------------------------------------------------------------ batched statistics
 def aggregate_iqm(batch: Batch) -> Floats:
     """IQM of every task's runs pooled, for each score set of the batch (a `Statistic`)."""
     return _trimmed(np.concatenate(list(batch.values()), axis=-1))
-
-
-def aggregate_mean(batch: Batch) -> Floats:
-    """Mean of every task's runs pooled, for each score set of the batch (a `Statistic`)."""
-    return np.concatenate(list(batch.values()), axis=-1).mean(axis=-1)
 
 
 def _profile_statistic(taus: Floats) -> Statistic:
@@ -157,19 +113,17 @@ def _interval(
 
 def stratified_bootstrap_ci(
     scores_by_task: Mapping[str, ArrayLike],
-    statistic: Statistic = aggregate_iqm,
     reps: int = REPS,
     level: float = LEVEL,
     seed: int = 0,
 ) -> tuple[float, float, float]:
-    """(point, low, high): `statistic` of the scores and its percentile confidence interval at `level` from
+    """(point, low, high): the IQM of every task's runs pooled and its percentile confidence interval at `level` from
     rliable's stratified bootstrap. Each of `reps` resamples draws, within every task independently, as many
     runs as the task has, with replacement from that task's own runs (a task never lends runs to another);
-    `statistic` is computed on each resampled set and the interval is the `(1 - level) / 2` and
+    the IQM is computed on each resampled set and the interval is the `(1 - level) / 2` and
     `(1 + level) / 2` percentiles of those values (NumPy's linear interpolation). The same `seed` gives the
-    same interval. `statistic` takes a batch, `{task: array (batch, runs)}`, to an array `(batch,)`:
-    `aggregate_iqm` (the default) or `aggregate_mean`. Runs that are all equal give `low == point == high`."""
-    point, low, high = _interval(_tasks(scores_by_task), statistic, reps, level, seed)
+    same interval. Runs that are all equal give `low == point == high`."""
+    point, low, high = _interval(_tasks(scores_by_task), aggregate_iqm, reps, level, seed)
     return float(point), float(low), float(high)
 
 
@@ -204,33 +158,16 @@ def probability_of_improvement(
     return float(p), float(low), float(high)
 
 
-def performance_profile_ci(
-    scores_by_task: Mapping[str, ArrayLike],
-    taus: ArrayLike,
-    bounds: Mapping[str, tuple[float, float]] | None = None,
-    reps: int = REPS,
-    level: float = LEVEL,
-    seed: int = 0,
-) -> tuple[Floats, Floats, Floats]:
-    """(point, low, high), each one value per tau: `performance_profile` and its stratified bootstrap
-    percentile band (`stratified_bootstrap_ci`'s resampling, the same resamples for every tau)."""
-    data = _tasks(normalise(scores_by_task, bounds) if bounds else scores_by_task)
-    return _interval(data, _profile_statistic(np.asarray(taus, dtype=np.float64)), reps, level, seed)
-
-
 def plot_performance_profiles(
     panels: Mapping[str, Mapping[str, Mapping[str, ArrayLike]]],
     path: Path,
-    bounds: Mapping[str, tuple[float, float]] | None = None,
-    taus: ArrayLike | None = None,
     reps: int = 500,
     level: float = LEVEL,
     seed: int = 0,
-    xlabel: str = "final return",
 ) -> None:
     """Performance profiles to a PNG: one panel per key of `panels` (an env, or a suite), in it one curve per
     variant, `{variant: {task: runs}}`, with its stratified bootstrap band at `level` (`reps` resamples:
-    0 draws no band). `taus`: the thresholds (default: 101 from the panel's lowest score to its highest)."""
+    0 draws no band), over 101 thresholds from the panel's lowest score to its highest."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -242,14 +179,11 @@ def plot_performance_profiles(
     colours = dict(zip(variants, plt.rcParams["axes.prop_cycle"].by_key()["color"], strict=False))
     fig, axes = plt.subplots(1, len(panels), figsize=(5.5 * len(panels), 4.2), squeeze=False)
     for ax, (title, by_variant) in zip(axes[0], panels.items(), strict=True):
-        data = {v: _tasks(normalise(s, bounds) if bounds else s) for v, s in by_variant.items()}
-        if taus is None:
-            every = np.concatenate([r for d in data.values() for r in d.values()])
-            low, high = float(every.min()), float(every.max())
-            pad = 0.05 * (high - low) or 1.0
-            grid = np.linspace(low - pad, high + pad, 101)
-        else:
-            grid = np.asarray(taus, dtype=np.float64)
+        data = {v: _tasks(s) for v, s in by_variant.items()}
+        every = np.concatenate([r for d in data.values() for r in d.values()])
+        low, high = float(every.min()), float(every.max())
+        pad = 0.05 * (high - low) or 1.0
+        grid = np.linspace(low - pad, high + pad, 101)
         for variant, d in data.items():
             runs = sum(r.size for r in d.values())
             colour = colours.get(variant)
@@ -260,7 +194,7 @@ def plot_performance_profiles(
                 point = _profile_statistic(grid)({t: v[None, :] for t, v in d.items()})[0]
             ax.plot(grid, point, color=colour, drawstyle="steps-post", label=f"{variant} ({runs} runs)")
         ax.set_title(title)
-        ax.set_xlabel(f"normalised {xlabel}" if bounds else xlabel)
+        ax.set_xlabel("final return")
         ax.set_ylabel("fraction of runs scoring above")
         ax.set_ylim(-0.02, 1.02)
         ax.legend(fontsize=8)
