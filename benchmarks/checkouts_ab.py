@@ -2,16 +2,14 @@
 
 Each round runs `python -m ppo_fabric <overrides>` once per checkout, in a fresh process with that checkout
 first on PYTHONPATH, the order reversed every other round so drifting machine load hits every checkout
-alike. Records each run's own SPS (env steps / training wall time), the command's wall time (start-up
-included), its time split, the CPU seconds of its processes and the 1-minute load before it; reports the
-median SPS and wall time per checkout and their ratios to the first checkout's. Writes benchmarks/results/<name>.{json,md}.
+alike; reports each run's SPS, wall time, time split, CPU seconds and load, and the medians per checkout
+against the first one's, to benchmarks/results/<name>.{json,md}.
 
     git worktree add ../old 53958c8
     .venv/bin/python benchmarks/checkouts_ab.py --name pipelined_ab --rounds 3 . ../old -- \\
         exp=cleanrl_cartpole strategy=decoupled fabric.devices=2 algo.pipeline=true torch_threads=1
 
-`--arms` runs each checkout with each set of extra overrides (one checkout, two settings: the cost of an
-option), labelled by commit and arm:
+`--arms`: each checkout with each set of extra overrides (one checkout, two settings: an option's cost):
 
     .venv/bin/python benchmarks/checkouts_ab.py --name eval_cost --rounds 3 . --arms eval.every=0 \\
         eval.every=auto -- exp=cleanrl_cartpole strategy=decoupled fabric.devices=2 algo.pipeline=true
@@ -35,16 +33,14 @@ import common  # noqa: E402
 
 
 def head(checkout: Path) -> str:
-    out = subprocess.run(
-        ["git", "rev-parse", "--short", "HEAD"], cwd=checkout, capture_output=True, text=True
+    """`common.git_commit` of another checkout: that one reads only its own tree (or PPO_FABRIC_COMMIT)."""
+
+    def git(*args: str) -> str:
+        return subprocess.run(["git", *args], cwd=checkout, capture_output=True, text=True).stdout.strip()
+
+    return (git("rev-parse", "--short", "HEAD") or "unknown") + (
+        "+dirty" if git("status", "--porcelain", "--", "ppo_fabric", "conf") else ""
     )
-    dirty = subprocess.run(
-        ["git", "status", "--porcelain", "--", "ppo_fabric", "conf"],
-        cwd=checkout,
-        capture_output=True,
-        text=True,
-    )
-    return (out.stdout.strip() or "unknown") + ("+dirty" if dirty.stdout.strip() else "")
 
 
 def run(checkout: Path, overrides: list[str]) -> dict[str, Any]:
@@ -52,16 +48,9 @@ def run(checkout: Path, overrides: list[str]) -> dict[str, Any]:
         env = dict(os.environ, PYTHONPATH=str(checkout))
         load = os.getloadavg()[0]
         before = resource.getrusage(resource.RUSAGE_CHILDREN)
-        cmd = [
-            sys.executable,
-            "-m",
-            "ppo_fabric",
-            "logger.tensorboard=false",
-            f"hydra.run.dir={tmp}/run",
-            *overrides,
-        ]
+        cmd = [sys.executable, "-m", "ppo_fabric", "logger.tensorboard=false", f"hydra.run.dir={tmp}/run"]
         started = time.monotonic()
-        proc = subprocess.run(cmd, cwd=checkout, env=env, capture_output=True, text=True)
+        proc = subprocess.run([*cmd, *overrides], cwd=checkout, env=env, capture_output=True, text=True)
         wall = time.monotonic() - started
         after = resource.getrusage(resource.RUSAGE_CHILDREN)
         if proc.returncode != 0:
