@@ -1,14 +1,7 @@
 """A chaos run: LunarLander-v3 pipelined (1 player + 1 trainer) to 1M env steps with faults injected on a
-schedule, against undisturbed runs of the same seeds.
-
-Per seed, the chaos run is one command, run the way a requeued cluster job runs it (`resume=auto`, a fixed
-`hydra.run.dir`, `restarts=4`, `env.on_error=restart`, `stall_timeout`, a checkpoint every 4 updates, all
-kept) with `chaos_env.ChaosLunarLander-v3`, which fires in order, `--gap` env steps apart: the player
-SIGKILLed, a burst of NaN observations, an env whose `step` raises, an env whose `step` never returns. Once
-the four have fired and the run is past `--sigterm-at` of its steps, the command gets SIGTERM, and then the
-same command runs again (the requeue). Recorded: every fault fired, the supervisor's restarts, the envs
-rebuilt, the stall's stacks, the SIGTERM stop, whether every checkpoint written is finite, and the final
-mean return (last 20 episodes) beside the undisturbed runs'.
+schedule (`chaos_env.py`), run as a requeued cluster job runs (`resume=auto`, `restarts=4`,
+`env.on_error=restart`, `stall_timeout`), SIGTERMed past 60% of its steps and run again; against undisturbed
+runs of the same seeds.
 
     python -m benchmarks chaos                                  # seeds 1-3, 1M steps (~15 min on 2 cores)
     python -m benchmarks chaos --seeds 1 --steps 300000 --gap 40000 --out /tmp/chaos   # smoke test
@@ -34,7 +27,7 @@ from common import RESULTS, run_once  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 WORKLOAD = ["env=lunarlander", *common.LAYOUTS["pipelined"]]
-FAULTS = ("kill", "nan_burst", "raise", "hang")
+STALL, SIGTERM_AT = 20, 0.6  # the chaos runs' stall_timeout (s); SIGTERM once past this fraction of the steps
 
 
 def chaos_command(run_dir: Path, state: Path, seed: int, steps: int, gap: int, stall: int) -> list[str]:
@@ -57,6 +50,8 @@ def last_step(metrics_csv: Path) -> int:
 
 def chaos_seed(seed: int, steps: int, gap: int, stall: int, sigterm_at: float) -> dict[str, Any]:
     """One chaos run: the command until its SIGTERM stop, then the same command to the end."""
+    from chaos_env import FAULTS  # needs Box2D, as the runs do: --help and `markdown` do without it
+
     from ppo_fabric.runs import checkpoint as ckpt
 
     with tempfile.TemporaryDirectory() as tmp:
@@ -111,9 +106,9 @@ def undisturbed_seed(seed: int, steps: int) -> dict[str, Any]:
 
 
 def spread(values: list[float]) -> str:
-    if len(values) < 2:
-        return f"{values[0]:.1f}" if values else "n/a"
-    return f"{statistics.mean(values):.1f} ± {statistics.stdev(values):.1f} (min {min(values):.1f}, max {max(values):.1f})"
+    return common.mean_std(values) + (
+        f" (min {min(values):.1f}, max {max(values):.1f})" if len(values) > 1 else ""
+    )
 
 
 def markdown(report: dict[str, Any]) -> str:
@@ -159,6 +154,8 @@ def verdict(calm: list[float], chaos: list[dict[str, Any]]) -> str:
     """Every fault fired and counted, every checkpoint finite, and each chaos run's final return within the
     undisturbed runs' spread over the same seeds: their mean ± 2 standard deviations (their range, when
     wider)."""
+    from chaos_env import FAULTS
+
     problems = []
     for r in chaos:
         if r["faults_fired"] != list(FAULTS):
@@ -187,13 +184,10 @@ def main() -> None:
     parser.add_argument("--seeds", type=int, nargs="+", default=[1, 2, 3])
     parser.add_argument("--steps", type=int, default=1_000_000)
     parser.add_argument("--gap", type=int, default=120_000, help="player env steps between faults")
-    parser.add_argument("--stall", type=int, default=20, help="stall_timeout of the chaos runs (s)")
-    parser.add_argument("--sigterm-at", type=float, default=0.6, help="fraction of the steps")
-    parser.add_argument("--skip-undisturbed", action="store_true")
     parser.add_argument("--note", default="", help="a line for the report (e.g. the machine's load)")
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args()
-    calm = [] if args.skip_undisturbed else [undisturbed_seed(s, args.steps) for s in args.seeds]
+    calm = [undisturbed_seed(s, args.steps) for s in args.seeds]
     for r in calm:
         print(
             f"undisturbed seed {r['seed']}: {r['final_mean_return']:.1f} in {r['wall_seconds']:.0f} s",
@@ -201,14 +195,14 @@ def main() -> None:
         )
     chaos = []
     for seed in args.seeds:
-        chaos.append(chaos_seed(seed, args.steps, args.gap, args.stall, args.sigterm_at))
+        chaos.append(chaos_seed(seed, args.steps, args.gap, STALL, SIGTERM_AT))
         r = chaos[-1]
         print(f"chaos seed {seed}: {r['final_mean_return']:.1f}, faults {r['faults_fired']}, "
               f"{r['supervisor_restarts']} restarts, {r['envs_rebuilt']} envs rebuilt", flush=True)  # fmt: skip
     report = {
         "command": common.command_line(__file__), "commit": common.git_commit(), "machine": common.machine(),
-        "note": args.note, "steps": args.steps, "gap": args.gap, "stall": args.stall,
-        "sigterm_at": args.sigterm_at, "undisturbed": calm, "chaos": chaos,
+        "note": args.note, "steps": args.steps, "gap": args.gap, "stall": STALL,
+        "sigterm_at": SIGTERM_AT, "undisturbed": calm, "chaos": chaos,
         "verdict": verdict([r["final_mean_return"] for r in calm], chaos),
     }  # fmt: skip
     common.write_report(args.out, "chaos", report, markdown(report))
