@@ -10,6 +10,8 @@ import json
 import os
 import sys
 import traceback
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NoReturn
@@ -84,7 +86,28 @@ def run(overrides: list[str], env: Any = None) -> dict[str, Any]:
     `env`: an env factory (a module-level function or class returning a gymnasium env), the same as
     `env.id=module:name`. Raises `ConfigError` for a config that cannot run; a `resume=auto` run that is
     complete says so and returns its summary."""
-    overrides = list(overrides)
+    with _aside_from_the_callers_hydra():
+        return _run_here(list(overrides), env)
+
+
+@contextmanager
+def _aside_from_the_callers_hydra() -> Iterator[None]:
+    """`run()` called from a user's own Hydra app (inside its `@hydra.main` function): Hydra is initialised
+    there with the app's primary config, and composing ours raised "GlobalHydra is already initialized".
+    The caller's Hydra is set aside for the run and given back after it, as it was."""
+    from hydra.core.global_hydra import GlobalHydra
+
+    callers = GlobalHydra.instance().hydra
+    GlobalHydra.instance().clear()
+    try:
+        yield
+    finally:
+        GlobalHydra.instance().clear()
+        if callers is not None:
+            GlobalHydra.instance().initialize(callers)
+
+
+def _run_here(overrides: list[str], env: Any) -> dict[str, Any]:
     if env is not None:
         overrides.append(f"env.id={quoted(env_reference(env))}")
     overrides = settled_overrides(overrides)

@@ -190,6 +190,26 @@ def test_the_python_api_is_not_the_hydra_apps_job_while_hydras_config_is_set(
     assert seen[0][0] == ours and "seed=5" in seen[0][1] and "their=1" not in seen[0][1]
 
 
+def test_the_python_api_trains_inside_a_users_own_hydra_app(tmp_path: Path) -> None:
+    """`ppo_fabric.run()` called inside a user's `@hydra.main` function, where Hydra is initialised with the
+    app's own config: it raised "GlobalHydra is already initialized". It trains, and the app's Hydra is
+    the app's again afterwards (its config still composes)."""
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+
+    (tmp_path / "app.yaml").write_text("lr_of_my_model: 0.5\n")
+    with initialize_config_dir(config_dir=str(tmp_path), version_base="1.3"):
+        theirs = GlobalHydra.instance().hydra
+        summary = ppo_fabric.run(
+            ["env.num_envs=2", "algo.rollout_steps=64", "algo.minibatch_size=64", "algo.total_steps=256",
+             "eval.every=0", "logger=none", f"hydra.run.dir={tmp_path / 'run'}"]
+        )  # fmt: skip
+        assert summary["total_env_steps"] == 256
+        assert GlobalHydra.instance().hydra is theirs
+        assert hydra_compose("app").lr_of_my_model == 0.5
+
+
 @pytest.mark.multiprocess
 def test_fabric_run_joins_existing_processes(tmp_path: Path) -> None:
     cmd = [
