@@ -4,6 +4,7 @@ the environment of `python -m ppo_fabric` subprocesses and the processes of a jo
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import signal
 import subprocess
@@ -139,18 +140,27 @@ def job_processes(run_dir: Path) -> list[int]:
 
 
 TIERS = ("multiprocess", "slow", "gpu")
+DURATIONS = Path(__file__).resolve().parent / "durations.json"
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """Every test no other tier claims is a `unit` test: `make test-fast` (`-m unit`) runs those.
 
-    The long tiers run first (stable order within a tier): on two workers the last tests to finish are
-    then short unit tests, not a 40-second multi-process run that leaves the other core idle."""
+    The long tiers run first, and within a tier the tests `durations.json` names longest first (the rest
+    after them in collection order): the workers then end together on short tests, not one of them on a
+    35-second study while the other cores have nothing left (xdist's worksteal takes from the end of a
+    worker's queue). `tests/durations.py` rewrites the file from a run's `--durations` report."""
     for item in items:
         if not any(item.get_closest_marker(tier) for tier in TIERS):
             item.add_marker(pytest.mark.unit)
     rank = {"multiprocess": 0, "slow": 1, "gpu": 2}
-    items.sort(key=lambda item: min((rank[m.name] for m in item.iter_markers() if m.name in rank), default=3))
+    seconds: dict[str, float] = json.loads(DURATIONS.read_text()) if DURATIONS.is_file() else {}
+
+    def key(item: pytest.Item) -> tuple[int, float]:
+        tier = min((rank[m.name] for m in item.iter_markers() if m.name in rank), default=3)
+        return tier, -seconds.get(item.nodeid, 0.0)
+
+    items.sort(key=key)
 
 
 def end_group(proc: subprocess.Popen[Any]) -> None:
