@@ -231,6 +231,24 @@ def total_env_steps(run_dir: Path) -> int:
     return int(json.loads((run_dir / "summary.json").read_text())["total_env_steps"])
 
 
+def final_parameters(a_dir: Path, b_dir: Path) -> tuple[dict[str, Any], dict[str, Any], float]:
+    """Two runs' final parameters (`last.ckpt`) by name, and their largest absolute difference."""
+    a, b = (tensors(load_checkpoint(d / "checkpoints" / "last.ckpt")["agent"]) for d in (a_dir, b_dir))
+    if a.keys() != b.keys() or not a:
+        raise CheckFailed(f"parameter names differ: {sorted(a.keys() ^ b.keys())[:4]}")
+    return a, b, max(float((a[k].double() - b[k].double()).abs().max()) for k in a)
+
+
+def metric_rows(run_dir: Path) -> list[dict[str, str]]:
+    from ppo_fabric.runs.metrics_file import read_rows
+
+    return read_rows(run_dir / "metrics.csv")
+
+
+def logged_losses(run_dir: Path) -> list[float]:
+    return [float(r["loss/value"]) for r in metric_rows(run_dir) if r.get("loss/value")]
+
+
 # ------------------------------------------------------------------------------------------------ checks
 def resume_round_trip(runs: Runs) -> dict[str, Any]:
     import torch
@@ -240,11 +258,7 @@ def resume_round_trip(runs: Runs) -> dict[str, Any]:
     resumed = runs.train(
         "resumed", [f"fabric={runs.fabric}", runs.steps(n), f"resume={numbered_checkpoint(full, n // 2)}"]
     )
-    a = tensors(load_checkpoint(full / "checkpoints" / "last.ckpt")["agent"])
-    b = tensors(load_checkpoint(resumed / "checkpoints" / "last.ckpt")["agent"])
-    if a.keys() != b.keys() or not a:
-        raise CheckFailed(f"parameter names differ: {sorted(a.keys() ^ b.keys())[:4]}")
-    diff = max(float((a[k].double() - b[k].double()).abs().max()) for k in a)
+    a, b, diff = final_parameters(full, resumed)
     if not all(torch.allclose(a[k], b[k], rtol=1e-5, atol=1e-6) for k in a):
         raise CheckFailed(f"parameters after resume at update {n // 2} differ by up to {diff:.3g}")
     return {"max_abs_diff": diff, "updates": n, "resumed_at": n // 2}
@@ -280,7 +294,7 @@ def sigterm(runs: Runs) -> dict[str, Any]:
         start_new_session=True,  # its own process group: the signal goes to every process, as a cluster's does
     )  # fmt: skip
     try:
-        wait_for_updates(proc, run_dir / "metrics.csv", LOGGED_BEFORE_SIGTERM)
+        wait_for_updates(proc, run_dir, LOGGED_BEFORE_SIGTERM)
         os.killpg(proc.pid, signal.SIGTERM)
         sent = time.monotonic()
         try:
@@ -313,78 +327,64 @@ def sigterm(runs: Runs) -> dict[str, Any]:
 COMPARED = ("loss/policy", "loss/value", "loss/entropy", "train/approx_kl", "train/clip_fraction")
 
 
-def first_update_metrics(run_dir: Path) -> dict[str, float]:
-    import csv
-
-    with (run_dir / "metrics.csv").open(newline="") as fh:
-        row = next(csv.DictReader(fh))
-    return {key: float(row[key]) for key in COMPARED}
-
-
-def compile_on_off(runs: Runs) -> dict[str, Any]:
+def eager_against(
+    runs: Runs, mode: str, label: str, updates: int, compared: int
+) -> tuple[dict[str, Path], dict[str, list[dict[str, float]]], float]:
+    """The same seed trained for `updates` updates with `algo.compile=false` and `=mode`, without the
+    deterministic settings (compiled kernels need not have deterministic variants; TF32 stays off): each
+    run must take every env step and log every update, and the `COMPARED` metrics of the first `compared`
+    updates must agree within float tolerance. Returns (run dirs, those metrics, their largest difference)
+    by mode."""
     import math
 
-    common_args = [f"fabric={runs.fabric}", runs.steps(2), "logger.log_every=1"]
-    runs_by = {
-        on: runs.train(f"compile_{on}", [*common_args, f"algo.compile={on}"], deterministic=False)
-        for on in ("false", "true")
+    args = [f"fabric={runs.fabric}", runs.steps(updates), "logger.log_every=1"]
+    dirs = {
+        m: runs.train(f"{label}_{m}", [*args, f"algo.compile={m}"], deterministic=False)
+        for m in ("false", mode)
     }
-    for run_dir in runs_by.values():
-        if total_env_steps(run_dir) != 2 * PER_UPDATE:
+    for run_dir in dirs.values():
+        if total_env_steps(run_dir) != updates * PER_UPDATE:
             raise CheckFailed(
-                f"{run_dir.name}: total_env_steps={total_env_steps(run_dir)}, want {2 * PER_UPDATE}"
+                f"{run_dir.name}: total_env_steps={total_env_steps(run_dir)}, want {updates * PER_UPDATE}"
             )
-    eager, compiled = (first_update_metrics(runs_by[on]) for on in ("false", "true"))
-    off = {k: abs(compiled[k] - eager[k]) for k in COMPARED}
-    bad = [k for k in COMPARED if not math.isclose(compiled[k], eager[k], rel_tol=1e-3, abs_tol=1e-4)]
-    if bad:
-        raise CheckFailed(", ".join(f"{k} eager {eager[k]:.6g} vs compiled {compiled[k]:.6g}" for k in bad))
-    return {"eager": eager, "compiled": compiled, "max_abs_diff": max(off.values())}
-
-
-def graph_step(runs: Runs) -> dict[str, Any]:
-    import math
-
-    common_args = [f"fabric={runs.fabric}", runs.steps(3), "logger.log_every=1"]
-    run_dirs = {
-        mode: runs.train(f"graph_{mode}", [*common_args, f"algo.compile={mode}"], deterministic=False)
-        for mode in ("false", "graph")
-    }
-    rows = {mode: all_update_metrics(run_dir) for mode, run_dir in run_dirs.items()}
-    if len(rows["graph"]) != 3 or len(rows["false"]) != 3:
-        raise CheckFailed(f"updates logged: eager {len(rows['false'])}, graph {len(rows['graph'])}; want 3")
+    rows = {m: [{k: float(r[k]) for k in COMPARED} for r in metric_rows(d)] for m, d in dirs.items()}
+    if any(len(r) != updates for r in rows.values()):
+        raise CheckFailed(
+            f"updates logged: eager {len(rows['false'])}, {label} {len(rows[mode])}; want {updates}"
+        )
+    pairs = list(zip(rows["false"][:compared], rows[mode][:compared], strict=True))
     bad = [
-        f"update {i + 1} {k} eager {e[k]:.6g} vs graph {g[k]:.6g}"
-        for i, (e, g) in enumerate(zip(rows["false"], rows["graph"], strict=True))
+        f"update {i + 1} {k} eager {e[k]:.6g} vs {label} {g[k]:.6g}"
+        for i, (e, g) in enumerate(pairs)
         for k in COMPARED
         if not math.isclose(g[k], e[k], rel_tol=1e-3, abs_tol=1e-4)
     ]
     if bad:
         raise CheckFailed(", ".join(bad))
-    a, b = (tensors(load_checkpoint(d / "checkpoints" / "last.ckpt")["agent"]) for d in run_dirs.values())
-    if a.keys() != b.keys() or not a:
-        raise CheckFailed(f"parameter names differ: {sorted(a.keys() ^ b.keys())[:4]}")
-    diff = max(float((a[k].double() - b[k].double()).abs().max()) for k in a)
+    worst = max(abs(g[k] - e[k]) for e, g in pairs for k in COMPARED)
+    return dirs, {m: r[:compared] for m, r in rows.items()}, worst
+
+
+def compile_on_off(runs: Runs) -> dict[str, Any]:
+    _, rows, worst = eager_against(runs, "true", "compiled", updates=2, compared=1)
+    return {"eager": rows["false"][0], "compiled": rows["true"][0], "max_abs_diff": worst}
+
+
+def graph_step(runs: Runs) -> dict[str, Any]:
+    dirs, rows, worst = eager_against(runs, "graph", "graph", updates=3, compared=3)
+    _, _, diff = final_parameters(dirs["false"], dirs["graph"])
     if diff > 1e-3:
         raise CheckFailed(f"final parameters differ by up to {diff:.3g} (eager vs graph)")
-    worst = max(abs(g[k] - e[k]) for e, g in zip(rows["false"], rows["graph"], strict=True) for k in COMPARED)
     return {"eager": rows["false"], "graph": rows["graph"], "max_abs_diff": worst, "param_max_abs_diff": diff}
 
 
-def all_update_metrics(run_dir: Path) -> list[dict[str, float]]:
-    import csv
-
-    with (run_dir / "metrics.csv").open(newline="") as fh:
-        return [{key: float(row[key]) for key in COMPARED} for row in csv.DictReader(fh)]
-
-
-def wait_for_updates(proc: subprocess.Popen, metrics: Path, rows: int, limit: float = 300.0) -> None:
-    """Until `metrics` holds `rows` logged updates (a header, then one line per update)."""
+def wait_for_updates(proc: subprocess.Popen, run_dir: Path, rows: int, limit: float = 300.0) -> None:
+    """Until the run's metrics.csv holds `rows` logged updates."""
     deadline = time.monotonic() + limit
     while time.monotonic() < deadline:
         if proc.poll() is not None:
             raise CheckFailed(f"the run exited {proc.returncode} before logging {rows} updates")
-        if metrics.is_file() and len(metrics.read_text().splitlines()) > rows:
+        if len(metric_rows(run_dir)) >= rows:
             return
         time.sleep(0.2)
     raise CheckFailed(f"no {rows} logged updates within {limit:.0f}s")
@@ -446,10 +446,7 @@ def envpool_pong(runs: Runs) -> dict[str, Any]:
     summary = json.loads((run_dir / "summary.json").read_text())
     if summary["total_env_steps"] != want:
         raise CheckFailed(f"total_env_steps={summary['total_env_steps']}, want {want}")
-    import csv
-
-    with (run_dir / "metrics.csv").open(newline="") as fh:
-        losses = [float(r["loss/value"]) for r in csv.DictReader(fh) if r.get("loss/value")]
+    losses = logged_losses(run_dir)
     if not losses or not all(math.isfinite(v) for v in losses):
         raise CheckFailed(f"loss/value not logged or not finite: {losses[:4]}")
     return {
@@ -503,7 +500,6 @@ def decoupled_two_gpu_trainers(runs: Runs) -> dict[str, Any]:
 
 def two_trainers(runs: Runs, gpu: bool, compile_step: str) -> dict[str, Any]:
     """One run of 2 CPU players + 2 trainers; raises CheckFailed naming the compile setting."""
-    import csv
     import math
 
     updates, players = 8, 2
@@ -526,8 +522,7 @@ def two_trainers(runs: Runs, gpu: bool, compile_step: str) -> dict[str, Any]:
         raise CheckFailed(f"{where}the ranks ended with different parameters (DDP kept the trainers apart)")
     if int(summary["total_env_steps"]) != want_steps:
         raise CheckFailed(f"{where}total_env_steps={summary['total_env_steps']}, want {want_steps}")
-    with (run_dir / "metrics.csv").open(newline="") as fh:
-        losses = [float(r["loss/value"]) for r in csv.DictReader(fh) if r.get("loss/value")]
+    losses = logged_losses(run_dir)
     if len(losses) != updates or not all(math.isfinite(v) for v in losses):
         raise CheckFailed(f"{where}loss/value of {updates} updates not logged or not finite: {losses[:4]}")
     return {"roles": summary["roles"], "sps": summary.get("sps"), "total_env_steps": want_steps}

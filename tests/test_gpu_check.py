@@ -263,30 +263,15 @@ def test_minibatch_step_run_alone_keeps_the_other_variants_rows(tmp_path: Path, 
     assert ms.earlier_rows(args, torch.device("cpu")) == {}
 
 
-def test_minibatch_step_tdgraph_step_drops_the_gradients_each_step(monkeypatch) -> None:  # type: ignore[no-untyped-def]
-    """The `tdgraph` variant's step (run directly without CUDA) is PPO's step with fresh gradients each
-    time: two steps equal two of a plain loop with `zero_grad`, not gradients added across steps (which a
-    recorded backward into existing gradients would replay)."""
-    import torch
-
-    from ppo_fabric.learn.update import minibatch_losses
-
+def test_minibatch_step_dry_run_times_the_package_update_and_its_graph(tmp_path: Path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """On the CPU, `eager`, `compile-graph` and `graph` (the `WholeStepGraph` an `algo.compile=graph` update
+    of `exp=atari`'s learner keeps, run uncaptured) each give a row, even where an update has fewer
+    minibatch steps than the graph's warm-up."""
     ms = _script(monkeypatch, "minibatch_step")
-    cpu = torch.device("cpu")
-    model, reference = ms.make_model(cpu), ms.make_model(cpu)  # the same seed: the same parameters
-    batch = ms.make_batch(16, cpu)
-    step = ms.tdgraph_step(model, False)
-    step(batch)
-    step(batch)
-    params = list(reference.parameters())
-    optimizer = torch.optim.Adam(params, lr=ms.LR, eps=1e-5, foreach=True)
-    for _ in range(2):
-        optimizer.zero_grad(set_to_none=True)
-        loss, _, _ = minibatch_losses(
-            reference, *(batch[k] for k in ms.KEYS), None, None, None, None, ms.COEFS
-        )
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(params, ms.MAX_NORM, foreach=True)
-        optimizer.step()
-    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), params, strict=True))
-    assert not torch.equal(next(model.parameters()), next(ms.make_model(cpu).parameters()))  # it stepped
+    monkeypatch.setattr(sys, "argv", ["minibatch_step.py", "--device", "cpu", "--batch", "32", "--minibatch", "16",
+                                      "--epochs", "1", "--updates", "1", "--variants", "eager", "compile-graph",
+                                      "graph", "--out", str(tmp_path)])  # fmt: skip
+    ms.main()
+    rows = json.loads((tmp_path / "minibatch_step_cpu_dry_run.json").read_text())["rows"]
+    assert list(rows) == ["eager", "compile-graph", "graph"]
+    assert all(row["ms_per_step"] > 0 for row in rows.values())
