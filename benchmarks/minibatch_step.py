@@ -1,32 +1,13 @@
-"""The PPO minibatch step of a Nature-CNN policy, alone: eager vs `algo.compile` vs one CUDA graph.
+"""The PPO minibatch step of `exp=atari`'s Nature-CNN learner alone ([4, 84, 84] uint8 frames, 6 actions),
+in milliseconds per step over whole updates after a warm-up one: `eager`, `compiled` and `compile-graph` are
+`update.update_policy` as a run calls it with `algo.compile=false`, `true` and `graph`; `graph` replays that
+update's `learn/graph.WholeStepGraph` alone for every minibatch (the floor `compile-graph` is measured
+against; without CUDA its step runs uncaptured). The `graph` rows recorded so far (results/gpu_h100.md,
+gpu_h200.md) timed a hand-made copy of that step: rerun them in a worktree at 7c45d9d.
+Target: <= 1.5 ms per step on an H100.
 
-Atari's update (`exp=atari`: batch 2048, minibatches of 256, 4 epochs) on a [4, 84, 84] uint8 frame stack
-with 6 actions. Each variant runs whole updates (shuffle, then every minibatch: forward, PPO losses,
-backward, gradient clipping at 0.5, Adam) and reports milliseconds per minibatch step after warm-up:
-
-  eager     `update.update_policy` on a Fabric-wrapped model, as a run with `algo.compile=false` calls it:
-            the same minibatch step, the direct clip + fused Adam path (`optim.GradientStep`), the
-            per-epoch ratio statistics and the update's metrics (a few host syncs per update);
-  compiled  the same with `algo.compile=true` (CUDA graphs via `mode="reduce-overhead"` on CUDA, plain
-            inductor on the CPU);
-  compile-graph  the same with `algo.compile=graph`: the package's whole step (forward, losses, backward,
-            clipping, the fused Adam kernel with a tensor lr) in one CUDA graph (`learn/graph.py`), after 2
-            eager warm-up steps; on the CPU the same step runs uncaptured;
-  graph     CUDA only: a bare whole step (forward, losses, backward, clipping, `Adam(capturable=True)` with
-            a tensor lr) captured in one `torch.cuda.CUDAGraph`; each minibatch is copied into the static
-            input buffers before `replay()`: the floor `compile-graph` is measured against.
-  tdgraph   the same whole step recorded and replayed by tensordict's `CudaGraphModule` (the public API
-            LeanRL's compiled PPO uses), which copies each minibatch into its buffers and checks the inputs
-            itself: whether a library-level whole-step graph can match `graph` (without CUDA it runs the
-            step directly, which the CPU dry run exercises);
-  tdgraph-compiled  CUDA only: `CudaGraphModule(torch.compile(step))`, the compiled kernels in one graph.
-
-Target: <= 1.5 ms per step on an H100. TF32 is on on CUDA, as `fabric.tf32` defaults. On a CPU
-pass small sizes for a dry run (the CUDA graph row is skipped):
-
-    python benchmarks/minibatch_step.py [--device cuda] [--updates 5]
-    python benchmarks/minibatch_step.py --device cpu --batch 64 --minibatch 32 --epochs 1 --updates 2
-    python benchmarks/minibatch_step.py --variants graph     # one variant alone; the report keeps the others
+    python -m benchmarks minibatch_step [--device cuda] [--updates 5] [--variants graph]
+    python -m benchmarks minibatch_step --device cpu --batch 64 --minibatch 32 --epochs 1 --updates 2   # dry run
 """
 
 from __future__ import annotations
@@ -49,35 +30,19 @@ import common  # noqa: E402
 import gymnasium as gym  # noqa: E402
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
-from lightning_fabric import Fabric  # noqa: E402
-from omegaconf import OmegaConf  # noqa: E402
 from tensordict import TensorDict  # noqa: E402
 
-from ppo_fabric.config.defaults import with_defaults  # noqa: E402
+from ppo_fabric.app.launch import build_fabric  # noqa: E402
+from ppo_fabric.config.values import compose  # noqa: E402
+from ppo_fabric.envs.multiagent import SINGLE  # noqa: E402
+from ppo_fabric.learn import graph as whole  # noqa: E402
 from ppo_fabric.learn.accel import set_cuda_math  # noqa: E402
-from ppo_fabric.learn.learners import fused_adam_ok  # noqa: E402
-from ppo_fabric.learn.settings import LossCoefs, UpdateSettings  # noqa: E402
-from ppo_fabric.learn.update import minibatch_losses, update_policy  # noqa: E402
-from ppo_fabric.models.agent import ActorCritic  # noqa: E402
+from ppo_fabric.learn.learners import PolicySpec, build_learners  # noqa: E402
+from ppo_fabric.learn.settings import UpdateSettings  # noqa: E402
+from ppo_fabric.learn.update import STEP_COLUMNS, update_policy  # noqa: E402
 
-COEFS = LossCoefs(clip=0.1, clip_vloss=False, norm_adv=True, vf_coef=0.5, ent_coef=0.01)  # exp=atari's
-MAX_NORM, LR, ACTIONS = 0.5, 2.5e-4, 6
-KEYS = ("obs", "actions", "logprobs", "values", "advantages", "returns")
-VARIANTS = (
-    "eager",
-    "compiled",
-    "compile-graph",
-    "graph",
-    "tdgraph",
-    "tdgraph-compiled",
-)  # graph, tdgraph-compiled: CUDA only
-
-
-def make_model(device: torch.device) -> ActorCritic:
-    cfg = OmegaConf.create({"encoder": "cnn", "actor_hidden": [], "critic_hidden": [], "activation": "relu"})
-    space = gym.spaces.Box(0, 255, (4, 84, 84), np.uint8)
-    torch.manual_seed(0)
-    return ActorCritic(space, gym.spaces.Discrete(ACTIONS), cfg).to(device)
+ACTIONS = 6  # Pong's
+VARIANTS = ("eager", "compiled", "compile-graph", "graph")
 
 
 def make_batch(n: int, device: torch.device) -> dict[str, torch.Tensor]:
@@ -113,113 +78,46 @@ def time_updates(update: Callable[[], None], device: torch.device, args: Any) ->
 
 
 def package_update(
-    device: torch.device, compile_step: bool | str, batch: dict[str, torch.Tensor], args: Any
-) -> Callable[[], None]:
-    """One update as a run makes it: `update_policy` on a Fabric-wrapped model and the optimiser the
-    learners build (`learners.build_learners`)."""
-    fabric = Fabric(accelerator=device.type, devices=1)
-    model = make_model(torch.device("cpu"))
-    optimizer = torch.optim.Adam(model.parameters(), lr=LR, eps=1e-5, fused=fused_adam_ok(fabric))
-    model, optimizer = fabric.setup(model, optimizer)
-    algo = dict(
-        {"minibatch_size": args.minibatch, "update_epochs": args.epochs, "clip_coef": COEFS.clip,
-         "clip_vloss": COEFS.clip_vloss, "norm_adv": COEFS.norm_adv, "vf_coef": COEFS.vf_coef,
-         "ent_coef": COEFS.ent_coef, "max_grad_norm": MAX_NORM, "target_kl": None, "compile": compile_step,
-         "anneal_lr": False, "gamma": 0.99, "gae_lambda": 0.95}
-    )  # fmt: skip
-    settings = UpdateSettings.of(OmegaConf.create(with_defaults({"algo": algo})["algo"]))
+    device: torch.device, compile_step: str, batch: dict[str, torch.Tensor], args: Any, epochs: int = 0
+) -> tuple[Callable[[], None], Any]:
+    """One update as a run makes it, of the learner `exp=atari` composes (the env's spaces given, not probed:
+    no ALE needed) with `epochs` (0: --epochs) per update; also the Fabric-wrapped model."""
+    cfg, _ = compose([
+        "exp=atari", f"fabric={'gpu' if device.type == 'cuda' else 'cpu'}", f"algo.compile={compile_step}",
+        f"algo.minibatch_size={args.minibatch}", f"algo.update_epochs={epochs or args.epochs}", "algo.anneal_lr=false",
+    ])  # fmt: skip
+    fabric = build_fabric(cfg, 1)
+    space = gym.spaces.Box(0, 255, (4, 84, 84), np.uint8)
+    spec = PolicySpec(SINGLE, space, gym.spaces.Discrete(ACTIONS), cfg.model, float(cfg.algo.lr), True, 1)
+    torch.manual_seed(0)
+    learner = build_learners(fabric, {SINGLE: spec}, None, float(cfg.algo.adam_eps))[SINGLE]
+    settings = UpdateSettings.of(cfg.algo)
     data = TensorDict(batch, batch_size=[args.batch], device=device)
 
     def update() -> None:
-        update_policy(fabric, model, optimizer, data, settings)
+        update_policy(fabric, learner.model, learner.optimizer, data, settings)
 
-    return update
+    return update, learner.model
 
 
-def graph_update(
-    step: Callable[[dict[str, torch.Tensor]], None], batch: dict[str, torch.Tensor], args: Any
-) -> Callable[[], None]:
-    """An update of `step`s: shuffle, then the minibatches in order."""
-    device = batch["obs"].device
+def graph_replays(device: torch.device, batch: dict[str, torch.Tensor], args: Any) -> Callable[[], None]:
+    """The `WholeStepGraph` one `algo.compile=graph` update captures, then replayed alone: per epoch a shuffle,
+    then per minibatch its columns (`STEP_COLUMNS`, then no importance weights) into the graph's buffers."""
+    # an update captures after its first WARMUP_STEPS steps: this one has more, however small the sizes
+    update, model = package_update(device, "graph", batch, args, epochs=whole.WARMUP_STEPS + 1)
+    update()
+    step = whole.cached(model)
+    assert step is not None, "the algo.compile=graph update kept no whole-step graph"
+    step.set_lr()
 
-    def update() -> None:
+    def replays() -> None:
         for _ in range(args.epochs):
             perm = torch.randperm(args.batch, device=device)
-            shuffled = {k: v[perm] for k, v in batch.items()}
+            columns = [batch[k][perm] if k in batch else None for k in (*STEP_COLUMNS, "weights")]
             for start in range(0, args.batch, args.minibatch):
-                step({k: v[start : start + args.minibatch] for k, v in shuffled.items()})
+                step([None if c is None else c[start : start + args.minibatch] for c in columns])
 
-    return update
-
-
-def whole_step(model: ActorCritic) -> tuple[Callable[..., torch.Tensor], tuple[Any, ...]]:
-    """The step a graph records, on `model`'s device: forward, losses, backward, clipping (no host sync:
-    without error_if_nonfinite) and Adam, capturable with its lr as a tensor on CUDA (an annealed schedule
-    would `fill_` it between updates). It takes the minibatch's `KEYS` tensors and returns the loss
-    statistics. It drops the gradients first, so a recorded backward writes them afresh at each replay
-    instead of adding to the last ones. Also returned: what the graph's memory belongs to (model,
-    optimiser, lr), which whoever replays it must keep alive."""
-    params = list(model.parameters())
-    capturable = params[0].device.type == "cuda"  # capturable Adam needs CUDA
-    lr: float | torch.Tensor = torch.tensor(LR, device=params[0].device) if capturable else LR
-    optimizer = torch.optim.Adam(params, lr=lr, eps=1e-5, capturable=capturable, foreach=True)
-
-    def body(*tensors: torch.Tensor) -> torch.Tensor:
-        for p in params:
-            p.grad = None
-        loss, stats, _ = minibatch_losses(model, *tensors, None, None, None, None, COEFS)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(params, MAX_NORM, foreach=True)
-        optimizer.step()
-        return stats.detach()
-
-    return body, (model, optimizer, lr)
-
-
-def graph_step(device: torch.device, minibatch: int) -> Callable[[dict[str, torch.Tensor]], None]:
-    """`whole_step` in one `torch.cuda.CUDAGraph`, captured by hand."""
-    body, alive = whole_step(make_model(device))
-    static = make_batch(minibatch, device)
-    inputs = [static[k] for k in KEYS]
-    side = torch.cuda.Stream(device)
-    side.wait_stream(torch.cuda.current_stream(device))
-    with torch.cuda.stream(side):  # warm-up outside the graph: optimizer state, cuBLAS/cuDNN workspaces
-        for _ in range(3):
-            body(*inputs)
-    torch.cuda.current_stream(device).wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        body(*inputs)
-
-    # The graph reads and writes the memory of the model, the optimiser's state and the lr, but holds no
-    # reference to them: `step` must. Freed when this function returned, their blocks went to the update's next
-    # allocations (the shuffled batch), which each replay's Adam step then overwrote, so a later copy put
-    # garbage into the static actions: the out-of-range gather index three leases saw at a replay.
-    def step(mb: dict[str, torch.Tensor], _alive: tuple[Any, ...] = alive) -> None:
-        for k in KEYS:
-            static[k].copy_(mb[k], non_blocking=True)
-        graph.replay()
-
-    return step
-
-
-def tdgraph_step(model: ActorCritic, compile_body: bool) -> Callable[[dict[str, torch.Tensor]], None]:
-    """`graph_step`'s whole step, recorded by `tensordict.nn.CudaGraphModule` (optionally around
-    `torch.compile` of it). Without CUDA, `CudaGraphModule` calls the step directly."""
-    from tensordict.nn import CudaGraphModule
-
-    body, _ = whole_step(model)
-    fn = torch.compile(body) if compile_body else body
-    # the module holds `body`, whose closure holds the model, the optimiser and the lr the graph uses
-    device = next(model.parameters()).device
-    module = CudaGraphModule(
-        fn, warmup=3 if compile_body else 2, device=device if device.type == "cuda" else None
-    )
-
-    def step(mb: dict[str, torch.Tensor]) -> None:
-        module(*(mb[k] for k in KEYS))
-
-    return step
+    return replays
 
 
 def main() -> None:
@@ -244,16 +142,11 @@ def main() -> None:
     batch = make_batch(args.batch, device)
     rows = earlier_rows(args, device)
     variants: dict[str, Callable[[], Callable[[], None]]] = {
-        "eager": lambda: package_update(device, False, batch, args),
-        "compiled": lambda: package_update(device, True, batch, args),
-        "compile-graph": lambda: package_update(device, "graph", batch, args),
-        "tdgraph": lambda: graph_update(tdgraph_step(make_model(device), False), batch, args),
+        "eager": lambda: package_update(device, "false", batch, args)[0],
+        "compiled": lambda: package_update(device, "true", batch, args)[0],
+        "compile-graph": lambda: package_update(device, "graph", batch, args)[0],
+        "graph": lambda: graph_replays(device, batch, args),
     }
-    if device.type == "cuda":
-        variants["graph"] = lambda: graph_update(graph_step(device, args.minibatch), batch, args)
-        variants["tdgraph-compiled"] = lambda: graph_update(
-            tdgraph_step(make_model(device), True), batch, args
-        )
     variants = {k: v for k, v in variants.items() if k in args.variants}
     for name, build in variants.items():
         t0 = time.perf_counter()

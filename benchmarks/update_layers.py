@@ -1,13 +1,10 @@
 """What the direct minibatch-step layers of `ppo_fabric/learn/optim.py` save, measured in one process.
 
-Builds an experiment's learner and rollout collector (one torch thread), collects a rollout, then times
-whole updates (`update.update_policies`: every epoch and minibatch) in three variants, alternated update by
-update so machine load hits them alike: "fabric layers" (every minibatch step through Fabric's module
-wrapper, `fabric.clip_gradients` and `optimizer.step()`, as before optim.py), "direct step" (clipping and
-fused Adam called directly: `GradientStep`), and "direct step + forward" (also the module under Fabric's
-wrapper called directly: `forward_module`, what the package runs). The variants change no result: the
-direct step is bit-identical (tests/learn/test_optim.py). Reports the median CPU time (this thread) of an update
-and each variant's speed-up; writes benchmarks/results/update_layers.{json,md}.
+An experiment's whole updates (`update.update_policies`, one torch thread) in three variants alternated update
+by update: "fabric layers" (Fabric's module wrapper, `fabric.clip_gradients`, `optimizer.step()`), "direct
+step" (`GradientStep`: clipping and fused Adam called directly) and "direct step + forward" (also
+`forward_module`: what the package runs). The direct step is bit-identical (tests/learn/test_optim.py).
+Median CPU time of an update and the speed-ups, to benchmarks/results/update_layers.{json,md}.
 
     .venv/bin/python benchmarks/update_layers.py [--updates 30] [--exps cleanrl_cartpole fast]
 """
