@@ -452,6 +452,17 @@ class Player:
 
 
 # ----------------------------------------------------------------------------------------------- trainer
+def saved_trainer_rng(resume: dict | None, seed: int, trainers: list[int], rank: int) -> Any | None:
+    """The RNG state trainer `rank` continues from: the checkpoint's k-th trainer's for the k-th of
+    `trainers`, when the resume keeps the run's seed and its number of trainers; None otherwise, and the
+    RNG stays as seeded from `seed`: a resume with a new seed starts the minibatch shuffles fresh from it,
+    as it does the players' envs (restored, they followed the old seed under the new one's name)."""
+    if resume is None or int(resume["config"]["seed"]) != seed:
+        return None
+    parts = [s for s in resume["ranks"] if "num_envs" not in s]  # the players' parts hold their envs
+    return parts[trainers.index(rank)]["rng"] if len(parts) == len(trainers) else None
+
+
 class Trainer:
     """A trainer rank: its learners under DDP among the trainers, and the update it has reached."""
 
@@ -464,10 +475,9 @@ class Trainer:
         specs = policy_specs(cfg)
         self.learners = build_learners(fabric, specs, resume, float(cfg.algo.adam_eps))
         self.params = all_parameters(policies_of(self.learners))
-        trainer_parts = [] if resume is None else [s for s in resume["ranks"] if "num_envs" not in s]
-        same_seed = resume is not None and int(resume["config"]["seed"]) == int(cfg.seed)
-        if same_seed and len(trainer_parts) == len(topo.trainers):  # the k-th continues the saved k-th
-            ckpt.set_rng_state(trainer_parts[topo.trainers.index(topo.rank)]["rng"])
+        rng = saved_trainer_rng(resume, int(cfg.seed), list(topo.trainers), topo.rank)
+        if rng is not None:
+            ckpt.set_rng_state(rng)
         steps, copies = int(cfg.algo.rollout_steps), int(cfg.env.num_envs)
         delayed = is_async(cfg.env)  # the players' storages have a `mask`: so has the template
         templates = {n: policy_storage(steps, copies, s, "cpu", delayed) for n, s in specs.items()}

@@ -234,6 +234,20 @@ def test_probe_learned_with_two_ddp_trainers(tmp_path: Path) -> None:
 
 
 # ----------------------------------------------------------------------------------------------- resume
+def test_a_trainer_continues_its_own_rng_unless_the_seed_or_the_trainers_changed() -> None:
+    """The k-th trainer takes the checkpoint's k-th trainer's RNG (players' parts, which hold envs, skipped);
+    a resume with a new seed, or another number of trainers, keeps the RNG as seeded from the new config."""
+    from ppo_fabric.ppo_decoupled import saved_trainer_rng
+
+    resume = {"config": {"seed": 7}, "ranks": [{"num_envs": 4, "rng": "p0"}, {"rng": "t0"}, {"rng": "t1"}]}
+    assert saved_trainer_rng(resume, 7, [1, 2], 1) == "t0"
+    assert saved_trainer_rng(resume, 7, [1, 2], 2) == "t1"
+    assert saved_trainer_rng(resume, 7, [2, 3], 3) == "t1"  # another layout with as many trainers
+    assert saved_trainer_rng(resume, 8, [1, 2], 1) is None  # resume_overrides=allow seed=8
+    assert saved_trainer_rng(resume, 7, [1], 1) is None  # two trainers' states cannot be one trainer's
+    assert saved_trainer_rng(None, 7, [1, 2], 1) is None
+
+
 @pytest.mark.multiprocess
 def test_fabric_run_then_exact_resume(tmp_path: Path) -> None:
     """`fabric run` launch path, 1+1 without pipeline; then resume from a numbered checkpoint.
