@@ -317,7 +317,7 @@ def load(path: str | Path, key: str = "resume", env_state: str = "restore") -> d
         )
     renamed_counter(state)
     if isinstance(state.get("config"), dict):  # keys added to the package since: their defaults
-        state["config"] = with_defaults(state["config"])
+        state["config"] = with_defaults(settled_eval_nulls(state["config"]))
     missing = [k for k in _REQUIRED if k not in state]
     if missing or not all(isinstance(rank, dict) for rank in state["ranks"]):
         raise ValueError(
@@ -354,6 +354,19 @@ def renamed_counter(state: dict[str, Any]) -> None:
         for snapshot in pool.get("snapshots") or ():
             if "version" in snapshot:
                 snapshot["update"] = snapshot.pop("version")
+
+
+def settled_eval_nulls(config: dict[str, Any]) -> dict[str, Any]:
+    """`eval.every: null` and `eval.deterministic: null` in a config saved before they were refused: the run
+    read them as evaluation off and as sampled actions, so they load as `0` and `false`, what the run did
+    (a resume of such a run was refused until `eval.every=0` was named)."""
+    evaluation = config.get("eval")
+    if isinstance(evaluation, dict):
+        if "every" in evaluation and evaluation["every"] is None:
+            evaluation["every"] = 0
+        if "deterministic" in evaluation and evaluation["deterministic"] is None:
+            evaluation["deterministic"] = False
+    return config
 
 
 POLICY_ONLY = "policy_only"  # a checkpoint with a policy to load and no state to resume (policy_checkpoint)

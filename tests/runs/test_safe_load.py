@@ -262,6 +262,24 @@ def test_the_update_counter_old_names_load_as_today(tiny_run: Path, tmp_path: Pa
     assert loaded["ranks"][0]["selfplay"]["pool"]["snapshots"][0]["update"] == 2
 
 
+def test_eval_nulls_saved_before_they_were_refused_load_as_what_the_run_did(
+    tiny_run: Path, tmp_path: Path
+) -> None:
+    """`eval.every: null` (evaluation off) and `eval.deterministic: null` (sampled actions) in a run saved
+    before they were refused: its checkpoint loads them as 0 and false, and a resume needs no override."""
+    from ppo_fabric.app.preflight import load
+
+    state = ckpt.load(_last(tiny_run))
+    state["config"]["eval"]["every"] = None
+    state["config"]["eval"]["deterministic"] = None
+    path = tmp_path / "old_eval.ckpt"
+    torch.save(state, path)
+    loaded = ckpt.load(path, env_state="fresh")["config"]["eval"]
+    assert (loaded["every"], loaded["deterministic"]) == (0, False)
+    cfg, _, _ = load([f"resume={path}", "algo.total_steps=1024", f"hydra.run.dir={tmp_path / 'run'}"])
+    assert (cfg.eval.every, cfg.eval.deterministic) == (0, False)
+
+
 @pytest.mark.parametrize("spaces_pickled", [True, False])
 def test_older_format_is_named(tmp_path: Path, spaces_pickled: bool) -> None:
     """Format 1 pickled gymnasium spaces (weights_only refuses it): its format is read without running it."""
