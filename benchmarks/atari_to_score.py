@@ -1,32 +1,14 @@
-"""An Atari game to a score on a GPU machine, at one of `gpu_strategies.py`'s layouts: the wall time and env steps
-until the mean return of the last 20 episodes first reaches the threshold (Pong: 18), and the curve.
+"""An Atari game to a score on a GPU machine at one of `gpu_strategies.py`'s layouts (default: 3 EnvPool players
++ 1 GPU trainer): the wall time and env steps until the mean return of the last 20 episodes first reaches
+the threshold (Pong: 18), and the curve. Each (game, layout, label, seed) is one row of
+`<out>/atari_to_score.{json,md,png}`, replaced by a rerun. `--run-dir`, `--run-timeout`, `--label` and the
+rest: benchmarks/README.md, "atari_to_score.py".
 
-The layout is a `gpu_strategies.py` variant key (default `decoupled-envpool-3`, the fastest layout measured
-on one H100 + 16 cores: 3 EnvPool players of 32 envs acting on the GPU + 1 GPU trainer, 10.5k env steps/s),
-with that script's Pong workload (`exp=atari`, 32 envs) and overrides, so the two report the same runs. The
-lr anneals over `--steps` (the recipe's 10M would leave it near its start at a 5M budget). `--run-timeout`
-stops the run (SIGTERM) after that many seconds and reports its last logged update: a lease of minutes
-still returns the curve so far. Overrides after `--` change the recipe; `--label` names that variant. Each
-run is one row of `<out>/atari_to_score.{json,md}` (a rerun of the same layout, label, game and seed replaces
-its row) and one curve of `atari_to_score.png` (return against wall seconds).
-
-`--run-dir DIR` keeps the run in DIR and adds `resume=auto`: a budget longer than one command's limit runs in
-several commands, each the same line with `--run-timeout`; each continues the last one's run from its
-checkpoint (exact resume) and rewrites the row with the whole run so far (wall time: the training time of
-every command; start-up: the last command's). On a lent machine DIR must outlive a command: a path under
-the checkout that git ignores (`runs/...`) stays while the machine is warm.
-
-    python3 benchmarks/atari_to_score.py --steps 5000000 --run-timeout 480 --out OUT     # on the GPU machine
-    .venv/bin/python benchmarks/atari_to_score.py --dry-run --steps 8192 --out /tmp/ats   # the command, on a CPU
-    python3 benchmarks/atari_to_score.py --steps 10000000 --run-timeout 540 --run-dir runs/pong --out OUT  # again
-
-`--dry-run` puts every GPU role on the CPU (`gpu_strategies.variants(dry_run=True)`), to prove the command
-before a GPU machine is booked; its report is `atari_to_score_dryrun`.
+    .venv/bin/python benchmarks/atari_to_score.py --dry-run --steps 24576 --out /tmp/ats  # the command, on a CPU
 """
 
 from __future__ import annotations
 
-import json
 import sys
 from pathlib import Path
 from typing import Any
@@ -56,25 +38,18 @@ def overrides(layout: str, env_id: str, steps: int, seed: int, dry_run: bool, ex
     return [*run, f"env.id={env_id}", f"algo.total_steps={steps}", f"seed={seed}", *extra]
 
 
-def record(summary: dict[str, Any], threshold: float, commands: int = 1) -> dict[str, Any]:
-    """A run's row: `common.threshold_figures` plus the steady rate, the start-up (of the last of the
-    `commands` that ran it) and where the time went."""
-    return {**common.threshold_figures(summary, threshold), "sps_steady": summary.get("sps_steady"),
-            "process_seconds": summary.get("process_seconds"), "stopped_after_s": summary.get("stopped_after_s"),
-            "command_wall_seconds": summary["wall_seconds"], "commands": commands,
-            "split": gpu_strategies.split(summary), "start_up_trace": summary.get("start_up_trace")}  # fmt: skip
+def record(summary: dict[str, Any], commands: int = 1) -> dict[str, Any]:
+    """What a row adds to `common.record`: the steady rate, the start-up (of the last of the `commands` that
+    ran it) and where the time went."""
+    return {"sps_steady": summary.get("sps_steady"), "process_seconds": summary.get("process_seconds"),
+            "stopped_after_s": summary.get("stopped_after_s"), "command_wall_seconds": summary["wall_seconds"],
+            "commands": commands, "split": gpu_strategies.split(summary),
+            "start_up_trace": summary.get("start_up_trace")}  # fmt: skip
 
 
 def variant(run: dict[str, Any]) -> str:
     """The layout, and the label of its extra overrides when the run has one."""
     return f"{run['layout']} {run['label']}" if run.get("label") else run["layout"]
-
-
-def merged(runs: list[dict[str, Any]], row: dict[str, Any]) -> list[dict[str, Any]]:
-    """`runs` with `row` added last, in place of an earlier run of the same game, layout, label and seed (rows
-    written before labels existed count as unlabelled)."""
-    key = ("env_id", "layout", "label", "seed")
-    return [r for r in runs if any(r.get(k, "") != row.get(k, "") for k in key)] + [row]
 
 
 def markdown(report: dict[str, Any]) -> str:
@@ -94,8 +69,10 @@ def markdown(report: dict[str, Any]) -> str:
         "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---|",
     ]
     for r in report["runs"]:
-        own = r.get("command_wall_seconds", r["wall_seconds"])  # the last command's training time
-        start = None if r.get("process_seconds") is None else r["process_seconds"] - own
+        # the start-up of the last command: its process's life less its own training time
+        start = gpu_strategies._startup(
+            {**r, "wall_seconds": r.get("command_wall_seconds", r["wall_seconds"])}
+        )
         stopped = f" (stopped at {r['stopped_after_s']:.0f} s)" if r.get("stopped_after_s") else ""
         stopped += f" ({r['commands']} commands, resumed)" if r.get("commands", 1) > 1 else ""
         lines.append(
@@ -138,32 +115,39 @@ def main() -> None:
     run = overrides(args.layout, args.env_id, args.steps, args.seed, args.dry_run, args.extra)
     run += common.EVALUATION if args.eval else []
     name = "atari_to_score_dryrun" if args.dry_run else "atari_to_score"
-    path = args.out / f"{name}.json"
-    report = json.loads(path.read_text()) if path.is_file() else {"runs": []}
+    report = common.load_report(args.out / f"{name}.json", {"runs": []}, ("env_id", "layout", "seed"))
     report |= {"machine": common.machine(), "gpus": gpu_strategies.gpu_info(),
                "command": common.command_line(__file__)}  # fmt: skip
+    gpu = ", ".join(g.get("name", "?") for g in report["gpus"]) or "none (dry run)"
     commands = 1  # how many commands this run took: its earlier ones are in its kept folder
     if args.run_dir is not None and (args.run_dir / "checkpoints" / "last.ckpt").is_file():
         earlier = [r for r in report["runs"] if r.get("run_dir") == str(args.run_dir)]
         commands = earlier[-1].get("commands", 1) + 1 if earlier else 2
     print(f"atari_to_score: {' '.join(run)}", flush=True)
-    summary = run_once(
-        run,
-        solved_return=args.threshold,
-        curve=True,
-        timeout=args.run_timeout,
-        keep_metrics=args.keep_metrics,
-        run_dir=args.run_dir,
-    )
-    gpu = ", ".join(g.get("name", "?") for g in report["gpus"]) or "none (dry run)"
-    row = {"env_id": args.env_id, "layout": args.layout, "label": args.label, "seed": args.seed, "overrides": run,
-           "gpu": gpu, "commit": common.git_commit(), **record(summary, args.threshold, commands),
-           **({"run_dir": str(args.run_dir)} if args.run_dir else {})}  # fmt: skip
-    report["runs"] = merged(report["runs"], row)
-    common.write_report(args.out, name, report, markdown(report))
-    runs = [{**r, "variant": variant(r)} for r in report["runs"]]
-    common.plot_curves(runs, "env_id", sorted({r["env_id"] for r in runs}), tuple(sorted({r["variant"] for r in runs})),
-                       1, "wall seconds", args.out / f"{name}.png", {args.env_id: args.threshold})  # fmt: skip
+
+    def row(**_: Any) -> dict[str, Any]:
+        summary: dict[str, Any] = {}  # the run's, for the row's own figures beside `common.record`'s
+
+        def train() -> dict[str, Any]:
+            kept = {"keep_metrics": args.keep_metrics, "run_dir": args.run_dir}
+            return summary.update(run_once(run, curve=True, timeout=args.run_timeout, **kept)) or summary
+
+        r = common.record(run, train, args.threshold)
+        return {
+            **r,
+            "gpu": gpu,
+            **record(summary, commands),
+            **({"run_dir": str(args.run_dir)} if args.run_dir else {}),
+        }
+
+    def write(report: dict[str, Any]) -> None:
+        common.write_report(args.out, name, report, markdown(report))
+        runs = [{**r, "variant": variant(r)} for r in report["runs"]]
+        common.plot_curves(runs, "env_id", sorted({r["env_id"] for r in runs}), tuple(sorted({r["variant"] for r in runs})),
+                           1, args.out / f"{name}.png", {args.env_id: args.threshold})  # fmt: skip
+
+    cell = {"env_id": args.env_id, "layout": args.layout, "label": args.label, "seed": args.seed}
+    common.sweep(report, [cell], True, row, write)
 
 
 if __name__ == "__main__":

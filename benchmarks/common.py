@@ -1,5 +1,5 @@
-"""What the benchmarks share: one training run in a subprocess, the machine's description, the command line
-and the report files."""
+"""What the benchmarks share: one training run in a subprocess, the machine's description, the command line,
+one run record (`record`), the sweep over tasks x variants x seeds (`sweep`) and the report files."""
 
 from __future__ import annotations
 
@@ -14,12 +14,13 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
 RESULTS = Path(__file__).resolve().parent / "results"
 # The layouts the benchmarks compare: one definition. Run records hold these overrides, and `learning.py`
-# takes a run `time_to_score.py` trained when its overrides match: change a layout, and both re-run it.
+# takes a run another report holds when they set the same (`effective`): change a layout, and both re-run it.
 DECOUPLED_1_1 = ("strategy=decoupled", "fabric.devices=2", "algo.players=1")
 LAYOUTS: dict[str, tuple[str, ...]] = {
     "coupled": ("strategy=coupled", "fabric.devices=1"),
@@ -101,15 +102,6 @@ def fmt(value: float | None, spec: str = ".1f", none: str = "n/a") -> str:
     return none if value is None else format(value, spec)
 
 
-def first_step_at(metrics_csv: Path, key: str, threshold: float) -> int | None:
-    """Env step of the first logged update whose `key` reached `threshold` (None if never)."""
-    from ppo_fabric.runs.metrics_file import read_rows, series
-
-    return next(
-        (int(step) for step, value in series(read_rows(metrics_csv), key) if value >= threshold), None
-    )
-
-
 def learning_curve(metrics_csv: Path, key: str = "rollout/return_mean20") -> list[list[float]]:
     """[env step, `time/wall_s`, `key`] of every logged update that has `key`."""
     from ppo_fabric.runs.metrics_file import read_rows
@@ -187,15 +179,14 @@ def stopped_summary(metrics_csv: Path, timeout: float) -> dict[str, Any]:
 
 def run_once(
     overrides: list[str],
-    solved_return: float = 475.0,
+    solved_return: float | None = None,  # unused; chaos, gpu_strategies and scaling still pass it
     curve: bool = False,
     timeout: float | None = None,
     keep_metrics: Path | None = None,
     eval_key: str = "eval/return_mean",
     run_dir: Path | None = None,
 ) -> dict[str, Any]:
-    """Train in a fresh process (as a user would launch it) and return its summary.json, plus the env
-    step at which the mean of the last 20 episodes first reached `solved_return`, `sps_steady`
+    """Train in a fresh process (as a user would launch it) and return its summary.json, plus `sps_steady`
     (`steady_sps`) and, with `curve`, the learning curve (`learning_curve`), the evaluation curve of `eval_key`
     and the last evaluation's metrics (`final_eval`).
 
@@ -267,9 +258,6 @@ def run_once(
         if env is not None:  # traced: how its processes started, in one line
             summary["start_up_trace"] = trace.digest()
         summary["sps_steady"] = steady_sps(run_dir / "metrics.csv")
-        summary["solved_step"] = first_step_at(
-            run_dir / "metrics.csv", "rollout/return_mean20", solved_return
-        )
         if curve:
             summary["curve"] = learning_curve(run_dir / "metrics.csv")
             summary["eval_curve"] = evaluation_curve(run_dir / "evaluations.csv", eval_key)
@@ -281,10 +269,9 @@ def run_once(
 
 
 EVALUATION = ["eval.every=auto", "eval.episodes=10"]  # --eval: ~15 evaluations a run and one at its end
-CURVE_POINTS = 200  # a run's curve is thinned to about this many points in the results
 
 
-def thin(curve: list[list[float]], points: int = CURVE_POINTS) -> list[list[float]]:
+def thin(curve: list[list[float]], points: int) -> list[list[float]]:
     """Every k-th point and the last, so a long run's curve stays a few kB in the results."""
     if len(curve) <= points:
         return curve
@@ -292,12 +279,12 @@ def thin(curve: list[list[float]], points: int = CURVE_POINTS) -> list[list[floa
     return [*curve[::step], *([curve[-1]] if (len(curve) - 1) % step else [])]
 
 
-def threshold_figures(summary: dict[str, Any], threshold: float) -> dict[str, Any]:
-    """A run's figures against a threshold, from its summary and `curve` ([env step, wall s, mean20]):
-    final and best mean return, and the env step and wall time at which the mean first reached it (all from
-    the whole curve; the curve kept for the plot is thinned to ~500 points, a 5M-step run has ~2,400)."""
+def threshold_figures(summary: dict[str, Any], threshold: float | None, points: int = 500) -> dict[str, Any]:
+    """A run's figures, from its summary and `curve` ([env step, wall s, mean20]): final and best mean
+    return and, with a `threshold`, the env step and wall time at which the mean first reached it (all from
+    the whole curve; the curve kept for the plot is thinned to `points`, a 5M-step run logs ~2,400)."""
     curve = summary["curve"]
-    first = next((point for point in curve if point[2] >= threshold), None)
+    first = next((p for p in curve if p[2] >= threshold), None) if threshold is not None else None
     evaluated = summary.get("eval_curve") or []
     eval_figures = {}
     if evaluated:  # the final evaluation (at the last update) and the best, the time spent evaluating
@@ -308,7 +295,9 @@ def threshold_figures(summary: dict[str, Any], threshold: float) -> dict[str, An
             "eval_seconds": sum(e[3] for e in evaluated),
             "wall_at_threshold_no_eval": None if first is None else first[1] - eval_before,
             "eval_curve": evaluated,
+            "final_eval": summary.get("final_eval", {}),  # every eval/* metric of the last evaluation
         }
+    total_wall = summary.get("total_wall_seconds")  # a resumed run's whole training time (and rate over it)
     return {
         "total_env_steps": summary["total_env_steps"],
         "final_mean_return": summary["final_mean_return"],
@@ -316,14 +305,45 @@ def threshold_figures(summary: dict[str, Any], threshold: float) -> dict[str, An
         "threshold": threshold,
         "step_at_threshold": None if first is None else first[0],
         "wall_at_threshold": None if first is None else first[1],
-        "wall_seconds": summary.get("total_wall_seconds", summary["wall_seconds"]),  # a resumed run's whole
-        # and its rate over the same whole (summary.json's `sps` is the last sitting's alone)
-        "sps": summary["total_env_steps"] / summary["total_wall_seconds"]
-        if summary.get("total_wall_seconds")
-        else summary["sps"],
-        "curve": thin(curve, 500),
+        "wall_seconds": total_wall or summary["wall_seconds"],
+        "sps": summary["total_env_steps"] / total_wall if total_wall else summary["sps"],
+        "curve": thin(curve, points),
         **eval_figures,
     }
+
+
+def record(
+    overrides: list[str],
+    train: Callable[[], dict[str, Any]],
+    threshold: float | None = None,
+    points: int = 500,
+) -> dict[str, Any]:
+    """One run's record, every benchmark's: its overrides, the commit and CPU it ran on, why it stopped
+    early if it did, and `threshold_figures` of the summary `train()` returns."""
+    commit = git_commit()  # the code the run starts with (a sitting outlasts commits made beside it)
+    s = train()
+    return {"overrides": overrides, "commit": commit, "machine": machine()["cpu"],
+            **({"stopped": s["stopped"]} if s.get("stopped") else {}), **threshold_figures(s, threshold, points)}  # fmt: skip
+
+
+def overrides(
+    recipe: Iterable[str],
+    layout: Iterable[str],
+    seed: int,
+    steps: int | None,
+    evaluate: bool,
+    extra: Iterable[str] = (),
+) -> list[str]:
+    """A run's overrides: the evaluation's first (a recipe's own evaluation settings win), the recipe, the
+    layout, the seed, the budget, then `extra`."""
+    budget = [f"algo.total_steps={steps}"] if steps else []
+    return [*(EVALUATION if evaluate else []), *recipe, *layout, f"seed={seed}", *budget, *extra]
+
+
+def effective(overrides: list[str]) -> dict[str, str]:
+    """What overrides set, a key's last value winning: two lists that set the same are the same run, wherever
+    they put the evaluation's (time_to_score's records before 2026-12 put them last)."""
+    return dict(o.partition("=")[::2] for o in overrides)
 
 
 def mean_reached(values: list[float | None], fmt: str) -> str:
@@ -352,15 +372,43 @@ def load_report(path: Path, fresh: dict[str, Any], keys: tuple[str, ...]) -> dic
     return fresh
 
 
-def runs_to_replace(report: dict[str, Any], force: bool, **key: Any) -> list[dict[str, Any]] | None:
-    """The runs of a resumable report with these key values, which a new run replaces; None when there
-    are some and `force` is off (the run is skipped)."""
-    done = [r for r in report["runs"] if all(r[k] == v for k, v in key.items())]
-    return None if done and not force else done
+def sweep_arguments(parser: argparse.ArgumentParser, seeds: int) -> None:
+    """The options of a sweep over seeds: which seeds, the budget, evaluation, re-running, where to write."""
+    parser.add_argument("--seeds", type=int, default=seeds, help="seeds 1..N")
+    parser.add_argument("--seed-list", nargs="+", type=int, default=None,
+                        help="these seeds instead of 1..N: held-out seeds, or one seed per sitting when "
+                        "sittings run side by side (each with its own --out)")  # fmt: skip
+    parser.add_argument("--steps", type=int, default=None, help="env steps per run (default: the recipe's)")
+    parser.add_argument("--eval", action="store_true", help="evaluate during training (eval.every=auto, 10 "
+                        "episodes); the IQM table ranks the final evaluation return")  # fmt: skip
+    parser.add_argument("--force", action="store_true", help="re-run runs already in the results")
+    parser.add_argument("--out", type=Path, default=RESULTS)
 
 
-def replace_runs(report: dict[str, Any], done: list[dict[str, Any]], record: dict[str, Any]) -> None:
-    report["runs"] = [r for r in report["runs"] if r not in done] + [record]
+def sweep(
+    report: dict[str, Any],
+    cells: Iterable[dict[str, Any]],
+    force: bool,
+    run: Callable[..., dict[str, Any]],
+    write: Callable[[dict[str, Any]], None],
+) -> None:
+    """Each cell (a run's key: task, variant, seed) the report lacks, or every one with `force`, trained by
+    `run(**cell)`: its record replaces the report's runs of that key (a key missing from an older run reads
+    as "") and the report is written after each run, so a sitting stopped anywhere keeps what it ran; when
+    none ran, the report is written once as today's code writes it."""
+    ran = False
+    for cell in cells:
+        done = [r for r in report["runs"] if all(r.get(k, "") == v for k, v in cell.items())]
+        if done and not force:
+            continue
+        r = {**cell, **run(**cell)}
+        report["runs"] = [x for x in report["runs"] if x not in done] + [r]
+        print(f"{' '.join(map(str, cell.values()))}: final {r['final_mean_return']}, "
+              f"{r['wall_seconds']:.0f} s", flush=True)  # fmt: skip
+        write(report)
+        ran = True
+    if not ran and report["runs"]:
+        write(report)
 
 
 def mean_std(values: list[float], spec: str = ".1f") -> str:
@@ -380,13 +428,13 @@ def plot_curves(
     panels: list[str],
     variants: tuple[str, ...],
     x: int,
-    xlabel: str,
     path: Path,
     thresholds: dict[str, float] | None = None,
     ylabel: str = "mean return, last 20 episodes",
 ) -> None:
-    """Every run's learning curve (`learning_curve` points: [step, wall s, return], x = 0 or 1), one panel
-    per value of the runs' `panel_key`, one colour per variant, a dotted line at each panel's threshold."""
+    """Every run's learning curve (`learning_curve` points: [step, wall s, return], x = 0: against env steps,
+    1: against wall time), one panel per value of the runs' `panel_key`, one colour per variant, a dotted line
+    at each panel's threshold."""
     if not panels:
         return
     import matplotlib
@@ -398,18 +446,14 @@ def plot_curves(
     colours = dict(zip(variants, plt.rcParams["axes.prop_cycle"].by_key()["color"], strict=False))
     for ax, panel in zip(axes[0], panels, strict=True):
         labelled: set[str] = set()
-        for r in runs:
-            if r[panel_key] != panel or not r["curve"]:
-                continue
+        for r in (r for r in runs if r[panel_key] == panel and r["curve"]):
             points = list(zip(*r["curve"], strict=True))
-            label = None if r["variant"] in labelled else r["variant"]
+            ax.plot(points[x], points[2], color=colours[r["variant"]], alpha=0.75, linewidth=1.1,
+                    label=None if r["variant"] in labelled else r["variant"])  # fmt: skip
             labelled.add(r["variant"])
-            ax.plot(points[x], points[2], color=colours[r["variant"]], alpha=0.75, linewidth=1.1, label=label)
         if thresholds and panel in thresholds:
             ax.axhline(thresholds[panel], color="grey", linestyle=":", linewidth=1)
-        ax.set_title(panel)
-        ax.set_xlabel(xlabel)
-        ax.set_ylabel(ylabel)
+        ax.set(title=panel, xlabel=("env steps", "wall time (s)")[x], ylabel=ylabel)
         ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=100)

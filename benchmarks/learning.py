@@ -1,38 +1,10 @@
 """Learning evidence over seeds on the standard suites, beside published references at the same budget.
 
-Each (suite, env, variant, seed) is one training run in a fresh process, one at a time. Results accumulate in
-`<out>/learning_<suite>.json` keyed by (env, variant, seed): a run already there is skipped, so a suite can be
-run over several sittings (`--force` re-runs). Each write rebuilds `learning_<suite>.md` (one row per env and
-variant: the final mean return over seeds, the reference, the wall time) and `learning_<suite>.png` (mean
-return against env steps, every seed).
+One run per (suite task, variant, seed), seed-major, each in a fresh process; the runs accumulate in
+`<out>/learning_<suite>.{json,md,png}` (a run already there is skipped unless `--force`). The suites, the
+variants, `--reuse`, `--keep-runs` and the figures: benchmarks/README.md, "learning.py".
 
-    python -m benchmarks learning --suite classic --seeds 5                # CartPole, Acrobot, Pendulum, ...
-    python -m benchmarks learning --suite classic --envs CartPole-v1 --seeds 5 --variants coupled pipelined
-    python -m benchmarks learning --suite mujoco --seeds 3                 # needs the mujoco extra
-    python -m benchmarks learning --suite minatar --seeds 3 --variants coupled pipelined   # exp=minatar, 5M
-    python -m benchmarks learning --suite classic --steps 20000 --out /tmp/learning   # smoke test
-    python -m benchmarks learning --suite box2d --envs BipedalWalker-v3 --seed-list 4 5   # held-out seeds
-    python -m benchmarks learning --suite classic --envs CartPole-v1 --out DIR -- algo.vf_coef=0.25   # a recipe change
-    python -m benchmarks learning --suite classic --envs Acrobot-v1 --seeds 10 --eval --force   # evaluated
-    python -m benchmarks learning --suite recurrent --seeds 3                  # LSTM vs MLP, velocities hidden
-    python -m benchmarks learning --suite multiagent --seeds 3                 # MPE spread, a two-team game
-    python -m benchmarks learning --suite games --envs tictactoe_v3 --seeds 1  # self-play vs held-out players
-    python -m benchmarks learning --suite recurrent --envs CartPole-v1/velocities-zeroed --seed-list 6 7 8 9 10
-    python -m benchmarks learning --suite games --envs connect_four_v3 --steps 20000000 --keep-runs DIR --out DIR
-
-Variants: `coupled` (1 process) and `pipelined` (decoupled, 1 player + 1 trainer, `algo.pipeline=true`); the
-`recurrent` suite compares models instead (`lstm`, and `mlp`: the same recipe without memory). The
-`recurrent`, `multiagent` and `games` suites always evaluate during training: their score is an evaluation
-metric (`Task.score`: a policy's return, or a game's score, win 1 and draw 1/2, against the opponents it
-trains against or could be tuned on, with the win rate against each opponent, held-out players included,
-beside it, `Task.shown`), as their training return says little (the games are zero-sum self-play).
-A run that `time_to_score.py` already trained with the same overrides (its MuJoCo coupled and pipelined runs
-at the recipe's budget) is taken from `results/time_to_score.json` instead of trained again (`--reuse`).
-"Final" is the mean return of the run's last 20 episodes (`summary.json`'s `final_mean_return`), the
-training return with the stochastic policy, as CleanRL reports; RL Zoo's references evaluate the
-deterministic policy after training, which tends to score higher. The references are copied, with their
-budget and source, in `SUITES`; where ours runs a different budget or lacks a method the reference used,
-the `note` says so.
+    python -m benchmarks learning --suite classic --envs CartPole-v1 --seeds 1 --steps 4096 --out /tmp/l
 """
 
 from __future__ import annotations
@@ -47,7 +19,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402
 import stats  # noqa: E402
-from common import RESULTS, run_once, thin  # noqa: E402
+from common import RESULTS, run_once  # noqa: E402
 
 CLEANRL = "CleanRL ppo.py, docs.cleanrl.dev/rl-algorithms/ppo (500k steps)"
 CLEANRL_MUJOCO = (
@@ -154,139 +126,54 @@ SUITES: dict[str, tuple[Task, ...]] = {
              "random and win_or_block, never the other three", score="eval/score", shown=HELD_OUT),
     ),
 }  # fmt: skip
-LAYOUTS = {name: common.LAYOUTS[name] for name in ("coupled", "pipelined")}
-# A suite's variants (default: the two layouts) and the pair whose P(first > second) its table gives.
+# A suite's variants (default: the coupled and pipelined layouts) and the pair whose P(first > second) its
+# table gives.
 SUITE_VARIANTS: dict[str, dict[str, tuple[str, ...]]] = {
     "recurrent": {"lstm": common.LAYOUTS["coupled"], "mlp": (*common.LAYOUTS["coupled"], "model=mlp")},
 }
 PAIRS: dict[str, tuple[tuple[str, str], ...]] = {"recurrent": (("lstm", "mlp"),)}
 EVALUATED = ("recurrent", "multiagent", "games")  # scored by evaluation: they always evaluate
+KEPT_CHECKPOINT_MINUTES = 10  # --keep-runs: what a sitting stopped without warning loses at most
 
 
 def variants_of(suite: str) -> dict[str, tuple[str, ...]]:
-    return SUITE_VARIANTS.get(suite, LAYOUTS)
+    return SUITE_VARIANTS.get(suite, {name: common.LAYOUTS[name] for name in ("coupled", "pipelined")})
 
 
 def task_named(env: str) -> Task:
     return next(t for tasks in SUITES.values() for t in tasks if t.env == env)
 
 
-def run_overrides(
-    task: Task, variant: str, seed: int, steps: int | None, extra: tuple[str, ...] = (), suite: str = ""
-) -> list[str]:
-    """A run's overrides: the task's recipe, the variant's layout, the seed, the budget, then `extra`."""
-    overrides = [*task.overrides, *variants_of(suite)[variant], f"seed={seed}"]
-    if steps:
-        overrides.append(f"algo.total_steps={steps}")
-    return [*overrides, *extra]
-
-
 def run_record(
-    task: Task,
-    variant: str,
-    seed: int,
-    steps: int | None,
-    extra: tuple[str, ...] = (),
-    evaluate: bool = False,
-    suite: str = "",
-    keep: Path | None = None,
+    task: Task, overrides: list[str], keep: Path | None = None, *, env: str, variant: str, seed: int
 ) -> dict[str, Any]:
-    """One run's record. `keep`: the folder under which the run's own folder stays (`kept_run_dir`) and
-    resumes from its last checkpoint when the same command is given again, saving one every
-    `KEPT_CHECKPOINT_MINUTES`: a budget longer than a sitting runs over several."""
-    # the evaluation's settings first, so that a task's own (games: more games an evaluation) win
-    overrides = (common.EVALUATION if evaluate else []) + run_overrides(
-        task, variant, seed, steps, extra, suite
-    )
-    run_dir = None
-    if keep is not None:
-        run_dir = kept_run_dir(keep, task.env, variant, seed)
-        overrides.append(f"checkpoint.every_minutes={KEPT_CHECKPOINT_MINUTES}")
-    commit = common.git_commit()  # the code the run starts with (a sitting outlasts commits made beside it)
-    s = run_once(overrides, curve=True, eval_key=task.score, run_dir=run_dir)
-    evaluated = s.get("eval_curve") or []
-    # a kept run may have trained over several sittings: its whole training time and rate
-    wall = s.get("total_wall_seconds", s["wall_seconds"]) if keep else s["wall_seconds"]
-    return {
-        "env": task.env,
-        "variant": variant,
-        "seed": seed,
-        "overrides": overrides,
-        "commit": commit,
-        "machine": common.machine()["cpu"],  # each run's own: a report gathers sittings of several machines
-        "total_env_steps": s["total_env_steps"],
-        "final_mean_return": s["final_mean_return"],
-        "wall_seconds": wall,
-        "sps": s["total_env_steps"] / wall if keep else s["sps"],
-        "curve": thin(s["curve"]),
-        **(
-            {  # evaluated during training (--eval): the final evaluation and the best
-                "final_eval_return": evaluated[-1][2],
-                "best_eval_return": max(e[2] for e in evaluated),
-                "eval_curve": evaluated,
-                "final_eval": s.get("final_eval", {}),  # every eval/* metric of the last evaluation
-            }
-            if evaluated
-            else {}
-        ),
-    }
+    """One run's record (`common.record`). `keep`: the folder under which the run's own folder stays
+    (`DIR/<env>_<variant>_seed<N>`, one per key, so the same command finds it again) and resumes from its last
+    checkpoint, saving one every `KEPT_CHECKPOINT_MINUTES`: a budget longer than a sitting runs over several."""
+    run_dir = None if keep is None else keep / f"{env.replace('/', '_')}_{variant}_seed{seed}"
+    overrides = [*overrides, *([f"checkpoint.every_minutes={KEPT_CHECKPOINT_MINUTES}"] if keep else [])]
+    train = lambda: run_once(overrides, curve=True, eval_key=task.score, run_dir=run_dir)  # noqa: E731
+    return common.record(overrides, train, points=200)
 
 
-KEPT_CHECKPOINT_MINUTES = 10  # --keep-runs: what a sitting stopped without warning loses at most
-
-
-def kept_run_dir(keep: Path, env: str, variant: str, seed: int) -> Path:
-    """A kept run's folder: one per (env, variant, seed), so the same command finds it again."""
-    return keep / f"{env.replace('/', '_')}_{variant}_seed{seed}"
-
-
-EVALUATED_FIELDS = ("final_eval_return", "best_eval_return", "eval_curve", "final_eval")
-
-
-def same_overrides(theirs: list[str], ours: list[str], evaluate: bool) -> bool:
-    """Whether a run with `theirs` is the run `ours` asks for: the same list, or, evaluated, the same list
-    with the evaluation's overrides placed elsewhere (time_to_score puts them after the seed, this benchmark
-    before the task's; they set keys nothing else in either list sets)."""
-    if theirs == ours:
-        return True
-    rest = [[o for o in x if o not in common.EVALUATION] for x in (theirs, ours)]
-    return evaluate and all(set(common.EVALUATION) <= set(x) for x in (theirs, ours)) and rest[0] == rest[1]
-
-
-def reused_record(
-    task: Task,
-    variant: str,
-    seed: int,
-    steps: int | None,
-    paths: list[Path],
-    extra: tuple[str, ...] = (),
-    evaluate: bool = False,
-    suite: str = "",
-) -> dict[str, Any] | None:
-    """This run as another benchmark already ran it (the same overrides, full budget, e.g. `time_to_score.py`'s
-    coupled and pipelined MuJoCo runs), so a run is trained once and reported by both; None when none did.
-    A `learning_<suite>.json` found there is this benchmark's own sitting (`--seed-list` side by side): its
-    run is gathered as it is, marked with the sitting's report instead of another benchmark's name, and an
-    evaluated run (`evaluate`: the overrides begin with the evaluation's) keeps its evaluations."""
-    overrides = (common.EVALUATION if evaluate else []) + run_overrides(
-        task, variant, seed, steps, extra, suite
-    )
+def reused(overrides: list[str], paths: list[Path], evaluate: bool) -> dict[str, Any] | None:
+    """This run as a report in `paths` already holds it (the same overrides, `common.effective`, its whole
+    budget), so a run is trained once and reported by both, e.g. time_to_score's MuJoCo runs; None when none
+    does. A `learning_<suite>.json` there is this benchmark's own sitting (`--seed-list` side by side): its
+    run is marked with the sitting's path, another benchmark's with its file name (`run_by`). An evaluated
+    run (`evaluate`) is taken only with its evaluations."""
     for path in paths:
         for r in json.loads(path.read_text()).get("runs", []) if path.is_file() else []:
+            same = common.effective(r.get("overrides") or []) == common.effective(overrides)
             if (
-                same_overrides(r.get("overrides") or [], overrides, evaluate)
+                same
                 and not r.get("stopped")
                 and r.get("curve")
+                and (not evaluate or "final_eval_return" in r)
             ):
-                if evaluate and "final_eval_return" not in r:
-                    continue
-                return {"env": task.env, "variant": variant, "seed": seed, "overrides": overrides,
-                        "commit": r["commit"], "total_env_steps": r["total_env_steps"],
-                        "final_mean_return": r["final_mean_return"], "wall_seconds": r["wall_seconds"],
-                        "sps": r["sps"], "curve": thin(r["curve"]),
-                        **({"machine": r["machine"]} if r.get("machine") else {}),
-                        **{k: r[k] for k in EVALUATED_FIELDS if evaluate and k in r},
-                        **({"sitting": str(path)} if path.name.startswith("learning_") else {"run_by": path.name})}  # fmt: skip
+                by = {"sitting": str(path)} if path.name.startswith("learning_") else {"run_by": path.name}
+                kept = {k: v for k, v in r.items() if k not in ("env", "variant", "seed", "workload", "load")}
+                return {**kept, "overrides": overrides, "curve": common.thin(r["curve"], 200), **by}
     return None
 
 
@@ -392,11 +279,13 @@ def plot(suite: str, report: dict[str, Any], path: Path) -> None:
     (`<name>_profile.png`) the performance profiles of the final scores over seeds, one panel per env."""
     envs = [t.env for t in SUITES[suite] if any(r["env"] == t.env for r in report["runs"])]
     variants = tuple(variants_of(suite))
-    if suite in EVALUATED:
-        runs = [{**r, "curve": r.get("eval_curve") or []} for r in report["runs"]]
-        common.plot_curves(runs, "env", envs, variants, 0, "env steps", path, ylabel="final evaluation score")
-    else:
-        common.plot_curves(report["runs"], "env", envs, variants, 0, "env steps", path)
+    runs = (
+        [{**r, "curve": r.get("eval_curve") or []} for r in report["runs"]]
+        if suite in EVALUATED
+        else report["runs"]
+    )
+    ylabel = "final evaluation score" if suite in EVALUATED else "mean return, last 20 episodes"
+    common.plot_curves(runs, "env", envs, variants, 0, path, ylabel=ylabel)
     stats.plot_profiles(report["runs"], "env", path.with_name(f"{path.stem}_profile.png"), tasks=envs,
                         variants=list(variants))  # fmt: skip
 
@@ -407,18 +296,10 @@ def main() -> None:
     parser.add_argument("--envs", nargs="+", default=None, help="a subset of the suite's envs (tasks)")
     parser.add_argument("--variants", nargs="+", default=None,
                         help="the suite's variants to run (default: coupled, or every model the suite compares)")  # fmt: skip
-    parser.add_argument("--seeds", type=int, default=5, help="seeds 1..N")
-    parser.add_argument("--seed-list", nargs="+", type=int, default=None,
-                        help="these seeds instead of 1..N: held-out seeds, or one seed per sitting when "
-                        "sittings run side by side (each with its own --out; gather them with --reuse)")  # fmt: skip
-    parser.add_argument("--steps", type=int, default=None, help="env steps per run (default: the recipe's)")
-    parser.add_argument("--eval", action="store_true", help="evaluate during training (eval.every=auto, 10 "
-                        "episodes); the IQM table ranks the final evaluation return")  # fmt: skip
-    parser.add_argument("--force", action="store_true", help="re-run runs already in the results")
+    common.sweep_arguments(parser, seeds=5)
     parser.add_argument("--keep-runs", type=Path, default=None, metavar="DIR",
                         help="keep each run's folder under DIR, checkpointed every 10 minutes; the same "
                         "command given again resumes an unfinished run (a budget longer than a sitting)")  # fmt: skip
-    parser.add_argument("--out", type=Path, default=RESULTS)
     parser.add_argument("--reuse", nargs="*", type=Path, default=None,
                         help="reports whose runs with the same overrides are taken instead of training again "
                         "(default: time_to_score.json, none with --force; none: --reuse with no path)")  # fmt: skip
@@ -427,8 +308,7 @@ def main() -> None:
     args = parser.parse_args()
     if args.reuse is None:  # --force trains again: it does not take another report's runs unless told to
         args.reuse = [] if args.force else [RESULTS / "time_to_score.json"]
-    extra = tuple(args.extra)
-    if extra and args.out.resolve() == RESULTS.resolve():
+    if args.extra and args.out.resolve() == RESULTS.resolve():
         parser.error("overrides after -- change the recipe: write their runs elsewhere with --out DIR")
     known = variants_of(args.suite)
     chosen = args.variants or (list(known) if args.suite in SUITE_VARIANTS else ["coupled"])
@@ -436,36 +316,35 @@ def main() -> None:
         parser.error(
             f"the {args.suite} suite's variants are {list(known)}, not {sorted(set(chosen) - set(known))}"
         )
-    tasks = [t for t in SUITES[args.suite] if args.envs is None or t.env in args.envs]
-    unknown = set(args.envs or ()) - {t.env for t in SUITES[args.suite]}
-    if unknown:
+    if unknown := set(args.envs or ()) - {t.env for t in SUITES[args.suite]}:
         raise SystemExit(f"not in the {args.suite} suite: {sorted(unknown)}")
+    tasks = {t.env: t for t in SUITES[args.suite] if args.envs is None or t.env in args.envs}
     evaluate = args.eval or args.suite in EVALUATED
     name = f"learning_{args.suite}"
-    path = args.out / f"{name}.json"
-    report = common.load_report(path, {"suite": args.suite, "runs": []}, ("env", "variant", "seed"))
-    if report.get("extra", []) != list(extra) and report["runs"]:
-        parser.error(f"{path} holds runs with the overrides {report.get('extra', [])}, not {list(extra)}")
-    report["machine"], report["extra"] = common.machine(), list(extra)
+    report = common.load_report(
+        args.out / f"{name}.json", {"suite": args.suite, "runs": []}, ("env", "variant", "seed")
+    )
+    if report.get("extra", []) != args.extra and report["runs"]:
+        parser.error(
+            f"{args.out / name}.json holds runs with the overrides {report.get('extra', [])}, not {args.extra}"
+        )
+    report["machine"], report["extra"] = common.machine(), args.extra
     command = common.command_line(__file__)
+
+    def run(env: str, variant: str, seed: int) -> dict[str, Any]:
+        task = tasks[env]
+        o = common.overrides(task.overrides, known[variant], seed, args.steps, evaluate, args.extra)
+        return reused(o, args.reuse, evaluate) or run_record(
+            task, o, args.keep_runs, env=env, variant=variant, seed=seed
+        )
+
+    def write(report: dict[str, Any]) -> None:
+        common.write_report(args.out, name, report, markdown(args.suite, report, command))
+        plot(args.suite, report, args.out / f"{name}.png")
+
     seeds = args.seed_list or range(1, args.seeds + 1)
-    for seed in seeds:  # seed-major: a partial sitting covers every env
-        for task in tasks:
-            for variant in chosen:
-                done = common.runs_to_replace(report, args.force, env=task.env, variant=variant, seed=seed)
-                if done is None:
-                    continue
-                reused = reused_record(
-                    task, variant, seed, args.steps, args.reuse, extra, evaluate, args.suite
-                )
-                r = reused or run_record(
-                    task, variant, seed, args.steps, extra, evaluate, args.suite, args.keep_runs
-                )
-                common.replace_runs(report, done, r)
-                print(f"{task.env} {variant} seed {seed}: final {r['final_mean_return']}, "
-                      f"{r['wall_seconds']:.0f} s", flush=True)  # fmt: skip
-                common.write_report(args.out, name, report, markdown(args.suite, report, command))
-                plot(args.suite, report, args.out / f"{name}.png")
+    cells = ({"env": env, "variant": v, "seed": seed} for seed in seeds for env in tasks for v in chosen)
+    common.sweep(report, cells, args.force, run, write)
 
 
 if __name__ == "__main__":

@@ -1,43 +1,15 @@
-"""Wall-clock to a score, side by side: ppo-fabric coupled, ppo-fabric decoupled pipelined and SB3's PPO.
+"""Wall-clock to a score, side by side: ppo-fabric's layouts (`common.LAYOUTS`) and Stable-Baselines3's PPO.
 
-The figure the decoupled design exists for: on this machine, in one sitting, how long until the mean return
-of the last 20 episodes first reaches a threshold near the published score. Each (workload, variant, seed)
-is one run in a fresh process, one at a time:
+How long until the mean return of the last 20 episodes first reaches a threshold near the published score,
+on this machine, in one sitting: one run per (workload, variant, seed), seed-major, each in a fresh process;
+the runs accumulate in `<out>/<name>.{json,md,png}` (a run already there is skipped unless `--force`). The
+workloads, the variants and the figures: benchmarks/README.md, "time_to_score.py".
 
-| variant | what runs |
-|---|---|
-| `coupled` | `python -m ppo_fabric <workload> strategy=coupled fabric.devices=1` (1 process) |
-| `pipelined` | `... strategy=decoupled fabric.devices=2 algo.players=1 algo.pipeline=true` (1 player + 1 trainer) |
-| `sb3` | Stable-Baselines3 `PPO` configured from the same composed config (`sb3_baseline.sb3_settings`), 1 process |
-| `synchronous`, `pipelined_1_2`, `synchronous_1_2` | the other layouts of `common.LAYOUTS` (1+1 without the pipeline, 1 player + 2 trainers) |
-
-Workloads (threshold): `cartpole` (`exp=cleanrl_cartpole`, CleanRL's workload at 200k steps, 475: the
-throughput comparison, each variant's median SPS against SB3's under its table), `fast` (`exp=fast`, the
-high-throughput recipe, 475), `default` (the default config: CartPole-v1 with RL-Zoo's values, 475: does it
-solve in every layout), `lunarlander` (`env=lunarlander`, 200), `pendulum` (`env=pendulum`, -200: a policy
-that swings up and balances from every start), `halfcheetah` (`exp=mujoco`, 1500),
-`hopper` (`exp=mujoco env.id=Hopper-v5`, 2000), `breakout` (`exp=minatar`, 12: below the 15 the recipe reached
-at 5M on seed 1, with no published PPO figure at that budget; SB3's features extractor there is ppo-fabric's
-own `GridCNN`, as SB3's CNN needs 36x36 frames). SB3 gets the recipe's normalisation through `VecNormalize`
-(observations and rewards, both clipped at 10, as ppo-fabric's). Wall time: ppo-fabric's `time/wall_s` (since the run started, start-up of
-the interpreter excluded) and, for SB3, seconds since the env was built, read at the end of each rollout.
-Results accumulate in `<out>/time_to_score.json` keyed by (workload, variant, seed): a run already there is
-skipped (`--force` re-runs), so a sitting can be split; timings compare only within one sitting on an idle
-machine, which the report's load column shows.
-
-    python -m benchmarks time_to_score --workloads lunarlander --seeds 3
-    python -m benchmarks time_to_score --workloads halfcheetah hopper --seeds 3 --sb3-stop --sb3-cap 900
-    python -m benchmarks time_to_score --workloads default --seeds 1 --variants coupled pipelined synchronous \
-        pipelined_1_2 synchronous_1_2 --name cartpole_solve         # a report of its own: results/NAME.*
-
-`--sb3-stop` ends an SB3 run once it reaches the threshold and `--sb3-cap S` after S seconds (a full SB3
-MuJoCo run takes ~15 minutes on 2 cores); such runs show their time to the threshold, not a final return.
-    python -m benchmarks time_to_score --workloads lunarlander --seeds 1 --steps 20000 --out /tmp/tts   # smoke
+    python -m benchmarks time_to_score --workloads cartpole --variants coupled sb3 --steps 8192 --out /tmp/t
 """
 
 from __future__ import annotations
 
-import argparse
 import os
 import statistics
 import sys
@@ -48,7 +20,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402
 import sb3_baseline  # noqa: E402
 import stats  # noqa: E402
-from common import RESULTS, run_once  # noqa: E402
+from common import run_once  # noqa: E402
 
 WORKLOADS: dict[str, tuple[list[str], float]] = {
     "cartpole": (["exp=cleanrl_cartpole"], 475.0),  # CleanRL's workload, 200k steps: the SPS comparison
@@ -60,11 +32,8 @@ WORKLOADS: dict[str, tuple[list[str], float]] = {
     "hopper": (["exp=mujoco", "env.id=Hopper-v5"], 2000.0),
     "breakout": (["exp=minatar"], 12.0),
 }
-VARIANTS: dict[str, list[str]] = {**{name: list(o) for name, o in common.LAYOUTS.items()}, "sb3": []}
+VARIANTS: dict[str, tuple[str, ...]] = {**common.LAYOUTS, "sb3": ()}  # sb3: sb3_baseline.sb3_settings
 DEFAULT_VARIANTS = ["coupled", "pipelined", "sb3"]  # what --variants runs unless told
-
-
-EVALUATION = common.EVALUATION
 
 
 def run_record(
@@ -72,32 +41,19 @@ def run_record(
     variant: str,
     seed: int,
     steps: int | None,
-    sb3_stop: bool = False,
-    sb3_cap: float | None = None,
-    variants: dict[str, list[str]] = VARIANTS,
-    evaluate: bool = False,
+    sb3_stop: bool,
+    sb3_cap: float | None,
+    evaluate: bool,
 ) -> dict[str, Any]:
+    """One run's record (`common.record`) and the 1-minute load average before and after it."""
     base, threshold = WORKLOADS[workload]
-    overrides = [*base, *variants[variant], f"seed={seed}", *([f"algo.total_steps={steps}"] if steps else [])]
-    if evaluate and variant != "sb3":
-        overrides += EVALUATION
+    overrides = common.overrides(base, VARIANTS[variant], seed, steps, evaluate and variant != "sb3")
     load_before = os.getloadavg()[0]
-    commit = common.git_commit()  # the code the run starts with (a sitting outlasts commits made beside it)
     if variant == "sb3":
-        s = sb3_baseline.run(overrides, seed, threshold if sb3_stop else None, sb3_cap)
+        train = lambda: sb3_baseline.run(overrides, seed, threshold if sb3_stop else None, sb3_cap)  # noqa: E731
     else:
-        s = run_once(overrides, threshold, curve=True)
-    meta = {"workload": workload, "variant": variant, "seed": seed, "overrides": overrides}
-    figures = common.threshold_figures(s, threshold)
-    stopped = {"stopped": s["stopped"]} if s.get("stopped") else {}
-    return {
-        **meta,
-        "commit": commit,
-        "machine": common.machine()["cpu"],  # each run's own: a report gathers sittings of several machines
-        **figures,
-        **stopped,
-        "load": [load_before, os.getloadavg()[0]],
-    }
+        train = lambda: run_once(overrides, curve=True)  # noqa: E731
+    return {**common.record(overrides, train, threshold), "load": [load_before, os.getloadavg()[0]]}
 
 
 def markdown(report: dict[str, Any], command: str, name: str = "time_to_score") -> str:
@@ -115,7 +71,9 @@ def markdown(report: dict[str, Any], command: str, name: str = "time_to_score") 
     ]
     if evaluated:
         lines += [
-            "Evaluated during training (`" + " ".join(EVALUATION) + "`): final eval is the mean return of 10 "
+            "Evaluated during training (`"
+            + " ".join(common.EVALUATION)
+            + "`): final eval is the mean return of 10 "
             "deterministic episodes on envs of their own at the run's last update, best eval the best of its "
             "~16 evaluations (mean ± std over seeds); wall s at the threshold leaves out the time spent "
             "evaluating before it.",
@@ -217,66 +175,42 @@ def evaluation_cells(rows: list[dict[str, Any]], threshold: float) -> str:
     )
 
 
-def candidate(text: str) -> tuple[str, list[str]]:
-    """`NAME=BASE:override,override`: a variant that runs the layout `BASE` with these overrides."""
-    name, _, rest = text.partition("=")
-    base, _, overrides = rest.partition(":")
-    if not name or name in VARIANTS or base not in common.LAYOUTS:
-        raise argparse.ArgumentTypeError(
-            f"--candidate {text!r}: NAME=LAYOUT:override,... (LAYOUT of {', '.join(common.LAYOUTS)})"
-        )
-    return name, [*VARIANTS[base], *(o for o in overrides.split(",") if o)]
-
-
 def main() -> None:
     parser = common.argument_parser(__doc__)
     parser.add_argument("--workloads", nargs="+", choices=list(WORKLOADS), default=["lunarlander"])
-    parser.add_argument("--variants", nargs="+", default=DEFAULT_VARIANTS, help=f"of {', '.join(VARIANTS)} "
-                        "and the --candidate names (default: coupled pipelined sb3)")  # fmt: skip
-    parser.add_argument("--seeds", type=int, default=3, help="seeds FIRST..N")
-    parser.add_argument("--first-seed", type=int, default=1)
-    parser.add_argument("--eval", action="store_true", help="evaluate during training; report its returns")
+    parser.add_argument("--variants", nargs="+", choices=list(VARIANTS), default=DEFAULT_VARIANTS)
+    common.sweep_arguments(parser, seeds=3)
     parser.add_argument("--name", default="time_to_score", help="the report's file name (results/NAME.json)")
-    parser.add_argument("--candidate", type=candidate, action="append", default=[],
-                        help="NAME=coupled|pipelined:override,...: another variant (repeatable)")  # fmt: skip
-    parser.add_argument("--steps", type=int, default=None, help="env steps per run (default: the recipe's)")
-    parser.add_argument("--force", action="store_true", help="re-run runs already in the results")
     parser.add_argument("--sb3-stop", action="store_true", help="SB3 runs stop once they reach the threshold")
     parser.add_argument("--sb3-cap", type=float, default=None, help="SB3 runs stop after this many seconds")
-    parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args()
-    variants = VARIANTS | dict(args.candidate)
-    if unknown := [v for v in args.variants if v not in variants]:
-        parser.error(f"unknown variants {unknown}: of {list(variants)}")
-    path = args.out / f"{args.name}.json"
-    report = common.load_report(path, {"runs": []}, ("workload", "variant", "seed"))
+    report = common.load_report(args.out / f"{args.name}.json", {"runs": []}, ("workload", "variant", "seed"))
     report["machine"] = common.machine()
     command = common.command_line(__file__)
-    if args.first_seed > args.seeds:
-        parser.error(f"--first-seed {args.first_seed} --seeds {args.seeds}: no seed to run (seeds FIRST..N)")
-    for seed in range(args.first_seed, args.seeds + 1):  # seed-major, the variants alternating within a seed
-        for workload in args.workloads:
-            for variant in args.variants:
-                done = common.runs_to_replace(
-                    report, args.force, workload=workload, variant=variant, seed=seed
-                )
-                if done is None:
-                    continue
-                r = run_record(
-                    workload, variant, seed, args.steps, args.sb3_stop, args.sb3_cap, variants, args.eval
-                )
-                common.replace_runs(report, done, r)
-                print(f"{workload} {variant} seed {seed}: wall at {r['threshold']:g}: {r['wall_at_threshold']}, "
-                      f"final {r['final_mean_return']}, {r['wall_seconds']:.0f} s", flush=True)  # fmt: skip
-                common.write_report(args.out, args.name, report, markdown(report, command, args.name))
-                workloads = [w for w in WORKLOADS if any(x["workload"] == w for x in report["runs"])]
-                thresholds = {w: t for w, (_, t) in WORKLOADS.items()}
-                common.plot_curves(report["runs"], "workload", workloads, tuple(variants), 1, "wall time (s)",
-                                   args.out / f"{args.name}.png", thresholds)  # fmt: skip
-                stats.plot_profiles(report["runs"], "workload", args.out / f"{args.name}_profile.png",
-                                    tasks=workloads, variants=list(variants))  # fmt: skip
-    if report["runs"]:  # every run done already: the report as today's code writes it
+
+    def run(workload: str, variant: str, seed: int) -> dict[str, Any]:
+        return run_record(workload, variant, seed, args.steps, args.sb3_stop, args.sb3_cap, args.eval)
+
+    def write(report: dict[str, Any]) -> None:
         common.write_report(args.out, args.name, report, markdown(report, command, args.name))
+        workloads = [w for w in WORKLOADS if any(x["workload"] == w for x in report["runs"])]
+        thresholds = {w: t for w, (_, t) in WORKLOADS.items()}
+        variants = tuple(
+            dict.fromkeys([*VARIANTS, *(r["variant"] for r in report["runs"])])
+        )  # and retired ones
+        common.plot_curves(report["runs"], "workload", workloads, variants, 1, args.out / f"{args.name}.png",
+                           thresholds)  # fmt: skip
+        stats.plot_profiles(report["runs"], "workload", args.out / f"{args.name}_profile.png", tasks=workloads,
+                            variants=list(variants))  # fmt: skip
+
+    seeds = args.seed_list or range(1, args.seeds + 1)  # the variants alternate within a seed
+    cells = (
+        {"workload": w, "variant": v, "seed": seed}
+        for seed in seeds
+        for w in args.workloads
+        for v in args.variants
+    )
+    common.sweep(report, cells, args.force, run, write)
 
 
 if __name__ == "__main__":

@@ -23,36 +23,45 @@ def test_learning_takes_a_run_with_the_same_overrides(
 ) -> None:
     learning = _script(monkeypatch, "learning")
     task = learning.SUITES["mujoco"][1]  # Hopper-v5
-    same = [*task.overrides, *learning.LAYOUTS["pipelined"], "seed=2"]
+    layouts = learning.common.LAYOUTS
+
+    def ours(seed: int = 2, steps: int | None = None, evaluate: bool = False) -> list[str]:
+        return learning.common.overrides(task.overrides, layouts["pipelined"], seed, steps, evaluate)
+
+    same = [*task.overrides, *layouts["pipelined"], "seed=2"]
+    assert ours() == same
     report = tmp_path / "time_to_score.json"
     report.write_text(json.dumps({"runs": [
-        _tts_run([*task.overrides, *learning.LAYOUTS["coupled"], "seed=2"]),  # another variant
-        _tts_run([*task.overrides, *learning.LAYOUTS["pipelined"], "seed=3"]),  # another seed
-        _tts_run(same),
+        _tts_run([*task.overrides, *layouts["coupled"], "seed=2"]),  # another variant
+        _tts_run([*task.overrides, *layouts["pipelined"], "seed=3"]),  # another seed
+        _tts_run(same, workload="hopper", load=[1.0, 1.0]),
     ]}))  # fmt: skip
-    r = learning.reused_record(task, "pipelined", 2, None, [report, tmp_path / "missing.json"])
-    assert r is not None and (r["env"], r["variant"], r["seed"], r["run_by"]) == ("Hopper-v5", "pipelined", 2,
-                                                                                  "time_to_score.json")  # fmt: skip
+    r = learning.reused(ours(), [report, tmp_path / "missing.json"], False)
+    assert r is not None and r["run_by"] == "time_to_score.json" and "workload" not in r and "load" not in r
     assert r["final_mean_return"] == 1800.0 and r["overrides"] == same and r["commit"] == "abc1234"
-    assert learning.reused_record(task, "pipelined", 1, None, [report]) is None
-    assert learning.reused_record(task, "pipelined", 2, 50_000, [report]) is None  # another budget
+    assert learning.reused(ours(seed=1), [report], False) is None
+    assert learning.reused(ours(steps=50_000), [report], False) is None  # another budget
     report.write_text(json.dumps({"runs": [_tts_run(same, stopped="threshold")]}))
-    assert learning.reused_record(task, "pipelined", 2, None, [report]) is None  # never reached its budget
+    assert learning.reused(ours(), [report], False) is None  # never reached its budget
     sitting = tmp_path / "s2" / "learning_mujoco.json"  # a --seed-list sitting of this benchmark, gathered
     sitting.parent.mkdir()
     sitting.write_text(json.dumps({"runs": [_tts_run(same)]}))
-    r = learning.reused_record(task, "pipelined", 2, None, [sitting])
+    r = learning.reused(ours(), [sitting], False)
     assert r is not None and r["sitting"] == str(sitting) and "run_by" not in r
     # an evaluated sitting (--eval): gathered with its evaluations; a run that was not evaluated is not
-    evaluated = [*learning.common.EVALUATION, *same]
+    evaluated = ours(evaluate=True)
+    assert evaluated == [*learning.common.EVALUATION, *same]
     evals = {"final_eval_return": 2100.0, "best_eval_return": 2200.0, "eval_curve": [[1_001_472, 140.0, 2100.0]],
              "final_eval": {"eval/return_mean": 2100.0}}  # fmt: skip
     sitting.write_text(json.dumps({"runs": [_tts_run(same), _tts_run(evaluated, **evals)]}))
-    r = learning.reused_record(task, "pipelined", 2, None, [sitting], evaluate=True)
+    r = learning.reused(evaluated, [sitting], True)
     assert r is not None and r["overrides"] == evaluated and {k: r[k] for k in evals} == evals
-    assert "final_eval_return" not in learning.reused_record(task, "pipelined", 2, None, [sitting])
+    assert "final_eval_return" not in learning.reused(ours(), [sitting], False)
     sitting.write_text(json.dumps({"runs": [_tts_run(evaluated)]}))  # its evaluations lost: train it again
-    assert learning.reused_record(task, "pipelined", 2, None, [sitting], evaluate=True) is None
+    assert learning.reused(evaluated, [sitting], True) is None
+    # time_to_score's records before 2026-12 put the evaluation's overrides last: the same run
+    report.write_text(json.dumps({"runs": [_tts_run([*same, *learning.common.EVALUATION], **evals)]}))
+    assert learning.reused(evaluated, [report], True) is not None
 
 
 def test_a_suite_scored_by_evaluation_ranks_its_metric_and_shows_the_others(
@@ -81,7 +90,11 @@ def test_a_suite_scored_by_evaluation_ranks_its_metric_and_shows_the_others(
     curve_of = {"eval/score": curve}
     monkeypatch.setattr(learning, "run_once", run_once)
     task = learning.task_named("connect_four_v3")
-    r = learning.run_record(task, "coupled", 1, None, evaluate=True, suite="games")
+    overrides = learning.common.overrides(
+        task.overrides, learning.variants_of("games")["coupled"], 1, None, True
+    )
+    key = {"env": task.env, "variant": "coupled", "seed": 1}
+    r = {**key, **learning.run_record(task, overrides, **key)}  # the sweep puts the key first
     (overrides,) = seen
     assert overrides.index("eval.episodes=100") > overrides.index("eval.episodes=10"), "the task's own wins"
     assert r["final_eval_return"] == 0.55 and r["best_eval_return"] == 0.55 and r["final_eval"] == final
@@ -110,12 +123,14 @@ def test_a_kept_learning_run_has_a_folder_of_its_own_and_reports_the_whole_run(
 
     monkeypatch.setattr(learning, "run_once", run_once)
     task = learning.task_named("CartPole-v1/velocities-zeroed")
-    r = learning.run_record(task, "lstm", 3, None, suite="recurrent", keep=tmp_path)
+    key = {"env": task.env, "variant": "lstm", "seed": 3}
+    base = learning.common.overrides(task.overrides, learning.variants_of("recurrent")["lstm"], 3, None, True)
+    r = learning.run_record(task, base, tmp_path, **key)
     ((overrides, run_dir),) = given
     assert run_dir == tmp_path / "CartPole-v1_velocities-zeroed_lstm_seed3"
     assert overrides[-1] == "checkpoint.every_minutes=10" and r["overrides"] == overrides
     assert (r["wall_seconds"], r["sps"]) == (60.0, 100.0), "the whole run's, not the last sitting's"
-    learning.run_record(task, "lstm", 3, None, suite="recurrent")
+    learning.run_record(task, base, **key)
     assert given[-1][1] is None and "checkpoint.every_minutes=10" not in given[-1][0]
 
 
@@ -185,8 +200,9 @@ def test_atari_to_score_runs_gpu_strategies_layout_and_reports_the_threshold(
     summary = {"curve": [[1000, 10.0, -21.0], [2000, 20.0, 18.5], [3000, 30.0, 17.0]], "total_env_steps": 3000,
                "final_mean_return": 17.0, "wall_seconds": 30.0, "sps": 100.0, "sps_steady": 110.0,
                "process_seconds": 75.0, "time_split": {"collect": 20.0, "train": 9.0}}  # fmt: skip
+    figures = ats.common.threshold_figures
     row = {"env_id": "ALE/Pong-v5", "layout": "coupled-gpu", "seed": 1, "overrides": ["x"], "commit": "abc1234",
-           "gpu": "H100", **ats.record(summary, 18.0)}  # fmt: skip
+           "gpu": "H100", **figures(summary, 18.0), **ats.record(summary)}  # fmt: skip
     assert (row["step_at_threshold"], row["wall_at_threshold"], row["best_mean_return"]) == (2000, 20.0, 18.5)
     md = ats.markdown({"runs": [row], "machine": {"cpu": "x", "cores": 16, "torch": "t", "python": "3"},
                        "gpus": [{"name": "H100"}], "command": "cmd"})  # fmt: skip
@@ -194,25 +210,34 @@ def test_atari_to_score_runs_gpu_strategies_layout_and_reports_the_threshold(
         "| ALE/Pong-v5 | coupled-gpu | 1 | 3,000 | 18 | 2,000 | 20 | 17.0 | 18.5 | off | 110 | 45 | H100 | abc1234 |"
         in md
     )
-    never = ats.markdown({"runs": [{**row, **ats.record({**summary, "curve": summary["curve"][:1]}, 18.0)}],
+    never = ats.markdown({"runs": [{**row, **figures({**summary, "curve": summary["curve"][:1]}, 18.0)}],
                           "machine": {"cpu": "x", "cores": 2, "torch": "t", "python": "3"}, "command": "c"})  # fmt: skip
     assert "| 18 | never | never |" in never and "GPU none (dry run)" in never
     # --eval: the row shows the return of the run's last evaluation
-    evaluated = ats.record({**summary, "eval_curve": [[1000, 10.0, 5.0, 1.0], [3000, 30.0, 19.5, 1.0]]}, 18.0)
+    evaluated = figures({**summary, "eval_curve": [[1000, 10.0, 5.0, 1.0], [3000, 30.0, 19.5, 1.0]]}, 18.0)
     md = ats.markdown({"runs": [{**row, **evaluated}], "machine": {"cpu": "x", "cores": 2, "torch": "t",
                        "python": "3"}, "command": "c"})  # fmt: skip
     assert "| 17.0 | 18.5 | 19.5 | 110 |" in md
     # a run continued over commands (--run-dir): the whole run's wall time, the last command's start-up
-    resumed = ats.record({**summary, "total_wall_seconds": 90.0, "wall_seconds": 50.0}, 18.0, commands=2)
+    whole = {**summary, "total_wall_seconds": 90.0, "wall_seconds": 50.0}
+    resumed = {**figures(whole, 18.0), **ats.record(whole, commands=2)}
     assert (resumed["wall_seconds"], resumed["command_wall_seconds"], resumed["commands"]) == (90.0, 50.0, 2)
     md = ats.markdown({"runs": [{**row, **resumed}], "machine": {"cpu": "x", "cores": 16, "torch": "t",
                        "python": "3"}, "command": "cmd"})  # fmt: skip
     assert "| coupled-gpu (2 commands, resumed) | 1 |" in md and "| 110 | 25 | H100 | abc1234 |" in md
-    # a labelled variant of the layout is its own row; a rerun with the same label replaces it
+    # a labelled variant of the layout is its own row; a rerun with the same label replaces it, and a row
+    # written before labels existed counts as unlabelled
     labelled = {**row, "label": "rollout32", "overrides": ["y"]}
-    runs = ats.merged([row], labelled)
-    assert runs == [row, labelled] and ats.merged(runs, {**labelled, "commit": "def5678"})[0] == row
-    assert ats.merged(runs, {**row, "label": ""}) == [labelled, {**row, "label": ""}]
+    key = ("env_id", "layout", "label", "seed")
+
+    def rerun(runs: list[dict], new: dict) -> list[dict]:
+        report = {"runs": list(runs)}
+        ats.common.sweep(report, [{k: new.get(k, "") for k in key}], True, lambda **_: new, lambda _: None)
+        return report["runs"]
+
+    runs = rerun([row], labelled)
+    assert runs == [row, labelled] and rerun(runs, {**labelled, "commit": "def5678"})[0] == row
+    assert rerun(runs, {**row, "label": ""}) == [labelled, {**row, "label": ""}]
     md = ats.markdown({"runs": runs, "machine": {"cpu": "x", "cores": 16, "torch": "t", "python": "3"},
                        "gpus": [{"name": "H100"}], "command": "cmd"})  # fmt: skip
     assert (
@@ -252,18 +277,15 @@ def test_a_kept_run_continues_in_the_next_command(monkeypatch: pytest.MonkeyPatc
     assert stopped["wall_seconds"] == pytest.approx(second["total_wall_seconds"], abs=0.5)
 
 
-def test_an_evaluated_run_is_found_wherever_its_evaluation_overrides_stand(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    """time_to_score's parity runs end with the evaluation's overrides, learning's begin with them: the same
-    run; without evaluation, or with another value anywhere, not."""
-    learning = _script(monkeypatch, "learning")
-    ev = learning.common.EVALUATION
-    base = ["exp=mujoco", "strategy=coupled", "seed=1"]
-    assert learning.same_overrides([*base, *ev], [*ev, *base], evaluate=True)
-    assert not learning.same_overrides([*base, *ev], [*ev, *base], evaluate=False)
-    assert not learning.same_overrides([*base, *ev], [*ev, *base[:2], "seed=2"], evaluate=True)
-    assert not learning.same_overrides(base, [*ev, *base], evaluate=True)  # that run was not evaluated
+def test_overrides_that_set_the_same_are_the_same_run(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Older time_to_score records end with the evaluation's overrides, learning's begin with them: the same
+    run; without evaluation, or with another value anywhere, not; a key set twice keeps its last value."""
+    common = _script(monkeypatch, "common")
+    ev, base = common.EVALUATION, ["exp=mujoco", "strategy=coupled", "seed=1"]
+    assert common.effective([*base, *ev]) == common.effective([*ev, *base])
+    assert common.effective([*base, *ev]) != common.effective([*ev, *base[:2], "seed=2"])
+    assert common.effective(base) != common.effective([*ev, *base])  # that run was not evaluated
+    assert common.effective(["eval.episodes=10", "eval.episodes=100"]) == {"eval.episodes": "100"}
 
 
 def test_a_report_of_another_scripts_format_is_replaced_not_a_crash(
