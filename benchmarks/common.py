@@ -14,7 +14,8 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
+from itertools import product
 from pathlib import Path
 from typing import Any
 
@@ -383,6 +384,22 @@ def sweep_arguments(parser: argparse.ArgumentParser, seeds: int) -> None:
                         "episodes); the IQM table ranks the final evaluation return")  # fmt: skip
     parser.add_argument("--force", action="store_true", help="re-run runs already in the results")
     parser.add_argument("--out", type=Path, default=RESULTS)
+
+
+def cells(args: argparse.Namespace, **axes: Iterable[Any]) -> Iterator[dict[str, Any]]:
+    """Every run's key, seed-major (a sitting cut short still covers every task and variant): `--seed-list`,
+    else seeds 1..`--seeds`, each with every combination of the axes, in their order."""
+    for seed in args.seed_list or range(1, args.seeds + 1):
+        yield from (
+            {**dict(zip(axes, values, strict=True)), "seed": seed} for values in product(*axes.values())
+        )
+
+
+def footer(runs: list[dict[str, Any]], name: str, command: str, plot: str) -> list[str]:
+    """A report's last lines: the commits of its runs, the last sitting's command, its plot."""
+    commits = ", ".join(sorted({r["commit"] for r in runs}))
+    return [f"Commits of the runs: {commits} (each run's own is in `{name}.json`). The last sitting: `{command}`.",
+            "", f"![{plot}]({name}.png)", ""]  # fmt: skip
 
 
 def sweep(

@@ -232,7 +232,6 @@ def markdown(suite: str, report: dict[str, Any], command: str) -> str:
                 + (f" {common.mean_std(evals)} ({len(evals)}) |" if any_eval else "")
             )
     sources = sorted({t.source for t in SUITES[suite] if any(r["env"] == t.env for r in runs)})
-    commits = sorted({r["commit"] for r in runs})
     if report.get("extra"):
         lines += ["", f"Every run here adds `{' '.join(report['extra'])}` to its recipe: the recipe changed, not "
                   "the suite's own rows (those are in `benchmarks/results/`)."]  # fmt: skip
@@ -263,14 +262,8 @@ def markdown(suite: str, report: dict[str, Any], command: str) -> str:
                                         score=lambda r: None if r.get("stopped") else r.get("final_mean_return"))  # fmt: skip
         lines += ["## Every run's final training return (last 20 episodes, as CleanRL reports)", "",
                   *training[:-1], ""]  # fmt: skip
-    lines += [
-        f"Commits of the runs: {', '.join(commits)} (each run's own is in `learning_{suite}.json`). The last "
-        f"sitting: `{command}`.",
-        "",
-        f"![{'the evaluation' if suite in EVALUATED else 'mean return'} against env steps](learning_{suite}.png)",
-        "",
-    ]
-    return "\n".join(lines)
+    plot = f"{'the evaluation' if suite in EVALUATED else 'mean return'} against env steps"
+    return "\n".join([*lines, *common.footer(runs, f"learning_{suite}", command, plot)])
 
 
 def plot(suite: str, report: dict[str, Any], path: Path) -> None:
@@ -342,9 +335,7 @@ def main() -> None:
         common.write_report(args.out, name, report, markdown(args.suite, report, command))
         plot(args.suite, report, args.out / f"{name}.png")
 
-    seeds = args.seed_list or range(1, args.seeds + 1)
-    cells = ({"env": env, "variant": v, "seed": seed} for seed in seeds for env in tasks for v in chosen)
-    common.sweep(report, cells, args.force, run, write)
+    common.sweep(report, common.cells(args, env=tasks, variant=chosen), args.force, run, write)
 
 
 if __name__ == "__main__":

@@ -70,15 +70,10 @@ def markdown(report: dict[str, Any], command: str, name: str = "time_to_score") 
         "",
     ]
     if evaluated:
-        lines += [
-            "Evaluated during training (`"
-            + " ".join(common.EVALUATION)
-            + "`): final eval is the mean return of 10 "
-            "deterministic episodes on envs of their own at the run's last update, best eval the best of its "
-            "~16 evaluations (mean ± std over seeds); wall s at the threshold leaves out the time spent "
-            "evaluating before it.",
-            "",
-        ]
+        lines += [f"Evaluated during training (`{' '.join(common.EVALUATION)}`): final eval is the mean return of 10 "
+                  "deterministic episodes on envs of their own at the run's last update, best eval the best of its "
+                  "~16 evaluations (mean ± std over seeds); wall s at the threshold leaves out the time spent "
+                  "evaluating before it.", ""]  # fmt: skip
     for workload, (_, threshold) in WORKLOADS.items():
         mine = [r for r in runs if r["workload"] == workload]
         if not mine:
@@ -99,12 +94,8 @@ def markdown(report: dict[str, Any], command: str, name: str = "time_to_score") 
             whole = [
                 r for r in rows if not r.get("stopped")
             ]  # final and best only of runs that ran their budget
-            final = common.mean_std(
-                [r["final_mean_return"] for r in whole if r["final_mean_return"] is not None]
-            )
-            best = common.mean_std(
-                [r["best_mean_return"] for r in whole if r["best_mean_return"] is not None]
-            )
+            final, best = (common.mean_std([r[k] for r in whole if r[k] is not None])
+                           for k in ("final_mean_return", "best_mean_return"))  # fmt: skip
             # evaluated runs' time to the threshold leaves out their evaluations; SB3's have none to leave out
             wall_at = common.mean_reached(
                 [r.get("wall_at_threshold_no_eval", r["wall_at_threshold"]) for r in rows], ".0f"
@@ -135,15 +126,7 @@ def markdown(report: dict[str, Any], command: str, name: str = "time_to_score") 
         lines += [f"### The {what} over seeds: IQM and probability of improvement", "", *table[:-1],
                   table[-1] + " Runs stopped before their budget have no final return and are left out.", "",
                   f"![performance profiles of the {what}]({name}_profile.png)", ""]  # fmt: skip
-    commits = sorted({r["commit"] for r in runs})
-    lines += [
-        f"Commits of the runs: {', '.join(commits)} (each run's own is in `{name}.json`). "
-        f"The last sitting: `{command}`.",
-        "",
-        f"![return against wall time]({name}.png)",
-        "",
-    ]
-    return "\n".join(lines)
+    return "\n".join([*lines, *common.footer(runs, name, command, "return against wall time")])
 
 
 def sps_line(rows: list[dict[str, Any]]) -> list[str]:
@@ -203,13 +186,7 @@ def main() -> None:
         stats.plot_profiles(report["runs"], "workload", args.out / f"{args.name}_profile.png", tasks=workloads,
                             variants=list(variants))  # fmt: skip
 
-    seeds = args.seed_list or range(1, args.seeds + 1)  # the variants alternate within a seed
-    cells = (
-        {"workload": w, "variant": v, "seed": seed}
-        for seed in seeds
-        for w in args.workloads
-        for v in args.variants
-    )
+    cells = common.cells(args, workload=args.workloads, variant=args.variants)  # variants alternate in a seed
     common.sweep(report, cells, args.force, run, write)
 
 
