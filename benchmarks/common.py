@@ -395,6 +395,17 @@ def cells(args: argparse.Namespace, **axes: Iterable[Any]) -> Iterator[dict[str,
         )
 
 
+def groups(
+    runs: list[dict[str, Any]], field: str, tasks: Iterable[Any], variants: Iterable[str]
+) -> Iterator[tuple[Any, str, list[dict[str, Any]]]]:
+    """A report's rows: the runs of each (task, variant) that has some, in the orders given, by seed."""
+    for task, variant in product(tasks, variants):
+        if rows := sorted(
+            (r for r in runs if (r[field], r["variant"]) == (task, variant)), key=lambda r: r["seed"]
+        ):
+            yield task, variant, rows
+
+
 def footer(runs: list[dict[str, Any]], name: str, command: str, plot: str) -> list[str]:
     """A report's last lines: the commits of its runs, the last sitting's command, its plot."""
     commits = ", ".join(sorted({r["commit"] for r in runs}))

@@ -180,17 +180,16 @@ def reused(overrides: list[str], paths: list[Path], evaluate: bool) -> dict[str,
 def shown_lines(suite: str, runs: list[dict[str, Any]]) -> list[str]:
     """The tasks' further final-evaluation metrics (`Task.shown`), mean ± std over the evaluated seeds."""
     rows = []
-    for task in SUITES[suite]:
-        for variant in variants_of(suite):
-            mine = [
-                r for r in runs if (r["env"], r["variant"]) == (task.env, variant) and r.get("final_eval")
-            ]
-            for key in task.shown if mine else ():
-                values = [r["final_eval"][key] for r in mine if key in r["final_eval"]]
-                if values:  # none: a metric newer than these runs
-                    rows.append(
-                        f"| {task.env} | {variant} | `{key}` | {common.mean_std(values, '.3f')} ({len(values)}) |"
-                    )
+    evaluated = [r for r in runs if r.get("final_eval")]
+    for env, variant, mine in common.groups(
+        evaluated, "env", [t.env for t in SUITES[suite]], variants_of(suite)
+    ):
+        for key in task_named(env).shown:
+            values = [r["final_eval"][key] for r in mine if key in r["final_eval"]]
+            if values:  # none: a metric newer than these runs
+                rows.append(
+                    f"| {env} | {variant} | `{key}` | {common.mean_std(values, '.3f')} ({len(values)}) |"
+                )
     if not rows:
         return []
     return ["## More of the final evaluation", "", "| task | variant | metric | mean ± std (runs) |",
@@ -211,26 +210,21 @@ def markdown(suite: str, report: dict[str, Any], command: str) -> str:
         + (" final eval (runs) |" if any_eval else ""),
         "|---|---|---|---:|---:|---:|---:|---:|---|" + ("---:|" if any_eval else ""),
     ]
-    for task in SUITES[suite]:
-        for variant in variants:
-            mine = sorted(
-                (r for r in runs if (r["env"], r["variant"]) == (task.env, variant)), key=lambda r: r["seed"]
+    for env, variant, mine in common.groups(runs, "env", [t.env for t in SUITES[suite]], variants):
+        task, ref = task_named(env), "n/a"
+        if task.reference is not None:
+            ref = f"{task.reference[0]:.1f}" + (
+                "" if task.reference[1] is None else f" ± {task.reference[1]:.1f}"
             )
-            if not mine:
-                continue
-            ref = "n/a" if task.reference is None else f"{task.reference[0]:.1f}"
-            ref += (
-                "" if task.reference is None or task.reference[1] is None else f" ± {task.reference[1]:.1f}"
-            )
-            finals = [r["final_mean_return"] for r in mine if r["final_mean_return"] is not None]
-            evals = [r["final_eval_return"] for r in mine if "final_eval_return" in r]
-            lines.append(
-                f"| {task.env} | {variant} | {','.join(str(r['seed']) for r in mine)} "
-                f"| {statistics.mean(r['total_env_steps'] for r in mine):,.0f} | {common.mean_std(finals)} | {ref} "
-                f"| {statistics.mean(r['wall_seconds'] for r in mine):.0f} "
-                f"| {statistics.mean(r['sps'] for r in mine):,.0f} | {task.note} |"
-                + (f" {common.mean_std(evals)} ({len(evals)}) |" if any_eval else "")
-            )
+        finals = [r["final_mean_return"] for r in mine if r["final_mean_return"] is not None]
+        evals = [r["final_eval_return"] for r in mine if "final_eval_return" in r]
+        lines.append(
+            f"| {env} | {variant} | {','.join(str(r['seed']) for r in mine)} "
+            f"| {statistics.mean(r['total_env_steps'] for r in mine):,.0f} | {common.mean_std(finals)} | {ref} "
+            f"| {statistics.mean(r['wall_seconds'] for r in mine):.0f} "
+            f"| {statistics.mean(r['sps'] for r in mine):,.0f} | {task.note} |"
+            + (f" {common.mean_std(evals)} ({len(evals)}) |" if any_eval else "")
+        )
     sources = sorted({t.source for t in SUITES[suite] if any(r["env"] == t.env for r in runs)})
     if report.get("extra"):
         lines += ["", f"Every run here adds `{' '.join(report['extra'])}` to its recipe: the recipe changed, not "

@@ -87,19 +87,13 @@ def markdown(report: dict[str, Any], command: str, name: str = "time_to_score") 
             "|---|---|---:|---:|---:|---:|---:|---:|---:|" + ("---:|---:|---:|---:|" if evaluated else ""),
         ]
         stopped = []
-        for variant in variants:
-            rows = sorted((r for r in mine if r["variant"] == variant), key=lambda r: r["seed"])
-            if not rows:
-                continue
-            whole = [
-                r for r in rows if not r.get("stopped")
-            ]  # final and best only of runs that ran their budget
+        for _, variant, rows in common.groups(mine, "workload", [workload], variants):
+            whole = [r for r in rows if not r.get("stopped")]  # final and best: runs that ran their budget
             final, best = (common.mean_std([r[k] for r in whole if r[k] is not None])
                            for k in ("final_mean_return", "best_mean_return"))  # fmt: skip
             # evaluated runs' time to the threshold leaves out their evaluations; SB3's have none to leave out
-            wall_at = common.mean_reached(
-                [r.get("wall_at_threshold_no_eval", r["wall_at_threshold"]) for r in rows], ".0f"
-            )
+            wall_at = common.mean_reached([r.get("wall_at_threshold_no_eval", r["wall_at_threshold"]) for r in rows],
+                                          ".0f")  # fmt: skip
             if all(r["wall_at_threshold"] is None and r.get("stopped") == "wall cap" for r in rows):
                 wall_at = (
                     f"> {min(r['wall_seconds'] for r in rows):.0f} (cap)"  # stopped before getting there
