@@ -180,7 +180,6 @@ def stopped_summary(metrics_csv: Path, timeout: float) -> dict[str, Any]:
 
 def run_once(
     overrides: list[str],
-    solved_return: float | None = None,  # unused; chaos, gpu_strategies and scaling still pass it
     curve: bool = False,
     timeout: float | None = None,
     keep_metrics: Path | None = None,

@@ -75,8 +75,6 @@ for part in ${PARTS:-check step layouts envpool}; do
         step "${STEP_S:-150}" "$py" benchmarks/minibatch_step.py --variants eager compile-graph --out "$out"
         step "${STEP_S:-150}" "$py" benchmarks/minibatch_step.py --variants compiled --out "$out"
         step 60 "$py" benchmarks/minibatch_step.py --variants graph --out "$out"
-        step 60 "$py" benchmarks/minibatch_step.py --variants tdgraph --out "$out"
-        step 120 "$py" benchmarks/minibatch_step.py --variants tdgraph-compiled --out "$out"
         ;;
     graph)
         step 60 "$py" benchmarks/minibatch_step.py --variants graph --out "$out" ||

@@ -44,7 +44,6 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import math
 import os
 import shutil
 import signal
@@ -107,7 +106,7 @@ def envpool_rows(
         fabric = "fabric=cpu" if dry_run else "fabric=gpu"
         run = [*ENVPOOL_PONG, *overrides, fabric, f"algo.total_steps={steps}", *extra]
         with GpuSampler() as sampler:
-            s = run_once(run, solved_return=math.inf, timeout=timeout)
+            s = run_once(run, timeout=timeout)
             exited = time.time()
         name = variant.replace("GPU", "CPU dry run") if dry_run else variant
         rows.append({"key": "envpool", "workload": "Pong-v5, 32 envs", "variant_key": ENVPOOL_KEYS[variant],
@@ -511,7 +510,7 @@ def main() -> None:
             run = [*layout_overrides(key, extra), *threads, f"algo.total_steps={steps}", *args.extra]
             try:
                 with GpuSampler() as sampler:
-                    s = run_once(run, solved_return=math.inf, timeout=args.run_timeout)
+                    s = run_once(run, timeout=args.run_timeout)
                     exited = time.time()  # before the sampler stops (which may take a few seconds)
             except common.LoggedNothing as stopped:  # no row to write; the next layout may still fit
                 log = args.out / f"trace-{variant_key}.log"  # its stderr, timestamped, and its stacks

@@ -148,7 +148,7 @@ def main() -> None:
                 ]  # fmt: skip
                 load_before = os.getloadavg()[0]
                 started = time.perf_counter()
-                summary = run_once(overrides, solved_return=math.inf)
+                summary = run_once(overrides)
                 row = {"env": group, "env_id": ENVS[group][0], "num_envs": num_envs, "devices": devices,
                        **lay, "total_env_steps": summary["total_env_steps"], "sps": summary["sps"],
                        "wall_seconds": summary["wall_seconds"], "time_split": summary["time_split"],

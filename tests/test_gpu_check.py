@@ -197,7 +197,7 @@ def test_envpool_rows_are_replaced_by_a_rerun(gs, tmp_path: Path, monkeypatch: p
     replaces the EnvPool rows (they once had no variant key, so every rerun added two more)."""
     summary = {"steps_this_run": 2048, "sps": 100.0, "wall_seconds": 2.0, "final_mean_return": -21.0,
                "time_split": {"collect": 1.0, "train": 0.5}}  # fmt: skip
-    monkeypatch.setattr(gs, "run_once", lambda overrides, solved_return, timeout=None: summary)
+    monkeypatch.setattr(gs, "run_once", lambda overrides, timeout=None: summary)
     real = importlib.util.find_spec
     monkeypatch.setattr(
         importlib.util,
@@ -223,7 +223,7 @@ def test_a_layout_that_logged_nothing_leaves_a_note_and_the_next_runs(
     summary = {"steps_this_run": 4096, "sps": 100.0, "wall_seconds": 40.0, "final_mean_return": 9.0,
                "time_split": {"collect": 1.0, "train": 0.5}}  # fmt: skip
 
-    def run_once(overrides: list[str], solved_return: float, timeout: float | None = None) -> dict:
+    def run_once(overrides: list[str], timeout: float | None = None) -> dict:
         assert timeout == 5.0
         if "algo.players=1" in overrides:
             raise gs.common.LoggedNothing(

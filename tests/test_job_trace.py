@@ -94,8 +94,11 @@ def test_a_run_stopped_before_its_first_update_says_how_far_its_processes_got(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     common = _script(monkeypatch, "common")
+    # a first rollout of 100,000 steps: no update can be logged within the 1-s timeout on any machine (a
+    # CartPole run of exp=fast's once logged its first within it on an idle one, and the test failed)
+    first_rollout_long = ["env.num_envs=1", "algo.rollout_steps=100000", "algo.total_steps=100000000"]
     with pytest.raises(common.LoggedNothing) as stopped:
-        common.run_once(["exp=fast", "algo.total_steps=100000000"], timeout=1.0)
+        common.run_once(first_rollout_long, timeout=1.0)
     message = str(stopped.value)
     assert message.startswith("benchmark run stopped after 1 s before it logged an update: ")
     assert " processes up (first " in message and "; stacks of " in message
