@@ -44,10 +44,10 @@ def test_probability_of_improvement_counts_pairs_and_half_ties(st) -> None:  # t
     """x = [1, 2, 3], y = [2, 2, 4]: x=1 beats nothing; x=2 ties both 2s (1/2 + 1/2); x=3 beats both 2s.
     U = 0 + 1 + 2 = 3 of 9 pairs."""
     x, y = [1, 2, 3], [2, 2, 4]
-    assert st.improvement_probability(x, y) == pytest.approx(3 / 9)
-    assert st.improvement_probability(y, x) == pytest.approx(6 / 9)  # the two add up to 1
     p, low, high = st.probability_of_improvement({"a": x}, {"a": y}, reps=REPS)
-    assert p == pytest.approx(1 / 3) and 0 <= low <= p <= high <= 1
+    assert p == pytest.approx(3 / 9) and 0 <= low <= p <= high <= 1
+    converse = st.probability_of_improvement({"a": y}, {"a": x}, reps=REPS)[0]
+    assert converse == pytest.approx(6 / 9)  # the two add up to 1
     # averaged over tasks: task b ties its only pair (1/2)
     two = st.probability_of_improvement({"a": x, "b": [5]}, {"a": y, "b": [5]}, reps=REPS)
     assert two[0] == pytest.approx((1 / 3 + 1 / 2) / 2)
@@ -57,7 +57,7 @@ def test_probability_of_improvement_counts_pairs_and_half_ties(st) -> None:  # t
     assert st.probability_of_improvement({"a": [3, 4]}, {"a": [1, 2]}, reps=REPS) == (1.0, 1.0, 1.0)
     scipy_stats = pytest.importorskip("scipy.stats")
     u = scipy_stats.mannwhitneyu(x, y, alternative="greater").statistic
-    assert st.improvement_probability(x, y) == pytest.approx(u / 9)
+    assert p == pytest.approx(u / 9)
     with pytest.raises(ValueError, match="different tasks"):
         st.probability_of_improvement({"a": x}, {"b": y})
 
@@ -115,12 +115,13 @@ def test_bad_scores_are_refused(st) -> None:  # type: ignore[no-untyped-def]
 
 
 def test_profiles_plot_to_a_png(st, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    """One panel per env, a variant with a single run included; nothing written without a final score."""
     path = tmp_path / "profiles.png"
-    panels = {"CartPole": {"coupled": {"CartPole": [480, 500, 500]}, "pipelined": {"CartPole": [300, 500]}},
-              "suite": {"coupled": {"a": [0.2, 0.9], "b": [0.5]}}}  # fmt: skip
-    st.plot_performance_profiles(panels, path, reps=50)
+    assert st.plot_profiles(_runs(), "env", path, reps=50)
     data = path.read_bytes()
     assert data.startswith(b"\x89PNG\r\n\x1a\n") and len(data) > 1000
+    sb3 = [r for r in _runs() if r["variant"] == "sb3"]  # stopped: no final return
+    assert not st.plot_profiles(sb3, "env", tmp_path / "none.png") and not (tmp_path / "none.png").exists()
 
 
 def _runs() -> list[dict]:
