@@ -39,12 +39,13 @@ def overrides(layout: str, env_id: str, steps: int, seed: int, dry_run: bool, ex
 
 
 def record(summary: dict[str, Any], commands: int = 1) -> dict[str, Any]:
-    """What a row adds to `common.record`: the steady rate, the start-up (of the last of the `commands` that
-    ran it) and where the time went."""
-    return {"sps_steady": summary.get("sps_steady"), "process_seconds": summary.get("process_seconds"),
-            "stopped_after_s": summary.get("stopped_after_s"), "command_wall_seconds": summary["wall_seconds"],
-            "commands": commands, "split": gpu_strategies.split(summary),
-            "start_up_trace": summary.get("start_up_trace")}  # fmt: skip
+    """What a row adds to `common.record`: a GPU row's figures (`gpu_strategies.figures`; the start-up is that
+    of the last of the `commands` that ran it)."""
+    return {
+        **gpu_strategies.figures(summary),
+        "command_wall_seconds": summary["wall_seconds"],
+        "commands": commands,
+    }
 
 
 def variant(run: dict[str, Any]) -> str:

@@ -416,25 +416,28 @@ def sweep(
     report: dict[str, Any],
     cells: Iterable[dict[str, Any]],
     force: bool,
-    run: Callable[..., dict[str, Any]],
+    run: Callable[..., dict[str, Any] | None],
     write: Callable[[dict[str, Any]], None],
+    field: str = "runs",
 ) -> None:
-    """Each cell (a run's key: task, variant, seed) the report lacks, or every one with `force`, trained by
-    `run(**cell)`: its record replaces the report's runs of that key (a key missing from an older run reads
-    as "") and the report is written after each run, so a sitting stopped anywhere keeps what it ran; when
-    none ran, the report is written once as today's code writes it."""
+    """Each cell (a run's key: task, variant, seed) the report's `field` lacks, or every one with `force`, trained
+    by `run(**cell)`: its record replaces the report's runs of that key (a key missing from an older run reads
+    as "", and a run with no record, None, leaves none) and the report is written after each run, so a sitting
+    stopped anywhere keeps what it ran; when none ran, the report is written once as today's code writes it."""
     ran = False
     for cell in cells:
-        done = [r for r in report["runs"] if all(r.get(k, "") == v for k, v in cell.items())]
+        done = [r for r in report[field] if all(r.get(k, "") == v for k, v in cell.items())]
         if done and not force:
             continue
-        r = {**cell, **run(**cell)}
-        report["runs"] = [x for x in report["runs"] if x not in done] + [r]
-        print(f"{' '.join(map(str, cell.values()))}: final {r['final_mean_return']}, "
-              f"{r['wall_seconds']:.0f} s", flush=True)  # fmt: skip
+        r = run(**cell)
+        report[field] = [x for x in report[field] if x not in done]
+        if r is not None:
+            report[field].append({**cell, **r})
+            print(f"{' '.join(map(str, cell.values()))}: final {r['final_mean_return']}, "
+                  f"{r['wall_seconds']:.0f} s", flush=True)  # fmt: skip
         write(report)
         ran = True
-    if not ran and report["runs"]:
+    if not ran and report[field]:
         write(report)
 
 

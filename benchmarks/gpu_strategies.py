@@ -1,39 +1,7 @@
-"""Coupled and decoupled on a CUDA machine: SPS, GPU utilisation and the collect / transfer / train time split.
-
-Workloads: CartPole-v1 with 64 envs, LunarLander-v3 (its config's 16 envs) and Atari Pong (`exp=atari`
-with 32 async envs, one process per env for a 16-core machine). For each it runs these variants (keys for
-`--variants`), one run at a time, each in a fresh process:
-  - coupled-gpu: coupled on the GPU (`fabric=gpu`, 1 process),
-  - coupled-gpu-compile: the same with `algo.compile=true` (the minibatch step compiled, CUDA graphs),
-  - decoupled-gpu-K: decoupled, K CPU players feeding 1 GPU trainer (`strategy=decoupled fabric=cpu
-    fabric.devices=K+1 algo.players=K algo.player_device=cpu algo.trainer_device=cuda`), K from
-    `--players` (1 2 4 6); on Pong each player steps 8 envs in turn (the players are the parallelism),
-  - decoupled-gpuplay-K: the same with the players acting on the GPU (`algo.player_device=auto`), stepping
-    their envs on the CPU,
-  - decoupled-envpool-K: K players acting on the GPU, each collecting from one EnvPool of the workload's
-    envs whose threads share the cores left after one per process (`env.backend=envpool`), K from
-    `--envpool-players` (2),
-  - decoupled-gpu-K-compile: the most players again with the trainer's step compiled,
-  - decoupled-gpus: with 2 or more GPUs, one trainer per GPU and as many CPU players,
-  - coupled-cpu, decoupled-cpu: coupled and decoupled (1 player + 1 trainer) on the CPU (`fabric=cpu`),
-    the same machine's reference.
-`--variants gpu` selects the GPU rows, `cpu` the CPU rows (default: all); named keys run in the order named.
-Each run is `--steps` env steps (500k; Pong `--atari-steps`, also 500k). `--run-timeout S` stops a run after
-S seconds (SIGTERM, as a cluster would) and reports its last logged update, marked as stopped: on a machine
-lent for minutes every run started keeps a row. A run stopped before its first update has none: its note
-says how far its processes got and `trace-<variant>.log` holds its timestamped stderr and every process's
-stacks at the stop (`job_trace.py`). Every row also has the steady SPS (the second half of the
-run's logged wall time, no start-up or warm-up) and its start-up seconds.
-While a run executes, `nvidia-smi` samples every GPU's utilisation and memory every 500 ms ("n/a" without
-nvidia-smi). Workloads whose extra is not installed (LunarLander: box2d; Atari: atari) are skipped with a
-note. Writes benchmarks/results/gpu-strategies.{json,md}, after every run (a killed job keeps its rows).
-Needs a CUDA device; `--dry-run` runs the same layouts with every GPU role on the CPU instead (to check the
-script on any machine, with a small `--steps`) and writes gpu-strategies-dryrun.{json,md}.
-
-`--only envpool`: Pong (`exp=atari`, 32 envs, coupled on the GPU) collected by gymnasium's AsyncVectorEnv
-(one process per env) and by EnvPool (`env.backend=envpool`, C++ threads), `--envpool-steps` (500k) each.
-`--envpool-dry-run` runs those two rows on the CPU for 4,096 steps (one batch) without CUDA, printing them
-and writing nothing: it proves the commands before a GPU node is booked.
+"""Coupled and decoupled on a CUDA machine: SPS, GPU utilisation and the collect / transfer / train time split of
+each workload (CartPole, LunarLander, Pong; `envpool`: Pong collected by gymnasium and by EnvPool) at each layout
+(`variants`), one fresh process a run. Workloads, variants, options and the figures: benchmarks/README.md,
+"gpu_strategies.py".
 
     .venv/bin/python benchmarks/gpu_strategies.py [--steps 500000] [--atari-steps 500000] [--only atari]
         [--variants gpu|cpu|KEY ...] [--players 1 2 4 6] [--envpool-players 2] [--run-timeout S] [--dry-run]
@@ -59,65 +27,27 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402
 from common import RESULTS, run_once  # noqa: E402
 
-# key -> (label, overrides, modules the env needs, the option that sets its env-step budget)
-WORKLOADS: dict[str, tuple[str, list[str], tuple[str, ...], str]] = {
+# key -> (label, overrides, modules the env needs, the option that sets its env-step budget, the env overrides
+# of its decoupled rows after the workload's). A player is one process, so a Pong player steps its envs in turn
+# (sync) and the players are the parallelism: 32 async envs in each of 14 players would be 448 processes.
+# `envpool` is Pong, coupled, at the `ENVPOOL` variants instead of the layouts.
+WORKLOADS: dict[str, tuple[str, list[str], tuple[str, ...], str, list[str]]] = {
     "cartpole": ("CartPole-v1, 64 envs", ["env=cartpole", "env.num_envs=64", "algo.minibatch_size=512"],
-                 (), "steps"),
-    "lunarlander": ("LunarLander-v3, 16 envs", ["env=lunarlander"], ("Box2D",), "steps"),
-    "atari": ("Pong-v5", ["exp=atari", "env.num_envs=32", "env.vector=async"], ("ale_py", "cv2"), "atari_steps"),
+                 (), "steps", []),
+    "lunarlander": ("LunarLander-v3, 16 envs", ["env=lunarlander"], ("Box2D",), "steps", []),
+    "atari": ("Pong-v5", ["exp=atari", "env.num_envs=32", "env.vector=async"], ("ale_py", "cv2"), "atari_steps",
+              ["env.vector=sync", "env.num_envs=8"]),
+    "envpool": ("Pong-v5, 32 envs", ["exp=atari", "env.num_envs=32", "strategy=coupled"], (), "envpool_steps", []),
 }  # fmt: skip
-# Env overrides of the decoupled rows, after the workload's: a player is one process, so it steps its envs in
-# turn (sync) and the players are the parallelism; 32 async envs in each of 14 players would be 448 processes.
-DECOUPLED_ENVS: dict[str, list[str]] = {"atari": ["env.vector=sync", "env.num_envs=8"]}
-SMI_QUERY = "timestamp,index,utilization.gpu,memory.used"
-
-
-# EnvPool vs gymnasium collection on Pong (`--only envpool`): variant -> overrides after ENVPOOL_PONG.
-ENVPOOL_PONG = ["exp=atari", "env.num_envs=32", "strategy=coupled"]
-ENVPOOL_VARIANTS = {
-    "gymnasium AsyncVectorEnv, GPU": ["env.backend=gymnasium", "env.vector=async"],
-    "EnvPool, GPU": ["env.backend=envpool"],
-}
-# each EnvPool row's `variant_key`, so that a rerun of `--only envpool` replaces its rows instead of adding
-ENVPOOL_KEYS = {"gymnasium AsyncVectorEnv, GPU": "gymnasium-async", "EnvPool, GPU": "envpool"}
+# The `envpool` workload's variants, gymnasium's collection against EnvPool's: key -> (name, overrides before
+# the fabric, modules the row needs).
+ENVPOOL: dict[str, tuple[str, list[str], tuple[str, ...]]] = {
+    "gymnasium-async": ("gymnasium AsyncVectorEnv, GPU", ["env.backend=gymnasium", "env.vector=async"],
+                        ("ale_py", "cv2")),
+    "envpool": ("EnvPool, GPU", ["env.backend=envpool"], ("envpool",)),
+}  # fmt: skip
 ENVPOOL_DRY_STEPS = 4096  # one batch: 32 envs x 128 steps
-
-
-def envpool_rows(
-    steps: int,
-    commit: str,
-    dry_run: bool,
-    extra: list[str],
-    keys: list[str] | None = None,
-    timeout: float | None = None,
-) -> list[dict[str, Any]]:
-    """The EnvPool vs gymnasium rows (`--only envpool`; `keys` picks some by variant key), one fresh process
-    each; on the CPU when `dry_run`. Rows missing their extra (atari for gymnasium, envpool) are left out with
-    a printed note."""
-    rows = []
-    needs = {"gymnasium AsyncVectorEnv, GPU": ("ale_py", "cv2"), "EnvPool, GPU": ("envpool",)}
-    for variant, overrides in ENVPOOL_VARIANTS.items():
-        if keys is not None and ENVPOOL_KEYS[variant] not in keys:
-            continue
-        missing = [mod for mod in needs[variant] if importlib.util.find_spec(mod) is None]
-        if missing:
-            print(f"{variant}: skipped, {', '.join(missing)} not installed", flush=True)
-            continue
-        fabric = "fabric=cpu" if dry_run else "fabric=gpu"
-        run = [*ENVPOOL_PONG, *overrides, fabric, f"algo.total_steps={steps}", *extra]
-        with GpuSampler() as sampler:
-            s = run_once(run, timeout=timeout)
-            exited = time.time()
-        name = variant.replace("GPU", "CPU dry run") if dry_run else variant
-        rows.append({"key": "envpool", "workload": "Pong-v5, 32 envs", "variant_key": ENVPOOL_KEYS[variant],
-                     "variant": name, "overrides": run,
-                     "commit": commit, **figures(s),
-                     "gpu": None if dry_run else sampler.stats(exited - s["wall_seconds"], exited)})  # fmt: skip
-        print(f"Pong-v5, 32 envs {name:34s} {s['sps']:10,.0f} SPS  collect {common.fmt(rows[-1]['split']['collect'], '.2f')} "
-              f"train {common.fmt(rows[-1]['split']['train'], '.2f')}", flush=True)  # fmt: skip
-    return rows
-
-
+SMI_QUERY = "timestamp,index,utilization.gpu,memory.used"
 VARIANT_GROUPS = {
     "gpu": (
         "coupled-gpu",
@@ -134,8 +64,8 @@ VARIANT_GROUPS = {
 def variants(
     gpus: int, players: list[int], dry_run: bool = False, envpool_players: tuple[int, ...] = ()
 ) -> dict[str, tuple[str, list[str], bool]]:
-    """Variant key -> (name, overrides, runs on the CPU only). The CPU rows are there so that each GPU
-    figure has a reference taken on the same machine. A dry run puts every GPU role on the CPU."""
+    """The layouts: variant key -> (name, overrides, runs on the CPU only). The CPU rows are there so that each
+    GPU figure has a reference taken on the same machine. A dry run puts every GPU role on the CPU."""
     gpu_fabric, trainer = ("cpu", "cpu") if dry_run else ("gpu", "cuda")
     out = {"coupled-gpu": ("coupled, GPU", ["strategy=coupled", f"fabric={gpu_fabric}"], False)}
     out["coupled-gpu-compile"] = (
@@ -182,12 +112,18 @@ def variants(
     return out
 
 
+def envpool_variants(dry_run: bool) -> dict[str, tuple[str, list[str], bool]]:
+    """The `envpool` workload's variants as `variants` gives the layouts: on the CPU in a dry run."""
+    fabric, gpu = ("cpu", "CPU dry run") if dry_run else ("gpu", "GPU")
+    return {k: (name.replace("GPU", gpu), [*o, f"fabric={fabric}"], False) for k, (name, o, _) in ENVPOOL.items()}  # fmt: skip
+
+
 def layout_overrides(workload: str, layout: list[str]) -> list[str]:
-    """A row's overrides before its budget: the workload's, the env layout of its decoupled rows (players
-    stepping sync envs; an EnvPool player keeps the workload's envs), then the layout's own."""
-    pooled = "env.backend=envpool" in layout
-    envs = DECOUPLED_ENVS.get(workload, []) if "strategy=decoupled" in layout and not pooled else []
-    return [*WORKLOADS[workload][1], *envs, *layout]
+    """A row's overrides before its budget: the workload's, the env layout of its decoupled rows (an EnvPool
+    player keeps the workload's envs), then the layout's own."""
+    _, base, _, _, decoupled_envs = WORKLOADS[workload]
+    envs = decoupled_envs if "strategy=decoupled" in layout and "env.backend=envpool" not in layout else []
+    return [*base, *envs, *layout]
 
 
 def chosen(all_variants: dict[str, Any], asked: list[str] | None) -> list[str]:
@@ -285,12 +221,12 @@ def _mean(values: list[float]) -> float | None:
 
 
 def figures(s: dict[str, Any]) -> dict[str, Any]:
-    """A row's figures from a run's summary (`run_once`): the same keys for every row of the report."""
-    return {"steps": s["steps_this_run"], "sps": s["sps"], "sps_steady": s.get("sps_steady"),
-            "wall_seconds": s["wall_seconds"], "process_seconds": s.get("process_seconds"),
+    """What a GPU row adds to `common.record`, from the run's summary (`run_once`): the steady rate, the
+    process's life (the start-up is its rest), why it stopped early, the time split (`split`) and how its
+    processes started."""
+    return {"sps_steady": s.get("sps_steady"), "process_seconds": s.get("process_seconds"),
             "stopped_after_s": s.get("stopped_after_s"), "time_split": s["time_split"], "split": split(s),
-            "final_mean_return": s["final_mean_return"], "ranks_in_sync": s.get("ranks_in_sync"),
-            "start_up_trace": s.get("start_up_trace")}  # fmt: skip
+            "ranks_in_sync": s.get("ranks_in_sync"), "start_up_trace": s.get("start_up_trace")}  # fmt: skip
 
 
 def split(summary: dict[str, Any]) -> dict[str, float | None]:
@@ -378,7 +314,7 @@ def markdown(report: dict[str, Any]) -> str:
         util = "n/a" if not r["gpu"] else f"{_per_gpu(r, 'util_mean_loop')} / {_per_gpu(r, 'util_mean')}"
         stopped = f" (stopped at {r['stopped_after_s']:.0f} s)" if r.get("stopped_after_s") else ""
         lines.append(
-            f"| {r['workload']} | {r['variant']}{stopped} | {r['steps']:,} | {r['sps']:,.0f} | "
+            f"| {r['workload']} | {r['variant']}{stopped} | {r.get('total_env_steps', r.get('steps')):,} | {r['sps']:,.0f} | "
             f"{common.fmt(r.get('sps_steady'), ',.0f')} | {common.fmt(_startup(r), '.0f')} | {util} | "
             f"{_per_gpu(r, 'util_max')} | {_per_gpu(r, 'mem_max_mib')} | {common.fmt(s['collect'], '.2f')} | "
             f"{'-' if 'strategy=coupled' in r['overrides'] else common.fmt(s['transfer'], '.2f')} | {common.fmt(s['train'], '.2f')} | "
@@ -393,33 +329,6 @@ def markdown(report: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def write(out: Path, report: dict[str, Any], name: str = "gpu-strategies") -> None:
-    out.mkdir(parents=True, exist_ok=True)
-    (out / f"{name}.json").write_text(json.dumps(report, indent=2) + "\n")
-    (out / f"{name}.md").write_text(markdown(report))
-
-
-def redone(
-    workloads: list[str], keys: list[str], envpool_keys: list[str] | None = None
-) -> set[tuple[str, str]]:
-    """The (workload, variant key) pairs of the rows a run with these `--only` and `--variants` makes."""
-    pairs = {(w, v) for w in workloads if w in WORKLOADS for v in keys}
-    if "envpool" in workloads:
-        pairs |= {("envpool", v) for v in (envpool_keys or ENVPOOL_KEYS.values())}
-    return pairs
-
-
-def kept_rows(path: Path, machine: dict[str, Any], rerun: set[tuple[str, str]]) -> list[dict[str, Any]]:
-    """The earlier report's rows that this run does not redo ((workload, variant key) pairs), if it was made
-    on this machine, so a benchmark can be split over several jobs (each row keeps its own commit)."""
-    if not path.exists():
-        return []
-    old = json.loads(path.read_text())
-    same = all(old.get("machine", {}).get(k) == machine[k] for k in ("gpu", "gpus", "cpu", "cores"))
-    keep = [r for r in old.get("rows", []) if (r.get("key"), r.get("variant_key")) not in rerun]
-    return keep if same else []
-
-
 def main() -> None:
     parser = common.argument_parser(__doc__)
     parser.add_argument("--steps", type=int, default=500_000, help="env steps of CartPole and LunarLander")
@@ -430,11 +339,11 @@ def main() -> None:
     parser.add_argument("--cpu-threads", type=int, default=None,
                         help="torch_threads of the CPU rows (default: the config's 1; 0 lets torch decide)")  # fmt: skip
     parser.add_argument("--envpool-steps", type=int, default=500_000, help="env steps of each EnvPool row")
-    parser.add_argument("--envpool-variants", nargs="+", choices=list(ENVPOOL_KEYS.values()), default=None,
+    parser.add_argument("--envpool-variants", nargs="+", choices=list(ENVPOOL), default=None,
                         help="these EnvPool rows only (default both); the others are kept")  # fmt: skip
     parser.add_argument("--envpool-dry-run", action="store_true",
                         help="the EnvPool rows on the CPU, 4,096 steps, no CUDA needed, nothing written")  # fmt: skip
-    parser.add_argument("--only", nargs="+", choices=[*WORKLOADS, "envpool"],
+    parser.add_argument("--only", nargs="+", choices=list(WORKLOADS),
                         help="these workloads only; the output's rows of the others are kept")  # fmt: skip
     parser.add_argument("--variants", nargs="+", default=None,
                         help="variant keys or groups (gpu, cpu); default all; the other rows are kept")  # fmt: skip
@@ -453,10 +362,9 @@ def main() -> None:
     args = parser.parse_args()
     import torch
 
-    if args.envpool_dry_run:
-        envpool_rows(ENVPOOL_DRY_STEPS, common.git_commit(), True, args.extra, args.envpool_variants)
-        return
-    if not torch.cuda.is_available() and not args.dry_run:
+    if args.envpool_dry_run:  # the EnvPool rows' commands on the CPU, one batch each: printed, not written
+        args.only, args.envpool_steps, args.run_timeout = ["envpool"], ENVPOOL_DRY_STEPS, None
+    elif not torch.cuda.is_available() and not args.dry_run:
         raise SystemExit(
             "gpu_strategies.py needs a CUDA device (torch.cuda.is_available() is False); "
             "--dry-run runs the same layouts on the CPU"
@@ -469,18 +377,27 @@ def main() -> None:
     table = variants(gpus, args.players, args.dry_run, tuple(args.envpool_players))
     keys = chosen(table, args.variants)
     unknown = set(args.variants or []) - set(VARIANT_GROUPS) - set(table)
-    if unknown:
+    if unknown and not args.envpool_dry_run:
         parser.error(f"unknown --variants {sorted(unknown)}; choose from gpu, cpu, {', '.join(table)}")
-    selected = args.only or list(WORKLOADS)
-    rows = kept_rows(args.out / f"{name}.json", m, redone(selected, keys, args.envpool_variants))
+    pooled = envpool_variants(args.envpool_dry_run)
+    selected = args.only or [w for w in WORKLOADS if w != "envpool"]
+    cells = [{"key": w, "variant_key": v} for w in sorted(selected, key=lambda w: w != "envpool")  # EnvPool's first
+             for v in ([k for k in ENVPOOL if k in (args.envpool_variants or ENVPOOL)] if w == "envpool" else keys)]  # fmt: skip
+    # an earlier report's rows that this sitting does not redo are kept when it was made on this machine, so a
+    # benchmark can be split over several jobs (each row keeps its own commit)
+    path = args.out / f"{name}.json"
+    earlier = json.loads(path.read_text()) if path.is_file() and not args.envpool_dry_run else {}
+    same = all(earlier.get("machine", {}).get(k) == m[k] for k in ("gpu", "gpus", "cpu", "cores"))
+    rows = earlier.get("rows", []) if same else []
+    kept = [r for r in rows if {"key": r.get("key"), "variant_key": r.get("variant_key")} not in cells]
     notes = []
     if args.dry_run:
         notes.append("dry run: every GPU role ran on the CPU (fabric=cpu, algo.trainer_device=cpu); the figures "
                      "say nothing about a GPU")  # fmt: skip
-    if rows:
-        notes.append("rows of " + ", ".join(sorted({r["workload"] + " / " + r["variant"] for r in rows})) + " come "
+    if kept:
+        notes.append("rows of " + ", ".join(sorted({r["workload"] + " / " + r["variant"] for r in kept})) + " come "
                      "from an earlier run of this script on the same machine (commit "
-                     + ", ".join(sorted({r["commit"] for r in rows})) + ")")  # fmt: skip
+                     + ", ".join(sorted({r["commit"] for r in kept})) + ")")  # fmt: skip
     if gpus < 2 and not args.dry_run:
         notes.append("decoupled-gpus (one trainer per GPU) skipped: one GPU")
     if not shutil.which("nvidia-smi"):
@@ -488,52 +405,54 @@ def main() -> None:
     if args.cpu_steps_frac != 1.0:
         notes.append(f"CPU rows ran {args.cpu_steps_frac:g} of the GPU rows' env steps: compare their SPS, "
                      "not their final return")  # fmt: skip
-    command = common.command_line(__file__)
-    report = {"machine": m, "command": command, "rows": rows, "notes": notes}
-    if "envpool" in selected:
-        report["rows"] += envpool_rows(
-            args.envpool_steps, m["commit"], False, args.extra, args.envpool_variants, args.run_timeout
-        )
-        write(args.out, report, name)
-    for key in (k for k in selected if k in WORKLOADS):
-        workload, _, modules, budget = WORKLOADS[key]
-        missing = [mod for mod in modules if importlib.util.find_spec(mod) is None]
-        if missing:
-            notes.append(f"{workload}: skipped, {', '.join(missing)} not installed")
-            continue
-        for variant_key in keys:
-            variant, extra, on_cpu = table[variant_key]
-            steps = getattr(args, budget)
-            if on_cpu:
-                steps = max(1, round(steps * args.cpu_steps_frac))
-            threads = [f"torch_threads={args.cpu_threads}"] if on_cpu and args.cpu_threads is not None else []
-            run = [*layout_overrides(key, extra), *threads, f"algo.total_steps={steps}", *args.extra]
-            try:
-                with GpuSampler() as sampler:
-                    s = run_once(run, timeout=args.run_timeout)
-                    exited = time.time()  # before the sampler stops (which may take a few seconds)
-            except common.LoggedNothing as stopped:  # no row to write; the next layout may still fit
-                log = args.out / f"trace-{variant_key}.log"  # its stderr, timestamped, and its stacks
-                args.out.mkdir(parents=True, exist_ok=True)
-                log.write_text(stopped.trace)
-                notes.append(f"{workload} / {variant}: no row, {stopped} (trace: {log.name})")
-                write(args.out, report, name)
-                print(f"{workload:24s} {variant:38s} {stopped}", flush=True)
-                continue
-            row = {"key": key, "workload": workload, "variant_key": variant_key, "variant": variant,
-                   "overrides": run, "commit": m["commit"], **figures(s),
-                   "gpu": sampler.stats(exited - s["wall_seconds"], exited), "roles": s.get("roles")}  # fmt: skip
-            report["rows"].append(row)
-            write(args.out, report, name)
-            sp = row["split"]
-            print(f"{workload:24s} {variant:38s} {s['sps']:10,.0f} SPS  GPU util {_per_gpu(row, 'util_mean_loop')} % "
-                  f"(max {_per_gpu(row, 'util_max')}), mem {_per_gpu(row, 'mem_max_mib')} MiB  collect "
-                  f"{common.fmt(sp['collect'], '.2f')} send+wait {common.fmt(sp['transfer'], '.2f')} train {common.fmt(sp['train'], '.2f')}",
-                  flush=True)  # fmt: skip
-            if row["start_up_trace"]:
-                print(f"{'':24s} start-up: {row['start_up_trace']}", flush=True)
-    write(args.out, report, name)
-    print(markdown(report))
+    report = {"machine": m, "command": common.command_line(__file__), "rows": rows, "notes": notes}
+
+    def row(key: str, variant_key: str) -> dict[str, Any] | None:
+        """One run's row, or None (a note says why): its modules missing, or stopped before it logged."""
+        workload, _, modules, budget, _ = WORKLOADS[key]
+        variant, layout, on_cpu = (pooled if key == "envpool" else table)[variant_key]
+        needs = (*modules, *(ENVPOOL[variant_key][2] if key == "envpool" else ()))
+        if missing := [mod for mod in needs if importlib.util.find_spec(mod) is None]:
+            what = workload if set(missing) <= set(modules) else f"{workload} / {variant}"
+            note = f"{what}: skipped, {', '.join(missing)} not installed"
+            notes.extend([note] if note not in notes else [])
+            print(note, flush=True)
+            return None
+        steps = getattr(args, budget)
+        if on_cpu:
+            steps = max(1, round(steps * args.cpu_steps_frac))
+        threads = [f"torch_threads={args.cpu_threads}"] if on_cpu and args.cpu_threads is not None else []
+        run = [*layout_overrides(key, layout), *threads, f"algo.total_steps={steps}", *args.extra]
+        summary: dict[str, Any] = {}
+
+        def train() -> dict[str, Any]:
+            with GpuSampler() as sampler:
+                summary.update(run_once(run, curve=True, timeout=args.run_timeout))
+                exited = time.time()  # before the sampler stops (which may take a few seconds)
+            summary["gpu"] = sampler.stats(exited - summary["wall_seconds"], exited)
+            return summary
+
+        try:
+            r = common.record(run, train)
+        except common.LoggedNothing as stopped:  # no row; the next layout may still fit
+            log = args.out / f"trace-{variant_key}.log"  # its stderr, timestamped, and its stacks
+            args.out.mkdir(parents=True, exist_ok=True)
+            log.write_text(stopped.trace)
+            notes.append(f"{workload} / {variant}: no row, {stopped} (trace: {log.name})")
+            print(f"{workload:24s} {variant:38s} {stopped}", flush=True)
+            return None
+        if summary.get("start_up_trace"):
+            print(f"{workload} / {variant} start-up: {summary['start_up_trace']}", flush=True)
+        return {"workload": workload, "variant": variant, **r, **figures(summary), "gpu": summary["gpu"],
+                "roles": summary.get("roles")}  # fmt: skip
+
+    def write(report: dict[str, Any]) -> None:
+        if args.envpool_dry_run:
+            print(markdown(report))
+        else:
+            common.write_report(args.out, name, report, markdown(report))
+
+    common.sweep(report, cells, True, row, write, field="rows")
 
 
 if __name__ == "__main__":

@@ -1,26 +1,16 @@
-"""Throughput as a function of env.num_envs and fabric.devices (coupled strategy), on two environments.
-
-For CartPole-v1 (cheap env steps: the policy and the update dominate) and LunarLander-v3 (Box2D physics:
-the env step weighs more), runs every combination of env.num_envs in (4, 8, 16, 32, 64) per rank and
-fabric.devices in (1, 2), coupled strategy on CPU, one run at a time. Only the layout changes: every run
-uses rollout_steps=128, update_epochs=4 and a minibatch of a quarter of the batch, so each update makes 16
-gradient steps whatever the batch, and the rest of the env's config is left as it is. The budget is a
-per-environment number of env steps at num_envs=4, grown with sqrt(num_envs / 4) (SPS grows about
-that fast, so every run takes roughly the same 10-20 s), rounded up to whole updates with a floor of
-`--min-updates`: a small layout runs long enough to hide the first update's warm-up, a large one still
-runs several updates. SPS is the run's own figure (env steps over all ranks / training wall time, process start-up
-excluded); the collect/train split is rank 0's. Writes benchmarks/results/scaling.{json,md,png}.
+"""Throughput as a function of env.num_envs and fabric.devices (coupled strategy on CPU), on CartPole-v1 and
+LunarLander-v3: one run per (env, devices, num_envs), the same update settings in every run and a budget that
+grows with sqrt(num_envs). Options, the workload and what a run records: benchmarks/README.md, "scaling.py".
+Writes benchmarks/results/scaling.{json,md,png}.
 
     .venv/bin/python benchmarks/scaling.py [--quick] [--envs 4 8 16] [--devices 1 2] [-- extra overrides]
 """
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
@@ -80,7 +70,8 @@ def plot(results: list[dict[str, Any]], env_groups: list[str], out: Path) -> Non
         ax.set_ylim(bottom=0)
         ax.set_title(ENVS[group][0])
         ax.grid(alpha=0.3)
-        ax.legend(loc="upper left", fontsize="small")
+        if ax.lines:  # an env with no run yet (the report is drawn after every run) has no legend
+            ax.legend(loc="upper left", fontsize="small")
     fig.savefig(out)
 
 
@@ -134,42 +125,37 @@ def main() -> None:
     commit = common.git_commit()  # the code the sitting starts with (commits made beside it are not its)
     groups = [args.only] if args.only else list(ENVS)
     budgets = {g: int(ENVS[g][1] * args.steps_scale) for g in groups}
-    results: list[dict[str, Any]] = []
-    for group in groups:
-        for devices in args.devices:
-            for num_envs in args.envs:
-                lay = layout(num_envs, devices, budgets[group], args.min_updates)
-                overrides = [
-                    f"env={group}", f"env.num_envs={num_envs}", "env.vector=sync",
-                    "strategy=coupled", "fabric=cpu", f"fabric.devices={devices}", f"seed={args.seed}",
-                    f"algo.rollout_steps={ROLLOUT_STEPS}", f"algo.update_epochs={UPDATE_EPOCHS}",
-                    f"algo.minibatch_size={lay['minibatch']}", f"algo.total_steps={lay['total_steps']}",
-                    *args.extra,
-                ]  # fmt: skip
-                load_before = os.getloadavg()[0]
-                started = time.perf_counter()
-                summary = run_once(overrides)
-                row = {"env": group, "env_id": ENVS[group][0], "num_envs": num_envs, "devices": devices,
-                       **lay, "total_env_steps": summary["total_env_steps"], "sps": summary["sps"],
-                       "wall_seconds": summary["wall_seconds"], "time_split": summary["time_split"],
-                       "process_seconds": time.perf_counter() - started,
-                       "final_mean_return": summary["final_mean_return"],
-                       "ranks_in_sync": summary.get("ranks_in_sync"), "load_before": load_before,
-                       "load_after": os.getloadavg()[0], "overrides": overrides}  # fmt: skip
-                results.append(row)
-                print(f"{ENVS[group][0]:15s} num_envs {num_envs:3d} devices {devices}: {row['sps']:9,.0f} SPS "
-                      f"in {row['wall_seconds']:5.1f} s, split {json.dumps({k: round(v, 2) for k, v in row['time_split'].items()})}",
-                      flush=True)  # fmt: skip
-
     command = common.command_line(__file__)
     report = {"settings": {"rollout_steps": ROLLOUT_STEPS, "update_epochs": UPDATE_EPOCHS,
                            "minibatches": MINIBATCHES, "strategy": "coupled", "vector": "sync"},
               "budgets": budgets, "min_updates": args.min_updates, "quick": args.quick, "seed": args.seed,
               "extra_overrides": args.extra, "machine": common.machine(), "commit": commit,
-              "command": command, "results": results}  # fmt: skip
-    args.out.mkdir(parents=True, exist_ok=True)
-    plot(results, groups, args.out / "scaling.png")
-    common.write_report(args.out, "scaling", report, markdown(report, command))
+              "command": command, "results": []}  # fmt: skip
+
+    def run(env: str, devices: int, num_envs: int) -> dict[str, Any]:
+        lay = layout(num_envs, devices, budgets[env], args.min_updates)
+        overrides = [
+            f"env={env}", f"env.num_envs={num_envs}", "env.vector=sync",
+            "strategy=coupled", "fabric=cpu", f"fabric.devices={devices}", f"seed={args.seed}",
+            f"algo.rollout_steps={ROLLOUT_STEPS}", f"algo.update_epochs={UPDATE_EPOCHS}",
+            f"algo.minibatch_size={lay['minibatch']}", f"algo.total_steps={lay['total_steps']}",
+            *args.extra,
+        ]  # fmt: skip
+        load_before = os.getloadavg()[0]
+        s = run_once(overrides)
+        return {"env_id": ENVS[env][0], **lay, "total_env_steps": s["total_env_steps"], "sps": s["sps"],
+                "wall_seconds": s["wall_seconds"], "time_split": s["time_split"],
+                "process_seconds": s["process_seconds"], "final_mean_return": s["final_mean_return"],
+                "ranks_in_sync": s.get("ranks_in_sync"), "load_before": load_before,
+                "load_after": os.getloadavg()[0], "overrides": overrides}  # fmt: skip
+
+    def write(report: dict[str, Any]) -> None:
+        args.out.mkdir(parents=True, exist_ok=True)
+        plot(report["results"], groups, args.out / "scaling.png")
+        common.write_report(args.out, "scaling", report, markdown(report, command))
+
+    cells = [{"env": g, "devices": d, "num_envs": n} for g in groups for d in args.devices for n in args.envs]
+    common.sweep(report, cells, True, run, write, field="results")
 
 
 if __name__ == "__main__":

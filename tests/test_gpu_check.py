@@ -192,27 +192,40 @@ def test_layouts_run_in_the_order_named_and_envpool_players_share_the_cores(gs, 
     assert {"algo.player_device=cpu", "algo.trainer_device=cpu"} <= set(dry["decoupled-envpool-2"][1])
 
 
-def test_envpool_rows_are_replaced_by_a_rerun(gs, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:  # type: ignore[no-untyped-def]
+def test_a_rerun_replaces_its_own_rows_and_keeps_the_others(gs, tmp_path: Path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
     """A report split over several jobs keeps the rows a job does not redo; rerunning `--only envpool`
-    replaces the EnvPool rows (they once had no variant key, so every rerun added two more)."""
-    summary = {"steps_this_run": 2048, "sps": 100.0, "wall_seconds": 2.0, "final_mean_return": -21.0,
-               "time_split": {"collect": 1.0, "train": 0.5}}  # fmt: skip
-    monkeypatch.setattr(gs, "run_once", lambda overrides, timeout=None: summary)
+    replaces the EnvPool rows (they once had no variant key, so every rerun added two more), and
+    `--envpool-dry-run` runs their commands on the CPU for one batch, writing nothing."""
+    summary = {"steps_this_run": 2048, "total_env_steps": 2048, "sps": 100.0, "wall_seconds": 2.0,
+               "final_mean_return": -21.0, "time_split": {"collect": 1.0, "train": 0.5}, "curve": []}  # fmt: skip
+    runs: list[list[str]] = []
+    monkeypatch.setattr(gs, "run_once", lambda overrides, curve, timeout: runs.append(overrides) or summary)
     real = importlib.util.find_spec
     monkeypatch.setattr(
         importlib.util,
         "find_spec",
         lambda name, *a: object() if name in ("ale_py", "cv2", "envpool") else real(name, *a),
     )
-    machine = {"gpu": "H100", "gpus": 1, "cpu": "x", "cores": 16}
-    cartpole = {"key": "cartpole", "variant_key": "coupled-gpu", "workload": "CartPole-v1, 64 envs"}
-    rows = [cartpole, *gs.envpool_rows(2048, "abc", True, [])]
-    assert len(rows) == 3
-    path = tmp_path / "gpu-strategies.json"
-    path.write_text(json.dumps({"machine": machine, "rows": rows}))
-    keys = gs.chosen(gs.variants(1, [1]), None)
-    assert gs.kept_rows(path, machine, gs.redone(["envpool"], keys)) == [cartpole]
-    assert gs.kept_rows(path, machine, gs.redone(["cartpole"], keys)) == rows[1:]
+    report = tmp_path / "gpu-strategies-dryrun.json"
+
+    def sitting(*argv: str) -> list[tuple[str, str]]:
+        monkeypatch.setattr(sys, "argv", ["gpu_strategies.py", "--dry-run", *argv, "--out", str(tmp_path)])
+        gs.main()
+        return [(r["key"], r["variant_key"]) for r in json.loads(report.read_text())["rows"]]
+
+    cartpole = ("cartpole", "coupled-gpu")
+    pooled = [("envpool", "gymnasium-async"), ("envpool", "envpool")]
+    assert sitting("--only", "cartpole", "--variants", "coupled-gpu") == [cartpole]
+    assert sitting("--only", "envpool") == [cartpole, *pooled]
+    assert sitting("--only", "envpool") == [cartpole, *pooled]
+    assert sitting("--only", "cartpole", "--variants", "coupled-gpu") == [*pooled, cartpole]
+    written = {f.name: f.read_text() for f in tmp_path.iterdir()}
+    monkeypatch.setattr(sys, "argv", ["gpu_strategies.py", "--envpool-dry-run", "--envpool-variants", "envpool",
+                                      "--out", str(tmp_path)])  # fmt: skip
+    gs.main()
+    assert {f.name: f.read_text() for f in tmp_path.iterdir()} == written
+    assert runs[-1] == ["exp=atari", "env.num_envs=32", "strategy=coupled", "env.backend=envpool", "fabric=cpu",
+                        "algo.total_steps=4096"]  # fmt: skip
 
 
 def test_a_layout_that_logged_nothing_leaves_a_note_and_the_next_runs(
@@ -220,10 +233,10 @@ def test_a_layout_that_logged_nothing_leaves_a_note_and_the_next_runs(
 ) -> None:  # type: ignore[no-untyped-def]
     """A job whose processes take longer to start than `--run-timeout` gives no figures: the report says so
     and the benchmark goes on to the next layout instead of ending (one lease lost three rows that way)."""
-    summary = {"steps_this_run": 4096, "sps": 100.0, "wall_seconds": 40.0, "final_mean_return": 9.0,
-               "time_split": {"collect": 1.0, "train": 0.5}}  # fmt: skip
+    summary = {"steps_this_run": 4096, "total_env_steps": 4096, "sps": 100.0, "wall_seconds": 40.0,
+               "final_mean_return": 9.0, "time_split": {"collect": 1.0, "train": 0.5}, "curve": []}  # fmt: skip
 
-    def run_once(overrides: list[str], timeout: float | None = None) -> dict:
+    def run_once(overrides: list[str], curve: bool, timeout: float | None = None) -> dict:
         assert timeout == 5.0
         if "algo.players=1" in overrides:
             raise gs.common.LoggedNothing(
