@@ -379,7 +379,7 @@ def main() -> None:
     unknown = set(args.variants or []) - set(VARIANT_GROUPS) - set(table)
     if unknown and not args.envpool_dry_run:
         parser.error(f"unknown --variants {sorted(unknown)}; choose from gpu, cpu, {', '.join(table)}")
-    pooled = envpool_variants(args.envpool_dry_run)
+    pooled = envpool_variants(args.envpool_dry_run or args.dry_run)  # a dry run: every GPU role on the CPU
     selected = args.only or [w for w in WORKLOADS if w != "envpool"]
     cells = [{"key": w, "variant_key": v} for w in sorted(selected, key=lambda w: w != "envpool")  # EnvPool's first
              for v in ([k for k in ENVPOOL if k in (args.envpool_variants or ENVPOOL)] if w == "envpool" else keys)]  # fmt: skip

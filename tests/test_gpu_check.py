@@ -217,6 +217,7 @@ def test_a_rerun_replaces_its_own_rows_and_keeps_the_others(gs, tmp_path: Path, 
     pooled = [("envpool", "gymnasium-async"), ("envpool", "envpool")]
     assert sitting("--only", "cartpole", "--variants", "coupled-gpu") == [cartpole]
     assert sitting("--only", "envpool") == [cartpole, *pooled]
+    assert all("fabric=cpu" in run and "fabric=gpu" not in run for run in runs[-2:])  # a dry run: on the CPU
     assert sitting("--only", "envpool") == [cartpole, *pooled]
     assert sitting("--only", "cartpole", "--variants", "coupled-gpu") == [*pooled, cartpole]
     written = {f.name: f.read_text() for f in tmp_path.iterdir()}
