@@ -405,7 +405,7 @@ def main() -> None:
     if args.cpu_steps_frac != 1.0:
         notes.append(f"CPU rows ran {args.cpu_steps_frac:g} of the GPU rows' env steps: compare their SPS, "
                      "not their final return")  # fmt: skip
-    report = {"machine": m, "command": common.command_line(__file__), "rows": rows, "notes": notes}
+    report = {"machine": m, "command": common.command_line(__file__), "rows": kept, "notes": notes}
 
     def row(key: str, variant_key: str) -> dict[str, Any] | None:
         """One run's row, or None (a note says why): its modules missing, or stopped before it logged."""
@@ -441,10 +441,16 @@ def main() -> None:
             notes.append(f"{workload} / {variant}: no row, {stopped} (trace: {log.name})")
             print(f"{workload:24s} {variant:38s} {stopped}", flush=True)
             return None
+        out = {"workload": workload, "variant": variant, **r, **figures(summary), "gpu": summary["gpu"],
+               "roles": summary.get("roles")}  # fmt: skip
+        sp = out["split"]
+        print(f"{workload:24s} {variant:38s} {summary['sps']:10,.0f} SPS  GPU util {_per_gpu(out, 'util_mean_loop')} % "
+              f"(max {_per_gpu(out, 'util_max')}), mem {_per_gpu(out, 'mem_max_mib')} MiB  collect "
+              f"{common.fmt(sp['collect'], '.2f')} send+wait {common.fmt(sp['transfer'], '.2f')} train "
+              f"{common.fmt(sp['train'], '.2f')}", flush=True)  # fmt: skip
         if summary.get("start_up_trace"):
-            print(f"{workload} / {variant} start-up: {summary['start_up_trace']}", flush=True)
-        return {"workload": workload, "variant": variant, **r, **figures(summary), "gpu": summary["gpu"],
-                "roles": summary.get("roles")}  # fmt: skip
+            print(f"{'':24s} start-up: {summary['start_up_trace']}", flush=True)
+        return out
 
     def write(report: dict[str, Any]) -> None:
         if args.envpool_dry_run:

@@ -143,6 +143,9 @@ def main() -> None:
         ]  # fmt: skip
         load_before = os.getloadavg()[0]
         s = run_once(overrides)
+        print(f"{ENVS[env][0]:15s} num_envs {num_envs:3d} devices {devices}: {s['sps']:9,.0f} SPS "
+              f"in {s['wall_seconds']:5.1f} s, split {dict((k, round(v, 2)) for k, v in s['time_split'].items())}",
+              flush=True)  # fmt: skip
         return {"env_id": ENVS[env][0], **lay, "total_env_steps": s["total_env_steps"], "sps": s["sps"],
                 "wall_seconds": s["wall_seconds"], "time_split": s["time_split"],
                 "process_seconds": s["process_seconds"], "final_mean_return": s["final_mean_return"],
@@ -155,7 +158,9 @@ def main() -> None:
         common.write_report(args.out, "scaling", report, markdown(report, command))
 
     cells = [{"env": g, "devices": d, "num_envs": n} for g in groups for d in args.devices for n in args.envs]
-    common.sweep(report, cells, True, run, write, field="results")
+    # written once, at the end: a sitting stopped part-way leaves the full report of the last one in place
+    common.sweep(report, cells, True, run, lambda report: None, field="results")
+    write(report)
 
 
 if __name__ == "__main__":

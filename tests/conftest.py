@@ -143,6 +143,18 @@ TIERS = ("multiprocess", "slow", "gpu")
 DURATIONS = Path(__file__).resolve().parent / "durations.json"
 
 
+def _durations() -> dict[str, float]:
+    """`durations.json`'s seconds per test; {} when it is missing or not such a mapping (a half-written or
+    conflicted file only loses the order, never the run)."""
+    try:
+        data = json.loads(DURATIONS.read_text())
+    except (OSError, ValueError):
+        return {}
+    if not isinstance(data, dict):
+        return {}
+    return {k: float(v) for k, v in data.items() if isinstance(v, int | float) and not isinstance(v, bool)}
+
+
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """Every test no other tier claims is a `unit` test: `make test-fast` (`-m unit`) runs those.
 
@@ -154,7 +166,7 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
         if not any(item.get_closest_marker(tier) for tier in TIERS):
             item.add_marker(pytest.mark.unit)
     rank = {"multiprocess": 0, "slow": 1, "gpu": 2}
-    seconds: dict[str, float] = json.loads(DURATIONS.read_text()) if DURATIONS.is_file() else {}
+    seconds = _durations()
 
     def key(item: pytest.Item) -> tuple[int, float]:
         tier = min((rank[m.name] for m in item.iter_markers() if m.name in rank), default=3)

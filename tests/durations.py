@@ -26,7 +26,9 @@ def main() -> None:
     kept = {test: round(s, 1) for test, s in sorted(seconds.items(), key=lambda kv: -kv[1]) if s >= 3.0}
     if not kept:
         sys.exit("no --durations report on stdin")
-    OUT.write_text(json.dumps(kept, indent=0) + "\n")
+    part = OUT.with_suffix(".part")
+    part.write_text(json.dumps(kept, indent=0) + "\n")
+    part.replace(OUT)  # whole or not at all: the conftest reads it at every collection
     print(f"{OUT}: {len(kept)} tests")
 
 

@@ -94,9 +94,9 @@ def test_a_run_stopped_before_its_first_update_says_how_far_its_processes_got(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     common = _script(monkeypatch, "common")
-    # a first rollout of 100,000 steps: no update can be logged within the 1-s timeout on any machine (a
-    # CartPole run of exp=fast's once logged its first within it on an idle one, and the test failed)
-    first_rollout_long = ["env.num_envs=1", "algo.rollout_steps=100000", "algo.total_steps=100000000"]
+    # a first rollout of 102,400 steps (400 minibatches of 256): no update can be logged within the 1-s
+    # timeout on any machine (exp=fast's CartPole run once logged its first within it on an idle one)
+    first_rollout_long = ["env.num_envs=1", "algo.rollout_steps=102400", "algo.total_steps=100000000"]
     with pytest.raises(common.LoggedNothing) as stopped:
         common.run_once(first_rollout_long, timeout=1.0)
     message = str(stopped.value)

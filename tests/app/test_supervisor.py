@@ -322,6 +322,7 @@ def test_the_supervisor_finds_what_is_left_of_its_job_by_descent(tmp_path: Path)
         time.sleep(0.05)
 
 
+@pytest.mark.multiprocess
 def test_a_job_that_cannot_stop_is_killed_with_a_line(tmp_path: Path) -> None:
     """A signalled job whose rank cannot reach its stop (an env stuck in `step`, the watchdog off) is killed
     `collectives.timeout + stall_timeout` + 5 s after the signal, and the supervisor says so."""

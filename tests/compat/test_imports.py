@@ -43,6 +43,7 @@ def python(code: str, env: dict[str, str]) -> str:
     return proc.stdout.strip()
 
 
+@pytest.mark.slow  # a fresh process's imports
 def test_lightning_still_imports_torchmetrics_to_probe_its_version(fake_torchmetrics: dict[str, str]) -> None:
     """Lightning's own behaviour, which the finder exists for. If this fails, Lightning no longer imports
     torchmetrics when it is imported: compat/imports.py and its call in cli.console_main can go."""
@@ -57,6 +58,7 @@ def test_lightning_still_imports_torchmetrics_to_probe_its_version(fake_torchmet
     assert imports(fake_torchmetrics) == 1
 
 
+@pytest.mark.slow  # a fresh process's imports
 def test_the_finder_skips_the_probe_and_nothing_else(fake_torchmetrics: dict[str, str]) -> None:
     """With the finder, importing Lightning leaves torchmetrics unimported (Lightning reads it as missing);
     a later import of torchmetrics by anyone works as usual."""
@@ -78,6 +80,7 @@ def test_the_finder_skips_the_probe_and_nothing_else(fake_torchmetrics: dict[str
     assert imports(fake_torchmetrics) == 1  # the later import only
 
 
+@pytest.mark.slow  # a fresh process's imports
 def test_a_command_line_run_never_imports_torchmetrics(
     fake_torchmetrics: dict[str, str], tmp_path: Path
 ) -> None:

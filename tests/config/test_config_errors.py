@@ -305,8 +305,11 @@ _NO_CUDA = pytest.mark.skipif(
 
 
 def _case(overrides: list[str], key: str, *, forbidden: str = "", cuda_free: bool = False) -> Any:
-    """A case that once escaped validation (traceback, exit 0, or an unrelated message)."""
+    """A case that once escaped validation (traceback, exit 0, or an unrelated message). A job of several
+    processes is refused by the child `run()` starts for it: a `multiprocess` test."""
     marks = [_NO_CUDA] if cuda_free else []
+    if "fabric.devices=2" in overrides:
+        marks.append(pytest.mark.multiprocess)
     return pytest.param(overrides, key, forbidden, id=overrides[0], marks=marks)
 
 
