@@ -419,11 +419,13 @@ def sweep(
     run: Callable[..., dict[str, Any] | None],
     write: Callable[[dict[str, Any]], None],
     field: str = "runs",
+    rerender: bool = True,
 ) -> None:
     """Each cell (a run's key: task, variant, seed) the report's `field` lacks, or every one with `force`, trained
     by `run(**cell)`: its record replaces the report's runs of that key (a key missing from an older run reads
     as "", and a run with no record, None, leaves none) and the report is written after each run, so a sitting
-    stopped anywhere keeps what it ran; when none ran, the report is written once as today's code writes it."""
+    stopped anywhere keeps what it ran; when none ran and `rerender`, the report is written once as today's
+    code writes it (a report that records the sitting's machine and command keeps the last real one's)."""
     ran = False
     for cell in cells:
         done = [r for r in report[field] if all(r.get(k, "") == v for k, v in cell.items())]
@@ -437,7 +439,7 @@ def sweep(
                   f"{r['wall_seconds']:.0f} s", flush=True)  # fmt: skip
         write(report)
         ran = True
-    if not ran and report[field]:
+    if rerender and not ran and report[field]:
         write(report)
 
 

@@ -329,7 +329,8 @@ def main() -> None:
         common.write_report(args.out, name, report, markdown(args.suite, report, command))
         plot(args.suite, report, args.out / f"{name}.png")
 
-    common.sweep(report, common.cells(args, env=tasks, variant=chosen), args.force, run, write)
+    cells = common.cells(args, env=tasks, variant=chosen)
+    common.sweep(report, cells, args.force, run, write, rerender=False)  # its machine: the last that ran
 
 
 if __name__ == "__main__":

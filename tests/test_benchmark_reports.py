@@ -327,3 +327,17 @@ def test_reports_name_each_runs_machine_and_a_whole_runs_rate(monkeypatch: pytes
                "wall_seconds": 20.0, "total_wall_seconds": 32.0, "sps": 25.6}  # fmt: skip
     figures = common.threshold_figures(summary, 100.0)
     assert figures["wall_seconds"] == 32.0 and figures["sps"] == 1024 / 32.0
+
+
+def test_a_sitting_with_nothing_to_run_rewrites_a_report_only_when_asked(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """`sweep` with every cell done runs nothing; `time_to_score` re-renders its report then, `learning` does not
+    (its report records the machine and command of the last sitting that ran something)."""
+    common = _script(monkeypatch, "common")
+    report = {"runs": [{"env": "e", "variant": "v", "seed": 1, "final_mean_return": 1.0}]}
+    cells = [{"env": "e", "variant": "v", "seed": 1}]
+    for rerender, writes in ((True, 1), (False, 0)):
+        written: list[dict] = []
+        common.sweep(report, cells, False, lambda **_: pytest.fail("ran"), written.append, rerender=rerender)
+        assert len(written) == writes
