@@ -372,13 +372,23 @@ def load_report(path: Path, fresh: dict[str, Any], keys: tuple[str, ...]) -> dic
     return fresh
 
 
+def positive(text: str) -> int:
+    """A whole number >= 1 (`--seeds 0` ran nothing and exited 0; `--steps 0` trained the recipe's budget)."""
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text}: must be 1 or more")
+    return value
+
+
 def sweep_arguments(parser: argparse.ArgumentParser, seeds: int) -> None:
     """The options of a sweep over seeds: which seeds, the budget, evaluation, re-running, where to write."""
-    parser.add_argument("--seeds", type=int, default=seeds, help="seeds 1..N")
+    parser.add_argument("--seeds", type=positive, default=seeds, help="seeds 1..N")
     parser.add_argument("--seed-list", nargs="+", type=int, default=None,
                         help="these seeds instead of 1..N: held-out seeds, or one seed per sitting when "
                         "sittings run side by side (each with its own --out)")  # fmt: skip
-    parser.add_argument("--steps", type=int, default=None, help="env steps per run (default: the recipe's)")
+    parser.add_argument(
+        "--steps", type=positive, default=None, help="env steps per run (default: the recipe's)"
+    )
     parser.add_argument("--eval", action="store_true", help="evaluate during training (eval.every=auto, 10 "
                         "episodes); the IQM table ranks the final evaluation return")  # fmt: skip
     parser.add_argument("--force", action="store_true", help="re-run runs already in the results")
@@ -420,12 +430,14 @@ def sweep(
     write: Callable[[dict[str, Any]], None],
     field: str = "runs",
     rerender: bool = True,
+    say: Callable[[dict[str, Any], dict[str, Any]], str | None] | None = None,
 ) -> None:
     """Each cell (a run's key: task, variant, seed) the report's `field` lacks, or every one with `force`, trained
     by `run(**cell)`: its record replaces the report's runs of that key (a key missing from an older run reads
     as "", and a run with no record, None, leaves none) and the report is written after each run, so a sitting
     stopped anywhere keeps what it ran; when none ran and `rerender`, the report is written once as today's
-    code writes it (a report that records the sitting's machine and command keeps the last real one's)."""
+    code writes it (a report that records the sitting's machine and command keeps the last real one's).
+    `say(cell, record)`: the line printed after each run (None: none; default: the key, final return, wall)."""
     ran = False
     for cell in cells:
         done = [r for r in report[field] if all(r.get(k, "") == v for k, v in cell.items())]
@@ -435,12 +447,23 @@ def sweep(
         report[field] = [x for x in report[field] if x not in done]
         if r is not None:
             report[field].append({**cell, **r})
-            print(f"{' '.join(map(str, cell.values()))}: final {r['final_mean_return']}, "
-                  f"{r['wall_seconds']:.0f} s", flush=True)  # fmt: skip
+            line = say(cell, r) if say is not None else progress_line(cell, r)
+            if line is not None:
+                print(line, flush=True)
         write(report)
         ran = True
     if rerender and not ran and report[field]:
         write(report)
+
+
+def progress_line(cell: dict[str, Any], r: dict[str, Any]) -> str:
+    """`<task> <variant> seed <n>: final <return>, <wall> s`, with the time to the threshold where there is one."""
+    key = " ".join(str(v) for k, v in cell.items() if k != "seed")
+    reached = ""
+    if r.get("threshold") is not None:
+        wall = r.get("wall_at_threshold")
+        reached = f"wall at {r['threshold']:g}: {'never' if wall is None else f'{wall:.0f} s'}, "
+    return f"{key} seed {cell.get('seed', '')}: {reached}final {r['final_mean_return']}, {r['wall_seconds']:.0f} s"
 
 
 def mean_std(values: list[float], spec: str = ".1f") -> str:

@@ -295,6 +295,8 @@ def main() -> None:
     args = parser.parse_args()
     if args.reuse is None:  # --force trains again: it does not take another report's runs unless told to
         args.reuse = [] if args.force else [RESULTS / "time_to_score.json"]
+    elif missing := [str(p) for p in args.reuse if not p.is_file()]:  # a typo would train every run again
+        parser.error(f"--reuse: no such file {', '.join(missing)}")
     if args.extra and args.out.resolve() == RESULTS.resolve():
         parser.error("overrides after -- change the recipe: write their runs elsewhere with --out DIR")
     known = variants_of(args.suite)

@@ -159,7 +159,7 @@ def main() -> None:
 
     cells = [{"env": g, "devices": d, "num_envs": n} for g in groups for d in args.devices for n in args.envs]
     # written once, at the end: a sitting stopped part-way leaves the full report of the last one in place
-    common.sweep(report, cells, True, run, lambda report: None, field="results")
+    common.sweep(report, cells, True, run, lambda report: None, field="results", say=lambda cell, r: None)
     write(report)
 
 

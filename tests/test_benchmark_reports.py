@@ -341,3 +341,25 @@ def test_a_sitting_with_nothing_to_run_rewrites_a_report_only_when_asked(
         written: list[dict] = []
         common.sweep(report, cells, False, lambda **_: pytest.fail("ran"), written.append, rerender=rerender)
         assert len(written) == writes
+
+
+def test_a_sweeps_arguments_refuse_what_would_run_nothing_and_its_lines_say_the_headline(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """`--seeds 0` ran nothing and exited 0, `--steps 0` trained the recipe's whole budget; each run's line names
+    its seed and, where the report has a threshold, the wall time to it."""
+    import argparse
+
+    common = _script(monkeypatch, "common")
+    parser = argparse.ArgumentParser()
+    common.sweep_arguments(parser, seeds=3)
+    for bad in (["--seeds", "0"], ["--steps", "0"], ["--seeds", "-1"]):
+        with pytest.raises(SystemExit):
+            parser.parse_args(bad)
+    assert parser.parse_args(["--seeds", "2"]).seeds == 2
+    cell = {"workload": "cartpole", "variant": "coupled", "seed": 2}
+    r = {"threshold": 475.0, "wall_at_threshold": 31.4, "final_mean_return": 500.0, "wall_seconds": 60.2}
+    assert common.progress_line(cell, r) == "cartpole coupled seed 2: wall at 475: 31 s, final 500.0, 60 s"
+    r |= {"wall_at_threshold": None}
+    assert common.progress_line(cell, r) == "cartpole coupled seed 2: wall at 475: never, final 500.0, 60 s"
+    assert common.progress_line(cell, r | {"threshold": None}) == "cartpole coupled seed 2: final 500.0, 60 s"
