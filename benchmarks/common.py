@@ -4,6 +4,7 @@ one run record (`record`), the sweep over tasks x variants x seeds (`sweep`) and
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import platform
@@ -178,6 +179,19 @@ def stopped_summary(metrics_csv: Path, timeout: float) -> dict[str, Any]:
             "final_mean_return": returns[-1][1] if returns else None}  # fmt: skip
 
 
+def stop_run(proc: subprocess.Popen[str], signum: int) -> None:
+    """Stop a run's job as a user would (`signum` to its process group: it writes its checkpoint and ends),
+    and kill what is left after `STOP_GRACE_S`."""
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signum)
+    try:
+        proc.wait(timeout=STOP_GRACE_S)
+    except subprocess.TimeoutExpired:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+
+
 def run_once(
     overrides: list[str],
     curve: bool = False,
@@ -228,6 +242,14 @@ def run_once(
         trace = job_trace.Trace(proc, started, where)
         try:
             proc.wait(timeout=timeout)
+        except (
+            KeyboardInterrupt
+        ):  # the run is in a session of its own: the terminal's Ctrl+C never reached it
+            stop_run(proc, signal.SIGINT)
+            trace.join()
+            kept_note = f"the run keeps its checkpoint in {run_dir}" if kept else "the run is discarded"
+            print(f"benchmarks: stopped by Ctrl+C; {kept_note}", file=sys.stderr, flush=True)
+            raise SystemExit(130) from None
         except subprocess.TimeoutExpired:
             if not (run_dir / "metrics.csv").is_file() or not read_rows(run_dir / "metrics.csv"):
                 job_trace.dump_stacks(proc.pid)  # nothing logged yet: where is every process?

@@ -262,15 +262,21 @@ def main(argv: Sequence[str] | None = None) -> None:
     )
     parser.add_argument("reports", nargs="+", type=Path, help="learning_<suite>.json or time_to_score.json")
     parser.add_argument("--out", type=Path, help="folder of the outputs (default: the report's)")
-    parser.add_argument("--reps", type=int, default=REPS, help="bootstrap resamples")
+    parser.add_argument("--reps", type=int, default=REPS, help="bootstrap resamples (1 or more)")
     parser.add_argument("--seed", type=int, default=0, help="the bootstrap's seed")
     args = parser.parse_args(argv)
+    if args.reps < 1:
+        parser.error(f"--reps {args.reps}: 1 or more resamples")
     for path in args.reports:
-        runs = json.loads(path.read_text()).get("runs") or [{}]
+        try:
+            report = json.loads(path.read_text())
+        except (OSError, ValueError) as exc:  # a missing file, a markdown report, a truncated one: one line
+            parser.error(f"{path}: not a readable JSON report ({type(exc).__name__})")
+        runs = (report.get("runs") if isinstance(report, dict) else None) or [{}]
         group = next((key for key in ("env", "workload") if key in runs[0]), None)
         if group is None:
-            raise ValueError(
-                "not a learning or time-to-score report: its runs have neither `env` nor `workload`"
+            parser.error(
+                f"{path}: not a learning or time-to-score report (its runs have neither env nor workload)"
             )
         out = args.out or path.parent
         md, png = out / f"{path.stem}_stats.md", out / f"{path.stem}_stats.png"

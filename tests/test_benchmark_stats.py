@@ -231,3 +231,26 @@ def test_threshold_figures_take_the_evaluations(monkeypatch: pytest.MonkeyPatch)
     assert figures["final_eval_return"] == 140.0 and figures["best_eval_return"] == 150.0
     assert figures["eval_seconds"] == 8.0
     assert "final_eval_return" not in common.threshold_figures({**summary, "eval_curve": []}, 100.0)
+
+
+def test_the_cli_refuses_what_is_not_a_report_in_one_line(
+    st, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:  # type: ignore[no-untyped-def]
+    """A missing file, a markdown report given for its JSON, a JSON of something else, `--reps 0`: each ended in
+    a traceback (FileNotFoundError, JSONDecodeError, ValueError); now a usage line and exit status 2."""
+    (tmp_path / "report.md").write_text("# a report\n")
+    (tmp_path / "other.json").write_text(json.dumps({"runs": [{"seed": 1}]}))
+    (tmp_path / "list.json").write_text("[1, 2]")
+    cases = {
+        str(tmp_path / "missing.json"): "not a readable JSON report (FileNotFoundError)",
+        str(tmp_path / "report.md"): "not a readable JSON report (JSONDecodeError)",
+        str(tmp_path / "other.json"): "not a learning or time-to-score report",
+        str(tmp_path / "list.json"): "not a learning or time-to-score report",
+    }
+    for path, said in cases.items():
+        with pytest.raises(SystemExit) as ended:
+            st.main([path, "--out", str(tmp_path)])
+        assert ended.value.code == 2 and said in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        st.main([str(tmp_path / "other.json"), "--reps", "0"])
+    assert "--reps 0" in capsys.readouterr().err

@@ -125,3 +125,48 @@ def test_a_traced_process_writes_its_stacks_at_the_deadline_without_a_signal(
         trace.join()
     assert list(trace.stacks()) == [proc.pid]
     assert trace.digest().endswith("stacks of 1: 1 at <string>:1 in <module>")
+
+
+def test_ctrl_c_during_a_benchmark_run_stops_its_job_and_ends_in_one_line(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The run's job is in a session of its own, so the terminal's Ctrl+C reached only the benchmark: its job
+    trained on (a kept run's rerun was then refused as a live run) and two tracebacks were printed. Now the
+    job gets the SIGINT (its checkpoint is written) and the benchmark ends with one line and status 130."""
+    import subprocess
+    from types import SimpleNamespace
+
+    common = _script(monkeypatch, "common")
+    job = tmp_path / "job"
+    job.write_text("#!/bin/sh\nexec sleep 60\n")  # stands in for `python -m ppo_fabric ...`
+    job.chmod(0o755)
+    monkeypatch.setattr(common.sys, "executable", str(job))
+    started: list[subprocess.Popen[str]] = []
+
+    class Interrupted(subprocess.Popen):  # type: ignore[type-arg]
+        def wait(self, timeout: float | None = None) -> int:
+            if not started:
+                started.append(self)
+                raise KeyboardInterrupt
+            return super().wait(timeout)
+
+    monkeypatch.setattr(
+        common,
+        "subprocess",
+        SimpleNamespace(
+            Popen=Interrupted,
+            TimeoutExpired=subprocess.TimeoutExpired,
+            DEVNULL=subprocess.DEVNULL,
+            PIPE=subprocess.PIPE,
+        ),
+    )
+    with pytest.raises(SystemExit) as ended:
+        try:
+            common.run_once(["algo.total_steps=1000"], run_dir=tmp_path / "run")
+        except KeyboardInterrupt:  # uncaught, it would end the whole pytest session
+            pytest.fail("the Ctrl+C went through run_once untouched")
+    assert ended.value.code == 130
+    assert started[0].returncode == -2  # the job got SIGINT, and is gone
+    assert capsys.readouterr().err.strip().splitlines() == [
+        f"benchmarks: stopped by Ctrl+C; the run keeps its checkpoint in {tmp_path / 'run'}"
+    ]
