@@ -275,7 +275,7 @@ def test_a_study_prunes_bad_trials_and_its_best_solves_the_probe(tmp_path: Path)
     proc = _tune(
         tmp_path,
         *PROBE,
-        "algo.total_steps=2048",
+        "algo.total_steps=4096",
         "algo.lr=choice(1e-6, 3e-3)",
         "algo.ent_coef=interval(0.0, 0.01)",
         "tune.trials=3",
@@ -293,7 +293,7 @@ def test_a_study_prunes_bad_trials_and_its_best_solves_the_probe(tmp_path: Path)
     assert pruned and all(float(r["algo.lr"]) == 1e-6 for r in pruned), rows
     best = json.loads((study_dir / "best.json").read_text())
     assert best["value"] >= 0.95 and "algo.lr=0.003" in best["overrides"], best
-    assert f"python -m ppo_fabric {' '.join(PROBE)} algo.total_steps=2048 algo.lr=0.003" in proc.stdout
+    assert f"python -m ppo_fabric {' '.join(PROBE)} algo.total_steps=4096 algo.lr=0.003" in proc.stdout
     # a pruned trial was stopped like any run: SIGTERM, checkpoint written
     pruned_run = Path(pruned[0]["dir"]) / "seed_42"
     assert (pruned_run / "checkpoints" / "last.ckpt").is_file()
