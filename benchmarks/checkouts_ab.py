@@ -70,7 +70,7 @@ def main() -> None:
     parser = common.argument_parser(__doc__)
     parser.add_argument("checkouts", nargs="+", type=Path, help="checkouts to compare; then -- and overrides")
     parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--name", default="checkouts_ab")
+    parser.add_argument("--name", default="checkouts_ab", type=common.file_name)
     parser.add_argument("--arms", nargs="+", default=[""], help="override sets, each run on every checkout "
                         "(quoted, space-separated: --arms 'eval.every=0' 'eval.every=auto')")  # fmt: skip
     parser.add_argument("--out", type=Path, default=common.RESULTS)
@@ -78,6 +78,9 @@ def main() -> None:
     overrides = argv[argv.index("--") + 1 :] if "--" in argv else []
     args = parser.parse_args(argv[: argv.index("--")] if "--" in argv else argv)
     checkouts = [c.resolve() for c in args.checkouts]
+    for checkout in checkouts:  # found before the first run, not as a traceback rounds later
+        if not (checkout / "ppo_fabric" / "__init__.py").is_file():
+            parser.error(f"{checkout}: not a checkout of ppo-fabric (no ppo_fabric/ package there)")
     commits = {str(c): head(c) for c in checkouts}
     arms = [(c, arm) for c in checkouts for arm in args.arms]  # each checkout with each override set
     label = {(c, arm): commits[str(c)] + (f" {arm}" if arm else "") for c, arm in arms}

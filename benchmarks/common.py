@@ -362,10 +362,15 @@ def overrides(
     return [*(EVALUATION if evaluate else []), *recipe, *layout, f"seed={seed}", *budget, *extra]
 
 
+# How often a run saves, not what it learns (resume is exact): `--keep-runs` adds it, and a kept run is the
+# same run as one trained in a single sitting.
+NOT_THE_RUN = ("checkpoint.every_minutes",)
+
+
 def effective(overrides: list[str]) -> dict[str, str]:
     """What overrides set, a key's last value winning: two lists that set the same are the same run, wherever
-    they put the evaluation's (time_to_score's records before 2026-12 put them last)."""
-    return dict(o.partition("=")[::2] for o in overrides)
+    they put the evaluation's (time_to_score's records before 2026-12 put them last); `NOT_THE_RUN` left out."""
+    return {k: v for k, v in (o.partition("=")[::2] for o in overrides) if k not in NOT_THE_RUN}
 
 
 def mean_reached(values: list[float | None], fmt: str) -> str:
@@ -400,6 +405,15 @@ def positive(text: str) -> int:
     if value < 1:
         raise argparse.ArgumentTypeError(f"{text}: must be 1 or more")
     return value
+
+
+def file_name(text: str) -> str:
+    """A report's name: a file name inside `--out`, never a path (`--name ../x` wrote beside it)."""
+    if not text or text in (".", "..") or "/" in text or "\\" in text:
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: a file name without a directory (the report goes to --out)"
+        )
+    return text
 
 
 def sweep_arguments(parser: argparse.ArgumentParser, seeds: int) -> None:

@@ -140,8 +140,13 @@ def variants_of(suite: str) -> dict[str, tuple[str, ...]]:
     return SUITE_VARIANTS.get(suite, {name: common.LAYOUTS[name] for name in ("coupled", "pipelined")})
 
 
-def task_named(env: str) -> Task:
-    return next(t for tasks in SUITES.values() for t in tasks if t.env == env)
+def task_named(env: str, suite: str | None = None) -> Task:
+    """The task of `env`: in `suite` when given (a report's runs are read as that suite's), else in any."""
+    for name, tasks in SUITES.items():
+        for task in tasks:
+            if task.env == env and suite in (None, name):
+                return task
+    raise SystemExit(f"learning: no task {env!r} in {'the ' + suite + ' suite' if suite else 'any suite'}")
 
 
 def run_record(
@@ -184,7 +189,7 @@ def shown_lines(suite: str, runs: list[dict[str, Any]]) -> list[str]:
     for env, variant, mine in common.groups(
         evaluated, "env", [t.env for t in SUITES[suite]], variants_of(suite)
     ):
-        for key in task_named(env).shown:
+        for key in task_named(env, suite).shown:
             values = [r["final_eval"][key] for r in mine if key in r["final_eval"]]
             if values:  # none: a metric newer than these runs
                 rows.append(
@@ -211,7 +216,7 @@ def markdown(suite: str, report: dict[str, Any], command: str) -> str:
         "|---|---|---|---:|---:|---:|---:|---:|---|" + ("---:|" if any_eval else ""),
     ]
     for env, variant, mine in common.groups(runs, "env", [t.env for t in SUITES[suite]], variants):
-        task, ref = task_named(env), "n/a"
+        task, ref = task_named(env, suite), "n/a"
         if task.reference is not None:
             ref = f"{task.reference[0]:.1f}" + (
                 "" if task.reference[1] is None else f" ± {task.reference[1]:.1f}"
@@ -238,7 +243,9 @@ def markdown(suite: str, report: dict[str, Any], command: str) -> str:
     pairs = PAIRS.get(suite, stats.PAIRS)
     spec = ".3f" if suite == "games" else ".1f"  # a game's score lies in [0, 1]
     table = stats.markdown_table(runs, "env", pairs, tasks=envs, variants=variants, spec=spec)
-    scored = sorted({task_named(r["env"]).score for r in runs if "final_eval_return" in r})
+    scored = sorted(
+        {task_named(r["env"], suite).score for r in runs if "final_eval_return" in r and r["env"] in envs}
+    )
     keys = ", ".join(f"`{k}`" for k in scored)
     what = (
         "final return"

@@ -157,7 +157,12 @@ def main() -> None:
     parser.add_argument("--workloads", nargs="+", choices=list(WORKLOADS), default=["lunarlander"])
     parser.add_argument("--variants", nargs="+", choices=list(VARIANTS), default=DEFAULT_VARIANTS)
     common.sweep_arguments(parser, seeds=3)
-    parser.add_argument("--name", default="time_to_score", help="the report's file name (results/NAME.json)")
+    parser.add_argument(
+        "--name",
+        default="time_to_score",
+        type=common.file_name,
+        help="the report's file name (results/NAME.json)",
+    )
     parser.add_argument("--sb3-stop", action="store_true", help="SB3 runs stop once they reach the threshold")
     parser.add_argument("--sb3-cap", type=float, default=None, help="SB3 runs stop after this many seconds")
     args = parser.parse_args()

@@ -101,8 +101,16 @@ def measure(exp: str, updates: int) -> dict[str, Any]:
 
 def main() -> None:
     parser = common.argument_parser(__doc__)
-    parser.add_argument("--updates", type=int, default=30, help="timed updates per variant")
-    parser.add_argument("--exps", nargs="+", default=["cleanrl_cartpole", "fast"])
+    parser.add_argument("--updates", type=common.positive, default=30, help="timed updates per variant")
+    recipes = sorted(p.stem for p in (common.RESULTS.parent.parent / "conf" / "exp").glob("*.yaml"))
+    parser.add_argument(
+        "--exps",
+        nargs="+",
+        default=["cleanrl_cartpole", "fast"],
+        choices=recipes,
+        metavar="EXP",
+        help=f"recipes (conf/exp): {', '.join(recipes)}",
+    )
     parser.add_argument("--out", type=Path, default=common.RESULTS)
     args = parser.parse_args()
     rows = [measure(exp, args.updates) for exp in args.exps]

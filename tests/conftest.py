@@ -4,10 +4,12 @@ the environment of `python -m ppo_fabric` subprocesses and the processes of a jo
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import json
 import os
 import signal
 import subprocess
+import sys
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -102,6 +104,18 @@ def numbered_checkpoint(run_dir: Path, update: int) -> Path:
     ]
     assert len(found) == 1, f"{len(found)} checkpoints of update {update} in {run_dir}"
     return found[0]
+
+
+def benchmark_script(monkeypatch: pytest.MonkeyPatch, name: str) -> Any:
+    """`benchmarks/<name>.py` as a module (the scripts are not a package), registered in `sys.modules` for its
+    dataclasses, with `benchmarks/` on the path for the `common` it imports; both undone after the test."""
+    monkeypatch.syspath_prepend(str(REPO / "benchmarks"))
+    spec = importlib.util.spec_from_file_location(name, REPO / "benchmarks" / f"{name}.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, name, module)
+    spec.loader.exec_module(module)
+    return module
 
 
 def job_env(supervisor: bool = True) -> dict[str, str]:

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from ppo_fabric.runs.metrics_file import read_rows
-from tests.test_gpu_check import _script
+from tests.conftest import benchmark_script
 
 
 def _tts_run(overrides: list[str], **extra: object) -> dict:
@@ -21,7 +21,7 @@ def _tts_run(overrides: list[str], **extra: object) -> dict:
 def test_learning_takes_a_run_with_the_same_overrides(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
-    learning = _script(monkeypatch, "learning")
+    learning = benchmark_script(monkeypatch, "learning")
     task = learning.SUITES["mujoco"][1]  # Hopper-v5
     layouts = learning.common.LAYOUTS
 
@@ -70,7 +70,7 @@ def test_a_suite_scored_by_evaluation_ranks_its_metric_and_shows_the_others(
     """The games suite: a run's score is `eval/score` from its evaluations.csv, every `eval/*` metric of the
     last evaluation is kept, a task's own evaluation settings win over the benchmark's, and the report ranks
     the score (to 3 decimals) and lists the task's further metrics."""
-    learning = _script(monkeypatch, "learning")
+    learning = benchmark_script(monkeypatch, "learning")
     csv = tmp_path / "evaluations.csv"
     csv.write_text("step,time/wall_s,time/eval_s,eval/score,eval/random/win_rate,eval/search:1/win_rate\n"
                    "1000,5.0,0.5,0.40,0.7,\n2000,9.0,0.25,0.55,0.9,0.25\n")  # fmt: skip
@@ -113,7 +113,7 @@ def test_a_kept_learning_run_has_a_folder_of_its_own_and_reports_the_whole_run(
     """`--keep-runs DIR`: each (env, variant, seed) trains in a folder of its own under DIR, which the same
     command finds again (run_once resumes it), with a checkpoint every 10 minutes; the record's wall time
     and rate are the whole run's, over every sitting, not the last sitting's."""
-    learning = _script(monkeypatch, "learning")
+    learning = benchmark_script(monkeypatch, "learning")
     given: list[tuple[list[str], Path | None]] = []
 
     def run_once(overrides: list[str], curve: bool, eval_key: str, run_dir: Path | None) -> dict:
@@ -135,7 +135,7 @@ def test_a_kept_learning_run_has_a_folder_of_its_own_and_reports_the_whole_run(
 
 
 def test_stopped_sb3_runs_show_no_final_return(monkeypatch: pytest.MonkeyPatch) -> None:
-    tts = _script(monkeypatch, "time_to_score")
+    tts = benchmark_script(monkeypatch, "time_to_score")
 
     def run(variant: str, seed: int, final: float, wall_at: float | None, **extra: object) -> dict:
         return {"workload": "halfcheetah", "variant": variant, "seed": seed, "commit": "abc1234",
@@ -159,7 +159,7 @@ def test_stopped_sb3_runs_show_no_final_return(monkeypatch: pytest.MonkeyPatch) 
 def test_a_run_stopped_at_its_timeout_reports_its_last_logged_update(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
-    common = _script(monkeypatch, "common")
+    common = benchmark_script(monkeypatch, "common")
     csv = tmp_path / "metrics.csv"
     rows = [  # step, time/wall_s, time/sps, time/collect_s, time/train_s, rollout/return_mean20
         (1000, 10.0, 100.0, 4.0, 6.0, ""), (2000, 20.0, 100.0, 4.0, 6.0, "-20.5"),
@@ -186,8 +186,8 @@ def test_a_run_stopped_at_its_timeout_reports_its_last_logged_update(
 def test_atari_to_score_runs_gpu_strategies_layout_and_reports_the_threshold(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    ats = _script(monkeypatch, "atari_to_score")
-    gs = _script(monkeypatch, "gpu_strategies")
+    ats = benchmark_script(monkeypatch, "atari_to_score")
+    gs = benchmark_script(monkeypatch, "gpu_strategies")
     run = ats.overrides("decoupled-envpool-3", "ALE/Breakout-v5", 4_500_000, 2, False, ["algo.lr=1e-4"])
     _, layout, _ = gs.variants(1, [3], False, (3,))["decoupled-envpool-3"]
     assert run == [*gs.WORKLOADS["atari"][1], *layout, "env.id=ALE/Breakout-v5", "algo.total_steps=4500000",
@@ -250,7 +250,7 @@ def test_atari_to_score_runs_gpu_strategies_layout_and_reports_the_threshold(
 def test_a_kept_run_continues_in_the_next_command(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     """`run_once(run_dir=...)`: the same call after a command was stopped resumes the run from its
     checkpoint (two real processes); the figures are the whole run's, the wall split by command."""
-    common = _script(monkeypatch, "common")
+    common = benchmark_script(monkeypatch, "common")
     monkeypatch.syspath_prepend(str(Path(common.__file__).parent))  # run_once imports job_trace beside it
     run_dir = tmp_path / "run"
     overrides = ["algo.total_steps=1024", "algo.update_epochs=1", "checkpoint.every=1", "checkpoint.keep=0"]
@@ -280,12 +280,14 @@ def test_a_kept_run_continues_in_the_next_command(monkeypatch: pytest.MonkeyPatc
 def test_overrides_that_set_the_same_are_the_same_run(monkeypatch: pytest.MonkeyPatch) -> None:
     """Older time_to_score records end with the evaluation's overrides, learning's begin with them: the same
     run; without evaluation, or with another value anywhere, not; a key set twice keeps its last value."""
-    common = _script(monkeypatch, "common")
+    common = benchmark_script(monkeypatch, "common")
     ev, base = common.EVALUATION, ["exp=mujoco", "strategy=coupled", "seed=1"]
     assert common.effective([*base, *ev]) == common.effective([*ev, *base])
     assert common.effective([*base, *ev]) != common.effective([*ev, *base[:2], "seed=2"])
     assert common.effective(base) != common.effective([*ev, *base])  # that run was not evaluated
     assert common.effective(["eval.episodes=10", "eval.episodes=100"]) == {"eval.episodes": "100"}
+    # a run kept over sittings (--keep-runs: checkpoints every 10 minutes) is the same run: it was never reused
+    assert common.effective([*base, "checkpoint.every_minutes=10"]) == common.effective(base)
 
 
 def test_a_report_of_another_scripts_format_is_replaced_not_a_crash(
@@ -293,7 +295,7 @@ def test_a_report_of_another_scripts_format_is_replaced_not_a_crash(
 ) -> None:
     """`make bench`'s fast_recipe and cartpole_solve sittings write where retired scripts wrote (no `runs`,
     or runs keyed by `layout`): they ended in KeyError; they start a new report, with a line."""
-    common = _script(monkeypatch, "common")
+    common = benchmark_script(monkeypatch, "common")
     keys = ("workload", "variant", "seed")
     mine = {"runs": [{"workload": "cartpole", "variant": "coupled", "seed": 1}]}
     for name, old in (("a", {"rows": []}), ("b", {"runs": [{"layout": "coupled", "seed": 1}]}), ("c", mine)):
@@ -307,7 +309,7 @@ def test_a_report_of_another_scripts_format_is_replaced_not_a_crash(
 def test_the_sb3_baseline_refuses_env_options_it_does_not_build(monkeypatch: pytest.MonkeyPatch) -> None:
     """The SB3 child builds the plain env: a workload that hides velocities, adds noise, repeats actions or
     preprocesses frames would have SB3 train on another env than ppo-fabric's, unsaid."""
-    sb3 = _script(monkeypatch, "sb3_baseline")
+    sb3 = benchmark_script(monkeypatch, "sb3_baseline")
     assert sb3.flat_workload(["env=lunarlander"])["env.id"] == "LunarLander-v3"
     with pytest.raises(SystemExit, match="cannot run env.mask_velocity=True"):
         sb3.flat_workload(["env.mask_velocity=true"])
@@ -317,7 +319,7 @@ def test_reports_name_each_runs_machine_and_a_whole_runs_rate(monkeypatch: pytes
     """A report gathers sittings: its Machine line names the CPUs its runs recorded, not only the last
     sitting's; a run trained over several commands reports its whole rate beside its whole wall time (the
     rate was the last command's alone)."""
-    common = _script(monkeypatch, "common")
+    common = benchmark_script(monkeypatch, "common")
     m = {"cpu": "Xeon", "cores": 2, "torch": "2.13"}
     assert common.machines_line([{"machine": "EPYC"}, {"machine": "Xeon"}, {}], m) == (
         "EPYC, Xeon (the runs' own; 1 runs from before runs named theirs); the last sitting on 2 cores, torch 2.13"
@@ -334,7 +336,7 @@ def test_a_sitting_with_nothing_to_run_rewrites_a_report_only_when_asked(
 ) -> None:
     """`sweep` with every cell done runs nothing; `time_to_score` re-renders its report then, `learning` does not
     (its report records the machine and command of the last sitting that ran something)."""
-    common = _script(monkeypatch, "common")
+    common = benchmark_script(monkeypatch, "common")
     report = {"runs": [{"env": "e", "variant": "v", "seed": 1, "final_mean_return": 1.0}]}
     cells = [{"env": "e", "variant": "v", "seed": 1}]
     for rerender, writes in ((True, 1), (False, 0)):
@@ -350,7 +352,7 @@ def test_a_sweeps_arguments_refuse_what_would_run_nothing_and_its_lines_say_the_
     its seed and, where the report has a threshold, the wall time to it."""
     import argparse
 
-    common = _script(monkeypatch, "common")
+    common = benchmark_script(monkeypatch, "common")
     parser = argparse.ArgumentParser()
     common.sweep_arguments(parser, seeds=3)
     for bad in (["--seeds", "0"], ["--steps", "0"], ["--seeds", "-1"]):
@@ -363,3 +365,31 @@ def test_a_sweeps_arguments_refuse_what_would_run_nothing_and_its_lines_say_the_
     r |= {"wall_at_threshold": None}
     assert common.progress_line(cell, r) == "cartpole coupled seed 2: wall at 475: never, final 500.0, 60 s"
     assert common.progress_line(cell, r | {"threshold": None}) == "cartpole coupled seed 2: final 500.0, 60 s"
+
+
+@pytest.mark.parametrize(
+    ("script", "argv", "says"),
+    [
+        ("time_to_score", ["--name", "../elsewhere"], "a file name without a directory"),
+        ("checkouts_ab", ["--name", "a/b", "."], "a file name without a directory"),
+        ("checkouts_ab", ["/nonexistent/checkout"], "not a checkout of ppo-fabric"),
+        ("update_layers", ["--exps", "nope"], "invalid choice: 'nope'"),
+        ("update_layers", ["--updates", "0"], "must be 1 or more"),
+    ],
+)
+def test_the_benchmark_tools_refuse_bad_arguments_in_one_usage_line(
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+    script: str,
+    argv: list[str],
+    says: str,
+) -> None:
+    """Each was a traceback, or worse: `--name ../x` wrote the report outside `--out`, a missing checkout
+    failed after the other checkouts' runs, an unknown recipe failed at the first run."""
+    module = benchmark_script(monkeypatch, script)
+    monkeypatch.setattr("sys.argv", [f"{script}.py", *argv])
+    with pytest.raises(SystemExit) as ended:
+        module.main()
+    assert ended.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert says in err[-1], err

@@ -10,14 +10,14 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tests.test_gpu_check import _script
+from tests.conftest import benchmark_script
 
 REPS = 200
 
 
 @pytest.fixture
 def st(monkeypatch: pytest.MonkeyPatch):  # type: ignore[no-untyped-def]
-    return _script(monkeypatch, "stats")
+    return benchmark_script(monkeypatch, "stats")
 
 
 def test_iqm_is_the_mean_of_the_middle_half(st) -> None:  # type: ignore[no-untyped-def]
@@ -173,7 +173,7 @@ def test_the_reports_table_and_command(st, tmp_path: Path) -> None:  # type: ign
 
 
 def test_the_learning_and_time_to_score_reports_carry_the_table(monkeypatch: pytest.MonkeyPatch) -> None:
-    learning = _script(monkeypatch, "learning")
+    learning = benchmark_script(monkeypatch, "learning")
     machine = {"cpu": "x", "cores": 2, "torch": "t"}
     runs = [{**r, "env": {"A": "CartPole-v1", "B": "Acrobot-v1"}[r["env"]], "commit": "abc1234",
              "total_env_steps": 500_000, "wall_seconds": 60.0, "sps": 8000.0} for r in _runs()[:9]]  # fmt: skip
@@ -191,7 +191,7 @@ def test_the_learning_and_time_to_score_reports_carry_the_table(monkeypatch: pyt
     )
     assert "| Acrobot-v1 | -81.0 (1) |" in ranked and "CartPole-v1" not in ranked.split("IQM:")[0]
     assert "| CartPole-v1 |" in training and "| Acrobot-v1 | 5.0 (1) |" in training
-    tts = _script(monkeypatch, "time_to_score")
+    tts = benchmark_script(monkeypatch, "time_to_score")
     runs = [{**r, "workload": {"A": "lunarlander", "B": "hopper"}[r["env"]], "commit": "abc1234",
              "best_mean_return": r["final_mean_return"], "wall_at_threshold": None, "step_at_threshold": None,
              "wall_seconds": 60.0, "sps": 8000.0, "load": [1.0, 1.0]} for r in _runs() if r["final_mean_return"]]  # fmt: skip
@@ -207,7 +207,7 @@ def test_the_learning_and_time_to_score_reports_carry_the_table(monkeypatch: pyt
     md = tts.markdown({"runs": evaluated, "machine": machine}, "cmd", "parity")
     table = md.split("### The final evaluation return over seeds")[1]
     assert "| P(notrunc > coupled) [95% CI] |" in table and "(parity_profile.png)" in md
-    iqm = _script(monkeypatch, "stats").iqm(
+    iqm = benchmark_script(monkeypatch, "stats").iqm(
         [
             r["final_eval_return"]
             for r in evaluated
@@ -221,7 +221,7 @@ def test_the_learning_and_time_to_score_reports_carry_the_table(monkeypatch: pyt
 def test_threshold_figures_take_the_evaluations(monkeypatch: pytest.MonkeyPatch) -> None:
     """The final evaluation is the last one, the best the highest, and the wall time to the threshold leaves
     out the evaluations that ran before it (1.0 s and 2.0 s, not the 5.0 s one after)."""
-    common = _script(monkeypatch, "common")
+    common = benchmark_script(monkeypatch, "common")
     curve = [[100, 10.0, 50.0], [200, 20.0, 120.0], [300, 30.0, 90.0]]
     evals = [[100, 11.0, 60.0, 1.0], [200, 19.0, 150.0, 2.0], [300, 31.0, 140.0, 5.0]]
     summary = {"curve": curve, "eval_curve": evals, "total_env_steps": 300, "final_mean_return": 90.0,

@@ -18,6 +18,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.conftest import benchmark_script
+
 REPO = Path(__file__).resolve().parent.parent
 
 
@@ -66,18 +68,9 @@ def test_every_cuda_path_passes_on_a_gpu(tmp_path: Path) -> None:
     assert all(status == "PASS" for name, status in statuses.items() if name != "envpool_pong"), statuses
 
 
-def _script(monkeypatch: pytest.MonkeyPatch, name: str):  # type: ignore[no-untyped-def]
-    """A benchmark script as a module (it is not part of the package), registered for its dataclasses."""
-    spec = importlib.util.spec_from_file_location(name, REPO / "benchmarks" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    monkeypatch.setitem(sys.modules, name, module)
-    spec.loader.exec_module(module)
-    return module
-
-
 @pytest.fixture
 def gc(monkeypatch: pytest.MonkeyPatch):  # type: ignore[no-untyped-def]
-    return _script(monkeypatch, "gpu_check")
+    return benchmark_script(monkeypatch, "gpu_check")
 
 
 def test_report_is_rewritten_after_every_check_and_keeps_failure_output(
@@ -151,7 +144,7 @@ def test_envpool_check_says_why_it_skips(
 # ------------------------------------------------------------------------------- gpu_strategies.py
 @pytest.fixture
 def gs(monkeypatch: pytest.MonkeyPatch):  # type: ignore[no-untyped-def]
-    return _script(monkeypatch, "gpu_strategies")
+    return benchmark_script(monkeypatch, "gpu_strategies")
 
 
 def test_gpu_strategies_has_a_compiled_row(gs) -> None:  # type: ignore[no-untyped-def]
@@ -263,7 +256,7 @@ def test_minibatch_step_run_alone_keeps_the_other_variants_rows(tmp_path: Path, 
 
     import torch
 
-    ms = _script(monkeypatch, "minibatch_step")
+    ms = benchmark_script(monkeypatch, "minibatch_step")
     sizes = {"batch": 64, "minibatch": 32, "epochs": 1, "updates": 2}
     old = {"eager": {"ms_per_step": 3.0}, "compiled": {"ms_per_step": 1.5}}
     (tmp_path / "minibatch_step_cpu_dry_run.json").write_text(
@@ -281,7 +274,7 @@ def test_minibatch_step_dry_run_times_the_package_update_and_its_graph(tmp_path:
     """On the CPU, `eager`, `compile-graph` and `graph` (the `WholeStepGraph` an `algo.compile=graph` update
     of `exp=atari`'s learner keeps, run uncaptured) each give a row, even where an update has fewer
     minibatch steps than the graph's warm-up."""
-    ms = _script(monkeypatch, "minibatch_step")
+    ms = benchmark_script(monkeypatch, "minibatch_step")
     monkeypatch.setattr(sys, "argv", ["minibatch_step.py", "--device", "cpu", "--batch", "32", "--minibatch", "16",
                                       "--epochs", "1", "--updates", "1", "--variants", "eager", "compile-graph",
                                       "graph", "--out", str(tmp_path)])  # fmt: skip

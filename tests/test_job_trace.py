@@ -6,7 +6,6 @@ goes on; `common.run_once` with a timeout puts that trace in its `LoggedNothing`
 
 from __future__ import annotations
 
-import importlib.util
 import subprocess
 import sys
 import time
@@ -14,17 +13,10 @@ from pathlib import Path
 
 import pytest
 
+from tests.conftest import benchmark_script
+
 REPO = Path(__file__).resolve().parent.parent
 pytestmark = pytest.mark.multiprocess
-
-
-def _script(monkeypatch: pytest.MonkeyPatch, name: str):  # type: ignore[no-untyped-def]
-    monkeypatch.syspath_prepend(str(REPO / "benchmarks"))
-    spec = importlib.util.spec_from_file_location(name, REPO / "benchmarks" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    monkeypatch.setitem(sys.modules, name, module)
-    spec.loader.exec_module(module)
-    return module
 
 
 CHILD = "import sys, time; import ale_py; print('imported', file=sys.stderr, flush=True); time.sleep(60)"
@@ -37,7 +29,7 @@ PARENT = (
 def test_a_traced_process_tree_marks_its_start_and_dumps_every_stack(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
-    jt = _script(monkeypatch, "job_trace")
+    jt = benchmark_script(monkeypatch, "job_trace")
     env = jt.traced_env(tmp_path / "trace")
     started = time.monotonic()
     proc = subprocess.Popen(
@@ -69,7 +61,7 @@ def test_a_traced_process_tree_marks_its_start_and_dumps_every_stack(
 def test_where_a_process_stood_is_its_main_threads_innermost_project_frame(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    jt = _script(monkeypatch, "job_trace")
+    jt = benchmark_script(monkeypatch, "job_trace")
     dump = """Thread 0x00007f0000000001 (most recent call first):
   File "/usr/lib/python3.12/threading.py", line 355 in wait
   File "/x/ppo_fabric/app/launch.py", line 40 in watch
@@ -93,7 +85,7 @@ Current thread 0x00007f0000000002 (most recent call first):
 def test_a_run_stopped_before_its_first_update_says_how_far_its_processes_got(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    common = _script(monkeypatch, "common")
+    common = benchmark_script(monkeypatch, "common")
     # a first rollout of 102,400 steps (400 minibatches of 256): no update can be logged within the 1-s
     # timeout on any machine (exp=fast's CartPole run once logged its first within it on an idle one)
     first_rollout_long = ["env.num_envs=1", "algo.rollout_steps=102400", "algo.total_steps=100000000"]
@@ -109,7 +101,7 @@ def test_a_traced_process_writes_its_stacks_at_the_deadline_without_a_signal(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
     """On the H100 machine the ranks of a job wrote no stacks on SIGUSR1: the deadline needs no signal."""
-    jt = _script(monkeypatch, "job_trace")
+    jt = benchmark_script(monkeypatch, "job_trace")
     env = jt.traced_env(tmp_path / "trace", deadline=time.time() + 1.0)
     proc = subprocess.Popen(
         [sys.executable, "-c", "import time; time.sleep(60)"], env=env, stderr=subprocess.PIPE, text=True
@@ -136,7 +128,7 @@ def test_ctrl_c_during_a_benchmark_run_stops_its_job_and_ends_in_one_line(
     import subprocess
     from types import SimpleNamespace
 
-    common = _script(monkeypatch, "common")
+    common = benchmark_script(monkeypatch, "common")
     job = tmp_path / "job"
     job.write_text("#!/bin/sh\nexec sleep 60\n")  # stands in for `python -m ppo_fabric ...`
     job.chmod(0o755)
