@@ -48,7 +48,10 @@ class FaultyCartPole(CartPoleEnv):
     def reset(self, *, seed: int | None = None, options: dict | None = None) -> Any:
         if seed is not None:
             self.seeded = seed
-        return super().reset(seed=seed, options=options)
+        obs, info = super().reset(seed=seed, options=options)
+        if self.fault == "wrong_shape_reset" and self.steps == 0:  # the vector env's first reset
+            obs = np.zeros(5, dtype=np.float32)
+        return obs, info
 
     def close(self) -> None:
         if self.fault == "raise_close" and self.steps > 0:  # the run's envs, not the checks' probe env
@@ -73,6 +76,8 @@ class FaultyCartPole(CartPoleEnv):
             reward = float("inf")
         elif self.fault == "huge_reward":
             reward = 1e200
+        elif self.fault == "wrong_shape":
+            obs = np.zeros(5, dtype=np.float32)
         elif self.fault == "raise":
             raise RuntimeError("simulator crashed (injected by the test env)")
         elif self.fault == "slow":

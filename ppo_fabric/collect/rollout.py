@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import sys
 from collections import deque
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -20,8 +21,17 @@ from tensordict import TensorDict
 
 from ppo_fabric.collect.actors import Actor, acting_for
 from ppo_fabric.collect.numpy_actor import unsupported
+from ppo_fabric.config.faults import RunFault
+from ppo_fabric.config.values import ConfigError
 from ppo_fabric.envs.envpool_backend import is_async
-from ppo_fabric.envs.guard import RESTART_INFO, EnvFault, NonFiniteData, find_nonfinite, nonfinite_final
+from ppo_fabric.envs.guard import (
+    RESTART_INFO,
+    EnvFault,
+    NonFiniteData,
+    env_error_text,
+    find_nonfinite,
+    nonfinite_final,
+)
 from ppo_fabric.envs.make import (
     ACTION_MASK,
     EnvError,
@@ -269,8 +279,7 @@ class RolloutCollector:
         except EnvFault as fault:
             raise EnvFault(f"{self.label}: {fault} (env step {at:,})") from None
         except Exception as exc:  # noqa: BLE001 - the user's env code: its error, named, ends the run
-            text = f"{type(exc).__name__}: {exc}".strip().splitlines()[0]
-            raise EnvFault(f"{self.label}: env.step raised {text} at env step {at:,}") from exc
+            raise EnvFault(f"{self.label}: env.step raised {env_error_text(exc)} at env step {at:,}") from exc
         if self.multiagent:
             for g, (obs, rewards, _, truncated, info) in zip(self.groups, results, strict=True):
                 found = find_nonfinite(obs, rewards)
@@ -684,6 +693,20 @@ def session_seed(seed: int, start_step: int) -> int:
     return int(np.random.SeedSequence([seed, start_step]).generate_state(1, dtype=np.uint32)[0])
 
 
+@contextmanager
+def first_reset_faults(label: str, env_cfg: DictConfig) -> Iterator[None]:
+    """What goes wrong while a rank builds and first resets its envs, as one `EnvFault` line naming the rank
+    (a traceback through Hydra's was ~50 lines); one-line faults and config errors pass as they are."""
+    try:
+        yield
+    except NonFiniteData as bad:
+        raise EnvFault(f"{label}, env {bad.index}: {bad.what} {_before_the_run(env_cfg)}") from None
+    except (RunFault, ConfigError):
+        raise
+    except Exception as exc:  # noqa: BLE001 - the user's env code: its error, named, ends the run
+        raise EnvFault(f"{label}: the envs raised {env_error_text(exc)} {_before_the_run(env_cfg)}") from exc
+
+
 def _before_the_run(env_cfg: DictConfig) -> str:
     """Where bad data found while the envs are built came from: their first reset, and the normalisers'
     warm-up steps (random actions) when a normaliser is on."""
@@ -717,20 +740,20 @@ def build_collector(
     if note is not None and rank == 0:
         print(f"ppo-fabric: {note}", file=sys.stderr, flush=True)
     restart = on_error(cfg.env) == "restart" and note is None
-    try:
+    with first_reset_faults(label, cfg.env):
         if single:
             width = specs[SINGLE].action_mask
             envs, first = make_vector_env(cfg.env, seed, rank, float(algo.gamma), reduce, width)
-            storage: Any = policy_storage(steps, copies, specs[SINGLE], device, is_async(cfg.env))
         else:
             masked = any(spec.action_mask is not None for spec in specs.values())
             opening = int(cfg.selfplay.opening_moves) if bool(cfg.selfplay.enabled) else 0
             envs, first = make_multiagent_vector_env(
                 cfg.env, cfg.multiagent, seed, rank, masked, opening_moves=opening
             )
-            storage = {name: policy_storage(steps, copies, spec, device) for name, spec in specs.items()}
-    except NonFiniteData as bad:
-        raise EnvFault(f"{label}, env {bad.index}: {bad.what} {_before_the_run(cfg.env)}") from None
+    if single:
+        storage: Any = policy_storage(steps, copies, specs[SINGLE], device, is_async(cfg.env))
+    else:
+        storage = {name: policy_storage(steps, copies, spec, device) for name, spec in specs.items()}
     selfplay = None
     if bool(cfg.selfplay.enabled):
         spec = next(iter(specs.values()))

@@ -237,6 +237,20 @@ def error_line(exc: BaseException, limit: int = 300) -> str:
     return (cut[:space].rstrip() if space > 0 else cut) + "..."
 
 
+# What NumPy says when gymnasium's vector env stacks observations of another shape than the env's
+# observation_space into its buffer (all of them, or only some): the user's env is at fault, not the library.
+_WRONG_SHAPE = ("Output array is the wrong shape", "all input arrays must have the same shape")
+
+
+def env_error_text(exc: BaseException) -> str:
+    """`Type: first line` of an exception from the user's env code, and for an observation stacked into a
+    buffer of another shape, what that means (NumPy's own words name no env and no space)."""
+    text = f"{type(exc).__name__}: {error_line(exc)}"
+    if any(words in str(exc) for words in _WRONG_SHAPE):
+        text += " (an observation's shape differs from the env's observation_space)"
+    return text
+
+
 def restartable(factory: Callable[[], gym.Env]) -> gym.Env:
     """`factory`'s env, rebuilt by `RecreateOnError` when it fails (a module-level function so that a
     `functools.partial` of it pickles, as checkpoints pickle the vector env's factories)."""

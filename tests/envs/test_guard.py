@@ -178,3 +178,28 @@ def test_bad_data_before_the_run_names_the_warm_up_too() -> None:
     with pytest.raises(EnvFault, match=r"^rank 0, env \d: observation holds NaN at its first reset, or in "
                                        r"the normalisers' warm-up steps before the run \(env.normalize_warmup\)"):  # fmt: skip
         build_collector(cfg, policy_specs(cfg), 0, "cpu", None)
+
+
+def test_an_observation_of_another_shape_at_the_first_reset_is_one_line() -> None:
+    """It came as a ~50-line traceback through Hydra's, ending in NumPy's "Output array is the wrong shape",
+    which names no env and no space; a step's says the same (`test_the_collector_names_rank_env_and_step`)."""
+    from ppo_fabric.collect.rollout import build_collector
+    from ppo_fabric.config.values import compose
+    from ppo_fabric.learn.learners import policy_specs
+
+    cfg, _ = compose(["env.id=tests.faulty_env:FaultyCartPole-v0", "+env.kwargs.fault=wrong_shape_reset"])
+    with pytest.raises(EnvFault, match=r"^rank 0: the envs raised ValueError: Output array is the wrong shape "
+                                       r"\(an observation's shape differs from the env's observation_space\) "
+                                       r"at its first reset$"):  # fmt: skip
+        build_collector(cfg, policy_specs(cfg), 0, "cpu", None)
+
+
+def test_an_observation_of_another_shape_in_a_step_is_named_so() -> None:
+    """NumPy says "Output array is the wrong shape" or "all input arrays must have the same shape" (every
+    env's observation, or some of them): neither names the env's observation_space."""
+    collector = _collector(_faulty("wrong_shape", after=11))
+    collector.collect(_policy(collector), 0)
+    with pytest.raises(EnvFault, match=r"^player rank 1: env.step raised ValueError: .*shape \(an observation's "
+                                       r"shape differs from the env's observation_space\) at env step 44$"):  # fmt: skip
+        collector.collect(_policy(collector), 32)
+    collector.envs.close()
