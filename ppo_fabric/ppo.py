@@ -51,7 +51,7 @@ def main(fabric: Fabric, cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
     per_update = layout.env_steps
     settings = UpdateSettings.of(cfg.algo)
     if resume is not None:
-        changed = resume_collector(collector, resume, rank, world, int(cfg.seed))
+        changed = resume_collector(collector, resume, rank, world, int(cfg.seed), str(cfg.env.on_error))
         if changed and rank == 0:
             fabric.print(changed)
     session = RunSession(cfg, run_dir, rank == 0, per_update, resume)

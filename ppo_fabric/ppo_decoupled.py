@@ -183,7 +183,9 @@ class Player:
         saved = None
         if resume is not None:
             player = topo.players.index(topo.rank)  # the k-th player continues the checkpoint's k-th
-            changed = resume_collector(self.collector, resume, player, len(topo.players), int(cfg.seed))
+            changed = resume_collector(
+                self.collector, resume, player, len(topo.players), int(cfg.seed), str(cfg.env.on_error)
+            )
             if changed is None and self.pipeline and "policy" in collecting_parts(resume)[player]:
                 saved = collecting_parts(resume)[player]
             if changed and topo.rank == 0:

@@ -20,6 +20,7 @@ import gymnasium as gym
 import numpy as np
 from gymnasium.envs.classic_control import CartPoleEnv
 
+FAULT_ENV = "FAULTY_CARTPOLE_FAULT"  # overrides `fault` in `step` while set
 _SLOW_CLOSES = [1]  # `slow_close` sleeps once a process: one 7-s close outlasts Lightning's 5-s poll
 
 
@@ -67,22 +68,23 @@ class FaultyCartPole(CartPoleEnv):
         striking = self.steps >= self.after and (self.times == 0 or self.steps < self.after + self.times)
         if self.seeds is not None and self.seeded not in self.seeds:
             striking = False
-        if not striking or self.fault in ("none", "slow_close", "raise_close"):
+        fault = os.environ.get(FAULT_ENV, self.fault)  # a fault a test sets for a resumed session only
+        if not striking or fault in ("none", "slow_close", "raise_close"):
             return obs, reward, terminated, truncated, info
-        if self.fault == "nan_obs":
+        if fault == "nan_obs":
             obs = np.array(obs, dtype=np.float32)
             obs[2] = np.nan
-        elif self.fault == "inf_reward":
+        elif fault == "inf_reward":
             reward = float("inf")
-        elif self.fault == "huge_reward":
+        elif fault == "huge_reward":
             reward = 1e200
-        elif self.fault == "wrong_shape":
+        elif fault == "wrong_shape":
             obs = np.zeros(5, dtype=np.float32)
-        elif self.fault == "raise":
+        elif fault == "raise":
             raise RuntimeError("simulator crashed (injected by the test env)")
-        elif self.fault == "slow":
+        elif fault == "slow":
             time.sleep(self.pause)
-        elif self.fault == "hang":
+        elif fault == "hang":
             while True:
                 time.sleep(1)
         return obs, reward, terminated, truncated, info

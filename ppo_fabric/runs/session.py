@@ -448,18 +448,26 @@ def collecting_parts(resume: dict[str, Any]) -> list[dict[str, Any]]:
 
 
 def resume_collector(
-    collector: RolloutCollector, resume: dict[str, Any], collector_index: int, collecting: int, seed: int
+    collector: RolloutCollector,
+    resume: dict[str, Any],
+    collector_index: int,
+    collecting: int,
+    seed: int,
+    on_error: str = "raise",
 ) -> str | None:
     """Continue the `collector_index`-th collecting rank from the checkpoint's: exactly when the collecting
-    layout is the same (as many collecting ranks, as many envs each; trainer ranks may differ) and so is
-    the seed; otherwise with fresh envs and RNG (from `seed`, this run's) but the normaliser statistics
-    (identical on every collecting rank) carried over, and the run's episode record in the first
-    collecting rank's. Returns the line to print in that case (None when exact). A new seed restored
-    exactly was named in the run's config and summary but trained nothing differently."""
+    layout is the same (as many collecting ranks, as many envs each; trainer ranks may differ), and so are
+    the seed and `env.on_error` (`on_error`, this run's); otherwise with fresh envs and RNG (from `seed`,
+    this run's) but the normaliser statistics (identical on every collecting rank) carried over, and the
+    run's episode record in the first collecting rank's. Returns the line to print in that case (None when
+    exact). A new seed restored exactly was named in the run's config and summary but trained nothing
+    differently; restored envs keep the sub-env wrappers they were saved with, so `env.on_error=restart`
+    given to a resume of a run without it rebuilt nothing (and the reverse still rebuilt)."""
     saved = collecting_parts(resume)
     was_seed = int(resume["config"]["seed"])
+    was_on_error = str((resume["config"].get("env") or {}).get("on_error", "raise"))
     same_layout = len(saved) == collecting and all(int(s["num_envs"]) == collector.num_envs for s in saved)
-    if same_layout and was_seed == seed:
+    if same_layout and was_seed == seed and was_on_error == on_error:
         restore_collector(collector, saved[collector_index])
         return None
     if saved:
@@ -469,8 +477,10 @@ def resume_collector(
     if not same_layout:
         was = f"{len(saved)} collecting rank(s) x {saved[0]['num_envs'] if saved else '?'} envs"
         why = f"the checkpoint has {was}, this run {collecting} x {collector.num_envs}"
-    else:
+    elif was_seed != seed:
         why = f"seed {was_seed} -> {seed}"
+    else:
+        why = f"env.on_error {was_on_error} -> {on_error}"
     return f"ppo-fabric: resume: {why}; envs and RNG start fresh, normaliser statistics carried over"
 
 

@@ -4,6 +4,7 @@ the collector turns either into one line naming the rank, the env and the env st
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import gymnasium as gym
@@ -203,3 +204,27 @@ def test_an_observation_of_another_shape_in_a_step_is_named_so() -> None:
                                        r"shape differs from the env's observation_space\) at env step 44$"):  # fmt: skip
         collector.collect(_policy(collector), 32)
     collector.envs.close()
+
+
+@pytest.mark.slow  # two runs in process
+@pytest.mark.parametrize("resume_env", ["restore", "fresh"])
+def test_env_on_error_restart_given_to_a_resume_rebuilds_failing_envs(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, resume_env: str
+) -> None:
+    """A run started with `env.on_error=raise` fails on bad env data; its resume with `env.on_error=restart`
+    said it changed the setting, but the envs restored from the checkpoint kept their wrappers: nothing was
+    rebuilt and the resume failed as the run had. Now such a resume starts fresh envs, saying why."""
+    import ppo_fabric
+    from tests.faulty_env import FAULT_ENV
+
+    run = ["env.id=tests.faulty_env:FaultyCartPole-v0", "env.num_envs=2", "algo.rollout_steps=32",
+           "algo.minibatch_size=32", "logger.tensorboard=false", "logger.plot=false", "eval.every=0"]  # fmt: skip
+    ppo_fabric.run([*run, "algo.total_steps=128", f"hydra.run.dir={tmp_path}"])
+    monkeypatch.setenv(FAULT_ENV, "nan_obs")  # from now on every env step after the 50th of an env
+    last = tmp_path / "checkpoints" / "last.ckpt"
+    with pytest.raises(ppo_fabric.RunFault, match="observation holds NaN"):
+        ppo_fabric.run([run[0], f"resume={last}", "algo.total_steps=256", f"resume_env={resume_env}"])
+    summary = ppo_fabric.run(
+        [run[0], f"resume={last}", "algo.total_steps=256", "env.on_error=restart", f"resume_env={resume_env}"]
+    )
+    assert summary["total_env_steps"] == 256 and summary["env_restarts"] > 0, summary
