@@ -128,8 +128,13 @@ def _run_here(overrides: list[str], env: Any) -> dict[str, Any]:
         return _run_processes(cfg, overrides, Path(run_dir))
     except RunComplete as done:
         supervisor.say(str(done))
-        summary = Path(run_dir) / "summary.json"
-        return json.loads(summary.read_text()) if summary.is_file() else {}
+        # A later session that failed before its first checkpoint moved the summary aside (runs/session.py)
+        # and left the run where that summary says it ended.
+        for name in ("summary.json", "summary.previous.json"):
+            summary = Path(run_dir) / name
+            if summary.is_file():
+                return json.loads(summary.read_text())
+        return {}
 
 
 def _run_processes(cfg: DictConfig, overrides: list[str], run_dir: Path) -> dict[str, Any]:

@@ -228,3 +228,25 @@ def test_env_on_error_restart_given_to_a_resume_rebuilds_failing_envs(
         [run[0], f"resume={last}", "algo.total_steps=256", "env.on_error=restart", f"resume_env={resume_env}"]
     )
     assert summary["total_env_steps"] == 256 and summary["env_restarts"] > 0, summary
+
+
+@pytest.mark.slow  # three runs in process
+def test_a_finished_run_whose_longer_resume_failed_still_returns_its_summary(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The failed session moved `summary.json` aside before it failed; `resume=auto` then found the run complete
+    at its own budget and `ppo_fabric.run` returned {} (the README's `summary["final_mean_return"]` raised)."""
+    import ppo_fabric
+    from tests.faulty_env import FAULT_ENV
+
+    run = ["env.id=tests.faulty_env:FaultyCartPole-v0", "env.num_envs=2", "algo.rollout_steps=32",
+           "algo.minibatch_size=32", "logger.tensorboard=false", "logger.plot=false", "eval.every=0",
+           f"hydra.run.dir={tmp_path}"]  # fmt: skip
+    finished = ppo_fabric.run([*run, "algo.total_steps=128"])
+    with monkeypatch.context() as faulty:
+        faulty.setenv(FAULT_ENV, "raise")
+        with pytest.raises(ppo_fabric.RunFault, match="simulator crashed"):
+            ppo_fabric.run([*run, "resume=auto", "algo.total_steps=256"])
+    assert not (tmp_path / "summary.json").exists()  # the failed session's is not the finished run's
+    again = ppo_fabric.run([*run, "resume=auto"])
+    assert again == finished and again["total_env_steps"] == 128
