@@ -582,13 +582,28 @@ def _check_creatable(path: Path, shown: str) -> None:
         raise ConfigError(
             f"hydra.run.dir={shown}: {existing} is a file, not a directory; choose another run directory"
         )
-    try:
-        tempfile.TemporaryDirectory(dir=existing, prefix=".ppo-fabric-check-").cleanup()
-    except OSError as exc:
-        reason = exc.strerror or type(exc).__name__
+    unwritable = _unwritable(existing)
+    if unwritable is not None and existing == path:  # it exists: "cannot be created" named the wrong fault
         raise ConfigError(
-            f"hydra.run.dir={shown} cannot be created under {existing} ({reason}); choose another run directory"
-        ) from exc
+            f"hydra.run.dir={shown} is not writable ({unwritable}); choose another run directory"
+        )
+    if unwritable is not None:
+        raise ConfigError(
+            f"hydra.run.dir={shown} cannot be created under {existing} ({unwritable}); choose another run directory"
+        )
+    checkpoints = path / "checkpoints"  # a run continued in its own directory writes there at the end
+    unwritable = _unwritable(checkpoints) if checkpoints.is_dir() else None
+    if unwritable is not None:
+        raise ConfigError(f"hydra.run.dir={shown}: {checkpoints} is not writable ({unwritable})")
+
+
+def _unwritable(directory: Path) -> str | None:
+    """Why this process cannot write into `directory` (a scratch folder made and removed there), or None."""
+    try:
+        tempfile.TemporaryDirectory(dir=directory, prefix=".ppo-fabric-check-").cleanup()
+    except OSError as exc:
+        return exc.strerror or type(exc).__name__
+    return None
 
 
 def check_run_dir(cfg: DictConfig, run_dir: str, auto: bool = False) -> None:

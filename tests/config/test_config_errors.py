@@ -156,6 +156,8 @@ CASES: list[Any] = [
     pytest.param(
         ["hydra.run.dir=/proc/x/run"], ["hydra.run.dir=/proc/x/run", "cannot be created"], id="run-dir-proc"
     ),
+    # a directory that exists but takes no files (even root's): it was said to be one that "cannot be created"
+    pytest.param(["hydra.run.dir=/sys"], ["hydra.run.dir=/sys is not writable ("], id="run-dir-unwritable"),
     # resume (paths that exist are covered by the tests below)
     pytest.param(
         ["resume=/nonexistent/ppo-fabric/last.ckpt"],
@@ -467,3 +469,21 @@ def test_under_fabric_run_each_nodes_first_rank_says_the_mistake(
         with pytest.raises(SystemExit) as ended:
             fail("restarts=2 needs the supervisor")
         assert ended.value.code == 2 and capsys.readouterr().err == said
+
+
+def test_a_run_directory_whose_checkpoints_cannot_be_written_is_refused_before_the_run(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A run continued in its own directory, whose `checkpoints/` takes no files (a read-only mount, an
+    immutable folder), trained its whole session and failed at its final checkpoint."""
+    from ppo_fabric.config import values
+
+    (tmp_path / "checkpoints").mkdir()
+    writable = values._unwritable
+    monkeypatch.setattr(
+        values, "_unwritable", lambda d: "Read-only file system" if d.name == "checkpoints" else writable(d)
+    )
+    message = _config_error([f"hydra.run.dir={tmp_path}"])
+    assert message == (
+        f"hydra.run.dir={tmp_path}: {tmp_path / 'checkpoints'} is not writable (Read-only file system)"
+    ), message
