@@ -4,6 +4,8 @@ the collector turns either into one line naming the rank, the env and the env st
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -250,3 +252,20 @@ def test_a_finished_run_whose_longer_resume_failed_still_returns_its_summary(
     assert not (tmp_path / "summary.json").exists()  # the failed session's is not the finished run's
     again = ppo_fabric.run([*run, "resume=auto"])
     assert again == finished and again["total_env_steps"] == 128
+
+
+@pytest.mark.slow  # starts an interpreter (~0.2 s): the unit tier starts no process
+def test_a_value_whose_square_overflows_is_named_without_numpys_warning() -> None:
+    """1e200 overflowed the quick test's dot product, and NumPy's "overflow encountered in matmul" warning
+    was printed above the run's one line. A fresh interpreter (~0.2 s, no torch): warnings are errors there,
+    as no test process's own warning filters can be."""
+    code = (
+        "import numpy as np\n"
+        "from ppo_fabric.envs.guard import find_nonfinite\n"
+        "print(find_nonfinite(np.zeros((2, 4), np.float32), np.array([1e200, 0.0]))[1])\n"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-W", "error", "-c", code], capture_output=True, text=True, timeout=60
+    )
+    assert proc.returncode == 0 and proc.stderr == "", proc.stderr
+    assert proc.stdout.strip() == "reward holds 1e+200, beyond float32's range (the rollout stores float32)"
