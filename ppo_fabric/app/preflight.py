@@ -348,8 +348,8 @@ def check_resume(cfg: DictConfig, path: str, obs_space: gym.Space, action_space:
         raise ConfigError(f"resume={path!r} comes from strategy={saved['strategy']}; use the same strategy")
     if state["env_step"] >= cfg.algo.total_steps:
         raise ConfigError(
-            f"resume={path!r} is already at {state['env_step']} env steps >= algo.total_steps="
-            f"{cfg.algo.total_steps}; raise algo.total_steps to train further"
+            f"resume={path!r} is already at {state['env_step']:,} env steps >= algo.total_steps="
+            f"{int(cfg.algo.total_steps):,}; raise algo.total_steps to train further"
         )
     return state
 

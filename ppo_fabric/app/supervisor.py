@@ -357,5 +357,5 @@ def _attempts(cfg: DictConfig, run_dir: Path, invocation: Invocation) -> int:
             # that finds one, continues the run's config: the tuned options the command line composes with
             # are not taken for the user's overrides (with `resume=<file>` they were, and reset their keys)
             attempt = with_override(base, "resume", "auto")
-            where = f"from {found[0]} at {resumed_at} env steps"
+            where = f"from {found[0]} at {resumed_at:,} env steps"
         say(f"rank failure (exit {status}); restart {restarts}/{allowed} {where}")

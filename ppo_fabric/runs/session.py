@@ -50,7 +50,7 @@ class Stopped(Exception):  # noqa: N818 - a stop asked for, not an error
     """The run stopped at an update boundary on SIGTERM/SIGINT, after writing a checkpoint every rank agrees on."""
 
     def __init__(self, signum: int, env_step: int, checkpoint: Path | None) -> None:
-        super().__init__(f"stopped by {signal.Signals(signum).name} at {env_step} env steps")
+        super().__init__(f"stopped by {signal.Signals(signum).name} at {env_step:,} env steps")
         self.signum, self.env_step, self.checkpoint = signum, env_step, checkpoint
 
     def continuation(self, run_dir: Path) -> str:
