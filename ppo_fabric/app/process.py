@@ -34,6 +34,15 @@ def quiet_libraries() -> None:
     warnings.filterwarnings("ignore", message=".*is not a supported pipeline.*")
     warnings.filterwarnings("ignore", category=UserWarning, module="lightning_fabric.*")
     warnings.filterwarnings("ignore", message=".*does not have many workers.*")
+    if not os.environ.get("PPO_FABRIC_TRACEBACK"):
+        # An async vector env's worker that raised: gymnasium says so in ~25 lines (the worker's traceback
+        # and its shutdown), then raises the error in this process, which ends the run in its one line.
+        warnings.filterwarnings(
+            "ignore",
+            message=r".*ERROR: (Received the following error from Worker|Traceback|Raising the last exception)",
+            category=UserWarning,
+            module="gymnasium.vector.async_vector_env",
+        )
     for name in ("lightning_fabric", "lightning_fabric.utilities.seed"):
         logging.getLogger(name).setLevel(logging.WARNING)
 

@@ -12,6 +12,7 @@ from typing import Any
 import gymnasium as gym
 import numpy as np
 import pytest
+import torch
 from gymnasium.vector import AutoresetMode, SyncVectorEnv
 from omegaconf import OmegaConf
 
@@ -145,6 +146,9 @@ def _faulty(fault: str, after: int, **extra: Any) -> Any:
     ],
 )
 def test_the_collector_names_rank_env_and_step(fault: str, line: str) -> None:
+    # the policy's actions decide whether env 0's episode ends at the faulty step (its observation is then a
+    # final one, found after the other envs'): seeded, not left to the runs of earlier tests
+    torch.manual_seed(0)
     collector = _collector(_faulty(fault, after=11))
     policy = _policy(collector)
     collector.collect(policy, 0)  # 8 steps: fine
@@ -269,3 +273,22 @@ def test_a_value_whose_square_overflows_is_named_without_numpys_warning() -> Non
     )
     assert proc.returncode == 0 and proc.stderr == "", proc.stderr
     assert proc.stdout.strip() == "reward holds 1e+200, beyond float32's range (the rollout stores float32)"
+
+
+@pytest.mark.slow  # a run with async env workers
+def test_an_async_workers_error_is_the_runs_one_line_without_gymnasiums_report(tmp_path: Path) -> None:
+    """gymnasium reported a worker's error in ~25 lines of warnings (its traceback, each worker's shutdown)
+    before the run's one line; `PPO_FABRIC_TRACEBACK=1` keeps them for a user who wants the traceback."""
+    import warnings
+
+    import ppo_fabric
+
+    run = ["env.id=tests.faulty_env:FaultyCartPole-v0", "+env.kwargs.fault=raise", "+env.kwargs.after=20",
+           "env.vector=async", "env.num_envs=2", "algo.rollout_steps=32", "algo.minibatch_size=32",
+           "logger.tensorboard=false", "logger.plot=false", "eval.every=0", "algo.total_steps=256"]  # fmt: skip
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        with pytest.raises(ppo_fabric.RunFault, match=r"env.step raised RuntimeError: simulator crashed"):
+            ppo_fabric.run([*run, f"hydra.run.dir={tmp_path}"])
+    reports = [str(w.message) for w in seen if "async_vector_env" in w.filename]
+    assert reports == [], reports
