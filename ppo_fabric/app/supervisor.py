@@ -338,8 +338,9 @@ def _attempts(cfg: DictConfig, run_dir: Path, invocation: Invocation) -> int:
             say(f"the job's config was refused (exit {status}); not restarting")
             return status
         if restarts >= allowed:
-            why = "restarts=0" if allowed == 0 else f"all {allowed} restarts used"
-            say(f"rank failure (exit {status}); not restarting ({why})")
+            if allowed or status != FAULT_EXIT:  # exit 1 without restarts: the rank's own line said it all
+                why = "restarts=0" if allowed == 0 else f"all {allowed} restarts used"
+                say(f"rank failure (exit {status}); not restarting ({why})")
             return status
         restarts += 1
         from ppo_fabric.runs.resume import newest_checkpoint, report_skipped  # torch: only for a relaunch

@@ -197,7 +197,7 @@ def test_a_rank_failing_while_rank_0_is_busy_ends_the_job_as_a_failure(tmp_path:
     assert any("rank 1" in line and "simulator crashed" in line for line in _errors(proc)), proc.stderr[
         -3000:
     ]
-    assert "rank failure (exit 1); not restarting" in proc.stderr, proc.stderr[-3000:]
+    assert "rank failure" not in proc.stderr, proc.stderr[-3000:]  # the rank's line is the one line
 
 
 def test_restarts_are_summed_over_the_ranks(tmp_path: Path) -> None:
