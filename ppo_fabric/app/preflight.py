@@ -97,7 +97,10 @@ def continue_run(
         state = ckpt.load(path, env_state="fresh")  # the config and step only: check_resume loads it whole
     except ValueError as exc:
         raise ConfigError(str(exc)) from exc
-    check_env_trusted(path, str(state["config"]["env"]["id"]), str(cfg.env.id))
+    saved_id, own_id = str(state["config"]["env"]["id"]), str(cfg.env.id)
+    named = any(o.partition("=")[0].lstrip("+~") == "env.id" for o in overrides)
+    if not (named and own_id != saved_id):  # another id named: refused below as a change of env.id
+        check_env_trusted(path, saved_id, own_id)
     if auto:  # the tuned values added in case it started afresh are not the user's overrides
         overrides = without_tuned_values(overrides)
     merged, changes = continued_config(cfg, state["config"], overrides, compose_again)

@@ -155,6 +155,11 @@ def test_resume_builds_no_env_from_a_module_only_the_checkpoint_names(tiny_run: 
                                          r"add env.id=subprocess:run if you trust"):  # fmt: skip
         ppo_fabric.run([f"resume={crafted}", f"hydra.run.dir={tmp_path / 'run'}"])
     assert not marker.exists()
+    # another id named is the change of env.id no resume makes (it was told to name the checkpoint's to trust it)
+    with pytest.raises(ValueError, match=r"env.id.*cannot change on a resume"):
+        ppo_fabric.run([f"resume={crafted}", "env.id=tests.faulty_env:FaultyCartPole-v0",
+                        f"hydra.run.dir={tmp_path / 'run'}"])  # fmt: skip
+    assert not marker.exists()
     check_env_trusted("x", "my_pkg.envs:Mine-v0", "my_pkg.envs:Mine-v0")  # named on the command line
     check_env_trusted("x", "CartPole-v1", "Acrobot-v1")  # registered ids import nothing of the file's
     check_env_trusted("x", "pettingzoo.classic.tictactoe_v3", "CartPole-v1")  # a known env package
