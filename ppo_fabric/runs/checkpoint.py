@@ -291,9 +291,12 @@ def load(path: str | Path, key: str = "resume", env_state: str = "restore") -> d
     path = Path(path)
     where = f"{key}={str(path)!r}"
     if path.is_dir():
-        raise ValueError(
-            f"{where} is a directory; point {key} at a .ckpt file such as {path / 'checkpoints' / 'last.ckpt'}"
-        )
+        found = sorted((path / "checkpoints").glob("*.ckpt")) if (path / "checkpoints").is_dir() else []
+        if not found:  # a run directory that saved none, or another folder: no file to suggest
+            raise ValueError(
+                f"{where} is a directory that holds no checkpoints/*.ckpt; point {key} at a .ckpt file"
+            )
+        raise ValueError(f"{where} is a directory; point {key} at a .ckpt file such as {found[-1]}")
     if not path.is_file():
         raise ValueError(f"{where}: no such checkpoint file")
     try:

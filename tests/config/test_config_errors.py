@@ -374,8 +374,17 @@ def test_resume_names_the_changed_key(finished_checkpoint: Path) -> None:
 
 
 def test_resume_directory_points_at_the_file(tmp_path: Path) -> None:
+    """A directory is named with a file it holds; one that holds none was told to use a last.ckpt it lacked."""
     message = _config_error([f"resume={tmp_path}"])
-    assert "is a directory" in message and "last.ckpt" in message, message
+    assert "is a directory that holds no checkpoints/*.ckpt" in message and "last.ckpt" not in message, (
+        message
+    )
+    (tmp_path / "checkpoints").mkdir()
+    (tmp_path / "checkpoints" / "step_000000000512_ab12cd34.ckpt").write_bytes(b"")
+    message = _config_error([f"resume={tmp_path}"])
+    assert message.endswith(f"such as {tmp_path / 'checkpoints' / 'step_000000000512_ab12cd34.ckpt'}"), (
+        message
+    )
 
 
 # ------------------------------------------------------------------------------------------------- CLI
