@@ -78,6 +78,8 @@ class FaultyCartPole(CartPoleEnv):
             reward = float("inf")
         elif fault == "huge_reward":
             reward = 1e200
+        elif fault == "none_reward":
+            reward = None
         elif fault == "wrong_shape":
             obs = np.zeros(5, dtype=np.float32)
         elif fault == "raise":

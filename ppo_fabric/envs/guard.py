@@ -92,7 +92,10 @@ def nonfinite_rows(obs: Any, rewards: Any) -> tuple[int, str] | None:
     for name, values in [*parts, ("reward", rewards)]:
         rows = _bad_rows(values)
         if rows is not None and (found is None or rows[0] < found[0]):
-            found = (int(rows[0]), f"{name} holds {_kind(np.asarray(values)[rows[0]])}")
+            what = f"{name} holds {_kind(np.asarray(values)[rows[0]])}"
+            if what == "reward holds NaN":  # the vector env's float array stores a reward of None so
+                what += " (or None, which the vector env stores as NaN)"
+            found = (int(rows[0]), what)
     return found
 
 

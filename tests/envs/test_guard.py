@@ -72,7 +72,8 @@ def test_values_float32_cannot_hold_are_named_where_they_arrive() -> None:
 @pytest.mark.parametrize(
     ("fault", "what"),
     [("nan_obs", "observation holds NaN"), ("inf_reward", "reward holds +inf"),
-     ("huge_reward", "reward holds 1e+200, beyond float32's range (the rollout stores float32)")],
+     ("huge_reward", "reward holds 1e+200, beyond float32's range (the rollout stores float32)"),
+     ("none_reward", "reward holds NaN (or None, which the vector env stores as NaN)")],  # said NaN alone
 )  # fmt: skip
 def test_finite_check_raises_with_the_env_index(fault: str, what: str) -> None:
     envs = FiniteCheck(_vector(fault, after=3))
