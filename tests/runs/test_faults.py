@@ -6,6 +6,8 @@ the multi-process cases are in tests/strategies/test_faults_distributed.py."""
 from __future__ import annotations
 
 import math
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -234,3 +236,85 @@ def test_a_planned_clock_checkpoint_restarts_the_clock(
     session.clock_checkpoint_planned()
     now[0] += 1.0  # the next boundary, the planned checkpoint not written yet
     assert not session.agreed(session.boundary_flags()).clock_due
+
+
+@pytest.mark.slow  # two runs in process
+@pytest.mark.parametrize("resume_env", ["restore", "fresh"])
+def test_env_on_error_restart_given_to_a_resume_rebuilds_failing_envs(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, resume_env: str
+) -> None:
+    """A run started with `env.on_error=raise` fails on bad env data; its resume with `env.on_error=restart`
+    said it changed the setting, but the envs restored from the checkpoint kept their wrappers: nothing was
+    rebuilt and the resume failed as the run had. Now such a resume starts fresh envs, saying why."""
+    import ppo_fabric
+    from tests.faulty_env import FAULT_ENV
+
+    run = ["env.id=tests.faulty_env:FaultyCartPole-v0", "env.num_envs=2", "algo.rollout_steps=32",
+           "algo.minibatch_size=32", "logger.tensorboard=false", "logger.plot=false", "eval.every=0"]  # fmt: skip
+    ppo_fabric.run([*run, "algo.total_steps=128", f"hydra.run.dir={tmp_path}"])
+    monkeypatch.setenv(FAULT_ENV, "nan_obs")  # from now on every env step after the 50th of an env
+    last = tmp_path / "checkpoints" / "last.ckpt"
+    with pytest.raises(ppo_fabric.RunFault, match="observation holds NaN"):
+        ppo_fabric.run([run[0], f"resume={last}", "algo.total_steps=256", f"resume_env={resume_env}"])
+    summary = ppo_fabric.run(
+        [run[0], f"resume={last}", "algo.total_steps=256", "env.on_error=restart", f"resume_env={resume_env}"]
+    )
+    assert summary["total_env_steps"] == 256 and summary["env_restarts"] > 0, summary
+
+
+@pytest.mark.slow  # three runs in process
+def test_a_finished_run_whose_longer_resume_failed_still_returns_its_summary(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The failed session moved `summary.json` aside before it failed; `resume=auto` then found the run complete
+    at its own budget and `ppo_fabric.run` returned {} (the README's `summary["final_mean_return"]` raised)."""
+    import ppo_fabric
+    from tests.faulty_env import FAULT_ENV
+
+    run = ["env.id=tests.faulty_env:FaultyCartPole-v0", "env.num_envs=2", "algo.rollout_steps=32",
+           "algo.minibatch_size=32", "logger.tensorboard=false", "logger.plot=false", "eval.every=0",
+           f"hydra.run.dir={tmp_path}"]  # fmt: skip
+    finished = ppo_fabric.run([*run, "algo.total_steps=128"])
+    with monkeypatch.context() as faulty:
+        faulty.setenv(FAULT_ENV, "raise")
+        with pytest.raises(ppo_fabric.RunFault, match="simulator crashed"):
+            ppo_fabric.run([*run, "resume=auto", "algo.total_steps=256"])
+    assert not (tmp_path / "summary.json").exists()  # the failed session's is not the finished run's
+    again = ppo_fabric.run([*run, "resume=auto"])
+    assert again == finished and again["total_env_steps"] == 128
+
+
+@pytest.mark.slow  # starts an interpreter (~0.2 s): the unit tier starts no process
+def test_a_value_whose_square_overflows_is_named_without_numpys_warning() -> None:
+    """1e200 overflowed the quick test's dot product, and NumPy's "overflow encountered in matmul" warning
+    was printed above the run's one line. A fresh interpreter (~0.2 s, no torch): warnings are errors there,
+    as no test process's own warning filters can be."""
+    code = (
+        "import numpy as np\n"
+        "from ppo_fabric.envs.guard import find_nonfinite\n"
+        "print(find_nonfinite(np.zeros((2, 4), np.float32), np.array([1e200, 0.0]))[1])\n"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-W", "error", "-c", code], capture_output=True, text=True, timeout=60
+    )
+    assert proc.returncode == 0 and proc.stderr == "", proc.stderr
+    assert proc.stdout.strip() == "reward holds 1e+200, beyond float32's range (the rollout stores float32)"
+
+
+@pytest.mark.slow  # a run with async env workers
+def test_an_async_workers_error_is_the_runs_one_line_without_gymnasiums_report(tmp_path: Path) -> None:
+    """gymnasium reported a worker's error in ~25 lines of warnings (its traceback, each worker's shutdown)
+    before the run's one line; `PPO_FABRIC_TRACEBACK=1` keeps them for a user who wants the traceback."""
+    import warnings
+
+    import ppo_fabric
+
+    run = ["env.id=tests.faulty_env:FaultyCartPole-v0", "+env.kwargs.fault=raise", "+env.kwargs.after=20",
+           "env.vector=async", "env.num_envs=2", "algo.rollout_steps=32", "algo.minibatch_size=32",
+           "logger.tensorboard=false", "logger.plot=false", "eval.every=0", "algo.total_steps=256"]  # fmt: skip
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        with pytest.raises(ppo_fabric.RunFault, match=r"env.step raised RuntimeError: simulator crashed"):
+            ppo_fabric.run([*run, f"hydra.run.dir={tmp_path}"])
+    reports = [str(w.message) for w in seen if "async_vector_env" in w.filename]
+    assert reports == [], reports
