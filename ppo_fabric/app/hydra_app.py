@@ -253,6 +253,11 @@ def run_app(argv: list[str], task: Task, check: bool = True) -> Invocation:
     args = args_parser.parse_intermixed_args(argv)  # flags anywhere: `env=x -m seed=1,2` works too
     if args.experimental_rerun is not None:
         fail("--experimental-rerun is not supported: it unpickles a file; rerun the overrides instead")
+    modes = {"--run": args.run, "--multirun": args.multirun, "--cfg": args.cfg is not None,
+             "--info": args.info is not None, "--shell-completion": args.shell_completion}  # fmt: skip
+    if sum(map(bool, modes.values())) > 1:  # Hydra raised this as a traceback, exit 1
+        fail(f"{' and '.join(k for k, v in modes.items() if v)} cannot be given together: choose one of "
+             "--run, --multirun (-m), --cfg, --info and --shell-completion")  # fmt: skip
     args.config_path = _absolute(args.config_path)
     args.config_dir = _absolute(args.config_dir)
     if not args.multirun:  # a sweep's jobs settle their own command lines

@@ -186,6 +186,11 @@ def test_multirun_under_fabric_run_is_refused(
         ),
         pytest.param(["--cfg", "job", "algo.nosuch=1"], "algo.nosuch: unknown config key", id="cfg"),
         pytest.param(["--nosuch"], "unrecognized arguments: --nosuch", id="flag"),
+        pytest.param(  # Hydra's own check raised a traceback, exit 1
+            ["-m", "--cfg", "job", "seed=1,2"],
+            "--multirun and --cfg cannot be given together",
+            id="two-modes",
+        ),
         pytest.param(["-m", "hydra.launcher.n_jobs=0", "seed=1,2"], "n_jobs=0 must be >= 1", id="n_jobs"),
         pytest.param(  # a value Hydra's sweeper cannot compose: its own many-line error and exit 1 before
             ["-m", "seed=1,2", "model=mlp,nosuch"],
