@@ -147,8 +147,9 @@ class Job:
         if self.proc is None or self.stop_signal is None:
             return
         if self.signals > 1:
-            os.write(2, b"ppo-fabric: a second stop signal: killed the job at once; its checkpoints stay as "
-                        b"it last wrote them\n")  # fmt: skip
+            saved = (self.run_dir / "checkpoints" / "last.ckpt").is_file()
+            kept = "its checkpoints stay as it last wrote them" if saved else "it had written no checkpoint"
+            os.write(2, f"ppo-fabric: a second stop signal: killed the job at once; {kept}\n".encode())
         self._kill_group(self.stop_signal if self.signals == 1 else signal.SIGKILL)
         if self.kill_at is None:
             self.kill_at = time.monotonic() + self.timeout_s + GRACE_S

@@ -247,7 +247,16 @@ def test_the_same_stop_signal_twice_is_one_request(
     assert sent == [signal.SIGTERM]
     job._on_signal(signal.SIGINT, None)  # noqa: SLF001
     assert sent == [signal.SIGTERM, signal.SIGKILL]
-    assert "a second stop signal: killed the job at once" in capfd.readouterr().err
+    # with no checkpoint written yet it said the checkpoints "stay as it last wrote them": there were none
+    assert capfd.readouterr().err.endswith(
+        "a second stop signal: killed the job at once; it had written no checkpoint\n"
+    )
+    (tmp_path / "checkpoints").mkdir()
+    (tmp_path / "checkpoints" / "last.ckpt").write_bytes(b"")
+    job._on_signal(signal.SIGINT, None)  # noqa: SLF001
+    assert capfd.readouterr().err.endswith(
+        "killed the job at once; its checkpoints stay as it last wrote them\n"
+    )
 
 
 def test_a_sweep_or_tuner_stopping_a_job_twice_kills_it(
