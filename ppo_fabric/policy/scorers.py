@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import copy
 import math
+import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -81,6 +82,7 @@ class Episodes:
         self.restart = on_error(cfg.env) == "restart"
         self.envs: list[Any] = []
         self.failed: list[int] = []  # this evaluation's failed episodes (env.on_error=restart)
+        self.first_cause = ""  # the first failed episode's, for the evaluation's line
 
     def snapshot(self, models: dict[str, ActorCritic], obs_normalization: dict[str, Any] | None) -> Policy:
         (model,) = models.values()
@@ -118,6 +120,9 @@ class Episodes:
         for k in self.failed:  # rebuilt for the next evaluation
             self.envs[k].close()
             self.envs[k] = self._make()
+        if self.failed:  # as training's rebuilt envs each say so (an evaluation that failed whole was silent)
+            said(f"{len(self.failed)} of {self.episodes} evaluation episodes failed ({self.first_cause}); left "
+                 "out of the evaluation, their envs rebuilt")  # fmt: skip
         failed = {"eval/failed_episodes": float(len(self.failed))} if self.failed else {}
         if not returns:  # every episode failed (env.on_error=restart): nothing to score
             return failed
@@ -132,6 +137,8 @@ class Episodes:
         where = f"evaluation env {k} (seed {self.seed + k})"
         if not self.restart:
             raise EnvFault(f"{where}: {cause}; env.on_error=restart leaves such an episode out instead")
+        if not self.failed:
+            self.first_cause = f"first: {where}: {cause}"
         self.failed.append(k)
 
     def close(self) -> None:
@@ -189,6 +196,9 @@ class ParallelEpisodes:
                     "evaluation out instead"
                 ) from exc
             self.close()
+            said(
+                f"the evaluation failed (evaluation env, seeds {self.seed}+: {cause}); left out, its env rebuilt"
+            )
             return {"eval/failed_episodes": float(self.episodes)}
         return {
             "eval/return_mean": float(np.mean(every)),
@@ -411,3 +421,8 @@ def _stack(observations: list[Any]) -> Any:
     if isinstance(observations[0], dict):
         return {key: np.stack([o[key] for o in observations]) for key in observations[0]}
     return np.stack(observations)
+
+
+def said(line: str) -> None:
+    """One line on stderr from the process that evaluates (rank 0, or a decoupled player's evaluator)."""
+    print(f"ppo-fabric: {line}", file=sys.stderr, flush=True)

@@ -200,10 +200,13 @@ def test_a_checkpoint_keeps_the_record_as_it_stood_at_its_own_step() -> None:
     resumed.close()
 
 
-def test_an_evaluation_env_that_fails_ends_the_run_in_one_line_or_loses_only_its_episode() -> None:
+def test_an_evaluation_env_that_fails_ends_the_run_in_one_line_or_loses_only_its_episode(
+    capfd: pytest.CaptureFixture[str],
+) -> None:
     """A NaN observation in an evaluation episode: an EnvFault naming the env and its seed (the run ends
     with it, as with a training env); with env.on_error=restart the episode is left out and counted, the
-    env rebuilt, and the record keeps no NaN."""
+    env rebuilt, and the record keeps no NaN, each evaluation saying so in a line (it was silent, and a run
+    whose every evaluation failed ended with no best.ckpt and not a word)."""
     faulty = ["env=gym", "env.id=tests.faulty_env:FaultyCartPole-v0", "+env.kwargs.fault=nan_obs",
               "+env.kwargs.after=3"]  # fmt: skip
     evaluation, model = _evaluation(*faulty)
@@ -218,7 +221,14 @@ def test_an_evaluation_env_that_fails_ends_the_run_in_one_line_or_loses_only_its
     evaluation.close()
     assert not process.is_alive()
     evaluation, model = _evaluation(*faulty, "env.on_error=restart")
+    capfd.readouterr()
     metrics = evaluation.run(model, None, 512)
+    lines = capfd.readouterr().err.splitlines()
+    assert len(lines) == 1 and lines[0].startswith(
+        "ppo-fabric: 4 of 4 evaluation episodes failed (first: evaluation env 0 (seed 1000"
+    ), lines
+    assert lines[0].endswith("step returned bad data (observation holds NaN)); left out of the evaluation, "
+                             "their envs rebuilt"), lines  # fmt: skip
     first = list(evaluation.scorer.envs)
     metrics = evaluation.run(model, None, 1024)
     assert metrics["eval/failed_episodes"] == 4 and "eval/return_mean" not in metrics
