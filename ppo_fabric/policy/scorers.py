@@ -28,7 +28,7 @@ from omegaconf import DictConfig
 from ppo_fabric.config.values import ConfigError
 from ppo_fabric.envs.guard import EnvFault, error_line, nonfinite_value, surely_finite
 from ppo_fabric.envs.make import close_envs, make_env, on_error
-from ppo_fabric.envs.multiagent import SINGLE, is_turn_based, make_parallel_env
+from ppo_fabric.envs.multiagent import SINGLE, is_turn_based, make_parallel_env, trained_policies
 from ppo_fabric.learn.learners import PolicySpec
 from ppo_fabric.models.agent import ActorCritic
 from ppo_fabric.policy.evaluate import capped, play
@@ -200,9 +200,13 @@ class ParallelEpisodes:
                 f"the evaluation failed (evaluation env, seeds {self.seed}+: {cause}); left out, its env rebuilt"
             )
             return {"eval/failed_episodes": float(self.episodes)}
+        # The record is the trained policies' agents: with a frozen opponent (policies_to_train) the mean
+        # over every agent of a zero-sum game stayed at 0, and best.ckpt kept the first evaluation's weights.
+        trained = set(trained_policies(self.multiagent))
+        scored = [r for name, rs in returns.items() if name in trained for r in rs] or every
         return {
-            "eval/return_mean": float(np.mean(every)),
-            "eval/return_std": float(np.std(every)),
+            "eval/return_mean": float(np.mean(scored)),
+            "eval/return_std": float(np.std(scored)),
             "eval/length_mean": float(np.mean(lengths)),
             **{f"eval/{name}/return_mean": float(np.mean(rs)) for name, rs in returns.items() if rs},
         }

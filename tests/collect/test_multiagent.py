@@ -414,6 +414,11 @@ def test_trained_team_beats_frozen_team(teams_run: dict[str, Any]) -> None:
         assert torch.equal(start["adversary"][key], end["adversary"][key]), key
     assert any(not torch.equal(start["agent"][k], end["agent"][k]) for k in start["agent"])
     assert end["agent"]["actor_body.layers.0.weight"].shape[0] == 32, "the agent policy's own model override"
+    # the evaluation's record is the trained team's: over both teams of this zero-sum game it stayed at 0 and
+    # best.ckpt kept the first evaluation's weights
+    rows = read_rows(teams_run["run_dir"] / "evaluations.csv")
+    assert rows and all(r["eval/return_mean"] == r["eval/agent/return_mean"] for r in rows), rows
+    assert float(rows[-1]["eval/return_mean"]) > 0 > float(rows[-1]["eval/adversary/return_mean"]), rows[-1]
 
 
 @pytest.mark.slow  # needs the module's training run, as the slow test above does (same tier, same worker as a rule)
