@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import fnmatch
 import importlib
+import re
 from collections.abc import Callable
 from functools import partial
 from typing import Any
@@ -45,6 +46,10 @@ def make_parallel_env(env_cfg: DictConfig) -> Any:
         module = importlib.import_module(module_name)
     except ImportError as exc:
         hint = " (pip install 'ppo-fabric[mpe]')" if module_name.startswith("mpe2") else ""
+        if re.fullmatch(
+            r"[\w/]+-v\d+", module_name
+        ):  # CartPole-v1 after a multi-agent recipe (env=pettingzoo)
+            hint = "; env=pettingzoo takes a PettingZoo module (pettingzoo.classic.connect_four_v3), and a gymnasium id needs env=gym"
         raise EnvError(
             f"env.id={env_id!r}: cannot import module {module_name!r}{hint} ({error_line(exc)})"
         ) from exc

@@ -156,6 +156,11 @@ CASES: list[Any] = [
     pytest.param(
         ["hydra.run.dir=/proc/x/run"], ["hydra.run.dir=/proc/x/run", "cannot be created"], id="run-dir-proc"
     ),
+    pytest.param(  # it said only that module 'CartPole-v1' cannot be imported
+        ["exp=connect_four", "env.id=CartPole-v1"],
+        ["env.id='CartPole-v1'", "a gymnasium id needs env=gym"],
+        id="gym-id-in-a-pettingzoo-recipe",
+    ),
     # a directory that exists but takes no files (even root's): it was said to be one that "cannot be created"
     pytest.param(["hydra.run.dir=/sys"], ["hydra.run.dir=/sys is not writable ("], id="run-dir-unwritable"),
     # resume (paths that exist are covered by the tests below)
