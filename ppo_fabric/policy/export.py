@@ -34,7 +34,8 @@ USAGE = """usage: python -m ppo_fabric.export checkpoint=PATH [key=value ...]
 
   checkpoint=PATH       a .ckpt file, or a run directory (its checkpoints/last.ckpt)   (required)
   format=torchscript    torchscript (torch.jit.load) or onnx (needs: pip install 'ppo-fabric[onnx]')
-  out=FILE              default: policy.pt / policy.onnx in the checkpoint's run directory; multi-agent
+  out=FILE              default: policy.pt / policy.onnx in the checkpoint's run directory (policy-best.pt
+                        for best.ckpt, policy-<stem> for any checkpoint but last.ckpt); multi-agent
                         checkpoints: a directory for policy_<name>.pt / .onnx, one file per policy
   value=false           also output the critic's value
 """
@@ -288,8 +289,16 @@ def export(
         raise ExportError(str(exc)) from exc
     obs_spaces, action_spaces = ckpt.saved_spaces(state)
     suffix = FORMATS[format]
+    other = {s: f for f, s in FORMATS.items() if f != format}
+    if out is not None and Path(out).suffix in other:  # a .pt file that holds ONNX is read by nothing
+        raise ExportError(
+            f"out={out} names a {other[Path(out).suffix]} file for format={format}; name it "
+            f"{Path(out).with_suffix(suffix)} or give format={other[Path(out).suffix]}"
+        )
+    stem = ckpt.resolve(checkpoint).stem  # best.ckpt's policy beside last.ckpt's, not over it
+    own = "policy" if stem == "last" else f"policy-{stem}"
     if not state.get("multiagent"):
-        path = Path(out) if out is not None else ckpt.run_dir_of(checkpoint) / f"policy{suffix}"
+        path = Path(out) if out is not None else ckpt.run_dir_of(checkpoint) / f"{own}{suffix}"
         norm = ckpt.observation_normalization(state)
         masked = ckpt.mask_width(state) is not None
         agent = policies["main"]
@@ -298,7 +307,7 @@ def export(
     paths = {}
     for name, agent in policies.items():
         masked = ckpt.mask_width(state, name) is not None
-        path = directory / f"policy_{name}{suffix}"
+        path = directory / f"{own if out is None else 'policy'}_{name}{suffix}"  # a directory of the user's
         paths[name] = _export_one(
             state, agent, obs_spaces[name], action_spaces[name], format, path, value, None, masked, name
         )

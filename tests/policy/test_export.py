@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import shutil
 import sys
 from pathlib import Path
 
@@ -81,6 +82,17 @@ def test_torchscript_with_value_default_path(tiny_run: Path) -> None:
     torch.testing.assert_close(value, want_value)
 
 
+def test_a_checkpoint_other_than_last_is_exported_beside_it(tiny_run: Path, tmp_path: Path) -> None:
+    """Exporting best.ckpt and then the run directory both wrote <run>/policy.pt: the best policy's file
+    was overwritten without a word."""
+    (tmp_path / "checkpoints").mkdir()
+    for name in ("last.ckpt", "best.ckpt"):
+        shutil.copy(_ckpt(tiny_run), tmp_path / "checkpoints" / name)
+    best = export.export(tmp_path / "checkpoints" / "best.ckpt")
+    last = export.export(tmp_path)
+    assert (best, last) == (tmp_path / "policy-best.pt", tmp_path / "policy.pt") and best.is_file()
+
+
 def test_box_actions_are_clipped_like_the_rollout(tmp_path: Path) -> None:
     """Gaussian head: the export gives the mean clipped to the bounds, which is what the env receives."""
     obs_space = gym.spaces.Box(-np.inf, np.inf, (3,), np.float32)
@@ -148,6 +160,9 @@ def test_onnx_without_the_extra_names_it(
             ["checkpoint={ckpt}", "out=/proc/nowhere/p.pt"], "cannot write there", id="out-unwritable"
         ),
         pytest.param(["checkpoint={misfit}"], "the weights do not fit the model its config", id="misfit"),
+        pytest.param(  # it wrote TorchScript into x.onnx
+            ["checkpoint={ckpt}", "out={tmp}/x.onnx"], "names a onnx file for format=torchscript", id="suffix"
+        ),
     ],
 )
 def test_bad_input(
