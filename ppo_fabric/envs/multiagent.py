@@ -46,10 +46,11 @@ def make_parallel_env(env_cfg: DictConfig) -> Any:
         module = importlib.import_module(module_name)
     except ImportError as exc:
         hint = " (pip install 'ppo-fabric[mpe]')" if module_name.startswith("mpe2") else ""
-        if re.fullmatch(
-            r"[\w/]+-v\d+", module_name
-        ):  # CartPole-v1 after a multi-agent recipe (env=pettingzoo)
-            hint = "; env=pettingzoo takes a PettingZoo module (pettingzoo.classic.connect_four_v3), and a gymnasium id needs env=gym"
+        if re.fullmatch(r"[\w/]+-v\d+", module_name):  # a gymnasium id after env=pettingzoo (a game's recipe)
+            hint = (
+                "; env=pettingzoo takes a PettingZoo module (pettingzoo.classic.connect_four_v3), "
+                "and a gymnasium id needs env=gym"
+            )
         raise EnvError(
             f"env.id={env_id!r}: cannot import module {module_name!r}{hint} ({error_line(exc)})"
         ) from exc
