@@ -162,6 +162,24 @@ def nonfinite_final(finals: Any, rows: Any) -> tuple[int, str] | None:
     return None
 
 
+def misshapen(obs: Any, space: gym.Space) -> str | None:
+    """What differs between the shape of one env's observation and its `space`'s (a Box, or a Dict of
+    them; other spaces are not checked), or None. A vector env stacking an observation of another shape
+    raises in its own code, far from the env: checked here, inside the sub-env, the restart can rebuild the
+    env that sent it."""
+    if isinstance(space, gym.spaces.Dict) and isinstance(obs, dict):
+        for key, sub in space.spaces.items():
+            if key not in obs:
+                return f'observation["{key}"] missing'
+            found = misshapen(obs[key], sub)
+            if found is not None:
+                return found.replace("observation", f'observation["{key}"]', 1)
+        return None
+    if isinstance(space, gym.spaces.Box) and np.shape(obs) != space.shape:
+        return f"observation of shape {np.shape(obs)} where observation_space has {space.shape}"
+    return None
+
+
 class FiniteCheck(VectorWrapper):
     """`check_step` on every step and reset of a gymnasium vector env (EnvPool's call it themselves)."""
 
@@ -201,7 +219,7 @@ class RecreateOnError(gym.Wrapper):
         for attempt in range(RESET_TRIES):
             try:
                 obs, info = self.env.reset(**kwargs)
-                what = nonfinite_value(obs)
+                what = misshapen(obs, self.observation_space) or nonfinite_value(obs)
                 if what is None:
                     break
                 cause = f"reset returned bad data ({what})"
@@ -220,7 +238,7 @@ class RecreateOnError(gym.Wrapper):
     def step(self, action: Any) -> tuple[Any, float, bool, bool, dict[str, Any]]:
         try:
             obs, reward, terminated, truncated, info = self.env.step(action)
-            what = nonfinite_value(obs, reward)
+            what = misshapen(obs, self.observation_space) or nonfinite_value(obs, reward)
         except Exception as exc:  # noqa: BLE001 - see reset
             self._recreate(f"step raised {_one_line(exc)}")
             return self.last_obs, 0.0, False, True, {}

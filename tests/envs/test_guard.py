@@ -21,6 +21,7 @@ from ppo_fabric.envs.guard import (
     NonFiniteData,
     RecreateOnError,
     find_nonfinite,
+    misshapen,
     nonfinite_rows,
 )
 from ppo_fabric.envs.make import make_vector_env
@@ -101,6 +102,34 @@ def test_recreate_on_error_ends_the_episode_and_reports_the_cause() -> None:
     assert info[RESTART_INFO][0] == "step raised RuntimeError: simulator crashed (injected by the test env)"
     obs, *_, info = envs.step(np.zeros(1, dtype=np.int64))
     assert RESTART_INFO not in info  # reported once
+
+
+def test_recreate_rebuilds_an_env_whose_observation_has_another_shape() -> None:
+    """The docs promise `env.on_error=restart` recovers an observation of another shape: it reached the
+    vector env's buffer, whose NumPy error ended the run although the user had asked for recovery."""
+    envs = SyncVectorEnv(
+        [(lambda i=i: RecreateOnError(lambda: FaultyCartPole(fault="wrong_shape" if i == 1 else "none",
+                                                             after=3))) for i in range(2)],
+        autoreset_mode=AutoresetMode.SAME_STEP,
+    )  # fmt: skip
+    envs.reset(seed=0)
+    for _ in range(2):
+        envs.step(np.zeros(2, dtype=np.int64))
+    obs, reward, terminated, truncated, info = envs.step(np.zeros(2, dtype=np.int64))
+    assert obs.shape == (2, 4) and truncated[1] and not truncated[0] and reward[1] == 0.0
+    assert info[RESTART_INFO][1] == (
+        "step returned bad data (observation of shape (5,) where observation_space has (4,))"
+    )
+
+
+def test_misshapen_names_the_key_of_a_dict_observation() -> None:
+    space = gym.spaces.Dict({"pos": gym.spaces.Box(-1, 1, (2,)), "img": gym.spaces.Box(0, 255, (3, 3))})
+    assert misshapen({"pos": np.zeros(2), "img": np.zeros((3, 3))}, space) is None
+    assert misshapen({"pos": np.zeros(3), "img": np.zeros((3, 3))}, space) == (
+        'observation["pos"] of shape (3,) where observation_space has (2,)'
+    )
+    assert misshapen({"img": np.zeros((3, 3))}, space) == 'observation["pos"] missing'
+    assert misshapen(3, gym.spaces.Discrete(4)) is None  # only Box shapes are checked
 
 
 def test_recreate_gives_up_after_resets_that_keep_failing() -> None:
