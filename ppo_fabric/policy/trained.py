@@ -91,7 +91,10 @@ class Policy:
 
         env_cfg = (self.config or {}).get("env")
         if not env_cfg or self.name != "main":
-            raise ValueError("Policy.make_env builds the env of a single-agent run's policy")
+            raise ValueError(
+                "Policy.make_env builds the env of a single-agent run's policy; a multi-agent policy acts in "
+                "a PettingZoo env you build, or through python -m ppo_fabric.evaluate"
+            )
         module = foreign_module(str(env_cfg["id"]))
         if module is not None and not trust_env:
             raise ValueError(
