@@ -208,7 +208,9 @@ def test_multiagent_checkpoint_needs_a_policy_name(tmp_path: Path) -> None:
     assert blue.name == "blue" and blue.action_space == gym.spaces.Discrete(3)
     obs = np.zeros((2, 5), np.float32)
     np.testing.assert_array_equal(blue.predict(obs)[0], _act(blue, obs))
-    with pytest.raises(ValueError, match=r"single-agent run's policy; a multi-agent policy acts in a PettingZoo"):
+    with pytest.raises(
+        ValueError, match=r"single-agent run's policy; a multi-agent policy acts in a PettingZoo"
+    ):
         blue.make_env()
 
 
