@@ -8,6 +8,7 @@ import importlib.util
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -116,6 +117,14 @@ def benchmark_script(monkeypatch: pytest.MonkeyPatch, name: str) -> Any:
     monkeypatch.setitem(sys.modules, name, module)
     spec.loader.exec_module(module)
     return module
+
+
+def fabric_run_port() -> str:
+    """`--main-port=N` for a `fabric run` command: a port free now. torchrun's rendezvous listens on 29400 by
+    default, so two `fabric run` tests on two workers at once failed with EADDRINUSE."""
+    with contextlib.closing(socket.socket(socket.AF_INET, socket.SOCK_STREAM)) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return f"--main-port={sock.getsockname()[1]}"
 
 
 def job_env(supervisor: bool = True) -> dict[str, str]:

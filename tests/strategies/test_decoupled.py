@@ -32,7 +32,7 @@ from ppo_fabric.policy.scorers import EVAL_SEED_OFFSET
 from ppo_fabric.runs import checkpoint as ckpt
 from ppo_fabric.runs.checkpoint import saved_spaces
 from ppo_fabric.runs.metrics_file import read_rows, series
-from tests.conftest import end_group, job_env, job_processes, numbered_checkpoint
+from tests.conftest import end_group, fabric_run_port, job_env, job_processes, numbered_checkpoint
 
 REPO = Path(__file__).resolve().parents[2]
 FABRIC = Path(sys.executable).parent / "fabric"
@@ -70,6 +70,7 @@ def _fabric_run(devices: int, *overrides: str) -> list[str]:
         "--accelerator=cpu",
         "--strategy=ddp",
         f"--devices={devices}",
+        fabric_run_port(),
         str(DECOUPLED_SCRIPT),
         *overrides,
     ]

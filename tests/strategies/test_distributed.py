@@ -18,7 +18,7 @@ from omegaconf import OmegaConf
 import ppo_fabric
 from ppo_fabric.config.values import compose
 from ppo_fabric.runs.metrics_file import read_rows
-from tests.conftest import end_group, job_env, job_processes, signal_when_ready
+from tests.conftest import end_group, fabric_run_port, job_env, job_processes, signal_when_ready
 
 REPO = Path(__file__).resolve().parents[2]
 FABRIC = Path(sys.executable).parent / "fabric"
@@ -217,6 +217,7 @@ def test_fabric_run_joins_existing_processes(tmp_path: Path) -> None:
         "run",
         "--accelerator=cpu",
         "--devices=2",
+        fabric_run_port(),
         str(REPO / "ppo_fabric" / "ppo.py"),
         *SMALL,
     ]
