@@ -220,6 +220,9 @@ def parse_numbered(path: Path) -> tuple[int, str] | None:
     return int(parts[1]), parts[2]
 
 
+DROPPED_BEST = "best.dropped.ckpt"  # a best.ckpt of the branch a resume left (`session.inherit_best`)
+
+
 def in_lineage(env_step: int, run_id: str, lineage: list[list[Any]]) -> bool:
     """Whether a numbered checkpoint belongs to this run's lineage: `lineage` lists [run id, env step it
     started from] from the first run to this one, so an ancestor's checkpoints count up to the step the

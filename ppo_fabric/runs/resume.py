@@ -44,7 +44,7 @@ def newest_checkpoint(run_dir: Path, on_skip: OnSkip | None = None) -> tuple[Pat
     ckpt_dir = run_dir / "checkpoints"
     last = ckpt_dir / "last.ckpt"
     others = sorted(
-        (p for p in ckpt_dir.glob("*.ckpt") if p.name != last.name and p.is_file()),
+        (p for p in ckpt_dir.glob("*.ckpt") if p.name not in (last.name, ckpt.DROPPED_BEST) and p.is_file()),
         key=lambda p: p.stat().st_mtime,  # by age, whatever the numbered files are named after
         reverse=True,
     )

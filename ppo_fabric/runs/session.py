@@ -159,7 +159,9 @@ class RunSession:
                 save_resolved_config(cfg, run_dir)  # a resume's own directory keeps its first session's
             if resume is not None:  # in a new directory too: what the branch changed is noted there
                 record_session(run_dir, cfg, resume)
-                inherit_best(Path(str(cfg.resume)), run_dir, resume)
+                moved = inherit_best(Path(str(cfg.resume)), run_dir, resume)
+                if moved is not None:
+                    print(moved, file=sys.stderr, flush=True)
             # The earlier session's summary says how that one ended: kept beside, not read as this session's
             # if this one fails before it writes its own (a sweep's table, a reader of the directory).
             earlier = run_dir / "summary.json"
@@ -413,26 +415,42 @@ class RunSession:
 
 
 # ------------------------------------------------------------------------------ a collecting rank's state
-def inherit_best(source: Path, run_dir: Path, resume: dict[str, Any]) -> None:
-    """A run continued in a new directory gets the `best.ckpt` beside the checkpoint it resumed from, when
-    that one is of its own lineage (written at or before the step it resumes from): the session writes
-    best.ckpt only when it beats the run's best so far, so a branch that never did had none, while its
-    summary and evaluation record named that best."""
-    best, target = source.parent / "best.ckpt", run_dir / "checkpoints" / "best.ckpt"
-    if not best.is_file() or target.exists():
-        return
+def _of_timeline(path: Path, resume: dict[str, Any]) -> bool | None:
+    """Whether the checkpoint at `path` was written on the timeline `resume` continues (by a run of its
+    lineage, at or before the step it resumes from); None when that cannot be told (unreadable, no lineage)."""
     try:
-        state = ckpt.load(best, key="checkpoint", env_state="fresh")  # a decoupled run's holds a policy only
-    except ValueError:  # unreadable: the branch goes on without it, as before
-        return
+        state = ckpt.load(path, key="checkpoint", env_state="fresh")  # a decoupled run's holds a policy only
+    except ValueError:
+        return None
     lineage, step = state.get("lineage") or [], int(state["env_step"])
-    if (
-        lineage
-        and step <= int(resume["env_step"])
-        and ckpt.in_lineage(step, str(lineage[-1][0]), resume.get("lineage", []))
-    ):
+    if not lineage:
+        return None
+    return step <= int(resume["env_step"]) and ckpt.in_lineage(
+        step, str(lineage[-1][0]), resume.get("lineage", [])
+    )
+
+
+def inherit_best(source: Path, run_dir: Path, resume: dict[str, Any]) -> str | None:
+    """`run_dir`'s `best.ckpt` as the timeline the resume continues left it; returns a line to say when one
+    was moved aside. A resume from an older checkpoint into the run's own directory found there the best of
+    the branch it leaves: kept, `load_policy` and `evaluate` of `best.ckpt` gave a policy from outside the
+    run's timeline, while `summary.json` named another best; it goes to `best.dropped.ckpt`, as the branch's
+    metrics rows go to `metrics.dropped.csv`. A run continued in a new directory gets the `best.ckpt` beside
+    the checkpoint it resumed from, when that one is of its timeline: the session writes best.ckpt only when it
+    beats the run's best so far, so a branch that never did had none, while its summary named that best."""
+    target = run_dir / "checkpoints" / "best.ckpt"
+    moved = None
+    if target.is_file() and _of_timeline(target, resume) is False:
+        target.replace(target.with_name(ckpt.DROPPED_BEST))
+        moved = (
+            f"ppo-fabric: {target} was the best of the branch this resume leaves: moved to {ckpt.DROPPED_BEST}; "
+            "best.ckpt is written again when this branch beats the timeline's best"
+        )
+    best = source.parent / "best.ckpt"
+    if best.is_file() and not target.exists() and _of_timeline(best, resume):
         target.parent.mkdir(parents=True, exist_ok=True)
         ckpt.atomic_write(best.read_bytes(), target)
+    return moved
 
 
 def collector_state(collector: RolloutCollector) -> dict[str, Any]:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -17,6 +18,7 @@ import pytest
 import ppo_fabric
 from ppo_fabric.runs import checkpoint as ckpt
 from ppo_fabric.runs.metrics_file import read_rows
+from ppo_fabric.runs.resume import newest_checkpoint
 from ppo_fabric.runs.session import inherit_best
 from tests.conftest import end_group, job_env, job_processes, numbered_checkpoint
 
@@ -177,6 +179,28 @@ def test_a_run_continued_in_a_new_directory_takes_its_best_checkpoint_along(
     (tmp_path / "b" / "checkpoints" / "best.ckpt").write_bytes(b"the branch's own")  # never overwritten
     inherit_best(last, tmp_path / "b", resume)
     assert (tmp_path / "b" / "checkpoints" / "best.ckpt").read_bytes() == b"the branch's own"
+
+
+def test_a_resume_into_its_own_directory_moves_the_left_branchs_best_aside(
+    tiny_run: Path, tmp_path: Path
+) -> None:
+    """Resumed from a checkpoint older than its best.ckpt into the same directory, the run kept the best of
+    the branch it left: `load_policy(best.ckpt)` gave a policy from outside its timeline while summary.json
+    named another best. It goes to best.dropped.ckpt, which resume=auto never takes for a checkpoint."""
+    run = tmp_path / "run"
+    shutil.copytree(tiny_run, run)
+    last, best = run / "checkpoints" / "last.ckpt", run / "checkpoints" / "best.ckpt"
+    resume, kept = ckpt.load(last), best.read_bytes()
+    assert inherit_best(last, run, resume) is None and best.read_bytes() == kept  # the timeline's own
+    line = inherit_best(last, run, resume | {"env_step": 0})  # resumed from before the best was written
+    dropped = run / "checkpoints" / "best.dropped.ckpt"
+    assert not best.exists() and dropped.read_bytes() == kept
+    assert line == (f"ppo-fabric: {best} was the best of the branch this resume leaves: moved to "
+                    "best.dropped.ckpt; best.ckpt is written again when this branch beats the timeline's best")  # fmt: skip
+    last.write_bytes(b"torn")
+    os.utime(dropped)  # the newest file there
+    found = newest_checkpoint(run, on_skip=lambda *_: None)
+    assert found is not None and found[0].name != "best.dropped.ckpt"
 
 
 @pytest.mark.slow
