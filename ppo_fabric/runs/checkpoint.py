@@ -299,7 +299,10 @@ def load(path: str | Path, key: str = "resume", env_state: str = "restore") -> d
             raise ValueError(
                 f"{where} is a directory that holds no checkpoints/*.ckpt; point {key} at a .ckpt file"
             )
-        raise ValueError(f"{where} is a directory; point {key} at a .ckpt file such as {found[-1]}")
+        # last.ckpt is the head of the run's timeline; the highest-numbered file may be a branch a resume left
+        head = path / "checkpoints" / "last.ckpt"
+        suggested = head if head.is_file() else max(found, key=lambda p: p.stat().st_mtime)
+        raise ValueError(f"{where} is a directory; point {key} at a .ckpt file such as {suggested}")
     if not path.is_file():
         raise ValueError(f"{where}: no such checkpoint file")
     try:

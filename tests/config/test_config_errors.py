@@ -390,6 +390,10 @@ def test_resume_directory_points_at_the_file(tmp_path: Path) -> None:
     assert message.endswith(f"such as {tmp_path / 'checkpoints' / 'step_000000000512_ab12cd34.ckpt'}"), (
         message
     )
+    # the head of the run's timeline, not the highest-numbered file (a branch a resume left, pasted back)
+    (tmp_path / "checkpoints" / "step_000000016384_9b0ba3d5.ckpt").write_bytes(b"")
+    (tmp_path / "checkpoints" / "last.ckpt").write_bytes(b"")
+    assert _config_error([f"resume={tmp_path}"]).endswith(f"such as {tmp_path / 'checkpoints' / 'last.ckpt'}")
 
 
 # ------------------------------------------------------------------------------------------------- CLI
