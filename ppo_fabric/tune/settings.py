@@ -97,6 +97,30 @@ def parse(arguments: list[str]) -> TuneConfig:
     return cfg
 
 
+def check_objective_for(cfg: TuneConfig, run: Any, policies: list[str] | None) -> None:
+    """An objective the trials' summaries cannot hold, refused before the first trial (each trained its whole
+    budget, then failed for want of the number): `evaluation.*` with evaluation off, and `policies.<name>.*`
+    naming no policy of the run (`policies`: its policy names, None for a single-agent run)."""
+    if cfg.objective.startswith("evaluation.") and run.eval.every in (None, 0):
+        raise ConfigError(
+            f"tune.objective={cfg.objective} needs evaluation during training, which eval.every={run.eval.every} "
+            "turns off; set eval.every, or use tune.objective=eval (episodes on each trial's last checkpoint)"
+        )
+    named = re.fullmatch(r"policies\.([^.]+)\..+", cfg.objective)
+    if named is None:
+        return
+    if policies is None:
+        raise ConfigError(
+            f"tune.objective={cfg.objective} names a policy of a multi-agent run; env.id={run.env.id} is "
+            "single-agent: use tune.objective=return"
+        )
+    if named.group(1) not in policies:
+        raise ConfigError(
+            f"tune.objective={cfg.objective}: the run has no policy {named.group(1)!r} (its policies: "
+            f"{', '.join(policies)})"
+        )
+
+
 def _positive(name: str, value: int | float | None, allow_none: bool = False, zero: bool = False) -> None:
     if value is None and allow_none:
         return

@@ -101,6 +101,8 @@ def prepare(argv: list[str]) -> Plan:
         except ConfigError as exc:
             raise ConfigError(f"a trial with {' '.join(corner)} cannot run: {exc}") from None
     assert cfg is not None
+    spaces = facts["observation_space"]  # a dict by policy name for a multi-agent run
+    tune_config.check_objective_for(tcfg, cfg, list(spaces) if isinstance(spaces, dict) else None)
     extra: list[str] = []
     if tune_config.intermediate_values(tcfg) and not cfg.logger.csv:
         # The learning curve the pruner needs comes from metrics.csv: turn it on for the trials.

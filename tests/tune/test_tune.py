@@ -36,6 +36,12 @@ PROBE = [
     "algo.minibatch_size=64",
     "logger=none",
 ]
+TEAMS = [
+    "env=pettingzoo",
+    "env.id=ppo_fabric.envs.toy_multiagent:teams_v0",
+    "multiagent.policies={adversary:{},agent:{}}",
+    "multiagent.policy_mapping={adversary_*:adversary,agent_*:agent}",
+]
 
 
 # ------------------------------------------------------------------------------------------ search spaces
@@ -164,6 +170,19 @@ def test_bad_tune_settings_are_one_line(argv: list[str], fragment: str) -> None:
         (["algo.lr=choice(1e-3, 1e-2)", "hydra.run.dir=/tmp/x"], "set tune.dir"),
         (["algo.lr=choice(1e-3, 1e-2)", "resume=auto"], "the tuner sets resume"),
         (["-m", "algo.lr=choice(1e-3, 1e-2)"], "unknown flag -m"),
+        # objectives no trial's summary can hold: every trial trained its budget, then failed for want of it
+        (
+            ["algo.lr=choice(1e-3, 1e-2)", "eval.every=0", "tune.objective=evaluation.last.return_mean"],
+            "tune.objective=evaluation.last.return_mean needs evaluation during training, which eval.every=0",
+        ),
+        (
+            ["algo.lr=choice(1e-3, 1e-2)", "tune.objective=policies.main.final_mean_return"],
+            "names a policy of a multi-agent run; env.id=CartPole-v1 is single-agent: use tune.objective=return",
+        ),
+        (
+            ["algo.lr=choice(1e-3, 1e-2)", *TEAMS, "tune.objective=policies.green.final_mean_return"],
+            "the run has no policy 'green' (its policies: adversary, agent)",
+        ),
     ],
 )
 def test_bad_input_exits_2_with_one_line(
