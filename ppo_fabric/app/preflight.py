@@ -37,6 +37,7 @@ from ppo_fabric.envs.multiagent import is_multiagent, policy_settings
 from ppo_fabric.learn.learners import policy_specs, spaces_of
 from ppo_fabric.models.agent import ACTIVATIONS, ActorCritic
 from ppo_fabric.runs import checkpoint as ckpt
+from ppo_fabric.runs import signing
 from ppo_fabric.runs.continuation import continued_config
 from ppo_fabric.runs.lock import refuse_if_held, speaks_first
 from ppo_fabric.runs.resume import resolve_auto
@@ -145,6 +146,10 @@ def check(cfg: DictConfig) -> dict[str, Any]:
             "torchrun use torchrun --max-restarts=N with resume=auto and a fixed hydra.run.dir"
         )
     check_tracker(cfg)
+    try:
+        signing.check_key()  # what signs the checkpoints' env snapshots
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
     train_device = _check_accelerator(cfg, world)
     check_layout(cfg, world)
     spaces, parameters = _check_env_and_model(cfg)

@@ -50,19 +50,32 @@ def key() -> bytes:
 def _read_key(path: Path) -> bytes:
     """Read an existing key, waiting briefly while it is shorter than a key (created, not yet written)."""
     deadline = time.monotonic() + _WRITE_WAIT_S
-    text = path.read_text().strip()
-    while len(text) < 2 * _KEY_BYTES and time.monotonic() < deadline:
-        time.sleep(0.01)
-        text = path.read_text().strip()
     try:
+        text = path.read_bytes().decode("ascii").strip()
+        while len(text) < 2 * _KEY_BYTES and time.monotonic() < deadline:
+            time.sleep(0.01)
+            text = path.read_bytes().decode("ascii").strip()
         if len(text) != 2 * _KEY_BYTES:
             raise ValueError(len(text))
         return bytes.fromhex(text)
-    except ValueError:
+    except OSError as exc:
+        raise ValueError(
+            f"the key file {path} cannot be read ({exc.strerror or exc}); see {KEY_FILE_ENV}"
+        ) from None
+    except ValueError:  # UnicodeDecodeError too: random bytes, not hex text
         raise ValueError(
             f"{path} is not a ppo-fabric key ({2 * _KEY_BYTES} hex digits); delete it and a new one is made "
             "(snapshots signed with the old key then resume only with resume_env=fresh)"
         ) from None
+
+
+def check_key() -> None:
+    """Raise ValueError (one line) when the key file exists but holds no key: found before a run, it ended
+    the run at its first checkpoint with a traceback and no checkpoint written. A missing file is fine (the
+    first checkpoint creates it)."""
+    path = key_path()
+    if path.exists():
+        _read_key(path)
 
 
 def sign(data: bytes) -> str:

@@ -360,6 +360,21 @@ def test_broken_key_file_is_one_line(tmp_path: Path, monkeypatch: pytest.MonkeyP
         signing.key()
 
 
+def test_a_key_file_of_other_bytes_is_refused_before_the_run(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Random bytes raised UnicodeDecodeError at the run's first checkpoint: a traceback after the training,
+    and no checkpoint written. Now the same line as for a wrong key, before the run starts."""
+    path = tmp_path / "key"
+    monkeypatch.setenv(signing.KEY_FILE_ENV, str(path))
+    path.write_bytes(bytes(range(128, 160)))
+    with pytest.raises(ValueError, match=r"key is not a ppo-fabric key \(64 hex digits\); delete it"):
+        signing.key()
+    with pytest.raises(ppo_fabric.ConfigError, match=r"key is not a ppo-fabric key \(64 hex digits\)"):
+        ppo_fabric.run(["algo.total_steps=64", "logger=none", f"hydra.run.dir={tmp_path / 'run'}"])
+    assert not (tmp_path / "run" / "checkpoints").exists()
+
+
 # --------------------------------------------------------------------------------------------- spaces
 SPACES = [
     gym.spaces.Box(-np.inf, np.inf, (4,), np.float32),
