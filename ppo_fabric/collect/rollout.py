@@ -34,7 +34,6 @@ from ppo_fabric.envs.guard import (
 )
 from ppo_fabric.envs.make import (
     ACTION_MASK,
-    EnvError,
     close_envs,
     current_action_masks,
     make_vector_env,
@@ -237,12 +236,13 @@ class RolloutCollector:
         return self.envs.action_masks[name] if self.multiagent else current_action_masks(self.envs)
 
     def _check_legal(self, g: Group, masks: np.ndarray, env_step: int) -> None:
-        """Every env copy has a legal action in every action dimension; raises EnvError naming the env."""
+        """Every env copy has a legal action in every action dimension; raises EnvFault (the run's one line,
+        as for bad env data: an EnvError here ended a one-process run in a traceback) naming the env."""
         ok = np.logical_or.reduceat(masks, g.mask_starts, axis=1).all(1)
         if not ok.all():
-            raise EnvError(
-                f"env.id={self.env_id!r}: env copy {int(np.flatnonzero(~ok)[0])} has no legal action at env "
-                f"step {env_step} (its action mask is all False)"
+            raise EnvFault(
+                f"{self.label}, env {int(np.flatnonzero(~ok)[0])}: no legal action at env step {env_step:,} "
+                f"(the action mask of env.id={self.env_id!r} is all False)"
             )
 
     def _legal(self, g: Group, masks: np.ndarray, env_step: int) -> torch.Tensor:

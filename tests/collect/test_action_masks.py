@@ -6,6 +6,7 @@ without a legal action."""
 from __future__ import annotations
 
 import math
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -19,8 +20,9 @@ from torch.distributions import Categorical
 
 import ppo_fabric
 from ppo_fabric.collect.rollout import policy_storage
+from ppo_fabric.config.faults import RunFault
 from ppo_fabric.config.values import ConfigError
-from ppo_fabric.envs.make import ActionMaskInfo, EnvError, detect_action_mask, make_vector_env
+from ppo_fabric.envs.make import ActionMaskInfo, detect_action_mask, make_vector_env
 from ppo_fabric.learn.buffer import training_batch
 from ppo_fabric.learn.learners import PolicySpec
 from ppo_fabric.models.agent import CategoricalHead
@@ -214,10 +216,11 @@ def test_evaluate_and_export_take_the_masks(tmp_path: Path) -> None:
 
 
 def test_a_state_without_legal_action_names_the_env(tmp_path: Path) -> None:
-    with pytest.raises(EnvError) as info:
+    """A run fault, as bad env data is: an EnvError ended a one-process run in a Hydra traceback."""
+    with pytest.raises(RunFault) as info:
         _train(tmp_path, "ProbeNoLegalAction-v0", "algo.total_steps=128")
-    message = str(info.value)
-    assert "\n" not in message and "ProbeNoLegalAction-v0" in message and "no legal action" in message
+    assert re.fullmatch(r"rank 0, env \d+: no legal action at env step \d+ \(the action mask of "
+                        r"env.id='tests.probe_envs:ProbeNoLegalAction-v0' is all False\)", str(info.value)), info.value  # fmt: skip
 
 
 def test_unknown_action_mask_setting_is_refused(tmp_path: Path) -> None:
