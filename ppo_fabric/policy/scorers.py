@@ -25,6 +25,7 @@ import gymnasium as gym
 import numpy as np
 from omegaconf import DictConfig
 
+from ppo_fabric.config import faults
 from ppo_fabric.config.values import ConfigError
 from ppo_fabric.envs.guard import EnvFault, error_line, nonfinite_value, surely_finite
 from ppo_fabric.envs.make import close_envs, make_env, on_error
@@ -83,6 +84,8 @@ class Episodes:
         self.envs: list[Any] = []
         self.failed: list[int] = []  # this evaluation's failed episodes (env.on_error=restart)
         self.first_cause = ""  # the first failed episode's, for the evaluation's line
+        self.limited = False  # whether `capped` gave the envs their time limit (they have none of their own)
+        self.cut_said = False
 
     def snapshot(self, models: dict[str, ActorCritic], obs_normalization: dict[str, Any] | None) -> Policy:
         (model,) = models.values()
@@ -95,7 +98,20 @@ class Episodes:
         )
 
     def _make(self) -> gym.Env:
-        return Checked(capped(make_env(self.env_cfg, action_mask=self.spec.action_mask)))
+        env = make_env(self.env_cfg, action_mask=self.spec.action_mask)
+        limited = capped(env)
+        self.limited = limited is not env
+        return Checked(limited)
+
+    def _say_cut(self, lengths: list[int]) -> None:
+        """Once a run: episodes cut at the cap of an env with no time limit. A greedy policy that never ends
+        an episode made each evaluation `eval.episodes` x 100,000 env steps, the run crawling with no word."""
+        cut = sum(n >= faults.EVAL_MAX_EPISODE_STEPS for n in lengths)
+        if cut and self.limited and not self.cut_said:
+            self.cut_said = True
+            said(f"{cut} of {len(lengths)} evaluation episodes ran {faults.EVAL_MAX_EPISODE_STEPS:,} steps without "
+                 f"ending and were cut there: env.id={self.env_cfg.id} has no time limit of its own; set "
+                 "env.max_episode_steps (or eval.every=0)")  # fmt: skip
 
     def play(self, policy: Policy) -> dict[str, float]:
         if not self.envs:
@@ -123,6 +139,7 @@ class Episodes:
         if self.failed:  # as training's rebuilt envs each say so (an evaluation that failed whole was silent)
             said(f"{len(self.failed)} of {self.episodes} evaluation episodes failed ({self.first_cause}); left "
                  "out of the evaluation, their envs rebuilt")  # fmt: skip
+        self._say_cut(lengths)
         failed = {"eval/failed_episodes": float(len(self.failed))} if self.failed else {}
         if not returns:  # every episode failed (env.on_error=restart): nothing to score
             return failed

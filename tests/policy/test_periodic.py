@@ -279,9 +279,12 @@ def test_an_evaluation_scores_alike_each_time_and_leaves_the_random_state() -> N
     assert score(scorer, models, None) == first
 
 
-def test_an_evaluation_episode_of_an_env_without_a_time_limit_ends(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_an_evaluation_episode_of_an_env_without_a_time_limit_ends(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
     """A greedy policy that never reaches the only terminal state: the evaluation (in training and in the
-    evaluate tool) cuts its episodes at EVAL_MAX_EPISODE_STEPS instead of holding the run for ever."""
+    evaluate tool) cuts its episodes at EVAL_MAX_EPISODE_STEPS instead of holding the run for ever, and says
+    so once a run (each evaluation was 10 x 100,000 env steps, the run crawling with no word)."""
     from ppo_fabric.config import faults
     from ppo_fabric.policy.scorers import score, scorer_for
 
@@ -293,8 +296,16 @@ def test_an_evaluation_episode_of_an_env_without_a_time_limit_ends(monkeypatch: 
     with torch.no_grad():
         model.head.linear.weight.zero_()
         model.head.linear.bias.copy_(torch.tensor([1.0, 0.0]))  # always action 0: never ends by itself
-    metrics = score(scorer_for(cfg, specs, seed=3), dict.fromkeys(specs, model), None)
+    scorer = scorer_for(cfg, specs, seed=3)
+    capsys.readouterr()
+    metrics = score(scorer, dict.fromkeys(specs, model), None)
     assert metrics["eval/length_mean"] == 50 and metrics["eval/return_mean"] == 50.0
+    assert capsys.readouterr().err == (
+        "ppo-fabric: 2 of 2 evaluation episodes ran 50 steps without ending and were cut there: "
+        "env.id=tests.endless_env:make has no time limit of its own; set env.max_episode_steps (or eval.every=0)\n"
+    )
+    score(scorer, dict.fromkeys(specs, model), None)
+    assert capsys.readouterr().err == ""  # once a run
 
 
 def test_multiagent_evaluation_episodes_and_games_end_at_the_cap(monkeypatch: pytest.MonkeyPatch) -> None:
