@@ -86,6 +86,13 @@ def run(overrides: list[str], env: Any = None) -> dict[str, Any]:
     `env`: an env factory (a module-level function or class returning a gymnasium env), the same as
     `env.id=module:name`. Raises `ConfigError` for a config that cannot run; a `resume=auto` run that is
     complete says so and returns its summary."""
+    if isinstance(overrides, str | bytes) or not all(isinstance(o, str) for o in overrides):
+        # a string was read one character at a time ("cannot parse override 'a'")
+        raise ConfigError(
+            f"run() takes its overrides as a list of strings, e.g. run([{overrides!r}]); got {overrides!r}"
+            if isinstance(overrides, str)
+            else f"run() takes its overrides as a list of strings; got {overrides!r}"
+        )
     with _aside_from_the_callers_hydra():
         return _run_here(list(overrides), env)
 
@@ -109,6 +116,9 @@ def _aside_from_the_callers_hydra() -> Iterator[None]:
 
 def _run_here(overrides: list[str], env: Any) -> dict[str, Any]:
     if env is not None:
+        given = [o for o in overrides if o.lstrip("+~").split("=", 1)[0] == "env.id"]
+        if given:  # the env argument won silently
+            raise ConfigError(f"run() was given both env={env!r} and {given[0]}; pass one of them")
         overrides.append(f"env.id={quoted(env_reference(env))}")
     overrides = settled_overrides(overrides)
     cfg, run_dir = compose(overrides)

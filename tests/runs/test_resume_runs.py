@@ -138,6 +138,11 @@ def test_an_env_factory_from_python(tmp_path: Path) -> None:
     assert state["ranks"][0]["envs"] is not None
     with pytest.raises(ConfigError, match="module-level function or class"):
         _run(tmp_path / "other", "algo.total_steps=512", env=lambda: None)
+    # the env argument won over an env.id given beside it, silently; a string was read a character at a time
+    with pytest.raises(ConfigError, match=r"run\(\) was given both env=.* and env.id=CartPole-v1; pass one"):
+        _run(tmp_path / "both", "env.id=CartPole-v1", env=factory_envs.short_cartpole)
+    with pytest.raises(ConfigError, match=r"list of strings, e.g. run\(\['algo.total_steps=512'\]\)"):
+        ppo_fabric.run("algo.total_steps=512")  # type: ignore[arg-type]
 
 
 def test_a_resume_auto_with_the_env_id_keeps_the_runs_own_values(tmp_path: Path) -> None:
