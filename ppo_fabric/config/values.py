@@ -491,7 +491,11 @@ def check_layout(cfg: DictConfig, world: int) -> None:
             f"divisible by {trainers}; use e.g. {max(trainers, mb - mb % trainers)}"
         )
     if layout.batch % mb:
-        divisors = [d for d in range(trainers, layout.batch + 1, trainers) if layout.batch % d == 0]
+        # what the later checks take too: whole sequences of a recurrent model on every training rank
+        unit = trainers * sequence_length(cfg.model)
+        divisors = [d for d in range(unit, layout.batch + 1, unit) if layout.batch % d == 0] or [
+            d for d in range(trainers, layout.batch + 1, trainers) if layout.batch % d == 0
+        ]
         near = sorted(sorted(divisors, key=lambda d: abs(d - mb))[:3])
         raise ConfigError(
             f"algo.minibatch_size={mb} does not divide the batch of {layout.batch} samples per update "

@@ -109,6 +109,11 @@ CASES: list[Any] = [
         ["algo.minibatch_size=100", "does not divide", "512", "128"],
         id="minibatch-not-divisor",
     ),
+    pytest.param(  # it suggested 8, which the sequence check then refused (8 steps, not whole sequences of 16)
+        ["exp=cartpole_lstm", "algo.minibatch_size=24"],
+        ["algo.minibatch_size=24", "does not divide the batch of 256", "such as 16, 32, 64"],
+        id="minibatch-not-divisor-recurrent",
+    ),
     pytest.param(
         ["algo.minibatch_size=1"],
         ["algo.minibatch_size", "at least 2", "algo.norm_adv"],
