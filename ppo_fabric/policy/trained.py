@@ -27,6 +27,7 @@ import numpy as np
 import torch
 from tensordict import TensorDict
 
+from ppo_fabric.envs.guard import find_nonfinite
 from ppo_fabric.envs.normalize import RunningMoments
 from ppo_fabric.models.agent import ActorCritic
 from ppo_fabric.runs import checkpoint as ckpt
@@ -225,6 +226,7 @@ class Policy:
                 f"Policy.predict: observation of shape {array.shape} does not fit the observation space of "
                 f"shape {self._shape}: give one observation {self._shape} or a batch {_batched(self._shape)}"
             )
+        _refuse_nonfinite(array, single)
         if self._moments is not None:
             array = self._moments.normalize(array)
         return torch.as_tensor(array, dtype=torch.float32), single
@@ -254,9 +256,19 @@ class Policy:
                 raise ValueError(
                     f"Policy.predict: the keys of a batch of observations differ in size: {sizes}"
                 )
+        _refuse_nonfinite(arrays, single)
         n = next(iter(arrays.values())).shape[0]
         parts = {k: torch.as_tensor(v, dtype=torch.float32) for k, v in arrays.items()}
         return TensorDict(parts, batch_size=[n]), single
+
+
+def _refuse_nonfinite(batch: Any, single: bool) -> None:
+    """A NaN or inf observation is refused, as training refuses it: the network turned it into an action
+    without a word (NaN logits give action 0), which a deployed policy then took."""
+    found = find_nonfinite(batch, np.zeros(1))
+    if found is not None:
+        row, what = found
+        raise ValueError(f"Policy.predict: the {what}" + ("" if single else f" in row {row} of the batch"))
 
 
 def _batched(shape: tuple[int, ...]) -> str:

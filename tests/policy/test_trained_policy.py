@@ -249,6 +249,19 @@ def test_a_wrong_sized_observation_names_both_shapes(tmp_path: Path) -> None:
     assert policy.predict([[0.0, 0.0, 0.0]] * 2)[0].shape == (2, 2)  # a list batch still works
 
 
+def test_a_nan_or_inf_observation_is_refused(tmp_path: Path) -> None:
+    """As training refuses it: the network turned a NaN into an action without a word."""
+    policy = ppo_fabric.load_policy(_write(tmp_path / "s.ckpt", ["env.id=Pendulum-v1"], {"main": BOX}))
+    with pytest.raises(ValueError, match=r"^Policy.predict: the observation holds NaN$"):
+        policy.predict(np.array([np.nan, 0.0, 0.0], np.float32))
+    batch = np.zeros((3, 3))
+    batch[2, 1] = -np.inf
+    with pytest.raises(
+        ValueError, match=r"^Policy.predict: the observation holds -inf in row 2 of the batch$"
+    ):
+        policy.predict(batch)
+
+
 def test_a_dict_observation_is_checked_key_by_key() -> None:
     space = gym.spaces.Dict(
         {
@@ -272,6 +285,8 @@ def test_a_dict_observation_is_checked_key_by_key() -> None:
         ValueError, match=r"observation\['goal'\] of shape \(3,\)"
     ):  # one key single, one batched
         policy.predict({**batch, "goal": one["goal"]})
+    with pytest.raises(ValueError, match=r'the observation\["pos"\] holds NaN$'):
+        policy.predict({**one, "pos": np.array([0.0, np.nan], np.float32)})
     with pytest.raises(ValueError, match="differ in size"):
         policy.predict({**batch, "goal": np.zeros((5, 3), np.float32)})
 
