@@ -45,6 +45,11 @@ SETTLE_S = 3.0  # how long the claiming process waits for the others' stacks bef
 SAID = ".said"  # in the stall directory: the claiming process has printed the job's line
 
 
+def seconds_text(seconds: float) -> str:
+    """Whole seconds, or one decimal below 10 s (a stall_timeout of 0.2 s read "no progress for 0 s")."""
+    return f"{seconds:.0f}" if seconds >= 10 else f"{seconds:.1f}"
+
+
 def where_stuck() -> str:
     """`env.step (my_env.py:42, in step)`: what the main thread was marked doing, and its innermost frame."""
     return f"{PROGRESS.doing}{main_thread_place()}"
@@ -91,7 +96,7 @@ class Watchdog:
                 self.leave(FAULT_EXIT)  # the job is ending: leave nothing running
             idle = time.monotonic() - PROGRESS.at
             if self.timeout_s > 0 and not PROGRESS.waiting and idle > self.timeout_s:
-                line = f"{PROGRESS.label}: no progress for {idle:.0f} s, in {where_stuck()}"
+                line = f"{PROGRESS.label}: no progress for {seconds_text(idle)} s, in {where_stuck()}"
                 self.end_job(line + f" (stall_timeout={self.timeout_s:g})")
 
     # ------------------------------------------------------------------------------------ the job's end
@@ -223,5 +228,5 @@ class Watchdog:
         if busy:
             stuck = busy[0]
             seen = f"{PROGRESS.label}'s {cause.removeprefix('its ')}"
-            head = f"{stuck['label']}: no progress for {stuck['idle_s']:.0f} s, in {stuck['where']} ({seen})"
+            head = f"{stuck['label']}: no progress for {seconds_text(stuck['idle_s'])} s, in {stuck['where']} ({seen})"
         return f"{head}; stacks in {target}"

@@ -20,6 +20,7 @@ from ppo_fabric.envs.guard import (
     FiniteCheck,
     NonFiniteData,
     RecreateOnError,
+    env_error_text,
     find_nonfinite,
     misshapen,
     nonfinite_rows,
@@ -237,3 +238,13 @@ def test_an_observation_of_another_shape_in_a_step_is_named_so() -> None:
                                        r"shape differs from the env's observation_space\) at env step 44$"):  # fmt: skip
         collector.collect(_policy(collector), 32)
     collector.envs.close()
+
+
+def test_an_unpicklable_step_result_of_an_async_env_is_named_so() -> None:
+    """The worker failing to send a step back was reported as `env.step raised`, with no word of pickling."""
+    exc = AttributeError("Can't pickle local object 'OddInfoEnv.step.<locals>.<lambda>'")
+    assert env_error_text(exc).endswith(
+        "(an async env's worker sends each step's observation and info back pickled: one of them does not "
+        "pickle; keep such objects out of info, or use env.vector=sync)"
+    )
+    assert env_error_text(RuntimeError("pickles are sour")) == "RuntimeError: pickles are sour"

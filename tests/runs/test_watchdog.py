@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from ppo_fabric.runs import watchdog as watchdog_module
-from ppo_fabric.runs.watchdog import Watchdog
+from ppo_fabric.runs.watchdog import Watchdog, seconds_text
 
 
 def test_one_process_claims_the_end_and_the_other_answers_into_its_directory(tmp_path: Path) -> None:
@@ -101,6 +101,11 @@ def test_a_tracker_that_never_answers_is_a_stall_and_a_peer_is_not(
             while not ended and time.monotonic() < deadline:
                 time.sleep(0.05)
         assert ended and "no progress for" in ended[0] and "waiting for the tracker" in ended[0], ended
+        assert "no progress for 0 s" not in ended[0], ended  # a stall_timeout under 10 s keeps a decimal
     finally:
         dog.stop()
         PROGRESS.mark("test over")
+
+
+def test_seconds_keep_a_decimal_below_ten() -> None:
+    assert [seconds_text(s) for s in (0.24, 3.06, 9.94, 10.4, 600.2)] == ["0.2", "3.1", "9.9", "10", "600"]
