@@ -74,6 +74,17 @@ class Reporter:
         return values
 
 
+def run_error(log: Path) -> str | None:
+    """The one-line cause a failed run printed last (`ppo-fabric: error: ...`), without its prefix; None when
+    it printed none (killed, or a crash outside the package). The trial's reason said only its exit status."""
+    try:
+        lines = log.read_text(errors="replace").splitlines()
+    except OSError:
+        return None
+    prefix = "ppo-fabric: error: "
+    return next((line[len(prefix) :].strip() for line in reversed(lines) if line.startswith(prefix)), None)
+
+
 def objective_value(run_dir: Path, objective: str, seed: int, eval_episodes: int) -> float:
     """The score of one finished run: its summary's mean return (`return`), the mean return of
     deterministic evaluation episodes on its last checkpoint (`eval`), or a summary.json metric.
@@ -145,7 +156,13 @@ class TrialRun:
             if ending is None and failed:
                 seed, code = failed[0]
                 log = self.directory / f"seed_{seed}" / "output.log"
-                ending = Outcome("failed", reason=f"seed {seed} exited with status {code} (see {log})")
+                cause = run_error(log)
+                ending = Outcome(
+                    "failed",
+                    reason=f"seed {seed} exited with status {code}"
+                    + (f": {cause}" if cause else "")
+                    + f" (see {log})",
+                )
             if ending is not None:
                 self._stop(procs, codes, stopped)
         if ending is not None and not all(c == 0 for c in codes):

@@ -436,3 +436,14 @@ def test_return_objectives_are_pruned_and_others_are_not() -> None:
     others = ["sps", "evaluation.last.length_mean", "evaluation.last.score"]
     assert [intermediate_values(TuneConfig(objective=o)) for o in tracked] == [True] * len(tracked)
     assert [intermediate_values(TuneConfig(objective=o)) for o in others] == [False] * len(others)
+
+
+def test_a_failed_trials_reason_carries_the_runs_own_line(tmp_path: Path) -> None:
+    """The reason said only `seed 42 exited with status 1`: the run's one-line cause is in its log."""
+    from ppo_fabric.tune.trial import run_error
+
+    log = tmp_path / "output.log"
+    log.write_text("ppo-fabric: CartPole-v1 ...\nppo-fabric: error: rank 0: the update diverged (x)\nbye\n")
+    assert run_error(log) == "rank 0: the update diverged (x)"
+    log.write_text("Killed\n")
+    assert run_error(log) is None and run_error(tmp_path / "missing.log") is None
