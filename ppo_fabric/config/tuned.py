@@ -102,7 +102,7 @@ def with_tuned_values(
             return _for_id(env_id, overrides, f"{OWN_MARK} {name})")
     elif config_path is not None or config_name not in (None, "config"):  # not composed here (--config-dir)
         return [*overrides, f"tuning={quoted(f'the env option the config {config_name} picks')}"]
-    note = f"the default env option, in ours {DEFAULT_OPTION} with tuned values for {DEFAULT_ID}"
+    note = f"{DEFAULT_OPTION}, the default env option (tuned values for {DEFAULT_ID})"
     return [*overrides, f"tuning={quoted(note)}"]
 
 
@@ -115,7 +115,8 @@ NOTE_MARKS = (
     "conf/tuned.yaml has no tuned values for",
     "(chosen by the config ",
     "the env option the config ",
-    "the default env option, in ours",
+    ", the default env option (tuned values for",
+    "the default env option, in ours",  # the note's earlier words, on a relaunch of an older command line
     OWN_MARK,
 )
 
