@@ -264,6 +264,8 @@ def launch(
             traceback.print_exc()
         # one write per line: ranks failing together must not interleave their messages
         line = failure_line(exc, watchdog, float(cfg.collectives.timeout))
+        if line is not None and peer_gone(exc) and watchdog.cause_said():
+            line = None  # the rank that ended first said why; this one only lost it
         if line is not None:
             os.write(2, f"ppo-fabric: error: {line}\n".encode())
             watchdog.spoke()  # the processes that answered a claim of this rank's may leave now

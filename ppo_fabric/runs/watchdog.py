@@ -43,6 +43,7 @@ CLAIM = ".stall-claim"  # in the run directory: which stall directory this job's
 POLL_S = 1.0
 SETTLE_S = 3.0  # how long the claiming process waits for the others' stacks before it leaves
 SAID = ".said"  # in the stall directory: the claiming process has printed the job's line
+CAUSE_SAID = ".cause-said"  # in the run directory: a process of this attempt has printed the job's cause
 
 
 def seconds_text(seconds: float) -> str:
@@ -130,10 +131,21 @@ class Watchdog:
         return target
 
     def spoke(self) -> None:
-        """This process printed the job's line: the processes that answered its claim may leave now."""
-        if self.claimed is not None:
-            with contextlib.suppress(OSError):
+        """This process printed the job's line: the processes that answered its claim may leave now, and
+        those that fail only because this one ends keep quiet (`cause_said`)."""
+        with contextlib.suppress(OSError):
+            (self.run_dir / CAUSE_SAID).touch()
+            if self.claimed is not None:
                 (self.claimed / SAID).touch()
+
+    def cause_said(self) -> bool:
+        """Whether another process of this attempt has printed the job's cause: a rank that then loses its
+        collective's peer (the process that spoke, leaving) has nothing to add. Its gloo error printed a
+        second line after the cause, ending in "Check the logs of the remote worker ... GLHF!"."""
+        try:
+            return (self.run_dir / CAUSE_SAID).stat().st_mtime >= self.started - 1
+        except OSError:
+            return False
 
     def leave(self, status: int) -> None:
         """End this process with `status` once the watchdog has a hand in the job's end (it claimed it or

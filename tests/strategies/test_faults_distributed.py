@@ -55,9 +55,10 @@ def test_nan_observation_on_a_player_ends_the_job(tmp_path: Path) -> None:
         tmp_path, *DECOUPLED, "+env.kwargs.fault=nan_obs", "+env.kwargs.after=20", "env.vector=async"
     )
     assert proc.returncode == 1, proc.stderr[-3000:]
-    assert _errors(proc)[0] == (
+    # the cause alone: the trainer that lost its player printed gloo's "Connection closed by peer" after it
+    assert _errors(proc) == [
         "ppo-fabric: error: player rank 0, env 0: observation holds NaN at env step 80"
-    ), proc.stderr[-3000:]
+    ], proc.stderr[-3000:]
     assert not (tmp_path / "run" / "summary.json").exists()
     assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
 
