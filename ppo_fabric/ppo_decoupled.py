@@ -394,7 +394,7 @@ class Player:
         if self.checkpointed() < state.received:
             self.checkpoint(state.received, snapshot, write=False)
         parts = self.topo.gather(self.end_part(), "end")  # the trainers' last collective: they may leave
-        # the evaluation in flight is waited for, so that the checkpoint and the summary keep it
+        # an evaluation already finished goes into the checkpoint; one still running stays in flight there
         finish_in_background(self.evaluation, self.session, state.received, {}, self.collector, final=False)
         self.write_checkpoint()
         self.amend_evaluation()  # when that checkpoint was written before the evaluation ended

@@ -2,7 +2,8 @@
 
 `fault`: `nan_obs` (one observation entry NaN), `inf_reward`, `huge_reward` (1e200: finite, but its square
 is not), `raise` (step raises), `hang` (step sleeps for
-ever, a stuck simulator), `slow` (each step sleeps `pause` seconds, 1 by default), `slow_close` (the process's first close takes 7 s; steps are fine), `raise_init` (the constructor
+ever, a stuck simulator), `slow` (each step sleeps `pause` seconds, 1 by default), `signal_slow` (SIGINT to its own process at the first
+strike, then `slow`), `slow_close` (the process's first close takes 7 s; steps are fine), `raise_init` (the constructor
 raises), `hang_init` (the constructor never returns), `raise_close` (`close` raises once the env has stepped) or `none`; it strikes at the `after`-th step of each env instance (a recreated env
 starts counting again), on rank `rank` (-1: every rank), for `times` steps in a row (0: from then on);
 `others` is the fault of the other ranks then (default `none`).
@@ -13,6 +14,7 @@ evaluation alone).
 from __future__ import annotations
 
 import os
+import signal
 import time
 from typing import Any
 
@@ -45,6 +47,7 @@ class FaultyCartPole(CartPoleEnv):
         self.fault = fault if rank < 0 or here == rank else others
         self.after, self.times, self.steps, self.pause = after, times, 0, pause
         self.seeds, self.seeded = (None if seeds is None else set(seeds)), None
+        self.signalled = False
 
     def reset(self, *, seed: int | None = None, options: dict | None = None) -> Any:
         if seed is not None:
@@ -85,6 +88,11 @@ class FaultyCartPole(CartPoleEnv):
         elif fault == "raise":
             raise RuntimeError("simulator crashed (injected by the test env)")
         elif fault == "slow":
+            time.sleep(self.pause)
+        elif fault == "signal_slow":  # a stop signal to this process at its first strike, then slow steps
+            if not self.signalled:
+                self.signalled = True
+                os.kill(os.getpid(), signal.SIGINT)
             time.sleep(self.pause)
         elif fault == "hang":
             while True:

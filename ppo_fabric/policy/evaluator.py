@@ -120,12 +120,14 @@ class EvaluatorProcess:
             raise EnvFault(value)
         return value
 
-    def close(self) -> None:
+    def close(self, patience_s: float = 10.0) -> None:
+        """End the process: asked to leave, then killed after `patience_s` (0: an evaluation still running,
+        given up at a stop)."""
         with contextlib.suppress(ValueError):
             STACK_HOOKS.remove(self.write_stacks)
         with contextlib.suppress(OSError):  # it may have gone already
             self.conn.send(None)
-        self.process.join(10)
+        self.process.join(patience_s)
         if self.process.is_alive():  # stuck in an env: it holds nothing to keep
             self.process.kill()
             self.process.join()

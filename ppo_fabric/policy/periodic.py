@@ -26,7 +26,7 @@ from ppo_fabric.learn.learners import PolicySpec
 from ppo_fabric.models.agent import ActorCritic
 from ppo_fabric.policy.evaluator import EvaluatorProcess
 from ppo_fabric.policy.scorers import EVAL_SEED_OFFSET, Episodes, Games, ParallelEpisodes, score, scorer_for
-from ppo_fabric.runs.session import RunSession
+from ppo_fabric.runs.session import STOP, AbandonEvaluation, RunSession
 
 EVALS_PER_RUN = 15  # eval.every=auto: about this many evaluations over algo.total_steps
 METRICS = ("eval/return_mean", "eval/return_std", "eval/length_mean")
@@ -209,7 +209,7 @@ class PeriodicEvaluation:
 
     def close(self) -> None:
         if self.evaluator is not None:
-            self.evaluator.close()
+            self.evaluator.close(0.0 if self.pending is not None else 10.0)  # a running one is given up
             self.evaluator, self.pending = None, None
         if self.scorer is not None:
             self.scorer.close()
@@ -246,7 +246,11 @@ def evaluate_if_due(
     step = session.env_step(done)
     if evaluation is None or not evaluation.due(step, last=done == session.end_update):
         return False
-    metrics = evaluation.run(_models(learners), _frozen(collector), step)
+    try:
+        with STOP.abandoning():  # a stop signal leaves it unfinished: the run checkpoints at this boundary
+            metrics = evaluation.run(_models(learners), _frozen(collector), step)
+    except AbandonEvaluation:
+        return False  # not recorded; a resumed session evaluates at its own cadence
     session.logger.log_evaluation(metrics | {"time/wall_s": session.wall_s()}, step)
     return evaluation.improved(step)
 
@@ -276,11 +280,13 @@ def finish_in_background(
     final: bool,
 ) -> None:
     """The run's end, after its last collectives (the trainers wait in those only `collectives.timeout`):
-    the evaluation in flight and, at the last update (`final`; not at a stop), the final one if it could
-    not start there, waited for and logged, so that the checkpoint and the summary written next hold them."""
+    the evaluation in flight and, at the last update (`final`), the final one if it could not start there,
+    waited for and logged, so that the checkpoint and the summary written next hold them. At a stop
+    (`final=False`) only one already finished is taken: one still running on a slow env held the stop
+    checkpoint for minutes; the checkpoint keeps it in flight, and a resume evaluates it again."""
     if evaluation is None or not evaluation.on:
         return
-    _log_finished(evaluation, session, wait=True)
+    _log_finished(evaluation, session, wait=final)
     step = session.env_step(done)
     if final and evaluation.submitted != step:
         evaluation.start(_models(policies), _frozen(collector), step)

@@ -69,14 +69,22 @@ class CheckpointFault(RunFault):
     """A checkpoint that must not or could not be written; the files already there are left as they were."""
 
 
+class AbandonEvaluation(BaseException):  # noqa: N818 - a stop asked for during an evaluation, not an error
+    """Raised by the stop signal's handler inside `StopSignals.abandoning`: the evaluation in progress is
+    left unfinished so that the run reaches its boundary and checkpoints now. A BaseException, as
+    KeyboardInterrupt is: the handlers that catch an env's own failures must let it through."""
+
+
 class StopSignals:
     """SIGTERM and SIGINT (a cluster's preemption, Ctrl+C) only set a flag: the strategies agree on it at the
-    next update boundary, checkpoint and end with `Stopped`. A second signal ends the process at once."""
+    next update boundary, checkpoint and end with `Stopped`. A second signal ends the process at once.
+    Within `abandoning` (an evaluation in this process) the first signal also raises `AbandonEvaluation`."""
 
     def __init__(self) -> None:
         self.signum = 0
         self._first = 0.0
         self._previous: dict[int, Any] = {}
+        self._abandon = False
 
     REPEAT_S = SIGNAL_REPEAT_S
 
@@ -90,6 +98,22 @@ class StopSignals:
             os.write(2, f"ppo-fabric: second {signal.Signals(signum).name}, exiting now\n".encode())
             os._exit(128 + signum)
         self.signum, self._first = signum, now
+        if self._abandon:
+            self._abandon = False
+            raise AbandonEvaluation(signum)
+
+    @contextlib.contextmanager
+    def abandoning(self) -> Iterator[None]:
+        """A block (an evaluation in this process) that a stop signal ends with `AbandonEvaluation`, also
+        when one came before it began: its episodes on a slow env held the stop for minutes, past a
+        cluster's grace period, whose SIGKILL then lost everything since the last checkpoint."""
+        if self.signum:
+            raise AbandonEvaluation(self.signum)
+        self._abandon = True
+        try:
+            yield
+        finally:
+            self._abandon = False
 
     @contextlib.contextmanager
     def installed(self) -> Iterator[StopSignals]:

@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import json
 import os
+import time
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import gymnasium as gym
@@ -167,6 +169,25 @@ def test_a_resume_owes_the_evaluation_its_checkpoint_had_in_flight() -> None:
     assert not done.owed and not done.due(512) and done.due(1024)
     for evaluation in (running, resumed, done):
         evaluation.close()
+
+
+def test_a_stop_leaves_a_background_evaluation_in_flight(tmp_path: Path) -> None:
+    """At a stop the decoupled player waited for the evaluation still playing (minutes on a slow env, past
+    a cluster's grace period): it now takes only a finished one, keeps the running one in flight for the
+    stop's checkpoint (a resume owes it), and its process is given up at once."""
+    from ppo_fabric.policy.periodic import finish_in_background
+
+    slow = ["env.id=tests.faulty_env:FaultyCartPole-v0", "+env.kwargs.fault=slow", "+env.kwargs.pause=2",
+            "+env.kwargs.after=1"]  # fmt: skip
+    evaluation, models = _evaluation(*slow, background=True)
+    session = SimpleNamespace(env_step=lambda done: 512 * done)
+    evaluation.start(models, None, 512)
+    started = time.monotonic()
+    finish_in_background(evaluation, session, 1, models, None, final=False)  # type: ignore[arg-type]
+    assert evaluation.busy and evaluation.state()["in_flight"] == 512
+    process = evaluation.evaluator.process
+    evaluation.close()
+    assert time.monotonic() - started < 5 and not process.is_alive()
 
 
 def test_a_checkpoint_keeps_the_record_as_it_stood_at_its_own_step() -> None:

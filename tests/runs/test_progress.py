@@ -7,6 +7,7 @@ from __future__ import annotations
 import io
 import json
 import signal
+import time
 from pathlib import Path
 from typing import Any
 
@@ -229,6 +230,28 @@ def test_a_signal_stops_an_api_run_into_its_caller(
         signal.getsignal(signum) is not None
         and getattr(signal.getsignal(signum), "__self__", None) is not STOP
     )
+
+
+def test_a_stop_during_an_evaluation_leaves_it_unfinished(tmp_path: Path) -> None:
+    """SIGINT while the evaluation plays a slow env (the evaluation env sends it, then takes 3 s a step: an
+    episode of 8 or more steps lasts 24 s or more): the run stops within seconds, with its checkpoint at
+    that update boundary and no record of the evaluation, which a resume owes. It waited for the episodes
+    before: minutes on a slow simulator, past a cluster's grace period, whose SIGKILL lost the stop's
+    checkpoint."""
+    run_dir = tmp_path / "run"
+    started = time.monotonic()
+    with pytest.raises(KeyboardInterrupt):
+        ppo_fabric.run(
+            [*(o for o in RUN if not o.startswith(("env.id=", "eval.every="))),
+             "env.id=tests.faulty_env:FaultyCartPole-v0", "+env.kwargs.fault=signal_slow",
+             "+env.kwargs.pause=3", "+env.kwargs.after=1", f"+env.kwargs.seeds=[{42 + 1_000_003}]",
+             "eval.every=256", "eval.episodes=1", "algo.total_steps=4096", f"hydra.run.dir={run_dir}"]
+        )  # fmt: skip
+    assert time.monotonic() - started < 15
+    assert ckpt.load(run_dir / "checkpoints" / "last.ckpt")["env_step"] == 256
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["interrupted"] is True and summary["evaluation"]["last"] is None
+    assert not (run_dir / "evaluations.csv").exists()
 
 
 def test_a_stopped_run_writes_an_interrupted_summary_and_the_curve_then_resumes(
