@@ -25,10 +25,19 @@ from ppo_fabric.envs.normalize import normalizer_state
 from ppo_fabric.learn.learners import PolicySpec
 from ppo_fabric.models.agent import ActorCritic
 from ppo_fabric.policy.evaluator import EvaluatorProcess
-from ppo_fabric.policy.scorers import EVAL_SEED_OFFSET, Episodes, Games, ParallelEpisodes, score, scorer_for
+from ppo_fabric.policy.scorers import (
+    EVAL_SEED_OFFSET,
+    Episodes,
+    Games,
+    ParallelEpisodes,
+    said,
+    score,
+    scorer_for,
+)
 from ppo_fabric.runs.session import STOP, AbandonEvaluation, RunSession
 
 EVALS_PER_RUN = 15  # eval.every=auto: about this many evaluations over algo.total_steps
+COSTLY_S = 10.0  # an evaluation shorter than this is never said to cost too much (`say_cost`)
 METRICS = ("eval/return_mean", "eval/return_std", "eval/length_mean")
 
 
@@ -89,6 +98,21 @@ class PeriodicEvaluation:
         # (env step, parameters by policy, statistics) of the best evaluation in the background, until
         # `take_best_policy` hands them to the checkpoint that writes them
         self.best_policy: tuple[int, dict[str, Any], Any] | None = None
+        self.since = time.perf_counter()  # the end of the last evaluation in this process (or its creation)
+        self.cost_said = False
+
+    def say_cost(self, seconds: float, env_step: int) -> None:
+        """Once a run: an evaluation in the run's process that took over twice the training since the last
+        one (and over COSTLY_S). On a slow simulator `eval.every=auto`'s 10 whole episodes took 28 times the
+        training of a short run, which crawled with no word of why."""
+        now = time.perf_counter()
+        between, self.since = now - seconds - self.since, now
+        if self.cost_said or seconds < COSTLY_S or seconds < 2 * between:
+            return
+        self.cost_said = True
+        said(f"the evaluation at env step {env_step:,} took {seconds:.0f} s, {seconds / max(between, 1e-9):.0f} "
+             f"times the training since the one before; lower eval.episodes ({self.cfg.eval.episodes}) or raise "
+             "eval.every (0: none)")  # fmt: skip
 
     @property
     def on(self) -> bool:
@@ -251,6 +275,8 @@ def evaluate_if_due(
             metrics = evaluation.run(_models(learners), _frozen(collector), step)
     except AbandonEvaluation:
         return False  # not recorded; a resumed session evaluates at its own cadence
+    if done < session.end_update:  # the final one: nothing left to save
+        evaluation.say_cost(metrics["time/eval_s"], step)
     session.logger.log_evaluation(metrics | {"time/wall_s": session.wall_s()}, step)
     return evaluation.improved(step)
 

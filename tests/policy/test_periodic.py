@@ -190,6 +190,26 @@ def test_a_stop_leaves_a_background_evaluation_in_flight(tmp_path: Path) -> None
     assert time.monotonic() - started < 5 and not process.is_alive()
 
 
+def test_an_evaluation_that_costs_more_than_the_training_is_said_once(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """On a slow simulator eval.every=auto's 10 whole episodes took 28 times the training of a short run,
+    which crawled with no word of why: said once a run, past 10 s and twice the training since the last."""
+    evaluation, _ = _evaluation()
+    capsys.readouterr()
+    evaluation.since = time.perf_counter() - 6.0
+    evaluation.say_cost(5.0, 512)  # 5 s of evaluation after 1 s of training: under 10 s, not said
+    evaluation.since = time.perf_counter() - 15.0
+    evaluation.say_cost(12.0, 1024)  # 12 s after 3 s
+    evaluation.since = time.perf_counter() - 15.0
+    evaluation.say_cost(12.0, 1536)  # once a run
+    assert capsys.readouterr().err == (
+        "ppo-fabric: the evaluation at env step 1,024 took 12 s, 4 times the training since the one before; "
+        "lower eval.episodes (4) or raise eval.every (0: none)\n"
+    )
+    evaluation.close()
+
+
 def test_a_checkpoint_keeps_the_record_as_it_stood_at_its_own_step() -> None:
     """A decoupled checkpoint at step 4608 held the evaluation at 5120 (it finished in the background
     while later updates ran, and was amended in): after a crash and a resume from 4608, the summary named
