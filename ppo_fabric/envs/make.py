@@ -7,6 +7,7 @@ import difflib
 import importlib
 import os
 import re
+import sys
 import warnings
 import weakref
 from collections.abc import Callable, Iterator
@@ -259,6 +260,31 @@ def extra_for(env_id: str) -> str | None:
     return next((extra for prefix, extra in _EXTRA_BY_PREFIX.items() if name.startswith(prefix)), None)
 
 
+_MUJOCO_SAID: set[str] | None = None  # MuJoCo's warnings this process has printed (None: its hook not set)
+
+
+def mujoco_warnings_once() -> None:
+    """MuJoCo's warnings (`mujoco.set_mju_user_warning`), each printed once a process, as MuJoCo words them:
+    gymnasium's own model files compile with a deprecated attribute, and `exp=mujoco` printed the same
+    two-line warning for every env it built (24 over a run's envs and evaluation), nothing the user can change."""
+    global _MUJOCO_SAID
+    if _MUJOCO_SAID is not None:
+        return
+    try:
+        import mujoco
+    except ImportError:  # gym.make says which extra is missing
+        return
+    said: set[str] = set()
+
+    def once(message: str) -> None:
+        if message not in said:
+            said.add(message)
+            print(f"WARNING: {message}", file=sys.stderr, flush=True)
+
+    mujoco.set_mju_user_warning(once)
+    _MUJOCO_SAID = said
+
+
 # ppo-fabric's own env modules, by full name: the rest of the package holds callables that build whatever env
 # their arguments name (`ppo_fabric.policy.evaluate:main` with a checkpoint's `env.kwargs` would run another
 # checkpoint's env), so the package as a whole is not a known env package.
@@ -374,6 +400,8 @@ def make_env(env_cfg: DictConfig, render_mode: str | None = None, action_mask: i
         return _envpool_call(envpool_backend.PoolEnv, env_cfg)
     preprocess = _preprocess(env_cfg)
     factory = _import_env_module(env_id)
+    if extra_for(env_id) == "mujoco":
+        mujoco_warnings_once()
     # An unregistered `module:factory` goes through gym.make too (as a spec of its own), so it gets the
     # same time limit, render mode and env checker as a registered id.
     target: Any = (

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 from pathlib import Path
 from typing import Any
 
@@ -118,3 +119,21 @@ def test_multidiscrete_policy_learns(tmp_path: Path) -> None:
         ]  # fmt: skip
     )
     assert summary["final_mean_return"] > 1.9  # 2.0 is perfect, random play gives 1.0
+
+
+@pytest.mark.skipif(importlib.util.find_spec("mujoco") is None, reason="mujoco extra not installed")
+def test_mujoco_warnings_are_printed_once_a_process(capfd: pytest.CaptureFixture[str]) -> None:
+    """gymnasium's HalfCheetah model compiles with a deprecated attribute: exp=mujoco printed MuJoCo's
+    two-line warning for every env it built (24 over a run), nothing a user can change."""
+    import mujoco
+
+    from ppo_fabric.envs.make import make_env
+
+    cfg = env_section(id="HalfCheetah-v5")
+    for _ in range(3):
+        make_env(cfg).close()
+    assert capfd.readouterr().err.count("settotalmass") <= 1  # none if an earlier test's env said it
+    hook = mujoco.get_mju_user_warning()
+    hook("a warning of this test")
+    hook("a warning of this test")
+    assert capfd.readouterr().err == "WARNING: a warning of this test\n"
