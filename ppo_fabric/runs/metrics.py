@@ -8,6 +8,7 @@ import csv
 import hashlib
 import io
 import math
+import os
 import sys
 import threading
 import time
@@ -218,8 +219,10 @@ def progress_line(step: int, total: int, sps: float, mean_return: float | None) 
 
 
 def is_terminal(stream: Any) -> bool:
+    """A terminal a bar can be drawn on: a tty of some width. A pseudo-terminal that reports 0 columns
+    (`script -c ...`, some CI runners) drew a bar of nothing, and the plain lines were left out for it."""
     try:
-        return bool(stream.isatty())
+        return bool(stream.isatty()) and os.get_terminal_size(stream.fileno()).columns > 0
     except (AttributeError, ValueError, OSError):  # no isatty (some notebook streams), or closed
         return False
 

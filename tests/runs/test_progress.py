@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import io
 import json
+import os
 import signal
 import time
 from pathlib import Path
@@ -348,3 +349,21 @@ def test_a_resumed_csv_holds_the_timeline_of_its_checkpoints_lineage(tmp_path: P
         "A"
     }
     assert [r["run_id"] for r in read_rows(tmp_path / "metrics.dropped.csv")] == ["B", "B", "B"]
+
+
+def test_a_terminal_without_width_gets_the_plain_lines() -> None:
+    """A pseudo-terminal that reports 0 columns (`script -c ...`, some CI runners) is a tty, so the plain
+    lines were left out, and tqdm drew a bar of nothing there: a run showed no progress at all."""
+    import fcntl
+    import struct
+    import termios
+
+    from ppo_fabric.runs.metrics import is_terminal
+
+    leader, follower = os.openpty()
+    with open(follower, "w") as stream, open(leader, "rb", buffering=0):
+        fcntl.ioctl(follower, termios.TIOCSWINSZ, struct.pack("HHHH", 0, 0, 0, 0))
+        assert stream.isatty() and not is_terminal(stream)
+        fcntl.ioctl(follower, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 80, 0, 0))
+        assert is_terminal(stream)
+    assert not is_terminal(io.StringIO())
