@@ -183,6 +183,10 @@ def _check_env_and_model(cfg: DictConfig) -> tuple[tuple[Any, Any], int]:
     try:
         with bounded(float(cfg.stall_timeout or 0), f"building env.id={cfg.env.id!r} for the checks"):
             specs = policy_specs(cfg)
+            if is_multiagent(cfg.env) and cfg.eval.every not in (None, 0):
+                from ppo_fabric.policy.scorers import check_players
+
+                check_players(cfg)
         for spec in specs.values():
             check_normalizable(cfg.env, spec.obs_space)
     except EnvError as exc:
@@ -226,7 +230,9 @@ def _check_multiagent(cfg: DictConfig) -> None:
         )
     if str(cfg.env.backend) != "gymnasium":
         raise ConfigError(f"PettingZoo envs run with env.backend=gymnasium, not {cfg.env.backend}")
-    if cfg.eval.get("opponents"):  # the evaluation builds them in the job: a misspelt one ends it there
+    if (
+        cfg.eval.get("opponents") is not None
+    ):  # the evaluation builds them in the job: a misspelt one ends it there
         from ppo_fabric.policy.scorers import check_opponents
 
         check_opponents(cfg)

@@ -245,6 +245,8 @@ def game_opponents(cfg: DictConfig) -> list[str]:
     from ppo_fabric.games import scripted
 
     chosen = cfg.eval.get("opponents")
+    if isinstance(chosen, str):  # eval.opponents=random: one opponent, not its letters
+        return [chosen]
     if chosen:
         return [str(o) for o in chosen]
     known = any(game in str(cfg.env.id) for game in scripted.GAMES)
@@ -256,6 +258,12 @@ def check_opponents(cfg: DictConfig) -> list[str]:
     otherwise. The checks before a run call it too, so a misspelt opponent ends the command, not a job."""
     from ppo_fabric.policy.game_eval import GameEvalError, opponent_players
 
+    chosen = cfg.eval.get("opponents")
+    if chosen is not None and not isinstance(chosen, str) and len(chosen) == 0:  # was read as the default set
+        raise ConfigError(
+            "eval.opponents=[] names no opponent: drop it for the default ones, or set eval.every=0 for no "
+            "evaluation during training"
+        )
     names = game_opponents(cfg)
     state = {"config": {"env": {"id": str(cfg.env.id)}}}
     for opponent in names:
@@ -362,6 +370,22 @@ def score(
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(scorer.seed)
         return scorer.play(scorer.snapshot(models, obs_normalization))
+
+
+def check_players(cfg: DictConfig) -> None:
+    """A turn-based game's evaluation during training plays two-player games against opponents: one of
+    another number of players is refused before the run (it trained, then failed at its first evaluation with
+    a traceback and no checkpoint written)."""
+    env = make_parallel_env(cfg.env)
+    try:
+        players = list(env.possible_agents)
+        if is_turn_based(env) and len(players) != 2:
+            raise ConfigError(
+                f"evaluation during training plays two-player games against opponents, and env.id={cfg.env.id} "
+                f"has {len(players)} players ({', '.join(map(str, players))}): set eval.every=0"
+            )
+    finally:
+        env.close()
 
 
 def scorer_for(

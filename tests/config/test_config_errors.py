@@ -114,6 +114,16 @@ CASES: list[Any] = [
         ["algo.minibatch_size=24", "does not divide the batch of 256", "such as 16, 32, 64"],
         id="minibatch-not-divisor-recurrent",
     ),
+    pytest.param(  # it trained, then failed at its first evaluation: a traceback and no checkpoint
+        ["env=pettingzoo", "env.id=tests.envs.factory_envs:three_player_turns"],
+        ["plays two-player games", "has 3 players (first, second, third): set eval.every=0"],
+        id="three-player-game-evaluated",
+    ),
+    pytest.param(  # it was read as the default set of opponents
+        ["exp=connect_four", "eval.opponents=[]"],
+        ["eval.opponents=[] names no opponent", "eval.every=0"],
+        id="no-opponents",
+    ),
     pytest.param(
         ["algo.minibatch_size=1"],
         ["algo.minibatch_size", "at least 2", "algo.norm_adv"],

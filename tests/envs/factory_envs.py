@@ -31,3 +31,14 @@ def sized_cartpole(size: int = 4) -> gym.Env:
 
 
 NOT_CALLABLE = 3  # named as env.id=...:NOT_CALLABLE: refused as no callable
+
+
+def three_player_turns(**kwargs: Any) -> Any:
+    """A turn-based game of three players: what evaluation during training (two-player games) cannot play."""
+    from ppo_fabric.envs.toy_multiagent import TurnGame
+
+    game = TurnGame(**kwargs)
+    game.possible_agents = ["first", "second", "third"]
+    game.observation_spaces["third"] = game.observation_spaces["first"]
+    game.action_spaces["third"] = game.action_spaces["first"]
+    return game

@@ -468,3 +468,10 @@ def test_held_out_players_are_reported_apart_and_choose_nothing() -> None:
     assert metrics["eval/win_rate"] == metrics["eval/random/win_rate"]
     assert metrics["eval/held_out/win_rate"] == metrics["eval/search:1/win_rate"]
     assert 0.0 <= metrics["eval/held_out/score"] <= 1.0 and "eval/held_out/draw_rate" not in metrics
+
+
+def test_one_opponent_may_be_named_without_a_list() -> None:
+    """`eval.opponents=random` was read a letter at a time (`opponent=r is unknown; choose random, ...`)."""
+    from ppo_fabric.policy.scorers import check_opponents
+
+    assert check_opponents(compose(["exp=connect_four", "eval.opponents=random"])[0]) == ["random"]
