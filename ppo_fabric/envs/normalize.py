@@ -32,7 +32,10 @@ Reduce = Callable[[np.ndarray], np.ndarray]  # sums a float64 vector over the co
 
 
 class RunningMoments:
-    """Global mean/var/count plus the pending sums of data not yet merged."""
+    """Global mean/var/count plus the pending moments (count, mean, sum of squared deviations) of data not
+    yet merged. Deviations, not raw sums of squares: the variance as mean of squares minus squared mean lost
+    every digit of a dimension with a large offset (a timestamp, an absolute coordinate: N(1e9, 1) read as a
+    variance of 114, and a normalised standard deviation of 0.1)."""
 
     def __init__(self, shape: tuple[int, ...]) -> None:
         self.mean = np.zeros(shape, np.float64)
@@ -41,32 +44,47 @@ class RunningMoments:
         self._reset_pending()
 
     def _reset_pending(self) -> None:
-        self.p_sum = np.zeros_like(self.mean)
-        self.p_sumsq = np.zeros_like(self.mean)
+        self.p_mean = np.zeros_like(self.mean)
+        self.p_m2 = np.zeros_like(self.mean)
         self.p_count = 0.0
 
     def observe(self, batch: np.ndarray) -> None:
         batch = np.asarray(batch, np.float64).reshape(-1, *self.mean.shape)
-        self.p_sum += batch.sum(0)
-        self.p_sumsq += np.square(batch).sum(0)  # an overflow here: `commit` ends the run in one line
-        self.p_count += batch.shape[0]
+        n = batch.shape[0]
+        if n == 0:
+            return
+        total = self.p_count + n
+        with np.errstate(over="ignore", invalid="ignore"):  # an overflow: `commit` ends the run in one line
+            b_mean = batch.mean(0)
+            delta = b_mean - self.p_mean
+            self.p_m2 = (
+                self.p_m2 + np.square(batch - b_mean).sum(0) + np.square(delta) * (self.p_count * n / total)
+            )
+            self.p_mean = self.p_mean + delta * (n / total)
+        self.p_count = total
 
     def commit(self, reduce: Reduce | None) -> None:
-        """Merge every rank's pending data into the global statistics (Chan et al.'s parallel update)."""
-        flat = np.concatenate((self.p_sum.ravel(), self.p_sumsq.ravel(), [self.p_count]))
-        if reduce is not None:
-            flat = reduce(flat)
-        n = flat[-1]
+        """Merge every rank's pending data into the global statistics (Chan et al.'s parallel update). Over
+        ranks in two sums: the counts and sums first, for the mean of all the pending data; then each rank's
+        squared deviations from that mean, so that no large offset is squared."""
+        size, shape = self.mean.size, self.mean.shape
+        n_here, mean_here, m2_here = self.p_count, self.p_mean, self.p_m2
         self._reset_pending()
-        if n <= 0:
-            return
-        size = self.mean.size
-        total = self.count + n
         with np.errstate(over="ignore", invalid="ignore"):  # an overflow is refused below, in one line
-            b_mean = (flat[:size] / n).reshape(self.mean.shape)
-            b_var = np.maximum((flat[size : 2 * size] / n).reshape(self.mean.shape) - np.square(b_mean), 0.0)
+            if reduce is None:
+                n, b_mean, b_m2 = n_here, mean_here, m2_here
+            else:
+                sums = reduce(np.concatenate(((mean_here * n_here).ravel(), [n_here])))
+                n = sums[-1]
+                if n <= 0:
+                    return
+                b_mean = (sums[:size] / n).reshape(shape)
+                b_m2 = reduce((m2_here + np.square(mean_here - b_mean) * n_here).ravel()).reshape(shape)
+            if n <= 0:
+                return
+            total = self.count + n
             delta = b_mean - self.mean
-            m2 = self.var * self.count + b_var * n + np.square(delta) * self.count * n / total
+            m2 = self.var * self.count + b_m2 + np.square(delta) * self.count * n / total
             mean, var = self.mean + delta * n / total, m2 / total
         if not (np.isfinite(mean).all() and np.isfinite(var).all()):  # finite values beyond ~1e154: their
             raise FloatingPointError("its running mean or variance overflowed")  # squares are inf in float64

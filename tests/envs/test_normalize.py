@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -28,28 +29,52 @@ def _env_cfg(**extra: object) -> OmegaConf:
     return env_section(**(base | extra))
 
 
-def test_moments_merge_equals_statistics_of_all_data() -> None:
-    """Two ranks' pending sums, merged over two commits, give the mean/var of everything seen."""
+def _all_reduce(ranks: list[RunningMoments]) -> None:
+    """Every rank's `commit` at once, with a reduce that sums what each hands in, as gloo's all-reduce does
+    (each commit calls it twice)."""
+    barrier, handed = threading.Barrier(len(ranks)), [None] * len(ranks)
+
+    def commit(k: int) -> None:
+        def reduce(flat: np.ndarray) -> np.ndarray:
+            handed[k] = flat
+            barrier.wait()
+            total = np.sum(handed, axis=0)
+            barrier.wait()  # everyone has read this round's sum
+            return total
+
+        ranks[k].commit(reduce)
+
+    threads = [threading.Thread(target=commit, args=(k,)) for k in range(len(ranks))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+
+
+@pytest.mark.parametrize("offset", [3.0, 1e9])
+def test_moments_merge_equals_statistics_of_all_data(offset: float) -> None:
+    """Two ranks' pending moments, merged over two commits, give the mean/var of everything seen; also for
+    a dimension far from 0 (a timestamp: N(1e9, 2) read as a variance of ~114 from raw sums of squares)."""
     rng = np.random.default_rng(0)
-    data = [rng.normal(3.0, 2.0, size=(n, 2)) for n in (5, 7, 11, 13)]
+    data = [rng.normal(offset, 2.0, size=(n, 2)) for n in (5, 7, 11, 13)]
     ranks = [RunningMoments((2,)), RunningMoments((2,))]
-
-    def commit_all() -> None:
-        total = sum(np.concatenate((m.p_sum.ravel(), m.p_sumsq.ravel(), [m.p_count])) for m in ranks)
-        for m in ranks:
-            m.commit(lambda _flat: total)  # what an all-reduce SUM over the two ranks returns
-
-    ranks[0].observe(data[0])
+    ranks[0].observe(data[0][:2])
+    ranks[0].observe(data[0][2:])  # two batches before a commit
     ranks[1].observe(data[1])
-    commit_all()
+    _all_reduce(ranks)
     ranks[0].observe(data[2])
     ranks[1].observe(data[3])
-    commit_all()
+    _all_reduce(ranks)
     everything = np.concatenate(data)
     for m in ranks:
         np.testing.assert_allclose(m.mean, everything.mean(0), rtol=1e-12)
-        np.testing.assert_allclose(m.var, everything.var(0), rtol=1e-10)
+        np.testing.assert_allclose(m.var, everything.var(0), rtol=1e-6)
         assert m.count == len(everything)
+    one = RunningMoments((2,))  # one process: no reduce
+    for batch in data:
+        one.observe(batch)
+        one.commit(None)
+    np.testing.assert_allclose(one.var, everything.var(0), rtol=1e-6)
 
 
 def test_statistics_that_overflow_are_refused_and_left_as_they_were() -> None:
