@@ -517,8 +517,17 @@ def build_head(in_dim: int, space: gym.Space) -> nn.Module:
         return CategoricalHead(in_dim, [int(space.n)])
     if isinstance(space, gym.spaces.MultiDiscrete):
         if space.nvec.ndim != 1:
-            raise ValueError("MultiDiscrete action spaces must be one-dimensional")
+            raise ValueError(
+                f"action space MultiDiscrete with nvec of shape {space.nvec.shape}: MultiDiscrete action spaces "
+                "must be one-dimensional; flatten it in a wrapper (nvec.ravel(), actions reshaped back)"
+            )
         return CategoricalHead(in_dim, space.nvec.tolist(), multi=True)
+    if isinstance(space, gym.spaces.Box) and not np.issubdtype(space.dtype, np.floating):
+        # a Gaussian's actions are floats: the env got 0.277 where it takes whole numbers, silently
+        raise ValueError(
+            f"action space {space} holds {space.dtype} actions, which a Gaussian policy does not give: use a "
+            "float Box, or a Discrete/MultiDiscrete space for whole-number actions"
+        )
     if isinstance(space, gym.spaces.Box) and len(space.shape) == 1:
         return GaussianHead(in_dim, int(space.shape[0]))
     raise ValueError(f"action space {space} is not supported: use Discrete, MultiDiscrete or a 1-D Box")

@@ -271,6 +271,7 @@ def test_multi_dim_box_observation_is_flattened() -> None:
         (OBS, gym.spaces.MultiDiscrete([[2, 3], [4, 5]]), model_cfg()),
         (OBS, gym.spaces.MultiBinary(3), model_cfg()),
         (OBS, gym.spaces.Tuple((gym.spaces.Discrete(2), gym.spaces.Discrete(3))), model_cfg()),
+        (OBS, gym.spaces.Box(0, 5, (2,), np.int64), model_cfg()),  # the env got 0.277 where it takes ints
     ],
     ids=[
         "dict-obs-discrete-key",
@@ -281,14 +282,18 @@ def test_multi_dim_box_observation_is_flattened() -> None:
         "2d-multidiscrete",
         "multibinary",
         "tuple-action",
+        "integer-box-action",
     ],
 )
 def test_unsupported_spaces_raise_value_error(
     obs_space: gym.Space, action_space: gym.Space, cfg: DictConfig
 ) -> None:
     """Spaces the networks cannot handle fail at construction with a ValueError, not later with a shape error."""
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError) as info:
         ActorCritic(obs_space, action_space, cfg)
+    assert "\n" not in str(info.value)
+    if isinstance(action_space, gym.spaces.Box) and action_space.dtype == np.int64:
+        assert "holds int64 actions, which a Gaussian policy does not give" in str(info.value)
 
 
 def test_model_grid_sizes_the_conv_and_a_4x4_kernel_sees_a_line_of_four_whole() -> None:
