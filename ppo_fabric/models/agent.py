@@ -189,6 +189,13 @@ class GridCNN(nn.Module):
                 f"model.encoder=grid needs a grid observation space ([H, W, C] or [H, W]), got {space}; "
                 "use model.encoder=auto"
             )
+        if space.dtype == np.uint8 and float(np.max(space.high)) > 1:
+            # its cells go in as they are: 0-255 pixels collapsed the policy at its first update, silently
+            raise ValueError(
+                f"model.encoder=grid reads cells as they are (0/1 channels, as MinAtar's and board games'), and "
+                f"this observation holds uint8 pixels up to {int(np.max(space.high))}: use model.encoder=cnn "
+                "(the Nature CNN scales them by 1/255), or scale them in a wrapper"
+            )
         shape = tuple(int(d) for d in space.shape)
         self.add_channel = len(shape) == 2
         channels, height, width = (1, *shape) if self.add_channel else (shape[2], shape[0], shape[1])
