@@ -113,8 +113,8 @@ class NatureCNN(nn.Module):
     """The DQN Nature network (Mnih et al. 2015) that CleanRL's and SB3's Atari PPO use: conv 32x8x8/4,
     64x4x4/2, 64x3x3/1, flatten, linear 512, ReLU; orthogonal init with gain sqrt(2).
 
-    Images are channels first ([C, H, W], as a frame stack gives [4, 84, 84]); an [H, W, C] space (a small
-    last and a large first dimension, as raw RGB frames are) is transposed here, and a 2-D [H, W] space
+    Images are channels first ([C, H, W], as a frame stack gives [4, 84, 84]); an [H, W, C] space (a last
+    dimension smaller than the first, as raw RGB frames have) is transposed here, and a 2-D [H, W] space
     gets one channel. A uint8 space is scaled by 1/255 here whatever dtype the batch arrives in (uint8 from
     the rollout storage, float32 from evaluate/export), so the rollout can store raw pixels.
     """
@@ -128,7 +128,11 @@ class NatureCNN(nn.Module):
             )
         shape = tuple(int(d) for d in space.shape)
         self.add_channel = len(shape) == 2
-        self.channels_last = len(shape) == 3 and shape[-1] in (1, 3, 4) and shape[0] not in (1, 3, 4)
+        # channels are the small end: [64, 64, 2] or two stacked RGB frames [48, 64, 6] were read as 64 or 48
+        # channels of 64x2 or 64x6 pixels and refused as too small
+        self.channels_last = len(shape) == 3 and (
+            (shape[-1] in (1, 3, 4) and shape[0] not in (1, 3, 4)) or shape[-1] < shape[0]
+        )
         if self.add_channel:
             shape = (1, *shape)
         elif self.channels_last:

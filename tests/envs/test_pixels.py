@@ -72,6 +72,11 @@ def test_nature_cnn_reads_channels_last_and_2d_frames() -> None:
     )
     with pytest.raises(ValueError, match="too small"):
         NatureCNN(gym.spaces.Box(0, 255, (3, 20, 20), np.uint8))
+    # two channels, two stacked RGB frames: refused as 64 or 48 channels of 64x2 or 64x6 pixels
+    for shape in ((64, 64, 2), (48, 64, 6)):
+        cnn = NatureCNN(gym.spaces.Box(0, 255, shape, np.uint8))
+        assert cnn.channels_last and cnn.convs[0].in_channels == shape[-1]
+        assert cnn(torch.zeros(2, *shape, dtype=torch.uint8)).shape == (2, 512)
 
 
 def test_auto_encoder_follows_the_observation_space() -> None:
