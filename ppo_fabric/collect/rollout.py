@@ -62,11 +62,16 @@ if TYPE_CHECKING:
     from ppo_fabric.models.agent import Obs
 
 
+WINDOW = 512  # finished episodes an EpisodeLog keeps (`final_mean_return` reads the last 20 and their ties)
+
+
 @dataclass
 class EpisodeLog:
     """Finished episodes: a short window for `final_mean_return`, and what finished since the last read."""
 
-    window: deque = field(default_factory=lambda: deque(maxlen=20))  # (env step, return, length)
+    # (env step, return, length): the last 20 and those that ended with the earliest of them, for
+    # `final_mean_return` (a multi-agent env's agents end together, as many as agents x envs at one step)
+    window: deque = field(default_factory=lambda: deque(maxlen=WINDOW))
     returns: list[float] = field(default_factory=list)
     lengths: list[int] = field(default_factory=list)
     count: int = 0

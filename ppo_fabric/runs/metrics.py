@@ -51,8 +51,14 @@ def episode_means(sums: torch.Tensor) -> dict[str, float]:
 
 
 def final_mean_return(windows: list[Iterable[tuple[int, float, int]]], last: int = 20) -> float | None:
-    """Mean of the `last` episodes to finish across all ranks (ordered by the env step they ended at)."""
-    episodes = sorted((ep for window in windows for ep in window), key=lambda ep: ep[0])[-last:]
+    """Mean of the `last` episodes to finish across all ranks (ordered by the env step they ended at), with
+    every other episode that ended at the same env step as the earliest of them: which of those came first
+    is the order the rollout happened to record them in, policy by policy in a multi-agent env, where the
+    last 20 of a zero-sum game's agents (whose mean is 0) held more of one policy's (1.2)."""
+    episodes = sorted((ep for window in windows for ep in window), key=lambda ep: ep[0])
+    if len(episodes) > last:
+        cut = episodes[-last][0]
+        episodes = [ep for ep in episodes if ep[0] >= cut]
     return sum(ep[1] for ep in episodes) / len(episodes) if episodes else None
 
 
@@ -222,9 +228,14 @@ def is_terminal(stream: Any) -> bool:
     """A terminal a bar can be drawn on: a tty of some width. A pseudo-terminal that reports 0 columns
     (`script -c ...`, some CI runners) drew a bar of nothing, and the plain lines were left out for it."""
     try:
-        return bool(stream.isatty()) and os.get_terminal_size(stream.fileno()).columns > 0
+        if not stream.isatty():
+            return False
     except (AttributeError, ValueError, OSError):  # no isatty (some notebook streams), or closed
         return False
+    try:
+        return os.get_terminal_size(stream.fileno()).columns > 0
+    except (AttributeError, ValueError, OSError):  # a terminal without a file descriptor to measure
+        return True
 
 
 class RunLogger:

@@ -367,3 +367,16 @@ def test_a_terminal_without_width_gets_the_plain_lines() -> None:
         fcntl.ioctl(follower, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 80, 0, 0))
         assert is_terminal(stream)
     assert not is_terminal(io.StringIO())
+
+
+def test_the_final_mean_return_takes_whole_env_steps() -> None:
+    """A multi-agent rollout records its agents' episodes policy by policy: the last 20 of a zero-sum game's
+    (8 envs, one adversary at -2 and one agent at +2 each) held 4 more of the agents' (0.4, where the mean
+    over every agent is 0). Those that ended at the env step of the earliest of the 20 count too."""
+    from ppo_fabric.runs.metrics import final_mean_return
+
+    window = [(step, ret, 5) for step in (90, 100) for ret in [-2.0] * 8 + [2.0] * 8]
+    assert final_mean_return([window]) == 0.0
+    plain = [(step, float(step), 5) for step in range(1, 31)]  # one episode an env step: the last 20
+    assert final_mean_return([plain]) == sum(range(11, 31)) / 20
+    assert final_mean_return([[]]) is None
