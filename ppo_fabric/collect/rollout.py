@@ -409,8 +409,12 @@ class RolloutCollector:
             g.storage["final_values"][t, rows] = lane.policy.get_value(final_obs, state)
 
     def _episodes_ended(self, lane: Lane, ended: np.ndarray, episode: dict[str, Any], at: int) -> None:
-        """Log the episodes that ended (`ended`: the rows, `episode`: their returns and lengths)."""
+        """Log the episodes that ended (`ended`: the rows, `episode`: their returns and lengths). In self-play
+        only the learner's seat: its opponents' (snapshots, scripted or random players) are not the policy
+        learning, and a zero-sum game's two seats averaged 0 at every update."""
         for j in np.flatnonzero(ended):
+            if self.selfplay is not None and j % 2 != self.selfplay.seat[j // 2]:
+                continue
             ret, length = float(episode["r"][j]), int(episode["l"][j])
             lane.group.episodes.add(at, ret, length)
             if self.multiagent:

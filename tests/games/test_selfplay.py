@@ -426,6 +426,9 @@ def test_selfplay_metrics_in_the_csv(tmp_path: Path) -> None:
     assert len(rows) == 4 and all(float(r["selfplay/games"]) > 0 for r in rows)
     rates = [float(rows[-1][f"selfplay/{k}_rate"]) for k in ("win", "draw", "loss")]
     assert abs(sum(rates) - 1) < 1e-6
+    # the learner's seat only: with its opponents' seats a zero-sum game's return was 0 at every update
+    returns = [float(r["rollout/episode_return"]) for r in rows if r["rollout/episode_return"]]
+    assert returns and any(r != 0 for r in returns), returns
     assert rows[0]["selfplay/elo"] == "" and np.isfinite(float(rows[-1]["selfplay/elo"]))
     # resumed at update 2 (its snapshot rated): the rating curve goes on from the first update, and the next
     # snapshot's rating games are seeded where the run left off (the rater's count)
