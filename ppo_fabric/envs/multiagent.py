@@ -112,13 +112,21 @@ def mapping_rules(ma_cfg: DictConfig) -> dict[str, str]:
     return {str(k): str(v) for k, v in ma_cfg.policy_mapping.items()}
 
 
-def policy_mapping(agents: list[str], ma_cfg: DictConfig) -> dict[str, list[str]]:
+def policy_mapping(agents: list[str], ma_cfg: DictConfig, strict: bool = False) -> dict[str, list[str]]:
     """policy -> its agents, in the env's agent order.
 
     `multiagent.policy_mapping` maps agent names or fnmatch patterns to policies; an exact name wins,
-    then the first pattern that matches, in the order written."""
+    then the first pattern that matches, in the order written. `strict` (a run's config, before it trains):
+    an entry that matches none of the agents is refused; a misspelt exact name beside a `*` entry sent its
+    agent to the wildcard's policy without a word. Checkpoints are read without it."""
     policies = list(policy_settings(ma_cfg))
     rules = mapping_rules(ma_cfg)
+    dead = [k for k in rules if strict and not any(fnmatch.fnmatchcase(a, k) for a in agents)]
+    if dead:
+        raise EnvError(
+            f"multiagent.policy_mapping entry {dead[0]!r} matches none of the env's agents "
+            f"({', '.join(agents)}); correct it or drop it"
+        )
     groups: dict[str, list[str]] = {p: [] for p in policies}
     for agent in agents:
         policy = rules.get(agent)

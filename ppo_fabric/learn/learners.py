@@ -76,7 +76,7 @@ def policy_specs(cfg: DictConfig) -> dict[str, PolicySpec]:
     with probing(cfg.env):  # the env's own failure: one line naming it
         env = make_parallel_env(cfg.env)
     try:
-        groups = policy_mapping(list(env.possible_agents), ma)
+        groups = policy_mapping(list(env.possible_agents), ma, strict=True)
         spaces = group_spaces(env, groups, masked=mask_mode == "auto")
         turns = is_turn_based(env)
     finally:

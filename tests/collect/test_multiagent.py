@@ -587,6 +587,11 @@ def test_exact_resume_mid_episode(tmp_path: Path) -> None:
             "multiagent.policies ['b'] get no agents",
             id="policy-without-agents",
         ),
+        pytest.param(  # a misspelt exact name beside a '*' entry sent its agent to the wildcard's policy
+            ["multiagent.policies={a:{},b:{}}", "multiagent.policy_mapping={agnet_0:a,*:b}"],
+            "multiagent.policy_mapping entry 'agnet_0' matches none of the env's agents (agent_0, agent_1, agent_2)",
+            id="mapping-entry-matches-nothing",
+        ),
         pytest.param(
             ["multiagent.policies_to_train=[nosuch]"],
             "multiagent.policies_to_train names unknown policies ['nosuch']",
