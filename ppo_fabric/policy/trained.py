@@ -217,6 +217,11 @@ class Policy:
         """(the observation as the model's batch, whether it was a single observation)."""
         if isinstance(self.observation_space, gym.spaces.Dict):
             return self._dict_batch(observation)
+        if isinstance(observation, Mapping) and "observation" in observation:  # a PettingZoo game's own dict
+            raise ValueError(
+                "Policy.predict: give the game's observation['observation'], with "
+                "action_mask=observation['action_mask'], not the dict"
+            )
         array = np.asarray(observation)
         single = array.shape == self._shape
         if single:

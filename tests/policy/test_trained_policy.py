@@ -249,6 +249,13 @@ def test_a_wrong_sized_observation_names_both_shapes(tmp_path: Path) -> None:
     assert policy.predict([[0.0, 0.0, 0.0]] * 2)[0].shape == (2, 2)  # a list batch still works
 
 
+def test_a_games_observation_dict_is_pointed_at_its_parts(tmp_path: Path) -> None:
+    """It read the dict as an observation of shape () (`does not fit ... (3,)`)."""
+    policy = ppo_fabric.load_policy(_write(tmp_path / "s.ckpt", ["env.id=Pendulum-v1"], {"main": BOX}))
+    with pytest.raises(ValueError, match=r"give the game's observation\['observation'\], with action_mask="):
+        policy.predict({"observation": np.zeros(3, np.float32), "action_mask": np.ones(2, np.int8)})
+
+
 def test_a_nan_or_inf_observation_is_refused(tmp_path: Path) -> None:
     """As training refuses it: the network turned a NaN into an action without a word."""
     policy = ppo_fabric.load_policy(_write(tmp_path / "s.ckpt", ["env.id=Pendulum-v1"], {"main": BOX}))
