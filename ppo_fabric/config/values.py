@@ -84,6 +84,13 @@ def translate_hydra_error(exc: Exception, overrides: list[str]) -> ConfigError:
     if isinstance(exc, ConfigCompositionException) and text.startswith("Could not override '"):
         key = text.split("'", 2)[1]
         parent, _, _ = key.rpartition(".")
+        resumed = any(o.startswith("resume=") and o not in ("resume=auto", "resume=null") for o in overrides)
+        if resumed:  # a key of the run's own option (exp=cartpole_lstm's model.lstm): not in the default config
+            return ConfigError(
+                f"{key}: not a key of the default config, over which a resume's command line is read: "
+                "misspelt, or a key of the option the run started with (exp=cartpole_lstm's model.lstm); the "
+                "checkpoint keeps the run's own value, so leave it out, or name that option beside it"
+            )
         return ConfigError(
             f"{key}: unknown config key; check the spelling"
             + (f" against the keys of '{parent}'" if parent else "")

@@ -385,6 +385,16 @@ def test_validation_regressions(overrides: list[str], key: str, forbidden: str, 
     assert not forbidden or forbidden not in message, message
 
 
+def test_a_resume_naming_a_key_of_the_runs_own_option_is_told_so(tmp_path: Path) -> None:
+    """`resume=... model.lstm.seq_len=16` of an exp=cartpole_lstm run was told to add +model.lstm.seq_len,
+    which then said it cannot change: the key is the run's own option's, not the default config's."""
+    message = _config_error([f"resume={tmp_path / 'last.ckpt'}", "model.lstm.seq_len=16"])
+    assert message.startswith("model.lstm.seq_len: not a key of the default config, over which a resume's"), (
+        message
+    )
+    assert "name that option beside it" in message and "+model.lstm" not in message, message
+
+
 def test_resume_names_the_changed_key(finished_checkpoint: Path) -> None:
     """A user who changed one width needs to see which one."""
     message = _config_error(
