@@ -233,7 +233,14 @@ class MultiAgentVectorEnv:
         for agent, value in observations.items():
             if agent in rows:
                 policy, row = rows[agent]
-                out[policy][row] = value
+                try:
+                    out[policy][row] = value
+                except ValueError as exc:  # NumPy's "could not broadcast ..." named neither agent nor space
+                    wanted = getattr(out[policy], "shape", (None, "another shape"))[1:]
+                    raise ValueError(
+                        f"env {e}, agent {agent!r}: an observation of shape {np.shape(value)} where its "
+                        f"observation_space has {wanted}"
+                    ) from exc
 
     def step(self, actions: list[np.ndarray]) -> list[tuple[Any, ...]]:
         by_policy = dict(zip(self.groups, actions, strict=True))

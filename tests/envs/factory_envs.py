@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 import gymnasium as gym
+import numpy as np
 
 from ppo_fabric.envs.toy_multiagent import matching_v0
 
@@ -42,3 +43,18 @@ def three_player_turns(**kwargs: Any) -> Any:
     game.observation_spaces["third"] = game.observation_spaces["first"]
     game.action_spaces["third"] = game.action_spaces["first"]
     return game
+
+
+def misshapen_teams(**kwargs: Any) -> Any:
+    """teams_v0 whose first agent's observation after a step has one entry too many."""
+    from ppo_fabric.envs.toy_multiagent import TeamsGame
+
+    class Misshapen(TeamsGame):
+        def step(self, actions: Any) -> Any:
+            obs, *rest = super().step(actions)
+            first = self.possible_agents[0]
+            if first in obs:
+                obs[first] = np.zeros(len(obs[first]) + 1, np.float32)
+            return (obs, *rest)
+
+    return Misshapen(**kwargs)

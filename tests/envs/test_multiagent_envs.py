@@ -215,3 +215,15 @@ def test_bad_arguments_and_actions() -> None:
         env.step({"agent_0": 0, "agent_1": 0})
     with pytest.raises(ValueError, match="outside"):
         env.step({"agent_0": 0, "agent_1": 0, "agent_2": 4})
+
+
+def test_an_agents_observation_of_another_shape_names_the_agent() -> None:
+    """NumPy's "could not broadcast input array from shape (4,) into shape (3,)" came as `env.step raised`,
+    naming neither the agent nor its observation space."""
+    from ppo_fabric.config.values import compose
+    from ppo_fabric.envs.multiagent import make_multiagent_vector_env
+
+    cfg, _ = compose(["env=pettingzoo", "env.id=tests.envs.factory_envs:misshapen_teams", "env.num_envs=2"])
+    with pytest.raises(ValueError, match=r"^env 0, agent 'agent_0': an observation of shape \(4,\) where its "
+                                         r"observation_space has \(3,\)$"):  # fmt: skip
+        make_multiagent_vector_env(cfg.env, cfg.multiagent, 0, 0)
