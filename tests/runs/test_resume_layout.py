@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 import ppo_fabric
+from ppo_fabric.collect.rollout import WINDOW
 from ppo_fabric.runs import checkpoint as ckpt
 from ppo_fabric.runs.metrics_file import read_rows
 from ppo_fabric.runs.resume import newest_checkpoint
@@ -158,7 +159,11 @@ def test_a_resume_on_another_layout_goes_on_counting_the_runs_episodes(tmp_path:
                               f"hydra.run.dir={tmp_path / 'b'}"])  # fmt: skip
     state = ckpt.load(tmp_path / "b" / "checkpoints" / "last.ckpt")["ranks"][0]
     assert summary["episodes"] == state["episode_count"] > saved["episode_count"] > 0
-    assert len(state["episodes"]) == 20  # the window: the saved run's recent episodes and this session's
+    # the window: the saved run's recent episodes and this session's (all of them, under WINDOW)
+    assert len(state["episodes"]) == min(state["episode_count"], WINDOW)
+    assert [tuple(e) for e in state["episodes"][: len(saved["episodes"])]] == [
+        tuple(e) for e in saved["episodes"]
+    ]
 
 
 def test_a_run_continued_in_a_new_directory_takes_its_best_checkpoint_along(
