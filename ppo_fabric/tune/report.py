@@ -107,5 +107,11 @@ def write_report(study: Any, plan: Any) -> None:
     }
     (directory / "best.json").write_text(json.dumps(data, indent=2) + "\n")
     written.append(directory / "best.json")
-    _say(f"best trial {best.number}: {plan.tune.objective} {best.value:.4g}; train it with:\n  {command}")
+    seeds = best.user_attrs.get("seed_values") or []
+    if len(seeds) > 1:  # the command trains the first seed: it reproduces that seed's value, not the mean
+        each = ", ".join(f"{v:.4g}" for v in seeds)
+        _say(f"best trial {best.number}: {plan.tune.objective} {best.value:.4g}, the mean of {len(seeds)} seeds ({each}, "
+             f"seed {plan.base_seed} first); train its first seed with:\n  {command}")  # fmt: skip
+    else:
+        _say(f"best trial {best.number}: {plan.tune.objective} {best.value:.4g}; train it with:\n  {command}")
     _say(f"wrote {', '.join(str(p) for p in written)}")
