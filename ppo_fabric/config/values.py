@@ -81,9 +81,18 @@ def translate_hydra_error(exc: Exception, overrides: list[str]) -> ConfigError:
                 "directory on PYTHONPATH"
             )
         return ConfigError(f"config '{missing}' not found")
+    marked = _yaml_error(exc)
+    if marked is not None:
+        return ConfigError(marked)
     if isinstance(exc, ConfigCompositionException) and text.startswith("Could not override '"):
         key = text.split("'", 2)[1]
         parent, _, _ = key.rpartition(".")
+        inner = getattr(exc.__cause__, "full_key", None)
+        if inner and inner != key and str(inner).startswith(key + "."):  # the key is there, a key in it is not
+            return ConfigError(
+                f"{key}: it holds no key '{str(inner)[len(key) + 1 :]}'; add keys with +{inner}=VALUE, or give "
+                f"the mapping whole with +{key}={{...}}"
+            )
         resumed = any(o.startswith("resume=") and o not in ("resume=auto", "resume=null") for o in overrides)
         if resumed:  # a key of the run's own option (exp=cartpole_lstm's model.lstm): not in the default config
             return ConfigError(
@@ -102,6 +111,23 @@ def translate_hydra_error(exc: Exception, overrides: list[str]) -> ConfigError:
     if isinstance(exc, OverrideParseException):
         return ConfigError(f"cannot parse override: {_first_line(exc)}")
     return ConfigError(_first_line(exc))
+
+
+def _yaml_error(exc: BaseException) -> str | None:
+    """A YAML syntax error in a config file, anywhere in `exc`'s causes, with its file, line and column:
+    `while parsing a flow sequence` alone named neither the file nor the place."""
+    import yaml
+
+    seen: BaseException | None = exc
+    while seen is not None:
+        if isinstance(seen, yaml.MarkedYAMLError) and seen.problem_mark is not None:
+            mark = seen.problem_mark
+            return (
+                f"{mark.name}, line {mark.line + 1}, column {mark.column + 1}: YAML syntax: {seen.problem}"
+                + (f" ({seen.context})" if seen.context else "")
+            )
+        seen = seen.__cause__ or seen.__context__
+    return None
 
 
 def _unparsable_override(overrides: list[str]) -> tuple[str, str] | None:

@@ -27,7 +27,7 @@ from omegaconf import open_dict
 import ppo_fabric
 from ppo_fabric.app.preflight import load
 from ppo_fabric.config.faults import RunFault
-from ppo_fabric.config.values import ConfigError, group_options
+from ppo_fabric.config.values import ConfigError, compose, group_options
 
 # A run small enough to finish in well under a second: one rollout of the default CartPole, 4 envs x 128
 # steps. No env.id here: it would fill in the id that the `env=gym` case leaves missing.
@@ -118,6 +118,11 @@ CASES: list[Any] = [
         ["env=pettingzoo", "env.id=tests.envs.factory_envs:three_player_turns"],
         ["plays two-player games", "has 3 players (first, second, third): set eval.every=0"],
         id="three-player-game-evaluated",
+    ),
+    pytest.param(  # it was told env.kwargs is an unknown key
+        ["env.kwargs={a:1,b:2}"],
+        ["env.kwargs: it holds no key 'a'; add keys with +env.kwargs.a=VALUE, or give the mapping whole"],
+        id="dict-into-an-empty-mapping",
     ),
     pytest.param(  # it was read as the default set of opponents
         ["exp=connect_four", "eval.opponents=[]"],
@@ -383,6 +388,17 @@ def test_validation_regressions(overrides: list[str], key: str, forbidden: str, 
     _assert_one_line(message)
     assert key in message, f"{key!r} missing from {message!r}"
     assert not forbidden or forbidden not in message, message
+
+
+def test_a_yaml_syntax_error_names_its_file_line_and_column(tmp_path: Path) -> None:
+    """It said only `while parsing a flow sequence`."""
+    (tmp_path / "bad.yaml").write_text("defaults:\n  - config\n  - _self_\nalgo:\n  lr: [1, 2\n")
+    with pytest.raises(ConfigError) as info:
+        compose([], config_path=str(tmp_path), config_name="bad")
+    assert str(info.value) == (
+        f"{tmp_path / 'bad.yaml'}, line 6, column 1: YAML syntax: expected ',' or ']', but got '<stream end>' "
+        "(while parsing a flow sequence)"
+    )
 
 
 def test_a_resume_naming_a_key_of_the_runs_own_option_is_told_so(tmp_path: Path) -> None:
