@@ -151,6 +151,24 @@ def precheck(invocation: Invocation, full: bool, sweep: bool = False) -> None:
         raise SystemExit(0) from None
 
 
+def precheck_searched(invocation: Invocation) -> None:
+    """A run with `--config-dir`: the command line composed with that directory on the search path (as
+    `hydra.searchpath`) and its values checked, one line and exit 2 before Hydra makes any directory. Hydra's
+    own multi-line errors (exit 1), a YAML traceback, or an empty run directory came instead; the job does
+    the checks that build the env."""
+    assert invocation.config_dir is not None
+    searched = [
+        *without_sweeps(list(invocation.overrides)),
+        f"hydra.searchpath=['file://{invocation.config_dir}']",
+    ]
+    try:
+        cfg, _ = compose(searched, invocation.config_path, invocation.config_name or CONFIG_NAME)
+        if cfg.get("resume") is None:
+            check_values(cfg)
+    except ConfigError as exc:
+        fail(str(exc))
+
+
 def _checked_by_the_job(overrides: list[str], path: str | None, name: str) -> dict[str, Any] | None:
     """The config as the job's first process, started before these checks (app/prestart.py), checked it
     for this process (a resume's: the run's own, continued): it has imported torch, which the checks need
@@ -280,6 +298,8 @@ def run_app(argv: list[str], task: Task, check: bool = True) -> Invocation:
     helps = args.help or args.hydra_help or args.info is not None or args.shell_completion
     if check and args.config_dir is None and not helps:
         precheck(invocation, full=not args.multirun and args.cfg is None, sweep=bool(args.multirun))
+    elif check and not helps and not args.multirun and args.cfg is None:
+        precheck_searched(invocation)
     if args.cfg in ("job", "all") and not args.multirun and args.config_dir is None and _resumes(invocation):
         if args.cfg == "all":  # Hydra would show the command line's job config, not the one the run continues
             fail("--cfg all with resume= shows the command line's config; --cfg job shows the config the "

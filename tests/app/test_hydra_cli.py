@@ -214,6 +214,33 @@ def test_mistakes_are_one_line_before_any_job_starts(
     assert not sweep_dir.exists(), list(sweep_dir.iterdir())
 
 
+@pytest.mark.parametrize(
+    ("argv", "fragment"),
+    [
+        (["env=mine", "algo.lrr=1"], "algo.lrr: unknown config key"),
+        (
+            ["env=lunarlandr"],
+            "env=lunarlandr: unknown option for config group 'env'; available: atari, cartpole",
+        ),
+        (["env=mine", "algo.lr=abc"], "algo.lr='abc' must be a finite number"),
+        (["env=broken"], "broken.yaml, line 4, column 1: YAML syntax"),
+    ],
+    ids=["unknown-key", "unknown-option", "bad-value", "yaml-syntax"],
+)
+def test_a_config_dir_runs_mistakes_are_one_line_before_any_directory(
+    argv: list[str], fragment: str, capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    """`--config-dir DIR` (an env option of the user's own): Hydra's multi-line errors with exit 1, a YAML
+    traceback, or an empty run directory came instead of the one line the other paths give."""
+    (tmp_path / "conf" / "env").mkdir(parents=True)
+    (tmp_path / "conf" / "env" / "mine.yaml").write_text("defaults:\n  - gym\n  - _self_\nid: Acrobot-v1\n")
+    (tmp_path / "conf" / "env" / "broken.yaml").write_text("defaults:\n  - gym\nid: [Acrobot-v1\n")
+    run_dir = tmp_path / "run"
+    argv = ["--config-dir", str(tmp_path / "conf"), *argv, f"hydra.run.dir={run_dir}"]
+    assert_cli_failure(capsys, cli.main, argv, fragment)
+    assert not run_dir.exists()
+
+
 @pytest.mark.slow  # seconds in process (a run, or every option composed): not the unit tier
 def test_user_config_dir_and_relative_resume(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
