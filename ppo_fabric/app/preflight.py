@@ -6,10 +6,12 @@ run directory; any problem is one `ConfigError` line.
 
 from __future__ import annotations
 
+import json
 import os
 import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Any
 
 import gymnasium as gym
@@ -112,11 +114,29 @@ def continue_run(
         for key in merged:
             cfg[key] = merged[key]
     if auto and int(state["env_step"]) >= int(cfg.algo.total_steps):
+        done, total = int(state["env_step"]), int(cfg.algo.total_steps)
+        stopped = _stop_signal(Path(run_dir))
+        if stopped:  # it was called complete, its summary saying interrupted and no final evaluation
+            raise RunComplete(
+                f"resume=auto: the run in {run_dir} was stopped by {stopped} at {done:,} env steps, at or past "
+                f"algo.total_steps={total:,}: nothing to train (raise algo.total_steps to go on)"
+            )
         raise RunComplete(
-            f"resume=auto: the run in {run_dir} is complete ({int(state['env_step']):,} env steps >= "
-            f"algo.total_steps={int(cfg.algo.total_steps):,}); nothing to do (raise algo.total_steps to train longer)"
+            f"resume=auto: the run in {run_dir} is complete ({done:,} env steps >= "
+            f"algo.total_steps={total:,}); nothing to do (raise algo.total_steps to train longer)"
         )
     return changes
+
+
+def _stop_signal(run_dir: Path) -> str | None:
+    """The signal the run's last session was stopped by, as its summary.json says (None: it was not)."""
+    try:
+        summary = json.loads((run_dir / "summary.json").read_text())
+    except (OSError, ValueError):
+        return None
+    return (
+        str(summary.get("stop_signal")) if isinstance(summary, dict) and summary.get("interrupted") else None
+    )
 
 
 def check_env_trusted(path: str, saved_id: str, own_id: str) -> None:

@@ -97,6 +97,14 @@ def test_requeued_resume_auto_of_a_finished_run_is_done(
     assert exc.value.code == 0
     err = capfd.readouterr().err
     assert err.count("\n") == 1 and "nothing to do" in err
+    # a run stopped past a smaller budget was called complete (its summary: interrupted, no final evaluation)
+    summary = json.loads((run_dir / "summary.json").read_text())
+    (run_dir / "summary.json").write_text(
+        json.dumps(summary | {"interrupted": True, "stop_signal": "SIGINT"})
+    )
+    _run(run_dir, "algo.total_steps=256", "resume=auto")
+    assert f"the run in {run_dir} was stopped by SIGINT at 512 env steps, at or past algo.total_steps=256: " \
+           "nothing to train (raise algo.total_steps to go on)" in capfd.readouterr().err  # fmt: skip
 
 
 def test_a_resume_from_an_earlier_checkpoint_keeps_one_timeline_of_metrics(tmp_path: Path) -> None:
