@@ -50,6 +50,11 @@ def episode_means(sums: torch.Tensor) -> dict[str, float]:
     return {"rollout/episode_return": total_ret / count, "rollout/episode_length": total_len / count}
 
 
+def _first_line(exc: BaseException) -> str:
+    """An exception's first non-empty line: a database error's SQL and links made the warning many lines."""
+    return next((line.strip() for line in str(exc).splitlines() if line.strip()), type(exc).__name__)
+
+
 def final_mean_return(windows: list[Iterable[tuple[int, float, int]]], last: int = 20) -> float | None:
     """Mean of the `last` episodes to finish across all ranks (ordered by the env step they ended at), with
     every other episode that ended at the same env step as the earliest of them: which of those came first
@@ -397,7 +402,7 @@ class RunLogger:
         """A tracker that fails once the run is going is dropped with a warning, not the run: every row
         is in metrics.csv, and a store or server going away says nothing about the training."""
         warnings.warn(
-            f"ppo-fabric: {type(self.tracker).__name__} failed ({type(exc).__name__}: {exc}); "
+            f"ppo-fabric: {type(self.tracker).__name__} failed ({type(exc).__name__}: {_first_line(exc)}); "
             "the run goes on without it (metrics.csv and summary.json hold everything)",
             stacklevel=3,
         )

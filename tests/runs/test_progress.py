@@ -380,3 +380,22 @@ def test_the_final_mean_return_takes_whole_env_steps() -> None:
     plain = [(step, float(step), 5) for step in range(1, 31)]  # one episode an env step: the last 20
     assert final_mean_return([plain]) == sum(range(11, 31)) / 20
     assert final_mean_return([[]]) is None
+
+
+def test_a_tracker_that_fails_is_dropped_with_one_line() -> None:
+    """A database error's SQL and links made the warning many lines."""
+
+    class FakeTracker:
+        pass
+
+    logger = RunLogger.__new__(RunLogger)
+    logger.tracker = FakeTracker()  # type: ignore[assignment]
+    with pytest.warns(UserWarning) as caught:
+        logger._drop_tracker(
+            RuntimeError("file is not a database\n[SQL: SELECT runs.run_uuid]\nhttps://sqlalche.me")
+        )
+    assert str(caught[0].message) == (
+        "ppo-fabric: FakeTracker failed (RuntimeError: file is not a database); the run goes on without it "
+        "(metrics.csv and summary.json hold everything)"
+    )
+    assert logger.tracker is None
