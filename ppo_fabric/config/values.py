@@ -88,13 +88,17 @@ def translate_hydra_error(exc: Exception, overrides: list[str]) -> ConfigError:
         key = text.split("'", 2)[1]
         parent, _, _ = key.rpartition(".")
         inner = getattr(exc.__cause__, "full_key", None)
-        if inner and inner != key and str(inner).startswith(key + "."):  # the key is there, a key in it is not
+        if (
+            inner and inner != key and str(inner).startswith(key + ".")
+        ):  # the key is there, a key in it is not
             return ConfigError(
                 f"{key}: it holds no key '{str(inner)[len(key) + 1 :]}'; add keys with +{inner}=VALUE, or give "
                 f"the mapping whole with +{key}={{...}}"
             )
         resumed = any(o.startswith("resume=") and o not in ("resume=auto", "resume=null") for o in overrides)
-        if resumed:  # a key of the run's own option (exp=cartpole_lstm's model.lstm): not in the default config
+        if (
+            resumed
+        ):  # a key of the run's own option (exp=cartpole_lstm's model.lstm): not in the default config
             return ConfigError(
                 f"{key}: not a key of the default config, over which a resume's command line is read: "
                 "misspelt, or a key of the option the run started with (exp=cartpole_lstm's model.lstm); the "

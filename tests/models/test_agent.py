@@ -326,7 +326,9 @@ def test_model_grid_sizes_the_conv_and_a_4x4_kernel_sees_a_line_of_four_whole() 
     # uint8 pixels of 0-255 went in as they are and the policy collapsed at its first update, silently
     with pytest.raises(ValueError, match=r"holds uint8 pixels up to 255: use model.encoder=cnn"):
         ActorCritic(gym.spaces.Box(0, 255, (10, 12, 3), np.uint8), gym.spaces.Discrete(7), plain)
-    assert ActorCritic(gym.spaces.Box(0, 1, (10, 10, 4), np.uint8), gym.spaces.Discrete(3), plain)  # 0/1 cells
+    assert ActorCritic(
+        gym.spaces.Box(0, 1, (10, 10, 4), np.uint8), gym.spaces.Discrete(3), plain
+    )  # 0/1 cells
     cfg.grid = OmegaConf.create({"kernel": 7})
     with pytest.raises(ValueError, match="smaller than the 7x7 kernel"):
         ActorCritic(board, gym.spaces.Discrete(7), cfg)

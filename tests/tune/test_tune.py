@@ -420,7 +420,9 @@ def test_failed_trials_are_recorded_and_the_study_goes_on(
     out = capsys.readouterr().out
     assert "no trial has completed yet" in out
     # two seeds: the command printed trains the first, whose value is not the trial's mean
-    assert "best trial 2: return 0.5, the mean of 2 seeds (0.4, 0.6, seed 42 first); train its first seed" in out
+    assert (
+        "best trial 2: return 0.5, the mean of 2 seeds (0.4, 0.6, seed 42 first); train its first seed" in out
+    )
 
 
 def test_return_objectives_are_pruned_and_others_are_not() -> None:
