@@ -129,7 +129,7 @@ def precheck(invocation: Invocation, full: bool, sweep: bool = False) -> None:
     try:
         # Composing first: a mistake in the command line itself is reported before torch and gymnasium
         # are imported for the checks that need them (seconds; `--cfg` and sweeps never need them).
-        cfg, run_dir = compose(without_sweeps(list(invocation.overrides)), path, name)
+        cfg, run_dir = compose(without_sweeps(list(invocation.overrides)), path, name, sweep=sweep)
         if sweep:
             check_sweep_values(list(invocation.overrides), path, name)
         if full and cfg.get("resume") is None:  # what `load` checks first, needing no torch: a mistaken
@@ -228,7 +228,7 @@ def check_sweep_values(overrides: list[str], path: str | None, name: str) -> Non
             job = [sweeps[j][0] if j in sweeps else line for j, line in enumerate(lines)]
             job[i] = value
             try:
-                compose(job, path, name)
+                compose(job, path, name, sweep=True)
             except ConfigError as exc:
                 shown = " ".join(o for o in job if not o.lstrip("+~").startswith("hydra."))
                 fail(f"job {index * stride} ({shown}): {exc}")

@@ -228,6 +228,11 @@ class Sweep:
                 composer(None, str(self.config.hydra.job.config_name)),
             )
         except ConfigError as exc:
+            if "already holds a run" in str(exc):  # one job's resume= would resume every job from its file
+                fail(
+                    f"job {num} ({shown}): {run_dir} already holds a run; choose another hydra.sweep.dir, or add "
+                    "resume=auto to continue each job of the sweep in its own directory"
+                )
             fail(f"job {num} ({shown}): {exc}")
         except RunComplete as done:  # the job itself will say so and end at once
             say(f"job {num} ({shown}): {done}")

@@ -154,10 +154,12 @@ def compose(
     config_path: str | None = None,
     config_name: str = "config",
     keep_hydra: bool = False,
+    sweep: bool = False,
 ) -> tuple[DictConfig, str]:
     """Compose the primary config (ours, `conf/config.yaml`, or a user's `config_path`/`config_name`, which
     finds our groups through the search-path plugin) with overrides; returns (config, run-dir template).
-    `keep_hydra`: the config keeps its `hydra` node (the options chosen: `hydra.runtime.choices`)."""
+    `keep_hydra`: the config keeps its `hydra` node (the options chosen: `hydra.runtime.choices`). `sweep`:
+    a multirun's, whose jobs run in `hydra.sweep.dir`'s subdirectories."""
     from hydra import compose as hydra_compose
     from hydra import initialize_config_dir, initialize_config_module
 
@@ -177,7 +179,7 @@ def compose(
             cfg = hydra_compose(config_name, overrides=overrides, return_hydra_config=True)
     except Exception as exc:  # Hydra raises many types; each becomes one line
         raise translate_hydra_error(exc, overrides) from exc
-    _check_auto_resume_dir(cfg)
+    _check_auto_resume_dir(cfg, sweep)
     run_dir = str(cfg.hydra.run.dir)
     if not keep_hydra:
         with open_dict(cfg):
@@ -218,16 +220,18 @@ def without_sweeps(overrides: list[str]) -> list[str]:
     return [o.input_line for o in parsed if not o.is_sweep_override() and o.input_line is not None]
 
 
-def _check_auto_resume_dir(cfg: DictConfig) -> None:
-    """`resume=auto` continues the run in `hydra.run.dir`; a timestamped template names a new directory at
-    every launch, so a relaunched command would never find its own checkpoints."""
+def _check_auto_resume_dir(cfg: DictConfig, sweep: bool = False) -> None:
+    """`resume=auto` continues the run in `hydra.run.dir` (a sweep's jobs: in `hydra.sweep.dir`'s
+    subdirectories); a timestamped template names a new directory at every launch, so a relaunched command
+    would never find its own checkpoints. A sweep was told about hydra.run.dir, which its jobs never use."""
     if cfg.get("resume") != "auto":
         return
-    template = str(OmegaConf.to_container(cfg.hydra.run, resolve=False).get("dir", ""))
+    key = "sweep" if sweep else "run"
+    template = str(OmegaConf.to_container(cfg.hydra[key], resolve=False).get("dir", ""))
     if "${now:" in template:
         raise ConfigError(
-            f"resume=auto needs a stable run directory, but hydra.run.dir={template} is new at every launch; "
-            "set hydra.run.dir=DIR (the same on every launch)"
+            f"resume=auto needs a stable run directory, but hydra.{key}.dir={template} is new at every launch; "
+            f"set hydra.{key}.dir=DIR (the same on every launch)"
         )
 
 

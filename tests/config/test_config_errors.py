@@ -546,3 +546,15 @@ def test_a_run_directory_whose_checkpoints_cannot_be_written_is_refused_before_t
     assert message == (
         f"hydra.run.dir={tmp_path}: {tmp_path / 'checkpoints'} is not writable (Read-only file system)"
     ), message
+
+
+def test_a_sweeps_resume_auto_needs_a_stable_sweep_directory(tmp_path: Path) -> None:
+    """`-m seed=1,2 hydra.sweep.dir=DIR resume=auto` continues each job in DIR/N: it was refused for the
+    timestamped hydra.run.dir, which a sweep's jobs never use."""
+    compose(["resume=auto", f"hydra.sweep.dir={tmp_path}"], sweep=True)
+    with pytest.raises(
+        ConfigError, match=r"^resume=auto needs a stable run directory, but hydra.sweep.dir=multirun/"
+    ):
+        compose(["resume=auto"], sweep=True)
+    with pytest.raises(ConfigError, match=r"but hydra.run.dir=runs/"):  # a run's own check is unchanged
+        compose(["resume=auto"])
