@@ -84,6 +84,12 @@ def translate_hydra_error(exc: Exception, overrides: list[str]) -> ConfigError:
     marked = _yaml_error(exc)
     if marked is not None:
         return ConfigError(marked)
+    if text.startswith("Could not delete from config.") and "' does not exist" in text:
+        key = text.split("'", 2)[1]  # Hydra says so of a key that is there but null, too
+        return ConfigError(
+            f"~{key}: nothing to delete (no such key, or it holds null already, as algo.target_kl does); "
+            f"{key}=null sets a null, and a misspelt key is refused as unknown without ~"
+        )
     if isinstance(exc, ConfigCompositionException) and text.startswith("Could not override '"):
         key = text.split("'", 2)[1]
         parent, _, _ = key.rpartition(".")

@@ -119,6 +119,11 @@ CASES: list[Any] = [
         ["plays two-player games", "has 3 players (first, second, third): set eval.every=0"],
         id="three-player-game-evaluated",
     ),
+    pytest.param(  # Hydra's "'algo.target_kl' does not exist" of a key that holds null
+        ["~algo.target_kl"],
+        ["~algo.target_kl: nothing to delete (no such key, or it holds null already"],
+        id="delete-a-null",
+    ),
     pytest.param(  # it was told env.kwargs is an unknown key
         ["env.kwargs={a:1,b:2}"],
         ["env.kwargs: it holds no key 'a'; add keys with +env.kwargs.a=VALUE, or give the mapping whole"],
