@@ -110,10 +110,11 @@ def translate_hydra_error(exc: Exception, overrides: list[str]) -> ConfigError:
                 "misspelt, or a key of the option the run started with (exp=cartpole_lstm's model.lstm); the "
                 "checkpoint keeps the run's own value, so leave it out, or name that option beside it"
             )
+        closed = key.split(".", 1)[0] in CLOSED_SECTIONS  # a key added there is read by nothing
         return ConfigError(
             f"{key}: unknown config key; check the spelling"
             + (f" against the keys of '{parent}'" if parent else "")
-            + f", or add a new key with +{key}=VALUE"
+            + ("" if closed else f", or add a new key with +{key}=VALUE")
         )
     bad = _unparsable_override(overrides)
     if bad is not None:
@@ -168,6 +169,8 @@ def compose(
     a multirun's, whose jobs run in `hydra.sweep.dir`'s subdirectories."""
     from hydra import compose as hydra_compose
     from hydra import initialize_config_dir, initialize_config_module
+
+    _refuse_added_keys(overrides)
 
     make_plugins_discoverable()
     if not OmegaConf.has_resolver("now"):
@@ -224,6 +227,25 @@ def without_sweeps(overrides: list[str]) -> list[str]:
         raise ConfigError(f"cannot parse override {bad[0]!r}: {bad[1]}; write overrides as key=value")
     parsed = OverridesParser.create().parse_overrides(overrides)
     return [o.input_line for o in parsed if not o.is_sweep_override() and o.input_line is not None]
+
+
+# Sections whose keys the package reads all of: a key added to one (`+algo.lrr=3e-4`) is read by nothing
+CLOSED_SECTIONS = ("algo", "eval", "checkpoint", "collectives", "selfplay")
+
+
+def _refuse_added_keys(overrides: list[str]) -> None:
+    """`+SECTION.KEY=...` of a closed section adds a key nothing reads (an existing one is refused by Hydra
+    with +): the run trained as if it were not there, so a misspelt `+algo.lrr=3e-4` changed nothing."""
+    for override in overrides:
+        if override.startswith("+") and not override.startswith("++"):
+            key = override[1:].split("=", 1)[0]
+            section = key.split(".", 1)[0]
+            if section in CLOSED_SECTIONS and "." in key:
+                raise ConfigError(
+                    f"+{key}: ppo-fabric reads no such key ({section}.* holds the keys it reads: "
+                    f"python -m ppo_fabric --cfg job --package {section} lists them); without + a misspelt "
+                    "key is named"
+                )
 
 
 def _check_auto_resume_dir(cfg: DictConfig, sweep: bool = False) -> None:

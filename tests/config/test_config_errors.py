@@ -75,7 +75,8 @@ CASES: list[Any] = [
     # config groups and keys
     pytest.param(["env=nosuch"], ["env=nosuch", "unknown option", "available:", "cartpole"], id="group-env"),
     pytest.param(["exp=nosuch"], ["exp=nosuch", "unknown option", "cleanrl_cartpole"], id="group-exp"),
-    pytest.param(["algo.foo=1"], ["algo.foo", "unknown config key", "+algo.foo="], id="key-nested"),
+    pytest.param(["algo.foo=1"], ["algo.foo", "unknown config key", "keys of 'algo'"], id="key-nested"),
+    pytest.param(["env.foo=1"], ["env.foo", "unknown config key", "+env.foo="], id="key-nested-open"),
     pytest.param(["foo=1"], ["foo", "unknown config key", "+foo="], id="key-top"),
     # numbers: range
     pytest.param(["algo.total_steps=0"], ["algo.total_steps=0", "out of range", "> 0"], id="total-steps-0"),
@@ -118,6 +119,11 @@ CASES: list[Any] = [
         ["env=pettingzoo", "env.id=tests.envs.factory_envs:three_player_turns"],
         ["plays two-player games", "has 3 players (first, second, third): set eval.every=0"],
         id="three-player-game-evaluated",
+    ),
+    pytest.param(  # a misspelt key added with + trained as if it were not there
+        ["+algo.lrr=3e-4"],
+        ["+algo.lrr: ppo-fabric reads no such key", "--cfg job --package algo lists them"],
+        id="added-key-nothing-reads",
     ),
     pytest.param(  # Hydra's "'algo.target_kl' does not exist" of a key that holds null
         ["~algo.target_kl"],
