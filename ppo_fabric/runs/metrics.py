@@ -55,15 +55,22 @@ def _first_line(exc: BaseException) -> str:
     return next((line.strip() for line in str(exc).splitlines() if line.strip()), type(exc).__name__)
 
 
+def recent_episodes(episodes: list[tuple[int, float, int]], last: int = 20) -> list[tuple[int, float, int]]:
+    """The `last` episodes of `episodes` (in the order of the env step they ended at), with every other that
+    ended at the same env step as the earliest of them: which of those came first is the order the rollout
+    happened to record them in, policy by policy in a multi-agent env."""
+    if len(episodes) <= last:
+        return episodes
+    cut = episodes[-last][0]
+    return [ep for ep in episodes if ep[0] >= cut]
+
+
 def final_mean_return(windows: list[Iterable[tuple[int, float, int]]], last: int = 20) -> float | None:
-    """Mean of the `last` episodes to finish across all ranks (ordered by the env step they ended at), with
-    every other episode that ended at the same env step as the earliest of them: which of those came first
-    is the order the rollout happened to record them in, policy by policy in a multi-agent env, where the
-    last 20 of a zero-sum game's agents (whose mean is 0) held more of one policy's (1.2)."""
-    episodes = sorted((ep for window in windows for ep in window), key=lambda ep: ep[0])
-    if len(episodes) > last:
-        cut = episodes[-last][0]
-        episodes = [ep for ep in episodes if ep[0] >= cut]
+    """Mean of the recent episodes across all ranks (`recent_episodes` of them all): the last 20 of a
+    zero-sum game's agents (whose mean is 0) held more of one policy's (1.2) before ties counted."""
+    episodes = recent_episodes(
+        sorted((ep for window in windows for ep in window), key=lambda ep: ep[0]), last
+    )
     return sum(ep[1] for ep in episodes) / len(episodes) if episodes else None
 
 

@@ -24,7 +24,7 @@ from typing import Any, NamedTuple, NoReturn
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from ppo_fabric.collect.rollout import RolloutCollector
+from ppo_fabric.collect.rollout import WINDOW, RolloutCollector
 from ppo_fabric.config.faults import SIGNAL_REPEAT_S, RunFault
 from ppo_fabric.envs.multiagent import SINGLE
 from ppo_fabric.learn.learners import PolicySpec, metric_name
@@ -37,6 +37,7 @@ from ppo_fabric.runs.metrics import (
     episode_means,
     episode_sums,
     final_mean_return,
+    recent_episodes,
     save_resolved_config,
 )
 from ppo_fabric.runs.metrics_file import write_json
@@ -573,13 +574,18 @@ RECENT = 20  # episodes in `rollout/return_mean20`
 def recent_windows(
     window: Iterable[tuple[int, float, int]], slot: int, slots: int, sum_over_ranks: Reduce | None
 ) -> list[list[tuple[int, float, int]]]:
-    """Every collecting rank's last `RECENT` episodes (env step ended, return), this one's being `slot` of
-    `slots`: each rank fills its own row of a zero tensor and the sum over the ranks holds them all."""
+    """Every collecting rank's recent episodes (env step ended, return): its last `RECENT` and those that
+    ended with the earliest of them (`recent_episodes`, a superset of what the run's last 20 take from it),
+    this one's being `slot` of `slots`: each rank fills its own row of a zero tensor and the sum over the
+    ranks holds them all."""
     if sum_over_ranks is None or slots == 1:
         return [list(window)]
-    rows = torch.zeros(slots, RECENT, 3, dtype=torch.float64)
-    for i, (step, ret, *_) in enumerate(list(window)[-RECENT:]):
-        rows[slot, i] = torch.tensor([float(step), float(ret), 1.0], dtype=torch.float64)
+    mine = recent_episodes(list(window), RECENT)[-WINDOW:]
+    rows = torch.zeros(slots, WINDOW, 3, dtype=torch.float64)
+    if mine:
+        rows[slot, : len(mine)] = torch.tensor(
+            [[float(s), float(r), 1.0] for s, r, *_ in mine], dtype=torch.float64
+        )
     rows = sum_over_ranks(rows)
     return [[(int(s), r, 0) for s, r, seen in rank if seen] for rank in rows.tolist()]
 

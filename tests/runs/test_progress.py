@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 from omegaconf import DictConfig, OmegaConf
 
 import ppo_fabric
@@ -399,3 +400,18 @@ def test_a_tracker_that_fails_is_dropped_with_one_line() -> None:
         "(metrics.csv and summary.json hold everything)"
     )
     assert logger.tracker is None
+
+
+def test_the_ranks_recent_episodes_carry_their_ties() -> None:
+    """Over several collecting ranks each sent its last 20 alone, so the log's `rollout/return_mean20` kept
+    the order-picked part of a multi-agent env step that `final_mean_return` of the whole windows counts."""
+    from ppo_fabric.runs.metrics import final_mean_return
+    from ppo_fabric.runs.session import recent_windows
+
+    a = [(step, ret, 5) for step in (90, 100) for ret in [-2.0] * 8 + [2.0] * 8]
+    b = [(95, 1.0, 5)] * 3
+    sent: list[torch.Tensor] = []
+    for slot, window in enumerate((a, b)):
+        recent_windows(window, slot, 2, lambda rows: sent.append(rows) or rows)
+    gathered = recent_windows(a, 0, 2, lambda _rows: sent[0] + sent[1])
+    assert final_mean_return(gathered) == final_mean_return([a, b]) == 3.0 / 35
