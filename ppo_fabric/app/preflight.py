@@ -250,9 +250,8 @@ def _check_multiagent(cfg: DictConfig) -> None:
         )
     if str(cfg.env.backend) != "gymnasium":
         raise ConfigError(f"PettingZoo envs run with env.backend=gymnasium, not {cfg.env.backend}")
-    if (
-        cfg.eval.get("opponents") is not None
-    ):  # the evaluation builds them in the job: a misspelt one ends it there
+    # the evaluation builds them in the job: a misspelt one would end it there
+    if cfg.eval.get("opponents") is not None:
         from ppo_fabric.policy.scorers import check_opponents
 
         check_opponents(cfg)

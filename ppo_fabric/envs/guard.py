@@ -268,10 +268,8 @@ def error_line(exc: BaseException, limit: int = 300) -> str:
 # What NumPy says when gymnasium's vector env stacks observations of another shape than the env's
 # observation_space into its buffer (all of them, or only some): the user's env is at fault, not the library.
 _WRONG_SHAPE = ("Output array is the wrong shape", "all input arrays must have the same shape")
-_UNPICKLABLE = (
-    "can't pickle",
-    "cannot pickle",
-)  # "Can't pickle local object ...", "cannot pickle '_thread.lock'"
+# what pickle says of an object it cannot take ("Can't pickle local object ...", "cannot pickle '_thread.lock'")
+_UNPICKLABLE = ("can't pickle", "cannot pickle")
 
 
 def env_error_text(exc: BaseException) -> str:
@@ -280,9 +278,7 @@ def env_error_text(exc: BaseException) -> str:
     text = f"{type(exc).__name__}: {error_line(exc)}"
     if any(words in str(exc) for words in _WRONG_SHAPE):
         text += " (an observation's shape differs from the env's observation_space)"
-    elif any(
-        words in str(exc).lower() for words in _UNPICKLABLE
-    ):  # raised by the worker sending the step back, not by `step`
+    elif any(words in str(exc).lower() for words in _UNPICKLABLE):  # the worker sending the step back
         text += (
             " (an async env's worker sends each step's observation and info back pickled: one of them does "
             "not pickle; keep such objects out of info, or use env.vector=sync)"
