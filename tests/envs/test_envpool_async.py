@@ -33,6 +33,10 @@ pytestmark = pytest.mark.skipif(
     importlib.util.find_spec("envpool") is None, reason="EnvPool missing: pip install 'ppo-fabric[envpool]'"
 )
 ASYNC = ["env.backend=envpool", "env.num_envs=8", "env.envpool.batch_size=4"]
+# CartPole's 20-episode mean return after 10k async env steps: measured 81-267 over seeds 1-11 on an idle
+# machine, 149-288 at seed 3 with three busy processes beside it, 62 once under CI's load (the order the
+# envs answer in is one more seed). Random play averages ~22, so a run above 45 learned.
+LEARNED = 45
 
 
 def _pattern(env: int, k: int) -> int:
@@ -289,9 +293,8 @@ def test_resume_starts_fresh_episodes_without_the_old_in_flight_state() -> None:
 @pytest.mark.slow
 def test_coupled_async_run_honours_the_budget_and_learns(tmp_path: Path) -> None:
     """The CartPole recipe, 8 envs acting 4 at a time, 10k env steps: 128 env steps per update (32 x 4),
-    so the run ends at the first boundary past 10,000 as a sync run would. Measured (seeds 3, 4, 5): async
-    156 / 156 / 207 (seed 3 three times alike), the sync pool (256 env steps per update) 162 / 147 at seeds
-    3, 4 on the same budget; random play ~22."""
+    so the run ends at the first boundary past 10,000 as a sync run would. Which 4 envs answer first varies
+    with the machine's load, so a run is not repeatable and its return is one draw of LEARNED's spread."""
     summary = ppo_fabric.run(
         [
             *ASYNC,
@@ -303,7 +306,7 @@ def test_coupled_async_run_honours_the_budget_and_learns(tmp_path: Path) -> None
         ]
     )
     assert summary["total_env_steps"] == 79 * 128 and summary["updates"] == 79
-    assert summary["final_mean_return"] > 100, summary["final_mean_return"]
+    assert summary["final_mean_return"] > LEARNED, summary["final_mean_return"]
 
 
 @pytest.mark.multiprocess
@@ -311,7 +314,7 @@ def test_decoupled_async_run_learns(tmp_path: Path) -> None:
     """A decoupled job (1 player + 1 trainer, gloo) on the async pool: the trainer's template has the
     player's `mask`, and the run learns: 150 / 248 at seeds 3 / 4 when measured, and 95 at seed 3 on a
     loaded machine (which 4 of the 8 envs answer first varies with the load, so the run is not
-    repeatable); random play ~22, so 60 is well above chance and below every run seen."""
+    repeatable)."""
     done = subprocess.run(
         [sys.executable, "-m", "ppo_fabric", "strategy=decoupled", "fabric.devices=2", *ASYNC,
          "algo.total_steps=10000", "eval.every=0", "logger=none", "seed=3", f"hydra.run.dir={tmp_path}"],
@@ -320,7 +323,7 @@ def test_decoupled_async_run_learns(tmp_path: Path) -> None:
     assert done.returncode == 0, done.stderr[-2000:]
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["strategy"] == "decoupled" and summary["total_env_steps"] == 79 * 128
-    assert summary["final_mean_return"] > 60, summary["final_mean_return"]
+    assert summary["final_mean_return"] > LEARNED, summary["final_mean_return"]
 
 
 @pytest.mark.parametrize(
