@@ -227,12 +227,17 @@ def main(argv: list[str] | None = None) -> int:
     return invocation.status
 
 
+def _import_strategies() -> None:
+    from ppo_fabric import ppo, ppo_decoupled  # noqa: F401  Lightning (~1 s): what the run itself needs
+
+
 def console_main() -> NoReturn:
     """`ppo-fabric` and `python -m ppo_fabric`: `main()`, then `end_process()` (a process of its own, unlike
     `main()`, which tests and notebooks may call in-process). Lightning's import skips its torchmetrics
     probe here, in a process of ppo-fabric's own (compat/imports.py: ~9 s per process on a CUDA image).
     A supervising process starts its job's first process before its checks (app/prestart.py), so the
-    job imports while they run."""
+    job imports while they run: torch for the checks it answers, then Lightning and the strategies once
+    they let the run start (a refused command ends ~1 s sooner, never importing them)."""
     stop_quietly_during_startup()
     supervisor.bind_to_caller()
     skip_torchmetrics_probe()
@@ -240,9 +245,10 @@ def console_main() -> NoReturn:
     if gate is not None:  # a job's first process, started before its supervisor's checks
         inherited = dict(os.environ)
         supervisor.bind_to_supervisor()
-        from ppo_fabric import ppo, ppo_decoupled  # noqa: F401  torch, Lightning: what it was started early for
+        from ppo_fabric.app import preflight  # noqa: F401  torch, gymnasium: what the checks it answers need
 
-        prestart.await_handover(gate[0], inherited, gate[1], answer_check)
+        prestart.await_handover(gate[0], inherited, gate[1], answer_check, _import_strategies)
+        _import_strategies()  # handed over unasked (the supervisor checked in-process): the run needs them
     if supervisor.wanted() and prestart.runs_a_job(sys.argv[1:]):
         prestart.start(sys.argv[1:], supervisor.job_environment())
     try:

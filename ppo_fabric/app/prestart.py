@@ -227,7 +227,11 @@ Checker = Callable[[dict[str, Any]], dict[str, Any]]
 
 
 def await_handover(
-    fd: int, inherited: Mapping[str, str], answer: int = -1, check: Checker | None = None
+    fd: int,
+    inherited: Mapping[str, str],
+    answer: int = -1,
+    check: Checker | None = None,
+    accepted: Callable[[], None] | None = None,
 ) -> None:
     """Wait for the command line and environment on pipe `fd` and take them as this process's own.
     `inherited`: the environment it started with; of it only what the handed one leaves out goes, so
@@ -237,7 +241,8 @@ def await_handover(
 
     Before the handover the supervisor may `ask` for its checks: each request is answered by `check`
     on pipe `answer`, in the environment the request carries (the supervisor's own, taken as the handover
-    takes one), which is put back afterwards."""
+    takes one), which is put back afterwards. `accepted` runs once an answer that lets the run start is
+    sent: the job's own imports, which a refused command never needs, overlap the supervisor's last steps."""
     global _answering
     with os.fdopen(fd, "rb") as pipe:
         for line in pipe:
@@ -246,12 +251,15 @@ def await_handover(
                 break
             request = message["check"]
             answered = json.dumps({"unanswered": True})
+            runs = False
             if check is not None:
                 saved = dict(os.environ)
                 _take_environment(request.get("env", saved), inherited)
                 _answering = answer
                 try:
-                    answered = json.dumps(check(request))
+                    reply = check(request)
+                    answered = json.dumps(reply)
+                    runs = "config" in reply
                 except Exception:  # noqa: BLE001 - e.g. a config value JSON cannot hold: the supervisor checks
                     pass
                 finally:
@@ -264,6 +272,8 @@ def await_handover(
                 OSError
             ):  # the supervisor is gone (this process outlives it only where it cannot die with it)
                 os._exit(0)
+            if runs and accepted is not None:
+                accepted()
         else:
             os._exit(0)
     if answer >= 0:

@@ -225,6 +225,32 @@ def test_the_handover_keeps_what_the_process_set_itself(monkeypatch: pytest.Monk
     assert sys.argv == ["ppo_fabric", "seed=3"]
 
 
+def test_the_run_s_imports_wait_for_checks_that_let_it_start(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The waiting process imports Lightning and the strategies (`accepted`) only once its answer lets
+    the run start, and after sending it: a refused command never pays for them, and an accepted one's
+    supervisor goes on while they import."""
+    monkeypatch.setattr(os, "environ", {"PATH": "/bin"})
+    monkeypatch.setattr(sys, "argv", ["ppo_fabric"])
+    read, write = os.pipe()
+    answer_read, answer_write = os.pipe()
+    for overrides in (["env.id=CartPol-v1"], ["seed=3"]):
+        os.write(write, json.dumps({"check": {"overrides": overrides}}).encode() + b"\n")
+    os.write(write, json.dumps({"argv": ["seed=3"], "env": {"PATH": "/bin"}}).encode() + b"\n")
+    os.close(write)
+    sent: list[list[str]] = []
+
+    def check(request: dict) -> dict:
+        return {"error": "no such env"} if request["overrides"] == ["env.id=CartPol-v1"] else {"config": {}}
+
+    def accepted() -> None:
+        sent.append(os.read(answer_read, 65536).decode().splitlines())
+
+    prestart.await_handover(read, {"PATH": "/bin"}, answer_write, check, accepted)
+    os.close(answer_read)
+    assert sent == [['{"error": "no such env"}', '{"config": {}}']], "called once, after the accepting answer"
+    assert sys.argv == ["ppo_fabric", "seed=3"]
+
+
 def test_a_handover_larger_than_the_pipe_grows_it_or_starts_the_job_the_usual_way(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
