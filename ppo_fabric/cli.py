@@ -130,10 +130,11 @@ def _run_here(overrides: list[str], env: Any) -> dict[str, Any]:
             f"restarts={cfg.restarts} needs the supervisor of python -m ppo_fabric / ppo-fabric; "
             "ppo_fabric.run() trains in this process (or give fabric.devices=2 or more)"
         )
-    from ppo_fabric.app.launch import NeedsProcesses
+    from ppo_fabric.app.launch import NeedsProcesses, callers_process_kept
 
     try:
-        return train(cfg, run_dir, overrides, python_api=True)
+        with callers_process_kept():  # the caller's threads, warnings and log levels, as they were
+            return train(cfg, run_dir, overrides, python_api=True)
     except NeedsProcesses:  # a resumed run's own config asks for several processes
         return _run_processes(cfg, overrides, Path(run_dir))
     except RunComplete as done:

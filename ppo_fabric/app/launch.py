@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import logging
 import os
 import signal
 import sys
 import traceback
+import warnings
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, NoReturn
@@ -27,7 +29,7 @@ from threadpoolctl import threadpool_limits
 from torch.nn.parallel import DistributedDataParallel
 
 from ppo_fabric.app.preflight import prepare
-from ppo_fabric.app.process import end_process, quiet_libraries, stop_status
+from ppo_fabric.app.process import QUIETED_LOGGERS, end_process, quiet_libraries, stop_status
 from ppo_fabric.app.supervisor import SUPERVISED_ENV
 from ppo_fabric.compat.private import set_fabric_precision
 from ppo_fabric.config.arguments import fail
@@ -307,6 +309,38 @@ def timed_out(exc: BaseException) -> bool:
     """Whether a collective gave up waiting (gloo and NCCL say so in their messages)."""
     text = f"{type(exc).__name__}: {exc}"
     return "timed out" in text.lower() or "timeout" in text.lower()
+
+
+@contextlib.contextmanager
+def callers_process_kept() -> Iterator[None]:
+    """`ppo_fabric.run()` trains in its caller's process (a notebook, a script that goes on with work of its
+    own): what a run sets process-wide for itself is put back as it was when the run returns or raises.
+    torch's and BLAS's thread counts first (`torch_threads=1` by default: the caller's own torch and NumPy
+    work ran on one core after the run), then the CUDA math flags, the warnings' format and filters, and
+    Lightning's log levels (`quiet_libraries`)."""
+    threads = torch.get_num_threads()
+    blas = threadpool_limits(limits=None, user_api="blas")  # records the limits, changes nothing
+    cuda = (
+        torch.backends.cuda.matmul.allow_tf32,
+        torch.backends.cudnn.allow_tf32,
+        torch.backends.cudnn.benchmark,
+    )
+    levels = {name: logging.getLogger(name).level for name in QUIETED_LOGGERS}
+    formatwarning = warnings.formatwarning
+    try:
+        with warnings.catch_warnings():  # the filters, as they were
+            yield
+    finally:
+        torch.set_num_threads(threads)
+        blas.restore_original_limits()
+        (
+            torch.backends.cuda.matmul.allow_tf32,
+            torch.backends.cudnn.allow_tf32,
+            torch.backends.cudnn.benchmark,
+        ) = cuda
+        for name, level in levels.items():
+            logging.getLogger(name).setLevel(level)
+        warnings.formatwarning = formatwarning
 
 
 def train(

@@ -29,6 +29,9 @@ def one_line_warnings(
 _python_format = warnings.formatwarning
 
 
+QUIETED_LOGGERS = ("lightning_fabric", "lightning_fabric.utilities.seed")
+
+
 def quiet_libraries() -> None:
     warnings.formatwarning = one_line_warnings
     warnings.filterwarnings("ignore", message=".*is not a supported pipeline.*")
@@ -43,7 +46,7 @@ def quiet_libraries() -> None:
             category=UserWarning,
             module="gymnasium.vector.async_vector_env",
         )
-    for name in ("lightning_fabric", "lightning_fabric.utilities.seed"):
+    for name in QUIETED_LOGGERS:
         logging.getLogger(name).setLevel(logging.WARNING)
 
 

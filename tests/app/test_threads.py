@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
@@ -54,3 +56,44 @@ def test_torch_threads_hold_for_the_checks_every_process_runs(monkeypatch: pytes
         finally:
             torch.set_num_threads(torch_before)
     assert seen == [1]
+
+
+@pytest.mark.parametrize("ends", ["returns", "raises"])
+def test_a_python_api_run_gives_its_caller_the_process_back_as_it_was(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, ends: str
+) -> None:
+    """`ppo_fabric.run()` in a notebook or script: the run's one torch and BLAS thread (`torch_threads=1`),
+    its one-line warning format and its quieter Lightning logs stay the run's. The caller's own torch and
+    NumPy work ran on one core after it."""
+    import logging
+    import warnings
+
+    import ppo_fabric
+    from ppo_fabric.app import launch
+    from ppo_fabric.config.values import ConfigError
+
+    if ends == "raises":  # a failure once the threads are set: the checks refuse the config
+
+        def prepare(*_: object) -> dict:
+            raise ConfigError("refused by the checks")
+
+        monkeypatch.setattr(launch, "prepare", prepare)
+    torch_before = torch.get_num_threads()
+    with threadpool_limits(2, user_api="blas"):
+        try:
+            torch.set_num_threads(2)
+            logging.getLogger("lightning_fabric").setLevel(logging.DEBUG)
+            before = (torch.get_num_threads(), blas_threads(), warnings.formatwarning, list(warnings.filters))
+            overrides = ["algo.total_steps=128", "env.num_envs=2", "algo.rollout_steps=64", "algo.minibatch_size=64",
+                         "eval.every=0", "logger=none", f"hydra.run.dir={tmp_path}"]  # fmt: skip
+            if ends == "returns":
+                assert ppo_fabric.run(overrides)["total_env_steps"] == 128
+            else:
+                with pytest.raises(ConfigError, match="refused by the checks"):
+                    ppo_fabric.run(overrides)
+            after = (torch.get_num_threads(), blas_threads(), warnings.formatwarning, list(warnings.filters))
+            assert after == before
+            assert logging.getLogger("lightning_fabric").level == logging.DEBUG
+        finally:
+            torch.set_num_threads(torch_before)
+            logging.getLogger("lightning_fabric").setLevel(logging.NOTSET)
