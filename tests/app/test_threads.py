@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -31,6 +32,19 @@ def test_torch_threads_sets_numpys_blas_threads_too() -> None:
             torch.set_num_threads(torch_before)
 
 
+@pytest.fixture
+def two_threads() -> Iterator[None]:
+    """torch and NumPy's BLAS at 2 threads for the test, and as they were after it."""
+    torch_before = torch.get_num_threads()
+    with threadpool_limits(2, user_api="blas"):
+        torch.set_num_threads(2)
+        try:
+            yield
+        finally:
+            torch.set_num_threads(torch_before)
+
+
+@pytest.mark.usefixtures("two_threads")
 def test_torch_threads_hold_for_the_checks_every_process_runs(monkeypatch: pytest.MonkeyPatch) -> None:
     """Each process of a job checks the config by building the env and the model; fifteen processes each
     taking every core for that oversubscribed a 16-core node for ~100 s before training. The limit is set
@@ -47,17 +61,12 @@ def test_torch_threads_hold_for_the_checks_every_process_runs(monkeypatch: pytes
         raise ConfigError("checked")
 
     monkeypatch.setattr(launch, "prepare", prepare)
-    torch_before = torch.get_num_threads()
-    with threadpool_limits(2, user_api="blas"):
-        try:
-            torch.set_num_threads(2)
-            with pytest.raises(ConfigError, match="checked"):
-                launch.train(OmegaConf.create({"torch_threads": 1}), lambda cfg: lambda *a: {}, "unused")
-        finally:
-            torch.set_num_threads(torch_before)
+    with pytest.raises(ConfigError, match="checked"):
+        launch.train(OmegaConf.create({"torch_threads": 1}), lambda cfg: lambda *a: {}, "unused")
     assert seen == [1]
 
 
+@pytest.mark.usefixtures("two_threads")
 @pytest.mark.parametrize("ends", ["returns", "raises"])
 def test_a_python_api_run_gives_its_caller_the_process_back_as_it_was(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, ends: str
@@ -78,22 +87,18 @@ def test_a_python_api_run_gives_its_caller_the_process_back_as_it_was(
             raise ConfigError("refused by the checks")
 
         monkeypatch.setattr(launch, "prepare", prepare)
-    torch_before = torch.get_num_threads()
-    with threadpool_limits(2, user_api="blas"):
-        try:
-            torch.set_num_threads(2)
-            logging.getLogger("lightning_fabric").setLevel(logging.DEBUG)
-            before = (torch.get_num_threads(), blas_threads(), warnings.formatwarning, list(warnings.filters))
-            overrides = ["algo.total_steps=128", "env.num_envs=2", "algo.rollout_steps=64", "algo.minibatch_size=64",
-                         "eval.every=0", "logger=none", f"hydra.run.dir={tmp_path}"]  # fmt: skip
-            if ends == "returns":
-                assert ppo_fabric.run(overrides)["total_env_steps"] == 128
-            else:
-                with pytest.raises(ConfigError, match="refused by the checks"):
-                    ppo_fabric.run(overrides)
-            after = (torch.get_num_threads(), blas_threads(), warnings.formatwarning, list(warnings.filters))
-            assert after == before
-            assert logging.getLogger("lightning_fabric").level == logging.DEBUG
-        finally:
-            torch.set_num_threads(torch_before)
-            logging.getLogger("lightning_fabric").setLevel(logging.NOTSET)
+    logging.getLogger("lightning_fabric").setLevel(logging.DEBUG)
+    try:
+        before = (torch.get_num_threads(), blas_threads(), warnings.formatwarning, list(warnings.filters))
+        overrides = ["algo.total_steps=128", "env.num_envs=2", "algo.rollout_steps=64", "algo.minibatch_size=64",
+                     "eval.every=0", "logger=none", f"hydra.run.dir={tmp_path}"]  # fmt: skip
+        if ends == "returns":
+            assert ppo_fabric.run(overrides)["total_env_steps"] == 128
+        else:
+            with pytest.raises(ConfigError, match="refused by the checks"):
+                ppo_fabric.run(overrides)
+        after = (torch.get_num_threads(), blas_threads(), warnings.formatwarning, list(warnings.filters))
+        assert after == before
+        assert logging.getLogger("lightning_fabric").level == logging.DEBUG
+    finally:
+        logging.getLogger("lightning_fabric").setLevel(logging.NOTSET)
