@@ -52,6 +52,15 @@ def make_plugins_discoverable() -> None:
     root = str(Path(ours.__file__).resolve().parent.parent.parent)
     if root not in sys.path:
         sys.path.append(root)
+    # Hydra lists its plugins once a process: where it did before this (the caller's own Hydra in a
+    # notebook or a @hydra.main app, then `ppo_fabric.run()`), that list lacks ours; register them with it.
+    from hydra.core.plugins import Plugins
+
+    from hydra_plugins.ppo_fabric.launcher import ProcessLauncher  # its import stores the launcher's config
+    from hydra_plugins.ppo_fabric.searchpath import PpoFabricSearchPathPlugin
+
+    for plugin in (ProcessLauncher, PpoFabricSearchPathPlugin):
+        Plugins.instance().register(plugin)
 
 
 def group_options(group: str) -> list[str]:
