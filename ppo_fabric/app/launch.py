@@ -11,6 +11,7 @@ import contextlib
 import datetime
 import logging
 import os
+import random
 import signal
 import sys
 import traceback
@@ -19,6 +20,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, NoReturn
 
+import numpy as np
 import torch
 from lightning_fabric import Fabric
 from lightning_fabric.plugins.precision import MixedPrecision
@@ -37,6 +39,7 @@ from ppo_fabric.config.faults import FAULT_EXIT, RunComplete, RunFault, fault_st
 from ppo_fabric.config.values import ConfigError, composer, under_fabric_run
 from ppo_fabric.envs.make import end_env_workers, rank_seed
 from ppo_fabric.learn.accel import set_cuda_math
+from ppo_fabric.models.agent import float32_default
 from ppo_fabric.runs import lock as run_lock
 from ppo_fabric.runs.continuation import describe
 from ppo_fabric.runs.metrics import close_after_failure
@@ -316,8 +319,13 @@ def callers_process_kept() -> Iterator[None]:
     """`ppo_fabric.run()` trains in its caller's process (a notebook, a script that goes on with work of its
     own): what a run sets process-wide for itself is put back as it was when the run returns or raises.
     torch's and BLAS's thread counts first (`torch_threads=1` by default: the caller's own torch and NumPy
-    work ran on one core after the run), then the CUDA math flags, the warnings' format and filters, and
-    Lightning's log levels (`quiet_libraries`)."""
+    work ran on one core after the run), the global random generators the run seeds (a random search
+    drawing its trials' values between runs drew the same values again after each run of one seed), the
+    default dtype (float32 for the run), the CUDA math flags, the warnings' format and filters, and
+    Lightning's log levels (`quiet_libraries`) and seed variables."""
+    rngs = random.getstate(), np.random.get_state(), torch.random.get_rng_state()
+    cuda_rngs = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
+    variables = {name: os.environ.get(name) for name in ("PL_GLOBAL_SEED", "PL_SEED_WORKERS")}
     threads = torch.get_num_threads()
     blas = threadpool_limits(limits=None, user_api="blas")  # records the limits, changes nothing
     cuda = (
@@ -328,7 +336,7 @@ def callers_process_kept() -> Iterator[None]:
     levels = {name: logging.getLogger(name).level for name in QUIETED_LOGGERS}
     formatwarning = warnings.formatwarning
     try:
-        with warnings.catch_warnings():  # the filters, as they were
+        with warnings.catch_warnings(), float32_default():  # the filters and the default dtype, as they were
             yield
     finally:
         torch.set_num_threads(threads)
@@ -341,6 +349,16 @@ def callers_process_kept() -> Iterator[None]:
         for name, level in levels.items():
             logging.getLogger(name).setLevel(level)
         warnings.formatwarning = formatwarning
+        random.setstate(rngs[0])
+        np.random.set_state(rngs[1])
+        torch.random.set_rng_state(rngs[2])
+        if cuda_rngs is not None:
+            torch.cuda.set_rng_state_all(cuda_rngs)
+        for name, value in variables.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
 
 
 def train(

@@ -7,6 +7,7 @@ environment step costs more than the whole 64x64 MLP forward, and the formulas a
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
@@ -30,6 +31,20 @@ ACTIVATIONS: dict[str, Callable[[Tensor], Tensor]] = {
     "gelu": F.gelu,
 }
 LOG_SQRT_2PI = 0.5 * math.log(2 * math.pi)
+
+
+@contextlib.contextmanager
+def float32_default() -> Iterator[None]:
+    """torch's default dtype float32 inside (a decorator too), whatever the caller set it to: the envs'
+    observations, the rollout and the checkpoints are float32, and under a research notebook's
+    `torch.set_default_dtype(torch.float64)` the model was built in float64 and its first forward failed
+    ("mat1 and mat2 must have the same dtype"), in training and in `Policy.predict`."""
+    saved = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float32)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(saved)
 
 
 def layer_init(layer: nn.Linear, gain: float = math.sqrt(2), bias: float = 0.0) -> nn.Linear:
@@ -648,6 +663,7 @@ class ActorCritic(nn.Module):
     step on a few envs (~36 -> ~31 us). DDP and torch.compile work on the whole model, so neither needs them.
     """
 
+    @float32_default()
     def __init__(self, obs_space: gym.Space, action_space: gym.Space, cfg: DictConfig) -> None:
         super().__init__()
         self.encoder = ENCODERS[select_encoder(obs_space, cfg.encoder)](obs_space, cfg)

@@ -72,9 +72,13 @@ def test_a_python_api_run_gives_its_caller_the_process_back_as_it_was(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, ends: str
 ) -> None:
     """`ppo_fabric.run()` in a notebook or script: the run's one torch and BLAS thread (`torch_threads=1`),
-    its one-line warning format and its quieter Lightning logs stay the run's. The caller's own torch and
-    NumPy work ran on one core after it."""
+    its seeded random generators, its float32 default dtype, its one-line warning format and its quieter
+    Lightning logs stay the run's. The caller's own torch and NumPy work ran on one core after it, a random
+    search drawing values between runs of one seed drew the same values after each, and a caller's float64
+    default dtype failed the run at its first forward."""
     import logging
+    import os
+    import random
     import warnings
 
     import ppo_fabric
@@ -88,8 +92,19 @@ def test_a_python_api_run_gives_its_caller_the_process_back_as_it_was(
 
         monkeypatch.setattr(launch, "prepare", prepare)
     logging.getLogger("lightning_fabric").setLevel(logging.DEBUG)
+    torch.set_default_dtype(torch.float64)
     try:
-        before = (torch.get_num_threads(), blas_threads(), warnings.formatwarning, list(warnings.filters))
+
+        def state() -> tuple:
+            drawn = (
+                random.getstate(),
+                np.random.get_state()[1].tolist(),
+                torch.random.get_rng_state().tolist(),
+            )
+            threads = torch.get_num_threads(), blas_threads()
+            return (*threads, *drawn, torch.get_default_dtype(), os.environ.get("PL_GLOBAL_SEED"))
+
+        before = (*state(), warnings.formatwarning, list(warnings.filters))
         overrides = ["algo.total_steps=128", "env.num_envs=2", "algo.rollout_steps=64", "algo.minibatch_size=64",
                      "eval.every=0", "logger=none", f"hydra.run.dir={tmp_path}"]  # fmt: skip
         if ends == "returns":
@@ -97,8 +112,8 @@ def test_a_python_api_run_gives_its_caller_the_process_back_as_it_was(
         else:
             with pytest.raises(ConfigError, match="refused by the checks"):
                 ppo_fabric.run(overrides)
-        after = (torch.get_num_threads(), blas_threads(), warnings.formatwarning, list(warnings.filters))
-        assert after == before
+        assert (*state(), warnings.formatwarning, list(warnings.filters)) == before
         assert logging.getLogger("lightning_fabric").level == logging.DEBUG
     finally:
         logging.getLogger("lightning_fabric").setLevel(logging.NOTSET)
+        torch.set_default_dtype(torch.float32)

@@ -135,6 +135,33 @@ def test_a_policy_trained_without_masks(tmp_path: Path) -> None:
     env.close()
 
 
+@pytest.mark.parametrize("recurrent", [False, True])
+def test_a_float64_default_dtype_is_the_callers_own(tmp_path: Path, recurrent: bool) -> None:
+    """A notebook's `torch.set_default_dtype(torch.float64)`: the policy loads and acts in float32 as the
+    run trained it (its model was built in float64 and every predict failed, "mat1 and mat2 must have the
+    same dtype"), and the caller's default stays float64."""
+    env = gym.make("CartPole-v1")
+    lstm = LSTM if recurrent else []
+    path = _write(
+        tmp_path / "p.ckpt",
+        ["env.id=CartPole-v1", *lstm],
+        {"main": (env.observation_space, env.action_space)},
+    )
+    obs = np.random.default_rng(3).normal(size=(4, 4))
+    want, want_state = ppo_fabric.load_policy(path).predict(obs.astype(np.float32))
+    torch.set_default_dtype(torch.float64)
+    try:
+        policy = ppo_fabric.load_policy(path)
+        assert next(policy.model.parameters()).dtype == torch.float32
+        actions, state = policy.predict(obs, policy.initial_state(4))  # float64 observations too
+        assert torch.get_default_dtype() == torch.float64
+    finally:
+        torch.set_default_dtype(torch.float32)
+    np.testing.assert_array_equal(actions, want)
+    assert (state is None) == (not recurrent) and (state is None or state.dtype == want_state.dtype)
+    env.close()
+
+
 def test_recurrent_state_is_carried_by_the_caller(tmp_path: Path) -> None:
     env = gym.make("CartPole-v1")
     path = _write(
