@@ -224,6 +224,8 @@ class Policy:
                 "Policy.predict: give the game's observation['observation'], with "
                 "action_mask=observation['action_mask'], not the dict"
             )
+        if isinstance(observation, torch.Tensor):  # a tensor with a grad or on a GPU: NumPy refused it
+            observation = observation.detach().cpu()
         array = np.asarray(observation)
         single = array.shape == self._shape
         if single:

@@ -37,6 +37,8 @@ def test_feed_forward_one_observation_or_a_batch(tiny_run: Path) -> None:
     np.testing.assert_array_equal(actions, _act(policy, obs))
     one, _ = policy.predict(obs[2])
     assert one.shape == () and int(one) == actions[2]
+    from_a_graph = torch.as_tensor(obs).requires_grad_()  # a user's tensor with a grad: taken as its values
+    np.testing.assert_array_equal(policy.predict(from_a_graph)[0], actions)
     assert (
         ppo_fabric.load_policy(tiny_run / "checkpoints" / "last.ckpt").predict(obs)[0].tolist()
         == actions.tolist()
