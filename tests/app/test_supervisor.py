@@ -15,6 +15,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -388,7 +389,9 @@ def test_resume_auto_starts_fresh_then_continues(tmp_path: Path) -> None:
     assert steps == [256, 512, 768, 1024], "the second run continued where the first stopped"
 
 
-def test_a_resume_keeps_the_runs_own_threads_restarts_and_timeouts(tmp_path: Path) -> None:
+def test_a_resume_keeps_the_runs_own_threads_restarts_and_timeouts(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """`torch_threads`, `restarts`, `collectives.timeout` and `stall_timeout` are the run's own on resume,
     as every other key: the supervisor and the process's threads once took the command line's defaults
     (a run started with restarts=3 and resumed without repeating it had no restarts left)."""
@@ -422,12 +425,22 @@ def test_a_resume_keeps_the_runs_own_threads_restarts_and_timeouts(tmp_path: Pat
     assert (
         run_config(again, tmp_path / "second", [*given, "restarts=1"]).restarts == 1
     )  # what a resume may change, it changes
+    from ppo_fabric.app import launch
+
+    seen: list[int] = []
+    launch_run = launch.launch
+
+    def launching(*a: Any, **kw: Any) -> dict[str, Any]:
+        seen.append(torch.get_num_threads())  # the threads the run trains with
+        return launch_run(*a, **kw)
+
+    monkeypatch.setattr(launch, "launch", launching)
     torch.set_num_threads(1)
     try:
         ppo_fabric.run(
             [*args, f"resume={last}", "algo.total_steps=512", f"hydra.run.dir={tmp_path / 'second'}"]
         )
-        assert torch.get_num_threads() == 2
+        assert seen == [2] and torch.get_num_threads() == 1, "the run's own threads, then the caller's"
     finally:
         torch.set_num_threads(1)
 
