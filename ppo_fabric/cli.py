@@ -6,7 +6,9 @@ and `ppo_fabric.run([...])`, the run in-process. Every path trains through one `
 
 from __future__ import annotations
 
+import functools
 import json
+import math
 import os
 import sys
 import traceback
@@ -60,6 +62,37 @@ def train(
     from ppo_fabric.app import launch
 
     return launch.train(cfg, strategy_of, run_dir, overrides, python_api=python_api)
+
+
+def unpartial(env: Any) -> tuple[Any, dict[str, str]]:
+    """(the factory, its keyword arguments as override values) for `functools.partial(factory, k=v)`: the
+    keywords become `env.kwargs`, which every process and `load_policy` pass to the factory as a command
+    line's `+env.kwargs.k=v` are. Positional arguments, and values no config can hold, are refused."""
+    if not isinstance(env, functools.partial):
+        return env, {}
+    inner, kwargs = unpartial(env.func)
+    if env.args:
+        raise ConfigError(
+            f"env={env!r}: give the partial's arguments as keywords; they reach the factory as env.kwargs"
+        )
+    for name, value in env.keywords.items():
+        kwargs[name] = _override_literal(env, name, value)
+    return inner, kwargs
+
+
+def _override_literal(env: Any, name: str, value: Any) -> str:
+    if isinstance(value, list | tuple) and not isinstance(value, str):
+        return "[" + ",".join(_override_literal(env, name, v) for v in value) + "]"
+    if value is None or isinstance(value, bool):
+        return {None: "null", True: "true", False: "false"}[value]
+    if isinstance(value, int | float) and math.isfinite(value):
+        return repr(value)
+    if isinstance(value, str):
+        return quoted(value)
+    raise ConfigError(
+        f"env={env!r}: {name}={value!r} cannot be written in the run's config (a number, a string, a bool, "
+        "None or a list of them can); build it inside the factory"
+    )
 
 
 def env_reference(env: Any) -> str:
@@ -119,7 +152,9 @@ def _run_here(overrides: list[str], env: Any) -> dict[str, Any]:
         given = [o for o in overrides if o.lstrip("+~").split("=", 1)[0] == "env.id"]
         if given:  # the env argument won silently
             raise ConfigError(f"run() was given both env={env!r} and {given[0]}; pass one of them")
-        overrides.append(f"env.id={quoted(env_reference(env))}")
+        factory, kwargs = unpartial(env)
+        overrides.append(f"env.id={quoted(env_reference(factory))}")
+        overrides.extend(f"+env.kwargs.{name}={value}" for name, value in kwargs.items())
     overrides = settled_overrides(overrides)
     cfg, run_dir = compose(overrides)
     check_values(cfg)

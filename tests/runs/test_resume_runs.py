@@ -9,6 +9,7 @@ Each test would have failed on the rules before: the resume rebuilt the config f
 
 from __future__ import annotations
 
+import functools
 import json
 import traceback
 from pathlib import Path
@@ -151,6 +152,26 @@ def test_an_env_factory_from_python(tmp_path: Path) -> None:
         _run(tmp_path / "both", "env.id=CartPole-v1", env=factory_envs.short_cartpole)
     with pytest.raises(ConfigError, match=r"list of strings, e.g. run\(\['algo.total_steps=512'\]\)"):
         ppo_fabric.run("algo.total_steps=512")  # type: ignore[arg-type]
+
+
+def test_a_partial_env_factory_from_python(tmp_path: Path) -> None:
+    """`env=functools.partial(factory, k=v)`, the usual way to hand an env its options: the keywords become
+    `env.kwargs` (as `+env.kwargs.k=v` on a command line), so the run's other processes, a resume and
+    `load_policy` build the same env. It was refused as not a module-level function."""
+    env = functools.partial(factory_envs.short_cartpole, limit=20, render_mode=None)
+    summary = _run(tmp_path / "run", "algo.total_steps=512", env=env)
+    assert summary["env_id"] == "tests.envs.factory_envs:short_cartpole"
+    config = yaml.safe_load((tmp_path / "run" / "config.yaml").read_text())
+    assert config["env"]["kwargs"] == {"limit": 20, "render_mode": None}
+    built = ppo_fabric.load_policy(tmp_path / "run").make_env(trust_env=True)
+    assert built.spec.max_episode_steps == 20
+    built.close()
+    literal = functools.partial(factory_envs.short_cartpole, a="it's", b=[1, 2.5, True], c=False, d=-3)
+    assert cli.unpartial(literal)[1] == {"a": "'it\\'s'", "b": "[1,2.5,true]", "c": "false", "d": "-3"}
+    with pytest.raises(ConfigError, match="give the partial's arguments as keywords"):
+        _run(tmp_path / "positional", env=functools.partial(factory_envs.short_cartpole, 20))
+    with pytest.raises(ConfigError, match=r"limit=<object .*> cannot be written in the run's config"):
+        _run(tmp_path / "object", env=functools.partial(factory_envs.short_cartpole, limit=object()))
 
 
 def test_a_resume_auto_with_the_env_id_keeps_the_runs_own_values(tmp_path: Path) -> None:
