@@ -280,6 +280,7 @@ class _Rule:
     low: float | None = None  # inclusive unless strict
     high: float | None = None
     strict_low: bool = False
+    strict_high: bool = False
     optional: bool = False  # null allowed (it means off, or the env's own)
     absent_ok: bool = False  # the key may be missing (another config group), but never null
 
@@ -301,7 +302,8 @@ _RULES = (
     _Rule("algo.adam_eps", float, 0, strict_low=True),
     _Rule("algo.gamma", float, 0, 1),
     _Rule("algo.gae_lambda", float, 0, 1),
-    _Rule("algo.clip_coef", float, 0, strict_low=True),
+    # 1 - clip_coef <= 0 leaves a falling ratio unclipped (and the value clip, when on, as wide)
+    _Rule("algo.clip_coef", float, 0, 1, strict_low=True, strict_high=True),
     _Rule("algo.vf_coef", float, 0),
     _Rule("algo.ent_coef", float, 0),
     _Rule("algo.max_grad_norm", float, 0),
@@ -389,10 +391,15 @@ def _check_number(cfg: DictConfig, rule: _Rule) -> None:
     bound = ""
     if rule.low is not None and (value <= rule.low if rule.strict_low else value < rule.low):
         bound = f"> {shown(rule.low)}" if rule.strict_low else f">= {shown(rule.low)}"
-    if rule.high is not None and value > rule.high:
-        bound = f"<= {shown(rule.high)}"
+    if rule.high is not None and (value >= rule.high if rule.strict_high else value > rule.high):
+        bound = f"< {shown(rule.high)}" if rule.strict_high else f"<= {shown(rule.high)}"
     if bound:
-        span = f"in [{shown(rule.low or 0)}, {shown(rule.high)}]" if rule.high is not None else bound
+        opening, closing = "(" if rule.strict_low else "[", ")" if rule.strict_high else "]"
+        span = (
+            f"in {opening}{shown(rule.low or 0)}, {shown(rule.high)}{closing}"
+            if rule.high is not None
+            else bound
+        )
         raise ConfigError(f"{rule.key}={value} is out of range; it must be {span}")
 
 

@@ -94,6 +94,9 @@ CASES: list[Any] = [
     pytest.param(["algo.gamma=-0.1"], ["algo.gamma=-0.1", "[0, 1]"], id="gamma-neg"),
     pytest.param(["algo.gae_lambda=2"], ["algo.gae_lambda=2", "[0, 1]"], id="gae-lambda-high"),
     pytest.param(["algo.gae_lambda=-0.5"], ["algo.gae_lambda=-0.5", "[0, 1]"], id="gae-lambda-neg"),
+    # 1 - clip_coef <= 0: a falling ratio went unclipped, and the run trained without a word
+    pytest.param(["algo.clip_coef=1"], ["algo.clip_coef=1", "out of range", "(0, 1)"], id="clip-coef-1"),
+    pytest.param(["algo.clip_coef=0"], ["algo.clip_coef=0", "out of range", "(0, 1)"], id="clip-coef-0"),
     # numbers: type
     pytest.param(["algo.lr=abc"], ["algo.lr='abc'", "must be a finite number"], id="lr-not-number"),
     pytest.param(
