@@ -94,6 +94,12 @@ CASES: list[Any] = [
     pytest.param(["algo.gamma=-0.1"], ["algo.gamma=-0.1", "[0, 1]"], id="gamma-neg"),
     pytest.param(["algo.gae_lambda=2"], ["algo.gae_lambda=2", "[0, 1]"], id="gae-lambda-high"),
     pytest.param(["algo.gae_lambda=-0.5"], ["algo.gae_lambda=-0.5", "[0, 1]"], id="gae-lambda-neg"),
+    # V-trace applies in the recomputation the refresh turns off: the run went on without either
+    pytest.param(
+        ["algo.lag_vtrace=true", "algo.lag_refresh_advantages=false"],
+        ["algo.lag_vtrace=true", "algo.lag_refresh_advantages=false turns off"],
+        id="vtrace-without-refresh",
+    ),
     # 1 - clip_coef <= 0: a falling ratio went unclipped, and the run trained without a word
     pytest.param(["algo.clip_coef=1"], ["algo.clip_coef=1", "out of range", "(0, 1)"], id="clip-coef-1"),
     pytest.param(["algo.clip_coef=0"], ["algo.clip_coef=0", "out of range", "(0, 1)"], id="clip-coef-0"),
