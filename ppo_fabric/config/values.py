@@ -547,7 +547,8 @@ def check_layout(cfg: DictConfig, world: int) -> None:
             f"each player's batch of {per_collector} samples (algo.rollout_steps*env.num_envs) cannot be "
             f"split evenly over {layout.trainers} trainers; change env.num_envs or algo.rollout_steps"
         )
-    if bool(cfg.algo.lag_vtrace) and not bool(cfg.algo.lag_refresh_advantages):  # the run went on without them
+    # V-trace without the recomputation it applies in: the run went on without either, silently
+    if bool(cfg.algo.lag_vtrace) and not bool(cfg.algo.lag_refresh_advantages):
         raise ConfigError(
             "algo.lag_vtrace=true applies V-trace where a lagged batch's advantages are recomputed, which "
             "algo.lag_refresh_advantages=false turns off; set that true or drop algo.lag_vtrace"
