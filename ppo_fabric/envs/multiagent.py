@@ -274,6 +274,13 @@ class MultiAgentVectorEnv:
                     self._returns[p][row], self._lengths[p][row] = 0.0, 0
                     if agent in next_obs:
                         final_obs[p][row] = next_obs[agent]
+                    elif trunc[p][row] and not term[p][row]:
+                        # its return is bootstrapped from that observation
+                        raise ValueError(
+                            f"env {e}, agent {agent!r}: truncated without an observation of where it stopped, "
+                            "which its return is bootstrapped from (a parallel env's step returns one for "
+                            "every agent that acted)"
+                        )
             if env.agents:
                 self._write_obs(obs, e, {a: next_obs[a] for a in env.agents if a in next_obs})
                 live = env.agents

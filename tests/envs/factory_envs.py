@@ -58,3 +58,17 @@ def misshapen_teams(**kwargs: Any) -> Any:
             return (obs, *rest)
 
     return Misshapen(**kwargs)
+
+
+def unobserved_truncation(**kwargs: Any) -> Any:
+    """matching_v0 cut by its time limit (`truncate=True`) whose last step returns no observations."""
+    from ppo_fabric.envs.toy_multiagent import MatchingGame
+
+    class Unobserved(MatchingGame):
+        def step(self, actions: Any) -> Any:
+            obs, rewards, terminations, truncations, infos = super().step(actions)
+            if any(truncations.values()):
+                obs = {}
+            return obs, rewards, terminations, truncations, infos
+
+    return Unobserved(truncate=True, episode_length=4, **kwargs)

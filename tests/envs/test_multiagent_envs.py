@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Callable
+from pathlib import Path
 
 import numpy as np
 import pytest
 
+import ppo_fabric
 from ppo_fabric.envs.toy_multiagent import MatchingGame, TeamsGame, matching_v0, teams_v0
 
 with warnings.catch_warnings():
@@ -227,3 +229,14 @@ def test_an_agents_observation_of_another_shape_names_the_agent() -> None:
     with pytest.raises(ValueError, match=r"^env 0, agent 'agent_0': an observation of shape \(4,\) where its "
                                          r"observation_space has \(3,\)$"):  # fmt: skip
         make_multiagent_vector_env(cfg.env, cfg.multiagent, 0, 0)
+
+
+def test_an_agent_truncated_without_its_last_observation_is_named(tmp_path: Path) -> None:
+    """Its return is bootstrapped from that observation: the rollout's bootstrap failed with NumPy's
+    "can't convert np.ndarray of type numpy.object_" and a traceback."""
+    from ppo_fabric.config.faults import RunFault
+
+    with pytest.raises(RunFault, match=r"env 0, agent 'agent_0': truncated without an observation of where"):
+        ppo_fabric.run(["env=pettingzoo", "env.id=tests.envs.factory_envs:unobserved_truncation", "env.num_envs=1",
+                        "algo.rollout_steps=16", "algo.minibatch_size=16", "algo.total_steps=64", "eval.every=0",
+                        "logger=none", f"hydra.run.dir={tmp_path}"])  # fmt: skip
