@@ -44,7 +44,7 @@ from ppo_fabric.runs import lock as run_lock
 from ppo_fabric.runs.continuation import describe
 from ppo_fabric.runs.metrics import close_after_failure
 from ppo_fabric.runs.session import STOP, Stopped
-from ppo_fabric.runs.watchdog import Watchdog
+from ppo_fabric.runs.watchdog import Stalled, Watchdog
 from ppo_fabric.wire.placement import small_model_warning
 from ppo_fabric.wire.progress import PROGRESS
 from ppo_fabric.wire.protocol import end_process_group
@@ -237,10 +237,18 @@ def launch(
     seed_everything(rank_seed(int(cfg.seed), fabric.global_rank), verbose=False)
     PROGRESS.label = f"rank {fabric.global_rank}"  # the decoupled strategy names the role too
     stall_s = float(cfg.stall_timeout or 0)
-    watchdog = Watchdog(run_dir, stall_s, fabric.world_size).start()
+    watchdog = Watchdog(run_dir, stall_s, fabric.world_size)
+    if caller_owns_process and fabric.world_size == 1 and stall_s > 0:
+        watchdog.interrupting()  # a stall raised to the caller: a notebook's kernel lives on
+    watchdog.start()
     try:
         with STOP.installed(), held:
             summary = main(fabric, cfg, run_dir)
+    except Stalled as stall:
+        watchdog.stop()
+        end_env_workers()
+        close_after_failure()
+        raise RunFault(str(stall)) from None
     except Stopped as stop:
         if fabric.global_rank == 0:
             os.write(2, f"ppo-fabric: {stop}; {stop.continuation(run_dir)}\n".encode())

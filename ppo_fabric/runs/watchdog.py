@@ -21,6 +21,8 @@ mark in the stall directory), and a launcher child ending the job this way leave
 A collective that times out goes through `collective_timeout`: the waiting rank asks every process for
 its stacks and names the busy rank that has gone longest without progress, instead of gloo's message.
 The thread cannot run while C code holds the GIL for ever; such a hang is left to `collectives.timeout`.
+An in-process run (`ppo_fabric.run()`, `interrupting`) raises its stall in its main thread instead of
+ending the process its caller owns.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ import contextlib
 import faulthandler
 import json
 import os
+import signal
 import sys
 import threading
 import time
@@ -44,6 +47,15 @@ POLL_S = 1.0
 SETTLE_S = 3.0  # how long the claiming process waits for the others' stacks before it leaves
 SAID = ".said"  # in the stall directory: the claiming process has printed the job's line
 CAUSE_SAID = ".cause-said"  # in the run directory: a process of this attempt has printed the job's cause
+# Raises the stall into an in-process run's main thread: ignored by default, so one that arrives after the
+# run has put its handler back does nothing, and used by nothing else a Python program normally runs.
+STALL_SIGNAL = signal.SIGURG
+
+
+class Stalled(BaseException):
+    """Raised in the main thread of an in-process run (`ppo_fabric.run()`) that stalled: a BaseException,
+    so that no env's failure handler (`env.on_error=restart`) takes it for the env's own error. The run
+    raises it to its caller as a `RunFault` with the watchdog's line."""
 
 
 def seconds_text(seconds: float) -> str:
@@ -76,6 +88,8 @@ class Watchdog:
         self._thread: threading.Thread | None = None
         self.answered: str | None = None  # the stall directory this process wrote its stacks into
         self.claimed: Path | None = None  # the stall directory this process claimed, when it did
+        self._stalled: str | None = None  # the line an in-process run's main thread raises (`interrupting`)
+        self._handler: object = None  # STALL_SIGNAL's handler before `interrupting`, put back by `stop`
 
     # ------------------------------------------------------------------------------------------- life
     def start(self) -> Watchdog:
@@ -85,8 +99,21 @@ class Watchdog:
             self._thread.start()
         return self
 
+    def interrupting(self) -> Watchdog:
+        """An in-process run's (its caller owns the process, a notebook's kernel): a stall is raised in the
+        main thread as `Stalled` instead of ending the process. Call from the main thread."""
+        self._handler = signal.signal(STALL_SIGNAL, self._raise_stall)
+        return self
+
+    def _raise_stall(self, _signum: int, _frame: object) -> None:
+        if self._stalled is not None and not self._stop.is_set():
+            raise Stalled(self._stalled)
+
     def stop(self) -> None:
         self._stop.set()
+        if self._handler is not None and threading.current_thread() is threading.main_thread():
+            signal.signal(STALL_SIGNAL, self._handler)  # type: ignore[arg-type]
+            self._handler = None
 
     def _watch(self) -> None:
         while not self._stop.wait(POLL_S):
@@ -217,9 +244,21 @@ class Watchdog:
             self.leave(FAULT_EXIT)
         self._answer(target, note=line)
         self._others(target)
+        if self._handler is not None and self._interrupt_main(f"{line}; stacks in {target}"):
+            return  # the run raised it to its caller, whose process goes on
         os.write(2, f"ppo-fabric: error: {line}; stacks in {target}\n".encode())
         self.spoke()
         self.leave(fault_status(self.run_dir, f"{line}; stacks in {target}"))
+
+    def _interrupt_main(self, line: str) -> bool:
+        """Raise `line` in the main thread (`interrupting`): a signal's handler runs there at its next
+        Python instruction, and a wait in a system call (a sleep, a pipe) ends for it. Whether the run
+        ended within SETTLE_S + 5 s (C code holding the GIL never lets the handler run: the process then
+        ends as a command-line run's would)."""
+        self._stalled = line
+        with contextlib.suppress(OSError, ValueError):
+            signal.pthread_kill(threading.main_thread().ident or 0, STALL_SIGNAL)
+        return self._stop.wait(SETTLE_S + 5.0)
 
     def collective_timeout(self, cause: str) -> str | None:
         """A collective of this rank timed out: ask every process for its stacks and name the one stuck

@@ -6,8 +6,10 @@ the multi-process cases are in tests/strategies/test_faults_distributed.py."""
 from __future__ import annotations
 
 import math
+import signal
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -15,12 +17,14 @@ import pytest
 import torch
 
 import ppo_fabric
+from ppo_fabric.config.faults import RunFault
 from ppo_fabric.config.values import compose
 from ppo_fabric.envs.guard import EnvFault
 from ppo_fabric.learn.update import UpdateDiverged
 from ppo_fabric.runs import checkpoint as ckpt
 from ppo_fabric.runs.metrics_file import read_rows, series
 from ppo_fabric.runs.session import CheckpointFault, RunSession
+from ppo_fabric.runs.watchdog import STALL_SIGNAL
 
 # 4 envs x 32 steps: 128 env steps an update, each env's 32nd, 64th, 96th... step ends one
 SMALL = [
@@ -72,6 +76,25 @@ def test_restart_mode_rebuilds_failing_envs_and_counts_them(tmp_path: Path) -> N
     restarts = [v for _, v in series(read_rows(tmp_path / "metrics.csv"), "env/restarts")]
     assert restarts[-1] == 8 and restarts == sorted(restarts)
     _finite(tmp_path / "checkpoints" / "last.ckpt")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("vector", ["sync", "async"])
+def test_a_stall_in_process_is_raised_to_the_caller(tmp_path: Path, vector: str) -> None:
+    """`ppo_fabric.run()` in a notebook: an env step that never returns (in this process, or in an async
+    env's worker, the main thread waiting on its pipe) ends the run as a RunFault naming where it stood,
+    with the stacks written, and the caller's process goes on. It ended the process, a notebook's kernel
+    with it (its one line on the kernel's own stderr, not the notebook's), even with env.on_error=restart."""
+    threads = set(threading.enumerate())
+    with pytest.raises(
+        RunFault, match=r"^rank 0: no progress for .* s, in env\.step \(.* \(stall_timeout=2\); "
+    ):
+        _run(tmp_path, FAULTY, "+env.kwargs.fault=hang", "+env.kwargs.after=20", "stall_timeout=2",
+             f"env.vector={vector}", "env.on_error=restart", "eval.every=0")  # fmt: skip
+    assert len(list(tmp_path.glob("stall-*/rank-0.txt"))) == 1
+    assert set(threading.enumerate()) == threads  # the watchdog ended (and the async env's workers)
+    assert signal.getsignal(STALL_SIGNAL) == signal.SIG_DFL  # as before the run
+    assert _run(tmp_path / "next", "eval.every=0")["total_env_steps"] == 1024
 
 
 @pytest.mark.slow
