@@ -540,6 +540,11 @@ def check_layout(cfg: DictConfig, world: int) -> None:
                 f"algo.players={cfg.algo.players} leaves no trainer among {world} processes; "
                 f"use algo.players<={world - 1} or more fabric.devices"
             )
+    elif cfg.algo.players != 1:  # the run went on with every process collecting, without a word
+        raise ConfigError(
+            f"algo.players={cfg.algo.players} counts the player processes of strategy=decoupled; in a "
+            "coupled run every process collects and trains (add strategy=decoupled, or drop algo.players)"
+        )
     layout = training_layout(cfg, world)
     per_collector = cfg.algo.rollout_steps * cfg.env.num_envs
     if cfg.strategy == "decoupled" and per_collector % layout.trainers:

@@ -94,6 +94,8 @@ CASES: list[Any] = [
     pytest.param(["algo.gamma=-0.1"], ["algo.gamma=-0.1", "[0, 1]"], id="gamma-neg"),
     pytest.param(["algo.gae_lambda=2"], ["algo.gae_lambda=2", "[0, 1]"], id="gae-lambda-high"),
     pytest.param(["algo.gae_lambda=-0.5"], ["algo.gae_lambda=-0.5", "[0, 1]"], id="gae-lambda-neg"),
+    # a coupled run has no player processes: it trained with every process collecting, without a word
+    pytest.param(["algo.players=3"], ["algo.players=3", "strategy=decoupled"], id="players-coupled"),
     # V-trace applies in the recomputation the refresh turns off: the run went on without either
     pytest.param(
         ["algo.lag_vtrace=true", "algo.lag_refresh_advantages=false"],
