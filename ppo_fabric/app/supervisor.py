@@ -106,8 +106,9 @@ def last_logged_step(metrics_csv: Path) -> int | None:
     return int(steps[-1][0]) if steps else None
 
 
-def record_restarts(summary_json: Path, restarts: int, redone: int) -> None:
-    """Add the restarts and the env steps trained twice to the run's summary, keeping its other keys."""
+def record_restarts(summary_json: Path, restarts: int, redone: int | None) -> None:
+    """Add the restarts and the env steps trained twice (None: not known, no metrics.csv to tell) to the
+    run's summary, keeping its other keys."""
     if not summary_json.is_file():
         return
     summary = json.loads(summary_json.read_text())
@@ -326,12 +327,13 @@ def _attempts(cfg: DictConfig, run_dir: Path, invocation: Invocation) -> int:
     flags = invocation.flags
     base = with_override(list(invocation.overrides), "hydra.run.dir", run_dir)
     job = Job(run_dir, job_stop_timeout(cfg))
-    attempt, restarts, redone = base, 0, 0
+    attempt, restarts = base, 0
+    known: int | None = 0  # the env steps trained twice, while metrics.csv can tell
     started = time.time()  # a checkpoint older than this is not the job's own (another branch, a past job)
     while True:
         status = job.run([*flags, *attempt])
         if status == 0:
-            record_restarts(run_dir / "summary.json", restarts, redone)
+            record_restarts(run_dir / "summary.json", restarts, known)
             return 0
         if job.stop_signal is not None or status in SIGNAL_STOPS:
             return status
@@ -350,7 +352,11 @@ def _attempts(cfg: DictConfig, run_dir: Path, invocation: Invocation) -> int:
         if found is not None and found[0].stat().st_mtime < started:
             found = None  # the job wrote none yet: what the directory holds may be another lineage's
         resumed_at = found[1] if found is not None else _start_step(cfg)
-        redone += max((last_logged_step(run_dir / "metrics.csv") or 0) - resumed_at, 0)
+        metrics = run_dir / "metrics.csv"
+        # without metrics.csv (logger=none, logger.csv=false) how far the attempt came is not known: 0 said
+        # nothing was trained twice
+        reached = (last_logged_step(metrics) or 0) if metrics.is_file() else None
+        known = None if known is None or reached is None else known + max(reached - resumed_at, 0)
         if found is None:
             attempt = base  # the user's own `resume` (or none), as the job started
             where = "as it started (it wrote no checkpoint yet)"

@@ -599,3 +599,31 @@ def test_a_signal_during_start_up_ends_a_launcher_child_quietly_with_0(
     finally:
         for s, h in saved.items():
             signals.signal(s, h)
+
+
+@pytest.mark.parametrize("csv", [True, False])
+def test_steps_trained_twice_are_not_known_without_metrics_csv(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, csv: bool
+) -> None:
+    """A restart's `env_steps_redone` is read from metrics.csv's last row: with `logger=none` (no file)
+    the summary said 0, as if nothing had been trained twice; it is null, not known."""
+    from omegaconf import OmegaConf
+
+    from ppo_fabric.app.hydra_app import Invocation
+    from ppo_fabric.config.faults import FAULT_EXIT
+    from ppo_fabric.runs import resume
+
+    summary = tmp_path / "summary.json"
+    statuses = iter([FAULT_EXIT, 0])
+
+    def run(self: object, args: list[str]) -> int:  # the job's attempts: the first fails at env step 384
+        if csv and not (tmp_path / "metrics.csv").exists():
+            (tmp_path / "metrics.csv").write_text("step,loss\n128,1.0\n384,1.0\n")
+        summary.write_text(json.dumps({"total_env_steps": 512}))
+        return next(statuses)
+
+    monkeypatch.setattr(supervisor.Job, "run", run)
+    monkeypatch.setattr(resume, "newest_checkpoint", lambda *_: None)  # it wrote none: a restart from 0
+    cfg = OmegaConf.create({"restarts": 1, "resume": None, "collectives": {"timeout": 1}, "stall_timeout": 1})
+    assert supervisor._attempts(cfg, tmp_path, Invocation(overrides=[])) == 0
+    assert json.loads(summary.read_text())["env_steps_redone"] == (384 if csv else None)
