@@ -29,7 +29,7 @@ from tensordict import TensorDict
 
 from ppo_fabric.envs.guard import find_nonfinite
 from ppo_fabric.envs.normalize import RunningMoments
-from ppo_fabric.models.agent import ActorCritic, float32_default
+from ppo_fabric.models.agent import ActorCritic, float32_calls
 from ppo_fabric.runs import checkpoint as ckpt
 
 
@@ -127,13 +127,13 @@ class Policy:
 
         return act
 
-    @float32_default()
+    @float32_calls
     def initial_state(self, batch: int = 1) -> np.ndarray | None:
         """The recurrent state a fresh episode starts from, [batch, *state_shape] (None: feed-forward)."""
         state = self.model.initial_state(batch)
         return None if state is None else state.numpy()
 
-    @float32_default()
+    @float32_calls
     def predict(
         self,
         observation: Any,
