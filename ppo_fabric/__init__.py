@@ -29,7 +29,8 @@ def run(overrides: list[str], env: Any = None) -> dict[str, Any]:
     (bad env data, a diverged update, a checkpoint that could not be written), its message one line. With
     `resume=auto` and a fixed `hydra.run.dir` the call can be repeated: it continues the run, or returns the
     finished run's summary. SIGINT (Ctrl+C, a notebook's interrupt) stops a one-process run at its next
-    update boundary with a checkpoint and raises KeyboardInterrupt here; SIGTERM raises SystemExit(143)."""
+    update boundary with a checkpoint and raises KeyboardInterrupt here; SIGTERM raises SystemExit(143) (SIGHUP,
+    SIGUSR1/2: 128 + N)."""
     from ppo_fabric.cli import run as _run
     from ppo_fabric.config.values import ConfigError
 

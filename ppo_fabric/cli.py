@@ -25,7 +25,7 @@ from ppo_fabric.app.hydra_app import Invocation, answer_check, run_app, settled_
 from ppo_fabric.app.process import end_process, stop_quietly_during_startup
 from ppo_fabric.compat.imports import skip_torchmetrics_probe
 from ppo_fabric.config.arguments import fail
-from ppo_fabric.config.faults import FAULT_EXIT, RunComplete, RunFault
+from ppo_fabric.config.faults import FAULT_EXIT, SIGNAL_STOPS, RunComplete, RunFault
 from ppo_fabric.config.tuned import quoted
 from ppo_fabric.config.values import (
     ConfigError,
@@ -206,10 +206,11 @@ def _run_processes(cfg: DictConfig, overrides: list[str], run_dir: Path) -> dict
         return json.loads(summary.read_text()) if summary.is_file() else {}
     if status == 2:
         raise ConfigError(said or "the job refused its config (exit 2)")
-    if status == 128 + signal.SIGTERM:
-        raise SystemExit(status)
     if status == 128 + signal.SIGINT:
         raise KeyboardInterrupt(said)
+    # SIGTERM, SIGHUP, SIGUSR1/2: the job stopped with a checkpoint; end as the process would
+    if status in SIGNAL_STOPS:
+        raise SystemExit(status)
     raise RunFault(said or f"the job ended with exit status {status}")
 
 

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import IO, Any
 
 from ppo_fabric.app.supervisor import CALLER_PID_ENV, SUPERVISED_ENV, SUPERVISOR_PID_ENV, exit_status
+from ppo_fabric.config.faults import STOP_SIGNALS
 from ppo_fabric.config.tuned import override_value
 from ppo_fabric.config.values import OWN_RUN_DIR_ENV
 
@@ -159,7 +160,8 @@ def run_attached(overrides: list[str], run_dir: Path, out: IO[str]) -> tuple[int
     written to `sys.stdout`, not what the job's processes write to their file descriptors); returns its
     exit status and its `ppo-fabric:` lines. A KeyboardInterrupt stops the job as a terminal's Ctrl+C
     would (its ranks write their stop checkpoint), a second one kills it; the interrupt is raised once
-    the job has ended. A SIGTERM to this process stops the job too, then raises SystemExit(143); a caller
+    the job has ended. Another stop signal to this process (SIGTERM, SIGHUP, SIGUSR1/2: `STOP_SIGNALS`) stops
+    the job too, then raises SystemExit(128 + N); a caller
     that dies takes the job with it (`supervisor.bind_to_caller`). The job imports what the caller can
     (its `sys.path`: an env factory's module beside the calling script)."""
     path = os.pathsep.join([p for p in sys.path if p] + [os.environ.get("PYTHONPATH", "")]).strip(os.pathsep)
@@ -168,13 +170,15 @@ def run_attached(overrides: list[str], run_dir: Path, out: IO[str]) -> tuple[int
     said: list[str] = []
     terminated: list[int] = []
 
-    def on_sigterm(signum: int, _frame: Any) -> None:
+    def on_stop(signum: int, _frame: Any) -> None:
         terminated.append(signum)
-        job.stop(signal.SIGTERM)
+        job.stop(signum)
 
-    previous = None
+    previous: dict[int, Any] = {}
     with contextlib.suppress(ValueError):  # not the main thread: the caller handles its signals
-        previous = signal.signal(signal.SIGTERM, on_sigterm)
+        for signum in STOP_SIGNALS:
+            if signum != signal.SIGINT:  # KeyboardInterrupt, below
+                previous[signum] = signal.signal(signum, on_stop)
 
     def copy() -> None:
         assert job.proc.stdout is not None
@@ -197,11 +201,11 @@ def run_attached(overrides: list[str], run_dir: Path, out: IO[str]) -> tuple[int
                 interrupted = True
                 job.stop(signal.SIGINT)  # a second interrupt: `stop` kills
     finally:
-        if previous is not None:
-            signal.signal(signal.SIGTERM, previous)
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
     copier.join(timeout=5)
     if interrupted:
         raise KeyboardInterrupt(said[-1] if said else "the job was interrupted")
     if terminated:
-        raise SystemExit(128 + signal.SIGTERM)
+        raise SystemExit(128 + terminated[0])
     return status, said

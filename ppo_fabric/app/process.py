@@ -12,7 +12,8 @@ import sys
 import warnings
 from typing import NoReturn
 
-from ppo_fabric.config.faults import launcher_child
+from ppo_fabric.compat.linux import drop_hung_up_terminal
+from ppo_fabric.config.faults import STOP_SIGNALS, launcher_child
 
 
 def one_line_warnings(
@@ -73,6 +74,8 @@ def stop_quietly_during_startup() -> None:
 
     def handler(signum: int, _frame: object) -> None:
         name = signal.Signals(signum).name
+        if signum == signal.SIGHUP:
+            drop_hung_up_terminal()
         if launcher_child():  # its 128+N got its node's first process SIGKILLed (137): that one says it
             with contextlib.suppress(OSError):  # and stops too when the signal reached this child alone
                 os.kill(os.getppid(), signum)
@@ -80,7 +83,7 @@ def stop_quietly_during_startup() -> None:
             os.write(2, f"ppo-fabric: stopped by {name} during start-up, before training began\n".encode())
         os._exit(stop_status(signum))
 
-    for signum in (signal.SIGINT, signal.SIGTERM):
+    for signum in STOP_SIGNALS:
         signal.signal(signum, handler)
 
 

@@ -27,8 +27,15 @@ from omegaconf import DictConfig, OmegaConf
 
 from ppo_fabric.app import prestart
 from ppo_fabric.app.process import quiet_libraries
-from ppo_fabric.compat.linux import PR_SET_CHILD_SUBREAPER, die_with_parent, prctl
-from ppo_fabric.config.faults import FAULT_EXIT, SIGNAL_REPEAT_S, failed_child, forget_failed_child
+from ppo_fabric.compat.linux import PR_SET_CHILD_SUBREAPER, die_with_parent, drop_hung_up_terminal, prctl
+from ppo_fabric.config.faults import (
+    FAULT_EXIT,
+    SIGNAL_REPEAT_S,
+    SIGNAL_STOPS,
+    STOP_SIGNALS,
+    failed_child,
+    forget_failed_child,
+)
 from ppo_fabric.config.tuned import override_value
 from ppo_fabric.config.values import OWN_RUN_DIR_ENV, SUPERVISED_ENV, ConfigError, under_fabric_run
 from ppo_fabric.runs import lock
@@ -41,7 +48,6 @@ SUPERVISOR_PID_ENV = "PPO_FABRIC_SUPERVISOR_PID"  # the job's first process only
 CALLER_PID_ENV = (
     "PPO_FABRIC_CALLER_PID"  # a job `ppo_fabric.run()` started: its supervisor dies with the caller
 )
-SIGNAL_STOPS = (130, 143)  # SIGINT / SIGTERM stops: the user or the cluster asked, never restarted
 CONFIG_REFUSED = 2  # a relaunch whose config was refused fails the same way every time
 GRACE_S = 5.0  # how long the job's other processes may outlive its first one before they are killed
 
@@ -124,17 +130,19 @@ class Job:
         ranks finish the rollout and the update, then checkpoint; `job_stop_timeout`)."""
         self.run_dir, self.timeout_s = run_dir, timeout_s
         self.proc: subprocess.Popen[bytes] | None = None
-        self.stop_signal: int | None = None  # the first SIGTERM/SIGINT received
+        self.stop_signal: int | None = None  # the first stop signal received
         self.first_signal_at = 0.0
         self.signals = 0
         self.kill_at: float | None = None  # after a forwarded signal: when waiting longer is pointless
-        for signum in (signal.SIGTERM, signal.SIGINT):
+        for signum in STOP_SIGNALS:
             signal.signal(signum, self._on_signal)
         # (Linux; elsewhere the ranks' own timeouts) ranks orphaned by rank 0's death come back to be reaped here
         self.reaper = prctl(PR_SET_CHILD_SUBREAPER, 1)
 
     def _on_signal(self, signum: int, _frame: FrameType | None) -> None:
         now = time.monotonic()
+        if signum == signal.SIGHUP:
+            drop_hung_up_terminal()
         if signum == self.stop_signal and now - self.first_signal_at < SIGNAL_REPEAT_S:
             return  # the same request delivered twice (the cluster's, and a sweep's or tuner's forward)
         self.signals += 1

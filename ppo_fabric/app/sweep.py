@@ -4,8 +4,9 @@ Lightning relaunches ranks from `sys.argv`, so a job run inside the sweep's proc
 would start ranks that each run the whole sweep, and a rank variable left behind would stall the next job.
 Each job is therefore `python -m ppo_fabric <job overrides> hydra.run.dir=<job dir>` (`jobs.RunProcess`:
 the command a user types, supervisor and all), `n_jobs` at a time. Every job's config is checked before
-the first one starts; a failed job is recorded and the others still run; SIGINT/SIGTERM stop the running
-jobs cleanly (they write their checkpoints) and end the sweep with 130/143. The table (`sweep.csv`,
+the first one starts; a failed job is recorded and the others still run; a stop signal (SIGINT, SIGTERM,
+SIGHUP, SIGUSR1/2) stops the running jobs cleanly (they write their checkpoints) and ends the sweep with
+128 + N. The table (`sweep.csv`,
 `sweep.md`, printed) holds each job's overrides, status, final mean return, steps/s and wall time.
 
 Used by the Hydra launcher plugin `hydra_plugins/ppo_fabric/launcher.py` (`hydra/launcher=ppo_fabric`).
@@ -31,9 +32,10 @@ from hydra.core.utils import JobReturn, JobStatus
 from omegaconf import DictConfig, OmegaConf, open_dict
 
 from ppo_fabric.app.jobs import RunProcess
-from ppo_fabric.app.supervisor import SIGNAL_STOPS, say
+from ppo_fabric.app.supervisor import say
+from ppo_fabric.compat.linux import drop_hung_up_terminal
 from ppo_fabric.config.arguments import fail
-from ppo_fabric.config.faults import RunComplete
+from ppo_fabric.config.faults import SIGNAL_STOPS, STOP_SIGNALS, RunComplete
 from ppo_fabric.config.tuned import quoted, with_tuned_values
 from ppo_fabric.config.values import ConfigError, composer, config_dir, translate_hydra_error
 
@@ -245,11 +247,13 @@ class Sweep:
         running: list[tuple[Job, RunProcess]] = []
 
         def on_signal(signum: int, _frame: FrameType | None) -> None:
+            if signum == signal.SIGHUP:
+                drop_hung_up_terminal()
             stop.append(signum)
             for _, proc in running:  # the first asks each job to stop; a second kills it (its supervisor)
                 proc.stop(signum)
 
-        previous = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+        previous = {s: signal.signal(s, on_signal) for s in STOP_SIGNALS}
         try:
             pending = list(batch)
             while pending or running:

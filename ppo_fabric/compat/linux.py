@@ -6,7 +6,9 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import os
+import select
 import signal
+import stat
 import sys
 
 PR_SET_PDEATHSIG, PR_SET_CHILD_SUBREAPER = 1, 36
@@ -30,3 +32,24 @@ def die_with_parent(parent: int) -> bool:
         os.write(2, f"ppo-fabric: warning: prctl(PR_SET_PDEATHSIG) was refused (errno {ctypes.get_errno()}): "
                     f"this process outlives a parent killed with SIGKILL\n".encode())  # fmt: skip
     return os.getppid() == parent
+
+
+def drop_hung_up_terminal() -> bool:
+    """Point stdout and stderr at /dev/null where they are a terminal that has hung up (its window or ssh
+    session closed: the SIGHUP a run then gets asks it to stop with a checkpoint). Every later write to
+    such a terminal fails with EIO, and the first progress line or `ppo-fabric:` line raised it on the
+    way to that checkpoint. A terminal still there (a `kill -HUP` typed in it) keeps them. Whether any was
+    dropped."""
+    dropped = False
+    for fd in (1, 2):
+        with contextlib.suppress(OSError, ValueError):
+            if not stat.S_ISCHR(os.fstat(fd).st_mode):  # a file or a pipe: not a terminal (isatty fails
+                continue  # once the terminal has hung up)
+            poller = select.poll()
+            poller.register(fd, select.POLLOUT)
+            if any(events & (select.POLLHUP | select.POLLERR) for _, events in poller.poll(0)):
+                null = os.open(os.devnull, os.O_WRONLY)
+                os.dup2(null, fd)
+                os.close(null)
+                dropped = True
+    return dropped

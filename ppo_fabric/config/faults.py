@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import signal
 from pathlib import Path
 
 from ppo_fabric.config.values import SUPERVISED_ENV
@@ -20,6 +21,18 @@ FAULT_EXIT = 1  # the exit status of a run that ended on a fault (a failure the 
 # The same stop signal again within this many seconds is one request delivered twice (a cluster signals every
 # process, and each supervisor forwards it too), not a second request to end at once.
 SIGNAL_REPEAT_S = 2.0
+# The signals that ask a run to stop at its next update boundary with a checkpoint and end with 128 + N, never
+# restarted: Ctrl+C, a cluster's preemption (SIGTERM), a closed terminal or ssh session (SIGHUP), and the
+# warning a scheduler sends ahead of its kill when asked (SLURM's `--signal=USR1@90`, or USR2). Their default
+# action ended the process at once: no checkpoint, no line, a stale lock. A process started with SIGHUP
+# ignored (`nohup`) leaves it ignored, as do the processes it starts: the user asked the run to outlive the
+# terminal.
+_STOPS = tuple(
+    getattr(signal, n) for n in ("SIGINT", "SIGTERM", "SIGHUP", "SIGUSR1", "SIGUSR2") if hasattr(signal, n)
+)
+_NOHUP = hasattr(signal, "SIGHUP") and signal.getsignal(signal.SIGHUP) is signal.SIG_IGN
+STOP_SIGNALS: tuple[signal.Signals, ...] = tuple(s for s in _STOPS if not (_NOHUP and s == signal.SIGHUP))
+SIGNAL_STOPS = frozenset(128 + int(s) for s in _STOPS)  # the exit statuses of those stops
 # An evaluation episode (a game: its moves) of an env with no time limit of its own ends here, truncated: a
 # greedy policy that never reaches a terminal state would otherwise hold the run for ever while every step
 # counts as progress. Read at call time (tests lower it).

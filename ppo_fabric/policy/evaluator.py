@@ -17,6 +17,7 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 
 from ppo_fabric.compat.linux import die_with_parent
+from ppo_fabric.config.faults import STOP_SIGNALS
 from ppo_fabric.config.values import ConfigError
 from ppo_fabric.envs.guard import EnvFault, error_line
 from ppo_fabric.learn.learners import PolicySpec
@@ -170,8 +171,9 @@ def _serve(
     import torch
 
     _watch(parent, beat)
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    for signum in STOP_SIGNALS:
+        if signum != STACKS_SIGNAL:
+            signal.signal(signum, signal.SIG_IGN)
     torch.set_num_threads(1)
     with contextlib.suppress(OSError, AttributeError):  # no os.nice (Windows) or not allowed: as it is
         os.nice(EVALUATOR_NICE)

@@ -25,7 +25,8 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from ppo_fabric.collect.rollout import WINDOW, RolloutCollector
-from ppo_fabric.config.faults import SIGNAL_REPEAT_S, RunFault
+from ppo_fabric.compat.linux import drop_hung_up_terminal
+from ppo_fabric.config.faults import SIGNAL_REPEAT_S, STOP_SIGNALS, RunFault
 from ppo_fabric.envs.multiagent import SINGLE
 from ppo_fabric.learn.learners import PolicySpec, metric_name
 from ppo_fabric.learn.schedule import LrSchedule
@@ -48,7 +49,8 @@ Reduce = Callable[[torch.Tensor], torch.Tensor]
 
 
 class Stopped(Exception):  # noqa: N818 - a stop asked for, not an error
-    """The run stopped at an update boundary on SIGTERM/SIGINT, after writing a checkpoint every rank agrees on."""
+    """The run stopped at an update boundary on a stop signal (`STOP_SIGNALS`), after writing a checkpoint
+    every rank agrees on."""
 
     def __init__(self, signum: int, env_step: int, checkpoint: Path | None) -> None:
         super().__init__(f"stopped by {signal.Signals(signum).name} at {env_step:,} env steps")
@@ -77,7 +79,7 @@ class AbandonEvaluation(BaseException):  # noqa: N818 - a stop asked for during 
 
 
 class StopSignals:
-    """SIGTERM and SIGINT (a cluster's preemption, Ctrl+C) only set a flag: the strategies agree on it at the
+    """The stop signals (`STOP_SIGNALS`: a cluster's preemption, Ctrl+C, a closed terminal) only set a flag: the strategies agree on it at the
     next update boundary, checkpoint and end with `Stopped`. A second signal ends the process at once.
     Within `abandoning` (an evaluation in this process) the first signal also raises `AbandonEvaluation`."""
 
@@ -91,6 +93,8 @@ class StopSignals:
 
     def _handle(self, signum: int, _frame: Any) -> None:
         now = time.monotonic()
+        if signum == signal.SIGHUP:
+            drop_hung_up_terminal()
         if self.signum:
             # A cluster signals every process and the supervisor forwards the same signal to the group, so
             # a rank may get one stop request twice; only a later or a different signal means "now".
@@ -121,7 +125,7 @@ class StopSignals:
         """Handlers for the duration of a run (signal handlers can only be set from the main thread)."""
         self.signum = 0
         if threading.current_thread() is threading.main_thread():
-            for sig in (signal.SIGTERM, signal.SIGINT):
+            for sig in STOP_SIGNALS:
                 self._previous[sig] = signal.signal(sig, self._handle)
         try:
             yield self

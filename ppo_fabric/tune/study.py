@@ -25,6 +25,8 @@ from pathlib import Path
 from types import FrameType
 from typing import Any
 
+from ppo_fabric.compat.linux import drop_hung_up_terminal
+from ppo_fabric.config.faults import STOP_SIGNALS
 from ppo_fabric.config.values import ConfigError
 from ppo_fabric.tune.settings import TuneConfig
 from ppo_fabric.tune.space import Space, SpaceError
@@ -316,6 +318,8 @@ class Tuner:
             )
 
     def on_signal(self, signum: int, _frame: FrameType | None) -> None:
+        if signum == signal.SIGHUP:
+            drop_hung_up_terminal()
         if self.flags.stop.is_set():
             self.flags.kill.set()
             say("second interrupt: killing the running trials")
@@ -326,7 +330,7 @@ class Tuner:
 
     def run(self) -> int:
         """Run the study; returns the exit status (130/143 after an interrupt)."""
-        previous = {s: signal.signal(s, self.on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+        previous = {s: signal.signal(s, self.on_signal) for s in STOP_SIGNALS}
         already = self.finished()
         say(
             f"study {self.plan.name}: {already} of {self.plan.tune.trials} trials done; "

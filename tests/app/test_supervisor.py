@@ -196,6 +196,82 @@ def test_sigterm_is_forwarded_to_the_job(tmp_path: Path) -> None:
     _assert_nothing_left(run_dir, within=1)
 
 
+# The command under a pseudo-terminal that closes once training has begun, as a closed terminal window or a
+# dropped ssh session ends it: the kernel sends SIGHUP, and every later write to the terminal fails (EIO).
+HANGUP = """
+import os, pty, select, sys, time
+run_dir, cmd = sys.argv[1], sys.argv[2:]
+pid, fd = pty.fork()
+if pid == 0:
+    os.execv(cmd[0], cmd)
+deadline = time.monotonic() + 60
+while not os.path.exists(os.path.join(run_dir, "metrics.csv")) and time.monotonic() < deadline:
+    if select.select([fd], [], [], 0.2)[0]:
+        try:
+            os.read(fd, 65536)
+        except OSError:
+            break
+os.close(fd)
+print(os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]))
+"""
+
+
+@pytest.mark.multiprocess
+def test_a_closed_terminal_stops_the_run_with_its_checkpoint(tmp_path: Path) -> None:
+    """The terminal a run was started in closes (SIGHUP): the run stops at its next update boundary with
+    its checkpoint and ends with 129, its lock released. SIGHUP's default action ended the command at once
+    (no checkpoint, a stale lock); handled but left writing to the dead terminal, the stop failed (exit 1)
+    on its first line."""
+    run_dir = tmp_path / "run"
+    cmd = _python_m(
+        run_dir, "algo.minibatch_size=64", "algo.total_steps=10000000", "logger=none", "logger.csv=true"
+    )
+    proc = subprocess.run([sys.executable, "-c", HANGUP, str(run_dir), *cmd], cwd=tmp_path, env=job_env(),
+                          capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert proc.stdout.strip() == str(128 + signal.SIGHUP), proc.stdout + proc.stderr
+    assert (run_dir / "checkpoints" / "last.ckpt").is_file()
+    assert json.loads((run_dir / "summary.json").read_text())["interrupted"] is True
+    assert not (run_dir / "ppo-fabric.lock").exists()
+    _assert_nothing_left(run_dir, within=1)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("signum", [signal.SIGUSR1])
+def test_a_schedulers_warning_signal_stops_the_job_with_its_checkpoint(tmp_path: Path, signum: int) -> None:
+    """SLURM's `--signal=USR1@90` (or USR2) to the command: the job stops at its next update boundary with
+    its checkpoint, says how to continue, ends with 128 + N and is not restarted. The signal's default
+    action killed the command, whose job died with it: no line, no checkpoint, a stale lock."""
+    run_dir = tmp_path / "run"
+    cmd = _python_m(
+        run_dir,
+        "algo.minibatch_size=64",
+        "algo.total_steps=10000000",
+        "restarts=1",
+        "logger=none",
+        "logger.csv=true",
+    )
+    proc = subprocess.Popen(cmd, cwd=tmp_path, env=job_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                            text=True)  # fmt: skip
+    try:
+        deadline = time.monotonic() + 60
+        while not (run_dir / "metrics.csv").exists():
+            assert proc.poll() is None, proc.stderr.read() if proc.stderr else ""
+            assert time.monotonic() < deadline, "the run never started"
+            time.sleep(0.2)
+        proc.send_signal(signum)
+        _, err = proc.communicate(timeout=40)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 128 + signum, err
+    name = signal.Signals(signum).name
+    last = run_dir / "checkpoints" / "last.ckpt"
+    assert f"ppo-fabric: stopped by {name} at " in err and f"continue with resume={last}" in err, err
+    assert "restart" not in err.replace("resume=", ""), err
+    assert last.is_file() and not (run_dir / "ppo-fabric.lock").exists()
+    _assert_nothing_left(run_dir, within=1)
+
+
 @pytest.mark.multiprocess
 def test_a_signal_during_start_up_ends_the_command_in_one_line(tmp_path: Path) -> None:
     """SIGTERM while the command is still starting (its checks import torch and build the env): one line

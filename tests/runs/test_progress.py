@@ -211,13 +211,19 @@ RUN = [
 
 
 @pytest.mark.parametrize(
-    ("signum", "raised"), [(signal.SIGINT, KeyboardInterrupt), (signal.SIGTERM, SystemExit)]
+    ("signum", "raised"),
+    [
+        (signal.SIGINT, KeyboardInterrupt),
+        (signal.SIGTERM, SystemExit),
+        (signal.SIGHUP, SystemExit),  # the terminal closed
+        (signal.SIGUSR1, SystemExit),  # a scheduler's warning ahead of its kill
+    ],
 )
 def test_a_signal_stops_an_api_run_into_its_caller(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, signum: int, raised: type[BaseException]
 ) -> None:
     """`ppo_fabric.run()` in a notebook or script: a signal stops the run with its checkpoint, then raises
-    into the caller (KeyboardInterrupt, or SystemExit(143)), whose `finally` runs; it ended the interpreter
+    into the caller (KeyboardInterrupt, or SystemExit(128 + N)), whose `finally` runs; it ended the interpreter
     before (os._exit), the caller's own handlers with it."""
     monkeypatch.setattr(SignalledCartPole, "signum", signum)
     SignalledCartPole.steps, SignalledCartPole.sent = 0, False
@@ -225,7 +231,7 @@ def test_a_signal_stops_an_api_run_into_its_caller(
     with pytest.raises(raised) as info:
         ppo_fabric.run([*RUN, "algo.total_steps=4096", f"hydra.run.dir={run_dir}"])
     assert SignalledCartPole.sent
-    assert raised is KeyboardInterrupt or info.value.code == 143
+    assert raised is KeyboardInterrupt or info.value.code == 128 + signum
     assert ckpt.load(run_dir / "checkpoints" / "last.ckpt")["env_step"] == 768
     assert json.loads((run_dir / "summary.json").read_text())["interrupted"] is True
     assert (
