@@ -14,6 +14,7 @@ import os
 import random
 import signal
 import sys
+import threading
 import traceback
 import warnings
 from collections.abc import Callable, Iterator
@@ -191,6 +192,34 @@ def set_threads(threads: int) -> None:
     threadpool_limits(threads, user_api="blas")
 
 
+# A process still waiting for the job's others after this long (or a quarter of collectives.timeout, if
+# sooner) says so, once.
+MEETING_NOTICE_S = 30.0
+
+
+def meeting_notice(cfg: DictConfig, world_size: int) -> threading.Timer:
+    """A timer that, unless cancelled first, prints one line saying what this process waits for: each
+    node's first process of a multi-process job waited for missing peers (a node whose command was never
+    started, or was refused) in silence until `collectives.timeout` (180 s by default)."""
+
+    def say() -> None:
+        where = f"{os.environ.get('MASTER_ADDR', '127.0.0.1')}:{os.environ.get('MASTER_PORT', '?')}"
+        nodes = int(cfg.fabric.num_nodes)
+        hint = (
+            f"; each of the {nodes} nodes runs the command with its NODE_RANK (0-{nodes - 1})"
+            if nodes > 1
+            else ""
+        )
+        os.write(2, f"ppo-fabric: waiting for the job's {world_size} processes to meet at {where}{hint}; "
+                    f"giving up after collectives.timeout={float(cfg.collectives.timeout):g} s\n".encode())  # fmt: skip
+
+    timer = threading.Timer(min(MEETING_NOTICE_S, float(cfg.collectives.timeout) / 4), say)
+    timer.daemon = True
+    if world_size > 1 and (os.environ.get("LOCAL_RANK") or "0") == "0":
+        timer.start()
+    return timer
+
+
 def launch(
     cfg: DictConfig,
     run_dir_template: str,
@@ -205,12 +234,15 @@ def launch(
     fabric = build_fabric(cfg, facts["world_size"])
     set_cuda_math(bool(cfg.fabric.tf32))  # process-wide; a no-op without CUDA
     own = Path(run_dir_template).resolve()
+    notice = meeting_notice(cfg, fabric.world_size)
     try:
         if not under_fabric_run():  # under `fabric run` the processes exist and are set up already
             fabric.launch()
         # Every process composed the config itself (at its own time); rank 0's run directory wins.
         run_dir = Path(fabric.broadcast(str(own), src=0))
+        notice.cancel()
     except Exception as exc:
+        notice.cancel()
         if fabric.world_size == 1 or not timed_out(exc):
             raise
         text = f"{type(exc).__name__}: {exc}".strip().splitlines()[0]

@@ -266,11 +266,16 @@ def supervise(cfg: DictConfig, run_dir: Path, invocation: Invocation) -> int:
 
     The supervisor holds the run directory's lock (`runs.lock`) for all attempts, so that no other run
     writes there between a failure and its relaunch; the job's processes do not lock. A directory in use by
-    a live run is refused like a config mistake: one line, status 2 (returned: a sweep goes on)."""
+    a live run is refused like a config mistake: one line, status 2 (returned: a sweep goes on). In a
+    multi-node job only node 0's supervisor locks: the other nodes' commands name the same directory (a
+    shared file system: one run), and were refused as "in use" while node 0 waited for them until
+    `collectives.timeout`."""
     quiet_libraries()
     run_dir = Path(run_dir).resolve()
+    held: contextlib.AbstractContextManager[object] = contextlib.nullcontext()
     try:
-        held = lock.acquire(run_dir)
+        if int(cfg.fabric.num_nodes) == 1 or lock.node_rank() == 0:
+            held = lock.acquire(run_dir)
     except ConfigError as exc:
         print(f"ppo-fabric: error: {exc}", file=sys.stderr, flush=True)  # as config.arguments.fail
         return CONFIG_REFUSED
@@ -341,7 +346,8 @@ def _attempts(cfg: DictConfig, run_dir: Path, invocation: Invocation) -> int:
     while True:
         status = job.run([*flags, *attempt])
         if status == 0:
-            record_restarts(run_dir / "summary.json", restarts, known)
+            if lock.node_rank() == 0:  # node 0 writes the summary; another node's restarts are its own
+                record_restarts(run_dir / "summary.json", restarts, known)
             return 0
         if job.stop_signal is not None or status in SIGNAL_STOPS:
             return status

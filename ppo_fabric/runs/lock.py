@@ -229,6 +229,11 @@ def acquire(run_dir: str | Path) -> RunDirLock:
     )
 
 
+def node_rank() -> int:
+    """This machine's node of a multi-node job, as Lightning reads it (NODE_RANK, else GROUP_RANK; 0)."""
+    return int(os.environ.get("NODE_RANK") or os.environ.get("GROUP_RANK") or 0)
+
+
 def speaks_first() -> bool:
     """The process that refuses a live run's directory before anything starts: the command line's (not a
     supervised job's, whose supervisor holds the lock, nor a `fabric run` rank, whose rank 0 takes it at

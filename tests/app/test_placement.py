@@ -230,7 +230,10 @@ def _free_port() -> int:
 def test_two_node_job_spreads_players(tmp_path: Path) -> None:
     """2 nodes x 2 processes, 2 players, launched as a cluster would (one command per node, NODE_RANK): one
     player and one trainer on each node, the trainers' DDP across nodes, batches from a player whose rank
-    comes after a trainer's, and every rank on the same parameters at the end."""
+    comes after a trainer's, and every rank on the same parameters at the end. Both commands name one run
+    directory (a shared file system), which only node 0's supervisor locks: node 1's, started first, took
+    the lock and node 0's was refused as "in use", or node 1's was, while node 0 waited for it until
+    `collectives.timeout`."""
     port = _free_port()
     overrides = ["strategy=decoupled", "fabric.devices=2", "fabric.num_nodes=2", "algo.players=2",
                  "logger.tensorboard=false", "logger.plot=false", "env.num_envs=4", "algo.rollout_steps=32", "algo.minibatch_size=64",
@@ -240,7 +243,7 @@ def test_two_node_job_spreads_players(tmp_path: Path) -> None:
         env = dict(os.environ, PYTHONPATH=str(REPO), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
                    NODE_RANK=str(node))  # fmt: skip
         env.pop("LT_CLI_USED", None)
-        cmd = [sys.executable, "-m", "ppo_fabric", *overrides, f"hydra.run.dir={tmp_path / f'node{node}'}"]
+        cmd = [sys.executable, "-m", "ppo_fabric", *overrides, f"hydra.run.dir={tmp_path / 'run'}"]
         procs.append(
             subprocess.Popen(
                 cmd, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
@@ -248,9 +251,29 @@ def test_two_node_job_spreads_players(tmp_path: Path) -> None:
         )
     outputs = [proc.communicate(timeout=180)[0] for proc in procs]
     assert [proc.returncode for proc in procs] == [0, 0], outputs[1][-2000:] + outputs[0][-2000:]
-    summary = json.loads((tmp_path / "node0" / "summary.json").read_text())
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
     assert [(r["rank"], r["role"]) for r in summary["roles"]] == [
         (0, "player"), (1, "trainer"), (2, "player"), (3, "trainer")
     ]  # fmt: skip
     assert summary["total_env_steps"] == 1024 and summary["ranks_in_sync"] is True
-    assert not (tmp_path / "node1" / "summary.json").exists(), "rank 0's run directory is the only one"
+    assert not (tmp_path / "run" / "ppo-fabric.lock").exists()
+
+
+@pytest.mark.multiprocess
+def test_a_node_that_never_comes_is_named_then_the_job_ends(tmp_path: Path) -> None:
+    """Node 0 of a 2-node job whose node 1 was never started: it says what it waits for (where, and that
+    each node runs the command with its NODE_RANK) within a quarter of `collectives.timeout`, then ends
+    with one line and exit 1 at the timeout. It waited in silence until then (180 s by default)."""
+    env = dict(os.environ, PYTHONPATH=str(REPO), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()),
+               NODE_RANK="0")  # fmt: skip
+    env.pop("LT_CLI_USED", None)
+    cmd = [sys.executable, "-m", "ppo_fabric", "fabric.num_nodes=2", "fabric.devices=1", "logger=none",
+           "collectives.timeout=8", f"hydra.run.dir={tmp_path / 'run'}"]  # fmt: skip
+    proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+    lines = [line for line in proc.stderr.splitlines() if line.startswith("ppo-fabric:")]
+    assert proc.returncode == 1, proc.stderr[-2000:]
+    assert lines[-2] == (
+        f"ppo-fabric: waiting for the job's 2 processes to meet at 127.0.0.1:{env['MASTER_PORT']}; each of "
+        "the 2 nodes runs the command with its NODE_RANK (0-1); giving up after collectives.timeout=8 s"
+    ), proc.stderr[-2000:]
+    assert lines[-1].startswith("ppo-fabric: error: the job's 2 processes did not all meet within "), lines
