@@ -315,6 +315,15 @@ def run_config(
     return run
 
 
+def continuation(run_dir: Path) -> str:
+    """The end of a failed job's last line: how to go on from its last checkpoint, where it wrote one (a
+    rank killed by the OOM killer or a signal says nothing of its own). `resume=auto` passes over a
+    checkpoint that does not load or holds non-finite values, naming it."""
+    if not (run_dir / "checkpoints" / "last.ckpt").is_file():
+        return ""
+    return f"; continue from its last checkpoint with resume=auto hydra.run.dir={run_dir}"
+
+
 def _start_step(cfg: DictConfig) -> int:
     """The env step the job's first attempt started from: its own `resume=` checkpoint's, else 0."""
     if cfg.get("resume") is None:
@@ -357,7 +366,7 @@ def _attempts(cfg: DictConfig, run_dir: Path, invocation: Invocation) -> int:
         if restarts >= allowed:
             if allowed or status != FAULT_EXIT:  # exit 1 without restarts: the rank's own line said it all
                 why = "restarts=0" if allowed == 0 else f"all {allowed} restarts used"
-                say(f"rank failure (exit {status}); not restarting ({why})")
+                say(f"rank failure (exit {status}); not restarting ({why}){continuation(run_dir)}")
             return status
         restarts += 1
         from ppo_fabric.runs.resume import newest_checkpoint, report_skipped  # torch: only for a relaunch

@@ -677,6 +677,18 @@ def test_a_signal_during_start_up_ends_a_launcher_child_quietly_with_0(
             signals.signal(s, h)
 
 
+@pytest.fixture
+def kept_handlers() -> Any:
+    """A supervisor's `Job` made in this process takes the stop signals: given back after the test."""
+    from ppo_fabric.config.faults import STOP_SIGNALS
+
+    saved = {s: signal.getsignal(s) for s in STOP_SIGNALS}
+    yield
+    for s, handler in saved.items():
+        signal.signal(s, handler)
+
+
+@pytest.mark.usefixtures("kept_handlers")
 @pytest.mark.parametrize("csv", [True, False])
 def test_steps_trained_twice_are_not_known_without_metrics_csv(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, csv: bool
@@ -703,3 +715,26 @@ def test_steps_trained_twice_are_not_known_without_metrics_csv(
     cfg = OmegaConf.create({"restarts": 1, "resume": None, "collectives": {"timeout": 1}, "stall_timeout": 1})
     assert supervisor._attempts(cfg, tmp_path, Invocation(overrides=[])) == 0
     assert json.loads(summary.read_text())["env_steps_redone"] == (384 if csv else None)
+
+
+@pytest.mark.usefixtures("kept_handlers")
+@pytest.mark.parametrize("saved", [True, False])
+def test_a_killed_job_that_is_not_restarted_says_how_to_continue(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capfd: pytest.CaptureFixture[str], saved: bool
+) -> None:
+    """A rank killed outright (the OOM killer: exit 137) says nothing of its own, and the supervisor's line
+    named only the exit: with a checkpoint written it now says how to continue from it."""
+    from omegaconf import OmegaConf
+
+    from ppo_fabric.app.hydra_app import Invocation
+
+    if saved:
+        (tmp_path / "checkpoints").mkdir()
+        (tmp_path / "checkpoints" / "last.ckpt").write_bytes(b"")
+    monkeypatch.setattr(supervisor.Job, "run", lambda self, args: 128 + signal.SIGKILL)
+    cfg = OmegaConf.create({"restarts": 0, "resume": None, "collectives": {"timeout": 1}, "stall_timeout": 1})
+    assert supervisor._attempts(cfg, tmp_path, Invocation(overrides=[])) == 137
+    hint = f"; continue from its last checkpoint with resume=auto hydra.run.dir={tmp_path}" if saved else ""
+    assert (
+        capfd.readouterr().err == f"ppo-fabric: rank failure (exit 137); not restarting (restarts=0){hint}\n"
+    )
