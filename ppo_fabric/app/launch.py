@@ -32,7 +32,13 @@ from threadpoolctl import threadpool_limits
 from torch.nn.parallel import DistributedDataParallel
 
 from ppo_fabric.app.preflight import prepare
-from ppo_fabric.app.process import QUIETED_LOGGERS, end_process, quiet_libraries, stop_status
+from ppo_fabric.app.process import (
+    QUIETED_LOGGERS,
+    end_process,
+    quiet_libraries,
+    stop_status,
+    stops_reach_blocking_waits,
+)
 from ppo_fabric.app.supervisor import SUPERVISED_ENV
 from ppo_fabric.compat.private import set_fabric_precision
 from ppo_fabric.config.arguments import fail
@@ -235,11 +241,13 @@ def launch(
     set_cuda_math(bool(cfg.fabric.tf32))  # process-wide; a no-op without CUDA
     own = Path(run_dir_template).resolve()
     notice = meeting_notice(cfg, fabric.world_size)
+    meeting = stops_reach_blocking_waits() if fabric.world_size > 1 else contextlib.nullcontext()
     try:
-        if not under_fabric_run():  # under `fabric run` the processes exist and are set up already
-            fabric.launch()
-        # Every process composed the config itself (at its own time); rank 0's run directory wins.
-        run_dir = Path(fabric.broadcast(str(own), src=0))
+        with meeting:
+            if not under_fabric_run():  # under `fabric run` the processes exist and are set up already
+                fabric.launch()
+            # Every process composed the config itself (at its own time); rank 0's run directory wins.
+            run_dir = Path(fabric.broadcast(str(own), src=0))
         notice.cancel()
     except Exception as exc:
         notice.cancel()

@@ -9,7 +9,9 @@ import logging
 import os
 import signal
 import sys
+import threading
 import warnings
+from collections.abc import Iterator
 from typing import NoReturn
 
 from ppo_fabric.compat.linux import drop_hung_up_terminal
@@ -66,25 +68,64 @@ def end_process(code: int = 0) -> NoReturn:
     os._exit(code)
 
 
+_ENDING = threading.Lock()  # held by whichever thread ends the process on a start-up stop
+
+
+def _stop_during_startup(signum: int, _frame: object) -> None:
+    if not _ENDING.acquire(blocking=False):  # the other thread (`stops_reach_blocking_waits`) ends it
+        return
+    name = signal.Signals(signum).name
+    if signum == signal.SIGHUP:
+        drop_hung_up_terminal()
+    if launcher_child():  # its 128+N got its node's first process SIGKILLed (137): that one says it
+        with contextlib.suppress(OSError):  # and stops too when the signal reached this child alone
+            os.kill(os.getppid(), signum)
+    else:
+        os.write(2, f"ppo-fabric: stopped by {name} during start-up, before training began\n".encode())
+    os._exit(stop_status(signum))
+
+
 def stop_quietly_during_startup() -> None:
-    """Until a run's own handlers take over (the supervisor's, a sweep's, the ranks' STOP): SIGINT or
-    SIGTERM ends the process with one line and status 128+N, where Ctrl+C printed a KeyboardInterrupt
-    traceback from whatever was importing and SIGTERM ended it without a word. Nothing is written yet. A
-    child of Fabric's launcher passes the signal to its node's first process and leaves with 0 (`stop_status`)."""
-
-    def handler(signum: int, _frame: object) -> None:
-        name = signal.Signals(signum).name
-        if signum == signal.SIGHUP:
-            drop_hung_up_terminal()
-        if launcher_child():  # its 128+N got its node's first process SIGKILLed (137): that one says it
-            with contextlib.suppress(OSError):  # and stops too when the signal reached this child alone
-                os.kill(os.getppid(), signum)
-        else:
-            os.write(2, f"ppo-fabric: stopped by {name} during start-up, before training began\n".encode())
-        os._exit(stop_status(signum))
-
+    """Until a run's own handlers take over (the supervisor's, a sweep's, the ranks' STOP): a stop signal
+    ends the process with one line and status 128+N, where Ctrl+C printed a KeyboardInterrupt traceback
+    from whatever was importing and SIGTERM ended it without a word. Nothing is written yet. A child of
+    Fabric's launcher passes the signal to its node's first process and leaves with 0 (`stop_status`)."""
     for signum in STOP_SIGNALS:
-        signal.signal(signum, handler)
+        signal.signal(signum, _stop_during_startup)
+
+
+@contextlib.contextmanager
+def stops_reach_blocking_waits() -> Iterator[None]:
+    """A block in which the main thread waits inside C code (the job's processes meeting in torch's
+    rendezvous, up to `collectives.timeout`): Python runs a signal's handler only once such a call returns,
+    so a SIGTERM was answered minutes later, by the timeout's error. The C-level handler writes the signal's
+    number to the wakeup fd at once; a thread reading it runs the start-up stop while that handler is the
+    signal's. Main thread only (elsewhere, as is)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    read_fd, write_fd = os.pipe()
+    os.set_blocking(write_fd, False)
+    previous = signal.set_wakeup_fd(write_fd, warn_on_full_buffer=False)
+    done = threading.Event()
+
+    def watch() -> None:
+        while not done.is_set():
+            for signum in os.read(read_fd, 64):
+                if not done.is_set() and signal.getsignal(signum) is _stop_during_startup:
+                    _stop_during_startup(signum, None)
+
+    watcher = threading.Thread(target=watch, name="ppo-fabric start-up signals", daemon=True)
+    watcher.start()
+    try:
+        yield
+    finally:
+        done.set()
+        signal.set_wakeup_fd(previous)
+        os.write(write_fd, b"\0")  # wakes the watcher, which sees `done`
+        watcher.join(timeout=5)
+        os.close(read_fd)
+        os.close(write_fd)
 
 
 def stop_status(signum: int) -> int:

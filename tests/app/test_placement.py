@@ -7,9 +7,11 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -277,3 +279,38 @@ def test_a_node_that_never_comes_is_named_then_the_job_ends(tmp_path: Path) -> N
         "the 2 nodes runs the command with its NODE_RANK (0-1); giving up after collectives.timeout=8 s"
     ), proc.stderr[-2000:]
     assert lines[-1].startswith("ppo-fabric: error: the job's 2 processes did not all meet within "), lines
+
+
+@pytest.mark.multiprocess
+def test_a_stop_signal_ends_a_job_waiting_for_its_peers_at_once(tmp_path: Path) -> None:
+    """SIGTERM to a job whose processes are still meeting (node 1 never started): the wait is torch's, in C
+    code, where Python runs no signal handler until it returns; the command ended only at
+    `collectives.timeout` (here 60 s; 180 s by default), past a cluster's grace period, with the timeout's
+    error. Now it ends at once with the start-up line and 143."""
+    port = _free_port()
+    env = dict(
+        os.environ, PYTHONPATH=str(REPO), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), NODE_RANK="0"
+    )
+    env.pop("LT_CLI_USED", None)
+    cmd = [sys.executable, "-m", "ppo_fabric", "fabric.num_nodes=2", "fabric.devices=1", "logger=none",
+           "collectives.timeout=60", f"hydra.run.dir={tmp_path / 'run'}"]  # fmt: skip
+    proc = subprocess.Popen(cmd, cwd=tmp_path, env=env, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 60
+        while True:  # rank 0 listens on MASTER_PORT once it waits for the others
+            assert proc.poll() is None and time.monotonic() < deadline, "the job never began to meet"
+            with socket.socket() as sock:
+                if sock.connect_ex(("127.0.0.1", port)) == 0:
+                    break
+            time.sleep(0.2)
+        time.sleep(0.5)
+        proc.send_signal(signal.SIGTERM)
+        started = time.monotonic()
+        _, err = proc.communicate(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 143 and time.monotonic() - started < 10, err
+    assert err.splitlines()[-1] == "ppo-fabric: stopped by SIGTERM during start-up, before training began", (
+        err
+    )
