@@ -172,6 +172,7 @@ def check(cfg: DictConfig) -> dict[str, Any]:
         raise ConfigError(str(exc)) from None
     train_device = _check_accelerator(cfg, world)
     check_layout(cfg, world)
+    check_nodes(cfg)
     spaces, parameters = _check_env_and_model(cfg)
     if cfg.resume is not None:
         check_resume(cfg, str(cfg.resume), *spaces)
@@ -280,6 +281,27 @@ def _check_multiagent(cfg: DictConfig) -> None:
                 f"multiagent.policies.{name}: model.lstm.seq_len={seq} does not divide "
                 f"algo.rollout_steps={cfg.algo.rollout_steps}"
             )
+
+
+# Environment variables by which a cluster's launcher tells each process where the job's processes meet
+# (Lightning reads them: SLURM, LSF, torchrun, Kubeflow, MPI); without one of them, MASTER_ADDR/MASTER_PORT.
+CLUSTER_MARKERS = ("SLURM_NTASKS", "LSB_JOBID", "TORCHELASTIC_RUN_ID", "KUBERNETES_PORT", "OMPI_COMM_WORLD_SIZE",
+                   "PMI_SIZE")  # fmt: skip
+
+
+def check_nodes(cfg: DictConfig) -> None:
+    """A job over several nodes launched by its commands alone (one per node) needs node 0's address and a
+    port on it in every command: without MASTER_PORT each node picked a free port of its own and waited
+    alone until `collectives.timeout`."""
+    nodes = int(cfg.fabric.num_nodes)
+    if nodes == 1 or under_fabric_run() or any(name in os.environ for name in CLUSTER_MARKERS):
+        return
+    missing = [name for name in ("MASTER_ADDR", "MASTER_PORT") if not os.environ.get(name)]
+    if missing:
+        raise ConfigError(
+            f"fabric.num_nodes={nodes}: set {' and '.join(missing)} in every node's command (node 0's address "
+            f"and a free port on it), with its NODE_RANK (0-{nodes - 1}); without them the nodes cannot meet"
+        )
 
 
 def _check_accelerator(cfg: DictConfig, world: int) -> str:

@@ -74,15 +74,18 @@ _ENDING = threading.Lock()  # held by whichever thread ends the process on a sta
 def _stop_during_startup(signum: int, _frame: object) -> None:
     if not _ENDING.acquire(blocking=False):  # the other thread (`stops_reach_blocking_waits`) ends it
         return
-    name = signal.Signals(signum).name
-    if signum == signal.SIGHUP:
-        drop_hung_up_terminal()
-    if launcher_child():  # its 128+N got its node's first process SIGKILLed (137): that one says it
-        with contextlib.suppress(OSError):  # and stops too when the signal reached this child alone
-            os.kill(os.getppid(), signum)
-    else:
-        os.write(2, f"ppo-fabric: stopped by {name} during start-up, before training began\n".encode())
-    os._exit(stop_status(signum))
+    try:
+        name = signal.Signals(signum).name
+        if signum == signal.SIGHUP:
+            drop_hung_up_terminal()
+        if launcher_child():  # its 128+N got its node's first process SIGKILLed (137): that one says it
+            with contextlib.suppress(OSError):  # and stops too when the signal reached this child alone
+                os.kill(os.getppid(), signum)
+        else:
+            os.write(2, f"ppo-fabric: stopped by {name} during start-up, before training began\n".encode())
+        os._exit(stop_status(signum))
+    finally:  # reached only where os._exit is a test's stand-in
+        _ENDING.release()
 
 
 def stop_quietly_during_startup() -> None:

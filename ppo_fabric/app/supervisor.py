@@ -272,15 +272,24 @@ def supervise(cfg: DictConfig, run_dir: Path, invocation: Invocation) -> int:
     `collectives.timeout`."""
     quiet_libraries()
     run_dir = Path(run_dir).resolve()
-    held: contextlib.AbstractContextManager[object] = contextlib.nullcontext()
+    held: lock.RunDirLock | None = None
     try:
-        if int(cfg.fabric.num_nodes) == 1 or lock.node_rank() == 0:
+        if lock.node_rank() == 0:
+            held = lock.acquire(run_dir)
+        try:
+            config = run_config(cfg, run_dir, list(invocation.overrides), invocation.checked)
+        except BaseException:
+            if held is not None:
+                held.release()
+            raise
+        # NODE_RANK set, yet one node: with `resume=auto` another node's command line may leave
+        # fabric.num_nodes to the checkpoint, so the run's own config decides
+        if held is None and int(config.fabric.num_nodes) == 1:
             held = lock.acquire(run_dir)
     except ConfigError as exc:
         print(f"ppo-fabric: error: {exc}", file=sys.stderr, flush=True)  # as config.arguments.fail
         return CONFIG_REFUSED
-    with held:
-        config = run_config(cfg, run_dir, list(invocation.overrides), invocation.checked)
+    with held if held is not None else contextlib.nullcontext():
         return _attempts(config, run_dir, invocation)
 
 

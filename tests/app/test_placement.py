@@ -314,3 +314,38 @@ def test_a_stop_signal_ends_a_job_waiting_for_its_peers_at_once(tmp_path: Path) 
     assert err.splitlines()[-1] == "ppo-fabric: stopped by SIGTERM during start-up, before training began", (
         err
     )
+
+
+@pytest.mark.parametrize(
+    ("nodes", "env", "refused"),
+    [
+        (2, {}, "set MASTER_ADDR and MASTER_PORT in every node's command"),
+        (2, {"MASTER_ADDR": "node0"}, "set MASTER_PORT in every node's command"),
+        (2, {"MASTER_ADDR": "node0", "MASTER_PORT": "29500"}, None),
+        (2, {"SLURM_NTASKS": "2"}, None),  # the cluster's launcher says where they meet
+        (1, {}, None),
+    ],
+)
+def test_a_multi_node_command_needs_where_the_nodes_meet(
+    monkeypatch: pytest.MonkeyPatch, nodes: int, env: dict[str, str], refused: str | None
+) -> None:
+    """`fabric.num_nodes=2` without MASTER_PORT: each node picked a free port of its own and waited alone
+    until `collectives.timeout`; refused up front, in one line."""
+    from omegaconf import OmegaConf
+
+    from ppo_fabric.app.preflight import CLUSTER_MARKERS, check_nodes
+
+    for name in ("MASTER_ADDR", "MASTER_PORT", "LT_CLI_USED", *CLUSTER_MARKERS):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    cfg = OmegaConf.create({"fabric": {"num_nodes": nodes}})
+    if refused is None:
+        check_nodes(cfg)
+        return
+    with pytest.raises(ConfigError, match=refused) as info:
+        check_nodes(cfg)
+    assert str(info.value) == (
+        f"fabric.num_nodes=2: {refused} (node 0's address and a free port on it), with its NODE_RANK (0-1); "
+        "without them the nodes cannot meet"
+    )

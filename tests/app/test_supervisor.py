@@ -23,6 +23,7 @@ import ppo_fabric
 from ppo_fabric import cli
 from ppo_fabric.app import prestart, supervisor
 from ppo_fabric.app.supervisor import last_logged_step, with_override
+from ppo_fabric.config.faults import STOP_SIGNALS
 from ppo_fabric.config.values import ConfigError
 from ppo_fabric.runs.metrics_file import read_rows
 from tests.conftest import assert_cli_failure, job_env, job_processes
@@ -657,7 +658,7 @@ def test_a_signal_during_start_up_ends_a_launcher_child_quietly_with_0(
 
     codes: list[int] = []
     monkeypatch.setattr(process.os, "_exit", codes.append)
-    saved = {s: signals.getsignal(s) for s in (signals.SIGINT, signals.SIGTERM)}
+    saved = {s: signals.getsignal(s) for s in STOP_SIGNALS}
     try:
         process.stop_quietly_during_startup()
         handler = signals.getsignal(signals.SIGTERM)
@@ -738,3 +739,28 @@ def test_a_killed_job_that_is_not_restarted_says_how_to_continue(
     assert (
         capfd.readouterr().err == f"ppo-fabric: rank failure (exit 137); not restarting (restarts=0){hint}\n"
     )
+
+
+@pytest.mark.parametrize("nodes", [2, 1])
+def test_another_nodes_command_leaves_the_lock_to_node_0(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capfd: pytest.CaptureFixture[str], nodes: int
+) -> None:
+    """Node 1's command of a multi-node run (NODE_RANK=1) shares node 0's run directory and leaves its lock
+    to node 0's supervisor, also where `resume=auto` leaves fabric.num_nodes to the checkpoint (the command
+    line says 1): it was refused as "in use", while node 0 waited for it until `collectives.timeout`. A
+    one-node run with NODE_RANK set still locks, and is refused by a live run."""
+    from omegaconf import OmegaConf
+
+    from ppo_fabric.app.hydra_app import Invocation
+    from ppo_fabric.runs import lock
+
+    monkeypatch.setenv("NODE_RANK", "1")
+    command_line = OmegaConf.create({"resume": "auto", "fabric": {"num_nodes": 1}})
+    monkeypatch.setattr(
+        supervisor, "run_config", lambda *_: OmegaConf.create({"fabric": {"num_nodes": nodes}})
+    )
+    monkeypatch.setattr(supervisor, "_attempts", lambda *_: 0)
+    with lock.acquire(tmp_path):  # node 0's supervisor holds it
+        status = supervisor.supervise(command_line, tmp_path, Invocation(overrides=[]))
+    assert status == (0 if nodes == 2 else supervisor.CONFIG_REFUSED)
+    assert ("is in use by a live run" in capfd.readouterr().err) is (nodes == 1)
