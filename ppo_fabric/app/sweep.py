@@ -187,6 +187,8 @@ class Sweep:
         stopped_by = self._run(batch)
         self.write_table(sweep_dir)
         if stopped_by is not None:
+            say(f"the sweep stopped on {signal.Signals(stopped_by).name}; the same command with resume=auto "
+                f"hydra.sweep.dir={sweep_dir} continues it")  # fmt: skip
             raise SystemExit(128 + stopped_by)
         return [job.job_return() for job in batch]
 

@@ -97,6 +97,10 @@ def test_sigint_stops_the_running_job_and_ends_the_sweep_with_130(tmp_path: Path
     )
     _, err = signal_when_ready(sweep, (sweep_dir / "0" / "metrics.csv").exists, signal.SIGINT)
     assert sweep.returncode == 130, err[-3000:]
+    assert err.splitlines()[-1] == (
+        f"ppo-fabric: the sweep stopped on SIGINT; the same command with resume=auto hydra.sweep.dir={sweep_dir} "
+        "continues it"
+    ), err[-3000:]
     rows = _table(sweep_dir)
     assert [r["status"] for r in rows] == ["stopped (exit 130)", "not started"], rows
     assert (sweep_dir / "0" / "checkpoints" / "last.ckpt").is_file(), "the stopped job saved its checkpoint"
