@@ -270,13 +270,13 @@ def test_a_node_that_never_comes_is_named_then_the_job_ends(tmp_path: Path) -> N
                NODE_RANK="0")  # fmt: skip
     env.pop("LT_CLI_USED", None)
     cmd = [sys.executable, "-m", "ppo_fabric", "fabric.num_nodes=2", "fabric.devices=1", "logger=none",
-           "collectives.timeout=8", f"hydra.run.dir={tmp_path / 'run'}"]  # fmt: skip
+           "collectives.timeout=4", f"hydra.run.dir={tmp_path / 'run'}"]  # fmt: skip
     proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
     lines = [line for line in proc.stderr.splitlines() if line.startswith("ppo-fabric:")]
     assert proc.returncode == 1, proc.stderr[-2000:]
     assert lines[-2] == (
         f"ppo-fabric: waiting for the job's 2 processes to meet at 127.0.0.1:{env['MASTER_PORT']}; each of "
-        "the 2 nodes runs the command with its NODE_RANK (0-1); giving up after collectives.timeout=8 s"
+        "the 2 nodes runs the command with its NODE_RANK (0-1); giving up after collectives.timeout=4 s"
     ), proc.stderr[-2000:]
     assert lines[-1].startswith("ppo-fabric: error: the job's 2 processes did not all meet within "), lines
 
