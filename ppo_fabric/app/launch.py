@@ -235,8 +235,8 @@ def launch(
 ) -> dict[str, Any]:
     """Start the processes and run `main` on each; returns this rank's summary. `caller_owns_process`
     (`ppo_fabric.run()` from a script or notebook): a one-process run stopped by a signal raises, after its
-    stop checkpoint, KeyboardInterrupt (SIGINT) or SystemExit(128 + N) (SIGTERM, SIGHUP, SIGUSR1/2) into the caller, whose
-    `except` and `finally` then run, instead of ending the interpreter."""
+    stop checkpoint, KeyboardInterrupt (SIGINT) or SystemExit(128 + N) (SIGTERM, SIGHUP, SIGUSR1/2) into the
+    caller, whose `except` and `finally` then run, instead of ending the interpreter."""
     fabric = build_fabric(cfg, facts["world_size"])
     set_cuda_math(bool(cfg.fabric.tf32))  # process-wide; a no-op without CUDA
     own = Path(run_dir_template).resolve()
