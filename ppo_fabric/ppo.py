@@ -26,6 +26,7 @@ from ppo_fabric.runs import checkpoint as ckpt
 from ppo_fabric.runs.metrics import parameters_digest
 from ppo_fabric.runs.session import (
     RunSession,
+    closing_after,
     collector_state,
     end_of_run,
     episode_metrics,
@@ -117,15 +118,13 @@ def main(fabric: Fabric, cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
             evaluating = evaluation is not None and evaluation.keeps_record
             checkpoint(done, best=improved if evaluating else None, numbered=due or bool(signum))
         if signum and done < session.end_update:
-            stopped = summary(done, signum)
-            collector.close()
-            session.stop(signum, done, stopped)
+            with closing_after(collector):
+                session.stop(signum, done, summary(done, signum))
 
     finished = summary(session.end_update)
-    collector.close()
-    if evaluation is not None:
-        evaluation.close()
-    session.finish(finished)
+    # the outputs first: an env whose close() hangs (the watchdog then ends the run) or raises loses nothing
+    with closing_after(collector, evaluation):
+        session.finish(finished)
     return finished
 
 

@@ -56,6 +56,7 @@ from ppo_fabric.runs.metrics import parameters_digest
 from ppo_fabric.runs.session import (
     STOP,
     RunSession,
+    closing_after,
     collecting_parts,
     collector_state,
     end_of_run,
@@ -399,10 +400,8 @@ class Player:
         self.write_checkpoint()
         self.amend_evaluation()  # when that checkpoint was written before the evaluation ended
         summary = self.summary(parts, signum)  # summary.json, interrupted
-        self.collector.close()
-        if self.evaluation is not None:
-            self.evaluation.close()
-        self.session.stop(signum, state.received, summary)
+        with closing_after(self.collector, self.evaluation):  # the outputs first (ppo.main)
+            self.session.stop(signum, state.received, summary)
 
     def end_part(self) -> dict[str, Any]:
         digest = parameters_digest(*self.policies.values())
@@ -419,10 +418,8 @@ class Player:
         )
         self.write_checkpoint()
         summary = self.summary(parts)
-        self.collector.close()
-        if self.evaluation is not None:
-            self.evaluation.close()
-        self.session.finish(summary)
+        with closing_after(self.collector, self.evaluation):  # the outputs first (ppo.main)
+            self.session.finish(summary)
         return summary
 
     def summary(self, parts: list[dict[str, Any]], signum: int = 0) -> dict[str, Any]:

@@ -4,7 +4,9 @@
 is not), `raise` (step raises), `hang` (step sleeps for
 ever, a stuck simulator), `slow` (each step sleeps `pause` seconds, 1 by default), `signal_slow` (SIGINT to its own process at the first
 strike, then `slow`), `slow_close` (the process's first close takes 7 s; steps are fine), `raise_init` (the constructor
-raises), `hang_init` (the constructor never returns), `raise_close` (`close` raises once the env has stepped) or `none`; it strikes at the `after`-th step of each env instance (a recreated env
+raises), `hang_init` (the constructor never returns), `raise_close` (`close` raises once the env has stepped),
+`hang_close` (`close` never returns once the env has stepped), `exit` (step calls `sys.exit(0)`), `os_exit`
+(the process ends at once, status 3, as a crash in C code would end it) or `none`; it strikes at the `after`-th step of each env instance (a recreated env
 starts counting again), on rank `rank` (-1: every rank), for `times` steps in a row (0: from then on);
 `others` is the fault of the other ranks then (default `none`).
 With `seeds`, only in an instance last reset with one of them (the evaluation envs' seeds: a fault in
@@ -15,6 +17,7 @@ from __future__ import annotations
 
 import os
 import signal
+import sys
 import time
 from typing import Any
 
@@ -60,6 +63,8 @@ class FaultyCartPole(CartPoleEnv):
     def close(self) -> None:
         if self.fault == "raise_close" and self.steps > 0:  # the run's envs, not the checks' probe env
             raise OSError("device busy (injected by the test env)")
+        while self.fault == "hang_close" and self.steps > 0:
+            time.sleep(1)
         if self.fault == "slow_close" and _SLOW_CLOSES:
             _SLOW_CLOSES.pop()
             time.sleep(7.0)
@@ -72,7 +77,7 @@ class FaultyCartPole(CartPoleEnv):
         if self.seeds is not None and self.seeded not in self.seeds:
             striking = False
         fault = os.environ.get(FAULT_ENV, self.fault)  # a fault a test sets for a resumed session only
-        if not striking or fault in ("none", "slow_close", "raise_close"):
+        if not striking or fault in ("none", "slow_close", "raise_close", "hang_close"):
             return obs, reward, terminated, truncated, info
         if fault == "nan_obs":
             obs = np.array(obs, dtype=np.float32)
@@ -97,6 +102,10 @@ class FaultyCartPole(CartPoleEnv):
         elif fault == "hang":
             while True:
                 time.sleep(1)
+        elif fault == "exit":
+            sys.exit(0)
+        elif fault == "os_exit":
+            os._exit(3)
         return obs, reward, terminated, truncated, info
 
 

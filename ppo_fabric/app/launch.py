@@ -226,6 +226,23 @@ def meeting_notice(cfg: DictConfig, world_size: int) -> threading.Timer:
     return timer
 
 
+@contextlib.contextmanager
+def no_silent_exit() -> Iterator[None]:
+    """A `sys.exit()` or `sys.exit(0)` from code the run calls (an env, a wrapper, a callback) as the
+    `RunFault` it is: it ended the run with exit 0 and no line, as if it had finished. The package's own
+    exits carry a non-zero status, and a stop is `Stopped`."""
+    try:
+        yield
+    except SystemExit as exc:
+        if exc.code not in (None, 0):
+            raise
+        frame = traceback.extract_tb(exc.__traceback__)[-1]
+        raise RunFault(
+            f"sys.exit({'' if exc.code is None else exc.code}) was called during the run, at "
+            f"{Path(frame.filename).name}:{frame.lineno} (in {frame.name}): the run did not finish"
+        ) from None
+
+
 def launch(
     cfg: DictConfig,
     run_dir_template: str,
@@ -282,7 +299,7 @@ def launch(
         watchdog.interrupting()  # a stall raised to the caller: a notebook's kernel lives on
     watchdog.start()
     try:
-        with STOP.installed(), held:
+        with STOP.installed(), held, no_silent_exit():
             summary = main(fabric, cfg, run_dir)
     except Stalled as stall:
         watchdog.stop()

@@ -26,6 +26,7 @@ from ppo_fabric.config.values import ConfigError
 from ppo_fabric.envs.envpool_backend import is_async
 from ppo_fabric.envs.guard import (
     RESTART_INFO,
+    USER_CODE_FAILURES,
     EnvFault,
     NonFiniteData,
     env_error_text,
@@ -283,7 +284,7 @@ class RolloutCollector:
             raise EnvFault(f"{self.label}, env {bad.index}: {bad.what} at env step {at:,}") from None
         except EnvFault as fault:
             raise EnvFault(f"{self.label}: {fault} (env step {at:,})") from None
-        except Exception as exc:  # noqa: BLE001 - the user's env code: its error, named, ends the run
+        except USER_CODE_FAILURES as exc:  # the user's env code: its error, named, ends the run
             raise EnvFault(f"{self.label}: env.step raised {env_error_text(exc)} at env step {at:,}") from exc
         if self.multiagent:
             for g, (obs, rewards, _, truncated, info) in zip(self.groups, results, strict=True):
@@ -712,7 +713,7 @@ def first_reset_faults(label: str, env_cfg: DictConfig) -> Iterator[None]:
         raise EnvFault(f"{label}, env {bad.index}: {bad.what} {_before_the_run(env_cfg)}") from None
     except (RunFault, ConfigError):
         raise
-    except Exception as exc:  # noqa: BLE001 - the user's env code: its error, named, ends the run
+    except USER_CODE_FAILURES as exc:  # the user's env code: its error, named, ends the run
         raise EnvFault(f"{label}: the envs raised {env_error_text(exc)} {_before_the_run(env_cfg)}") from exc
 
 

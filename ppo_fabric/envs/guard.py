@@ -18,7 +18,10 @@ from __future__ import annotations
 
 import contextlib
 import math
+import signal
+import time
 import warnings
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -223,7 +226,7 @@ class RecreateOnError(gym.Wrapper):
                 if what is None:
                     break
                 cause = f"reset returned bad data ({what})"
-            except Exception as exc:  # noqa: BLE001 - any failure of user code is what this recovers from
+            except USER_CODE_FAILURES as exc:  # any failure of user code is what this recovers from
                 cause = f"reset raised {_one_line(exc)}"
             if attempt + 1 == RESET_TRIES:
                 raise EnvFault(f"{cause}, {RESET_TRIES} times in a row with a recreated env")
@@ -239,7 +242,7 @@ class RecreateOnError(gym.Wrapper):
         try:
             obs, reward, terminated, truncated, info = self.env.step(action)
             what = misshapen(obs, self.observation_space) or nonfinite_value(obs, reward)
-        except Exception as exc:  # noqa: BLE001 - see reset
+        except USER_CODE_FAILURES as exc:  # see reset
             self._recreate(f"step raised {_one_line(exc)}")
             return self.last_obs, 0.0, False, True, {}
         if what is not None:
@@ -247,6 +250,15 @@ class RecreateOnError(gym.Wrapper):
             return self.last_obs, 0.0, False, True, {}
         self.last_obs = obs
         return obs, reward, terminated, truncated, info
+
+
+ASYNC_POOLS: weakref.WeakSet[Any] = weakref.WeakSet()  # this process's async vector envs (`make`)
+# What the pipe to an async env's worker raises once that process has ended
+_LOST_WORKER = (EOFError, BrokenPipeError, ConnectionResetError)
+
+# What the user's env code may raise that the run reports as the env's fault: SystemExit too (a `sys.exit`
+# in an env), which passed every `except Exception` and ended the run with exit 0 and no line.
+USER_CODE_FAILURES: tuple[type[BaseException], ...] = (Exception, SystemExit)
 
 
 def _one_line(exc: BaseException) -> str:
@@ -275,8 +287,15 @@ _UNPICKLABLE = ("can't pickle", "cannot pickle")
 def env_error_text(exc: BaseException) -> str:
     """`Type: first line` of an exception from the user's env code, and for an observation stacked into a
     buffer of another shape, what that means (NumPy's own words name no env and no space)."""
-    text = f"{type(exc).__name__}: {error_line(exc)}"
-    if any(words in str(exc) for words in _WRONG_SHAPE):
+    text = f"{type(exc).__name__}: {error_line(exc)}" if str(exc).strip() else type(exc).__name__
+    if isinstance(exc, SystemExit):
+        text = f"SystemExit({exc.code!r}) (the env called sys.exit)"
+    elif isinstance(exc, _LOST_WORKER) and (ended := ended_workers()):
+        text = (
+            f"{text} ({ended}; env.on_error=restart rebuilds an env whose code raises, not a process that "
+            "ended: restarts=N relaunches the run from its last checkpoint)"
+        )
+    elif any(words in str(exc) for words in _WRONG_SHAPE):
         text += " (an observation's shape differs from the env's observation_space)"
     elif any(words in str(exc).lower() for words in _UNPICKLABLE):  # the worker sending the step back
         text += (
@@ -284,6 +303,28 @@ def env_error_text(exc: BaseException) -> str:
             "not pickle; keep such objects out of info, or use env.vector=sync)"
         )
     return text
+
+
+def ended_workers(wait_s: float = 1.0) -> str:
+    """What ended this process's async env workers that are gone ("" when none is): the pipe's EOFError
+    said nothing of a worker killed by a C crash (SIGSEGV), `os._exit` or `sys.exit` in its env. Waits up
+    to `wait_s` for one to be reaped: its pipe closes as it exits, a moment before."""
+    processes = [p for vector in list(ASYNC_POOLS) for p in getattr(vector, "processes", [])]
+    deadline = time.monotonic() + wait_s
+    while processes and all(p.exitcode is None for p in processes) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    ended = []
+    for vector in list(ASYNC_POOLS):
+        for index, process in enumerate(getattr(vector, "processes", [])):
+            code = process.exitcode
+            if code is None:
+                continue
+            how = f"exit status {code}"
+            if code < 0:
+                with contextlib.suppress(ValueError):
+                    how = f"killed by {signal.Signals(-code).name}"
+            ended.append(f"env {index}'s worker process ended, {how}")
+    return "; ".join(ended)
 
 
 def restartable(factory: Callable[[], gym.Env]) -> gym.Env:

@@ -9,7 +9,6 @@ import os
 import re
 import sys
 import warnings
-import weakref
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from functools import partial
@@ -23,7 +22,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from ppo_fabric.config.tuned import KNOWN_ENV_PACKAGES
 from ppo_fabric.envs import atari, envpool_backend
-from ppo_fabric.envs.guard import ON_ERROR, FiniteCheck, error_line, restartable
+from ppo_fabric.envs.guard import ASYNC_POOLS, ON_ERROR, FiniteCheck, error_line, restartable
 from ppo_fabric.envs.normalize import (
     NormalizeObservation,
     NormalizeReward,
@@ -547,13 +546,10 @@ def _backend_vector_env(env_cfg: DictConfig, action_mask: int | None) -> VectorE
     cls = AsyncVectorEnv if env_cfg.vector == "async" else SyncVectorEnv
     vector = cls(fns, autoreset_mode=AutoresetMode.SAME_STEP)
     if isinstance(vector, AsyncVectorEnv):
-        _WORKER_POOLS.add(vector)
+        ASYNC_POOLS.add(vector)
     # Raw values are checked below everything else, normalisation included (guard.py); EnvPool's vector
     # envs check their own.
     return atari.wrap_vector(FiniteCheck(vector), _preprocess(env_cfg))
-
-
-_WORKER_POOLS: weakref.WeakSet[AsyncVectorEnv] = weakref.WeakSet()  # this process's async vector envs
 
 
 def end_env_workers() -> None:
@@ -561,11 +557,14 @@ def end_env_workers() -> None:
     left behind, each found its pipe closed and printed an EOFError and a BrokenPipeError traceback under
     the run's one line. SIGKILL: a forked worker inherited the run's SIGTERM handler, which only asks the
     run to stop. Never raises."""
-    for vector in list(_WORKER_POOLS):
+    for vector in list(ASYNC_POOLS):
         for process in vector.processes:
             with contextlib.suppress(Exception):
                 if process.is_alive():
                     process.kill()
+        # closed as far as gymnasium knows: its __del__ no longer waits on the dead workers' pipes (a
+        # "pending call to step" warning and an EOFError traceback when the caller's interpreter exits)
+        vector.closed = True
 
 
 def on_error(env_cfg: DictConfig) -> str:

@@ -27,7 +27,7 @@ from omegaconf import DictConfig
 
 from ppo_fabric.config import faults
 from ppo_fabric.config.values import ConfigError
-from ppo_fabric.envs.guard import EnvFault, error_line, nonfinite_value, surely_finite
+from ppo_fabric.envs.guard import USER_CODE_FAILURES, EnvFault, error_line, nonfinite_value, surely_finite
 from ppo_fabric.envs.make import close_envs, make_env, on_error
 from ppo_fabric.envs.multiagent import SINGLE, is_turn_based, make_parallel_env, trained_policies
 from ppo_fabric.learn.learners import PolicySpec
@@ -52,7 +52,7 @@ class Checked(gym.Wrapper):
         PROGRESS.mark("evaluation env.reset")  # the stall watchdog's heartbeat, as the rollout's
         try:
             obs, info = self.env.reset(**kwargs)
-        except Exception as exc:  # noqa: BLE001 - any failure of user code ends the episode
+        except USER_CODE_FAILURES as exc:  # any failure of user code ends the episode
             raise EpisodeFailed(f"reset raised {type(exc).__name__}: {error_line(exc)}") from exc
         if (what := nonfinite_value(obs)) is not None:
             raise EpisodeFailed(f"reset returned bad data ({what})")
@@ -62,7 +62,7 @@ class Checked(gym.Wrapper):
         PROGRESS.mark("evaluation env.step")
         try:
             obs, reward, terminated, truncated, info = self.env.step(action)
-        except Exception as exc:  # noqa: BLE001 - see reset
+        except USER_CODE_FAILURES as exc:  # see reset
             raise EpisodeFailed(f"step raised {type(exc).__name__}: {error_line(exc)}") from exc
         if not (surely_finite(obs) and math.isfinite(reward)) and (what := nonfinite_value(obs, reward)):
             raise EpisodeFailed(f"step returned bad data ({what})")

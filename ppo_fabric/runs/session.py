@@ -138,6 +138,20 @@ class StopSignals:
 STOP = StopSignals()  # signal handlers belong to the process, so one per process
 
 
+@contextlib.contextmanager
+def closing_after(*owners: Any) -> Iterator[None]:
+    """Run the block (the run's outputs: summary.json, the curve, the final or stop line), then close each
+    of `owners` (the collector's envs, the evaluation; None skipped) however it ended. An env's close() is
+    user code: one that hung held the outputs back until the watchdog ended the run without them, and a
+    later `resume=auto` found the run complete, with no summary."""
+    try:
+        yield
+    finally:
+        for owner in owners:
+            if owner is not None:
+                owner.close()
+
+
 class Boundary(NamedTuple):
     """What every rank agreed on at an update boundary (`RunSession.agreed`)."""
 

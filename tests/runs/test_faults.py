@@ -5,7 +5,9 @@ the multi-process cases are in tests/strategies/test_faults_distributed.py."""
 
 from __future__ import annotations
 
+import json
 import math
+import re
 import signal
 import subprocess
 import sys
@@ -341,3 +343,66 @@ def test_an_async_workers_error_is_the_runs_one_line_without_gymnasiums_report(t
             ppo_fabric.run([*run, f"hydra.run.dir={tmp_path}"])
     reports = [str(w.message) for w in seen if "async_vector_env" in w.filename]
     assert reports == [], reports
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("on_error", ["raise", "restart"])
+def test_an_env_that_calls_sys_exit_is_a_fault_not_a_finished_run(tmp_path: Path, on_error: str) -> None:
+    """`sys.exit(0)` in an env's step raises SystemExit, which passed every `except Exception`: the run
+    ended with exit 0 and no line, no summary, as if it had finished (a supervisor's `restarts=N` never
+    relaunched it). It is the env's fault, named; `env.on_error=restart` rebuilds the env."""
+    overrides = [FAULTY, "+env.kwargs.fault=exit", "+env.kwargs.after=70", "checkpoint.every=1", "eval.every=0",
+                 f"env.on_error={on_error}"]  # fmt: skip
+    if on_error == "restart":
+        assert _run(tmp_path, *overrides)["env_restarts"] >= 4
+        return
+    with pytest.raises(EnvFault) as raised:
+        _run(tmp_path, *overrides)
+    assert str(raised.value) == (
+        "rank 0: env.step raised SystemExit(0) (the env called sys.exit) at env step 280"
+    )
+    _finite(tmp_path / "checkpoints" / "last.ckpt")
+
+
+@pytest.mark.slow
+def test_an_async_worker_that_dies_is_named_with_its_exit(tmp_path: Path) -> None:
+    """An async env's worker process that ends (a crash in C code, `os._exit`, `sys.exit` in the env): the
+    line said only `env.step raised EOFError`; it names the worker and how it ended, and that
+    `env.on_error=restart` cannot rebuild a process."""
+    with pytest.raises(EnvFault) as raised:
+        _run(tmp_path, FAULTY, "+env.kwargs.fault=os_exit", "+env.kwargs.after=70", "+env.kwargs.rank=-1",
+             "env.vector=async", "env.on_error=restart", "eval.every=0")  # fmt: skip
+    assert re.fullmatch(
+        r"rank 0: env\.step raised EOFError \(env \d's worker process ended, exit status 3[;,].* "
+        r"env\.on_error=restart rebuilds an env whose code raises, not a process that ended: restarts=N "
+        r"relaunches the run from its last checkpoint\) at env step 280",
+        str(raised.value),
+    ), raised.value
+
+
+@pytest.mark.slow
+def test_an_env_close_that_never_returns_keeps_the_runs_outputs(tmp_path: Path) -> None:
+    """The run's outputs come before the envs' close(): one that hung held back summary.json and the
+    learning curve until the watchdog ended the run without them, and `resume=auto` then found the run
+    complete, with no summary."""
+    with pytest.raises(RunFault, match=r"no progress for .* in closing the envs"):
+        _run(tmp_path, FAULTY, "+env.kwargs.fault=hang_close", "stall_timeout=2", "eval.every=0")
+    assert json.loads((tmp_path / "summary.json").read_text())["total_env_steps"] == 1024
+
+
+def test_a_silent_exit_during_a_run_is_a_fault() -> None:
+    """`sys.exit()` or `sys.exit(0)` from code a run calls (outside the envs' guarded calls too) is a
+    RunFault naming where it was called; the package's own non-zero exits pass as they are."""
+    from ppo_fabric.app.launch import no_silent_exit
+
+    for code in (None, 0):
+        with (
+            pytest.raises(
+                RunFault, match=r"^sys\.exit\(0?\) was called during the run, at test_faults\.py:\d+ "
+            ),
+            no_silent_exit(),
+        ):
+            sys.exit(code)
+    with pytest.raises(SystemExit) as raised, no_silent_exit():
+        sys.exit(2)
+    assert raised.value.code == 2
