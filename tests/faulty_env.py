@@ -6,7 +6,8 @@ ever, a stuck simulator), `slow` (each step sleeps `pause` seconds, 1 by default
 strike, then `slow`), `slow_close` (the process's first close takes 7 s; steps are fine), `raise_init` (the constructor
 raises), `hang_init` (the constructor never returns), `raise_close` (`close` raises once the env has stepped),
 `hang_close` (`close` never returns once the env has stepped), `exit` (step calls `sys.exit(0)`), `os_exit`
-(the process ends at once, status 3, as a crash in C code would end it) or `none`; it strikes at the `after`-th step of each env instance (a recreated env
+(the process ends at once, status 3, as a crash in C code would end it), `raise_then_noinit` (step raises,
+and every later construction in the process raises too: a rebuild that fails) or `none`; it strikes at the `after`-th step of each env instance (a recreated env
 starts counting again), on rank `rank` (-1: every rank), for `times` steps in a row (0: from then on);
 `others` is the fault of the other ranks then (default `none`).
 With `seeds`, only in an instance last reset with one of them (the evaluation envs' seeds: a fault in
@@ -30,6 +31,8 @@ _SLOW_CLOSES = [1]  # `slow_close` sleeps once a process: one 7-s close outlasts
 
 
 class FaultyCartPole(CartPoleEnv):
+    struck = False  # `raise_then_noinit` struck in this process: constructions raise from then on
+
     def __init__(
         self,
         fault: str = "none",
@@ -41,7 +44,7 @@ class FaultyCartPole(CartPoleEnv):
         pause: float = 1.0,
         **kwargs: Any,
     ) -> None:
-        if fault == "raise_init":
+        if fault == "raise_init" or (fault == "raise_then_noinit" and FaultyCartPole.struck):
             raise RuntimeError("no licence for the simulator (injected by the test env)")
         while fault == "hang_init":
             time.sleep(1)
@@ -90,7 +93,8 @@ class FaultyCartPole(CartPoleEnv):
             reward = None
         elif fault == "wrong_shape":
             obs = np.zeros(5, dtype=np.float32)
-        elif fault == "raise":
+        elif fault in ("raise", "raise_then_noinit"):
+            FaultyCartPole.struck = fault == "raise_then_noinit"
             raise RuntimeError("simulator crashed (injected by the test env)")
         elif fault == "slow":
             time.sleep(self.pause)

@@ -370,7 +370,12 @@ def _attempts(cfg: DictConfig, run_dir: Path, invocation: Invocation) -> int:
         if job.stop_signal is not None or status in SIGNAL_STOPS:
             return status
         if status == CONFIG_REFUSED:
-            say(f"the job's config was refused (exit {status}); not restarting")
+            if restarts:  # the config passed before: what the checks build (the env) failed this time
+                say(
+                    f"the relaunched job's checks refused it (exit {status}; its line above says why); not restarting"
+                )
+            else:
+                say(f"the job's config was refused (exit {status}); not restarting")
             return status
         if restarts >= allowed:
             if allowed or status != FAULT_EXIT:  # exit 1 without restarts: the rank's own line said it all

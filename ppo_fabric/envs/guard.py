@@ -215,7 +215,10 @@ class RecreateOnError(gym.Wrapper):
     def _recreate(self, cause: str) -> None:
         with contextlib.suppress(Exception):  # a broken env may fail to close too
             self.env.close()
-        self.env = self.factory()
+        try:
+            self.env = self.factory()
+        except USER_CODE_FAILURES as exc:  # named as the rebuild's, after the failure that asked for it
+            raise EnvFault(f"{cause}; rebuilding the env then raised {_one_line(exc)}") from exc
         self.pending = cause if self.pending is None else self.pending
 
     def reset(self, **kwargs: Any) -> tuple[Any, dict[str, Any]]:

@@ -764,3 +764,25 @@ def test_another_nodes_command_leaves_the_lock_to_node_0(
         status = supervisor.supervise(command_line, tmp_path, Invocation(overrides=[]))
     assert status == (0 if nodes == 2 else supervisor.CONFIG_REFUSED)
     assert ("is in use by a live run" in capfd.readouterr().err) is (nodes == 1)
+
+
+@pytest.mark.usefixtures("kept_handlers")
+def test_a_relaunch_its_checks_refuse_is_not_called_a_config_mistake(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capfd: pytest.CaptureFixture[str]
+) -> None:
+    """A relaunch whose checks fail (the env cannot be built any more) exits 2, as a config mistake does;
+    the line said "the job's config was refused", a config that had passed and was not changed."""
+    from omegaconf import OmegaConf
+
+    from ppo_fabric.app.hydra_app import Invocation
+    from ppo_fabric.config.faults import FAULT_EXIT
+    from ppo_fabric.runs import resume
+
+    statuses = iter([FAULT_EXIT, supervisor.CONFIG_REFUSED])
+    monkeypatch.setattr(supervisor.Job, "run", lambda self, args: next(statuses))
+    monkeypatch.setattr(resume, "newest_checkpoint", lambda *_: None)
+    cfg = OmegaConf.create({"restarts": 2, "resume": None, "collectives": {"timeout": 1}, "stall_timeout": 1})
+    assert supervisor._attempts(cfg, tmp_path, Invocation(overrides=[])) == 2
+    assert capfd.readouterr().err.splitlines()[-1] == (
+        "ppo-fabric: the relaunched job's checks refused it (exit 2; its line above says why); not restarting"
+    )

@@ -406,3 +406,21 @@ def test_a_silent_exit_during_a_run_is_a_fault() -> None:
     with pytest.raises(SystemExit) as raised, no_silent_exit():
         sys.exit(2)
     assert raised.value.code == 2
+
+
+@pytest.mark.slow
+def test_a_rebuild_that_fails_is_named_after_the_failure_that_asked_for_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`env.on_error=restart`: an env whose step raised, then whose rebuild raised too (a licence server
+    gone): the line named only the rebuild's error, as if `env.step` had raised it."""
+    from tests.faulty_env import FaultyCartPole
+
+    monkeypatch.setattr(FaultyCartPole, "struck", False)
+    with pytest.raises(EnvFault) as raised:
+        _run(tmp_path, FAULTY, "+env.kwargs.fault=raise_then_noinit", "+env.kwargs.after=70", "eval.every=0",
+             "env.on_error=restart")  # fmt: skip
+    assert str(raised.value) == (
+        "rank 0: step raised RuntimeError: simulator crashed (injected by the test env); rebuilding the env "
+        "then raised RuntimeError: no licence for the simulator (injected by the test env) (env step 280)"
+    )
