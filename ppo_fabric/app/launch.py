@@ -205,23 +205,21 @@ MEETING_NOTICE_S = 30.0
 
 def meeting_notice(cfg: DictConfig, world_size: int) -> threading.Timer:
     """A timer that, unless cancelled first, prints one line saying what this process waits for: each
-    node's first process of a multi-process job waited for missing peers (a node whose command was never
-    started, or was refused) in silence until `collectives.timeout` (180 s by default)."""
+    node's first process of a multi-node job waited for missing peers (a node whose command was never
+    started, or was refused) in silence until `collectives.timeout` (180 s by default). One node's job
+    starts its own processes, which a loaded machine may take a while to import: no line there."""
+
+    nodes = int(cfg.fabric.num_nodes)
 
     def say() -> None:
         where = f"{os.environ.get('MASTER_ADDR', '127.0.0.1')}:{os.environ.get('MASTER_PORT', '?')}"
-        nodes = int(cfg.fabric.num_nodes)
-        hint = (
-            f"; each of the {nodes} nodes runs the command with its NODE_RANK (0-{nodes - 1})"
-            if nodes > 1
-            else ""
-        )
-        os.write(2, f"ppo-fabric: waiting for the job's {world_size} processes to meet at {where}{hint}; "
+        hint = f"each of the {nodes} nodes runs the command with its NODE_RANK (0-{nodes - 1})"
+        os.write(2, f"ppo-fabric: waiting for the job's {world_size} processes to meet at {where}; {hint}; "
                     f"giving up after collectives.timeout={float(cfg.collectives.timeout):g} s\n".encode())  # fmt: skip
 
     timer = threading.Timer(min(MEETING_NOTICE_S, float(cfg.collectives.timeout) / 4), say)
     timer.daemon = True
-    if world_size > 1 and (os.environ.get("LOCAL_RANK") or "0") == "0":
+    if nodes > 1 and (os.environ.get("LOCAL_RANK") or "0") == "0":
         timer.start()
     return timer
 

@@ -283,6 +283,9 @@ def error_line(exc: BaseException, limit: int = 300) -> str:
 # What NumPy says when gymnasium's vector env stacks observations of another shape than the env's
 # observation_space into its buffer (all of them, or only some): the user's env is at fault, not the library.
 _WRONG_SHAPE = ("Output array is the wrong shape", "all input arrays must have the same shape")
+# What NumPy says when the vector env stores a step's reward, terminated or truncated that is not one number
+# (a reward of shape (1,)) into its array of one per env: sync, then async
+_NOT_SCALAR = ("setting an array element with a sequence", "non-broadcastable output operand")
 # what pickle says of an object it cannot take ("Can't pickle local object ...", "cannot pickle '_thread.lock'")
 _UNPICKLABLE = ("can't pickle", "cannot pickle")
 
@@ -300,6 +303,8 @@ def env_error_text(exc: BaseException) -> str:
         )
     elif any(words in str(exc) for words in _WRONG_SHAPE):
         text += " (an observation's shape differs from the env's observation_space)"
+    elif any(words in str(exc) for words in _NOT_SCALAR):
+        text += " (a step's reward, terminated or truncated is not one number: a reward of shape (1,)?)"
     elif any(words in str(exc).lower() for words in _UNPICKLABLE):  # the worker sending the step back
         text += (
             " (an async env's worker sends each step's observation and info back pickled: one of them does "

@@ -248,3 +248,23 @@ def test_an_unpicklable_step_result_of_an_async_env_is_named_so() -> None:
         "pickle; keep such objects out of info, or use env.vector=sync)"
     )
     assert env_error_text(RuntimeError("pickles are sour")) == "RuntimeError: pickles are sour"
+
+
+def test_a_reward_that_is_not_one_number_is_named_so() -> None:
+    """A reward of shape (1,) fails where the vector env stores one reward per env, in NumPy's words that
+    name neither the reward nor the env ("setting an array element with a sequence"); the line says what
+    they mean. (An async env's, "non-broadcastable output operand", in tests/runs/test_faults.py.)"""
+    from gymnasium.vector import SyncVectorEnv
+
+    from tests.faulty_env import FaultyCartPole
+
+    envs = SyncVectorEnv([lambda: FaultyCartPole(fault="array_reward", after=1)] * 2)
+    try:
+        envs.reset(seed=0)
+        with pytest.raises(ValueError, match="setting an array element with a sequence") as raised:
+            envs.step(np.zeros(2, dtype=np.int64))
+    finally:
+        envs.close()
+    assert env_error_text(raised.value).endswith(
+        " (a step's reward, terminated or truncated is not one number: a reward of shape (1,)?)"
+    ), env_error_text(raised.value)

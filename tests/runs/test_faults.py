@@ -424,3 +424,17 @@ def test_a_rebuild_that_fails_is_named_after_the_failure_that_asked_for_it(
         "rank 0: step raised RuntimeError: simulator crashed (injected by the test env); rebuilding the env "
         "then raised RuntimeError: no licence for the simulator (injected by the test env) (env step 280)"
     )
+
+
+@pytest.mark.slow
+def test_an_async_envs_reward_that_is_not_one_number_is_named_so(tmp_path: Path) -> None:
+    """A reward of shape (1,) from an async env's worker fails as NumPy's "non-broadcastable output
+    operand", which names neither the reward nor the env; the line says what it means."""
+    with pytest.raises(EnvFault) as raised:
+        _run(tmp_path, FAULTY, "+env.kwargs.fault=array_reward", "+env.kwargs.after=70", "env.vector=async",
+             "eval.every=0")  # fmt: skip
+    assert str(raised.value) == (
+        "rank 0: env.step raised ValueError: non-broadcastable output operand with shape (4,) doesn't match the "
+        "broadcast shape (4,4) (a step's reward, terminated or truncated is not one number: a reward of shape "
+        "(1,)?) at env step 280"
+    )
