@@ -110,7 +110,12 @@ class Watchdog:
             raise Stalled(self._stalled)
 
     def stop(self) -> None:
+        """End the watchdog's thread (waiting up to a second for it: a caller that goes on, a notebook's
+        kernel or the next run, finds it gone) and put back the stall signal's handler."""
         self._stop.set()
+        thread = self._thread
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(timeout=1.0)  # bounded: a thread answering another process's claim ends that process
         if self._handler is not None and threading.current_thread() is threading.main_thread():
             signal.signal(STALL_SIGNAL, self._handler)  # type: ignore[arg-type]
             self._handler = None

@@ -109,3 +109,12 @@ def test_a_tracker_that_never_answers_is_a_stall_and_a_peer_is_not(
 
 def test_seconds_keep_a_decimal_below_ten() -> None:
     assert [seconds_text(s) for s in (0.24, 3.06, 9.94, 10.4, 600.2)] == ["0.2", "3.1", "9.9", "10", "600"]
+
+
+def test_stop_leaves_no_watchdog_thread_running(tmp_path: Path) -> None:
+    """A caller that goes on after a run (a notebook's kernel, the next run in its process) finds the
+    thread gone when `stop()` returns: it was still ending a moment later (a stall test saw it)."""
+    dog = Watchdog(tmp_path, 5.0, 1).start()
+    assert dog._thread is not None and dog._thread.is_alive()
+    dog.stop()
+    assert not dog._thread.is_alive()
