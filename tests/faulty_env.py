@@ -4,7 +4,7 @@
 is not), `raise` (step raises), `hang` (step sleeps for
 ever, a stuck simulator), `slow` (each step sleeps `pause` seconds, 1 by default), `signal_slow` (SIGINT to its own process at the first
 strike, then `slow`), `slow_close` (the process's first close takes 7 s; steps are fine), `raise_init` (the constructor
-raises), `hang_init` (the constructor never returns), `raise_close` (`close` raises once the env has stepped),
+raises), `raise_init_worker` (the constructor raises in a worker process, not in the main one), `hang_init` (the constructor never returns), `raise_close` (`close` raises once the env has stepped),
 `hang_close` (`close` never returns once the env has stepped), `exit` (step calls `sys.exit(0)`), `os_exit`
 (the process ends at once, status 3, as a crash in C code would end it), `raise_then_noinit` (step raises,
 and every later construction in the process raises too: a rebuild that fails) or `none`; it strikes at the `after`-th step of each env instance (a recreated env
@@ -16,6 +16,7 @@ evaluation alone).
 
 from __future__ import annotations
 
+import multiprocessing
 import os
 import signal
 import sys
@@ -46,6 +47,8 @@ class FaultyCartPole(CartPoleEnv):
     ) -> None:
         if fault == "raise_init" or (fault == "raise_then_noinit" and FaultyCartPole.struck):
             raise RuntimeError("no licence for the simulator (injected by the test env)")
+        if fault == "raise_init_worker" and multiprocessing.parent_process() is not None:
+            raise RuntimeError("no display in a worker process (injected by the test env)")
         while fault == "hang_init":
             time.sleep(1)
         super().__init__(**kwargs)

@@ -711,6 +711,10 @@ def first_reset_faults(label: str, env_cfg: DictConfig) -> Iterator[None]:
         yield
     except NonFiniteData as bad:
         raise EnvFault(f"{label}, env {bad.index}: {bad.what} {_before_the_run(env_cfg)}") from None
+    except EnvFault as fault:  # found while the envs were built (`make`): named with the rank here
+        if str(fault).startswith(f"{label}:"):
+            raise
+        raise EnvFault(f"{label}: {fault}") from fault.__cause__
     except (RunFault, ConfigError):
         raise
     except USER_CODE_FAILURES as exc:  # the user's env code: its error, named, ends the run

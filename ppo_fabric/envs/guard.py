@@ -18,8 +18,11 @@ from __future__ import annotations
 
 import contextlib
 import math
+import os
 import signal
+import tempfile
 import time
+import traceback
 import warnings
 import weakref
 from collections.abc import Callable
@@ -257,7 +260,7 @@ class RecreateOnError(gym.Wrapper):
 
 ASYNC_POOLS: weakref.WeakSet[Any] = weakref.WeakSet()  # this process's async vector envs (`make`)
 # What the pipe to an async env's worker raises once that process has ended
-_LOST_WORKER = (EOFError, BrokenPipeError, ConnectionResetError)
+LOST_WORKER = (EOFError, BrokenPipeError, ConnectionResetError)
 
 # What the user's env code may raise that the run reports as the env's fault: SystemExit too (a `sys.exit`
 # in an env), which passed every `except Exception` and ended the run with exit 0 and no line.
@@ -296,7 +299,7 @@ def env_error_text(exc: BaseException) -> str:
     text = f"{type(exc).__name__}: {error_line(exc)}" if str(exc).strip() else type(exc).__name__
     if isinstance(exc, SystemExit):
         text = f"SystemExit({exc.code!r}) (the env called sys.exit)"
-    elif isinstance(exc, _LOST_WORKER) and (ended := ended_workers()):
+    elif isinstance(exc, LOST_WORKER) and (ended := ended_workers()):
         text = (
             f"{text} ({ended}; env.on_error=restart rebuilds an env whose code raises, not a process that "
             "ended: restarts=N relaunches the run from its last checkpoint)"
@@ -311,6 +314,57 @@ def env_error_text(exc: BaseException) -> str:
             "not pickle; keep such objects out of info, or use env.vector=sync)"
         )
     return text
+
+
+# The exit status of an async env's worker whose env could not be built (`built_in_worker`)
+WORKER_BUILD_FAILED = 3
+
+
+def _build_cause_path(owner: int, worker: int) -> str:
+    return os.path.join(tempfile.gettempdir(), f"ppo-fabric-{owner}-env-worker-{worker}.txt")
+
+
+def built_in_worker(factory: Callable[[], gym.Env], owner: int) -> gym.Env:
+    """`factory()` in an async env's worker process, whose failure is handed to `owner` (the process that
+    made the vector env) in one line: gymnasium builds the env outside its worker's error handling, so an
+    env that could be built in the main process but not in a worker (a licence, a display or a GPU the
+    worker lacks, a module-level state the fork did not carry) printed a ~25-line traceback per worker
+    while the run named only the closed pipe ("ConnectionResetError ... at its first reset"). In `owner`
+    itself (gymnasium builds one env there for the spaces) the error propagates as it is."""
+    try:
+        return factory()
+    except USER_CODE_FAILURES as exc:
+        if os.getpid() == owner:
+            raise
+        frame = traceback.extract_tb(exc.__traceback__)[-1]
+        where = f" ({os.path.basename(frame.filename)}:{frame.lineno}, in {frame.name})"
+        with contextlib.suppress(OSError), open(_build_cause_path(owner, os.getpid()), "w") as fh:
+            fh.write(f"{env_error_text(exc)}{where}")
+        raise SystemExit(WORKER_BUILD_FAILED) from None  # multiprocessing ends the worker without a traceback
+
+
+def worker_build_failures(workers: int, wait_s: float = 1.0) -> list[str]:
+    """The causes this process's async env workers (`workers` of them) left when their env could not be
+    built, waiting up to `wait_s` for each to write its own (the first one's closed pipe was what the
+    caller saw); each is read once: the files are removed."""
+    folder, prefix = tempfile.gettempdir(), f"ppo-fabric-{os.getpid()}-env-worker-"
+
+    def written() -> list[str]:
+        with contextlib.suppress(OSError):
+            return sorted(n for n in os.listdir(folder) if n.startswith(prefix))
+        return []
+
+    deadline = time.monotonic() + wait_s
+    while written() and len(written()) < workers and time.monotonic() < deadline:
+        time.sleep(0.02)
+    causes = []
+    for name in written():
+        path = os.path.join(folder, name)
+        with contextlib.suppress(OSError):
+            with open(path) as fh:
+                causes.append(fh.read().strip())
+            os.unlink(path)
+    return causes
 
 
 def ended_workers(wait_s: float = 1.0) -> str:

@@ -22,7 +22,17 @@ from omegaconf import DictConfig, OmegaConf
 
 from ppo_fabric.config.tuned import KNOWN_ENV_PACKAGES
 from ppo_fabric.envs import atari, envpool_backend
-from ppo_fabric.envs.guard import ASYNC_POOLS, ON_ERROR, FiniteCheck, error_line, restartable
+from ppo_fabric.envs.guard import (
+    ASYNC_POOLS,
+    LOST_WORKER,
+    ON_ERROR,
+    EnvFault,
+    FiniteCheck,
+    built_in_worker,
+    error_line,
+    restartable,
+    worker_build_failures,
+)
 from ppo_fabric.envs.normalize import (
     NormalizeObservation,
     NormalizeReward,
@@ -543,8 +553,21 @@ def _backend_vector_env(env_cfg: DictConfig, action_mask: int | None) -> VectorE
     fns: list[Callable[[], gym.Env]] = [partial(make_env, *args) for _ in range(int(env_cfg.num_envs))]
     if on_error(env_cfg) == "restart":  # each sub-env rebuilt from its factory when it fails (guard.py)
         fns = [partial(restartable, fn) for fn in fns]
-    cls = AsyncVectorEnv if env_cfg.vector == "async" else SyncVectorEnv
-    vector = cls(fns, autoreset_mode=AutoresetMode.SAME_STEP)
+    if env_cfg.vector == "async":
+        fns = [partial(built_in_worker, fn, os.getpid()) for fn in fns]
+        try:
+            vector: VectorEnv = AsyncVectorEnv(fns, autoreset_mode=AutoresetMode.SAME_STEP)
+        except LOST_WORKER:  # gymnasium asks every worker for its spaces as it starts them
+            causes = worker_build_failures(len(fns))
+            if not causes:
+                raise
+            raise EnvFault(
+                f"env.vector=async: the env could not be built in {len(causes)} of its {len(fns)} worker "
+                f"processes (it was in the run's own): {causes[0]}; env.vector=sync builds every env in the "
+                "run's process"
+            ) from None
+    else:
+        vector = SyncVectorEnv(fns, autoreset_mode=AutoresetMode.SAME_STEP)
     if isinstance(vector, AsyncVectorEnv):
         ASYNC_POOLS.add(vector)
     # Raw values are checked below everything else, normalisation included (guard.py); EnvPool's vector

@@ -5,12 +5,15 @@ the multi-process cases are in tests/strategies/test_faults_distributed.py."""
 
 from __future__ import annotations
 
+import glob
 import json
 import math
+import os
 import re
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 from pathlib import Path
 
@@ -378,6 +381,27 @@ def test_an_async_worker_that_dies_is_named_with_its_exit(tmp_path: Path) -> Non
         r"relaunches the run from its last checkpoint\) at env step 280",
         str(raised.value),
     ), raised.value
+
+
+@pytest.mark.slow
+def test_an_env_built_in_the_run_but_not_in_its_async_workers_is_named_in_one_line(
+    tmp_path: Path, capfd: pytest.CaptureFixture[str]
+) -> None:
+    """An env whose constructor fails only in an async env's worker process (a licence, a display the
+    workers lack): each worker printed a ~25-line traceback and the run's line named the closed pipe
+    (`ConnectionResetError ... at its first reset`); it names the constructor's error and where it was
+    raised, once, and leaves no worker's file behind."""
+    with pytest.raises(EnvFault) as raised:
+        _run(tmp_path, FAULTY, "+env.kwargs.fault=raise_init_worker", "env.vector=async", "env.num_envs=2",
+             "eval.every=0")  # fmt: skip
+    assert re.fullmatch(
+        r"rank 0: env\.vector=async: the env could not be built in 2 of its 2 worker processes \(it was in "
+        r"the run's own\): RuntimeError: no display in a worker process \(injected by the test env\) "
+        r"\(faulty_env\.py:\d+, in __init__\); env\.vector=sync builds every env in the run's process",
+        str(raised.value),
+    ), raised.value
+    assert "Traceback" not in capfd.readouterr().err
+    assert not glob.glob(os.path.join(tempfile.gettempdir(), f"ppo-fabric-{os.getpid()}-env-worker-*"))
 
 
 @pytest.mark.slow
