@@ -55,6 +55,7 @@ from ppo_fabric.runs import checkpoint as ckpt
 from ppo_fabric.runs.metrics import parameters_digest
 from ppo_fabric.runs.session import (
     STOP,
+    CheckpointFault,
     RunSession,
     closing_after,
     collecting_parts,
@@ -375,7 +376,14 @@ class Player:
         state = ckpt.load(written, key="checkpoint", env_state="fresh")
         agent = weights[SINGLE] if not state.get("multiagent") else weights
         policy = ckpt.policy_checkpoint(state, agent, env_step, frozen)
-        ckpt.atomic_write(ckpt.encode(policy), written.parent / "best.ckpt")
+        try:
+            ckpt.atomic_write(ckpt.encode(policy), written.parent / "best.ckpt")
+        except OSError as exc:  # a full disk: the previous best.ckpt, if any, is intact
+            raise CheckpointFault(
+                f"could not write best.ckpt (the best evaluation's policy, from env step {env_step:,}) "
+                f"({type(exc).__name__}: [Errno {exc.errno}] {exc.strerror}); {written} holds env step "
+                f"{int(state['env_step']):,}"
+            ) from exc
 
     def snapshot(self) -> dict[str, Any]:
         policy_now = parameters_to_vector(self.params).detach().cpu().clone()

@@ -239,16 +239,33 @@ def save(
     numbered: bool,
     keep: int,
     protect: tuple[Path, ...] = (),
+    best: bool = False,
 ) -> Path:
-    """Write `last.ckpt` and, when asked, the numbered copy, then prune this lineage's numbered copies to
-    the newest `keep` (0 keeps all). Never deleted: the file just written and those in `protect` (the
-    checkpoint the run resumed from). Other lineages' files in the same directory are left alone."""
+    """Write `best.ckpt` when `best`, then `last.ckpt`, then, when asked, the numbered copy, and prune this
+    lineage's numbered copies to the newest `keep` (0 keeps all). Never deleted: the file just written and
+    those in `protect` (the checkpoint the run resumed from). Other lineages' files in the same directory
+    are left alone.
+
+    In that order so that a write that fails (a full disk) loses nothing a resume cannot redo: `best.ckpt`
+    first, since a resume from the previous `last.ckpt` replays the updates up to a best again but nothing
+    rewrites a best once `last.ckpt` is past it (a run whose last best failed was complete and had none);
+    then `last.ckpt`, which `resume=auto` continues from (a numbered copy written before it, then a failing
+    `last.ckpt`, left the run's newest state in a file the failure line did not name). An OSError carries
+    the file it was writing."""
     data = encode(state)
     kept = {p.resolve() for p in protect}
+    last = ckpt_dir / "last.ckpt"
+    targets = [ckpt_dir / "best.ckpt"] if best else []
+    targets.append(last)
     if numbered:
-        path = ckpt_dir / numbered_name(int(state["env_step"]), str(state["run_id"]))
-        atomic_write(data, path)
-        kept.add(path.resolve())
+        targets.append(ckpt_dir / numbered_name(int(state["env_step"]), str(state["run_id"])))
+    for path in targets:
+        try:
+            atomic_write(data, path)
+        except OSError as exc:
+            raise OSError(exc.errno, exc.strerror or str(exc), str(path)) from exc
+    if numbered:
+        kept.add(targets[-1].resolve())
         if keep > 0:
             ours = []
             for old in ckpt_dir.glob("step_*.ckpt"):
@@ -258,8 +275,6 @@ def save(
             for _, old in sorted(ours)[:-keep]:
                 if old.resolve() not in kept:
                     old.unlink(missing_ok=True)
-    last = ckpt_dir / "last.ckpt"
-    atomic_write(data, last)
     return last
 
 

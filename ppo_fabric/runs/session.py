@@ -335,18 +335,23 @@ class RunSession:
                 f"the checkpoint at env step {self.env_step(update):,} was not written: {bad}; {self._kept()}"
             )
         try:
-            last = ckpt.save(state, self.checkpoint_path.parent, numbered, self.keep, self.protect)
-            if better:
-                ckpt.atomic_write(last.read_bytes(), last.parent / "best.ckpt")
+            return ckpt.save(
+                state, self.checkpoint_path.parent, numbered, self.keep, self.protect, bool(better)
+            )
         except OSError as exc:  # a full disk, permissions: the temp file is gone, the old file intact
+            name = Path(exc.filename).name if exc.filename else "the checkpoint"
             raise CheckpointFault(
-                f"could not write the checkpoint at env step {self.env_step(update):,} "
-                f"({type(exc).__name__}: {exc}); {self._kept()}"
+                f"could not write {name} at env step {self.env_step(update):,} "
+                f"({type(exc).__name__}: [Errno {exc.errno}] {exc.strerror}); {self._kept(name)}"
             ) from exc
-        return last
 
-    def _kept(self) -> str:
+    def _kept(self, failed: str = "") -> str:
+        """Which checkpoint a resume continues from after the write of `failed` (a file name) failed:
+        `ckpt.save` writes `best.ckpt`, `last.ckpt`, then the numbered copy, so a numbered copy that
+        failed leaves this update's `last.ckpt` whole."""
         path = self.checkpoint_path
+        if failed.startswith("step_"):
+            return f"{path} holds this env step"
         return f"the last good checkpoint is {path}" if path.is_file() else "no checkpoint was written before"
 
     def stop(self, signum: int, update: int, summary: dict[str, Any] | None = None) -> NoReturn:

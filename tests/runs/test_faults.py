@@ -178,11 +178,60 @@ def test_a_failed_write_keeps_the_previous_checkpoint(
         session.write_checkpoint(_state(2.0), [{}], 2)
     monkeypatch.setattr(ckpt.os, "replace", real_replace)
     assert str(raised.value) == (
-        "could not write the checkpoint at env step 256 (OSError: [Errno 28] No space left on device); "
+        "could not write last.ckpt at env step 256 (OSError: [Errno 28] No space left on device); "
         f"the last good checkpoint is {good}"
     )
     assert good.read_bytes() == before
     assert _only_the_good_save(good)
+    session.logger.close()
+
+
+def _full_disk_for(name_starts: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Writes into files whose names start with `name_starts` fail as on a full disk; others succeed."""
+    real_replace = ckpt.os.replace
+
+    def replace(src: str, dst: str) -> None:
+        if Path(dst).name.startswith(name_starts):
+            raise OSError(28, "No space left on device")
+        real_replace(src, dst)
+
+    monkeypatch.setattr(ckpt.os, "replace", replace)
+
+
+def test_a_numbered_copy_that_fails_leaves_that_updates_last_checkpoint_named(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`last.ckpt` is written before the numbered copy: the copy written first, then a failing
+    `last.ckpt`, left the run's newest state in a file the line did not name ("no checkpoint was written
+    before"), and a decoupled `resume=auto` went back to the older `last.ckpt`."""
+    session = _session(tmp_path)
+    _full_disk_for("step_", monkeypatch)
+    with pytest.raises(CheckpointFault) as raised:
+        session.write_checkpoint(_state(1.0), [{}], 1)
+    last = tmp_path / "checkpoints" / "last.ckpt"
+    assert str(raised.value) == (
+        "could not write step_000000000128_" + session.run_id + ".ckpt at env step 128 (OSError: [Errno 28] "
+        f"No space left on device); {last} holds this env step"
+    )
+    assert torch.load(last, weights_only=True)["env_step"] == 128
+    session.logger.close()
+
+
+def test_a_new_best_is_written_before_the_last_checkpoint(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A run whose final checkpoint was a new best and whose best.ckpt then failed (a full disk) was
+    complete with no best.ckpt: `resume=auto` found nothing to do, and no run wrote that best again. Now
+    best.ckpt comes first: when it fails, the previous `last.ckpt` stays, and a resume replays to it."""
+    session = _session(tmp_path)
+    window = {"episodes": [(100, 10.0, 10)]}  # (env step, return, length) of the recent episodes
+    good = session.write_checkpoint(_state(1.0), [window], 1)
+    assert (good.parent / "best.ckpt").read_bytes() == good.read_bytes()
+    _full_disk_for("best", monkeypatch)
+    better = {"episodes": [(200, 20.0, 20)]}
+    with pytest.raises(CheckpointFault, match=r"^could not write best\.ckpt at env step 256 "):
+        session.write_checkpoint(_state(2.0), [better], 2)
+    assert torch.load(good, weights_only=True)["env_step"] == 128  # the new best's update left no last.ckpt
     session.logger.close()
 
 
