@@ -15,8 +15,11 @@ episode's start) for a recurrent (LSTM) one; outputs `action`, `value` (with `va
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import logging
+import os
 import sys
 import warnings
 from pathlib import Path
@@ -215,7 +218,11 @@ def export_torchscript(
         # nn.LSTM's own shape checks read sizes as Python values: harmless here (they only raise)
         warnings.filterwarnings("ignore", category=torch.jit.TracerWarning)
         traced = torch.jit.trace(policy, example if isinstance(example, tuple) else (example,))
-        torch.jit.save(traced, str(path), _extra_files={METADATA_FILE: json.dumps(meta)})
+        # into memory, then written by Python: torch.jit.save into a file on a full disk aborted the
+        # process (a C++ exception, exit 134) and left a truncated file
+        buffer = io.BytesIO()
+        torch.jit.save(traced, buffer, _extra_files={METADATA_FILE: json.dumps(meta)})
+    path.write_bytes(buffer.getvalue())
 
 
 def _check_onnx_installed() -> None:
@@ -338,23 +345,33 @@ def _export_one(
         raise ExportError(
             f"out={path} is a directory; name the file (e.g. out={path / ('policy' + FORMATS[format])})"
         )
+    # Written and checked as a temp file beside `path`, which it then replaces: a failed write (a full
+    # disk) or check leaves no partial file, and an earlier export at `path` as it was.
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        (export_torchscript if format == "torchscript" else export_onnx)(
-            policy, example_inputs(policy, obs_space, batch=2), path, meta
-        )
-    except OSError as exc:
-        raise ExportError(f"out={path}: cannot write there ({exc.strerror or type(exc).__name__})") from exc
-    check = example_inputs(policy, obs_space, batch=7, seed=1)
-    with torch.no_grad():
-        expected = policy(*check)
-    expected_np = [t.numpy() for t in (expected if isinstance(expected, tuple) else (expected,))]
-    got = run_exported(path, format, *check)
-    for output, want, have in zip(meta["outputs"], expected_np, got, strict=True):
-        if want.shape != have.shape or not np.allclose(want, have, rtol=1e-4, atol=1e-5):
-            raise ExportError(
-                f"{which}the exported {format} policy's {output} differs from the checkpoint's model"
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            (export_torchscript if format == "torchscript" else export_onnx)(
+                policy, example_inputs(policy, obs_space, batch=2), tmp, meta
             )
+        except OSError as exc:
+            raise ExportError(
+                f"out={path}: cannot write there ({exc.strerror or type(exc).__name__})"
+            ) from exc
+        check = example_inputs(policy, obs_space, batch=7, seed=1)
+        with torch.no_grad():
+            expected = policy(*check)
+        expected_np = [t.numpy() for t in (expected if isinstance(expected, tuple) else (expected,))]
+        got = run_exported(tmp, format, *check)
+        for output, want, have in zip(meta["outputs"], expected_np, got, strict=True):
+            if want.shape != have.shape or not np.allclose(want, have, rtol=1e-4, atol=1e-5):
+                raise ExportError(
+                    f"{which}the exported {format} policy's {output} differs from the checkpoint's model"
+                )
+        os.replace(tmp, path)
+    finally:
+        with contextlib.suppress(OSError):
+            tmp.unlink(missing_ok=True)
     return path
 
 

@@ -93,6 +93,29 @@ def test_a_checkpoint_other_than_last_is_exported_beside_it(tiny_run: Path, tmp_
     assert (best, last) == (tmp_path / "policy-best.pt", tmp_path / "policy.pt") and best.is_file()
 
 
+def test_an_export_that_cannot_be_written_leaves_the_earlier_file_as_it_was(
+    tiny_run: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """On a full disk `torch.jit.save` aborted the process (a C++ exception: exit 134, a 16-line dump)
+    and left a truncated policy.pt that `torch.jit.load` refused. The file is written by Python into a
+    temp file and checked before it replaces the earlier export: one line, nothing partial left."""
+    out = tmp_path / "policy.pt"
+    out.write_bytes(b"an earlier export")
+    real = Path.write_bytes
+
+    def full_disk(self: Path, data: bytes) -> int:
+        if self.name.endswith(".tmp"):
+            real(self, data[: len(data) // 2])  # a partial file, as a full disk leaves
+            raise OSError(28, "No space left on device")
+        return real(self, data)
+
+    monkeypatch.setattr(Path, "write_bytes", full_disk)
+    with pytest.raises(export.ExportError, match=r"^out=.*policy\.pt: cannot write there \(No space left"):
+        export.export(_ckpt(tiny_run), out=out)
+    assert out.read_bytes() == b"an earlier export"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["policy.pt"]
+
+
 def test_box_actions_are_clipped_like_the_rollout(tmp_path: Path) -> None:
     """Gaussian head: the export gives the mean clipped to the bounds, which is what the env receives."""
     obs_space = gym.spaces.Box(-np.inf, np.inf, (3,), np.float32)
