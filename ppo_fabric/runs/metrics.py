@@ -22,7 +22,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from ppo_fabric.config.faults import FAULT_EXIT, RunFault
 from ppo_fabric.config.values import ConfigError
-from ppo_fabric.runs.metrics_file import EVALUATIONS_CSV, METRICS_CSV
+from ppo_fabric.runs.metrics_file import EVALUATIONS_CSV, METRICS_CSV, writing
 from ppo_fabric.runs.trackers import Tracker, open_tracker, tracker_name
 from ppo_fabric.wire.progress import PROGRESS
 
@@ -99,11 +99,12 @@ def _columns(key_lists: list[list[str]]) -> list[str]:
 
 def _write_rows(path: Path, keys: list[str], rows: list[dict[str, str]]) -> None:
     tmp = path.with_suffix(".csv.tmp")
-    with tmp.open("w", newline="") as fh:
-        writer = csv.DictWriter(fh, fieldnames=keys, extrasaction="ignore")  # a torn row's overflow
-        writer.writeheader()
-        writer.writerows(rows)
-    tmp.replace(path)
+    with writing(path, tmp):
+        with tmp.open("w", newline="") as fh:
+            writer = csv.DictWriter(fh, fieldnames=keys, extrasaction="ignore")  # a torn row's overflow
+            writer.writeheader()
+            writer.writerows(rows)
+        tmp.replace(path)
 
 
 class CsvMetrics:
@@ -143,7 +144,7 @@ class CsvMetrics:
         new = [k for k in row if k not in self.keys]
         if new:
             self._rewrite(sorted([*self.keys, *new], key=lambda k: (k != "step", k)))
-        with self.path.open("a", newline="") as fh:
+        with writing(self.path), self.path.open("a", newline="") as fh:
             csv.DictWriter(fh, fieldnames=self.keys).writerow(row)
 
     @property
@@ -167,7 +168,9 @@ class CsvMetrics:
                 text = text[: text.rfind("\n") + 1]
             rows = list(csv.DictReader(io.StringIO(text, newline="")))
         if through is not None:
-            aside = _read_strictly(self.dropped_path)
+            # a row in both files: a resume that moved it aside, then failed to rewrite the file (a full disk)
+            held = {tuple(sorted(r.items())) for r in rows}
+            aside = [r for r in _read_strictly(self.dropped_path) if tuple(sorted(r.items())) not in held]
             pool = rows + aside
             keep = [self._continued(r, through, aside=i >= len(rows)) for i, r in enumerate(pool)]
             if all(keep[: len(rows)]) and not any(keep[len(rows) :]) and not torn:  # nothing moves
@@ -314,6 +317,8 @@ class RunLogger:
         if cfg.logger.tensorboard:
             from lightning_fabric.loggers import TensorBoardLogger
 
+            quiet_tensorboard_writer()
+
             # a resumed run's events after its checkpoint's step are hidden, as its CSV rows are dropped
             earlier = not fresh or (run_dir / "tensorboard").is_dir()
             purge = {"purge_step": since + 1} if earlier else {}
@@ -357,8 +362,11 @@ class RunLogger:
         if not self.enabled:
             return
         shared = metrics if shared is None else shared
-        for logger in self.loggers:
-            logger.log_metrics(dict(shared), step=step)
+        for logger in list(self.loggers):
+            try:
+                logger.log_metrics(dict(shared), step=step)
+            except Exception as exc:  # its event file cannot be written (a full disk, permissions)
+                self._drop_tensorboard(logger, exc)
         if table is not None:
             table.log(metrics, step)
         if self.tracker is not None:
@@ -392,8 +400,11 @@ class RunLogger:
             self.bar.close()
             self.bar = None
         self.next_line = None
-        for logger in self.loggers:
-            logger.finalize("success" if exit_code == 0 else "interrupted")
+        for logger in list(self.loggers):
+            try:
+                logger.finalize("success" if exit_code == 0 else "interrupted")
+            except Exception as exc:  # its last events cannot be flushed
+                self._drop_tensorboard(logger, exc)
         self.loggers = []
         OPEN_LOGGERS.discard(self)
         if self.tracker is not None:
@@ -405,6 +416,25 @@ class RunLogger:
                 self.tracker = tracker
                 self._drop_tracker(exc)
 
+    def _drop_tensorboard(self, logger: Any, exc: Exception) -> None:
+        """TensorBoard failing to write its events is dropped with one warning, as a tracker is: every row
+        is in metrics.csv (a full disk then ends the run at the next write there, in one line). Lightning
+        reported the writer's OSError as "ValueError: you tried to log -0.016 which is currently not
+        supported", under a traceback of each of its threads."""
+        cause: BaseException = exc
+        while cause.__cause__ is not None or cause.__context__ is not None:
+            if isinstance(cause, OSError):
+                break
+            cause = cause.__cause__ or cause.__context__  # type: ignore[assignment]
+        with contextlib.suppress(ValueError):
+            self.loggers.remove(logger)
+        warnings.warn(
+            f"ppo-fabric: TensorBoard could not write its events in {self.run_dir / 'tensorboard'} "
+            f"({type(cause).__name__}: {_first_line(cause)}); the run goes on without it (metrics.csv holds "
+            "every row)",
+            stacklevel=3,
+        )
+
     def _drop_tracker(self, exc: Exception) -> None:
         """A tracker that fails once the run is going is dropped with a warning, not the run: every row
         is in metrics.csv, and a store or server going away says nothing about the training."""
@@ -414,6 +444,24 @@ class RunLogger:
             stacklevel=3,
         )
         self.tracker = None
+
+
+def quiet_tensorboard_writer() -> None:
+    """TensorBoard writes its events from a thread of its own, which keeps an error (a full disk) for the
+    next write to raise, where `RunLogger` drops TensorBoard with one warning, and then also raises it,
+    printing the thread's ~15-line traceback. That traceback is left out here; every other thread's
+    reaches the hook that was there. Installed once per process."""
+    previous = threading.excepthook
+    if getattr(previous, "_quiets_tensorboard", False):
+        return
+
+    def hook(args: threading.ExceptHookArgs) -> None:
+        if type(args.thread).__module__.startswith("tensorboard.") and isinstance(args.exc_value, Exception):
+            return
+        previous(args)
+
+    hook._quiets_tensorboard = True  # type: ignore[attr-defined]
+    threading.excepthook = hook
 
 
 OPEN_LOGGERS: set[RunLogger] = set()  # this process's loggers not yet closed: a failed run closes them

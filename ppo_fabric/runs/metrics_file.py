@@ -6,10 +6,12 @@ standard library: the supervising process reads it too."""
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import json
 import math
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -41,8 +43,25 @@ def series(rows: Iterable[dict[str, str]], key: str, x: str = "step") -> list[tu
     return out
 
 
+@contextmanager
+def writing(path: Path, tmp: Path | None = None) -> Iterator[None]:
+    """A write of `path` (through `tmp`, which a failure removes) whose OSError names `path`: a full disk
+    ended a run with "OSError: [Errno 28] No space left on device", no file named, and left a 0-byte
+    temp file beside summary.json."""
+    try:
+        yield
+    except OSError as exc:
+        if tmp is not None:
+            with contextlib.suppress(OSError):
+                tmp.unlink(missing_ok=True)
+        if exc.filename is not None and tmp is None:
+            raise
+        raise OSError(exc.errno, exc.strerror or str(exc), str(path)) from exc
+
+
 def write_json(path: Path, data: Mapping[str, Any]) -> None:
     """`data` as `path` (a summary, an evaluation), replaced whole: a reader never sees half of it."""
     tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
-    tmp.replace(path)
+    with writing(path, tmp):
+        tmp.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
+        tmp.replace(path)
