@@ -115,11 +115,19 @@ def continue_run(
             cfg[key] = merged[key]
     if auto and int(state["env_step"]) >= int(cfg.algo.total_steps):
         done, total = int(state["env_step"]), int(cfg.algo.total_steps)
-        stopped = _stop_signal(Path(run_dir))
-        if stopped:  # it was called complete, its summary saying interrupted and no final evaluation
+        summary = _last_summary(Path(run_dir))
+        if summary is None or int(summary.get("total_env_steps") or 0) < done:
+            # its final checkpoint was written, then a failure (a full disk) ended the session before its
+            # summary: "complete; nothing to do" read as if the run had ended well
             raise RunComplete(
-                f"resume=auto: the run in {run_dir} was stopped by {stopped} at {done:,} env steps, at or past "
-                f"algo.total_steps={total:,}: nothing to train (raise algo.total_steps to go on)"
+                f"resume=auto: the run in {run_dir} finished its training ({done:,} env steps >= "
+                f"algo.total_steps={total:,}), but its last session failed before writing summary.json: its "
+                "checkpoints and metrics.csv are whole; nothing to train (raise algo.total_steps to go on)"
+            )
+        if summary.get("interrupted"):  # called complete, its summary saying interrupted, no final evaluation
+            raise RunComplete(
+                f"resume=auto: the run in {run_dir} was stopped by {summary.get('stop_signal')} at {done:,} env "
+                f"steps, at or past algo.total_steps={total:,}: nothing to train (raise algo.total_steps to go on)"
             )
         raise RunComplete(
             f"resume=auto: the run in {run_dir} is complete ({done:,} env steps >= "
@@ -128,15 +136,17 @@ def continue_run(
     return changes
 
 
-def _stop_signal(run_dir: Path) -> str | None:
-    """The signal the run's last session was stopped by, as its summary.json says (None: it was not)."""
-    try:
-        summary = json.loads((run_dir / "summary.json").read_text())
-    except (OSError, ValueError):
-        return None
-    return (
-        str(summary.get("stop_signal")) if isinstance(summary, dict) and summary.get("interrupted") else None
-    )
+def _last_summary(run_dir: Path) -> dict[str, Any] | None:
+    """The run's last summary: summary.json, or the one a later session that failed before its first
+    checkpoint moved aside (summary.previous.json); None when neither reads as one."""
+    for name in ("summary.json", "summary.previous.json"):
+        try:
+            summary = json.loads((run_dir / name).read_text())
+        except (OSError, ValueError):
+            continue
+        if isinstance(summary, dict):
+            return summary
+    return None
 
 
 def check_env_trusted(path: str, saved_id: str, own_id: str) -> None:

@@ -84,6 +84,30 @@ def test_a_change_to_the_experiment_is_refused_unless_allowed(tmp_path: Path) ->
     assert yaml.safe_load((branch / "config.yaml").read_text())["algo"]["gamma"] == 0.95
 
 
+def test_resume_auto_of_a_run_whose_summary_failed_says_so(
+    tmp_path: Path, capfd: pytest.CaptureFixture[str]
+) -> None:
+    """A full disk took summary.json after the final checkpoint (that session failed, exit 1); the
+    requeued command said the run "is complete; nothing to do", as of a run that ended well. A summary
+    from an earlier session (a stop at 256 env steps) is no summary of the end either: it read "was
+    stopped by SIGTERM at 512 env steps"."""
+    run_dir = tmp_path / "run"
+    _run(run_dir, "algo.total_steps=512")
+    summary = json.loads((run_dir / "summary.json").read_text())
+    (run_dir / "summary.json").unlink()
+    _run(run_dir, "algo.total_steps=512", "resume=auto")
+    said = (
+        f"resume=auto: the run in {run_dir} finished its training (512 env steps >= algo.total_steps=512), but "
+        "its last session failed before writing summary.json: its checkpoints and metrics.csv are whole; "
+        "nothing to train"
+    )
+    assert said in capfd.readouterr().err
+    stale = summary | {"total_env_steps": 256, "interrupted": True, "stop_signal": "SIGTERM"}
+    (run_dir / "summary.json").write_text(json.dumps(stale))
+    _run(run_dir, "algo.total_steps=512", "resume=auto")
+    assert said in capfd.readouterr().err
+
+
 def test_requeued_resume_auto_of_a_finished_run_is_done(
     tmp_path: Path, capfd: pytest.CaptureFixture[str]
 ) -> None:
