@@ -130,7 +130,13 @@ def test_ctrl_c_during_a_benchmark_run_stops_its_job_and_ends_in_one_line(
 
     common = benchmark_script(monkeypatch, "common")
     job = tmp_path / "job"
-    job.write_text("#!/bin/sh\nexec sleep 60\n")  # stands in for `python -m ppo_fabric ...`
+    # stands in for `python -m ppo_fabric ...`, which takes SIGINT whatever it inherited: a suite started in
+    # the background (`make test &`) passes SIGINT on ignored, and a shell's `sleep` then never got it
+    ready = tmp_path / "ready"
+    job.write_text(
+        f"#!{sys.executable}\nimport signal, time\nsignal.signal(signal.SIGINT, signal.SIG_DFL)\n"
+        f"open({str(ready)!r}, 'w').close()\ntime.sleep(60)\n"
+    )
     job.chmod(0o755)
     monkeypatch.setattr(common.sys, "executable", str(job))
     started: list[subprocess.Popen[str]] = []
@@ -139,6 +145,9 @@ def test_ctrl_c_during_a_benchmark_run_stops_its_job_and_ends_in_one_line(
         def wait(self, timeout: float | None = None) -> int:
             if not started:
                 started.append(self)
+                deadline = time.monotonic() + 30
+                while not ready.exists() and time.monotonic() < deadline:  # Ctrl+C once it is running
+                    time.sleep(0.01)
                 raise KeyboardInterrupt
             return super().wait(timeout)
 
