@@ -340,8 +340,10 @@ class RunSession:
             )
         except OSError as exc:  # a full disk, permissions: the temp file is gone, the old file intact
             name = Path(exc.filename).name if exc.filename else "the checkpoint"
+            # a stop's checkpoint that failed: the line said nothing of the stop it was for
+            stopping = f"stopping on {signal.Signals(STOP.signum).name}: " if STOP.signum else ""
             raise CheckpointFault(
-                f"could not write {name} at env step {self.env_step(update):,} "
+                f"{stopping}could not write {name} at env step {self.env_step(update):,} "
                 f"({type(exc).__name__}: [Errno {exc.errno}] {exc.strerror}); {self._kept(name)}"
             ) from exc
 

@@ -186,6 +186,23 @@ def test_a_failed_write_keeps_the_previous_checkpoint(
     session.logger.close()
 
 
+def test_a_stops_checkpoint_that_cannot_be_written_names_the_stop(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """SIGTERM on a full disk: the run ends with exit 1 (the stop lost what it was to save), and its line
+    said only that a checkpoint could not be written."""
+    from ppo_fabric.runs.session import STOP
+
+    session = _session(tmp_path)
+    _full_disk_for("last", monkeypatch)
+    monkeypatch.setattr(STOP, "signum", int(signal.SIGTERM))
+    with pytest.raises(
+        CheckpointFault, match=r"^stopping on SIGTERM: could not write last\.ckpt at env step 128 "
+    ):
+        session.write_checkpoint(_state(1.0), [{}], 1)
+    session.logger.close()
+
+
 def _full_disk_for(name_starts: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """Writes into files whose names start with `name_starts` fail as on a full disk; others succeed."""
     real_replace = ckpt.os.replace
