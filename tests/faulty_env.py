@@ -5,7 +5,7 @@ is not), `raise` (step raises), `hang` (step sleeps for
 ever, a stuck simulator), `slow` (each step sleeps `pause` seconds, 1 by default), `signal_slow` (SIGINT to its own process at the first
 strike, then `slow`), `slow_close` (the process's first close takes 7 s; steps are fine), `raise_init` (the constructor
 raises), `raise_init_worker` (the constructor raises in a worker process, not in the main one), `hang_init` (the constructor never returns), `raise_close` (`close` raises once the env has stepped),
-`hang_close` (`close` never returns once the env has stepped), `exit` (step calls `sys.exit(0)`), `os_exit`
+`hang_close` (`close` never returns once the env has stepped), `exit` (step calls `sys.exit(0)`), `keyboard_interrupt` (step raises KeyboardInterrupt), `os_exit`
 (the process ends at once, status 3, as a crash in C code would end it), `raise_then_noinit` (step raises,
 and every later construction in the process raises too: a rebuild that fails) or `none`; it strikes at the `after`-th step of each env instance (a recreated env
 starts counting again), on rank `rank` (-1: every rank), for `times` steps in a row (0: from then on);
@@ -113,6 +113,8 @@ class FaultyCartPole(CartPoleEnv):
                 time.sleep(1)
         elif fault == "exit":
             sys.exit(0)
+        elif fault == "keyboard_interrupt":
+            raise KeyboardInterrupt
         elif fault == "os_exit":
             os._exit(3)
         return obs, reward, terminated, truncated, info

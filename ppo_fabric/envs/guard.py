@@ -263,8 +263,10 @@ ASYNC_POOLS: weakref.WeakSet[Any] = weakref.WeakSet()  # this process's async ve
 LOST_WORKER = (EOFError, BrokenPipeError, ConnectionResetError)
 
 # What the user's env code may raise that the run reports as the env's fault: SystemExit too (a `sys.exit`
-# in an env), which passed every `except Exception` and ended the run with exit 0 and no line.
-USER_CODE_FAILURES: tuple[type[BaseException], ...] = (Exception, SystemExit)
+# in an env), which passed every `except Exception` and ended the run with exit 0 and no line, and
+# KeyboardInterrupt, which a run's Ctrl+C never raises there (its handler asks for a stop at the next
+# update): one from an env's code ended the run as "interrupted", exit 130, never restarted.
+USER_CODE_FAILURES: tuple[type[BaseException], ...] = (Exception, SystemExit, KeyboardInterrupt)
 
 
 def _one_line(exc: BaseException) -> str:
@@ -299,6 +301,8 @@ def env_error_text(exc: BaseException) -> str:
     text = f"{type(exc).__name__}: {error_line(exc)}" if str(exc).strip() else type(exc).__name__
     if isinstance(exc, SystemExit):
         text = f"SystemExit({exc.code!r}) (the env called sys.exit)"
+    elif isinstance(exc, KeyboardInterrupt):
+        text = "KeyboardInterrupt (raised by the env's own code: a Ctrl+C stops a run at its next update)"
     elif isinstance(exc, LOST_WORKER) and (ended := ended_workers()):
         text = (
             f"{text} ({ended}; env.on_error=restart rebuilds an env whose code raises, not a process that "

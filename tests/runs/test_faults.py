@@ -415,6 +415,18 @@ def test_an_async_workers_error_is_the_runs_one_line_without_gymnasiums_report(t
 
 
 @pytest.mark.slow
+def test_a_keyboard_interrupt_from_an_env_is_its_fault_not_a_ctrl_c(tmp_path: Path) -> None:
+    """A run's Ctrl+C never raises in an env (its handler asks for a stop at the next update): one raised
+    by an env's code ended the run as "interrupted", exit 130, no stop checkpoint, never restarted."""
+    with pytest.raises(EnvFault) as raised:
+        _run(tmp_path, FAULTY, "+env.kwargs.fault=keyboard_interrupt", "+env.kwargs.after=70", "eval.every=0")
+    assert str(raised.value) == (
+        "rank 0: env.step raised KeyboardInterrupt (raised by the env's own code: a Ctrl+C stops a run at its "
+        "next update) at env step 280"
+    )
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("on_error", ["raise", "restart"])
 def test_an_env_that_calls_sys_exit_is_a_fault_not_a_finished_run(tmp_path: Path, on_error: str) -> None:
     """`sys.exit(0)` in an env's step raises SystemExit, which passed every `except Exception`: the run
