@@ -334,12 +334,16 @@ class Player:
         if evaluating:
             self.recorded = self.evaluation.state(upto=self.session.env_step(update))
             learner = learner | {"evaluation": self.recorded}
-        # with evaluation on, best.ckpt holds the parameters the evaluator scored best (`write_best`)
-        path = self.session.write_checkpoint(
-            learner, [part["rank_state"] for part in parts], update, best=False if evaluating else None
+        # with evaluation on, best.ckpt holds the parameters the evaluator scored best (`best_policy`),
+        # written before last.ckpt: a failed write of it (a full disk) leaves a checkpoint a resume replays
+        upto = self.session.env_step(update)
+        self.session.write_checkpoint(
+            learner,
+            [part["rank_state"] for part in parts],
+            update,
+            best=False if evaluating else None,
+            best_policy=(lambda state: self.best_policy(state, upto)) if evaluating else None,
         )
-        if evaluating and self.session.writer:
-            self.write_best(path, upto=self.session.env_step(update))
 
     def amend_evaluation(self) -> None:
         """The evaluation record in the last checkpoint written (and its numbered copy) as it is now, and
@@ -365,22 +369,28 @@ class Player:
         self.recorded = now
         self.write_best(last, upto=step)
 
-    def write_best(self, written: Path, upto: int) -> None:
-        """best.ckpt from the evaluation that found a new best since the last checkpoint, at its step
-        `upto` or before: the parameters it scored, cut from the checkpoint just `written`
-        (`ckpt.policy_checkpoint`: loadable, not resumable)."""
+    def best_policy(self, state: dict[str, Any], upto: int) -> dict[str, Any] | None:
+        """best.ckpt's content from the evaluation that found a new best since the last checkpoint, at its
+        step `upto` or before: the parameters it scored, cut from the checkpoint `state`
+        (`ckpt.policy_checkpoint`: loadable, not resumable); None when there is no new best."""
         best = self.evaluation.take_best_policy(upto)
         if best is None:
-            return
+            return None
         env_step, weights, frozen = best
-        state = ckpt.load(written, key="checkpoint", env_state="fresh")
         agent = weights[SINGLE] if not state.get("multiagent") else weights
-        policy = ckpt.policy_checkpoint(state, agent, env_step, frozen)
+        return ckpt.policy_checkpoint(state, agent, env_step, frozen)
+
+    def write_best(self, written: Path, upto: int) -> None:
+        """best.ckpt from an evaluation that finished after the checkpoint `written` (`best_policy`)."""
+        state = ckpt.load(written, key="checkpoint", env_state="fresh")
+        policy = self.best_policy(state, upto)
+        if policy is None:
+            return
         try:
             ckpt.atomic_write(ckpt.encode(policy), written.parent / "best.ckpt")
         except OSError as exc:  # a full disk: the previous best.ckpt, if any, is intact
             raise CheckpointFault(
-                f"could not write best.ckpt (the best evaluation's policy, from env step {env_step:,}) "
+                f"could not write best.ckpt (the best evaluation's policy, from env step {int(policy['env_step']):,}) "
                 f"({type(exc).__name__}: [Errno {exc.errno}] {exc.strerror}); {written} holds env step "
                 f"{int(state['env_step']):,}"
             ) from exc

@@ -239,9 +239,10 @@ def save(
     numbered: bool,
     keep: int,
     protect: tuple[Path, ...] = (),
-    best: bool = False,
+    best: bool | dict[str, Any] = False,
 ) -> Path:
-    """Write `best.ckpt` when `best`, then `last.ckpt`, then, when asked, the numbered copy, and prune this
+    """Write `best.ckpt` when `best` (`state` itself, or the state `best` is: a decoupled run's best
+    evaluated policy, `policy_checkpoint`), then `last.ckpt`, then, when asked, the numbered copy, and prune this
     lineage's numbered copies to the newest `keep` (0 keeps all). Never deleted: the file just written and
     those in `protect` (the checkpoint the run resumed from). Other lineages' files in the same directory
     are left alone.
@@ -255,17 +256,17 @@ def save(
     data = encode(state)
     kept = {p.resolve() for p in protect}
     last = ckpt_dir / "last.ckpt"
-    targets = [ckpt_dir / "best.ckpt"] if best else []
-    targets.append(last)
+    targets = [(ckpt_dir / "best.ckpt", encode(best) if isinstance(best, dict) else data)] if best else []
+    targets.append((last, data))
     if numbered:
-        targets.append(ckpt_dir / numbered_name(int(state["env_step"]), str(state["run_id"])))
-    for path in targets:
+        targets.append((ckpt_dir / numbered_name(int(state["env_step"]), str(state["run_id"])), data))
+    for path, content in targets:
         try:
-            atomic_write(data, path)
+            atomic_write(content, path)
         except OSError as exc:
             raise OSError(exc.errno, exc.strerror or str(exc), str(path)) from exc
     if numbered:
-        kept.add(targets[-1].resolve())
+        kept.add(targets[-1][0].resolve())
         if keep > 0:
             ours = []
             for old in ckpt_dir.glob("step_*.ckpt"):

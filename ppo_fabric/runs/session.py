@@ -299,11 +299,13 @@ class RunSession:
         update: int,
         best: bool | None = None,
         numbered: bool = True,
+        best_policy: Callable[[dict[str, Any]], dict[str, Any] | None] | None = None,
     ) -> Path:
         """`last.ckpt` (and a numbered copy when `checkpoint.every` or `every_minutes` is set and `numbered`:
         a checkpoint written only for a new best evaluation keeps the numbered files at their cadence), and
         `best.ckpt` when the mean return of the recent episodes of every collecting rank is the best so far
-        (with evaluation on, when `best`: the writer's evaluation at this update is its best).
+        (with evaluation on, when `best`: the writer's evaluation at this update is its best), or
+        `best_policy(state)` when it gives one (a decoupled run's best evaluated policy), written first.
         Every rank calls it (to keep its clock and counters); only the writer writes."""
         PROGRESS.mark("checkpoint")
         self.last_checkpoint = update
@@ -334,9 +336,15 @@ class RunSession:
             raise CheckpointFault(
                 f"the checkpoint at env step {self.env_step(update):,} was not written: {bad}; {self._kept()}"
             )
+        own_best = best_policy(state) if best_policy is not None else None
         try:
             return ckpt.save(
-                state, self.checkpoint_path.parent, numbered, self.keep, self.protect, bool(better)
+                state,
+                self.checkpoint_path.parent,
+                numbered,
+                self.keep,
+                self.protect,
+                own_best if own_best is not None else bool(better),
             )
         except OSError as exc:  # a full disk, permissions: the temp file is gone, the old file intact
             name = Path(exc.filename).name if exc.filename else "the checkpoint"

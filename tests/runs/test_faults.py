@@ -203,6 +203,27 @@ def test_a_stops_checkpoint_that_cannot_be_written_names_the_stop(
     session.logger.close()
 
 
+def test_a_decoupled_runs_best_policy_is_written_before_the_last_checkpoint(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A decoupled run's best.ckpt holds the parameters its evaluator scored (`best_policy`), which no
+    checkpoint holds: written after last.ckpt, a failed write of it lost them for good (last.ckpt was past
+    the best). It comes first, and a failed one leaves the previous last.ckpt for a resume to replay from."""
+    session = _session(tmp_path)
+    good = session.write_checkpoint(_state(1.0), [{}], 1, best=False)
+
+    def policy(state: dict) -> dict:
+        return {"agent": {"w": torch.zeros(2, 2)}, "env_step": int(state["env_step"]) - 64}
+
+    session.write_checkpoint(_state(2.0), [{}], 2, best=False, best_policy=policy)
+    assert torch.load(good.parent / "best.ckpt", weights_only=True)["env_step"] == 192
+    _full_disk_for("best", monkeypatch)
+    with pytest.raises(CheckpointFault, match=r"^could not write best\.ckpt at env step 384 "):
+        session.write_checkpoint(_state(3.0), [{}], 3, best=False, best_policy=policy)
+    assert torch.load(good, weights_only=True)["env_step"] == 256
+    session.logger.close()
+
+
 def _full_disk_for(name_starts: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """Writes into files whose names start with `name_starts` fail as on a full disk; others succeed."""
     real_replace = ckpt.os.replace
