@@ -288,7 +288,7 @@ def launch(
     if warning is not None and fabric.global_rank == 0:
         os.write(2, f"ppo-fabric: {warning}\n".encode())
     if fabric.global_rank == 0:
-        print(opening_lines(cfg, facts.get("resume_changes")), flush=True)
+        print(opening_lines(cfg, facts.get("resume_changes"), facts.get("on_top", [])), flush=True)
     seed_everything(rank_seed(int(cfg.seed), fabric.global_rank), verbose=False)
     PROGRESS.label = f"rank {fabric.global_rank}"  # the decoupled strategy names the role too
     stall_s = float(cfg.stall_timeout or 0)
@@ -345,10 +345,37 @@ def launch(
     return summary
 
 
-def opening_lines(cfg: DictConfig, changes: dict[str, tuple[Any, Any]] | None) -> str:
-    """The run's first line: the env and whose values it trains with (`tuning`, conf/tuned.yaml); for a
-    resumed run, a second one: where it continues from and what this session changes."""
+SHOWN_ON_TOP = 4  # the opening line names this many values the command line sets over the tuned ones
+
+
+def set_on_top(overrides: list[str] | None) -> list[str]:
+    """The command line's `algo.`, `env.` and `model.` values (`env.id` aside): what it sets over the tuned
+    values the opening line names (a run told "tuned values for CartPole-v1" trained with the user's own
+    rollout and minibatch sizes)."""
+    keys = []
+    for override in overrides or []:
+        key = override.split("=", 1)[0].lstrip("+~")
+        if (
+            "=" in override
+            and "." in key
+            and key.split(".", 1)[0] in ("algo", "env", "model")
+            and key != "env.id"
+        ):
+            keys.append(override.lstrip("+~"))
+    return list(dict.fromkeys(keys))
+
+
+def opening_lines(
+    cfg: DictConfig, changes: dict[str, tuple[Any, Any]] | None, on_top: list[str] | None = None
+) -> str:
+    """The run's first line: the env and whose values it trains with (`tuning`, conf/tuned.yaml), and the
+    command line's own values over them (`set_on_top`); for a resumed run, a second one: where it
+    continues from and what this session changes."""
     tuning = cfg.get("tuning") or ("its saved config" if changes is not None else "the composed config")
+    if on_top and changes is None:
+        shown = ", ".join(on_top[:SHOWN_ON_TOP])
+        more = f" and {len(on_top) - SHOWN_ON_TOP} more" if len(on_top) > SHOWN_ON_TOP else ""
+        tuning = f"{tuning}, and from the command line {shown}{more}"
     lines = [f"ppo-fabric: {cfg.env.id} with {tuning} ({cfg.strategy})"]
     if changes is not None:
         changed = f"; changed: {describe(changes)}" if changes else "; nothing changed"
@@ -459,6 +486,7 @@ def train(
     name = str(HydraConfig.get().job.config_name) if in_app else "config"
     threads = int(cfg.torch_threads)
     facts = prepare(cfg, str(run_dir), overrides, composer(None, name))
+    facts["on_top"] = set_on_top(overrides)
     if int(cfg.torch_threads) != threads:  # a resume's own, restored (0: torch's choice)
         set_threads(int(cfg.torch_threads) or torch_default)
     if not in_app and int(facts["world_size"]) > 1 and not under_fabric_run():
