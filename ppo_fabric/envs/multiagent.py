@@ -22,7 +22,7 @@ import numpy as np
 from omegaconf import DictConfig, OmegaConf
 from pettingzoo import AECEnv
 
-from ppo_fabric.envs.guard import error_line
+from ppo_fabric.envs.guard import NonFiniteData, error_line, find_nonfinite
 from ppo_fabric.envs.make import EnvError, env_action, env_seeds
 from ppo_fabric.envs.traits import PARALLEL_AGENTS
 from ppo_fabric.envs.turn_based import TurnBasedVectorEnv, split_observation_space
@@ -338,4 +338,12 @@ def make_multiagent_vector_env(
     else:
         envs = MultiAgentVectorEnv(factories, groups)
     first = envs.reset(seed=env_seeds(seed, rank, int(env_cfg.num_envs)))
+    # the first observations too: the steps' are checked by the collector, and a NaN in a first reset's
+    # was learned from (its minibatch steps skipped) by a run that then ended with exit 0
+    for policy, obs in first.items():
+        found = find_nonfinite(obs, np.zeros(1))
+        if found is not None:
+            row, what = found
+            agents = groups[policy]
+            raise NonFiniteData(row // len(agents), f"agent {agents[row % len(agents)]!r}: {what}")
     return envs, first

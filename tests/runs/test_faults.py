@@ -291,6 +291,14 @@ def test_a_nan_observation_of_one_agent_names_the_agent(tmp_path: Path) -> None:
     assert str(raised.value) == "rank 0, env 0, agent 'agent_1': observation holds NaN at env step 40"
 
 
+def test_a_nan_in_a_multiagent_envs_first_observations_ends_the_run(tmp_path: Path) -> None:
+    """The collector checks the PettingZoo vector envs' steps; their first reset went unchecked: a NaN
+    there was learned from (the update's minibatch steps skipped) and the run ended with exit 0."""
+    with pytest.raises(EnvFault) as raised:
+        _run(tmp_path, "env=pettingzoo", "env.id=tests.faulty_env:nan_matching_v0", "+env.kwargs.after=0")
+    assert str(raised.value) == "rank 0, env 0: agent 'agent_1': observation holds NaN at its first reset"
+
+
 def test_an_env_that_fails_in_its_constructor_or_close_is_one_line(tmp_path: Path) -> None:
     """The env's own failure while the checks build it is one line naming it (a RuntimeError of its
     constructor printed a 45-line traceback); a `close` that raises at the end of a run that trained to the
