@@ -234,6 +234,8 @@ def _task(cfg: DictConfig, invocation: Invocation) -> int:
         supervisor.say(str(done))
         return 0
     except RunFault as fault:  # a 1-process run that went wrong: its cause in one line, exit non-zero
+        if os.environ.get("PPO_FABRIC_TRACEBACK"):  # as the ranks of a multi-process job print theirs
+            traceback.print_exc()
         supervisor.say(f"error: {fault}")
         return FAULT_EXIT
     except OSError as exc:  # the machine's, not the run's: a full disk or a lost permission while writing

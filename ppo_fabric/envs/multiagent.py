@@ -22,6 +22,13 @@ import numpy as np
 from omegaconf import DictConfig, OmegaConf
 from pettingzoo import AECEnv
 
+from ppo_fabric.envs.agent_data import (
+    agent_row,
+    departed_without_end,
+    reset_observations,
+    step_result,
+    store_row,
+)
 from ppo_fabric.envs.guard import NonFiniteData, error_line, find_nonfinite
 from ppo_fabric.envs.make import EnvError, env_action, env_seeds
 from ppo_fabric.envs.traits import PARALLEL_AGENTS
@@ -219,9 +226,9 @@ class MultiAgentVectorEnv:
         obs = {p: self._zeros(p) for p in self.groups}
         self.alive = {p: np.zeros(len(obs[p]), dtype=bool) for p in self.groups}  # present after reset
         for e, env in enumerate(self.envs):
-            self._write_obs(obs, e, env.reset(seed=None if seed is None else seed[e])[0])
+            self._write_obs(obs, e, reset_observations(env.reset(seed=None if seed is None else seed[e]), e))
             for agent in env.agents:
-                p, row = self._rows[e][agent]
+                p, row = agent_row(self._rows[e], agent, e)
                 self.alive[p][row] = True
         for p in self.groups:
             self._returns[p][:] = 0
@@ -233,14 +240,7 @@ class MultiAgentVectorEnv:
         for agent, value in observations.items():
             if agent in rows:
                 policy, row = rows[agent]
-                try:
-                    out[policy][row] = value
-                except ValueError as exc:  # NumPy's "could not broadcast ..." named neither agent nor space
-                    wanted = getattr(out[policy], "shape", (None, "another shape"))[1:]
-                    raise ValueError(
-                        f"env {e}, agent {agent!r}: an observation of shape {np.shape(value)} where its "
-                        f"observation_space has {wanted}"
-                    ) from exc
+                store_row(out[policy], row, value, e, agent)
 
     def step(self, actions: list[np.ndarray]) -> list[tuple[Any, ...]]:
         by_policy = dict(zip(self.groups, actions, strict=True))
@@ -256,16 +256,16 @@ class MultiAgentVectorEnv:
         ep_l = {p: np.zeros(n, dtype=np.int64) for p, n in size.items()}
         for e, env in enumerate(self.envs):
             rows = self._rows[e]
-            acting = {a: by_policy[rows[a][0]][rows[a][1]] for a in env.agents}
+            acting = {a: agent_row(rows, a, e) for a in env.agents}
             next_obs, rewards, terminations, truncations, _ = env.step(
-                {a: env_action(act) for a, act in acting.items()}
+                {a: env_action(by_policy[p][row]) for a, (p, row) in acting.items()}
             )
-            for agent in acting:
-                p, row = rows[agent]
-                r = float(rewards.get(agent, 0.0))
+            remaining = set(env.agents)
+            for agent, (p, row) in acting.items():
+                r, term[p][row], trunc[p][row] = step_result(rewards, terminations, truncations, agent, e)
+                if agent not in remaining and not (term[p][row] or trunc[p][row]):
+                    raise departed_without_end(agent, e)
                 rew[p][row] = r
-                term[p][row] = bool(terminations.get(agent, False))
-                trunc[p][row] = bool(truncations.get(agent, False))
                 self._returns[p][row] += r
                 self._lengths[p][row] += 1
                 if term[p][row] or trunc[p][row]:
@@ -282,13 +282,17 @@ class MultiAgentVectorEnv:
                             "every agent that acted)"
                         )
             if env.agents:
-                self._write_obs(obs, e, {a: next_obs[a] for a in env.agents if a in next_obs})
-                live = env.agents
+                unseen = [a for a in env.agents if a not in next_obs]
+                if unseen:  # its row would have held zeros, acted on and learned from as an observation
+                    raise ValueError(
+                        f"env {e}, agent {unseen[0]!r}: step() returned no observation for this agent, which "
+                        "is still in env.agents"
+                    )
+                self._write_obs(obs, e, {a: next_obs[a] for a in env.agents})
             else:  # every agent is done: the copy restarts (gymnasium's SAME_STEP autoreset)
-                self._write_obs(obs, e, env.reset()[0])
-                live = env.agents
-            for agent in live:
-                p, row = rows[agent]
+                self._write_obs(obs, e, reset_observations(env.reset(), e))
+            for agent in env.agents:
+                p, row = agent_row(rows, agent, e)
                 alive[p][row] = True
         return [
             (

@@ -26,6 +26,7 @@ from typing import Any
 import gymnasium as gym
 import numpy as np
 
+from ppo_fabric.envs.agent_data import agent_row, reward_value, store_row
 from ppo_fabric.envs.make import ACTION_MASK, EnvError, env_action
 from ppo_fabric.envs.traits import TURN_BASED
 
@@ -107,18 +108,24 @@ class TurnBasedVectorEnv:
         """Write every agent's observation of copy `e`, its mask, and who moves next."""
         env = self.envs[e]
         for agent in env.agents:
-            p, row = self._rows[e][agent]
+            p, row = agent_row(self._rows[e], agent, e)
             value = env.observe(agent)
             to_move = agent == env.agent_selection
             self.alive[p][row] = to_move
             if self.mask_widths[p] is not None:
-                self.action_masks[p][row] = np.asarray(value[ACTION_MASK], dtype=bool) if to_move else True
+                if to_move:
+                    mask = np.asarray(value[ACTION_MASK], dtype=bool)
+                    store_row(self.action_masks[p], row, mask, e, agent, "an action mask", "action_space")
+                else:
+                    self.action_masks[p][row] = True
                 value = value[OBSERVATION] if not isinstance(obs[p], dict) else value
             if isinstance(obs[p], dict):
                 for k in obs[p]:
-                    obs[p][k][row] = value[k]
+                    store_row(
+                        obs[p][k], row, value[k], e, agent, f'observation["{k}"]', f'observation_space["{k}"]'
+                    )
             else:
-                obs[p][row] = value
+                store_row(obs[p], row, value, e, agent)
 
     def _fresh(self) -> dict[str, Any]:
         self.alive = {p: np.zeros(n, dtype=bool) for p, n in self._size.items()}
@@ -157,7 +164,7 @@ class TurnBasedVectorEnv:
         for e, env in enumerate(self.envs):
             rows = self._rows[e]
             mover = env.agent_selection
-            p, row = rows[mover]
+            p, row = agent_row(rows, mover, e)
             acted[p][row] = True
             self._lengths[p][row] += 1
             move = env_action(by_policy[p][row])
@@ -165,7 +172,7 @@ class TurnBasedVectorEnv:
             env.step(move)
             over = any(env.terminations.values()) or any(env.truncations.values())
             for agent, (q, r) in rows.items():
-                reward = float(env.rewards.get(agent, 0.0))
+                reward = reward_value(env.rewards.get(agent, 0.0), e, agent)  # a removed agent has none
                 rew[q][r] = reward
                 self._returns[q][r] += reward
                 if over:

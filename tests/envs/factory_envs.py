@@ -72,3 +72,51 @@ def unobserved_truncation(**kwargs: Any) -> Any:
             return obs, rewards, terminations, truncations, infos
 
     return Unobserved(truncate=True, episode_length=4, **kwargs)
+
+
+def faulty_matching(fault: str, **kwargs: Any) -> Any:
+    """matching_v0 breaking PettingZoo's Parallel API one way (`fault`) from its second step on."""
+    from ppo_fabric.envs.toy_multiagent import MatchingGame
+
+    class Faulty(MatchingGame):
+        def reset(self, seed: int | None = None, options: dict | None = None) -> Any:
+            obs, infos = super().reset(seed=seed, options=options)
+            self.steps = 0
+            return obs if fault == "old_reset" else (obs, infos)
+
+        def step(self, actions: Any) -> Any:
+            obs, rewards, terminations, truncations, infos = super().step(actions)
+            self.steps += 1
+            if self.steps >= 2 and "agent_0" in self.agents:
+                if fault == "vanish":  # gone without an episode end
+                    self.agents.remove("agent_0")
+                elif fault == "ghost":
+                    self.agents.append("ghost")
+                    obs["ghost"] = obs["agent_0"]
+                elif fault == "none_reward":
+                    rewards["agent_0"] = None
+                elif fault == "text_reward":
+                    rewards["agent_0"] = "high"
+                elif fault == "unobserved":
+                    del obs["agent_0"]
+                elif fault in ("rewards", "terminations", "truncations"):
+                    del {"rewards": rewards, "terminations": terminations, "truncations": truncations}[fault][
+                        "agent_0"
+                    ]
+            return obs, rewards, terminations, truncations, infos
+
+    return Faulty(**kwargs)
+
+
+def misshapen_turns(part: str, **kwargs: Any) -> Any:
+    """A two-player turn game whose observation (`part`="observation") or action mask ("action_mask") has
+    one entry too many."""
+    from ppo_fabric.envs.toy_multiagent import TurnGame
+
+    class Misshapen(TurnGame):
+        def observe(self, agent: Any) -> Any:
+            value = super().observe(agent)
+            value[part] = np.zeros(len(value[part]) + 1, value[part].dtype)
+            return value
+
+    return Misshapen(**kwargs)

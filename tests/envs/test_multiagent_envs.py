@@ -240,3 +240,56 @@ def test_an_agent_truncated_without_its_last_observation_is_named(tmp_path: Path
         ppo_fabric.run(["env=pettingzoo", "env.id=tests.envs.factory_envs:unobserved_truncation", "env.num_envs=1",
                         "algo.rollout_steps=16", "algo.minibatch_size=16", "algo.total_steps=64", "eval.every=0",
                         "logger=none", f"hydra.run.dir={tmp_path}"])  # fmt: skip
+
+
+def _step_faulty(fault: str, steps: int = 4) -> None:
+    from ppo_fabric.config.values import compose
+    from ppo_fabric.envs.multiagent import make_multiagent_vector_env
+
+    cfg, _ = compose(["env=pettingzoo", "env.id=tests.envs.factory_envs:faulty_matching", "env.num_envs=2",
+                      f"+env.kwargs.fault={fault}"])  # fmt: skip
+    envs, _ = make_multiagent_vector_env(cfg.env, cfg.multiagent, 0, 0)
+    for _ in range(steps):
+        envs.step([np.zeros(envs.num_envs * len(a), np.int64) for a in envs.groups.values()])
+
+
+@pytest.mark.parametrize(
+    ("fault", "line"),
+    [
+        ("rewards", r"^env 0, agent 'agent_0': step\(\) returned rewards without this agent, which acted"),
+        ("terminations", r"^env 0, agent 'agent_0': step\(\) returned terminations without this agent"),
+        ("truncations", r"^env 0, agent 'agent_0': step\(\) returned truncations without this agent"),
+        ("vanish", r"^env 0, agent 'agent_0': left env.agents after a step that set neither its termination"),
+        ("ghost", r"^env 0: agent 'ghost' is not one of its possible_agents \('agent_0', 'agent_1'"),
+        ("text_reward", r"^env 0, agent 'agent_0': a reward of 'high', which is not a number$"),
+        ("unobserved", r"^env 0, agent 'agent_0': step\(\) returned no observation for this agent, which is "),
+        ("old_reset", r"^env 0: reset\(\) returned dict, where PettingZoo's Parallel API returns \(observations"),
+    ],
+    ids=lambda value: value if "env 0" not in value else "",
+)  # fmt: skip
+def test_a_parallel_env_off_the_api_is_named_with_its_agent(fault: str, line: str) -> None:
+    """Missing entries were read as 0 or False (`.get(agent, False)`): an agent whose episode ended went on
+    adding its return into the next one and the run ended with exit 0. An unknown agent was the package's own
+    `KeyError: 'ghost'`, an old-API reset `KeyError: 0`, a text reward `float()`'s TypeError."""
+    with pytest.raises(ValueError, match=line):
+        _step_faulty(fault)
+
+
+def test_a_none_reward_of_a_parallel_env_ends_the_run_as_a_gymnasium_envs_does(tmp_path: Path) -> None:
+    """The docs promise "reward holds NaN (or None ...)" with the env and agent; it was float()'s TypeError."""
+    from ppo_fabric.config.faults import RunFault
+
+    with pytest.raises(RunFault, match=r"agent 'agent_0'.*reward holds NaN \(or None"):
+        ppo_fabric.run(["env=pettingzoo", "env.id=tests.envs.factory_envs:faulty_matching", "env.num_envs=1",
+                        "+env.kwargs.fault=none_reward", "algo.rollout_steps=16", "algo.minibatch_size=16",
+                        "algo.total_steps=64", "eval.every=0", "logger=none", f"hydra.run.dir={tmp_path}"])  # fmt: skip
+
+
+def test_an_agent_gone_without_an_episode_end_fails_the_run(tmp_path: Path) -> None:
+    """The whole run, not only the vector env: it ended with exit 0 and a return summed across episodes."""
+    from ppo_fabric.config.faults import RunFault
+
+    with pytest.raises(RunFault, match=r"env 0, agent 'agent_0': left env.agents after a step"):
+        ppo_fabric.run(["env=pettingzoo", "env.id=tests.envs.factory_envs:faulty_matching", "env.num_envs=1",
+                        "+env.kwargs.fault=vanish", "algo.rollout_steps=16", "algo.minibatch_size=16",
+                        "algo.total_steps=64", "eval.every=0", "logger=none", f"hydra.run.dir={tmp_path}"])  # fmt: skip

@@ -27,7 +27,7 @@ from ppo_fabric.collect.rollout import build_collector
 from ppo_fabric.config.values import compose
 from ppo_fabric.envs.guard import EnvFault
 from ppo_fabric.envs.make import EnvError
-from ppo_fabric.envs.multiagent import make_parallel_env
+from ppo_fabric.envs.multiagent import make_multiagent_vector_env, make_parallel_env
 from ppo_fabric.envs.turn_based import TurnBasedVectorEnv
 from ppo_fabric.learn.learners import policy_specs
 from tests.conftest import assert_cli_failure, job_env
@@ -281,3 +281,19 @@ def test_scripted_players_refuse_a_board_they_cannot_read(
 
 def test_selfplay_needs_a_turn_based_game(capsys: pytest.CaptureFixture[str]) -> None:
     assert_cli_failure(capsys, cli.main, ["selfplay.enabled=true"], "two-player turn-based")
+
+
+@pytest.mark.parametrize(
+    ("part", "line"),
+    [
+        ("observation", r"^env 0, agent 'first': an observation of shape \(3,\) where its observation_space has \(2,\)$"),
+        ("action_mask", r"^env 0, agent 'first': an action mask of shape \(4,\) where its action_space has \(3,\)$"),
+    ],
+    ids=["observation", "action_mask"],
+)  # fmt: skip
+def test_a_turn_based_observation_of_another_shape_names_the_agent(part: str, line: str) -> None:
+    """NumPy's "could not broadcast input array from shape (3,) into shape (2,)" named neither."""
+    cfg, _ = compose(["env=pettingzoo", "env.id=tests.envs.factory_envs:misshapen_turns", "env.num_envs=1",
+                      f"+env.kwargs.part={part}"])  # fmt: skip
+    with pytest.raises(ValueError, match=line):
+        make_multiagent_vector_env(cfg.env, cfg.multiagent, 0, 0, masked=True)

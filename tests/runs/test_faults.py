@@ -569,3 +569,24 @@ def test_an_async_envs_reward_that_is_not_one_number_is_named_so(tmp_path: Path)
         "broadcast shape (4,4) (a step's reward, terminated or truncated is not one number: a reward of shape "
         "(1,)?) at env step 280"
     )
+
+
+def test_a_one_process_runs_fault_prints_its_traceback_when_asked(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capfd: pytest.CaptureFixture[str]
+) -> None:
+    """`PPO_FABRIC_TRACEBACK=1` added the traceback to a multi-process job's ranks only: a one-process run
+    (every run on a laptop) printed its one line alone. Run as a supervised job does, in this process."""
+    from ppo_fabric import cli
+    from ppo_fabric.app.supervisor import SUPERVISED_ENV
+
+    monkeypatch.setenv(SUPERVISED_ENV, "1")
+    monkeypatch.setenv("PPO_FABRIC_TRACEBACK", "1")
+    status = cli.main(["env=pettingzoo", "env.id=tests.envs.factory_envs:faulty_matching", "env.num_envs=1",
+                       "+env.kwargs.fault=vanish", "algo.rollout_steps=16", "algo.minibatch_size=16",
+                       "algo.total_steps=64", "eval.every=0", "logger=none", f"hydra.run.dir={tmp_path}"])  # fmt: skip
+    err = capfd.readouterr().err
+    assert status == 1
+    assert "Traceback (most recent call last)" in err and 'multiagent.py", line' in err, err
+    assert err.splitlines()[-1].startswith(
+        "ppo-fabric: error: rank 0: env.step raised ValueError: env 0, agent"
+    )
