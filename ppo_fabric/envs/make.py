@@ -605,7 +605,8 @@ def restart_note(env_cfg: DictConfig, multiagent: bool = False) -> str | None:
         return None
     if multiagent:
         return (
-            "env.on_error=restart: PettingZoo envs are not rebuilt one at a time; an env error ends the run"
+            "env.on_error=restart: PettingZoo training envs are not rebuilt one at a time; an env error "
+            "in training ends the run (one in an evaluation leaves that evaluation out)"
         )
     if _backend(env_cfg) == "envpool":
         return "env.on_error=restart: EnvPool cannot rebuild one env of its pool; an env error ends the run"

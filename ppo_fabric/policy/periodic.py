@@ -21,6 +21,7 @@ from typing import Any
 import numpy as np
 from omegaconf import DictConfig
 
+from ppo_fabric.envs.guard import EnvFault
 from ppo_fabric.envs.normalize import normalizer_state
 from ppo_fabric.learn.learners import PolicySpec
 from ppo_fabric.models.agent import ActorCritic
@@ -36,6 +37,7 @@ from ppo_fabric.policy.scorers import (
 )
 from ppo_fabric.runs.session import STOP, AbandonEvaluation, RunSession
 
+UNSCORED_IN_A_ROW = 3  # evaluations in a row whose every episode failed (env.on_error=restart) end the run
 EVALS_PER_RUN = 15  # eval.every=auto: about this many evaluations over algo.total_steps
 COSTLY_S = 10.0  # an evaluation shorter than this is never said to cost too much (`say_cost`)
 METRICS = ("eval/return_mean", "eval/return_std", "eval/length_mean")
@@ -100,6 +102,7 @@ class PeriodicEvaluation:
         self.best_policy: tuple[int, dict[str, Any], Any] | None = None
         self.since = time.perf_counter()  # the end of the last evaluation in this process (or its creation)
         self.cost_said = False
+        self.unscored = 0  # evaluations in a row whose every episode failed and was left out
 
     def say_cost(self, seconds: float, env_step: int) -> None:
         """Once a run: an evaluation in the run's process that took over twice the training since the last
@@ -197,7 +200,30 @@ class PeriodicEvaluation:
             self.records.append(record)
             if self.best is None or record[key] > self.best.get(key, -np.inf):
                 self.best = record
+            self.unscored = 0
+        elif "eval/failed_episodes" in metrics:
+            self.unscored += 1
+            self._check_unscored(env_step)
         return metrics | {"time/eval_s": seconds}
+
+    def _check_unscored(self, env_step: int) -> None:
+        """`env.on_error=restart` leaves a failed evaluation episode out, which a transient fault needs; an
+        evaluation env that always fails left every evaluation out, and the run ended with exit 0, no
+        evaluation in its summary, no best.ckpt and no word beyond each evaluation's line. Three in a row,
+        or a final evaluation with none scored before it, end the run."""
+        final = env_step >= int(self.cfg.algo.total_steps)
+        if self.unscored >= UNSCORED_IN_A_ROW:
+            raise EnvFault(
+                f"{self.unscored} evaluations in a row had every episode fail (env.on_error=restart left them "
+                f"out; the lines above name why), the last at env step {env_step:,}: the run ends rather than "
+                "go on unevaluated; fix the evaluation env or set eval.every=0"
+            )
+        if final and self.last is None:
+            raise EnvFault(
+                f"the final evaluation (env step {env_step:,}) had every episode fail, and no evaluation of the "
+                "run scored one (env.on_error=restart left them out; the lines above name why): the run has no "
+                "evaluation; fix the evaluation env or set eval.every=0"
+            )
 
     def take_best_policy(self, upto: int | None = None) -> tuple[int, dict[str, Any], Any] | None:
         """The best evaluated parameters not yet written (background evaluation), once; with `upto`, only

@@ -278,6 +278,36 @@ def test_an_evaluation_env_that_fails_ends_the_run_in_one_line_or_loses_only_its
     )
     assert not set(map(id, evaluation.scorer.envs)) & set(map(id, first)), "rebuilt after each evaluation"
     assert len(evaluation.scorer.envs) == 4
+    # a third in a row ends the run: every evaluation left out had ended it with exit 0 and no evaluation
+    with pytest.raises(EnvFault, match=r"^3 evaluations in a row had every episode fail \(env.on_error=restart "
+                       r"left them out; the lines above name why\), the last at env step 1,536: the run ends"):  # fmt: skip
+        evaluation.run(model, None, 1536)
+    evaluation.close()
+
+
+@pytest.mark.parametrize("background", [False, True], ids=["in-process", "background"])
+def test_a_final_evaluation_with_nothing_ever_scored_ends_the_run(background: bool) -> None:
+    """A run with fewer evaluations than three (here only its final one) whose every episode failed: the
+    run ended with exit 0, no evaluation and no best.ckpt. One that scored before is a transient fault."""
+    faulty = ["env=gym", "env.id=tests.faulty_env:FaultyCartPole-v0", "+env.kwargs.fault=nan_obs",
+              "+env.kwargs.after=3", "env.on_error=restart", "algo.total_steps=1024"]  # fmt: skip
+    evaluation, model = _evaluation(*faulty, background=background)
+    with pytest.raises(EnvFault, match=r"^the final evaluation \(env step 1,024\) had every episode fail, and "
+                       r"no evaluation of the run scored one"):  # fmt: skip
+        if background:
+            evaluation.start(model, None, 1024)
+            evaluation.collect(wait=True)
+        else:
+            evaluation.run(model, None, 1024)
+    evaluation.last = {"env_step": 512, "return_mean": 10.0}  # as a resumed record, or an earlier evaluation
+    evaluation.unscored = 0
+    if background:
+        evaluation.start(model, None, 1024)
+        metrics = evaluation.collect(wait=True)[1]
+    else:
+        metrics = evaluation.run(model, None, 1024)
+    assert metrics["eval/failed_episodes"] == 4
+    evaluation.close()
 
 
 TEAMS = ["env=pettingzoo", "env.id=ppo_fabric.envs.toy_multiagent:teams_v0", "algo.rollout_steps=32",
