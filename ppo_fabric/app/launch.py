@@ -282,11 +282,12 @@ def launch(
     # One run per directory: rank 0 locks it (a supervised job's supervisor holds it already), every rank
     # raises rank 0's refusal; released when `main` ends, however it ends (before any os._exit below).
     held = run_lock.hold_for_ranks(fabric, run_dir, take=not os.environ.get(SUPERVISED_ENV))
-    warning = None
+    said = list(facts.get("warnings", []))  # the checks' (`preflight.check`)
     if "parameters" in facts:
-        warning = small_model_warning(int(facts["parameters"]), str(facts["train_device"]))
-    if warning is not None and fabric.global_rank == 0:
-        os.write(2, f"ppo-fabric: {warning}\n".encode())
+        said.append(small_model_warning(int(facts["parameters"]), str(facts["train_device"])))
+    for warning in said:
+        if warning is not None and fabric.global_rank == 0:
+            os.write(2, f"ppo-fabric: {warning}\n".encode())
     if fabric.global_rank == 0:
         print(opening_lines(cfg, facts.get("resume_changes"), facts.get("on_top", [])), flush=True)
     seed_everything(rank_seed(int(cfg.seed), fabric.global_rank), verbose=False)

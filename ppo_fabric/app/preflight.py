@@ -37,7 +37,7 @@ from ppo_fabric.config.values import (
 from ppo_fabric.envs.make import EnvError, check_normalizable, foreign_module
 from ppo_fabric.envs.multiagent import is_multiagent, policy_settings
 from ppo_fabric.learn.learners import policy_specs, spaces_of
-from ppo_fabric.models.agent import ACTIVATIONS, ActorCritic
+from ppo_fabric.models.agent import ACTIVATIONS, ActorCritic, clipped_actions_warning
 from ppo_fabric.runs import checkpoint as ckpt
 from ppo_fabric.runs import signing
 from ppo_fabric.runs.continuation import continued_config
@@ -186,12 +186,17 @@ def check(cfg: DictConfig) -> dict[str, Any]:
     spaces, parameters = _check_env_and_model(cfg)
     if cfg.resume is not None:
         check_resume(cfg, str(cfg.resume), *spaces)
+    actions = spaces[1].values() if isinstance(spaces[1], dict) else [spaces[1]]
     return {
         "world_size": world,
         "observation_space": spaces[0],
         "action_space": spaces[1],
         "train_device": train_device,
         "parameters": parameters,
+        # a fresh run's: a resumed policy has moved its mean and std from where they started
+        "warnings": []
+        if cfg.resume is not None
+        else [w for s in actions if (w := clipped_actions_warning(s))],
     }
 
 

@@ -109,6 +109,7 @@ class Group:
     alive: np.ndarray | None = None  # multi-agent: rows whose agent is in the episode at the next step
     next_mask: torch.Tensor | None = None  # envs with action masks: the mask of `next_obs` [R, width]
     mask_starts: np.ndarray | None = None  # where each action dimension's entries start in a mask
+    action_dtype: np.dtype | None = None  # the action space's: the env gets actions its space contains
 
     def to_tensor(self, obs: Any, device: torch.device) -> Obs:
         if isinstance(obs, dict):  # Dict observations: one tensor per key, with the storage's dtypes
@@ -213,6 +214,7 @@ class RolloutCollector:
             obs_dtype=stored_obs.dtype if isinstance(stored_obs, torch.Tensor) else None,  # uint8 pixels
             clip=(space.low, space.high) if isinstance(space, gym.spaces.Box) else None,
             episodes=EpisodeLog(),
+            action_dtype=None if space.dtype is None else np.dtype(space.dtype),
         )
         group.next_obs = group.to_tensor(first, self.device)
         if self.multiagent:
@@ -372,6 +374,10 @@ class RolloutCollector:
             env_action = np.clip(env_action, *g.clip)
         if sp is not None:  # the opponents' seats play their snapshots' moves; only the learner trains
             env_action = sp.act(lane.obs, lane.mask, env_action, g.alive)
+        if g.action_dtype is not None and env_action.dtype != g.action_dtype:
+            # sampled as int64 or float32: an env checking `action_space.contains` (Discrete(3, dtype=int32),
+            # a float16 Box) refused every action, and one that does not got actions outside its space
+            env_action = env_action.astype(g.action_dtype)
         if g.alive is not None:
             g.host["mask"][t] = g.alive if sp is None else g.alive & sp.learner_rows()
         return env_action

@@ -287,7 +287,11 @@ def error_line(exc: BaseException, limit: int = 300) -> str:
 
 # What NumPy says when gymnasium's vector env stacks observations of another shape than the env's
 # observation_space into its buffer (all of them, or only some): the user's env is at fault, not the library.
-_WRONG_SHAPE = ("Output array is the wrong shape", "all input arrays must have the same shape")
+_WRONG_SHAPE = (
+    "Output array is the wrong shape",
+    "all input arrays must have the same shape",
+    "Output array has wrong dimensionality",  # an observation of shape (1, 3) for a space of (3,)
+)
 # What NumPy says when the vector env stores a step's reward, terminated or truncated that is not one number
 # (a reward of shape (1,)) into its array of one per env: sync, then async
 _NOT_SCALAR = ("setting an array element with a sequence", "non-broadcastable output operand")

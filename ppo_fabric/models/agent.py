@@ -366,10 +366,21 @@ def select_encoder(space: gym.Space, name: str) -> str:
         if name not in ("auto", "multi"):
             raise ValueError(f"model.encoder={name} cannot read Dict observations; use auto or multi")
         return "multi"
+    if isinstance(space, (gym.spaces.Graph, gym.spaces.Sequence)):
+        # flatten_space returns Graph and Sequence spaces as they are: FlattenObservation cannot help
+        raise ValueError(
+            f"observation space {type(space).__name__} (of varying size) is not supported; wrap the env to "
+            "return a fixed-size Box or a Dict of Boxes (pad or summarise it)"
+        )
     if not isinstance(space, gym.spaces.Box):
         raise ValueError(
             f"observation space {type(space).__name__} is not supported yet; wrap the env to return a Box "
             "(gymnasium.wrappers.FlattenObservation) or a Dict of Boxes"
+        )
+    if space.shape == ():
+        raise ValueError(
+            "observation space Box of shape () (one number, unbatched) is not supported; give it shape (1,) "
+            "(gymnasium.wrappers.ReshapeObservation(env, (1,)))"
         )
     if name == "auto":
         if is_image_space(space):
@@ -505,6 +516,32 @@ def _masked(logits: Tensor, mask: Tensor) -> Tensor:
     """Logits with illegal actions (mask False) at the dtype's lowest finite value: exp() of their
     log-softmax is exactly 0, and every result stays finite."""
     return logits.masked_fill(~mask, torch.finfo(logits.dtype).min)
+
+
+ONE_BOUND_SHARE = 0.95  # of the initial policy's actions clipped to one bound, past which a run is warned
+
+
+def clipped_actions_warning(space: gym.Space) -> str | None:
+    """One line when a Box action space's bounds leave the initial Gaussian (mean ~0: the mean layer's gain
+    is 0.01; std 1) acting at one bound nearly every time. Actions are clipped at the env, not rescaled:
+    with bounds [100, 200] every action the env received was 100, the reward never varied, the advantages
+    were 0, and the run ended with exit 0 having learned nothing. None for other spaces and sound bounds."""
+    if not isinstance(space, gym.spaces.Box) or not np.issubdtype(space.dtype, np.floating):
+        return None
+    low = np.broadcast_to(space.low, space.shape).astype(np.float64).ravel()
+    high = np.broadcast_to(space.high, space.shape).astype(np.float64).ravel()
+    for dim, (lo, hi) in enumerate(zip(low, high, strict=True)):
+        below, above = 0.5 * math.erfc(-lo / math.sqrt(2)), 0.5 * math.erfc(hi / math.sqrt(2))
+        share = max(below, above)
+        if share >= ONE_BOUND_SHARE:
+            return (
+                f"warning: action dimension {dim} has bounds [{lo:g}, {hi:g}]: the initial policy (mean 0, "
+                f"std 1) is clipped to {'the lower' if below > above else 'the upper'} bound in {share:.1%} "
+                "of its actions, which then all look alike to the env and leave nothing to learn from "
+                "(actions are clipped, not rescaled); rescale them to [-1, 1] with "
+                "gymnasium.wrappers.RescaleAction in an env factory (env.id=module:factory)"
+            )
+    return None
 
 
 class GaussianHead(nn.Module):

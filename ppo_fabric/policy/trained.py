@@ -66,6 +66,9 @@ class Policy:
             self._moments.load_state_dict(obs_normalization)
         box = isinstance(action_space, gym.spaces.Box)
         self._clip = (action_space.low, action_space.high) if box else None
+        self._dtype = (
+            None if action_space.dtype is None else np.dtype(action_space.dtype)
+        )  # as the env gets them
         # The shapes an observation is checked against in `predict` (a tuple comparison per call).
         dict_space = isinstance(observation_space, gym.spaces.Dict)
         subspaces = observation_space.spaces.items() if dict_space else ()
@@ -114,7 +117,7 @@ class Policy:
         dict_obs = isinstance(self.observation_space, gym.spaces.Dict)
         if self.recurrent or self.mask_width is not None or dict_obs or unsupported(self.model) is not None:
             return None
-        actor, moments, clip = NumpyActor(self.model), self._moments, self._clip
+        actor, moments, clip, dtype = NumpyActor(self.model), self._moments, self._clip, self._dtype
 
         def act(batch: np.ndarray) -> np.ndarray:
             x = np.asarray(batch)
@@ -123,7 +126,8 @@ class Policy:
             actions, _ = actor.sample(
                 x, np.zeros((x.shape[0], actor.width), np.float32)
             )  # no noise: the mode
-            return np.clip(actions, *clip) if clip is not None else actions
+            actions = np.clip(actions, *clip) if clip is not None else actions
+            return actions if dtype is None else actions.astype(dtype, copy=False)
 
         return act
 
@@ -182,6 +186,8 @@ class Policy:
         out = action.numpy()
         if self._clip is not None:
             out = np.clip(out, *self._clip)
+        if self._dtype is not None and out.dtype != self._dtype:
+            out = out.astype(self._dtype)
         if single:
             out = out[0]
         new_state = None if next_state is None else next_state.numpy()

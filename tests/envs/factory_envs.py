@@ -120,3 +120,50 @@ def misshapen_turns(part: str, **kwargs: Any) -> Any:
             return value
 
     return Misshapen(**kwargs)
+
+
+class SpacedEnv(gym.Env):
+    """A 10-step env with the spaces it is given, that raises for an action its action space does not
+    contain (as envs that check their actions do) and observes `obs_fn()` (its observation space's zeros)."""
+
+    def __init__(self, observation_space: gym.Space, action_space: gym.Space, obs_fn: Any = None) -> None:
+        self.observation_space, self.action_space = observation_space, action_space
+        self.obs_fn = obs_fn or (lambda: np.zeros(observation_space.shape, observation_space.dtype))
+        self.t = 0
+
+    def reset(self, *, seed: int | None = None, options: dict | None = None) -> tuple[Any, dict]:
+        super().reset(seed=seed)
+        self.t = 0
+        return self.obs_fn(), {}
+
+    def step(self, action: Any) -> tuple[Any, float, bool, bool, dict]:
+        if not self.action_space.contains(action):
+            raise ValueError(f"{action!r} ({np.asarray(action).dtype}) is not in {self.action_space}")
+        self.t += 1
+        return self.obs_fn(), 0.0, False, self.t >= 10, {}
+
+
+def strict_actions(kind: str) -> gym.Env:
+    """Actions in a dtype other than the package samples (int64, float32), checked by the env."""
+    obs = gym.spaces.Box(-1, 1, (3,), np.float32)
+    action = {
+        "discrete_int32": gym.spaces.Discrete(3, dtype=np.int32),
+        "multidiscrete_int8": gym.spaces.MultiDiscrete([3, 3], dtype=np.int8),
+        "box_float16": gym.spaces.Box(-1, 1, (2,), np.float16),
+        "box_float64": gym.spaces.Box(-1, 1, (2,), np.float64),
+        "box_far": gym.spaces.Box(np.array([-1.0, 100.0]), np.array([1.0, 200.0]), dtype=np.float32),
+    }[kind]
+    return SpacedEnv(obs, action)
+
+
+def odd_observations(kind: str) -> gym.Env:
+    """Observation spaces the model cannot read: one number of shape (), a Graph; and an observation of
+    shape (1, 3) from a space of (3,)."""
+    action = gym.spaces.Discrete(2)
+    if kind == "scalar":
+        return SpacedEnv(gym.spaces.Box(-1, 1, (), np.float32), action)
+    if kind == "graph":
+        return SpacedEnv(gym.spaces.Graph(gym.spaces.Box(-1, 1, (2,)), None), action, obs_fn=lambda: None)
+    return SpacedEnv(
+        gym.spaces.Box(-1, 1, (3,), np.float32), action, obs_fn=lambda: np.zeros((1, 3), np.float32)
+    )

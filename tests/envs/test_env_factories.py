@@ -128,3 +128,60 @@ def test_factory_env_in_both_strategies_with_two_processes(strategy: str, tmp_pa
     assert done.returncode == 0, done.stderr[-2000:]
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["total_env_steps"] >= 256 and summary["env_id"] == f"{FACTORY}:short_cartpole"
+
+
+@pytest.mark.parametrize(
+    ("kind", "fragment"),
+    [
+        ("scalar", "observation space Box of shape () (one number, unbatched) is not supported; give it shape "
+                   "(1,) (gymnasium.wrappers.ReshapeObservation(env, (1,)))"),
+        ("graph", "observation space Graph (of varying size) is not supported; wrap the env to return a "
+                  "fixed-size Box or a Dict of Boxes (pad or summarise it)"),
+    ],
+    ids=["scalar", "graph"],
+)  # fmt: skip
+def test_observation_spaces_the_model_cannot_read_are_one_line(
+    kind: str, fragment: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A Box of shape () crashed in the first matmul with NumPy's (or torch's) shape message; a Graph was
+    told to use FlattenObservation, which returns Graph and Sequence spaces unchanged."""
+    from ppo_fabric import cli
+    from tests.conftest import assert_cli_failure
+
+    argv = ["env=gym", "env.id=tests.envs.factory_envs:odd_observations", f"+env.kwargs.kind={kind}"]
+    assert_cli_failure(capsys, cli.main, argv, fragment)
+
+
+@pytest.mark.parametrize("kind", ["discrete_int32", "multidiscrete_int8", "box_float16", "box_float64"])
+def test_the_env_gets_actions_in_its_action_spaces_dtype(kind: str, tmp_path: Path) -> None:
+    """Actions were sampled as int64 or float32 and passed on as they were: an env checking
+    `action_space.contains(action)` refused every one (Discrete(3, dtype=int32)), and one that does not
+    got actions outside its space. `predict` returns them in the space's dtype too."""
+    import numpy as np
+
+    import ppo_fabric
+
+    ppo_fabric.run(["env=gym", "env.id=tests.envs.factory_envs:strict_actions", f"+env.kwargs.kind={kind}",
+                    "env.num_envs=2", "algo.rollout_steps=16", "algo.minibatch_size=32", "algo.total_steps=64",
+                    "eval.every=32", "eval.episodes=2", "logger=none", f"hydra.run.dir={tmp_path}"])  # fmt: skip
+    policy = ppo_fabric.load_policy(tmp_path / "checkpoints" / "last.ckpt")
+    action, _ = policy.predict(np.zeros(3, np.float32))
+    assert policy.action_space.contains(action), (action, np.asarray(action).dtype)
+
+
+def test_a_fresh_run_whose_actions_sit_at_one_bound_is_warned(
+    tmp_path: Path, capfd: pytest.CaptureFixture[str]
+) -> None:
+    """Bounds [100, 200]: every action the initial policy took was clipped to 100, and the run learned
+    nothing and ended with exit 0 without a word. A resume is not warned: its policy has moved."""
+    import ppo_fabric
+
+    run = ["env=gym", "env.id=tests.envs.factory_envs:strict_actions", "+env.kwargs.kind=box_far", "eval.every=0",
+           "env.num_envs=2", "algo.rollout_steps=16", "algo.minibatch_size=32", "logger=none"]  # fmt: skip
+    ppo_fabric.run([*run, "algo.total_steps=32", f"hydra.run.dir={tmp_path / 'a'}"])
+    err = capfd.readouterr().err
+    assert ("ppo-fabric: warning: action dimension 1 has bounds [100, 200]: the initial policy (mean 0, std 1) "
+            "is clipped to the lower bound in 100.0% of its actions") in err, err  # fmt: skip
+    ppo_fabric.run([*run, "algo.total_steps=64", f"resume={tmp_path / 'a' / 'checkpoints' / 'last.ckpt'}",
+                    f"hydra.run.dir={tmp_path / 'b'}"])  # fmt: skip
+    assert "warning: action dimension" not in capfd.readouterr().err

@@ -268,3 +268,17 @@ def test_a_reward_that_is_not_one_number_is_named_so() -> None:
     assert env_error_text(raised.value).endswith(
         " (a step's reward, terminated or truncated is not one number: a reward of shape (1,)?)"
     ), env_error_text(raised.value)
+
+
+def test_an_observation_with_another_number_of_dimensions_at_the_first_reset_is_named_so() -> None:
+    """An observation of shape (1, 3) for a space of (3,): NumPy's "Output array has wrong dimensionality"
+    came without the hint the other shape errors get."""
+    from ppo_fabric.collect.rollout import build_collector
+    from ppo_fabric.config.values import compose
+    from ppo_fabric.learn.learners import policy_specs
+
+    cfg, _ = compose(["env=gym", "env.id=tests.envs.factory_envs:odd_observations", "+env.kwargs.kind=rows"])
+    with pytest.raises(EnvFault, match=r"^rank 0: the envs raised ValueError: Output array has wrong "
+                                       r"dimensionality \(an observation's shape differs from the env's "
+                                       r"observation_space\) at its first reset$"):  # fmt: skip
+        build_collector(cfg, policy_specs(cfg), 0, "cpu", None)

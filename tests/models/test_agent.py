@@ -386,3 +386,20 @@ def test_a_mask_given_to_a_box_policy_is_refused_not_used_as_noise() -> None:
         model.act_with_state(torch.zeros(4, *OBS.shape), None, False, mask)
     with pytest.raises(TypeError, match="mask"):
         model.sample(torch.zeros(4, *OBS.shape), None, False, mask)
+
+
+def test_the_clipped_actions_warning_names_a_bound_the_initial_policy_sits_at() -> None:
+    """Warned where >= 95% of N(0, 1) draws fall beyond one bound: [100, 200] (all), [2, 5] (97.7%),
+    [-5, -3] (99.9%, the upper); not for [-2, 2], [0, 1] (half at 0, half spread), [0.5, 1] (69%), the
+    narrow [-0.01, 0.01] (clipped to either bound: the sign still varies), infinite bounds or non-Boxes."""
+    from ppo_fabric.models.agent import clipped_actions_warning
+
+    def box(low: float, high: float) -> gym.spaces.Box:
+        return gym.spaces.Box(np.array([-1.0, low]), np.array([1.0, high]), dtype=np.float32)
+
+    assert "dimension 1 has bounds [100, 200]" in clipped_actions_warning(box(100, 200))
+    assert "lower bound in 97.7%" in clipped_actions_warning(box(2, 5))
+    assert "upper bound in 99.9%" in clipped_actions_warning(box(-5, -3))
+    for low, high in ((-2, 2), (0, 1), (0.5, 1), (-0.01, 0.01), (-np.inf, np.inf)):
+        assert clipped_actions_warning(box(low, high)) is None, (low, high)
+    assert clipped_actions_warning(gym.spaces.Discrete(3)) is None
