@@ -84,6 +84,14 @@ def main(fabric: Fabric, cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
             summary["evaluation"] = evaluation.state()
         return summary
 
+    if (
+        resume is not None
+    ):  # a stop left the checkpoint's evaluation unfinished: played first, on its parameters
+        owed = evaluation is not None and evaluation.owed
+        improved = owed and evaluate_if_due(evaluation, session, session.start_update, learners, collector)
+        if session.agreed(max_over(session.boundary_flags(improved), "cpu", boundary)).best:
+            checkpoint(session.start_update, best=True, numbered=False)
+
     for update in range(session.start_update, session.end_update):
         t0 = time.perf_counter()
         collector.collect(policies, session.env_step(update))

@@ -140,8 +140,16 @@ class PeriodicEvaluation:
         assert self.scorer is not None
         start = time.perf_counter()
         self.next_step = (env_step // self.every + 1) * self.every
+        self.owed = False
         metrics = score(self.scorer, models, obs_normalization)
         return self._record(env_step, metrics, time.perf_counter() - start)
+
+    def abandoned(self, env_step: int) -> None:
+        """The evaluation at `env_step` was left unfinished by a stop: the stop's checkpoint names it in
+        flight, and a run resumed from it plays it first, on the same parameters (`owed`). Dropped, the
+        resumed run went on at its cadence without it, and its record (and best.ckpt) differed from the
+        uninterrupted run's."""
+        self.pending = env_step
 
     # ------------------------------------------------------------------------------------ in the background
     @property
@@ -300,7 +308,8 @@ def evaluate_if_due(
         with STOP.abandoning():  # a stop signal leaves it unfinished: the run checkpoints at this boundary
             metrics = evaluation.run(_models(learners), _frozen(collector), step)
     except AbandonEvaluation:
-        return False  # not recorded; a resumed session evaluates at its own cadence
+        evaluation.abandoned(step)  # not recorded: a session resumed from this boundary plays it first
+        return False
     if done < session.end_update:  # the final one: nothing left to save
         evaluation.say_cost(metrics["time/eval_s"], step)
     session.logger.log_evaluation(metrics | {"time/wall_s": session.wall_s()}, step)

@@ -23,6 +23,7 @@ from ppo_fabric.app.preflight import check
 from ppo_fabric.config.values import ConfigError, compose
 from ppo_fabric.runs import checkpoint as ckpt
 from ppo_fabric.runs.metrics import RunLogger, duration, progress_every, progress_line
+from ppo_fabric.runs.metrics_file import read_rows
 from ppo_fabric.runs.session import STOP, RunSession, Stopped
 from tests.signal_env import SignalledCartPole
 
@@ -243,7 +244,7 @@ def test_a_signal_stops_an_api_run_into_its_caller(
 def test_a_stop_during_an_evaluation_leaves_it_unfinished(tmp_path: Path) -> None:
     """SIGINT while the evaluation plays a slow env (the evaluation env sends it, then takes 3 s a step: an
     episode of 8 or more steps lasts 24 s or more): the run stops within seconds, with its checkpoint at
-    that update boundary and no record of the evaluation, which a resume owes. It waited for the episodes
+    that update boundary and no record of the evaluation, which a resume owes and plays first. It waited for the episodes
     before: minutes on a slow simulator, past a cluster's grace period, whose SIGKILL lost the stop's
     checkpoint."""
     run_dir = tmp_path / "run"
@@ -256,10 +257,21 @@ def test_a_stop_during_an_evaluation_leaves_it_unfinished(tmp_path: Path) -> Non
              "eval.every=256", "eval.episodes=1", "algo.total_steps=4096", f"hydra.run.dir={run_dir}"]
         )  # fmt: skip
     assert time.monotonic() - started < 15
-    assert ckpt.load(run_dir / "checkpoints" / "last.ckpt")["env_step"] == 256
+    last = run_dir / "checkpoints" / "last.ckpt"
+    assert ckpt.load(last)["env_step"] == 256 and ckpt.load(last)["evaluation"]["in_flight"] == 256
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["interrupted"] is True and summary["evaluation"]["last"] is None
     assert not (run_dir / "evaluations.csv").exists()
+    # resumed (on envs that behave), it plays that evaluation first, on the checkpoint's parameters, and
+    # best.ckpt holds them: the coupled resume went on at its cadence, the record and best.ckpt unlike the
+    # uninterrupted run's
+    resumed = ppo_fabric.run(["env.id=tests.faulty_env:FaultyCartPole-v0", "+env.kwargs.fault=none",
+                              "resume_overrides=allow", "algo.total_steps=512", f"resume={last}",
+                              f"hydra.run.dir={run_dir}"])  # fmt: skip
+    assert [int(r["step"]) for r in read_rows(run_dir / "evaluations.csv")] == [256, 512]
+    assert resumed["evaluation"]["last"]["env_step"] == 512
+    best, _ = ckpt.load_policy(run_dir / "checkpoints" / "best.ckpt")
+    assert best["env_step"] == resumed["evaluation"]["best"]["env_step"]
 
 
 def test_a_stopped_run_writes_an_interrupted_summary_and_the_curve_then_resumes(
