@@ -27,10 +27,10 @@ from ppo_fabric.learn.learners import PolicySpec
 from ppo_fabric.models.agent import ActorCritic
 from ppo_fabric.policy.evaluator import EvaluatorProcess
 from ppo_fabric.policy.scorers import (
-    EVAL_SEED_OFFSET,
     Episodes,
     Games,
     ParallelEpisodes,
+    evaluation_seed,
     said,
     score,
     scorer_for,
@@ -68,7 +68,7 @@ class PeriodicEvaluation:
         background: bool = False,
     ) -> None:
         self.every = cadence(cfg, per_update)
-        self.seed = int(cfg.seed) + EVAL_SEED_OFFSET
+        self.seed = evaluation_seed(int(cfg.seed))
         self.scorer: Episodes | ParallelEpisodes | Games | None = None
         if self.every:
             self.scorer = scorer_for(cfg, specs, self.seed)
@@ -250,20 +250,21 @@ class PeriodicEvaluation:
         """The record a checkpoint keeps: the last and best evaluation, and the env step of the one in
         flight (None: none), which a run resumed from that checkpoint owes (`owed`). `upto`: as it stood
         at that env step, the checkpoint's: an evaluation in the background may finish after later updates,
-        and a checkpoint holding it named a best from a timeline its resumed run does not follow."""
+        and a checkpoint holding it named a best from a timeline its resumed run does not follow. `seed`:
+        the first evaluation episode's (episode k: + k), what `ppo_fabric.evaluate seed=` replays."""
         if upto is None:
-            return {"last": self.last, "best": self.best, "in_flight": self.pending}
+            return {"last": self.last, "best": self.best, "in_flight": self.pending, "seed": self.seed}
         kept = [r for r in self.records if r["env_step"] <= upto]
         if self.scorer is None:  # off (`keeps_record`): the resumed record as it came, nothing scored since
             best = self.best if self.best is not None and self.best["env_step"] <= upto else None
-            return {"last": kept[-1] if kept else None, "best": best, "in_flight": None}
+            return {"last": kept[-1] if kept else None, "best": best, "in_flight": None, "seed": self.seed}
         key = self.scorer.score
         best = None
         for record in kept:  # the first of the highest, as `_record` keeps it
             if best is None or record.get(key, -np.inf) > best.get(key, -np.inf):
                 best = record
         pending = self.pending if self.pending is not None and self.pending <= upto else None
-        return {"last": kept[-1] if kept else None, "best": best, "in_flight": pending}
+        return {"last": kept[-1] if kept else None, "best": best, "in_flight": pending, "seed": self.seed}
 
     def close(self) -> None:
         if self.evaluator is not None:

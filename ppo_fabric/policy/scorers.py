@@ -1,7 +1,7 @@
 """What an evaluation during training plays (`policy/periodic.py` decides when): a scorer per kind of env.
 
 - `Episodes` (single-agent envs): `eval.episodes` whole episodes on envs of their own, seeds
-  `seed + EVAL_SEED_OFFSET + k` (never the training envs or their seeds), the observation statistics frozen
+  `evaluation_seed(seed) + k` (never the training envs or their seeds), the observation statistics frozen
   at their training values, the mode of the action distribution unless `eval.deterministic=false`; all
   episodes side by side (one batched forward per step, in NumPy for MLP policies).
 - `ParallelEpisodes` (PettingZoo Parallel envs): every policy playing its agents, each policy's return and
@@ -36,7 +36,16 @@ from ppo_fabric.policy.evaluate import capped, play
 from ppo_fabric.policy.trained import Policy
 from ppo_fabric.wire.progress import PROGRESS
 
-EVAL_SEED_OFFSET = 1_000_003  # training envs take seeds drawn by envs.make.env_seeds: not these
+EVAL_SEED_STREAM = 0xE7A1  # the evaluation's own stream of a run's seed (the training envs': `env_seeds`)
+
+
+def evaluation_seed(seed: int) -> int:
+    """The seed of the first evaluation episode of a run of `seed` (episode k: + k), drawn from a stream of
+    its own, below 2**31 with room for k. It was `seed + 1000003`: consecutive training seeds shared 9 of
+    their 10 evaluation episodes (seed 43's episodes 1-9 were seed 44's 0-8), so evaluations over seeds
+    1-10 drew on 19 starting states, not 100, and their confidence intervals were too narrow."""
+    state = np.random.SeedSequence([seed, EVAL_SEED_STREAM]).generate_state(1, dtype=np.uint32)[0]
+    return int(state) % (2**31 - 2**24)
 
 
 class EpisodeFailed(Exception):  # noqa: N818 - one evaluation episode's env failed; `str` is the cause

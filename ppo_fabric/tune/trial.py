@@ -92,13 +92,13 @@ def objective_value(run_dir: Path, objective: str, seed: int, eval_episodes: int
     summary = json.loads((run_dir / "summary.json").read_text())
     if objective == "eval":
         from ppo_fabric.policy.evaluate import evaluate
-        from ppo_fabric.policy.scorers import EVAL_SEED_OFFSET
+        from ppo_fabric.policy.scorers import evaluation_seed
 
         # the trial this study just trained from the user's own config: its env is the user's to build
         result = evaluate(  # on the evaluation seeds, never the training envs'
             run_dir / "checkpoints" / "last.ckpt",
             episodes=eval_episodes,
-            seed=seed + EVAL_SEED_OFFSET,
+            seed=evaluation_seed(seed),
             trust_env=True,
         )
         return float(result["mean_return"])

@@ -26,7 +26,7 @@ from ppo_fabric.models.agent import ActorCritic
 from ppo_fabric.policy.evaluate import play
 from ppo_fabric.policy.evaluator import EVALUATOR_NICE
 from ppo_fabric.policy.periodic import METRICS, PeriodicEvaluation, cadence
-from ppo_fabric.policy.scorers import EVAL_SEED_OFFSET, play_side_by_side
+from ppo_fabric.policy.scorers import evaluation_seed, play_side_by_side
 from ppo_fabric.policy.trained import Policy
 from ppo_fabric.runs import checkpoint as ckpt
 from ppo_fabric.runs.metrics_file import read_rows, series
@@ -51,7 +51,7 @@ def test_side_by_side_equals_one_by_one_and_uses_its_own_seeds() -> None:
     )
     model = ActorCritic(env.observation_space, env.action_space, model_cfg)
     policy = Policy(model, env.observation_space, env.action_space)
-    seed = 42 + EVAL_SEED_OFFSET
+    seed = evaluation_seed(42)
     envs = [gym.make("CartPole-v1") for _ in range(4)]
     together = play_side_by_side(policy, envs, deterministic=True, seed=seed)
     alone = [play(policy, gym.make("CartPole-v1"), 1, True, seed + k)[:2] for k in range(4)]
@@ -221,7 +221,12 @@ def test_a_checkpoint_keeps_the_record_as_it_stood_at_its_own_step() -> None:
     at = evaluation.state(upto=1536)
     assert (at["last"]["env_step"], at["best"]["env_step"], at["in_flight"]) == (1536, 1024, None)
     assert evaluation.state(upto=2560)["in_flight"] == 2560
-    assert evaluation.state(upto=100) == {"last": None, "best": None, "in_flight": None}
+    assert evaluation.state(upto=100) == {
+        "last": None,
+        "best": None,
+        "in_flight": None,
+        "seed": evaluation.seed,
+    }
     assert evaluation.state()["best"]["env_step"] == 2048  # the summary's: everything so far
     evaluation.best_policy = (2048, {}, None)  # best.ckpt is never ahead of its checkpoint
     assert (
@@ -251,12 +256,12 @@ def test_an_evaluation_env_that_fails_ends_the_run_in_one_line_or_loses_only_its
     faulty = ["env=gym", "env.id=tests.faulty_env:FaultyCartPole-v0", "+env.kwargs.fault=nan_obs",
               "+env.kwargs.after=3"]  # fmt: skip
     evaluation, model = _evaluation(*faulty)
-    with pytest.raises(EnvFault, match=r"^evaluation env 0 \(seed 1000\d+\): step returned bad data "
+    with pytest.raises(EnvFault, match=r"^evaluation env 0 \(seed \d+\): step returned bad data "
                        r"\(observation holds NaN\); env.on_error=restart"):  # fmt: skip
         evaluation.run(model, None, 512)
     evaluation, model = _evaluation(*faulty, background=True)  # from the evaluator process, the same line
     evaluation.start(model, None, 512)
-    with pytest.raises(EnvFault, match=r"^evaluation env 0 \(seed 1000\d+\): step returned bad data"):
+    with pytest.raises(EnvFault, match=r"^evaluation env 0 \(seed \d+\): step returned bad data"):
         evaluation.collect(wait=True)
     process = evaluation.evaluator.process
     evaluation.close()
@@ -266,14 +271,14 @@ def test_an_evaluation_env_that_fails_ends_the_run_in_one_line_or_loses_only_its
     metrics = evaluation.run(model, None, 512)
     lines = capfd.readouterr().err.splitlines()
     assert len(lines) == 1 and lines[0].startswith(
-        "ppo-fabric: 4 of 4 evaluation episodes failed (first: evaluation env 0 (seed 1000"
+        "ppo-fabric: 4 of 4 evaluation episodes failed (first: evaluation env 0 (seed "
     ), lines
     assert lines[0].endswith("step returned bad data (observation holds NaN)); left out of the evaluation, "
                              "their envs rebuilt"), lines  # fmt: skip
     first = list(evaluation.scorer.envs)
     metrics = evaluation.run(model, None, 1024)
     assert metrics["eval/failed_episodes"] == 4 and "eval/return_mean" not in metrics
-    assert evaluation.state() == {"last": None, "best": None, "in_flight": None}, (
+    assert evaluation.state() == {"last": None, "best": None, "in_flight": None, "seed": evaluation.seed}, (
         "nothing scored, nothing recorded"
     )
     assert not set(map(id, evaluation.scorer.envs)) & set(map(id, first)), "rebuilt after each evaluation"
@@ -417,7 +422,7 @@ def test_a_multiagent_run_evaluates_every_policy(tmp_path: Path) -> None:
     from ppo_fabric.policy.evaluate import evaluate
 
     again = evaluate(checkpoint=str(tmp_path / "checkpoints" / "last.ckpt"), episodes=3,
-                     seed=int(summary["seed"]) + EVAL_SEED_OFFSET)  # fmt: skip
+                     seed=summary["evaluation"]["seed"])  # fmt: skip
     assert again["mean_return"] == pytest.approx(float(rows[-1]["eval/return_mean"]))
     assert again["policies"]["agent"]["mean_return"] == pytest.approx(
         float(rows[-1]["eval/agent/return_mean"])
@@ -505,3 +510,15 @@ def test_one_opponent_may_be_named_without_a_list() -> None:
     from ppo_fabric.policy.scorers import check_opponents
 
     assert check_opponents(compose(["exp=connect_four", "eval.opponents=random"])[0]) == ["random"]
+
+
+def test_evaluation_episodes_differ_across_training_seeds() -> None:
+    """`seed + 1000003 + k` gave seeds 43 and 44 nine of their ten evaluation episodes in common: a table
+    over seeds 1-10 drew on 19 starting states, not 100. Each run's seeds are now its own (below 2**31, as
+    some simulators need), the same for a seed every time, and apart from its training envs'."""
+    firsts = [evaluation_seed(seed) for seed in range(1, 11)]
+    episodes = [{first + k for k in range(1000)} for first in firsts]
+    assert sum(map(len, episodes)) == len(set().union(*episodes)), "two runs share an evaluation episode"
+    assert all(first >= 0 and first + 1000 < 2**31 for first in firsts)
+    assert firsts == [evaluation_seed(seed) for seed in range(1, 11)]
+    assert not episodes[0] & set(env_seeds(1, 0, 1024))

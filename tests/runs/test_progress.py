@@ -21,6 +21,7 @@ from ppo_fabric import ppo
 from ppo_fabric.app.launch import build_fabric
 from ppo_fabric.app.preflight import check
 from ppo_fabric.config.values import ConfigError, compose
+from ppo_fabric.policy.scorers import evaluation_seed
 from ppo_fabric.runs import checkpoint as ckpt
 from ppo_fabric.runs.metrics import RunLogger, duration, progress_every, progress_line
 from ppo_fabric.runs.metrics_file import read_rows
@@ -253,7 +254,7 @@ def test_a_stop_during_an_evaluation_leaves_it_unfinished(tmp_path: Path) -> Non
         ppo_fabric.run(
             [*(o for o in RUN if not o.startswith(("env.id=", "eval.every="))),
              "env.id=tests.faulty_env:FaultyCartPole-v0", "+env.kwargs.fault=signal_slow",
-             "+env.kwargs.pause=3", "+env.kwargs.after=1", f"+env.kwargs.seeds=[{42 + 1_000_003}]",
+             "+env.kwargs.pause=3", "+env.kwargs.after=1", f"+env.kwargs.seeds=[{evaluation_seed(42)}]",
              "eval.every=256", "eval.episodes=1", "algo.total_steps=4096", f"hydra.run.dir={run_dir}"]
         )  # fmt: skip
     assert time.monotonic() - started < 15

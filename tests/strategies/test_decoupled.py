@@ -28,7 +28,6 @@ from ppo_fabric.app.preflight import load
 from ppo_fabric.config.values import ConfigError
 from ppo_fabric.models.agent import ActorCritic
 from ppo_fabric.policy.evaluate import evaluate
-from ppo_fabric.policy.scorers import EVAL_SEED_OFFSET
 from ppo_fabric.runs import checkpoint as ckpt
 from ppo_fabric.runs.checkpoint import saved_spaces
 from ppo_fabric.runs.metrics_file import read_rows, series
@@ -173,7 +172,7 @@ def test_layout_runs_to_the_end(tmp_path: Path, players: int, devices: int, pipe
     assert all(float(r["time/eval_background_s"]) > 0 for r in rows if r.get("eval/return_mean"))
     # best.ckpt holds the parameters the evaluator scored best: replayed on its seeds, they score the same
     best = run_dir / "checkpoints" / "best.ckpt"
-    again = evaluate(checkpoint=str(best), episodes=3, seed=int(summary["seed"]) + EVAL_SEED_OFFSET)
+    again = evaluate(checkpoint=str(best), episodes=3, seed=summary["evaluation"]["seed"])
     record = summary["evaluation"]["best"]
     assert again["env_step"] == record["env_step"] and again["mean_return"] == pytest.approx(
         record["return_mean"]

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from ppo_fabric.policy.scorers import evaluation_seed
 from ppo_fabric.runs import checkpoint as ckpt
 from ppo_fabric.runs.metrics_file import read_rows
 from tests.conftest import end_group, job_env, job_processes
@@ -124,7 +125,7 @@ def test_a_stuck_evaluation_env_ends_a_decoupled_job(tmp_path: Path) -> None:
     """An evaluation env that hangs in the first player's evaluator process: the player goes on training,
     waits for it at the end, and its watchdog ends the job in one line naming where it waits; the stall
     directory holds the evaluator's stacks beside the ranks'."""
-    seeds = [42 + 1_000_003 + k for k in range(3)]  # the evaluation envs' only (seed 42, 3 episodes)
+    seeds = [evaluation_seed(42) + k for k in range(3)]  # the evaluation envs' only (seed 42, 3 episodes)
     proc, took = _job(
         tmp_path, *DECOUPLED, "+env.kwargs.fault=hang", "+env.kwargs.after=5", f"+env.kwargs.seeds={seeds}",
         "eval.every=auto", "eval.episodes=3", "algo.total_steps=1024", "stall_timeout=3",
@@ -147,7 +148,7 @@ def test_a_final_evaluation_longer_than_the_collectives_timeout_ends_the_run_wit
     fails no rank: the first player waits for it only after the trainers' last collectives; a coupled job's
     other rank waits for rank 0's in a group of its own that allows `stall_timeout` more. The run ends 0,
     its last checkpoint and its summary holding the evaluation."""
-    seeds = [42 + 1_000_003]  # the evaluation env's only (seed 42, 1 episode)
+    seeds = [evaluation_seed(42)]  # the evaluation env's only (seed 42, 1 episode)
     proc, _ = _job(
         tmp_path, f"strategy={strategy}", "fabric.devices=2", "+env.kwargs.fault=slow", "+env.kwargs.pause=1.5",
         "+env.kwargs.after=1", "+env.kwargs.times=9", f"+env.kwargs.seeds={seeds}", "eval.episodes=1",
