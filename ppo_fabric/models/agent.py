@@ -287,6 +287,11 @@ class MultiEncoder(nn.Module):
         for key, sub in space.spaces.items():
             if is_image_space(sub):
                 self.encoders[key] = NatureCNN(sub)
+            elif isinstance(sub, gym.spaces.Box) and sub.shape == ():
+                raise ValueError(
+                    f"observation key {key!r} is a Box of shape () (one number, unbatched), which is not "
+                    "supported; give it shape (1,)"
+                )
             elif isinstance(sub, gym.spaces.Box):
                 self.encoders[key] = FlattenEncoder(sub)
             else:

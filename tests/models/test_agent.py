@@ -403,3 +403,17 @@ def test_the_clipped_actions_warning_names_a_bound_the_initial_policy_sits_at() 
     for low, high in ((-2, 2), (0, 1), (0.5, 1), (-0.01, 0.01), (-np.inf, np.inf)):
         assert clipped_actions_warning(box(low, high)) is None, (low, high)
     assert clipped_actions_warning(gym.spaces.Discrete(3)) is None
+
+
+def test_a_box_of_shape_nothing_is_refused_alone_or_as_a_dict_key() -> None:
+    """One number of shape (): the first forward failed in torch.cat or a matmul, in their own words."""
+    from ppo_fabric.config.values import compose
+    from ppo_fabric.models.agent import ActorCritic
+
+    cfg, _ = compose([])
+    scalar = gym.spaces.Box(-1, 1, (), np.float32)
+    with pytest.raises(ValueError, match=r"^observation space Box of shape \(\) \(one number, unbatched\)"):
+        ActorCritic(scalar, gym.spaces.Discrete(2), cfg.model)
+    keyed = gym.spaces.Dict({"a": scalar, "b": gym.spaces.Box(-1, 1, (3,), np.float32)})
+    with pytest.raises(ValueError, match=r"^observation key 'a' is a Box of shape \(\)"):
+        ActorCritic(keyed, gym.spaces.Discrete(2), cfg.model)
