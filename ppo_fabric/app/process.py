@@ -33,6 +33,15 @@ _python_format = warnings.formatwarning
 
 
 QUIETED_LOGGERS = ("lightning_fabric", "lightning_fabric.utilities.seed")
+# Tracing a compiled step (algo.compile=true) of a DDP-wrapped model, dynamo warns once per process that
+# DDP's profiler `record_function` is ignored (nothing is lost: it only labels a profiler trace), a raw
+# `[rank1]:W1207 ... Profiler record function ... will be ignored` line from every training rank.
+DYNAMO_CONTEXTS = "torch._dynamo.variables.ctx_manager"
+PROFILER_NOTE = "Profiler record function"
+
+
+def _not_profiler_note(record: logging.LogRecord) -> bool:
+    return not str(record.msg).startswith(PROFILER_NOTE)
 
 
 def quiet_libraries() -> None:
@@ -51,6 +60,9 @@ def quiet_libraries() -> None:
         )
     for name in QUIETED_LOGGERS:
         logging.getLogger(name).setLevel(logging.WARNING)
+    contexts = logging.getLogger(DYNAMO_CONTEXTS)
+    if _not_profiler_note not in contexts.filters:
+        contexts.addFilter(_not_profiler_note)
 
 
 def end_process(code: int = 0) -> NoReturn:

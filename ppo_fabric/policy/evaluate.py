@@ -28,7 +28,7 @@ from ppo_fabric.wire.progress import PROGRESS
 USAGE = """usage: python -m ppo_fabric.evaluate checkpoint=PATH [key=value ...]
 
   checkpoint=PATH       a .ckpt file, or a run directory (its checkpoints/last.ckpt)   (required)
-  episodes=10           episodes to play
+  episodes=10           episodes to play (single-agent and multi-agent runs; a game counts games=)
   deterministic=true    greedy/mean actions (false: sample from the policy)
   seed=0                episode i is reset with seed+i
   video=false           record the first episode as eval.mp4 (needs: pip install 'ppo-fabric[video]')
@@ -45,13 +45,13 @@ USAGE = """usage: python -m ppo_fabric.evaluate checkpoint=PATH [key=value ...]
 
 SPEC: dict[str, tuple[type, Any]] = {
     "checkpoint": (str, ...),
-    "episodes": (int, 10),
+    "episodes": (int, None),
     "deterministic": (bool, True),
     "seed": (int, 0),
     "video": (bool, False),
     "out": (str, None),
     "opponent": (str, None),
-    "games": (int, 100),
+    "games": (int, None),
     "policy": (str, None),
     "trust_env": (bool, False),
 }
@@ -157,13 +157,13 @@ def play(
 
 def evaluate(
     checkpoint: str | Path,
-    episodes: int = 10,
+    episodes: int | None = None,
     deterministic: bool = True,
     seed: int = 0,
     video: bool = False,
     out: str | Path | None = None,
     opponent: str | None = None,
-    games: int = 100,
+    games: int | None = None,
     policy: str | None = None,
     trust_env: bool = False,
 ) -> dict[str, Any]:
@@ -172,7 +172,9 @@ def evaluate(
     The env is built from the checkpoint's config; one whose id names a module outside the known env
     packages (`envs.make.foreign_module`) would run that module's code, with arguments the checkpoint
     holds, so it is built only with `trust_env` (loading never runs code a checkpoint names).
-    Raises EvalError with a one-line message for input that cannot be evaluated.
+    Raises EvalError with a one-line message for input that cannot be evaluated. `episodes` (default 10)
+    counts episodes, `games` (default 100) games against `opponent`: each given where the other counts was
+    ignored, and the user got 100 games after asking for 6.
     """
     from omegaconf import OmegaConf
 
@@ -180,6 +182,15 @@ def evaluate(
     from ppo_fabric.policy.trained import checkpoint_policies
     from ppo_fabric.runs import checkpoint as ckpt
 
+    game = opponent is not None or policy is not None
+    if game and episodes is not None:
+        raise EvalError(f"episodes={episodes} counts episodes; games against opponent= are counted by games= "
+                        "(default 100)")  # fmt: skip
+    if not game and games is not None:
+        raise EvalError(f"games={games} counts games against an opponent: a two-player game's checkpoint "
+                        "takes opponent= too, any other plays episodes= (default 10)")  # fmt: skip
+    episodes = 10 if episodes is None else episodes
+    games = 100 if games is None else games
     if episodes <= 0:
         raise EvalError(f"episodes={episodes} must be > 0")
     if seed < 0:  # episode i resets with seed + i, which gymnasium refuses below 0
@@ -200,7 +211,7 @@ def evaluate(
             f"the checkpoint's env.id={str(env_cfg.id)!r} would import and run module {module!r}: loading "
             "never runs code a checkpoint names; add trust_env=true if you trust this checkpoint"
         )
-    if opponent is not None or policy is not None:
+    if game:
         if video:
             raise EvalError("video=true records single-agent episodes; drop it for games")
         from ppo_fabric.policy.game_eval import GameEvalError, evaluate_games

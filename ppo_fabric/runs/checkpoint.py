@@ -491,10 +491,13 @@ def saved_spaces(state: dict[str, Any]) -> tuple[Any, Any]:
     return space_from_data(obs), space_from_data(action)
 
 
-def restore_envs(snapshot: dict[str, Any] | None, fallback: Any) -> Any:
+def restore_envs(snapshot: dict[str, Any] | None, fallback: Any, say: bool = True) -> Any:
     """Unpickle a saved vector env once its signature holds, or keep the freshly built one when there is
-    none (async or unpicklable envs, or resume_env=fresh). An unsigned snapshot raises ValueError unread."""
+    none (async or unpicklable envs, or resume_env=fresh), which `say` warns of (one rank of a job says it
+    for all). An unsigned snapshot raises ValueError unread."""
     if snapshot is None:
+        if not say:
+            return fallback
         warnings.warn(
             "ppo-fabric: the checkpoint holds no env state (async or unpicklable envs, envs whose pickle does not keep "
             "their state, or resume_env=fresh): episodes restart on resume",
@@ -509,7 +512,7 @@ def restore_envs(snapshot: dict[str, Any] | None, fallback: Any) -> Any:
     restored = pickle.loads(blob)
     if not pickle_keeps_state(restored):  # written before such envs were left out: new envs, never reset
         restored.close()
-        return restore_envs(None, fallback)
+        return restore_envs(None, fallback, say)
     fallback.close()
     return restored
 

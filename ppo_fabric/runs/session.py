@@ -544,7 +544,7 @@ def resume_collector(
     was_on_error = str((resume["config"].get("env") or {}).get("on_error", "raise"))
     same_layout = len(saved) == collecting and all(int(s["num_envs"]) == collector.num_envs for s in saved)
     if same_layout and was_seed == seed and was_on_error == on_error:
-        restore_collector(collector, saved[collector_index])
+        restore_collector(collector, saved[collector_index], say=collector_index == 0)
         return None
     if saved:
         collector.carry_statistics(saved[0])
@@ -560,12 +560,12 @@ def resume_collector(
     return f"ppo-fabric: resume: {why}; envs and RNG start fresh, normaliser statistics carried over"
 
 
-def restore_collector(collector: RolloutCollector, state: dict[str, Any]) -> None:
+def restore_collector(collector: RolloutCollector, state: dict[str, Any], say: bool = True) -> None:
     """`collector_state`'s inverse. An async pool never takes a snapshot (another backend's envs, a
-    gymnasium run's, cannot go on as one): it keeps its fresh envs."""
+    gymnasium run's, cannot go on as one): it keeps its fresh envs (`say`: warned of, by one rank)."""
     snapshot = None if collector.asynchronous else state["envs"]
     fresh = collector.envs
-    envs = ckpt.restore_envs(snapshot, fresh)  # closes the fresh envs when it restores the saved ones
+    envs = ckpt.restore_envs(snapshot, fresh, say)  # closes the fresh envs when it restores the saved ones
     collector.load_state_dict(state, None if envs is fresh else envs)
     ckpt.set_rng_state(state["rng"])
 

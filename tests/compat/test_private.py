@@ -153,3 +153,24 @@ def test_hydra_override_values() -> None:
     assert isinstance(private.hydra_override_value(choice), ChoiceSweep)
     assert isinstance(private.hydra_override_value(interval), IntervalSweep)
     assert private.hydra_value_as_str([1, "x y", {"k": 2.5}]) == "[1,x\\ y,{k:2.5}]"
+
+
+def test_dynamos_profiler_note_is_where_the_filter_drops_it() -> None:
+    """A compiled step of a DDP model: dynamo's once-per-process note that DDP's `record_function` is ignored
+    came as a raw `[rank1]:W...` log line from every training rank. The filter is keyed on the logger's name
+    (its module) and the message's start: a torch that moves or rewords it fails here."""
+    import importlib
+    import inspect
+    import logging
+
+    from ppo_fabric.app.process import DYNAMO_CONTEXTS, PROFILER_NOTE, quiet_libraries
+
+    source = inspect.getsource(importlib.import_module(DYNAMO_CONTEXTS))
+    assert f'"{PROFILER_NOTE} %s will be ignored"' in source and "getLogger(__name__)" in source
+    quiet_libraries()
+    logger = logging.getLogger(DYNAMO_CONTEXTS)
+    note = logger.makeRecord(
+        DYNAMO_CONTEXTS, logging.WARNING, "x", 1, f"{PROFILER_NOTE} %s will be ignored", (1,), None
+    )
+    other = logger.makeRecord(DYNAMO_CONTEXTS, logging.WARNING, "x", 1, "Graph break: %s", (1,), None)
+    assert not logger.filter(note) and logger.filter(other)

@@ -314,6 +314,12 @@ def test_opponents_that_do_not_fit_the_game(tmp_path: Path, capsys: pytest.Captu
         pytest.param(["opponent=random", "games=0"], "games=0 must be > 0", id="no-games"),
         pytest.param(["opponent=snapshot:{missing}"], "no such checkpoint", id="missing-snapshot"),
         pytest.param([], "is a turn-based game: play it with opponent=", id="game-without-opponent"),
+        # the count of the other kind was ignored: 100 games played after episodes=6 was asked for
+        pytest.param(
+            ["opponent=random", "episodes=6"],
+            "episodes=6 counts episodes; games against opponent= are counted by games= (default 100)",
+            id="episodes-of-a-game",
+        ),  # fmt: skip
     ],
 )
 def test_bad_game_input(
@@ -327,3 +333,9 @@ def test_bad_game_input(
 def test_games_need_a_game(tiny_run: Path, capsys: pytest.CaptureFixture[str]) -> None:
     argv = [f"checkpoint={tiny_run / 'checkpoints' / 'last.ckpt'}", "opponent=random"]
     assert_cli_failure(capsys, evaluate.main, argv, "two-player PettingZoo AEC games")
+
+
+def test_games_count_only_games(tiny_run: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """`games=7` on a CartPole checkpoint was ignored: 10 episodes played, exit 0."""
+    argv = [f"checkpoint={tiny_run / 'checkpoints' / 'last.ckpt'}", "games=7"]
+    assert_cli_failure(capsys, evaluate.main, argv, "games=7 counts games against an opponent")

@@ -142,3 +142,16 @@ def test_async_envs_resume_with_fresh_episodes(tmp_path: Path) -> None:
             [*run, "algo.total_steps=512", f"hydra.run.dir={tmp_path / 'b'}", f"resume={last}"]
         )
     assert summary["total_env_steps"] == 512
+
+
+def test_the_no_env_state_warning_is_one_ranks() -> None:
+    """Every rank of a resumed job said "the checkpoint holds no env state"; the docs promise one warning."""
+    import warnings
+
+    fallback = object()
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        assert ckpt.restore_envs(None, fallback, say=False) is fallback
+        assert seen == []
+        assert ckpt.restore_envs(None, fallback) is fallback
+    assert len(seen) == 1 and "holds no env state" in str(seen[0].message)
