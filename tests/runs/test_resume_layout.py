@@ -56,7 +56,7 @@ def test_the_kth_player_continues_the_checkpoints_kth_player(monkeypatch: pytest
     from ppo_fabric.wire.placement import players_of, role_map
 
     restored: list[int] = []
-    monkeypatch.setattr(session, "restore_collector", lambda _c, part: restored.append(part["id"]))
+    monkeypatch.setattr(session, "restore_collector", lambda _c, part, say=True: restored.append(part["id"]))
     collector = SimpleNamespace(num_envs=4, carry_statistics=lambda _part: restored.append(-1))
 
     def checkpoint(roles: list) -> dict:
