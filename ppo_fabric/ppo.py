@@ -89,8 +89,12 @@ def main(fabric: Fabric, cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
     ):  # a stop left the checkpoint's evaluation unfinished: played first, on its parameters
         owed = evaluation is not None and evaluation.owed
         improved = owed and evaluate_if_due(evaluation, session, session.start_update, learners, collector)
-        if session.agreed(max_over(session.boundary_flags(improved), "cpu", boundary)).best:
-            checkpoint(session.start_update, best=True, numbered=False)
+        best = session.agreed(max_over(session.boundary_flags(improved), "cpu", boundary)).best
+        # a stop during the final evaluation: nothing left to train, and last.ckpt gets its record
+        owed_final = (resume.get("evaluation") or {}).get("in_flight") == session.env_step(session.end_update)
+        if best or (owed_final and session.start_update == session.end_update):
+            evaluating = evaluation is not None and evaluation.keeps_record
+            checkpoint(session.start_update, best=best if evaluating else None, numbered=False)
 
     for update in range(session.start_update, session.end_update):
         t0 = time.perf_counter()
@@ -125,7 +129,8 @@ def main(fabric: Fabric, cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
         if due or best or (signum and session.last_checkpoint < done):
             evaluating = evaluation is not None and evaluation.keeps_record
             checkpoint(done, best=improved if evaluating else None, numbered=due or bool(signum))
-        if signum and done < session.end_update:
+        unfinished = evaluation is not None and evaluation.busy  # a stop abandoned the final evaluation
+        if signum and (done < session.end_update or unfinished):
             with closing_after(collector):
                 session.stop(signum, done, summary(done, signum))
 

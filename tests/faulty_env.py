@@ -1,6 +1,6 @@
 """A CartPole that goes wrong on purpose, for the fault tests (`env.id=tests.faulty_env:FaultyCartPole-v0`).
 
-`fault`: `nan_obs` (one observation entry NaN), `inf_reward`, `array_reward` (a reward of shape (1,)), `huge_reward` (1e200: finite, but its square
+`fault`: `nan_obs` (one observation entry NaN), `inf_reward`, `array_reward` (a reward of shape (1,)), `text_terminated` (terminated as the text `'False'`), `huge_reward` (1e200: finite, but its square
 is not), `raise` (step raises), `hang` (step sleeps for
 ever, a stuck simulator), `slow` (each step sleeps `pause` seconds, 1 by default), `signal_slow` (SIGINT to its own process at the first
 strike, then `slow`), `slow_close` (the process's first close takes 7 s; steps are fine), `raise_init` (the constructor
@@ -96,6 +96,8 @@ class FaultyCartPole(CartPoleEnv):
             reward = None
         elif fault == "array_reward":
             reward = np.array([reward])
+        elif fault == "text_terminated":
+            terminated = str(terminated)
         elif fault == "wrong_shape":
             obs = np.zeros(5, dtype=np.float32)
         elif fault in ("raise", "raise_then_noinit"):

@@ -113,7 +113,7 @@ def continue_run(
                 del cfg[key]
         for key in merged:
             cfg[key] = merged[key]
-    if auto and int(state["env_step"]) >= int(cfg.algo.total_steps):
+    if auto and int(state["env_step"]) >= int(cfg.algo.total_steps) and not owes_its_evaluation(state):
         done, total = int(state["env_step"]), int(cfg.algo.total_steps)
         summary = _last_summary(Path(run_dir))
         if summary is None or int(summary.get("total_env_steps") or 0) < done:
@@ -134,6 +134,12 @@ def continue_run(
             f"algo.total_steps={total:,}); nothing to do (raise algo.total_steps to train longer)"
         )
     return changes
+
+
+def owes_its_evaluation(state: dict[str, Any]) -> bool:
+    """A checkpoint written when a stop abandoned the evaluation of its own env step: a resume plays that
+    one first, even at `algo.total_steps` (a stop during the final evaluation), with nothing to train."""
+    return (state.get("evaluation") or {}).get("in_flight") == int(state["env_step"])
 
 
 def _last_summary(run_dir: Path) -> dict[str, Any] | None:
@@ -416,7 +422,7 @@ def check_resume(cfg: DictConfig, path: str, obs_space: gym.Space, action_space:
         )
     if saved["strategy"] != cfg.strategy:
         raise ConfigError(f"resume={path!r} comes from strategy={saved['strategy']}; use the same strategy")
-    if state["env_step"] >= cfg.algo.total_steps:
+    if state["env_step"] >= cfg.algo.total_steps and not owes_its_evaluation(state):
         raise ConfigError(
             f"resume={path!r} is already at {state['env_step']:,} env steps >= algo.total_steps="
             f"{int(cfg.algo.total_steps):,}; raise algo.total_steps to train further"

@@ -13,6 +13,8 @@ from typing import Any
 
 import numpy as np
 
+from ppo_fabric.envs.guard import flag_error, step_flag
+
 NAN = math.nan
 
 
@@ -87,7 +89,13 @@ def step_result(
                 f"env {e}, agent {agent!r}: step() returned {name} without this agent, which acted; a "
                 "Parallel env's step returns an entry for every agent in env.agents"
             )
-    return reward_value(rewards[agent], e, agent), bool(terminations[agent]), bool(truncations[agent])
+    flags = []
+    for name, values in (("terminations", terminations), ("truncations", truncations)):
+        flag = step_flag(values[agent])
+        if flag is None:
+            raise ValueError(f"env {e}, agent {agent!r}: {flag_error(name, values[agent])}")
+        flags.append(flag)
+    return reward_value(rewards[agent], e, agent), flags[0], flags[1]
 
 
 def departed_without_end(agent: str, e: int) -> ValueError:

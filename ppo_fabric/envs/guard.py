@@ -156,6 +156,44 @@ def check_step(obs: Any, rewards: Any, info: dict[str, Any]) -> None:
         raise NonFiniteData(*found)
 
 
+def step_flag(value: Any) -> bool | None:
+    """A step's `terminated` or `truncated` as a bool; None for anything but a bool or a number 0 or 1.
+    The vector env stores it with NumPy, which reads any non-empty string (`"False"`), NaN and 0.5 as True:
+    every step then ended an episode, nothing was learnt, and the run ended with exit 0."""
+    if isinstance(value, (bool, np.bool_)):
+        return bool(value)
+    number = isinstance(value, (int, float, np.number)) or (
+        isinstance(value, np.ndarray) and value.shape == ()
+    )
+    return bool(value) if number and (value == 0 or value == 1) else None
+
+
+def flag_error(name: str, value: Any) -> str:
+    """What is wrong with a `terminated` or `truncated` that `step_flag` refused."""
+    return (
+        f"step() returned {name}={value!r} ({type(value).__name__}), where gymnasium's API returns a bool; "
+        "NumPy would read it as True or False by its type, not its meaning"
+    )
+
+
+class StepFlags(gym.Wrapper):
+    """Each gymnasium sub-env's `terminated` and `truncated` checked as bools (`step_flag`): what the
+    vector env would store wrong is one `EnvFault` line. The common case, two Python bools, costs two type
+    checks a step."""
+
+    def step(self, action: Any) -> tuple[Any, Any, bool, bool, dict[str, Any]]:
+        obs, reward, terminated, truncated, info = self.env.step(action)
+        if type(terminated) is not bool or type(truncated) is not bool:
+            flags = [step_flag(terminated), step_flag(truncated)]
+            for name, value, flag in zip(
+                ("terminated", "truncated"), (terminated, truncated), flags, strict=True
+            ):
+                if flag is None:
+                    raise EnvFault(flag_error(name, value))
+            terminated, truncated = flags
+        return obs, reward, terminated, truncated, info
+
+
 def nonfinite_final(finals: Any, rows: Any) -> tuple[int, str] | None:
     """(row, what) of the first final observation (`finals[j]`, for each row `j` that `rows` marks) holding
     a NaN or an inf: a truncated episode bootstraps from its value."""
@@ -248,6 +286,8 @@ class RecreateOnError(gym.Wrapper):
         try:
             obs, reward, terminated, truncated, info = self.env.step(action)
             what = misshapen(obs, self.observation_space) or nonfinite_value(obs, reward)
+        except EnvFault:  # a flag of the wrong type (StepFlags): every fresh env would send it again
+            raise
         except USER_CODE_FAILURES as exc:  # see reset
             self._recreate(f"step raised {_one_line(exc)}")
             return self.last_obs, 0.0, False, True, {}

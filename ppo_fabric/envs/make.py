@@ -28,6 +28,7 @@ from ppo_fabric.envs.guard import (
     ON_ERROR,
     EnvFault,
     FiniteCheck,
+    StepFlags,
     built_in_worker,
     error_line,
     restartable,
@@ -447,6 +448,7 @@ def make_env(env_cfg: DictConfig, render_mode: str | None = None, action_mask: i
         raise EnvError(
             f"env.id={env_id!r} with env.kwargs={given}: {type(exc).__name__}: {error_line(exc)}"
         ) from exc
+    env = StepFlags(env)  # below ActionRepeat, which ends its repeats on them
     try:
         mode = mask_velocity_mode(env_cfg.mask_velocity)
         if mode is not None:

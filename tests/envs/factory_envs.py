@@ -97,6 +97,8 @@ def faulty_matching(fault: str, **kwargs: Any) -> Any:
                     rewards["agent_0"] = None
                 elif fault == "text_reward":
                     rewards["agent_0"] = "high"
+                elif fault == "text_truncation":
+                    truncations["agent_0"] = "False"
                 elif fault == "unobserved":
                     del obs["agent_0"]
                 elif fault in ("rewards", "terminations", "truncations"):

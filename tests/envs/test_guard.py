@@ -4,6 +4,7 @@ the collector turns either into one line naming the rank, the env and the env st
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import gymnasium as gym
@@ -13,6 +14,7 @@ import torch
 from gymnasium.vector import AutoresetMode, SyncVectorEnv
 from omegaconf import OmegaConf
 
+import ppo_fabric
 from ppo_fabric.collect.rollout import RolloutCollector
 from ppo_fabric.envs.guard import (
     RESTART_INFO,
@@ -24,6 +26,7 @@ from ppo_fabric.envs.guard import (
     find_nonfinite,
     misshapen,
     nonfinite_rows,
+    step_flag,
 )
 from ppo_fabric.envs.make import make_vector_env
 from ppo_fabric.learn.buffer import rollout_storage
@@ -282,3 +285,28 @@ def test_an_observation_with_another_number_of_dimensions_at_the_first_reset_is_
                                        r"dimensionality \(an observation's shape differs from the env's "
                                        r"observation_space\) at its first reset$"):  # fmt: skip
         build_collector(cfg, policy_specs(cfg), 0, "cpu", None)
+
+
+@pytest.mark.parametrize(
+    ("value", "flag"),
+    [(True, True), (False, False), (np.bool_(True), True), (1, True), (np.int64(0), False), (1.0, True),
+     (np.array(False), False), ("False", None), ("True", None), (None, None), (0.5, None), (float("nan"), None),
+     (np.array([True]), None)],
+)  # fmt: skip
+def test_a_step_flag_is_a_bool_or_a_number_zero_or_one(value: Any, flag: bool | None) -> None:
+    """NumPy stores "False", NaN and 0.5 as True into the vector env's array: refused (None), not read."""
+    assert step_flag(value) is flag
+
+
+@pytest.mark.parametrize("on_error", ["raise", "restart"])
+def test_a_text_terminated_ends_the_run_in_one_line(tmp_path: Path, on_error: str) -> None:
+    """terminated="False" (a str) was stored as True: every step ended an episode, nothing was learnt and
+    the run ended with exit 0. `env.on_error=restart` does not rebuild the env: a fresh one sends it again."""
+    with pytest.raises(EnvFault, match=(
+        r"^rank 0: step\(\) returned terminated='False' \(str\), where gymnasium's API returns a bool; NumPy would "
+        r"read it as True or False by its type, not its meaning \(env step 6\)$"
+    )):  # fmt: skip
+        ppo_fabric.run(["env.id=tests.faulty_env:FaultyCartPole-v0", "+env.kwargs.fault=text_terminated",
+                        "+env.kwargs.after=3", "env.num_envs=2", "env.vector=sync", "algo.rollout_steps=16",
+                        "algo.minibatch_size=32", "algo.total_steps=64", "eval.every=0", "logger=none",
+                        f"env.on_error={on_error}", f"hydra.run.dir={tmp_path}"])  # fmt: skip

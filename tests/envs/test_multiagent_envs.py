@@ -262,6 +262,7 @@ def _step_faulty(fault: str, steps: int = 4) -> None:
         ("vanish", r"^env 0, agent 'agent_0': left env.agents after a step that set neither its termination"),
         ("ghost", r"^env 0: agent 'ghost' is not one of its possible_agents \('agent_0', 'agent_1'"),
         ("text_reward", r"^env 0, agent 'agent_0': a reward of 'high', which is not a number$"),
+        ("text_truncation", r"^env 0, agent 'agent_0': step\(\) returned truncations='False' \(str\), where "),
         ("unobserved", r"^env 0, agent 'agent_0': step\(\) returned no observation for this agent, which is "),
         ("old_reset", r"^env 0: reset\(\) returned dict, where PettingZoo's Parallel API returns \(observations"),
     ],
@@ -270,7 +271,8 @@ def _step_faulty(fault: str, steps: int = 4) -> None:
 def test_a_parallel_env_off_the_api_is_named_with_its_agent(fault: str, line: str) -> None:
     """Missing entries were read as 0 or False (`.get(agent, False)`): an agent whose episode ended went on
     adding its return into the next one and the run ended with exit 0. An unknown agent was the package's own
-    `KeyError: 'ghost'`, an old-API reset `KeyError: 0`, a text reward `float()`'s TypeError."""
+    `KeyError: 'ghost'`, an old-API reset `KeyError: 0`, a text reward `float()`'s TypeError, and a text
+    truncation ("False") was True."""
     with pytest.raises(ValueError, match=line):
         _step_faulty(fault)
 
