@@ -431,10 +431,14 @@ class Player:
         evaluation and write the last checkpoint with it; the first player writes the summary."""
         parts = self.topo.gather(self.end_part(), "end")
         state = self.state
-        finish_in_background(
+        signum = finish_in_background(
             self.evaluation, self.session, state.received, self.policies, self.collector, True
         )
         self.write_checkpoint()
+        if signum:  # a stop gave the final evaluation up: the checkpoint owes it (the trainers have left)
+            summary = self.summary(parts, signum)
+            with closing_after(self.collector, self.evaluation):
+                self.session.stop(signum, state.received, summary)
         summary = self.summary(parts)
         with closing_after(self.collector, self.evaluation):  # the outputs first (ppo.main)
             self.session.finish(summary)

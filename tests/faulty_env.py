@@ -3,7 +3,7 @@
 `fault`: `nan_obs` (one observation entry NaN), `inf_reward`, `array_reward` (a reward of shape (1,)), `text_terminated` (terminated as the text `'False'`), `huge_reward` (1e200: finite, but its square
 is not), `raise` (step raises), `hang` (step sleeps for
 ever, a stuck simulator), `slow` (each step sleeps `pause` seconds, 1 by default), `signal_slow` (SIGINT to its own process at the first
-strike, then `slow`), `slow_close` (the process's first close takes 7 s; steps are fine), `raise_init` (the constructor
+strike, then `slow`), `signal_parent_slow` (the same to its parent process), `slow_close` (the process's first close takes 7 s; steps are fine), `raise_init` (the constructor
 raises), `raise_init_worker` (the constructor raises in a worker process, not in the main one), `hang_init` (the constructor never returns), `raise_close` (`close` raises once the env has stepped),
 `hang_close` (`close` never returns once the env has stepped), `exit` (step calls `sys.exit(0)`), `keyboard_interrupt` (step raises KeyboardInterrupt), `os_exit`
 (the process ends at once, status 3, as a crash in C code would end it), `raise_then_noinit` (step raises,
@@ -109,6 +109,13 @@ class FaultyCartPole(CartPoleEnv):
             if not self.signalled:
                 self.signalled = True
                 os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(self.pause)
+        elif (
+            fault == "signal_parent_slow"
+        ):  # the same, to the parent (a decoupled player, from its evaluator)
+            if not self.signalled:
+                self.signalled = True
+                os.kill(os.getppid(), signal.SIGINT)
             time.sleep(self.pause)
         elif fault == "hang":
             while True:

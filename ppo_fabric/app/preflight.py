@@ -113,9 +113,16 @@ def continue_run(
                 del cfg[key]
         for key in merged:
             cfg[key] = merged[key]
-    if auto and int(state["env_step"]) >= int(cfg.algo.total_steps) and not owes_its_evaluation(state):
+    if auto and int(state["env_step"]) >= int(cfg.algo.total_steps):
         done, total = int(state["env_step"]), int(cfg.algo.total_steps)
         summary = _last_summary(Path(run_dir))
+        completed = summary is not None and not summary.get("interrupted")
+        # a stop gave its final evaluation up: the resume plays it (a decoupled resume that did so leaves
+        # its checkpoint owing it still, and a summary saying the run completed)
+        if owes_its_evaluation(state) and not (
+            completed and int(summary.get("total_env_steps") or 0) >= done
+        ):
+            return changes
         if summary is None or int(summary.get("total_env_steps") or 0) < done:
             # its final checkpoint was written, then a failure (a full disk) ended the session before its
             # summary: "complete; nothing to do" read as if the run had ended well

@@ -340,19 +340,32 @@ def finish_in_background(
     policies: dict,
     collector: Any,
     final: bool,
-) -> None:
+) -> int:
     """The run's end, after its last collectives (the trainers wait in those only `collectives.timeout`):
     the evaluation in flight and, at the last update (`final`), the final one if it could not start there,
     waited for and logged, so that the checkpoint and the summary written next hold them. At a stop
     (`final=False`) only one already finished is taken: one still running on a slow env held the stop
-    checkpoint for minutes; the checkpoint keeps it in flight, and a resume evaluates it again."""
+    checkpoint for minutes; the checkpoint keeps it in flight, and a resume evaluates it again.
+
+    A stop signal during the final wait gives the final evaluation up (it held the stop for as long as
+    its episodes took, past a cluster's grace period): returns that signal (0: none), the evaluation left
+    in flight at the last update, which the stop's checkpoint then owes, as a coupled run's does."""
     if evaluation is None or not evaluation.on:
-        return
-    _log_finished(evaluation, session, wait=final)
+        return 0
+    if not final:
+        _log_finished(evaluation, session, wait=False)
+        return 0
     step = session.env_step(done)
-    if final and evaluation.submitted != step:
-        evaluation.start(_models(policies), _frozen(collector), step)
-        _log_finished(evaluation, session, wait=True)
+    try:
+        with STOP.abandoning():
+            _log_finished(evaluation, session, wait=True)
+            if evaluation.submitted != step:
+                evaluation.start(_models(policies), _frozen(collector), step)
+                _log_finished(evaluation, session, wait=True)
+    except AbandonEvaluation:
+        evaluation.abandoned(step)  # an earlier one still running is given up with it
+        return STOP.signum
+    return 0
 
 
 def _log_finished(evaluation: PeriodicEvaluation, session: RunSession, wait: bool) -> int | None:

@@ -163,6 +163,30 @@ def test_a_final_evaluation_longer_than_the_collectives_timeout_ends_the_run_wit
     assert float(row.get("time/eval_background_s") or row["time/eval_s"]) > 10  # the evaluator's own time
 
 
+def test_a_stop_during_a_decoupled_final_evaluation_is_a_stop_the_resume_finishes(tmp_path: Path) -> None:
+    """SIGINT to the first player while it waits for the final evaluation (its evaluator's env sends it,
+    then takes 3 s a step): the job stops at once with its checkpoint owing that evaluation, and
+    `resume=auto` plays it and completes the run, with nothing left to train. The player used to wait for
+    its episodes, however long they took (past a cluster's grace period), then call the run complete."""
+    slow = ["+env.kwargs.fault=signal_parent_slow", "+env.kwargs.pause=3", "+env.kwargs.after=1",
+            f"+env.kwargs.seeds=[{evaluation_seed(42)}]", "eval.episodes=1", "eval.every=1000000"]  # fmt: skip
+    proc, _ = _job(tmp_path, *DECOUPLED, *slow, "algo.total_steps=256")
+    assert proc.returncode == 128 + signal.SIGINT, proc.stderr[-3000:]
+    last = tmp_path / "run" / "checkpoints" / "last.ckpt"
+    state = ckpt.load(last, env_state="fresh")
+    assert state["env_step"] == 256 and state["evaluation"]["in_flight"] == 256
+    assert json.loads((tmp_path / "run" / "summary.json").read_text())["interrupted"] is True
+    resume = [*DECOUPLED, *slow[-2:], "+env.kwargs.fault=none", "resume_overrides=allow", "resume=auto"]
+    proc, _ = _job(tmp_path, *resume)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["interrupted"] is False and summary["evaluation"]["last"]["env_step"] == 256
+    assert [int(r["step"]) for r in read_rows(tmp_path / "run" / "evaluations.csv")] == [256]
+    # the run is complete: a later resume=auto has nothing to do (the checkpoint still owes it)
+    proc, _ = _job(tmp_path, *resume)
+    assert proc.returncode == 0 and "is complete" in proc.stdout + proc.stderr, proc.stderr[-3000:]
+
+
 def test_a_rank_slow_to_stop_is_not_killed_by_the_launcher(tmp_path: Path) -> None:
     """SIGTERM to a coupled 2-rank job whose rank 0 takes 7 s to close its envs after the stop checkpoint:
     Lightning's launcher, in rank 0, looks at its child every 5 s and SIGKILLs itself once the child has
