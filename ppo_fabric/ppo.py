@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 from lightning_fabric import Fabric
@@ -84,17 +84,26 @@ def main(fabric: Fabric, cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
             summary["evaluation"] = evaluation.state()
         return summary
 
-    if (
-        resume is not None
-    ):  # a stop left the checkpoint's evaluation unfinished: played first, on its parameters
+    def stop(update: int, signum: int) -> NoReturn:
+        with closing_after(collector):
+            session.stop(signum, update, summary(update, signum))
+
+    def abandoned() -> bool:  # a stop left the writer's evaluation unfinished (`evaluate_if_due`)
+        return evaluation is not None and evaluation.busy
+
+    # a stop left the checkpoint's evaluation unfinished: it is played first, on the checkpoint's parameters
+    if resume is not None:
         owed = evaluation is not None and evaluation.owed
         improved = owed and evaluate_if_due(evaluation, session, session.start_update, learners, collector)
-        best = session.agreed(max_over(session.boundary_flags(improved), "cpu", boundary)).best
-        # a stop during the final evaluation: nothing left to train, and last.ckpt gets its record
+        flags = session.boundary_flags(improved, abandoned())
+        signum, _, best, _ = session.agreed(max_over(flags, "cpu", boundary))
+        # a stop during the final evaluation left nothing to train: last.ckpt gets its record
         owed_final = (resume.get("evaluation") or {}).get("in_flight") == session.env_step(session.end_update)
-        if best or (owed_final and session.start_update == session.end_update):
+        if best or signum or (owed_final and session.start_update == session.end_update):
             evaluating = evaluation is not None and evaluation.keeps_record
             checkpoint(session.start_update, best=best if evaluating else None, numbered=False)
+        if signum:  # during that evaluation, or before: it stays owed
+            stop(session.start_update, signum)
 
     for update in range(session.start_update, session.end_update):
         t0 = time.perf_counter()
@@ -123,16 +132,14 @@ def main(fabric: Fabric, cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
             row = stats | episodes | {"time/collect_s": t1 - t0, "time/train_s": t2 - t1}
             session.log(done, row, collector, windows)
         improved = evaluate_if_due(evaluation, session, done, learners, collector)
-        flags = session.boundary_flags(improved)  # an evaluation's new best is saved by every rank
-        signum, clock_due, best = session.agreed(max_over(flags, "cpu", boundary))
+        flags = session.boundary_flags(improved, abandoned())  # a new best is saved by every rank
+        signum, clock_due, best, unfinished = session.agreed(max_over(flags, "cpu", boundary))
         due = session.checkpoint_due(done) or clock_due
         if due or best or (signum and session.last_checkpoint < done):
             evaluating = evaluation is not None and evaluation.keeps_record
             checkpoint(done, best=improved if evaluating else None, numbered=due or bool(signum))
-        unfinished = evaluation is not None and evaluation.busy  # a stop abandoned the final evaluation
-        if signum and (done < session.end_update or unfinished):
-            with closing_after(collector):
-                session.stop(signum, done, summary(done, signum))
+        if signum and (done < session.end_update or unfinished):  # the final evaluation's too
+            stop(done, signum)
 
     finished = summary(session.end_update)
     # the outputs first: an env whose close() hangs (the watchdog then ends the run) or raises loses nothing

@@ -198,6 +198,10 @@ class Player:
         self.state = PipelineState(start, start, saved)
         self.unwritten: tuple[int, list[dict[str, Any]]] | None = None  # a checkpoint gathered, not written
         self.recorded: dict[str, Any] | None = None  # the evaluation record the last checkpoint written holds
+        # resumed from this directory's last.ckpt (resume=auto): with nothing to train, that is the run's last
+        self.resumed_last = resume is not None and Path(str(cfg.resume)).resolve() == (
+            self.session.checkpoint_path.resolve()
+        )
         self.trainers_stop = 0  # a stop signal a trainer received, relayed with the parameters
         self.evaluation = (  # on a thread of the first player, off the critical path
             evaluation_for(cfg, specs, self.session.per_update, self.session, resume, background=True)
@@ -264,7 +268,7 @@ class Player:
         """Stop on a signal, or checkpoint by the clock: every player decides the same at this boundary."""
         flags = self.session.boundary_flags()
         flags[0] = max(float(flags[0]), float(self.trainers_stop))  # a signal that reached only trainers
-        signum, clock_due, _ = self.session.agreed(max_over(flags, "cpu", self.topo.player_group))
+        signum, clock_due, _, _ = self.session.agreed(max_over(flags, "cpu", self.topo.player_group))
         return signum, clock_due
 
     def checkpoint_due(self, update: int) -> bool:
@@ -435,6 +439,13 @@ class Player:
             self.evaluation, self.session, state.received, self.policies, self.collector, True
         )
         self.write_checkpoint()
+        if (
+            self.recorded is None
+            and self.resumed_last
+            and self.session.start_update == self.session.end_update
+        ):
+            self.recorded = {}  # a resume that only played the final evaluation its checkpoint owed: that
+            self.amend_evaluation()  # checkpoint gets the record, and best.ckpt its parameters if the best
         if signum:  # a stop gave the final evaluation up: the checkpoint owes it (the trainers have left)
             summary = self.summary(parts, signum)
             with closing_after(self.collector, self.evaluation):

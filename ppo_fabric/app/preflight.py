@@ -119,7 +119,7 @@ def continue_run(
         completed = summary is not None and not summary.get("interrupted")
         # a stop gave its final evaluation up: the resume plays it (a decoupled resume that did so leaves
         # its checkpoint owing it still, and a summary saying the run completed)
-        if owes_its_evaluation(state) and not (
+        if owes_its_final_evaluation(state) and not (
             completed and int(summary.get("total_env_steps") or 0) >= done
         ):
             return changes
@@ -143,10 +143,12 @@ def continue_run(
     return changes
 
 
-def owes_its_evaluation(state: dict[str, Any]) -> bool:
-    """A checkpoint written when a stop abandoned the evaluation of its own env step: a resume plays that
-    one first, even at `algo.total_steps` (a stop during the final evaluation), with nothing to train."""
-    return (state.get("evaluation") or {}).get("in_flight") == int(state["env_step"])
+def owes_its_final_evaluation(state: dict[str, Any]) -> bool:
+    """A checkpoint at the end of its run, written when a stop abandoned the final evaluation: a resume
+    plays it, with nothing to train (any other `algo.total_steps` at or below its env step is refused)."""
+    step = int(state["env_step"])
+    owed = (state.get("evaluation") or {}).get("in_flight") == step
+    return owed and step >= int(state["config"]["algo"]["total_steps"])
 
 
 def _last_summary(run_dir: Path) -> dict[str, Any] | None:
@@ -429,7 +431,7 @@ def check_resume(cfg: DictConfig, path: str, obs_space: gym.Space, action_space:
         )
     if saved["strategy"] != cfg.strategy:
         raise ConfigError(f"resume={path!r} comes from strategy={saved['strategy']}; use the same strategy")
-    if state["env_step"] >= cfg.algo.total_steps and not owes_its_evaluation(state):
+    if state["env_step"] >= cfg.algo.total_steps and not owes_its_final_evaluation(state):
         raise ConfigError(
             f"resume={path!r} is already at {state['env_step']:,} env steps >= algo.total_steps="
             f"{int(cfg.algo.total_steps):,}; raise algo.total_steps to train further"

@@ -157,15 +157,22 @@ def check_step(obs: Any, rewards: Any, info: dict[str, Any]) -> None:
 
 
 def step_flag(value: Any) -> bool | None:
-    """A step's `terminated` or `truncated` as a bool; None for anything but a bool or a number 0 or 1.
+    """A step's `terminated` or `truncated` as a bool; None for anything but a bool or one number 0 or 1
+    (an int, a float, or an array or tensor of one element: gymnasium warns of those and stores them).
     The vector env stores it with NumPy, which reads any non-empty string (`"False"`), NaN and 0.5 as True:
     every step then ended an episode, nothing was learnt, and the run ended with exit 0."""
     if isinstance(value, (bool, np.bool_)):
         return bool(value)
-    number = isinstance(value, (int, float, np.number)) or (
-        isinstance(value, np.ndarray) and value.shape == ()
-    )
-    return bool(value) if number and (value == 0 or value == 1) else None
+    if value is None or isinstance(value, (str, bytes)):
+        return None
+    try:
+        array = np.asarray(value)
+    except Exception:  # an object NumPy cannot take: not a flag either
+        return None
+    if array.size != 1 or array.dtype.kind not in "biuf":
+        return None
+    item = array.item()
+    return bool(item) if item in (0, 1) else None
 
 
 def flag_error(name: str, value: Any) -> str:

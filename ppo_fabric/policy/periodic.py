@@ -140,7 +140,7 @@ class PeriodicEvaluation:
         assert self.scorer is not None
         start = time.perf_counter()
         self.next_step = (env_step // self.every + 1) * self.every
-        self.owed = False
+        self.owed, self.pending = False, None  # one left unfinished before is given up (a stop ends there)
         metrics = score(self.scorer, models, obs_normalization)
         return self._record(env_step, metrics, time.perf_counter() - start)
 

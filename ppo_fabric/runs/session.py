@@ -158,6 +158,7 @@ class Boundary(NamedTuple):
     signum: int  # the signal to stop on, or 0
     clock_due: bool  # a checkpoint by the clock (`checkpoint.every_minutes`)
     best: bool  # the writer's evaluation found a new best: every rank saves it
+    abandoned: bool  # a stop left the writer's evaluation unfinished: every rank stops, even at the end
 
 
 class RunSession:
@@ -268,12 +269,13 @@ class RunSession:
         self.logger.progress(env_step, sps, recent)
 
     # ----------------------------------------------------------------------------- boundary agreement
-    def boundary_flags(self, best: bool = False) -> torch.Tensor:
+    def boundary_flags(self, best: bool = False, abandoned: bool = False) -> torch.Tensor:
         """This rank's view at an update boundary: [signal that asks to stop (0: none), a checkpoint due by
-        the clock, `best` (the writer's evaluation found a new best, which every rank must save)]. The
-        strategy takes the maximum over the ranks that must agree, then calls `agreed`."""
+        the clock, `best` (the writer's evaluation found a new best, which every rank must save),
+        `abandoned` (a stop left the writer's evaluation unfinished)]. The strategy takes the maximum over
+        the ranks that must agree, then calls `agreed`."""
         clock_due = self.every_seconds > 0 and time.monotonic() - self._checkpoint_clock >= self.every_seconds
-        return torch.tensor([float(STOP.signum), float(clock_due), float(best)])
+        return torch.tensor([float(STOP.signum), float(clock_due), float(best), float(abandoned)])
 
     def clock_checkpoint_planned(self) -> None:
         """A checkpoint by the clock is decided for a later boundary (the decoupled player's: after the
@@ -284,8 +286,8 @@ class RunSession:
     @staticmethod
     def agreed(flags: torch.Tensor) -> Boundary:
         """What the ranks agreed on at this boundary, from the reduced flags."""
-        signum, clock_due, best = flags.tolist()
-        return Boundary(int(signum), bool(clock_due), bool(best))
+        signum, clock_due, best, abandoned = flags.tolist()
+        return Boundary(int(signum), bool(clock_due), bool(best), bool(abandoned))
 
     # ---------------------------------------------------------------------------------------- checkpoints
     def checkpoint_due(self, update: int) -> bool:

@@ -580,3 +580,25 @@ def test_a_sweeps_resume_auto_needs_a_stable_sweep_directory(tmp_path: Path) -> 
         compose(["resume=auto"], sweep=True)
     with pytest.raises(ConfigError, match=r"but hydra.run.dir=runs/"):  # a run's own check is unchanged
         compose(["resume=auto"])
+
+
+def test_only_a_checkpoint_at_its_runs_end_owing_its_final_evaluation_resumes_with_nothing_to_train() -> None:
+    """A stop during the final evaluation leaves a checkpoint at `algo.total_steps` owing it: its resume
+    plays it. A mid-run checkpoint owing its evaluation is not such: resumed with `algo.total_steps` at or
+    below its env step, it is refused like any other (it ran as a 'complete' run of nothing)."""
+    from ppo_fabric.app.preflight import owes_its_final_evaluation
+
+    def state(step: int, in_flight: int | None, total: int) -> dict:
+        return {
+            "env_step": step,
+            "evaluation": {"in_flight": in_flight},
+            "config": {"algo": {"total_steps": total}},
+        }
+
+    assert owes_its_final_evaluation(state(1024, 1024, 1024))
+    assert owes_its_final_evaluation(state(1024, 1024, 1000))  # the last update passes total_steps
+    assert not owes_its_final_evaluation(state(1024, 1024, 2048))  # mid-run
+    assert not owes_its_final_evaluation(state(1024, 512, 1024))  # an earlier one, given up
+    assert not owes_its_final_evaluation(state(1024, None, 1024)) and not owes_its_final_evaluation(
+        {"env_step": 1024, "config": {"algo": {"total_steps": 1024}}}
+    )  # nothing owed, or evaluation off

@@ -290,11 +290,13 @@ def test_an_observation_with_another_number_of_dimensions_at_the_first_reset_is_
 @pytest.mark.parametrize(
     ("value", "flag"),
     [(True, True), (False, False), (np.bool_(True), True), (1, True), (np.int64(0), False), (1.0, True),
-     (np.array(False), False), ("False", None), ("True", None), (None, None), (0.5, None), (float("nan"), None),
-     (np.array([True]), None)],
+     (np.array(False), False), (np.array([True]), True), (torch.tensor(False), False), ([1], True),
+     ("False", None), ("True", None), (None, None), (0.5, None), (float("nan"), None), (np.array([1, 0]), None),
+     (np.array(["False"]), None), (object(), None)],
 )  # fmt: skip
 def test_a_step_flag_is_a_bool_or_a_number_zero_or_one(value: Any, flag: bool | None) -> None:
-    """NumPy stores "False", NaN and 0.5 as True into the vector env's array: refused (None), not read."""
+    """NumPy stores "False", NaN and 0.5 as True into the vector env's array: refused (None), not read. One
+    number in an array or a tensor is what gymnasium warns of and stores: taken."""
     assert step_flag(value) is flag
 
 

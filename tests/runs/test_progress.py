@@ -440,18 +440,20 @@ def test_a_stop_during_the_final_evaluation_is_a_stop_the_resume_finishes(tmp_pa
     """SIGINT while the final evaluation plays (the evaluation at the last update): the run stops as at any
     other update, its checkpoint owing that evaluation, and `resume=auto` plays it and completes the run.
     The run used to go on to its end: summary.json without the final evaluation, called complete, so the
-    table's figure was missing and `resume=auto` said there was nothing to do."""
+    table's figure was missing and `resume=auto` said there was nothing to do; and a stop while the resumed
+    run played it ended that run as complete too."""
     run_dir = tmp_path / "run"
     slow = [*(o for o in RUN if not o.startswith(("env.id=", "eval.every="))),
             "env.id=tests.faulty_env:FaultyCartPole-v0", "+env.kwargs.fault=signal_slow", "+env.kwargs.pause=3",
             "+env.kwargs.after=1", f"+env.kwargs.seeds=[{evaluation_seed(42)}]", "eval.every=256",
             "eval.episodes=1", "algo.total_steps=256", f"hydra.run.dir={run_dir}"]  # fmt: skip
-    with pytest.raises(KeyboardInterrupt):
-        ppo_fabric.run(slow)
     last = run_dir / "checkpoints" / "last.ckpt"
-    assert ckpt.load(last)["env_step"] == 256 and ckpt.load(last)["evaluation"]["in_flight"] == 256
-    summary = json.loads((run_dir / "summary.json").read_text())
-    assert summary["interrupted"] is True and summary["evaluation"]["last"] is None
+    for resume in ([], ["resume=auto"]):  # stopped again while the resumed run plays it: it stays owed
+        with pytest.raises(KeyboardInterrupt):
+            ppo_fabric.run([*slow, *resume])
+        assert ckpt.load(last)["env_step"] == 256 and ckpt.load(last)["evaluation"]["in_flight"] == 256
+        summary = json.loads((run_dir / "summary.json").read_text())
+        assert summary["interrupted"] is True and summary["evaluation"]["last"] is None
     resumed = ppo_fabric.run(["env.id=tests.faulty_env:FaultyCartPole-v0", "+env.kwargs.fault=none",
                               "resume_overrides=allow", "resume=auto", f"hydra.run.dir={run_dir}"])  # fmt: skip
     assert [int(r["step"]) for r in read_rows(run_dir / "evaluations.csv")] == [256]

@@ -182,7 +182,9 @@ def test_a_stop_during_a_decoupled_final_evaluation_is_a_stop_the_resume_finishe
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
     assert summary["interrupted"] is False and summary["evaluation"]["last"]["env_step"] == 256
     assert [int(r["step"]) for r in read_rows(tmp_path / "run" / "evaluations.csv")] == [256]
-    # the run is complete: a later resume=auto has nothing to do (the checkpoint still owes it)
+    assert ckpt.load(last, env_state="fresh")["evaluation"]["last"]["env_step"] == 256  # no longer owed
+    assert ckpt.load_policy(tmp_path / "run" / "checkpoints" / "best.ckpt")[0]["env_step"] == 256
+    # the run is complete: a later resume=auto has nothing to do
     proc, _ = _job(tmp_path, *resume)
     assert proc.returncode == 0 and "is complete" in proc.stdout + proc.stderr, proc.stderr[-3000:]
 
