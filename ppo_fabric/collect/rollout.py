@@ -37,6 +37,7 @@ from ppo_fabric.envs.make import (
     ACTION_MASK,
     close_envs,
     current_action_masks,
+    in_space_dtype,
     make_vector_env,
     on_error,
     restart_note,
@@ -374,10 +375,7 @@ class RolloutCollector:
             env_action = np.clip(env_action, *g.clip)
         if sp is not None:  # the opponents' seats play their snapshots' moves; only the learner trains
             env_action = sp.act(lane.obs, lane.mask, env_action, g.alive)
-        if g.action_dtype is not None and env_action.dtype != g.action_dtype:
-            # sampled as int64 or float32: an env checking `action_space.contains` (Discrete(3, dtype=int32),
-            # a float16 Box) refused every action, and one that does not got actions outside its space
-            env_action = env_action.astype(g.action_dtype)
+        env_action = in_space_dtype(env_action, g.action_dtype)
         if g.alive is not None:
             g.host["mask"][t] = g.alive if sp is None else g.alive & sp.learner_rows()
         return env_action

@@ -725,3 +725,13 @@ def env_action(action: np.ndarray) -> Any:
         if np.ndim(action) == 0 and np.issubdtype(np.asarray(action).dtype, np.integer)
         else action
     )
+
+
+def in_space_dtype(actions: np.ndarray, dtype: np.dtype | None) -> np.ndarray:
+    """`actions` in the action space's `dtype` (None: as they are), in training, evaluation and `predict`.
+    Sampled as int64 or float32, they were refused by an env checking `action_space.contains`
+    (Discrete(3, dtype=int32), a float16 Box), and one that does not check got actions outside its space.
+    (An integer Box, whose float actions a cast would truncate, is refused before a run: `check`.)"""
+    if dtype is None or actions.dtype == dtype:
+        return actions
+    return actions.astype(dtype, copy=False)

@@ -184,8 +184,9 @@ def evaluate(
 
     game = opponent is not None or policy is not None
     if game and episodes is not None:
-        raise EvalError(f"episodes={episodes} counts episodes; games against opponent= are counted by games= "
-                        "(default 100)")  # fmt: skip
+        given = "opponent=" if opponent is not None else "policy="
+        raise EvalError(f"episodes={episodes} counts episodes; {given} evaluates a two-player game, whose games "
+                        "against an opponent are counted by games= (default 100)")  # fmt: skip
     if not game and games is not None:
         raise EvalError(f"games={games} counts games against an opponent: a two-player game's checkpoint "
                         "takes opponent= too, any other plays episodes= (default 10)")  # fmt: skip

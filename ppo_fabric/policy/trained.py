@@ -28,6 +28,7 @@ import torch
 from tensordict import TensorDict
 
 from ppo_fabric.envs.guard import find_nonfinite
+from ppo_fabric.envs.make import in_space_dtype
 from ppo_fabric.envs.normalize import RunningMoments
 from ppo_fabric.models.agent import ActorCritic, float32_calls
 from ppo_fabric.runs import checkpoint as ckpt
@@ -127,7 +128,7 @@ class Policy:
                 x, np.zeros((x.shape[0], actor.width), np.float32)
             )  # no noise: the mode
             actions = np.clip(actions, *clip) if clip is not None else actions
-            return actions if dtype is None else actions.astype(dtype, copy=False)
+            return in_space_dtype(actions, dtype)
 
         return act
 
@@ -186,8 +187,7 @@ class Policy:
         out = action.numpy()
         if self._clip is not None:
             out = np.clip(out, *self._clip)
-        if self._dtype is not None and out.dtype != self._dtype:
-            out = out.astype(self._dtype)
+        out = in_space_dtype(out, self._dtype)
         if single:
             out = out[0]
         new_state = None if next_state is None else next_state.numpy()

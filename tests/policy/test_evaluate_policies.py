@@ -317,8 +317,14 @@ def test_opponents_that_do_not_fit_the_game(tmp_path: Path, capsys: pytest.Captu
         # the count of the other kind was ignored: 100 games played after episodes=6 was asked for
         pytest.param(
             ["opponent=random", "episodes=6"],
-            "episodes=6 counts episodes; games against opponent= are counted by games= (default 100)",
+            "episodes=6 counts episodes; opponent= evaluates a two-player game, whose games against an opponent "
+            "are counted by games= (default 100)",
             id="episodes-of-a-game",
+        ),
+        pytest.param(
+            ["policy=p", "episodes=6"],
+            "episodes=6 counts episodes; policy= evaluates a two-player game",
+            id="episodes-with-policy",
         ),  # fmt: skip
     ],
 )
