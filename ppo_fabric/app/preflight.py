@@ -105,7 +105,15 @@ def continue_run(
     if not (named and own_id != saved_id):  # another id named: refused below as a change of env.id
         check_env_trusted(path, saved_id, own_id)
     if auto:  # the tuned values added in case it started afresh are not the user's overrides
-        overrides = without_tuned_values(overrides)
+        typed = without_tuned_values(overrides)
+        added = [o for o in overrides if o not in typed]
+        if added and compose_again is not None:
+            # but `cfg` was composed with them: what an option the user gave (logger=none) changes is seen
+            # against a composition with them too. Without, every key the added option sets (env=gym's
+            # algo.total_steps) read as set by the user's option, and the resume took it: a run of 512 steps
+            # resumed with resume=auto logger=none trained to 1M.
+            compose_again = _with_options(compose_again, added)
+        overrides = typed
     merged, changes = continued_config(cfg, state["config"], overrides, compose_again)
     with open_dict(cfg):
         for key in list(cfg.keys()):
@@ -141,6 +149,12 @@ def continue_run(
             f"algo.total_steps={total:,}); nothing to do (raise algo.total_steps to train longer)"
         )
     return changes
+
+
+def _with_options(
+    compose: Callable[[list[str]], DictConfig], added: list[str]
+) -> Callable[[list[str]], DictConfig]:
+    return lambda overrides: compose([*added, *overrides])
 
 
 def owes_its_final_evaluation(state: dict[str, Any]) -> bool:

@@ -207,3 +207,18 @@ def test_a_resume_auto_with_the_env_id_keeps_the_runs_own_values(tmp_path: Path)
     summary = _run(run_dir, "env.id=Acrobot-v1", "algo.total_steps=1024", "resume=auto")
     assert summary["total_env_steps"] == 1024 and summary["resumed_from"] is not None
     assert ckpt.load(run_dir / "checkpoints" / "last.ckpt")["config"]["env"]["num_envs"] == 2
+
+
+def test_a_resume_auto_with_an_option_of_its_own_keeps_the_runs_own_values(tmp_path: Path) -> None:
+    """`resume=auto` with an option the user gives (`logger=none`) beside the generic one added in case the
+    run started afresh (`env=gym`): every key `env=gym` sets read as set by the user's option, and the resume
+    took env=gym's value (algo.total_steps: 512 -> 1,000,000 trained a 512-step run to 1M; algo.lr,
+    set by the run, refused the resume as a change the user never asked for)."""
+    run_dir = tmp_path / "acrobot"
+    _run(run_dir, "env.id=Acrobot-v1", "algo.lr=0.001", "algo.total_steps=512", "resume=auto")
+    summary = _run(run_dir, "env.id=Acrobot-v1", "logger=none", "algo.total_steps=1024", "resume=auto")
+    assert summary["total_env_steps"] == 1024
+    *_, last = (run_dir / "resumes.jsonl").read_text().splitlines()
+    changed = json.loads(last)["changed"]  # and the logger's keys, which logger=none sets
+    assert [k for k in changed if not k.startswith("logger.")] == ["algo.total_steps"], changed
+    assert changed["algo.total_steps"] == [512, 1024]
