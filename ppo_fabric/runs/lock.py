@@ -40,6 +40,8 @@ if TYPE_CHECKING:
     from lightning_fabric import Fabric
 
 LOCK_NAME = "ppo-fabric.lock"
+TAKEOVER = ".takeover"  # beside it while a run takes over a stale lock (`_move_aside`)
+TAKEOVER_ABANDONED_S = 10.0  # a takeover lasts milliseconds: an older file's taker died inside it
 # A lock file that does not parse may be one that its owner has created but not written yet (the JSON
 # follows the O_EXCL create within microseconds): only one older than this counts as garbled.
 WRITING_GRACE_S = 1.0
@@ -285,25 +287,34 @@ def _stale(path: Path, run_dir: Path) -> tuple[str | None, str] | None:
 
 def _move_aside(path: Path, stale: str | None) -> bool:
     """Remove a stale lock file, unless another process replaced it meanwhile (two runs taking over the
-    same stale lock): renamed first (only one process can), then deleted only if it still is the file
-    judged stale; a fresh lock moved by mistake is put back. Returns whether the stale file was removed."""
-    aside = path.with_name(f"{path.name}.{os.getpid()}.stale")
+    same stale lock). Takeovers take turns through a second file created with O_EXCL (`TAKEOVER`): the lock
+    is read again inside it and removed only while it still is the file judged stale, and nothing but a
+    takeover removes a lock its owner does not release. Returns whether the stale file was removed.
+
+    Renaming the lock aside first and putting back a fresh one moved by mistake lost a live run's lock
+    when a third run created its own in between (the put-back failed): two live runs held the directory."""
+    guard = path.with_name(path.name + TAKEOVER)
     try:
-        os.rename(path, aside)
-    except FileNotFoundError:
+        os.close(os.open(guard, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644))
+    except FileExistsError:  # another run is taking it over: look again shortly
+        with contextlib.suppress(OSError):
+            if time.time() - guard.stat().st_mtime > TAKEOVER_ABANDONED_S:  # its taker died inside
+                guard.unlink()
+        time.sleep(0.01)
         return False
     try:
         try:
-            replaced = aside.read_text() != stale
+            now: str | None = path.read_text()
+        except FileNotFoundError:
+            return False
         except (OSError, UnicodeDecodeError):
-            replaced = stale is not None
-        if replaced:
-            with contextlib.suppress(OSError):
-                os.link(aside, path)  # put back; fails only if yet another run holds the lock by now
+            now = None
+        if now != stale:
+            return False
+        path.unlink()
+        return True
     finally:
-        with contextlib.suppress(OSError):
-            aside.unlink(missing_ok=True)
-    return not replaced
+        guard.unlink(missing_ok=True)
 
 
 def hold_for_ranks(

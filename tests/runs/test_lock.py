@@ -3,6 +3,7 @@ stale or garbled, released only by its owner; and two `python -m ppo_fabric` int
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -166,6 +167,45 @@ def test_a_lock_file_being_written_is_not_taken_over(tmp_path: Path) -> None:
             lock.acquire(tmp_path)
     finally:
         writer.join()
+
+
+@pytest.mark.unit
+def test_a_takeover_never_removes_a_lock_that_replaced_the_stale_one(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Run B judged the lock stale; run A took it over first and holds a fresh one; run C tries to create
+    its own while B looks. B renamed A's lock aside to check it, and C's create in that instant made B's
+    put-back fail: A's lock was deleted while A ran, and A and C both held the directory."""
+    stale = _write_owner(tmp_path, _dead_pid(), age_s=60).read_text()
+    live = _write_owner(tmp_path, os.getppid()).read_text()  # run A's, written after B read the stale one
+    real_link = os.link
+
+    def run_c_creates_first(src: Any, dst: Any) -> None:  # any put-back, with C's lock in the way
+        with contextlib.suppress(FileExistsError):
+            fd = os.open(dst, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+            os.write(fd, b"C")
+            os.close(fd)
+        real_link(src, dst)
+
+    monkeypatch.setattr(lock.os, "link", run_c_creates_first)
+    assert lock._move_aside(tmp_path / lock.LOCK_NAME, stale) is False  # run B's takeover
+    assert (tmp_path / lock.LOCK_NAME).read_text() == live, "run A still holds it"
+    assert sorted(p.name for p in tmp_path.iterdir()) == [lock.LOCK_NAME], "nothing left beside it"
+
+
+@pytest.mark.unit
+def test_takeovers_take_turns_and_an_abandoned_turn_is_cleared(tmp_path: Path) -> None:
+    """While another run takes the lock over (its `.takeover` file), a run does not touch the lock; a turn
+    left by a run killed inside it (older than a takeover ever lasts) does not block takeovers for ever."""
+    path = _write_owner(tmp_path, _dead_pid(), age_s=60)
+    stale = path.read_text()
+    guard = path.with_name(lock.LOCK_NAME + lock.TAKEOVER)
+    guard.touch()
+    assert lock._move_aside(path, stale) is False and path.read_text() == stale and guard.exists()
+    old = time.time() - lock.TAKEOVER_ABANDONED_S - 1
+    os.utime(guard, (old, old))
+    assert lock._move_aside(path, stale) is False and not guard.exists()  # cleared; the next look takes it
+    assert lock._move_aside(path, stale) is True and not path.exists() and not guard.exists()
 
 
 @pytest.mark.unit
