@@ -171,6 +171,21 @@ def atomic_write(data: bytes, path: Path) -> None:
         raise
     finally:
         _WRITING.discard(tmp)
+    _sync_directory(path.parent)
+
+
+def _sync_directory(directory: Path) -> None:
+    """The rename made durable: until the directory's entry reaches the disk, a power loss or a node's
+    crash can bring the previous file back under the name (never a partial one)."""
+    try:
+        fd = os.open(directory, os.O_RDONLY)
+    except OSError:  # a platform or file system that cannot open a directory: the rename stands as it is
+        return
+    try:
+        with contextlib.suppress(OSError):  # some network file systems refuse fsync on a directory
+            os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 _SWEPT: set[Path] = set()  # the directories whose dead writers' temp files this process removed

@@ -94,6 +94,23 @@ def test_atomic_write_keeps_the_old_file_when_interrupted(
     assert [p.name for p in tmp_path.iterdir()] == ["last.ckpt"]
 
 
+def test_atomic_write_syncs_the_file_then_the_renamed_entry(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The file's bytes were synced, the rename's directory entry was not: after a power loss `last.ckpt`
+    could be the previous checkpoint again."""
+    synced: list[str] = []
+    real_fsync = os.fsync
+
+    def fsync(fd: int) -> None:
+        synced.append("dir" if os.path.isdir(f"/proc/self/fd/{fd}") else "file")
+        real_fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    ckpt.atomic_write(b"data", tmp_path / "last.ckpt")
+    assert synced == ["file", "dir"]
+
+
 def test_checkpoints_take_the_umask_and_a_dead_writers_temp_files_go(tmp_path: Path) -> None:
     """A checkpoint is readable by whoever the user's umask lets read (tempfile's 0600 kept a teammate's
     `evaluate` out of a shared directory); the temp files a killed writer left (SIGKILL mid-write: no
