@@ -29,6 +29,7 @@ from ppo_fabric.runs.session import (
     closing_after,
     collector_state,
     end_of_run,
+    env_settings,
     episode_metrics,
     recent_windows,
     resume_collector,
@@ -52,7 +53,7 @@ def main(fabric: Fabric, cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
     per_update = layout.env_steps
     settings = UpdateSettings.of(cfg.algo)
     if resume is not None:
-        changed = resume_collector(collector, resume, rank, world, int(cfg.seed), str(cfg.env.on_error))
+        changed = resume_collector(collector, resume, rank, world, int(cfg.seed), env_settings(cfg))
         if changed and rank == 0:
             fabric.print(changed)
     session = RunSession(cfg, run_dir, rank == 0, per_update, resume)

@@ -61,6 +61,7 @@ from ppo_fabric.runs.session import (
     collecting_parts,
     collector_state,
     end_of_run,
+    env_settings,
     episode_metrics,
     recent_windows,
     resume_collector,
@@ -186,7 +187,7 @@ class Player:
         if resume is not None:
             player = topo.players.index(topo.rank)  # the k-th player continues the checkpoint's k-th
             changed = resume_collector(
-                self.collector, resume, player, len(topo.players), int(cfg.seed), str(cfg.env.on_error)
+                self.collector, resume, player, len(topo.players), int(cfg.seed), env_settings(cfg)
             )
             if changed is None and self.pipeline and "policy" in collecting_parts(resume)[player]:
                 saved = collecting_parts(resume)[player]

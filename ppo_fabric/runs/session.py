@@ -17,7 +17,7 @@ import threading
 import time
 import uuid
 import warnings
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any, NamedTuple, NoReturn
 
@@ -525,27 +525,43 @@ def collecting_parts(resume: dict[str, Any]) -> list[dict[str, Any]]:
     return [state for state in resume["ranks"] if "num_envs" in state]
 
 
+def env_settings(cfg: DictConfig) -> dict[str, Any]:
+    """The run's `env` section as plain values, as a checkpoint's config holds it (`resume_collector`)."""
+    settings = OmegaConf.to_container(cfg.env, resolve=True)
+    assert isinstance(settings, dict)
+    return settings
+
+
+# env settings a restored env snapshot does not depend on: the layout (`num_envs`, compared as such), the
+# normalisation warm-up (a fresh run's only) and the restart budget (the collector's)
+_SNAPSHOT_FREE = ("num_envs", "normalize_warmup", "max_restarts")
+
+
 def resume_collector(
     collector: RolloutCollector,
     resume: dict[str, Any],
     collector_index: int,
     collecting: int,
     seed: int,
-    on_error: str = "raise",
+    env: Mapping[str, Any] | None = None,
 ) -> str | None:
     """Continue the `collector_index`-th collecting rank from the checkpoint's: exactly when the collecting
     layout is the same (as many collecting ranks, as many envs each; trainer ranks may differ), and so are
-    the seed and `env.on_error` (`on_error`, this run's); otherwise with fresh envs and RNG (from `seed`,
-    this run's) but the normaliser statistics (identical on every collecting rank) carried over, and the
-    run's episode record in the first collecting rank's. Returns the line to print in that case (None when
-    exact). A new seed restored exactly was named in the run's config and summary but trained nothing
-    differently; restored envs keep the sub-env wrappers they were saved with, so `env.on_error=restart`
-    given to a resume of a run without it rebuilt nothing (and the reverse still rebuilt)."""
+    the seed and the env settings (`env`, this run's resolved `env` section; None: the checkpoint's);
+    otherwise with fresh envs and RNG (from `seed`, this run's) but the normaliser statistics (identical on
+    every collecting rank) carried over, and the run's episode record in the first collecting rank's.
+    Returns the line to print in that case (None when exact). A new seed restored exactly was named in the
+    run's config and summary but trained nothing differently; restored envs keep the wrappers and settings
+    they were saved with, so `env.on_error=restart`, `env.max_episode_steps`, `env.kwargs` or normalisation
+    changed by `resume_overrides=allow` were recorded as changed and never applied."""
     saved = collecting_parts(resume)
     was_seed = int(resume["config"]["seed"])
-    was_on_error = str((resume["config"].get("env") or {}).get("on_error", "raise"))
+    was_env = dict(resume["config"].get("env") or {})
+    changed = [  # a key the package added since the run started is none of the user's changes
+        k for k in sorted(was_env) if env is not None and k not in _SNAPSHOT_FREE and was_env[k] != env.get(k)
+    ]  # fmt: skip
     same_layout = len(saved) == collecting and all(int(s["num_envs"]) == collector.num_envs for s in saved)
-    if same_layout and was_seed == seed and was_on_error == on_error:
+    if same_layout and was_seed == seed and not changed:
         restore_collector(collector, saved[collector_index], say=collector_index == 0)
         return None
     if saved:
@@ -558,7 +574,7 @@ def resume_collector(
     elif was_seed != seed:
         why = f"seed {was_seed} -> {seed}"
     else:
-        why = f"env.on_error {was_on_error} -> {on_error}"
+        why = ", ".join(f"env.{k}" for k in changed) + " changed (the saved envs hold the old settings)"
     return f"ppo-fabric: resume: {why}; envs and RNG start fresh, normaliser statistics carried over"
 
 

@@ -222,3 +222,19 @@ def test_a_resume_auto_with_an_option_of_its_own_keeps_the_runs_own_values(tmp_p
     changed = json.loads(last)["changed"]  # and the logger's keys, which logger=none sets
     assert [k for k in changed if not k.startswith("logger.")] == ["algo.total_steps"], changed
     assert changed["algo.total_steps"] == [512, 1024]
+
+
+def test_an_env_setting_changed_on_resume_is_applied_with_fresh_envs(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`env.max_episode_steps=5 resume_overrides=allow`: the envs came back from their snapshot with their
+    old time limit, and the run trained on 500-step episodes while its config, its line and resumes.jsonl
+    said 5 (env.kwargs and normalisation likewise). Such a change now starts the envs afresh, and says so."""
+    run_dir = tmp_path / "run"
+    _run(run_dir, "algo.total_steps=512", "eval.every=0")
+    capsys.readouterr()
+    summary = _run(run_dir, "algo.total_steps=1024", "eval.every=0", f"resume={run_dir / 'checkpoints' / 'last.ckpt'}",
+                   "env.max_episode_steps=5", "resume_overrides=allow")  # fmt: skip
+    assert summary["final_mean_return"] == 5.0  # CartPole's reward of 1 a step, every episode cut at 5
+    assert ("ppo-fabric: resume: env.max_episode_steps changed (the saved envs hold the old settings); envs "
+            "and RNG start fresh, normaliser statistics carried over") in capsys.readouterr().out  # fmt: skip
