@@ -100,7 +100,8 @@ def continue_run(
         state = ckpt.load(path, env_state="fresh")  # the config and step only: check_resume loads it whole
     except ValueError as exc:
         raise ConfigError(str(exc)) from exc
-    saved_id, own_id = str(state["config"]["env"]["id"]), str(cfg.env.id)
+    saved_id = str(state["config"]["env"]["id"])
+    own_id = str(OmegaConf.select(cfg, "env.id", throw_on_missing=False) or saved_id)  # env=gym alone: none
     named = any(o.partition("=")[0].lstrip("+~") == "env.id" for o in overrides)
     if not (named and own_id != saved_id):  # another id named: refused below as a change of env.id
         check_env_trusted(path, saved_id, own_id)

@@ -70,6 +70,7 @@ PER_SESSION: tuple[Path_, ...] = (
     ("resume_overrides",),
     ("resume_env",),
 )
+MISSING = "???"  # OmegaConf's mandatory value not given, as a container holds it
 SESSIONS_FILE = "resumes.jsonl"  # one line per resumed session: when, from where, what it changed
 
 
@@ -176,6 +177,8 @@ def continued_config(
             set_leaf(merged, path, value)
     for prefix in named:  # the named subtree as the command line has it, in place (mappings keep their order)
         found, value = _get(now, prefix)
+        if found and value == MISSING:  # an option that leaves it to be given (env=gym's env.id): the run's
+            continue
         if found:
             set_leaf(merged, prefix, value)
         else:

@@ -238,3 +238,14 @@ def test_an_env_setting_changed_on_resume_is_applied_with_fresh_envs(
     assert summary["final_mean_return"] == 5.0  # CartPole's reward of 1 a step, every episode cut at 5
     assert ("ppo-fabric: resume: env.max_episode_steps changed (the saved envs hold the old settings); envs "
             "and RNG start fresh, normaliser statistics carried over") in capsys.readouterr().out  # fmt: skip
+
+
+@pytest.mark.parametrize("resume", ["auto", "path"])
+def test_a_resume_repeating_an_option_that_leaves_the_env_id_to_be_given(tmp_path: Path, resume: str) -> None:
+    """`env=gym env.id=Acrobot-v1`, resumed with `env=gym` again (the id left out): a traceback ending in
+    OmegaConf's `MissingMandatoryValue: env.id`. The option's unset id is none of the user's: the run's stays."""
+    run_dir = tmp_path / "run"
+    _run(run_dir, "env=gym", "env.id=Acrobot-v1", "algo.total_steps=512", "eval.every=0")
+    at = "resume=auto" if resume == "auto" else f"resume={run_dir / 'checkpoints' / 'last.ckpt'}"
+    summary = _run(run_dir, "env=gym", "algo.total_steps=1024", "eval.every=0", at)
+    assert summary["total_env_steps"] == 1024 and summary["env_id"] == "Acrobot-v1"
