@@ -27,7 +27,7 @@ from lightning_fabric import Fabric
 from lightning_fabric.plugins.precision import MixedPrecision
 from lightning_fabric.strategies import DDPStrategy
 from lightning_fabric.utilities.seed import seed_everything
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 from threadpoolctl import threadpool_limits
 from torch.nn.parallel import DistributedDataParallel
 
@@ -44,7 +44,7 @@ from ppo_fabric.compat.private import set_fabric_precision
 from ppo_fabric.config.arguments import fail
 from ppo_fabric.config.faults import FAULT_EXIT, RunComplete, RunFault, fault_status
 from ppo_fabric.config.values import ConfigError, composer, under_fabric_run
-from ppo_fabric.envs.make import end_env_workers, rank_seed
+from ppo_fabric.envs.make import end_env_workers, rank_seed, trust_override
 from ppo_fabric.learn.accel import set_cuda_math
 from ppo_fabric.models.agent import float32_default
 from ppo_fabric.runs import lock as run_lock
@@ -307,7 +307,8 @@ def launch(
         raise RunFault(str(stall)) from None
     except Stopped as stop:
         if fabric.global_rank == 0:
-            os.write(2, f"ppo-fabric: {stop}; {stop.continuation(run_dir)}\n".encode())
+            hint = stop.continuation(run_dir, OmegaConf.select(cfg, "env.id"))
+            os.write(2, f"ppo-fabric: {stop}; {hint}\n".encode())
         if caller_owns_process and fabric.world_size == 1:  # ppo_fabric.run(): the caller's to end
             watchdog.stop()
             if stop.signum == signal.SIGINT:
@@ -317,7 +318,8 @@ def launch(
     except KeyboardInterrupt:
         if fabric.global_rank == 0:
             last = run_dir / "checkpoints" / "last.ckpt"
-            hint = f"; continue with resume={last}" if last.exists() else ""
+            named = trust_override(OmegaConf.select(cfg, "env.id"))
+            hint = f"; continue with resume={last}{named}" if last.exists() else ""
             os.write(2, f"ppo-fabric: interrupted{hint}\n".encode())
         if caller_owns_process and fabric.world_size == 1:
             watchdog.stop()

@@ -324,13 +324,15 @@ def run_config(
     return run
 
 
-def continuation(run_dir: Path) -> str:
+def continuation(run_dir: Path, env_id: Any = None) -> str:
     """The end of a failed job's last line: how to go on from its last checkpoint, where it wrote one (a
-    rank killed by the OOM killer or a signal says nothing of its own). `resume=auto` passes over a
-    checkpoint that does not load or holds non-finite values, naming it."""
+    rank killed by the OOM killer or a signal says nothing of its own), naming a module env's id as its
+    resume must. `resume=auto` passes over a checkpoint that does not load or holds non-finite values."""
     if not (run_dir / "checkpoints" / "last.ckpt").is_file():
         return ""
-    return f"; continue from its last checkpoint with resume=auto hydra.run.dir={run_dir}"
+    from ppo_fabric.envs.make import trust_override  # gymnasium: only at a failed job's end
+
+    return f"; continue from its last checkpoint with resume=auto hydra.run.dir={run_dir}{trust_override(env_id)}"
 
 
 def _start_step(cfg: DictConfig) -> int:
@@ -380,7 +382,8 @@ def _attempts(cfg: DictConfig, run_dir: Path, invocation: Invocation) -> int:
         if restarts >= allowed:
             if allowed or status != FAULT_EXIT:  # exit 1 without restarts: the rank's own line said it all
                 why = "restarts=0" if allowed == 0 else f"all {allowed} restarts used"
-                say(f"rank failure (exit {status}); not restarting ({why}){continuation(run_dir)}")
+                then = continuation(run_dir, OmegaConf.select(cfg, "env.id"))
+                say(f"rank failure (exit {status}); not restarting ({why}){then}")
             return status
         restarts += 1
         from ppo_fabric.runs.resume import newest_checkpoint, report_skipped  # torch: only for a relaunch

@@ -319,6 +319,13 @@ def foreign_module(env_id: str) -> str | None:
     return module
 
 
+def trust_override(env_id: Any) -> str:
+    """` env.id=ID` for the resume command a line suggests when the run's env id names a module outside the
+    known env packages (a resume builds such an env only when its command names the id: the suggested
+    command was refused), else ""."""
+    return f" env.id={env_id}" if isinstance(env_id, str) and foreign_module(env_id) else ""
+
+
 def _import_env_module(env_id: str) -> Any:
     """Import the module of a `module:name` id (gymnasium's convention: the module registers `name`).
     Returns the module's callable `name` when no env of that name is registered: `module:factory`,

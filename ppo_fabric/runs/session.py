@@ -27,6 +27,7 @@ from omegaconf import DictConfig, OmegaConf
 from ppo_fabric.collect.rollout import WINDOW, RolloutCollector
 from ppo_fabric.compat.linux import drop_hung_up_terminal
 from ppo_fabric.config.faults import SIGNAL_REPEAT_S, STOP_SIGNALS, RunFault
+from ppo_fabric.envs.make import trust_override
 from ppo_fabric.envs.multiagent import SINGLE
 from ppo_fabric.learn.learners import PolicySpec, metric_name
 from ppo_fabric.learn.schedule import LrSchedule
@@ -56,15 +57,16 @@ class Stopped(Exception):  # noqa: N818 - a stop asked for, not an error
         super().__init__(f"stopped by {signal.Signals(signum).name} at {env_step:,} env steps")
         self.signum, self.env_step, self.checkpoint = signum, env_step, checkpoint
 
-    def continuation(self, run_dir: Path) -> str:
+    def continuation(self, run_dir: Path, env_id: str | None = None) -> str:
         """How to go on: the checkpoint that holds the run's state now (`resume=auto` in `run_dir` finds it
-        only when it is that directory's `last.ckpt`); a fresh run stopped before its first checkpoint has
-        none."""
+        only when it is that directory's `last.ckpt`), with the env id a module env's resume must name; a
+        fresh run stopped before its first checkpoint has none."""
         if self.checkpoint is None:
             return "no checkpoint was written before it: run the command again to start over"
-        hint = f"continue with resume={self.checkpoint}"
+        named = trust_override(env_id)
+        hint = f"continue with resume={self.checkpoint}{named}"
         if self.checkpoint == run_dir / "checkpoints" / "last.ckpt":
-            hint += f" (or resume=auto hydra.run.dir={run_dir})"
+            hint += f" (or resume=auto hydra.run.dir={run_dir}{named})"
         return hint
 
 

@@ -719,12 +719,18 @@ def test_steps_trained_twice_are_not_known_without_metrics_csv(
 
 
 @pytest.mark.usefixtures("kept_handlers")
-@pytest.mark.parametrize("saved", [True, False])
+@pytest.mark.parametrize(("saved", "env_id"), [(True, "CartPole-v1"), (False, "CartPole-v1"),
+                                               (True, "tests.faulty_env:FaultyCartPole-v0")])  # fmt: skip
 def test_a_killed_job_that_is_not_restarted_says_how_to_continue(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capfd: pytest.CaptureFixture[str], saved: bool
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capfd: pytest.CaptureFixture[str],
+    saved: bool,
+    env_id: str,
 ) -> None:
     """A rank killed outright (the OOM killer: exit 137) says nothing of its own, and the supervisor's line
-    named only the exit: with a checkpoint written it now says how to continue from it."""
+    named only the exit: with a checkpoint written it now says how to continue from it, with a module env's
+    id, which that resume must name (the command it suggested was refused)."""
     from omegaconf import OmegaConf
 
     from ppo_fabric.app.hydra_app import Invocation
@@ -733,9 +739,15 @@ def test_a_killed_job_that_is_not_restarted_says_how_to_continue(
         (tmp_path / "checkpoints").mkdir()
         (tmp_path / "checkpoints" / "last.ckpt").write_bytes(b"")
     monkeypatch.setattr(supervisor.Job, "run", lambda self, args: 128 + signal.SIGKILL)
-    cfg = OmegaConf.create({"restarts": 0, "resume": None, "collectives": {"timeout": 1}, "stall_timeout": 1})
+    cfg = OmegaConf.create({"restarts": 0, "resume": None, "collectives": {"timeout": 1}, "stall_timeout": 1,
+                            "env": {"id": env_id}})  # fmt: skip
     assert supervisor._attempts(cfg, tmp_path, Invocation(overrides=[])) == 137
-    hint = f"; continue from its last checkpoint with resume=auto hydra.run.dir={tmp_path}" if saved else ""
+    named = f" env.id={env_id}" if ":" in env_id else ""
+    hint = (
+        f"; continue from its last checkpoint with resume=auto hydra.run.dir={tmp_path}{named}"
+        if saved
+        else ""
+    )
     assert (
         capfd.readouterr().err == f"ppo-fabric: rank failure (exit 137); not restarting (restarts=0){hint}\n"
     )

@@ -196,6 +196,12 @@ def test_a_run_stopped_before_its_first_checkpoint_names_the_one_that_holds_it(t
     )
     fresh = Stopped(2, 0, _session(tmp_path, None).stop_checkpoint())
     assert fresh.continuation(tmp_path).startswith("no checkpoint was written before it")
+    # a module env's id, which its resume must name (the command suggested was refused without it)
+    own = "tests.faulty_env:FaultyCartPole-v0"
+    assert Stopped(15, 20_480, last).continuation(tmp_path, own) == (
+        f"continue with resume={last} env.id={own} (or resume=auto hydra.run.dir={tmp_path} env.id={own})"
+    )
+    assert Stopped(15, 20_480, last).continuation(tmp_path, "CartPole-v1").endswith(f"dir={tmp_path})")
 
 
 # ------------------------------------------------------------------------------------ a stopped run
