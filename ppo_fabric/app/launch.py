@@ -375,6 +375,8 @@ def opening_lines(
     command line's own values over them (`set_on_top`); for a resumed run, a second one: where it
     continues from and what this session changes."""
     tuning = cfg.get("tuning") or ("its saved config" if changes is not None else "the composed config")
+    if changes is not None:  # the run's own note, of the command line it started with, not this one's
+        tuning = str(tuning).replace("on the command line", "on its first command line")
     if on_top and changes is None:
         shown = ", ".join(on_top[:SHOWN_ON_TOP])
         more = f" and {len(on_top) - SHOWN_ON_TOP} more" if len(on_top) > SHOWN_ON_TOP else ""

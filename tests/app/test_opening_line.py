@@ -25,3 +25,14 @@ def test_the_command_lines_values_over_the_tuned_ones_are_named() -> None:
     assert opening_lines(cfg, None, []) == "ppo-fabric: Pendulum-v1 with env=pendulum, tuned (coupled)"
     resumed = opening_lines(cfg.copy(), {}, set_on_top(overrides)).splitlines()[0]  # the second line says it
     assert resumed == "ppo-fabric: Pendulum-v1 with env=pendulum, tuned (coupled)"
+
+
+def test_a_resumed_runs_line_says_its_option_came_from_its_first_command_line() -> None:
+    """`resume=auto` alone printed "with exp=fast (chosen on the command line)", a command line with no
+    exp= on it: the note is the run's own, saved with its config."""
+    cfg = OmegaConf.create({"env": {"id": "CartPole-v1"}, "strategy": "coupled", "resume": "last.ckpt",
+                            "tuning": "exp=fast (chosen on the command line)"})  # fmt: skip
+    assert opening_lines(cfg, {}).splitlines() == [
+        "ppo-fabric: CartPole-v1 with exp=fast (chosen on its first command line) (coupled)",
+        "ppo-fabric: continuing from last.ckpt; nothing changed",
+    ]
