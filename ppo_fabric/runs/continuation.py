@@ -240,6 +240,31 @@ def describe(changes: dict[str, tuple[Any, Any]]) -> str:
     return ", ".join(f"{k}: {_show(b)} -> {_show(n)}" for k, (b, n) in changes.items())
 
 
+def config_differences(run_dir: Path, cfg: DictConfig, shown: int = 6) -> str | None:
+    """How `cfg` differs from the `config.yaml` in `run_dir` (`key: before -> now, ...`, the first `shown`),
+    for a run starting afresh where an earlier attempt wrote no checkpoint (`resume=auto` found none), whose
+    config it replaces: such a run trained another experiment than the directory's without a word, a user
+    meaning to continue it none the wiser. None when they are the same (a requeue of the same command)."""
+    try:
+        before = yaml.safe_load((run_dir / "config.yaml").read_text())
+    except (OSError, yaml.YAMLError):
+        return None
+    if not isinstance(before, dict):
+        return None
+    now = OmegaConf.to_container(cfg, resolve=True)
+    assert isinstance(now, dict)
+    old, new = dict(leaves(before)), dict(leaves(now))
+    changes = {
+        dotted(p): (old.get(p, ABSENT), new.get(p, ABSENT))
+        for p in [*new, *(p for p in old if p not in new)]
+        if old.get(p, ABSENT) != new.get(p, ABSENT) and not _under(p, (*PER_SESSION, *IDENTITY))
+    }
+    if not changes:
+        return None
+    more = f" and {len(changes) - shown} more" if len(changes) > shown else ""
+    return describe(dict(list(changes.items())[:shown])) + more
+
+
 def record_session(run_dir: Path, cfg: DictConfig, state: dict[str, Any]) -> dict[str, Any]:
     """Note a resumed session in the run directory (`resumes.jsonl`): when, from which checkpoint and env
     step, and which keys it changes from the checkpoint's config. The run's `config.yaml`, written by its

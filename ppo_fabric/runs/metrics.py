@@ -277,8 +277,10 @@ class RunLogger:
         clock: Callable[[], float] = time.monotonic,
         resumed_at: int | None = None,
         session: tuple[str, list[list[Any]]] | None = None,
+        replaced_config: str | None = None,
     ) -> None:
-        """`session`: (this session's run id, its lineage), which the CSV rows record and a resume keeps."""
+        """`session`: (this session's run id, its lineage), which the CSV rows record and a resume keeps;
+        `replaced_config`: how a fresh run's config differs from the earlier attempt's it replaced."""
         self.enabled = enabled
         self.run_dir = run_dir
         self.total_steps = total_steps
@@ -299,10 +301,14 @@ class RunLogger:
         # replaces them: they are an attempt nothing continues, and appended to they would run the steps
         # twice. Its tracker gets a new run for the same reason.
         fresh = resumed_at is None
-        if fresh and any((run_dir / name).is_file() for name in (METRICS_CSV, EVALUATIONS_CSV)):
+        records = fresh and any((run_dir / name).is_file() for name in (METRICS_CSV, EVALUATIONS_CSV))
+        if records or replaced_config:
+            differs = (
+                f", and its config.yaml, whose values differ: {replaced_config}" if replaced_config else ""
+            )
             print(
                 f"ppo-fabric: {run_dir} holds the records of an attempt that wrote no checkpoint; this run "
-                "starts afresh and replaces them",
+                f"starts afresh and replaces them{differs}",
                 file=sys.stderr,
                 flush=True,
             )

@@ -32,7 +32,7 @@ from ppo_fabric.envs.multiagent import SINGLE
 from ppo_fabric.learn.learners import PolicySpec, metric_name
 from ppo_fabric.learn.schedule import LrSchedule
 from ppo_fabric.runs import checkpoint as ckpt
-from ppo_fabric.runs.continuation import record_session
+from ppo_fabric.runs.continuation import config_differences, record_session
 from ppo_fabric.runs.metrics import (
     RunLogger,
     Stopwatch,
@@ -199,8 +199,11 @@ class RunSession:
         self.lr_schedule = LrSchedule.continued(
             saved, self.start_step, self.final_step, bool(cfg.algo.anneal_lr)
         )
+        replaced: str | None = None
         if writer:
             run_dir.mkdir(parents=True, exist_ok=True)
+            if resume is None:  # an earlier attempt's, about to be replaced: said with its records
+                replaced = config_differences(run_dir, cfg)
             if not (run_dir / "config.yaml").is_file() or resume is None:
                 save_resolved_config(cfg, run_dir)  # a resume's own directory keeps its first session's
             if resume is not None:  # in a new directory too: what the branch changed is noted there
@@ -220,6 +223,7 @@ class RunSession:
             enabled=writer,
             resumed_at=self.start_step if resume else None,
             session=(self.run_id, self.lineage),
+            replaced_config=replaced,
         )
         self.watch = Stopwatch()
 

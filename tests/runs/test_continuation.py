@@ -265,3 +265,21 @@ def test_a_relaunch_composes_with_the_tuned_option_and_names_only_the_users_keys
     assert compose([*relaunch[:-1], "resume=null"])[0].model.grid.filters == 32
     typed = ["env.id=MinAtar/Breakout-v1", "model.grid.filters=32", "hydra.run.dir=R", "resume=auto"]
     assert without_tuned_values(relaunch) == typed
+
+
+def test_a_fresh_run_names_how_its_config_differs_from_the_attempt_it_replaces(tmp_path: Path) -> None:
+    """`resume=auto` where an earlier attempt wrote no checkpoint starts afresh and replaces its records
+    and config.yaml: with another command line, it trained another experiment than the directory's without
+    a word. The differences are named (the first `shown`); the same command again names none."""
+    from ppo_fabric.runs.continuation import config_differences
+    from ppo_fabric.runs.metrics import save_resolved_config
+
+    earlier, _ = compose(["algo.lr=5e-4", "env.num_envs=16", "algo.total_steps=4096"])
+    save_resolved_config(earlier, tmp_path)
+    same, _ = compose(["algo.lr=5e-4", "env.num_envs=16", "algo.total_steps=4096", "resume_env=fresh"])
+    assert config_differences(tmp_path, same) is None  # a per-session key is no difference
+    other, _ = compose(["algo.total_steps=8192"])
+    assert config_differences(tmp_path, other, shown=2) == (
+        "algo.total_steps: 4096 -> 8192, algo.lr: 0.0005 -> 0.001 and 1 more"
+    )
+    assert config_differences(tmp_path / "nothing-there", other) is None
