@@ -441,8 +441,13 @@ def check_resume(cfg: DictConfig, path: str, obs_space: gym.Space, action_space:
                     f"{before.get(key)}; use the same {group} settings"
                 )
     if spaces != (obs_space, action_space):
+        now_env = OmegaConf.to_container(cfg.env, resolve=True)
+        assert isinstance(now_env, dict)
+        was_env = saved.get("env") or {}
+        changed = [f"env.{k}" for k in sorted(was_env) if k in now_env and now_env[k] != was_env[k]]
+        cause = f" (this resume changes {', '.join(changed)})" if changed else ""
         raise ConfigError(
-            f"resume={path!r}: the env's observation or action space differs from the checkpoint's"
+            f"resume={path!r}: the env's observation or action space differs from the checkpoint's{cause}"
         )
     if saved["strategy"] != cfg.strategy:
         raise ConfigError(f"resume={path!r} comes from strategy={saved['strategy']}; use the same strategy")

@@ -249,3 +249,14 @@ def test_a_resume_repeating_an_option_that_leaves_the_env_id_to_be_given(tmp_pat
     at = "resume=auto" if resume == "auto" else f"resume={run_dir / 'checkpoints' / 'last.ckpt'}"
     summary = _run(run_dir, "env=gym", "algo.total_steps=1024", "eval.every=0", at)
     assert summary["total_env_steps"] == 1024 and summary["env_id"] == "Acrobot-v1"
+
+
+def test_a_resume_whose_env_change_changes_the_spaces_names_that_change(tmp_path: Path) -> None:
+    """`env.observation_noise=0.5` on a resume widens the observation space: the refusal named no key."""
+    run_dir = tmp_path / "run"
+    _run(run_dir, "algo.total_steps=512", "eval.every=0")
+    with pytest.raises(
+        ConfigError, match=r"differs from the checkpoint's \(this resume changes env.observation_noise\)$"
+    ):
+        _run(run_dir, "algo.total_steps=1024", "eval.every=0", "resume=auto", "env.observation_noise=0.5",
+             "resume_overrides=allow")  # fmt: skip
