@@ -110,16 +110,21 @@ def translate_hydra_error(exc: Exception, overrides: list[str]) -> ConfigError:
                 f"{key}: it holds no key '{str(inner)[len(key) + 1 :]}'; add keys with +{inner}=VALUE, or give "
                 f"the mapping whole with +{key}={{...}}"
             )
-        resumed = any(o.startswith("resume=") and o not in ("resume=auto", "resume=null") for o in overrides)
-        if (
-            resumed
-        ):  # a key of the run's own option (exp=cartpole_lstm's model.lstm): not in the default config
+        closed = key.split(".", 1)[0] in CLOSED_SECTIONS  # a key added there is read by nothing
+        # resume=auto too: it may find the run's checkpoint (and, finding none, a fresh run takes + alike)
+        if any(o.startswith("resume=") and o != "resume=null" for o in overrides):
+            # a key of the run's own option (exp=cartpole_lstm's model.lstm), or one the run added
+            # (+env.kwargs.after): neither is in the default config
+            added = (  # model.* never changes on a resume: only the env's own arguments are such keys
+                f", or one the run added (+{key}=VALUE changes it, with resume_overrides=allow)"
+                if key.startswith("env.kwargs.")
+                else ""
+            )
             return ConfigError(
                 f"{key}: not a key of the default config, over which a resume's command line is read: "
-                "misspelt, or a key of the option the run started with (exp=cartpole_lstm's model.lstm); the "
-                "checkpoint keeps the run's own value, so leave it out, or name that option beside it"
+                "misspelt, a key of the option the run started with (exp=cartpole_lstm's model.lstm: the "
+                f"checkpoint keeps the run's own value, so leave it out, or name that option beside it){added}"
             )
-        closed = key.split(".", 1)[0] in CLOSED_SECTIONS  # a key added there is read by nothing
         return ConfigError(
             f"{key}: unknown config key; check the spelling"
             + (f" against the keys of '{parent}'" if parent else "")

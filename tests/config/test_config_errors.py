@@ -431,6 +431,14 @@ def test_a_resume_naming_a_key_of_the_runs_own_option_is_told_so(tmp_path: Path)
         message
     )
     assert "name that option beside it" in message and "+model.lstm" not in message, message
+    # a kwarg the run added (+env.kwargs.after), with resume=auto alike: it said "unknown config key"
+    message = _config_error(["resume=auto", "env.kwargs.after=1500"])
+    assert message.startswith("env.kwargs.after: not a key of the default config, over which a resume's"), (
+        message
+    )
+    assert message.endswith(
+        "or one the run added (+env.kwargs.after=VALUE changes it, with resume_overrides=allow)"
+    )
 
 
 def test_resume_names_the_changed_key(finished_checkpoint: Path) -> None:
