@@ -122,6 +122,20 @@ def record_restarts(summary_json: Path, restarts: int, redone: int | None) -> No
     write_json(summary_json, summary)
 
 
+def restarted_line(summary_json: Path, restarts: int, redone: int | None) -> str:
+    """What a job that ended well after restarts did, after its last attempt's final line (which counts
+    that attempt's session alone: a command that trained 4,096 -> 20,224 env steps said 5,888)."""
+    try:
+        total = f" reached {int(json.loads(summary_json.read_text())['total_env_steps']):,} env steps"
+    except (OSError, ValueError, KeyError, TypeError):
+        total = " ended"
+    twice = "not known" if redone is None else f"{redone:,}"
+    return (
+        f"the run{total} after {restarts} restart{'s' if restarts > 1 else ''} ({twice} env steps trained "
+        "twice); the line above counts its last attempt alone"
+    )
+
+
 class Job:
     """One attempt at a time of the job, as a process group, and the signals meant for it."""
 
@@ -368,6 +382,8 @@ def _attempts(cfg: DictConfig, run_dir: Path, invocation: Invocation) -> int:
         if status == 0:
             if lock.node_rank() == 0:  # node 0 writes the summary; another node's restarts are its own
                 record_restarts(run_dir / "summary.json", restarts, known)
+                if restarts:
+                    say(restarted_line(run_dir / "summary.json", restarts, known))
             return 0
         if job.stop_signal is not None or status in SIGNAL_STOPS:
             return status

@@ -692,10 +692,11 @@ def kept_handlers() -> Any:
 @pytest.mark.usefixtures("kept_handlers")
 @pytest.mark.parametrize("csv", [True, False])
 def test_steps_trained_twice_are_not_known_without_metrics_csv(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, csv: bool
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capfd: pytest.CaptureFixture[str], csv: bool
 ) -> None:
     """A restart's `env_steps_redone` is read from metrics.csv's last row: with `logger=none` (no file)
-    the summary said 0, as if nothing had been trained twice; it is null, not known."""
+    the summary said 0, as if nothing had been trained twice; it is null, not known. The job's end says
+    what the command did over its attempts: the last attempt's final line counts that attempt alone."""
     from omegaconf import OmegaConf
 
     from ppo_fabric.app.hydra_app import Invocation
@@ -716,6 +717,11 @@ def test_steps_trained_twice_are_not_known_without_metrics_csv(
     cfg = OmegaConf.create({"restarts": 1, "resume": None, "collectives": {"timeout": 1}, "stall_timeout": 1})
     assert supervisor._attempts(cfg, tmp_path, Invocation(overrides=[])) == 0
     assert json.loads(summary.read_text())["env_steps_redone"] == (384 if csv else None)
+    twice = "384" if csv else "not known"
+    assert capfd.readouterr().err.splitlines()[-1] == (
+        f"ppo-fabric: the run reached 512 env steps after 1 restart ({twice} env steps trained twice); the line "
+        "above counts its last attempt alone"
+    )
 
 
 @pytest.mark.usefixtures("kept_handlers")
