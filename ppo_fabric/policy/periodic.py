@@ -311,7 +311,8 @@ def evaluate_if_due(
     except AbandonEvaluation:
         evaluation.abandoned(step)  # not recorded: a session resumed from this boundary plays it first
         return False
-    if done < session.end_update:  # the final one: nothing left to save
+    # the final one: nothing left to save; a resume's owed one: no training of this session to weigh it by
+    if session.start_update < done < session.end_update:
         evaluation.say_cost(metrics["time/eval_s"], step)
     session.logger.log_evaluation(metrics | {"time/wall_s": session.wall_s()}, step)
     return evaluation.improved(step)

@@ -210,6 +210,32 @@ def test_an_evaluation_that_costs_more_than_the_training_is_said_once(
     evaluation.close()
 
 
+def test_a_resumes_owed_evaluation_is_not_weighed_against_training_it_never_did(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The evaluation a resumed run owes plays before any training of its session: it was said to take
+    "318310 times the training since the one before". The next one is weighed as any other."""
+    from ppo_fabric.policy import periodic
+
+    evaluation, _ = _evaluation()
+    capsys.readouterr()
+    monkeypatch.setattr(periodic, "_models", lambda learners: {})
+    monkeypatch.setattr(periodic, "_frozen", lambda collector: None)
+    monkeypatch.setattr(evaluation, "due", lambda step, last=False: True)
+    monkeypatch.setattr(evaluation, "run", lambda *a: {"time/eval_s": 30.0})
+    monkeypatch.setattr(evaluation, "improved", lambda step: False)
+    logged = SimpleNamespace(log_evaluation=lambda metrics, step: None)
+    session = SimpleNamespace(
+        start_update=4, end_update=10, env_step=lambda u: 128 * u, logger=logged, wall_s=lambda: 0.0
+    )
+    periodic.evaluate_if_due(evaluation, session, 4, {}, None)  # type: ignore[arg-type]
+    assert capsys.readouterr().err == ""
+    evaluation.since = time.perf_counter() - 31.0  # then 1 s of training, and another 30-s evaluation
+    periodic.evaluate_if_due(evaluation, session, 5, {}, None)  # type: ignore[arg-type]
+    assert "the evaluation at env step 640 took 30 s" in capsys.readouterr().err
+    evaluation.close()
+
+
 def test_a_checkpoint_keeps_the_record_as_it_stood_at_its_own_step() -> None:
     """A decoupled checkpoint at step 4608 held the evaluation at 5120 (it finished in the background
     while later updates ran, and was amended in): after a crash and a resume from 4608, the summary named
