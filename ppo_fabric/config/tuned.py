@@ -121,6 +121,20 @@ NOTE_MARKS = (
 )
 
 
+def options_of_note(note: object) -> list[str]:
+    """The `env=`/`exp=` options a run was composed with, read back from the `tuning` note
+    `with_tuned_values` wrote for it: every note begins with them (`exp=mujoco (chosen on the command
+    line)`, `env=lunarlander, tuned values for ...`). An option named again on a resume that is one of
+    these is the run's own and changes nothing. [] for a note without any (a user's own config's)."""
+    options: list[str] = []
+    for word in str(note or "").split():
+        group, sep, value = word.rstrip(",").lstrip("+").partition("=")
+        if not (sep and group in CHOOSERS and value):
+            break
+        options.append(f"{group}={value}")
+    return options
+
+
 def _check_note(note: str) -> None:
     """A `tuning=` this module wrote (a relaunch's or a sweep job's command line passes it on), never one
     typed by hand: that one turned the choice of tuned values off, so `env.id=Acrobot-v1 tuning=mine`

@@ -30,6 +30,7 @@ import yaml
 from omegaconf import DictConfig, OmegaConf
 
 from ppo_fabric.config.defaults import NEVER_FILLED, Path_, leaves, overlaps, set_leaf
+from ppo_fabric.config.tuned import options_of_note
 from ppo_fabric.config.values import ConfigError, group_options
 
 # Keys a resumed run may change: its budget, where and how it writes, where it runs, how faults end it.
@@ -157,6 +158,10 @@ def continued_config(
     Raises `ConfigError` naming the changes that alter the experiment, unless `resume_overrides=allow`."""
     now = OmegaConf.to_container(cfg, resolve=True)
     assert isinstance(now, dict)
+    # the run's own env/exp option named again names nothing: its keys as the run had them, overrides
+    # of its first command line included (`exp=cartpole_lstm` set a 16k-step run's total_steps to 200k)
+    own = options_of_note(saved.get("tuning"))
+    overrides = [o for o in overrides if o.lstrip("+") not in own]
     keys, options = named_keys(overrides)
     named = [*keys, ("resume",)]
     for option in options:

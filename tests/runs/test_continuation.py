@@ -13,7 +13,13 @@ from pathlib import Path
 import pytest
 from omegaconf import OmegaConf
 
-from ppo_fabric.config.tuned import table, tuned_options, with_tuned_values, without_tuned_values
+from ppo_fabric.config.tuned import (
+    options_of_note,
+    table,
+    tuned_options,
+    with_tuned_values,
+    without_tuned_values,
+)
 from ppo_fabric.config.values import ConfigError, compose, composer
 from ppo_fabric.learn.schedule import LrSchedule
 from ppo_fabric.runs.continuation import continued_config, named_keys
@@ -235,13 +241,48 @@ def test_a_resume_auto_that_finds_a_checkpoint_continues_the_runs_own_config() -
     cfg, _ = compose(settled)
     merged, changes = continued_config(cfg, saved, typed, composer())
     assert OmegaConf.select(merged, "algo.total_steps") == 3000000 and changes == {}
-    _, as_typed_before = continued_config(cfg, saved, settled, composer())  # the option taken as named
-    assert as_typed_before["algo.total_steps"] == (3000000, 1000000)
+    # taken as named, an added option that is not the run's own (it started with env=gym) resets its keys
+    generic = _saved(["env=gym", "env.id=LunarLander-v3", "algo.total_steps=3000000"])
+    with pytest.raises(ConfigError, match="would change the run's experiment"):
+        continued_config(cfg, generic, settled, composer())
+    assert continued_config(cfg, generic, typed, composer())[1] == {}
     # the other shapes of with_tuned_values' output come back as typed
     for line in (["env=gym", "env.id=Acrobot-v1"], ["env.id=Acrobot-v1", "seed=3"], ["seed=3"], []):
         assert without_tuned_values(with_tuned_values([*line, "resume=auto"])) == [*line, "resume=auto"]
     own = ["env=lunarlander", "env.id=LunarLander-v3", "tuning=mine"]  # the user's own note: theirs
     assert without_tuned_values(own) == own
+
+
+def test_the_runs_own_option_named_again_changes_nothing() -> None:
+    """`resume=auto exp=cartpole_lstm` of a run started with `exp=cartpole_lstm algo.total_steps=16384`:
+    the option is the run's own (its `tuning` note names it), so its keys stay as the run had them. Taken
+    as named, it set total_steps back to the recipe's 200k, and a finished run trained 65k steps more."""
+    saved = _saved(["exp=cartpole_lstm", "algo.total_steps=16384", "algo.lr=3e-4"])
+    merged, changes = _resume(["exp=cartpole_lstm"], saved)
+    assert changes == {} and merged["algo"] == saved["algo"], changes
+    merged, changes = _resume(["exp=cartpole_lstm", "algo.total_steps=30000"], saved)  # its keys still change
+    assert changes == {"algo.total_steps": (16384, 30000)}
+    with pytest.raises(ConfigError, match=r"model.actor_hidden=\[64, 64\] \(was \[64\]\)"):  # another option
+        _resume(["exp=fast"], saved)
+    default = _saved(["algo.rollout_steps=64"])  # env=cartpole, the default option, is the run's own too
+    assert _resume(["env=cartpole"], default)[1] == {}
+
+
+@pytest.mark.parametrize(
+    ("given", "options"),
+    [
+        (["exp=cartpole_lstm", "algo.total_steps=1"], ["exp=cartpole_lstm"]),
+        (["env=gym", "exp=mujoco", "env.id=Hopper-v5"], ["env=gym", "exp=mujoco"]),
+        (["env.id=LunarLander-v3"], ["env=lunarlander"]),
+        (["env.id=MinAtar/Breakout-v1"], ["exp=minatar"]),
+        (["env.id=Taxi-v3"], ["env=gym"]),
+        ([], ["env=cartpole"]),
+    ],
+)
+def test_the_note_names_the_options_the_run_was_composed_with(given: list[str], options: list[str]) -> None:
+    note = with_tuned_values(given)[-1].removeprefix("tuning=").strip("'")
+    assert options_of_note(note) == options
+    assert options_of_note("mine") == options_of_note(None) == []
 
 
 def test_a_known_packages_module_id_gets_the_ids_tuned_values() -> None:
