@@ -204,14 +204,15 @@ def acquire(run_dir: str | Path) -> RunDirLock:
         run_dir.mkdir(parents=True, exist_ok=True)
     me = Owner.this_process()
     took_over: str | None = None  # the line to print once the stale file is replaced by ours
-    deadline = time.monotonic() + 4 * WRITING_GRACE_S
+    # past the age at which a takeover's turn left by a run killed inside it is cleared (`_move_aside`)
+    deadline = time.monotonic() + TAKEOVER_ABANDONED_S + 4 * WRITING_GRACE_S
     while time.monotonic() < deadline:
         try:
             fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
         except FileExistsError:
             stale = _stale(path, run_dir)
-            if stale is not None and _move_aside(path, stale[0]):
-                took_over = stale[1]
+            if stale is not None and _move_aside(path, stale.file):
+                took_over = stale.line
             continue  # created, moved or removed in between by another process: look again
         except OSError as exc:  # a read-only or full file system, no permission
             raise ConfigError(
@@ -254,28 +255,55 @@ def refuse_if_held(run_dir: str | Path) -> None:
         _stale(path, run_dir)
 
 
-def _stale(path: Path, run_dir: Path) -> tuple[str | None, str] | None:
-    """(text, line saying it is taken over) of an existing lock file that is stale: its owner is gone, or
-    the file is garbled (text None: not even readable). None when it vanished meanwhile or is still being
-    written. Raises ConfigError when its owner may be running."""
+@dataclass(frozen=True)
+class LockFile:
+    """One lock file as it was read: its identity (a file created later under the same name differs, even
+    with the same text: an empty lock, its owner killed before writing it, and the next run's, not yet
+    written) and its text (None: unreadable)."""
+
+    identity: tuple[int, int, int, int]  # device, inode, mtime and ctime in ns
+    text: str | None
+
+    @staticmethod
+    def read(path: Path) -> tuple[LockFile, float]:
+        """The file at `path` and its age in seconds, from one open file (raises FileNotFoundError)."""
+        with path.open("rb") as fh:
+            st = os.fstat(fh.fileno())
+            try:
+                text: str | None = fh.read().decode()
+            except (OSError, UnicodeDecodeError):  # unreadable (I/O, binary junk): garbled
+                text = None
+        return LockFile(
+            (st.st_dev, st.st_ino, st.st_mtime_ns, st.st_ctime_ns), text
+        ), time.time() - st.st_mtime
+
+
+@dataclass(frozen=True)
+class Stale:
+    file: LockFile
+    line: str  # what the takeover says
+
+
+def _stale(path: Path, run_dir: Path) -> Stale | None:
+    """An existing lock file that is stale (its owner is gone, or it is garbled), with the line saying it
+    is taken over. None when it vanished meanwhile or is still being written. Raises ConfigError when its
+    owner may be running."""
     try:
-        text: str | None = path.read_text()
-        age = time.time() - path.stat().st_mtime
+        found, age = LockFile.read(path)
     except FileNotFoundError:
         return None
-    except (OSError, UnicodeDecodeError):  # unreadable (permissions, I/O, binary junk): garbled
-        text, age = None, WRITING_GRACE_S
-    owner = Owner.parse(text) if text is not None else None
+    except OSError:  # unopenable (permissions): garbled
+        found, age = LockFile((0, 0, 0, 0), None), WRITING_GRACE_S
+    owner = Owner.parse(found.text) if found.text is not None else None
     if owner is None:
         if age < WRITING_GRACE_S:
             time.sleep(0.05)  # its owner may be writing it
             return None
-        return text, f"took over the lock of {run_dir} (its lock file {path} was unreadable)"
+        return Stale(found, f"took over the lock of {run_dir} (its lock file {path} was unreadable)")
     alive = owner.alive()
     if alive is False:
-        return (
-            text,
-            f"took over the lock of {run_dir} from pid {owner.pid} on {owner.host} (no longer running)",
+        return Stale(
+            found, f"took over the lock of {run_dir} from pid {owner.pid} on {owner.host} (no longer running)"
         )
     who = f"pid {owner.pid} on {owner.host}, started {owner.started}"
     what = "a live run" if alive else "a run on another host"
@@ -285,11 +313,12 @@ def _stale(path: Path, run_dir: Path) -> tuple[str | None, str] | None:
     )
 
 
-def _move_aside(path: Path, stale: str | None) -> bool:
+def _move_aside(path: Path, stale: LockFile) -> bool:
     """Remove a stale lock file, unless another process replaced it meanwhile (two runs taking over the
     same stale lock). Takeovers take turns through a second file created with O_EXCL (`TAKEOVER`): the lock
-    is read again inside it and removed only while it still is the file judged stale, and nothing but a
-    takeover removes a lock its owner does not release. Returns whether the stale file was removed.
+    is read again inside it and removed only while it still is the very file judged stale (its identity,
+    not only its text: a fresh lock not yet written reads "" as an abandoned empty one does), and nothing but
+    a takeover removes a lock its owner does not release. Returns whether the stale file was removed.
 
     Renaming the lock aside first and putting back a fresh one moved by mistake lost a live run's lock
     when a third run created its own in between (the put-back failed): two live runs held the directory."""
@@ -297,24 +326,43 @@ def _move_aside(path: Path, stale: str | None) -> bool:
     try:
         os.close(os.open(guard, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644))
     except FileExistsError:  # another run is taking it over: look again shortly
-        with contextlib.suppress(OSError):
-            if time.time() - guard.stat().st_mtime > TAKEOVER_ABANDONED_S:  # its taker died inside
-                guard.unlink()
+        _clear_abandoned(guard)
         time.sleep(0.01)
         return False
     try:
         try:
-            now: str | None = path.read_text()
+            now = LockFile.read(path)[0]
         except FileNotFoundError:
             return False
-        except (OSError, UnicodeDecodeError):
-            now = None
+        except OSError:
+            now = LockFile((0, 0, 0, 0), None)
         if now != stale:
             return False
-        path.unlink()
+        with contextlib.suppress(FileNotFoundError):
+            path.unlink()
         return True
     finally:
         guard.unlink(missing_ok=True)
+
+
+def _clear_abandoned(guard: Path) -> None:
+    """Remove a takeover's turn left by a run killed inside it (older than a takeover ever lasts), and only
+    that file: it is renamed to a name of this process's first, so two runs clearing it at once cannot
+    remove a turn the first of them took meanwhile; one renamed by mistake goes back."""
+    try:
+        before = os.stat(guard)
+        if time.time() - before.st_mtime <= TAKEOVER_ABANDONED_S:
+            return
+        aside = guard.with_name(f"{guard.name}.{os.getpid()}.{time.monotonic_ns()}")
+        os.rename(guard, aside)
+    except OSError:  # gone meanwhile: another run cleared it
+        return
+    with contextlib.suppress(OSError):
+        moved = os.stat(aside)
+        if (moved.st_ino, moved.st_mtime_ns) != (before.st_ino, before.st_mtime_ns):  # a live turn: back
+            os.link(aside, guard)
+    with contextlib.suppress(OSError):
+        aside.unlink()
 
 
 def hold_for_ranks(

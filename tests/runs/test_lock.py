@@ -3,7 +3,6 @@ stale or garbled, released only by its owner; and two `python -m ppo_fabric` int
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import signal
@@ -170,27 +169,26 @@ def test_a_lock_file_being_written_is_not_taken_over(tmp_path: Path) -> None:
 
 
 @pytest.mark.unit
-def test_a_takeover_never_removes_a_lock_that_replaced_the_stale_one(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """Run B judged the lock stale; run A took it over first and holds a fresh one; run C tries to create
-    its own while B looks. B renamed A's lock aside to check it, and C's create in that instant made B's
-    put-back fail: A's lock was deleted while A ran, and A and C both held the directory."""
-    stale = _write_owner(tmp_path, _dead_pid(), age_s=60).read_text()
-    live = _write_owner(tmp_path, os.getppid()).read_text()  # run A's, written after B read the stale one
-    real_link = os.link
-
-    def run_c_creates_first(src: Any, dst: Any) -> None:  # any put-back, with C's lock in the way
-        with contextlib.suppress(FileExistsError):
-            fd = os.open(dst, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-            os.write(fd, b"C")
-            os.close(fd)
-        real_link(src, dst)
-
-    monkeypatch.setattr(lock.os, "link", run_c_creates_first)
-    assert lock._move_aside(tmp_path / lock.LOCK_NAME, stale) is False  # run B's takeover
-    assert (tmp_path / lock.LOCK_NAME).read_text() == live, "run A still holds it"
-    assert sorted(p.name for p in tmp_path.iterdir()) == [lock.LOCK_NAME], "nothing left beside it"
+@pytest.mark.parametrize("content", ["", "owner"])
+def test_a_takeover_never_removes_a_lock_that_replaced_the_stale_one(tmp_path: Path, content: str) -> None:
+    """Run B judged the lock stale; run A took it over first and holds a fresh one. A lock whose owner was
+    killed between its create and its write is empty, and so is A's fresh one until A writes it: judged by
+    its text, B removed A's lock and both held the directory. B removes only the very file it judged."""
+    path = tmp_path / lock.LOCK_NAME
+    if content:
+        _write_owner(tmp_path, _dead_pid(), age_s=60)
+    else:
+        path.write_text("")
+        os.utime(path, (time.time() - 60, time.time() - 60))
+    judged = lock._stale(path, tmp_path)  # run B's look
+    assert judged is not None
+    assert lock._move_aside(path, judged.file) is True  # run A's takeover, first
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)  # A's lock, not yet written
+    os.close(fd)
+    if content:  # even the very text of the stale one (identity, not text, tells them apart)
+        path.write_text(judged.file.text or "")
+    assert lock._move_aside(path, judged.file) is False, "run A still holds it"
+    assert path.exists() and sorted(p.name for p in tmp_path.iterdir()) == [lock.LOCK_NAME]
 
 
 @pytest.mark.unit
@@ -198,14 +196,39 @@ def test_takeovers_take_turns_and_an_abandoned_turn_is_cleared(tmp_path: Path) -
     """While another run takes the lock over (its `.takeover` file), a run does not touch the lock; a turn
     left by a run killed inside it (older than a takeover ever lasts) does not block takeovers for ever."""
     path = _write_owner(tmp_path, _dead_pid(), age_s=60)
-    stale = path.read_text()
+    stale = lock.LockFile.read(path)[0]
     guard = path.with_name(lock.LOCK_NAME + lock.TAKEOVER)
     guard.touch()
-    assert lock._move_aside(path, stale) is False and path.read_text() == stale and guard.exists()
+    assert lock._move_aside(path, stale) is False and lock.LockFile.read(path)[0] == stale and guard.exists()
     old = time.time() - lock.TAKEOVER_ABANDONED_S - 1
     os.utime(guard, (old, old))
     assert lock._move_aside(path, stale) is False and not guard.exists()  # cleared; the next look takes it
     assert lock._move_aside(path, stale) is True and not path.exists() and not guard.exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == []
+
+
+@pytest.mark.unit
+def test_clearing_an_abandoned_turn_puts_back_a_live_one_taken_meanwhile(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Runs B and C both saw an abandoned turn; B cleared it and took a turn of its own. C, clearing by
+    name, removed B's live turn and both took the lock over at once. C moves the file aside, sees it is not
+    the one it judged abandoned, and puts it back."""
+    guard = tmp_path / (lock.LOCK_NAME + lock.TAKEOVER)
+    guard.touch()
+    old = time.time() - lock.TAKEOVER_ABANDONED_S - 1
+    os.utime(guard, (old, old))
+    real_rename = os.rename
+
+    def b_clears_and_takes_a_turn_first(src: Any, dst: Any) -> None:
+        os.unlink(src)  # B's clearing
+        os.close(os.open(src, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644))  # B's live turn
+        real_rename(src, dst)
+
+    monkeypatch.setattr(lock.os, "rename", b_clears_and_takes_a_turn_first)
+    lock._clear_abandoned(guard)  # run C
+    assert guard.exists() and time.time() - guard.stat().st_mtime < 5, "B's turn is back"
+    assert sorted(p.name for p in tmp_path.iterdir()) == [guard.name], "nothing left beside it"
 
 
 @pytest.mark.unit
