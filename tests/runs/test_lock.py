@@ -359,3 +359,49 @@ def test_a_second_run_into_a_live_runs_directory_is_refused(tmp_path: Path) -> N
     while job_processes(run_dir):
         assert time.monotonic() < deadline, f"processes outlived the run: {job_processes(run_dir)}"
         time.sleep(0.1)
+
+
+RACER = """
+import sys, time
+from ppo_fabric.config.values import ConfigError
+from ppo_fabric.runs import lock
+start, run_dir = float(sys.argv[1]), sys.argv[2]
+while time.time() < start:
+    time.sleep(0.001)
+try:
+    held = lock.acquire(run_dir)
+except ConfigError:
+    print("refused")
+else:
+    begin = time.time()
+    time.sleep(0.3)
+    print(f"held {begin} {time.time()}")
+    held.release()
+"""
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("content", ["", "owner"])
+def test_runs_taking_over_one_stale_lock_at_once_never_hold_it_together(tmp_path: Path, content: str) -> None:
+    """Five processes meet one stale lock (a dead owner's, or an empty one) at the same instant: one takes it
+    over and says so, the others wait for it or are refused; never two holders at once."""
+    path = _write_owner(tmp_path, _dead_pid(), age_s=60)
+    if not content:
+        path.write_text("")
+        os.utime(path, (time.time() - 60, time.time() - 60))
+    start = time.time() + 3.0  # every interpreter started and imported by then
+    racers = [
+        subprocess.Popen(
+            [sys.executable, "-c", RACER, str(start), str(tmp_path)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+        )
+        for _ in range(5)
+    ]
+    outs = [r.communicate(timeout=60) for r in racers]
+    held = [tuple(map(float, out.split()[1:])) for out, _ in outs if out.startswith(b"held")]
+    assert held, outs
+    assert max(sum(b <= t < e for b, e in held) for t, _ in held) == 1, held
+    said = [line for _, err in outs for line in err.decode().splitlines() if "took over" in line]
+    assert len(said) == 1, said
+    assert not path.exists() and sorted(p.name for p in tmp_path.iterdir()) == []
