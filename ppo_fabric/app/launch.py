@@ -15,6 +15,7 @@ import random
 import signal
 import sys
 import threading
+import time
 import traceback
 import warnings
 from collections.abc import Callable, Iterator
@@ -40,7 +41,7 @@ from ppo_fabric.app.process import (
     stops_reach_blocking_waits,
 )
 from ppo_fabric.app.supervisor import SUPERVISED_ENV
-from ppo_fabric.compat.private import set_fabric_precision
+from ppo_fabric.compat.private import launched_processes, set_fabric_precision
 from ppo_fabric.config.arguments import fail
 from ppo_fabric.config.faults import FAULT_EXIT, RunComplete, RunFault, fault_status
 from ppo_fabric.config.values import ConfigError, composer, under_fabric_run
@@ -333,6 +334,12 @@ def launch(
             raise  # the command line (or the caller of ppo_fabric.run) reports it
         if os.environ.get("PPO_FABRIC_TRACEBACK"):
             traceback.print_exc()
+        killed = killed_peer(fabric) if peer_gone(exc) else None
+        if killed is not None:  # a rank this process launched was ended by a signal: the job ends as it did
+            rank, signum = killed
+            os.write(2, f"ppo-fabric: error: {killed_line(rank, signum, PROGRESS.label)}\n".encode())
+            watchdog.spoke()
+            watchdog.leave(128 + signum)
         # one write per line: ranks failing together must not interleave their messages
         line = failure_line(exc, watchdog, float(cfg.collectives.timeout))
         if line is not None and peer_gone(exc) and watchdog.cause_said():
@@ -401,6 +408,33 @@ def failure_line(exc: BaseException, watchdog: Watchdog, timeout_s: float) -> st
     if timed_out(exc):
         return watchdog.collective_timeout(f"its wait outlasted collectives.timeout={timeout_s:g} s")
     return f"{PROGRESS.label}: {text}"
+
+
+def killed_peer(fabric: Fabric, wait_s: float = 2.0) -> tuple[int, int] | None:
+    """(global rank, signal) of a rank this process launched that a signal ended (kill -9, the OOM killer),
+    looked for up to `wait_s` (its exit may reach its parent just after its sockets closed); None when none
+    did. Its peers see only a closed connection: without this the job's line blamed the rank that lost
+    contact, and the job ended 1 where the killed process ended 137."""
+    procs = launched_processes(fabric)
+    deadline = time.monotonic() + wait_s
+    while procs:
+        for local_rank, proc in enumerate(procs, start=1):
+            code = proc.poll()
+            if code is not None and code < 0:
+                return fabric.global_rank + local_rank, -code
+        if time.monotonic() >= deadline:
+            break
+        time.sleep(0.05)
+    return None
+
+
+def killed_line(rank: int, signum: int, label: str) -> str:
+    try:
+        name = signal.Signals(signum).name
+    except ValueError:
+        name = f"signal {signum}"
+    cause = " (the out-of-memory killer, or kill -9)" if signum == signal.SIGKILL else ""
+    return f"rank {rank} was killed by {name}{cause}; {label} lost contact with it"
 
 
 def timed_out(exc: BaseException) -> bool:

@@ -83,6 +83,15 @@ def set_fabric_precision(fabric: Any, plugin: Any) -> None:
     fabric._precision = plugin
 
 
+def launched_processes(fabric: Any) -> list[Any]:
+    """The processes Fabric's launcher started for this node's other ranks (`subprocess.Popen`s of local
+    rank 1, 2, ... in order; `procs` of its subprocess launcher), [] where it started none (`fabric run`,
+    torchrun, one process). Only their parent can learn that a signal ended one (kill -9, the OOM killer),
+    which its peers see only as a closed connection (`app.launch.killed_peer`)."""
+    launcher = getattr(fabric.strategy, "launcher", None)
+    return list(getattr(launcher, "procs", None) or [])
+
+
 # -------------------------------------------------------------------------------------------- Hydra
 def hydra_args_parser() -> Any:
     """Hydra's own command-line parser (`-m`, `--cfg`, `--config-path`, ...): what `@hydra.main` uses; there

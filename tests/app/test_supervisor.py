@@ -155,17 +155,26 @@ def test_a_restart_before_any_checkpoint_replaces_the_dead_attempts_records(tmp_
 
 
 @pytest.mark.multiprocess
-def test_without_restarts_a_killed_rank_ends_the_job(tmp_path: Path) -> None:
-    """Rank 0 (the job's first process) dies: its orphaned rank 1 must not wait out the collectives."""
+@pytest.mark.parametrize("rank", [0, 1])
+def test_without_restarts_a_killed_rank_ends_the_job(tmp_path: Path, rank: int) -> None:
+    """Rank 0 (the job's first process) dies: its orphaned rank 1 must not wait out the collectives. Rank 1
+    dies: rank 0, its parent, names it and ends 137 as it did (it said "rank 0: lost contact with another
+    rank", as if the fault were its own, and the job ended 1)."""
     run_dir = tmp_path / "run"
     cmd = _python_m(
-        run_dir, "fabric.devices=2", "algo.total_steps=100000", *_killed_once(0, 40, tmp_path / "killed")
+        run_dir, "fabric.devices=2", "algo.total_steps=100000", *_killed_once(rank, 40, tmp_path / "killed")
     )
     started = time.monotonic()
     proc = _run(cmd, tmp_path, timeout=90)
     assert proc.returncode == 128 + signal.SIGKILL, proc.stderr[-3000:]
     lines = [line for line in proc.stderr.splitlines() if "not restarting" in line]
     assert lines == ["ppo-fabric: rank failure (exit 137); not restarting (restarts=0)"], proc.stderr[-3000:]
+    if rank == 1:
+        errors = [line for line in proc.stderr.splitlines() if "error:" in line]
+        named = (
+            "rank 1 was killed by SIGKILL (the out-of-memory killer, or kill -9); rank 0 lost contact with it"
+        )
+        assert errors == [f"ppo-fabric: error: {named}"], proc.stderr[-3000:]
     assert time.monotonic() - started < 60, "the orphaned rank was left to time out"
     _assert_nothing_left(run_dir, within=1)
 

@@ -174,3 +174,27 @@ def test_dynamos_profiler_note_is_where_the_filter_drops_it() -> None:
     )
     other = logger.makeRecord(DYNAMO_CONTEXTS, logging.WARNING, "x", 1, "Graph break: %s", (1,), None)
     assert not logger.filter(note) and logger.filter(other)
+
+
+def test_the_launchers_processes_are_where_we_read_them() -> None:
+    """Fabric's subprocess launcher keeps the ranks it starts in `procs`, in local-rank order: a rank that
+    lost contact reads there whether a signal ended one (without, a killed rank 1 is blamed on rank 0)."""
+    from lightning_fabric.plugins.environments import LightningEnvironment
+    from lightning_fabric.strategies import DDPStrategy
+    from lightning_fabric.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
+
+    strategy = DDPStrategy(cluster_environment=LightningEnvironment(), start_method="popen")
+    strategy._configure_launcher()
+    launcher = strategy.launcher
+    assert isinstance(launcher, _SubprocessScriptLauncher) and launcher.procs == []
+    assert "self.procs.append(proc)" in inspect.getsource(_SubprocessScriptLauncher._call_children_scripts)
+    launcher.procs.append("rank 1")
+
+    class Job:
+        pass
+
+    job = Job()
+    job.strategy = strategy  # type: ignore[attr-defined]
+    assert private.launched_processes(job) == ["rank 1"]
+    job.strategy = Job()  # type: ignore[attr-defined]  # fabric run, torchrun: no launcher of ours
+    assert private.launched_processes(job) == []
