@@ -292,9 +292,15 @@ class Player:
         self.trainers_stop = max(self.trainers_stop, trainers_stop)
         vector_to_parameters(flat.to(self.device), self.params)
         session.watch.add("wait_params", time.perf_counter() - t0)
-        if update == session.start_update and self.evaluation is not None and self.evaluation.owed:
-            # the checkpoint's own parameters, whose evaluation was in flight when it was written
-            evaluate_in_background(self.evaluation, session, update, self.policies, self.collector)
+        evaluation = self.evaluation
+        if (
+            update == session.start_update
+            and evaluation is not None
+            and (evaluation.owed or evaluation.replay)
+        ):
+            # the evaluation in flight when the checkpoint was written: of its own parameters, or of an
+            # earlier update's, which it kept
+            evaluate_in_background(evaluation, session, update, self.policies, self.collector)
         if update > session.start_update:
             self.collector.after_update(self.policies, update)
             if session.log_due(update):
@@ -338,7 +344,8 @@ class Player:
         evaluating = self.evaluation is not None and self.evaluation.keeps_record
         if evaluating:
             self.recorded = self.evaluation.state(upto=self.session.env_step(update))
-            learner = learner | {"evaluation": self.recorded}
+            flying = self.evaluation.in_flight_policy(self.session.env_step(update))
+            learner = learner | {"evaluation": self.recorded, "evaluation_policy": flying}
         # with evaluation on, best.ckpt holds the parameters the evaluator scored best (`best_policy`),
         # written before last.ckpt: a failed write of it (a full disk) leaves a checkpoint a resume replays
         upto = self.session.env_step(update)
@@ -369,8 +376,8 @@ class Player:
             return
         numbered = last.parent / ckpt.numbered_name(step, self.session.run_id)
         for path in (last, numbered):
-            if path.is_file():
-                ckpt.amend(path, evaluation=now)
+            if path.is_file():  # the parameters it had in flight are scored now: no resume replays them
+                ckpt.amend(path, evaluation=now, evaluation_policy=self.evaluation.in_flight_policy(step))
         self.recorded = now
         self.write_best(last, upto=step)
 

@@ -66,6 +66,7 @@ class PeriodicEvaluation:
         start_step: int,
         saved: dict | None,
         background: bool = False,
+        in_flight_policy: dict | None = None,
     ) -> None:
         self.every = cadence(cfg, per_update)
         self.seed = evaluation_seed(int(cfg.seed))
@@ -92,6 +93,20 @@ class PeriodicEvaluation:
         kept = [r for r in (self.best, self.last) if r is not None]
         self.records = sorted({r["env_step"]: r for r in kept}.values(), key=lambda r: r["env_step"])
         self.background = background and self.every > 0
+        # an evaluation of an earlier update in flight when the checkpoint was written (in the background,
+        # where evaluations run while training goes on): the checkpoint kept the parameters and statistics
+        # it scores (`in_flight_policy`), and the resumed run plays it first. Without them the resumed
+        # record had a gap where the uninterrupted run's had that evaluation.
+        self.replay: tuple[int, dict[str, Any], Any] | None = None
+        flying = (saved or {}).get("in_flight")
+        policy = in_flight_policy if in_flight_policy is not None else {}
+        if (
+            self.background
+            and flying is not None
+            and flying < start_step
+            and policy.get("env_step") == flying
+        ):
+            self.replay = (flying, policy["weights"], policy.get("obs_normalization"))
         self.cfg, self.specs = cfg, specs
         self.evaluator: EvaluatorProcess | None = None  # started at the first evaluation in the background
         self.pending: int | None = None  # the env step of the evaluation in flight
@@ -161,18 +176,35 @@ class PeriodicEvaluation:
     ) -> None:
         """`run` in the evaluator process: the parameters and statistics are copied now (the snapshot it
         scores), the episodes play while training goes on, and `collect` hands their metrics over."""
+        weights = {
+            name: {k: v.detach().cpu().clone() for k, v in m.state_dict().items()}
+            for name, m in models.items()
+        }
+        self._submit(weights, copy.deepcopy(obs_normalization), env_step)
+
+    def start_replay(self) -> None:
+        """Play the evaluation a resumed checkpoint had in flight, on the parameters it kept (`replay`)."""
+        assert self.replay is not None
+        (env_step, weights, frozen), self.replay = self.replay, None
+        self._submit(weights, frozen, env_step)
+
+    def _submit(self, weights: dict[str, Any], frozen: Any, env_step: int) -> None:
         assert self.background and self.pending is None, "one evaluation at a time, in the background"
         self.next_step = (env_step // self.every + 1) * self.every
         self.owed = False
         if self.evaluator is None:
             self.evaluator = EvaluatorProcess(self.cfg, self.specs, self.seed)
-        weights = {
-            name: {k: v.detach().cpu().clone() for k, v in m.state_dict().items()}
-            for name, m in models.items()
-        }
-        frozen = copy.deepcopy(obs_normalization)
         self.evaluator.submit(weights, frozen)
         self.pending, self.submitted, self.sent = env_step, env_step, (weights, frozen)
+
+    def in_flight_policy(self, upto: int) -> dict[str, Any] | None:
+        """What a checkpoint at env step `upto` keeps of the evaluation in flight of an earlier update: the
+        parameters and statistics it scores, which a run resumed from it replays (`replay`). None when none
+        is, or it is the checkpoint's own update (its parameters are the checkpoint's: `owed`)."""
+        if self.pending is None or self.pending >= upto:
+            return None
+        weights, frozen = self.sent
+        return {"env_step": self.pending, "weights": weights, "obs_normalization": frozen}
 
     def collect(self, wait: bool = False) -> tuple[int, dict[str, float]] | None:
         """(env step, metrics) of the evaluation started last, once it has finished (`wait`: blocks until
@@ -285,7 +317,8 @@ def evaluation_for(
     """The writer's evaluation during training (`eval.every`), its record resumed; `background`: in a
     process of its own (`evaluate_in_background`)."""
     saved = resume.get("evaluation") if resume is not None else None
-    return PeriodicEvaluation(cfg, specs, per_update, session.start_step, saved, background)
+    policy = resume.get("evaluation_policy") if resume is not None else None
+    return PeriodicEvaluation(cfg, specs, per_update, session.start_step, saved, background, policy)
 
 
 def _models(learners: dict) -> dict[str, ActorCritic]:
@@ -328,6 +361,8 @@ def evaluate_in_background(
     if evaluation is None or not evaluation.on:
         return None
     finished = _log_finished(evaluation, session, wait=False)
+    if evaluation.replay is not None and not evaluation.busy:  # a resumed checkpoint's, first
+        evaluation.start_replay()
     step = session.env_step(done)
     if evaluation.due(step, done == session.end_update) and not evaluation.busy:
         evaluation.start(_models(policies), _frozen(collector), step)

@@ -419,7 +419,8 @@ def policy_checkpoint(
     (`agent`, as `state["agent"]` holds them) and observation statistics at `env_step`, and nothing to
     resume from (no optimizer, no env or RNG state; `load` refuses it as `resume=`). What a decoupled run
     keeps as `best.ckpt`: the parameters its evaluator scored best, which no full checkpoint holds."""
-    kept = {k: v for k, v in state.items() if k not in ("agent", "optimizer", "ranks", "lr_schedule")}
+    dropped = ("agent", "optimizer", "ranks", "lr_schedule", "evaluation_policy")
+    kept = {k: v for k, v in state.items() if k not in dropped}
     normalizers = {"NormalizeObservation": obs_normalization} if obs_normalization is not None else {}
     return kept | {
         "agent": agent,

@@ -171,6 +171,32 @@ def test_a_resume_owes_the_evaluation_its_checkpoint_had_in_flight() -> None:
         evaluation.close()
 
 
+def test_a_resume_replays_an_earlier_updates_evaluation_on_the_parameters_its_checkpoint_kept() -> None:
+    """A decoupled checkpoint at 1024 is written while the evaluation of 512 plays: it keeps the snapshot
+    that evaluation scores, and a run resumed from it plays that evaluation first, with the same result,
+    whatever the live parameters are by then; then the cadence goes on."""
+    running, models = _evaluation(background=True)
+    cfg, specs = running.cfg, running.specs
+    running.start(models, None, 512)
+    with torch.no_grad():
+        for p in models["main"].parameters():  # training goes on
+            p.add_(1.0)
+    saved, kept = running.state(upto=1024), running.in_flight_policy(1024)
+    assert saved["in_flight"] == 512 and kept is not None and kept["env_step"] == 512
+    assert running.in_flight_policy(512) is None  # the checkpoint's own update: its own parameters
+    resumed = PeriodicEvaluation(cfg, specs, 512, 1024, saved, background=True, in_flight_policy=kept)
+    assert resumed.replay is not None and not resumed.owed
+    resumed.start_replay()
+    assert resumed.replay is None and resumed.busy
+    step, metrics = resumed.collect(wait=True)
+    assert step == 512 and metrics["eval/return_mean"] == running.collect(wait=True)[1]["eval/return_mean"]
+    assert resumed.state()["last"]["env_step"] == 512 and resumed.due(1024)
+    ignored = PeriodicEvaluation(cfg, specs, 512, 1024, saved, background=False, in_flight_policy=kept)
+    assert ignored.replay is None  # in the run's own process every evaluation ends at its update
+    for evaluation in (running, resumed, ignored):
+        evaluation.close()
+
+
 def test_a_stop_leaves_a_background_evaluation_in_flight(tmp_path: Path) -> None:
     """At a stop the decoupled player waited for the evaluation still playing (minutes on a slow env, past
     a cluster's grace period): it now takes only a finished one, keeps the running one in flight for the

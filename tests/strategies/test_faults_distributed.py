@@ -189,6 +189,32 @@ def test_a_stop_during_a_decoupled_final_evaluation_is_a_stop_the_resume_finishe
     assert proc.returncode == 0 and "is complete" in proc.stdout + proc.stderr, proc.stderr[-3000:]
 
 
+def test_an_earlier_updates_evaluation_in_flight_at_a_stop_is_played_by_the_resume(tmp_path: Path) -> None:
+    """The evaluation of update 1 (env step 128) plays in the first player's evaluator, whose env sends
+    the player SIGINT and then takes 3 s a step, when the stop's checkpoint is written at a later update.
+    That checkpoint keeps the parameters it scores, and `resume=auto` plays it first: the uninterrupted
+    run's row at 128 is in evaluations.csv. The resumed run used to go on without it (a gap in the record,
+    and a best.ckpt that never had those parameters scored)."""
+    slow = ["+env.kwargs.fault=signal_parent_slow", "+env.kwargs.pause=3", "+env.kwargs.after=1",
+            f"+env.kwargs.seeds=[{evaluation_seed(42)}]", "eval.episodes=1", "eval.every=128"]  # fmt: skip
+    proc, _ = _job(tmp_path, *DECOUPLED, *slow, "algo.total_steps=1000000")  # the stop comes first
+    assert proc.returncode == 128 + signal.SIGINT, proc.stderr[-3000:]
+    state = ckpt.load(tmp_path / "run" / "checkpoints" / "last.ckpt", env_state="fresh")
+    assert state["env_step"] > 128 and state["evaluation"]["in_flight"] == 128, state["evaluation"]
+    assert state["evaluation_policy"]["env_step"] == 128
+    assert not (tmp_path / "run" / "evaluations.csv").is_file() or not read_rows(
+        tmp_path / "run" / "evaluations.csv"
+    )
+    end = state["env_step"] + 256
+    resume = [*DECOUPLED, *slow[-3:], "+env.kwargs.fault=none", "resume_overrides=allow", "resume=auto"]
+    proc, _ = _job(tmp_path, *resume, f"algo.total_steps={end}")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    steps = [int(r["step"]) for r in read_rows(tmp_path / "run" / "evaluations.csv")]
+    assert steps[0] == 128 and steps[-1] == end and steps == sorted(set(steps)), steps
+    last = ckpt.load(tmp_path / "run" / "checkpoints" / "last.ckpt", env_state="fresh")
+    assert last["evaluation"]["in_flight"] is None and last.get("evaluation_policy") is None
+
+
 def test_a_rank_slow_to_stop_is_not_killed_by_the_launcher(tmp_path: Path) -> None:
     """SIGTERM to a coupled 2-rank job whose rank 0 takes 7 s to close its envs after the stop checkpoint:
     Lightning's launcher, in rank 0, looks at its child every 5 s and SIGKILLs itself once the child has
