@@ -334,12 +334,12 @@ def launch(
             raise  # the command line (or the caller of ppo_fabric.run) reports it
         if os.environ.get("PPO_FABRIC_TRACEBACK"):
             traceback.print_exc()
-        killed = killed_peer(fabric) if peer_gone(exc) else None
-        if killed is not None:  # a rank this process launched was ended by a signal: the job ends as it did
-            rank, signum = killed
-            os.write(2, f"ppo-fabric: error: {killed_line(rank, signum, PROGRESS.label)}\n".encode())
+        ended = ended_peer(fabric) if peer_gone(exc) and not watchdog.cause_said() else None
+        if ended is not None:  # a rank this process launched ended without a line: named, its status kept
+            rank, code = ended
+            os.write(2, f"ppo-fabric: error: {ended_line(rank, code, PROGRESS.label)}\n".encode())
             watchdog.spoke()
-            watchdog.leave(128 + signum)
+            watchdog.leave(128 - code if code < 0 else FAULT_EXIT)
         # one write per line: ranks failing together must not interleave their messages
         line = failure_line(exc, watchdog, float(cfg.collectives.timeout))
         if line is not None and peer_gone(exc) and watchdog.cause_said():
@@ -410,30 +410,35 @@ def failure_line(exc: BaseException, watchdog: Watchdog, timeout_s: float) -> st
     return f"{PROGRESS.label}: {text}"
 
 
-def killed_peer(fabric: Fabric, wait_s: float = 2.0) -> tuple[int, int] | None:
-    """(global rank, signal) of a rank this process launched that a signal ended (kill -9, the OOM killer),
-    looked for up to `wait_s` (its exit may reach its parent just after its sockets closed); None when none
-    did. Its peers see only a closed connection: without this the job's line blamed the rank that lost
-    contact, and the job ended 1 where the killed process ended 137."""
+def ended_peer(fabric: Fabric, wait_s: float = 2.0) -> tuple[int, int] | None:
+    """(global rank, return code: -N for signal N) of a rank this process launched that has ended with a
+    failure, looked for up to `wait_s` (its exit may reach its parent just after its sockets closed);
+    None when none has. Called when no process said the job's cause: a signal (kill -9, the OOM killer)
+    or a C library's `exit()` leaves no line, and the peers see only a closed connection. Without this
+    the job's line blamed the rank that lost contact, and a killed rank's job ended 1, not 137."""
     procs = launched_processes(fabric)
     deadline = time.monotonic() + wait_s
     while procs:
         for local_rank, proc in enumerate(procs, start=1):
             code = proc.poll()
-            if code is not None and code < 0:
-                return fabric.global_rank + local_rank, -code
+            if code:
+                return fabric.global_rank + local_rank, code
         if time.monotonic() >= deadline:
             break
         time.sleep(0.05)
     return None
 
 
-def killed_line(rank: int, signum: int, label: str) -> str:
+def ended_line(rank: int, code: int, label: str) -> str:
+    if code > 0:
+        return (
+            f"rank {rank} ended with exit status {code} and no line of its own; {label} lost contact with it"
+        )
     try:
-        name = signal.Signals(signum).name
+        name = signal.Signals(-code).name
     except ValueError:
-        name = f"signal {signum}"
-    cause = " (the out-of-memory killer, or kill -9)" if signum == signal.SIGKILL else ""
+        name = f"signal {-code}"
+    cause = " (the out-of-memory killer, or kill -9)" if -code == signal.SIGKILL else ""
     return f"rank {rank} was killed by {name}{cause}; {label} lost contact with it"
 
 

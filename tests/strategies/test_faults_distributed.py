@@ -101,6 +101,20 @@ def test_a_stuck_async_env_ends_the_job_and_its_workers(tmp_path: Path) -> None:
     assert _errors(proc)[0].startswith("ppo-fabric: error: rank 0: no progress for "), proc.stderr[-3000:]
 
 
+def test_a_rank_that_ends_without_a_line_is_named_by_the_process_that_launched_it(tmp_path: Path) -> None:
+    """Rank 1's env ends its process at once (status 3, as a C library's `exit()` would): it says nothing,
+    and rank 0 saw only a closed connection. It names rank 1 and its status; the job ended 137 (Lightning's
+    launcher SIGKILLed rank 0 while it looked), as if killed for memory, with no cause."""
+    proc, _ = _job(
+        tmp_path, "fabric.devices=2", "+env.kwargs.fault=os_exit", "+env.kwargs.after=70", "+env.kwargs.rank=1",
+        "algo.total_steps=100000",
+    )  # fmt: skip
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    assert _errors(proc) == [
+        "ppo-fabric: error: rank 1 ended with exit status 3 and no line of its own; rank 0 lost contact with it"
+    ], proc.stderr[-3000:]
+
+
 @pytest.mark.parametrize("how", ["watchdog", "collective timeout"])
 def test_a_stuck_player_is_named_with_every_rank_stacks(tmp_path: Path, how: str) -> None:
     """With the watchdog the player names itself; with it off, the trainer's wait times out first and it
