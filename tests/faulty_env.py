@@ -2,7 +2,7 @@
 
 `fault`: `nan_obs` (one observation entry NaN), `inf_reward`, `array_reward` (a reward of shape (1,)), `text_terminated` (terminated as the text `'False'`), `huge_reward` (1e200: finite, but its square
 is not), `raise` (step raises), `hang` (step sleeps for
-ever, a stuck simulator), `slow` (each step sleeps `pause` seconds, 1 by default), `signal_slow` (SIGINT to its own process at the first
+ever, a stuck simulator), `gil_hang` (step never returns from C code that holds the interpreter lock), `slow` (each step sleeps `pause` seconds, 1 by default), `signal_slow` (SIGINT to its own process at the first
 strike, then `slow`), `signal_parent_slow` (the same to its parent process), `slow_close` (the process's first close takes 7 s; steps are fine), `raise_init` (the constructor
 raises), `raise_init_worker` (the constructor raises in a worker process, not in the main one), `hang_init` (the constructor never returns), `raise_close` (`close` raises once the env has stepped),
 `hang_close` (`close` never returns once the env has stepped), `exit` (step calls `sys.exit(0)`), `keyboard_interrupt` (step raises KeyboardInterrupt), `os_exit`
@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import multiprocessing
 import os
+import re
 import signal
 import sys
 import time
@@ -120,6 +121,8 @@ class FaultyCartPole(CartPoleEnv):
         elif fault == "hang":
             while True:
                 time.sleep(1)
+        elif fault == "gil_hang":  # C code that never returns and never lets another thread run
+            re.match(r"(a+)+$", "a" * 64 + "b")
         elif fault == "exit":
             sys.exit(0)
         elif fault == "keyboard_interrupt":

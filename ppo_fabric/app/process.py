@@ -16,6 +16,7 @@ from typing import NoReturn
 
 from ppo_fabric.compat.linux import drop_hung_up_terminal
 from ppo_fabric.config.faults import STOP_SIGNALS, launcher_child
+from ppo_fabric.runs import deadman
 
 
 def one_line_warnings(
@@ -73,6 +74,7 @@ def end_process(code: int = 0) -> NoReturn:
     orphaned rank held its parent's output pipes open, so the launching command never returned. Everything
     a run owns (envs, logger, process group, checkpoints) is closed or written before this is called.
     """
+    deadman.disarm()  # its file is this process's to remove (the timer's, when C code hangs the process)
     logging.shutdown()
     for stream in (sys.stdout, sys.stderr):
         with contextlib.suppress(OSError, ValueError):  # a closed pipe or stream: nothing left to say there

@@ -38,7 +38,7 @@ from ppo_fabric.config.faults import (
 )
 from ppo_fabric.config.tuned import override_value
 from ppo_fabric.config.values import OWN_RUN_DIR_ENV, SUPERVISED_ENV, ConfigError, under_fabric_run
-from ppo_fabric.runs import lock
+from ppo_fabric.runs import deadman, lock
 from ppo_fabric.runs.metrics_file import read_rows, series, write_json
 
 if TYPE_CHECKING:
@@ -199,6 +199,10 @@ class Job:
         status = exit_status(self._wait())
         if status == 128 + signal.SIGKILL and self.stop_signal is None and failed_child(self.run_dir):
             status = FAULT_EXIT  # Fabric's launcher killed the first process after a rank's failure
+        if status != 0:
+            hung = deadman.report(self.run_dir)  # a process C code held, ended by its watchdog's timer
+            if hung is not None:
+                say(f"error: {hung}")
         failed = status != 0 and status not in SIGNAL_STOPS and self.stop_signal is None
         self._end_group(0.0 if failed else min(GRACE_S, self.timeout_s))
         self.proc = None

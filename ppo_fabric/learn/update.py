@@ -15,6 +15,7 @@ import torch
 from lightning_fabric import Fabric
 from tensordict import TensorDict
 
+from ppo_fabric.compat.private import fabric_inner_module
 from ppo_fabric.config.faults import RunFault
 from ppo_fabric.learn import graph as whole
 from ppo_fabric.learn.accel import compiled, uses_cuda_graphs
@@ -268,6 +269,10 @@ class MinibatchSteps:
         # torch.compile wrappers, 5-8% of a CleanRL-sized minibatch step, to do what the loop does in ~1 us.
         # Clipping and the Adam step skip Fabric's and torch's generic layers the same way (optim.py).
         self.finish = GradientStep(fabric, model, optimizer, settings.max_grad_norm)
+        # DDP all-reduces the gradients inside the backward: a wait on the other training ranks, which a
+        # stuck peer's own watchdog names (marked busy, this rank named itself stuck "in update").
+        inner = fabric_inner_module(model)
+        self.synced = isinstance(inner, torch.nn.parallel.DistributedDataParallel)
         # 1.0 per minibatch step skipped (a gradient norm not finite), 0.0 per step taken; the gradients are
         # all-reduced first, so every training rank decides alike.
         self.skips: list[torch.Tensor] = []
@@ -322,7 +327,8 @@ class MinibatchSteps:
         )
         for p in self.finish.params:
             p.grad = None
-        self.fabric.backward(loss)
+        with PROGRESS.waiting_for("the other training ranks (gradients)") if self.synced else nullcontext():
+            self.fabric.backward(loss)
         self.skips.append(self.finish())  # clip, then the optimiser step unless the norm is not finite
         self.warmups += 1
         new_logp, stats = new_logp.detach(), stats.detach()

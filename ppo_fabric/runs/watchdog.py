@@ -20,7 +20,9 @@ mark in the stall directory), and a launcher child ending the job this way leave
 
 A collective that times out goes through `collective_timeout`: the waiting rank asks every process for
 its stacks and names the busy rank that has gone longest without progress, instead of gloo's message.
-The thread cannot run while C code holds the GIL for ever; such a hang is left to `collectives.timeout`.
+The thread cannot run while C code holds the GIL for ever: `runs/deadman.py`'s timer, in a C thread it
+re-arms every second, then ends the process with its stacks once the thread has not run for
+`stall_timeout` plus a grace.
 An in-process run (`ppo_fabric.run()`, `interrupting`) raises its stall in its main thread instead of
 ending the process its caller owns.
 """
@@ -40,6 +42,7 @@ from pathlib import Path
 
 from ppo_fabric.config.faults import FAULT_EXIT, fault_status, launcher_child
 from ppo_fabric.envs.make import end_env_workers
+from ppo_fabric.runs import deadman
 from ppo_fabric.wire.progress import PROGRESS, STACK_HOOKS
 
 CLAIM = ".stall-claim"  # in the run directory: which stall directory this job's end writes its stacks to
@@ -94,6 +97,7 @@ class Watchdog:
     # ------------------------------------------------------------------------------------------- life
     def start(self) -> Watchdog:
         PROGRESS.mark("start-up")
+        self._arm()  # now: the main thread may enter C code that holds the GIL before this thread first runs
         if self.timeout_s > 0 or self.world_size > 1:  # with several processes: answer the others' claims
             self._thread = threading.Thread(target=self._watch, name="ppo-fabric-watchdog", daemon=True)
             self._thread.start()
@@ -113,6 +117,7 @@ class Watchdog:
         """End the watchdog's thread (waiting up to a second for it: a caller that goes on, a notebook's
         kernel or the next run, finds it gone) and put back the stall signal's handler."""
         self._stop.set()
+        deadman.disarm()
         thread = self._thread
         if thread is not None and thread is not threading.current_thread():
             thread.join(timeout=1.0)  # bounded: a thread answering another process's claim ends that process
@@ -122,8 +127,10 @@ class Watchdog:
 
     def _watch(self) -> None:
         while not self._stop.wait(POLL_S):
+            self._arm()
             claimed = self._claimed()
             if claimed is not None:
+                self._ending()
                 self._answer(claimed)
                 self.wait_for_line(claimed)
                 self.leave(FAULT_EXIT)  # the job is ending: leave nothing running
@@ -188,7 +195,20 @@ class Watchdog:
             while os.getppid() == parent and time.monotonic() < deadline:
                 time.sleep(0.05)
         end_env_workers()  # os._exit skips multiprocessing's cleanup: an async env's workers would stay
+        deadman.disarm()
         os._exit(status)
+
+    def _arm(self) -> None:
+        """The timer that ends this process should this thread stop running (`runs/deadman.py`); not in a
+        caller's process (`interrupting`: a notebook's kernel is not ended)."""
+        if self.timeout_s > 0 and self._handler is None:
+            deadman.arm(self.run_dir, PROGRESS.label, self.timeout_s + deadman.grace(self.timeout_s))
+
+    def _ending(self) -> None:
+        """This thread ends the job now (its stacks, the others', its line: ~15 s at most): the timer that
+        stands in for it gives it that long, whatever stall_timeout is."""
+        if deadman.armed():
+            deadman.arm(self.run_dir, PROGRESS.label, deadman.GRACE_S)
 
     def wait_for_line(self, target: Path) -> bool:
         """Before an answering process leaves: wait until the claiming one has printed its line (it waits
@@ -205,6 +225,10 @@ class Watchdog:
         if self.answered == target.name:
             return
         self.answered = target.name
+        with contextlib.suppress(OSError):  # a full disk: the job's line is said without these stacks
+            self._write_stacks(target, note)
+
+    def _write_stacks(self, target: Path, note: str) -> None:
         target.mkdir(parents=True, exist_ok=True)
         idle = time.monotonic() - PROGRESS.at
         status = {
@@ -240,7 +264,17 @@ class Watchdog:
 
     def end_job(self, line: str) -> None:
         """Claim the end, write the stacks, print `line` and leave (from the watchdog thread)."""
-        target = self._claim()
+        self._ending()
+        try:
+            target = self._claim()
+        except OSError as exc:  # a full disk, a read-only run directory: the line all the same, no stacks
+            line = f"{line} (its stacks could not be written: {exc.strerror or type(exc).__name__})"
+            if self._handler is not None and self._interrupt_main(line):
+                return
+            os.write(2, f"ppo-fabric: error: {line}\n".encode())
+            self.spoke()
+            self.leave(fault_status(self.run_dir, line))
+            return
         if target is None:  # another process is ending the job: answer it instead
             claimed = self._claimed()
             if claimed is not None:
@@ -249,11 +283,12 @@ class Watchdog:
             self.leave(FAULT_EXIT)
         self._answer(target, note=line)
         self._others(target)
-        if self._handler is not None and self._interrupt_main(f"{line}; stacks in {target}"):
+        line += f"; stacks in {target}" if target.is_dir() else " (its stacks could not be written)"
+        if self._handler is not None and self._interrupt_main(line):
             return  # the run raised it to its caller, whose process goes on
-        os.write(2, f"ppo-fabric: error: {line}; stacks in {target}\n".encode())
+        os.write(2, f"ppo-fabric: error: {line}\n".encode())
         self.spoke()
-        self.leave(fault_status(self.run_dir, f"{line}; stacks in {target}"))
+        self.leave(fault_status(self.run_dir, line))
 
     def _interrupt_main(self, line: str) -> bool:
         """Raise `line` in the main thread (`interrupting`): a signal's handler runs there at its next
@@ -270,7 +305,10 @@ class Watchdog:
         (the busy one longest without progress); returns the line to end with (the caller prints it, then
         calls `spoke()`), None when another process claimed the job's end first (it reports; this one
         returns once it has)."""
-        target = self._claim()
+        try:
+            target = self._claim()
+        except OSError as exc:  # a full disk: no stacks to ask for, this rank's wait all the same
+            return f"{PROGRESS.label}: {cause} (no stacks: {exc.strerror or type(exc).__name__})"
         if target is None:
             claimed = self._claimed()
             if claimed is not None:

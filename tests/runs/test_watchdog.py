@@ -3,14 +3,21 @@ that answer a claim may leave (the job-level runs are in tests/strategies/test_f
 
 from __future__ import annotations
 
+import errno
+import json
+import os
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
 
 import pytest
 
+from ppo_fabric.runs import deadman
 from ppo_fabric.runs import watchdog as watchdog_module
 from ppo_fabric.runs.watchdog import Watchdog, seconds_text
+from ppo_fabric.wire.progress import PROGRESS
 
 
 def test_one_process_claims_the_end_and_the_other_answers_into_its_directory(tmp_path: Path) -> None:
@@ -85,8 +92,6 @@ def test_a_tracker_that_never_answers_is_a_stall_and_a_peer_is_not(
     """A wait on a tracker's server is bounded by nothing else: past `stall_timeout` it ends the run (it
     hung a one-process run for ever while counted as waiting); a wait on a peer rank stays a wait, which
     the peer's own watchdog and `collectives.timeout` bound."""
-    from ppo_fabric.wire.progress import PROGRESS
-
     monkeypatch.setattr(watchdog_module, "POLL_S", 0.05)
     ended: list[str] = []
     dog = Watchdog(tmp_path, 0.3, 1)
@@ -118,3 +123,71 @@ def test_stop_leaves_no_watchdog_thread_running(tmp_path: Path) -> None:
     assert dog._thread is not None and dog._thread.is_alive()
     dog.stop()
     assert not dog._thread.is_alive()
+
+
+def test_a_stall_on_a_full_disk_is_still_said_and_ends_the_process(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capfd: pytest.CaptureFixture[str]
+) -> None:
+    """The claim file and the stacks cannot be written (ENOSPC): the watchdog thread died with a traceback,
+    and a 1-process run stuck in its env was never ended. The line is said without the stacks."""
+    real_open = os.open
+
+    def full(path: object, *args: object, **kwargs: object) -> int:
+        if str(path).startswith(str(tmp_path)):
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real_open(path, *args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(watchdog_module.os, "open", full)
+    left: list[int] = []
+    dog = Watchdog(tmp_path, 0, 1)
+    monkeypatch.setattr(dog, "leave", lambda status: left.append(status))
+    dog.end_job("rank 0: no progress for 3.0 s, in env.step")
+    assert left == [1]
+    assert capfd.readouterr().err == (
+        "ppo-fabric: error: rank 0: no progress for 3.0 s, in env.step (its stacks could not be written: "
+        "No space left on device)\n"
+    )
+    assert dog.collective_timeout("its wait outlasted collectives.timeout=5 s") == (
+        "rank 0: its wait outlasted collectives.timeout=5 s (no stacks: No space left on device)"
+    )
+
+
+def test_the_timer_that_stands_in_for_the_watchdog_is_armed_while_it_runs_and_gone_after(
+    tmp_path: Path,
+) -> None:
+    """`runs/deadman.py`: armed when the watchdog starts (before its thread first runs) in this process's
+    file; `stop()` cancels it and removes the file; a run in its caller's process is never armed."""
+    dog = Watchdog(tmp_path, 5.0, 1).start()
+    try:
+        (hang,) = tmp_path.glob(".hang-*.txt")
+        assert json.loads(hang.read_text()) == {"label": PROGRESS.label, "seconds": 10.0}
+    finally:
+        dog.stop()
+    assert not list(tmp_path.glob(".hang-*")) and not deadman.armed()
+    caller = Watchdog(tmp_path, 5.0, 1).interrupting().start()
+    caller.stop()
+    assert not list(tmp_path.glob(".hang-*"))
+
+
+@pytest.mark.multiprocess  # a process of its own, which the timer ends
+def test_the_timer_ends_a_process_held_in_c_code_and_the_supervisor_names_it(tmp_path: Path) -> None:
+    """A process whose main thread never leaves C code that holds the GIL: its watchdog thread cannot run,
+    the timer writes every thread's stack and ends it, exit 1; `report` names it in one line and moves the
+    stacks into a stall directory; the files of processes that ended otherwise are removed."""
+    code = (
+        "import re, sys; from pathlib import Path; from ppo_fabric.runs.watchdog import Watchdog; "
+        "from ppo_fabric.wire.progress import PROGRESS; PROGRESS.label = 'player rank 2'; "
+        "Watchdog(Path(sys.argv[1]), 0.5, 1).start(); re.match(r'(a+)+$', 'a' * 64 + 'b')"
+    )
+    (tmp_path / ".hang-1.txt").write_text('{"label": "rank 1", "seconds": 2.5}\n')  # killed: no stacks
+    started = time.monotonic()
+    proc = subprocess.run([sys.executable, "-c", code, str(tmp_path)], capture_output=True, timeout=60)
+    assert proc.returncode == 1 and time.monotonic() - started < 30, proc.stderr[-2000:]
+    line = deadman.report(tmp_path)
+    assert line is not None and line.startswith(
+        "player rank 2: no progress for 2 s, and its watchdog could not run: C code held the interpreter lock"
+    ), line
+    (stall,) = tmp_path.glob("stall-*")
+    assert line.endswith(f"stacks in {stall / 'player-rank-2.txt'}")
+    assert "line 1 in <module>" in (stall / "player-rank-2.txt").read_text()
+    assert not list(tmp_path.glob(".hang-*")) and deadman.report(tmp_path) is None

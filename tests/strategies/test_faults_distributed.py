@@ -115,6 +115,30 @@ def test_a_rank_that_ends_without_a_line_is_named_by_the_process_that_launched_i
     ], proc.stderr[-3000:]
 
 
+@pytest.mark.parametrize("devices", [1, 2])
+def test_a_process_stuck_in_c_code_holding_the_interpreter_lock_is_ended_by_its_watchdogs_timer(
+    tmp_path: Path, devices: int
+) -> None:
+    """Rank 0's env never returns from C code that holds the GIL: its watchdog thread cannot run, and in a
+    job of two neither can Lightning's launcher thread, which rank 0 runs. Both hung for ever (rank 1 timed
+    out and left). faulthandler's timer, which the watchdog re-arms every second, ends rank 0 with its
+    stacks, and the supervisor names it in one line."""
+    proc, took = _job(
+        tmp_path, f"fabric.devices={devices}", "+env.kwargs.fault=gil_hang", "+env.kwargs.after=30",
+        "+env.kwargs.rank=0", "stall_timeout=2", "collectives.timeout=60", "algo.total_steps=100000",
+        supervisor=True,
+    )  # fmt: skip
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    errors = _errors(proc)
+    assert errors[-1].startswith(
+        "ppo-fabric: error: rank 0: no progress for 4 s, and its watchdog could not run: C code held the "
+        "interpreter lock (a simulator stuck in its C step?); stacks in "
+    ), proc.stderr[-3000:]
+    (stall,) = (tmp_path / "run").glob("stall-*")
+    assert "faulty_env.py" in (stall / "rank-0.txt").read_text()
+    assert not list((tmp_path / "run").glob(".hang-*")) and took < 60, took
+
+
 @pytest.mark.parametrize("how", ["watchdog", "collective timeout"])
 def test_a_stuck_player_is_named_with_every_rank_stacks(tmp_path: Path, how: str) -> None:
     """With the watchdog the player names itself; with it off, the trainer's wait times out first and it

@@ -1,0 +1,105 @@
+"""The watchdog's own watchdog: a process stuck in C code that holds the interpreter lock for ever.
+
+The stall watchdog (`runs/watchdog.py`) is a Python thread, and a thread cannot run while C code holds the
+GIL: a simulator stuck inside its C step, or a C extension spinning, hung a 1-process run for ever, and a
+multi-process job too when that process was rank 0 (Lightning's launcher watches its ranks from a Python
+thread of rank 0 as well). `faulthandler.dump_traceback_later` keeps a timer in a C thread that needs no
+lock: the watchdog re-arms it every second (`arm`), so it fires only when the watchdog itself could not run
+for `stall_timeout` + `GRACE_S`. It then writes every thread's stack into this process's file in the run
+directory (`.hang-<pid>.txt`, created when first armed, its first line naming the process) and ends the
+process, exit 1. The supervisor names it in one line (`report`) and moves the stacks into a `stall-*`
+directory, as the watchdog's own stalls leave them; a process that ends any other way removes its file
+(`disarm`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import faulthandler
+import json
+import os
+import time
+from pathlib import Path
+from typing import IO
+
+GRACE_S = 30.0  # the most the timer waits past stall_timeout (the watchdog's own end of a job: ~15 s)
+PATTERN = ".hang-*.txt"
+
+
+class _Armed:
+    file: IO[str] | None = None
+    path: Path | None = None
+    header: str = ""
+
+
+_ARMED = _Armed()
+
+
+def grace(timeout_s: float) -> float:
+    """How long past `timeout_s` the timer waits: GRACE_S, less for a short stall_timeout (at least 2 s)."""
+    return min(GRACE_S, max(timeout_s, 2.0))
+
+
+def arm(run_dir: Path, label: str, seconds: float) -> None:
+    """(Re-)arm the timer: end this process, its stacks written, unless `arm` is called again within
+    `seconds`. Nothing when the file cannot be created (a read-only or full disk)."""
+    if _ARMED.file is None:
+        path = run_dir / f".hang-{os.getpid()}.txt"
+        try:
+            _ARMED.file = path.open("w")  # noqa: SIM115  kept open: the C thread writes to its descriptor
+        except OSError:
+            return
+        _ARMED.path = path
+    header = json.dumps({"label": label, "seconds": seconds}) + "\n"
+    if header != _ARMED.header:  # the first, or a role named since (a decoupled rank's label)
+        with contextlib.suppress(OSError):
+            _ARMED.file.seek(0)
+            _ARMED.file.write(header)
+            _ARMED.file.truncate()
+            _ARMED.file.flush()
+            _ARMED.header = header
+    faulthandler.dump_traceback_later(seconds, file=_ARMED.file, exit=True)
+
+
+def armed() -> bool:
+    return _ARMED.file is not None
+
+
+def disarm() -> None:
+    """Cancel the timer and remove this process's file (it ends, or its watchdog stops)."""
+    if _ARMED.file is None:
+        return
+    faulthandler.cancel_dump_traceback_later()
+    with contextlib.suppress(OSError):
+        _ARMED.file.close()
+    if _ARMED.path is not None:
+        with contextlib.suppress(OSError):
+            _ARMED.path.unlink(missing_ok=True)
+    _ARMED.file, _ARMED.path, _ARMED.header = None, None, ""
+
+
+def report(run_dir: Path) -> str | None:
+    """After a job ended: the line naming a process the timer ended (its stacks moved into a `stall-*`
+    directory), or None; the files of processes that ended otherwise (killed) are removed."""
+    said = None
+    for path in sorted(run_dir.glob(PATTERN)):
+        try:
+            header, _, stacks = path.read_text().partition("\n")
+            info = json.loads(header)
+        except (OSError, ValueError):
+            info, stacks = None, ""
+        if said is not None or info is None or not stacks.strip():
+            path.unlink(missing_ok=True)
+            continue
+        label = str(info.get("label", "a process"))
+        target = run_dir / f"stall-{time.strftime('%Y%m%d-%H%M%S')}"
+        where = path
+        with contextlib.suppress(OSError):
+            target.mkdir(exist_ok=True)
+            where = target / f"{label.replace(' ', '-')}.txt"
+            path.rename(where)
+        said = (
+            f"{label}: no progress for {float(info.get('seconds', 0)):.0f} s, and its watchdog could not run: "
+            f"C code held the interpreter lock (a simulator stuck in its C step?); stacks in {where}"
+        )
+    return said
