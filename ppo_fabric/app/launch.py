@@ -48,6 +48,7 @@ from ppo_fabric.config.values import ConfigError, composer, under_fabric_run
 from ppo_fabric.envs.make import end_env_workers, rank_seed, trust_override
 from ppo_fabric.learn.accel import set_cuda_math
 from ppo_fabric.models.agent import float32_default
+from ppo_fabric.runs import deadman
 from ppo_fabric.runs import lock as run_lock
 from ppo_fabric.runs.continuation import describe
 from ppo_fabric.runs.metrics import close_after_failure
@@ -325,6 +326,7 @@ def launch(
         if caller_owns_process and fabric.world_size == 1:
             watchdog.stop()
             raise
+        deadman.disarm()
         os._exit(130)
     except Exception as exc:
         watchdog.stop()

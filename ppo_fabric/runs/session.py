@@ -32,6 +32,7 @@ from ppo_fabric.envs.multiagent import SINGLE
 from ppo_fabric.learn.learners import PolicySpec, metric_name
 from ppo_fabric.learn.schedule import LrSchedule
 from ppo_fabric.runs import checkpoint as ckpt
+from ppo_fabric.runs import deadman
 from ppo_fabric.runs.continuation import config_differences, record_session
 from ppo_fabric.runs.metrics import (
     RunLogger,
@@ -103,6 +104,7 @@ class StopSignals:
             if signum == self.signum and now - self._first < self.REPEAT_S:
                 return
             os.write(2, f"ppo-fabric: second {signal.Signals(signum).name}, exiting now\n".encode())
+            deadman.disarm()
             os._exit(128 + signum)
         self.signum, self._first = signum, now
         if self._abandon:
