@@ -343,7 +343,11 @@ def launch(
             watchdog.spoke()
             watchdog.leave(128 - code if code < 0 else FAULT_EXIT)
         # one write per line: ranks failing together must not interleave their messages
-        line = failure_line(exc, watchdog, float(cfg.collectives.timeout))
+        limit = f"collectives.timeout={float(cfg.collectives.timeout):g} s"
+        if "update boundary" in PROGRESS.doing:  # the wait for rank 0's evaluation allows stall_timeout more
+            waited = float(cfg.collectives.timeout) + float(cfg.stall_timeout or 0)
+            limit = f"collectives.timeout + stall_timeout = {waited:g} s at the update boundary"
+        line = failure_line(exc, watchdog, limit)
         if line is not None and peer_gone(exc) and watchdog.cause_said():
             line = None  # the rank that ended first said why; this one only lost it
         if line is not None:
@@ -397,7 +401,7 @@ def opening_lines(
     return "\n".join(lines)
 
 
-def failure_line(exc: BaseException, watchdog: Watchdog, timeout_s: float) -> str | None:
+def failure_line(exc: BaseException, watchdog: Watchdog, limit: str) -> str | None:
     """The line a rank of a multi-process job ends with: a fault's own line (which names its rank), a
     collective that timed out as the stuck rank it waited for (every process's stacks in the run
     directory; None when another rank already reports it), anything else as this rank's error."""
@@ -408,7 +412,7 @@ def failure_line(exc: BaseException, watchdog: Watchdog, timeout_s: float) -> st
         )
     text = describe_failure(exc)
     if timed_out(exc):
-        return watchdog.collective_timeout(f"its wait outlasted collectives.timeout={timeout_s:g} s")
+        return watchdog.collective_timeout(f"its wait outlasted {limit}")
     return f"{PROGRESS.label}: {text}"
 
 

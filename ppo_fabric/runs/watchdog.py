@@ -48,6 +48,9 @@ from ppo_fabric.wire.progress import PROGRESS, STACK_HOOKS
 CLAIM = ".stall-claim"  # in the run directory: which stall directory this job's end writes its stacks to
 POLL_S = 1.0
 SETTLE_S = 3.0  # how long the claiming process waits for the others' stacks before it leaves
+# A busy process whose last progress is this recent when a peer's wait times out is not stuck: its work (a
+# long in-place evaluation) outlasted the wait ("rank 0: no progress for 0.1 s" contradicted itself).
+MOVING_S = 5.0
 SAID = ".said"  # in the stall directory: the claiming process has printed the job's line
 CAUSE_SAID = ".cause-said"  # in the run directory: a process of this attempt has printed the job's cause
 # Raises the stall into an in-process run's main thread: ignored by default, so one that arrives after the
@@ -322,5 +325,11 @@ class Watchdog:
         if busy:
             stuck = busy[0]
             seen = f"{PROGRESS.label}'s {cause.removeprefix('its ')}"
-            head = f"{stuck['label']}: no progress for {seconds_text(stuck['idle_s'])} s, in {stuck['where']} ({seen})"
+            if float(stuck["idle_s"]) < MOVING_S:  # not stuck: still busy with work that outlasted the wait
+                head = (
+                    f"{seen}, while {stuck['label']} was still making progress, in {stuck['where']} (a long "
+                    "evaluation or a slow step: raise collectives.timeout)"
+                )
+            else:
+                head = f"{stuck['label']}: no progress for {seconds_text(stuck['idle_s'])} s, in {stuck['where']} ({seen})"
         return f"{head}; stacks in {target}"

@@ -191,3 +191,41 @@ def test_the_timer_ends_a_process_held_in_c_code_and_the_supervisor_names_it(tmp
     assert line.endswith(f"stacks in {stall / 'player-rank-2.txt'}")
     assert "line 1 in <module>" in (stall / "player-rank-2.txt").read_text()
     assert not list(tmp_path.glob(".hang-*")) and deadman.report(tmp_path) is None
+
+
+@pytest.mark.parametrize(("idle", "said"), [(0.1, "still making progress"), (30.0, "no progress for 30 s")])
+def test_a_wait_that_outlasts_a_peer_still_making_progress_says_so(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, idle: float, said: str
+) -> None:
+    """Rank 1's wait at the update boundary outlasts its limit while rank 0 plays a long evaluation: the line
+    named rank 0 stuck with "no progress for 0.1 s"; it says rank 0 was still at work, and what to raise.
+    A rank idle for long is named stuck as before."""
+    monkeypatch.setattr(PROGRESS, "label", "rank 1")
+    monkeypatch.setattr(watchdog_module, "SETTLE_S", 0.1)
+    dog = Watchdog(tmp_path, 0, 2)
+    claim = dog._claim
+
+    def with_rank_0_busy() -> Path | None:
+        target = claim()
+        assert target is not None
+        target.mkdir(parents=True, exist_ok=True)
+        status = {
+            "label": "rank 0",
+            "waiting": False,
+            "idle_s": idle,
+            "where": "evaluation env.step (x.py:9, in step)",
+        }
+        (target / "rank-0.txt").write_text(json.dumps(status) + "\n")
+        return target
+
+    monkeypatch.setattr(dog, "_claim", with_rank_0_busy)
+    line = dog.collective_timeout(
+        "its wait outlasted collectives.timeout + stall_timeout = 785 s at the update boundary"
+    )
+    assert line is not None and said in line, line
+    if idle < 1:
+        assert line.startswith(
+            "rank 1's wait outlasted collectives.timeout + stall_timeout = 785 s at the update boundary, while rank 0 "
+            "was still making progress, in evaluation env.step (x.py:9, in step) (a long evaluation or a slow step: "
+            "raise collectives.timeout); stacks in "
+        ), line
