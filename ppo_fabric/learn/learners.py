@@ -167,9 +167,11 @@ def build_learners(
             agent.parameters(), lr=spec.lr, eps=adam_eps, fused=fused_adam_ok(fabric)
         )
         model, wrapped = fabric.setup(agent, optimizer, move_to_device=False)
+        streak = 0
         if resume is not None:
             optimizer.load_state_dict(resume["optimizer"][name] if multi else resume["optimizer"])
-        learners[name] = Learner(model, wrapped, model.module, spec)
+            streak = int((resume.get("skip_streaks") or {}).get(name, 0))  # none before this key: 0
+        learners[name] = Learner(model, wrapped, model.module, spec, streak)
     return learners
 
 
@@ -199,6 +201,9 @@ def learners_state(cfg: DictConfig, learners: dict[str, Learner]) -> dict[str, A
         "config": OmegaConf.to_container(cfg, resolve=True),
         "observation_space": obs_space,
         "action_space": action_space,
+        # updates in a row with skipped steps: a resume goes on counting toward algo.max_skipped_updates
+        # (restarted from 0, a run that skipped every step ended only if one session held the whole streak)
+        "skip_streaks": {n: lr.skip_streak for n, lr in learners.items()},
     }
     if list(learners) == [SINGLE]:
         only = learners[SINGLE]

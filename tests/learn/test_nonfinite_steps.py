@@ -142,3 +142,25 @@ def test_an_update_on_a_poisoned_batch_skips_every_step_and_names_the_term() -> 
     assert stats["skip_cause"] == "loss/value"
     for a, p in zip(before, learner.policy.parameters(), strict=True):
         assert torch.equal(a, p.detach())
+
+
+def test_the_streak_of_updates_with_skips_goes_on_across_a_resume() -> None:
+    """A checkpoint holds each policy's streak, and a resume goes on counting from it: restarted from 0, a
+    run that skipped every step, stopped and resumed (or relaunched by `restarts=N`) more often than
+    `algo.max_skipped_updates`, never ended."""
+    from ppo_fabric.config.values import compose
+    from ppo_fabric.learn.learners import build_learners, learners_state, policy_specs
+
+    cfg, _ = compose([])
+    fabric, specs = Fabric(accelerator="cpu", devices=1), policy_specs(cfg)
+    learners = build_learners(fabric, specs, None, 1e-5)
+    learners["main"].skip_streak = 2
+    state = learners_state(cfg, learners)
+    assert state["skip_streaks"] == {"main": 2}
+    resumed = build_learners(fabric, specs, state, 1e-5)
+    assert resumed["main"].skip_streak == 2
+    skipped = {"train/skipped_steps": 4, "skip_cause": "loss/value", "steps": 8}
+    with pytest.raises(UpdateDiverged, match="3 updates in a row"):
+        check_skips(resumed["main"], skipped, 3, 5000)
+    del state["skip_streaks"]  # a checkpoint from before the key: 0
+    assert build_learners(fabric, specs, state, 1e-5)["main"].skip_streak == 0
