@@ -30,9 +30,28 @@ class _Armed:
     file: IO[str] | None = None
     path: Path | None = None
     header: str = ""
+    seconds: float = 0.0
+    forks_watched: bool = False
 
 
 _ARMED = _Armed()
+
+
+def _before_fork() -> None:
+    """A child forked while the timer is armed inherits the lock its C thread holds, but not the thread:
+    the child's interpreter, ending, waits on that lock for ever (a plain `os.fork()` child that exits
+    normally hung). The timer is off across the fork, back on in the parent at once."""
+    if _ARMED.file is not None:
+        faulthandler.cancel_dump_traceback_later()
+
+
+def _after_fork_in_parent() -> None:
+    if _ARMED.file is not None:
+        faulthandler.dump_traceback_later(_ARMED.seconds, file=_ARMED.file, exit=True)
+
+
+def _after_fork_in_child() -> None:
+    _ARMED.file, _ARMED.path, _ARMED.header = None, None, ""  # the parent's: never this process's to remove
 
 
 def grace(timeout_s: float) -> float:
@@ -58,6 +77,12 @@ def arm(run_dir: Path, label: str, seconds: float) -> None:
             _ARMED.file.truncate()
             _ARMED.file.flush()
             _ARMED.header = header
+    if not _ARMED.forks_watched:
+        os.register_at_fork(
+            before=_before_fork, after_in_parent=_after_fork_in_parent, after_in_child=_after_fork_in_child
+        )
+        _ARMED.forks_watched = True
+    _ARMED.seconds = seconds
     faulthandler.dump_traceback_later(seconds, file=_ARMED.file, exit=True)
 
 

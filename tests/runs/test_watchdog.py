@@ -229,3 +229,26 @@ def test_a_wait_that_outlasts_a_peer_still_making_progress_says_so(
             "was still making progress, in evaluation env.step (x.py:9, in step) (a long evaluation or a slow step: "
             "raise collectives.timeout); stacks in "
         ), line
+
+
+@pytest.mark.multiprocess  # processes of its own
+def test_a_child_forked_while_the_timer_is_armed_ends_normally(tmp_path: Path) -> None:
+    """faulthandler's timer holds a lock its C thread releases: a child forked while it was armed (a user's
+    env forking a helper) waited on that lock for ever at its interpreter's end. The parent's timer is
+    still armed after the fork."""
+    code = (
+        "import os, sys, time; from pathlib import Path; from ppo_fabric.runs import deadman\n"
+        "deadman.arm(Path(sys.argv[1]), 'rank 0', 60)\n"
+        "pid = os.fork()\n"
+        "if pid == 0: sys.exit(0)\n"
+        "deadline = time.time() + 10\n"
+        "while time.time() < deadline and not os.waitpid(pid, os.WNOHANG)[0]: time.sleep(0.05)\n"
+        "print('ended' if time.time() < deadline else 'hung', flush=True)\n"
+        "deadman.arm(Path(sys.argv[1]), 'rank 0', 0.5); time.sleep(30)\n"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", code, str(tmp_path)], capture_output=True, text=True, timeout=60
+    )
+    assert proc.stdout == "ended\n" and proc.returncode == 1, (proc.stdout, proc.stderr[-2000:])
+    (hang,) = tmp_path.glob(".hang-*.txt")
+    assert "Timeout" in hang.read_text()
