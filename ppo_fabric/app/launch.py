@@ -48,7 +48,6 @@ from ppo_fabric.config.values import ConfigError, composer, under_fabric_run
 from ppo_fabric.envs.make import end_env_workers, rank_seed, trust_override
 from ppo_fabric.learn.accel import set_cuda_math
 from ppo_fabric.models.agent import float32_default
-from ppo_fabric.runs import deadman
 from ppo_fabric.runs import lock as run_lock
 from ppo_fabric.runs.continuation import describe
 from ppo_fabric.runs.metrics import close_after_failure
@@ -316,6 +315,7 @@ def launch(
             if stop.signum == signal.SIGINT:
                 raise KeyboardInterrupt(str(stop)) from stop
             raise SystemExit(stop_status(stop.signum)) from stop
+        watchdog.stop()
         end_process(stop_status(stop.signum))
     except KeyboardInterrupt:
         if fabric.global_rank == 0:
@@ -326,7 +326,7 @@ def launch(
         if caller_owns_process and fabric.world_size == 1:
             watchdog.stop()
             raise
-        deadman.disarm()
+        watchdog.stop()
         os._exit(130)
     except Exception as exc:
         watchdog.stop()
@@ -348,11 +348,13 @@ def launch(
             waited = float(cfg.collectives.timeout) + float(cfg.stall_timeout or 0)
             limit = f"collectives.timeout + stall_timeout = {waited:g} s at the update boundary"
         line = failure_line(exc, watchdog, limit)
-        if line is not None and peer_gone(exc) and watchdog.cause_said():
-            line = None  # the rank that ended first said why; this one only lost it
+        if line is not None and peer_gone(exc) and (watchdog.cause_said() or watchdog.loss_said()):
+            line = None  # the rank that ended first said why (or another said it was lost); this one only lost it
         if line is not None:
             os.write(2, f"ppo-fabric: error: {line}\n".encode())
-            watchdog.spoke()  # the processes that answered a claim of this rank's may leave now
+            # the processes that answered a claim of this rank's may leave now; a lost peer is no cause:
+            # the rank that launched the one that ended may still name it (`ended_peer`)
+            watchdog.spoke(cause=not peer_gone(exc))
         # A rank that only lost a peer leaves no cause for the supervisor: when rank 0 was killed (kill -9,
         # the OOM killer), the job's status stays 137. No atexit hooks: peers may be stuck in a collective.
         watchdog.leave(FAULT_EXIT if peer_gone(exc) else fault_status(run_dir, line))
@@ -425,10 +427,14 @@ def ended_peer(fabric: Fabric, wait_s: float = 2.0) -> tuple[int, int] | None:
     procs = launched_processes(fabric)
     deadline = time.monotonic() + wait_s
     while procs:
-        for local_rank, proc in enumerate(procs, start=1):
-            code = proc.poll()
-            if code:
-                return fabric.global_rank + local_rank, code
+        codes = [(local_rank, proc.poll()) for local_rank, proc in enumerate(procs, start=1)]
+        # a signal's first; exit 1 is a rank's own failure after its line (a peer it lost, or its cause)
+        ended = sorted(
+            (code, local) for local, code in codes if code is not None and code not in (0, FAULT_EXIT)
+        )
+        if ended:
+            code, local_rank = ended[0]
+            return fabric.global_rank + local_rank, code
         if time.monotonic() >= deadline:
             break
         time.sleep(0.05)

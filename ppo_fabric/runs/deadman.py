@@ -18,7 +18,9 @@ import contextlib
 import faulthandler
 import json
 import os
+import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import IO
 
@@ -35,33 +37,50 @@ class _Armed:
 
 
 _ARMED = _Armed()
+_LOCK = threading.Lock()  # arming and disarming, from the watchdog's thread and the main thread
 
 
 def _before_fork() -> None:
     """A child forked while the timer is armed inherits the lock its C thread holds, but not the thread:
     the child's interpreter, ending, waits on that lock for ever (a plain `os.fork()` child that exits
-    normally hung). The timer is off across the fork, back on in the parent at once."""
+    normally hung). The timer is off across the fork, back on in the parent at once; held across it, the
+    lock keeps the watchdog's thread from arming it meanwhile."""
+    _LOCK.acquire()
     if _ARMED.file is not None:
         faulthandler.cancel_dump_traceback_later()
 
 
 def _after_fork_in_parent() -> None:
-    if _ARMED.file is not None:
-        faulthandler.dump_traceback_later(_ARMED.seconds, file=_ARMED.file, exit=True)
+    try:
+        if _ARMED.file is not None:
+            faulthandler.dump_traceback_later(_ARMED.seconds, file=_ARMED.file, exit=True)
+    finally:
+        _LOCK.release()
 
 
 def _after_fork_in_child() -> None:
+    global _LOCK
+    _LOCK = threading.Lock()  # the parent's, held across the fork
     _ARMED.file, _ARMED.path, _ARMED.header = None, None, ""  # the parent's: never this process's to remove
 
 
 def grace(timeout_s: float) -> float:
-    """How long past `timeout_s` the timer waits: GRACE_S, less for a short stall_timeout (at least 2 s)."""
-    return min(GRACE_S, max(timeout_s, 2.0))
+    """How long past `timeout_s` the timer waits: GRACE_S, less for a short stall_timeout, but at least
+    10 s: on a loaded machine the watchdog's thread may wait seconds for a core, and the timer must not
+    take that for C code holding the interpreter lock."""
+    return min(GRACE_S, max(timeout_s, 10.0))
 
 
-def arm(run_dir: Path, label: str, seconds: float) -> None:
+def arm(run_dir: Path, label: str, seconds: float, live: Callable[[], bool] = lambda: True) -> None:
     """(Re-)arm the timer: end this process, its stacks written, unless `arm` is called again within
-    `seconds`. Nothing when the file cannot be created (a read-only or full disk)."""
+    `seconds`. Nothing when the file cannot be created (a read-only or full disk), or when `live()` says
+    the caller has been stopped (a watchdog's thread that woke as its `stop()` disarmed it)."""
+    with _LOCK:
+        if live():
+            _arm(run_dir, label, seconds)
+
+
+def _arm(run_dir: Path, label: str, seconds: float) -> None:
     if _ARMED.file is None:
         path = run_dir / f".hang-{os.getpid()}.txt"
         try:
@@ -92,6 +111,11 @@ def armed() -> bool:
 
 def disarm() -> None:
     """Cancel the timer and remove this process's file (it ends, or its watchdog stops)."""
+    with _LOCK:
+        _disarm()
+
+
+def _disarm() -> None:
     if _ARMED.file is None:
         return
     faulthandler.cancel_dump_traceback_later()
@@ -107,24 +131,26 @@ def report(run_dir: Path) -> str | None:
     """After a job ended: the line naming a process the timer ended (its stacks moved into a `stall-*`
     directory), or None; the files of processes that ended otherwise (killed) are removed."""
     said = None
+    target = run_dir / f"stall-{time.strftime('%Y%m%d-%H%M%S')}"
     for path in sorted(run_dir.glob(PATTERN)):
         try:
             header, _, stacks = path.read_text().partition("\n")
             info = json.loads(header)
         except (OSError, ValueError):
             info, stacks = None, ""
-        if said is not None or info is None or not stacks.strip():
-            path.unlink(missing_ok=True)
+        if info is None or not stacks.strip():
+            with contextlib.suppress(OSError):
+                path.unlink(missing_ok=True)
             continue
         label = str(info.get("label", "a process"))
-        target = run_dir / f"stall-{time.strftime('%Y%m%d-%H%M%S')}"
         where = path
-        with contextlib.suppress(OSError):
+        with contextlib.suppress(OSError):  # every such process's stacks kept; the first named
             target.mkdir(exist_ok=True)
             where = target / f"{label.replace(' ', '-')}.txt"
             path.rename(where)
-        said = (
-            f"{label}: no progress for {float(info.get('seconds', 0)):.0f} s, and its watchdog could not run: "
-            f"C code held the interpreter lock (a simulator stuck in its C step?); stacks in {where}"
-        )
+        if said is None:
+            said = (
+                f"{label}: no progress for {float(info.get('seconds', 0)):.0f} s, and its watchdog could not "
+                f"run: C code held the interpreter lock (a simulator stuck in its C step?); stacks in {where}"
+            )
     return said

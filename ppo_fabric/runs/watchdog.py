@@ -53,6 +53,7 @@ SETTLE_S = 3.0  # how long the claiming process waits for the others' stacks bef
 MOVING_S = 5.0
 SAID = ".said"  # in the stall directory: the claiming process has printed the job's line
 CAUSE_SAID = ".cause-said"  # in the run directory: a process of this attempt has printed the job's cause
+LOSS_SAID = ".loss-said"  # in the run directory: a process of this attempt has said it lost a peer
 # Raises the stall into an in-process run's main thread: ignored by default, so one that arrives after the
 # run has put its handler back does nothing, and used by nothing else a Python program normally runs.
 STALL_SIGNAL = signal.SIGURG
@@ -172,11 +173,12 @@ class Watchdog:
         self.claimed = target
         return target
 
-    def spoke(self) -> None:
+    def spoke(self, cause: bool = True) -> None:
         """This process printed the job's line: the processes that answered its claim may leave now, and
-        those that fail only because this one ends keep quiet (`cause_said`)."""
+        those that fail only because this one ends keep quiet (`cause_said`). `cause=False`: a line saying
+        only that a peer was lost, after which the others that lost it keep quiet (`loss_said`)."""
         with contextlib.suppress(OSError):
-            (self.run_dir / CAUSE_SAID).touch()
+            (self.run_dir / (CAUSE_SAID if cause else LOSS_SAID)).touch()
             if self.claimed is not None:
                 (self.claimed / SAID).touch()
 
@@ -184,8 +186,15 @@ class Watchdog:
         """Whether another process of this attempt has printed the job's cause: a rank that then loses its
         collective's peer (the process that spoke, leaving) has nothing to add. Its gloo error printed a
         second line after the cause, ending in "Check the logs of the remote worker ... GLHF!"."""
+        return self._said(CAUSE_SAID)
+
+    def loss_said(self) -> bool:
+        """Whether another process of this attempt has said it lost a peer (`spoke(cause=False)`)."""
+        return self._said(LOSS_SAID)
+
+    def _said(self, name: str) -> bool:
         try:
-            return (self.run_dir / CAUSE_SAID).stat().st_mtime >= self.started - 1
+            return (self.run_dir / name).stat().st_mtime >= self.started - 1
         except OSError:
             return False
 
@@ -198,6 +207,7 @@ class Watchdog:
             while os.getppid() == parent and time.monotonic() < deadline:
                 time.sleep(0.05)
         end_env_workers()  # os._exit skips multiprocessing's cleanup: an async env's workers would stay
+        self._stop.set()  # this thread re-arms the timer no more
         deadman.disarm()
         os._exit(status)
 
@@ -205,13 +215,14 @@ class Watchdog:
         """The timer that ends this process should this thread stop running (`runs/deadman.py`); not in a
         caller's process (`interrupting`: a notebook's kernel is not ended)."""
         if self.timeout_s > 0 and self._handler is None:
-            deadman.arm(self.run_dir, PROGRESS.label, self.timeout_s + deadman.grace(self.timeout_s))
+            seconds = self.timeout_s + deadman.grace(self.timeout_s)
+            deadman.arm(self.run_dir, PROGRESS.label, seconds, live=lambda: not self._stop.is_set())
 
     def _ending(self) -> None:
         """This thread ends the job now (its stacks, the others', its line: ~15 s at most): the timer that
         stands in for it gives it that long, whatever stall_timeout is."""
         if deadman.armed():
-            deadman.arm(self.run_dir, PROGRESS.label, deadman.GRACE_S)
+            deadman.arm(self.run_dir, PROGRESS.label, deadman.GRACE_S, live=lambda: not self._stop.is_set())
 
     def wait_for_line(self, target: Path) -> bool:
         """Before an answering process leaves: wait until the claiming one has printed its line (it waits

@@ -131,7 +131,7 @@ def test_a_process_stuck_in_c_code_holding_the_interpreter_lock_is_ended_by_its_
     assert proc.returncode == 1, proc.stderr[-3000:]
     errors = _errors(proc)
     assert errors[-1].startswith(
-        "ppo-fabric: error: rank 0: no progress for 4 s, and its watchdog could not run: C code held the "
+        "ppo-fabric: error: rank 0: no progress for 12 s, and its watchdog could not run: C code held the "
         "interpreter lock (a simulator stuck in its C step?); stacks in "
     ), proc.stderr[-3000:]
     (stall,) = (tmp_path / "run").glob("stall-*")
