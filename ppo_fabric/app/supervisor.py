@@ -408,10 +408,18 @@ def _attempts(cfg: DictConfig, run_dir: Path, invocation: Invocation) -> int:
         restarts += 1
         from ppo_fabric.runs.resume import newest_checkpoint, report_skipped  # torch: only for a relaunch
 
-        found = newest_checkpoint(run_dir, lambda path, why: report_skipped(run_dir, path, why, by="restart"))
+        newest = newest_checkpoint(
+            run_dir, lambda path, why: report_skipped(run_dir, path, why, by="restart")
+        )
+        found = newest
         if found is not None and found[0].stat().st_mtime < started:
             found = None  # the job wrote none yet: what the directory holds may be another lineage's
-        resumed_at = found[1] if found is not None else _start_step(cfg)
+        if found is not None:
+            resumed_at = found[1]
+        elif str(cfg.get("resume")) == "auto" and newest is not None:  # the checkpoint resume=auto found
+            resumed_at = newest[1]
+        else:
+            resumed_at = _start_step(cfg)
         metrics = run_dir / "metrics.csv"
         # without metrics.csv (logger=none, logger.csv=false) how far the attempt came is not known: 0 said
         # nothing was trained twice

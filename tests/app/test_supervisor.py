@@ -813,3 +813,43 @@ def test_a_relaunch_its_checks_refuse_is_not_called_a_config_mistake(
     assert capfd.readouterr().err.splitlines()[-1] == (
         "ppo-fabric: the relaunched job's checks refused it (exit 2; its line above says why); not restarting"
     )
+
+
+@pytest.mark.usefixtures("kept_handlers")
+@pytest.mark.parametrize(("resume", "redone"), [("auto", 904), (None, 5000)])
+def test_a_resume_auto_jobs_restart_counts_from_the_checkpoint_it_found(
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capfd: pytest.CaptureFixture[str],
+    resume: str | None,
+    redone: int,
+) -> None:
+    """`resume=auto` found a checkpoint at 4,096 env steps; the attempt died at 5,000 before writing one of
+    its own and was relaunched as it started: 904 env steps were trained twice, not 5,000 (the start step of
+    a `resume=auto` command was read as 0)."""
+    from omegaconf import OmegaConf
+
+    from ppo_fabric.app.hydra_app import Invocation
+    from ppo_fabric.runs import resume as resume_module
+
+    found = tmp_path / "checkpoints" / "last.ckpt"
+    found.parent.mkdir()
+    found.write_bytes(b"")
+    os.utime(found, (time.time() - 60, time.time() - 60))  # before the job started
+    monkeypatch.setattr(resume_module, "newest_checkpoint", lambda *_: (found, 4096))
+    statuses = iter([1, 0])
+
+    def run(self: object, args: list[str]) -> int:
+        status = next(statuses)
+        if status:  # the attempt logged up to 5,000 and died
+            (tmp_path / "metrics.csv").write_text("step,x\n4500,1\n5000,1\n")
+        else:
+            (tmp_path / "summary.json").write_text('{"total_env_steps": 8192}')
+        return status
+
+    monkeypatch.setattr(supervisor.Job, "run", run)
+    cfg = OmegaConf.create({"restarts": 1, "resume": resume, "collectives": {"timeout": 1}, "stall_timeout": 1,
+                            "env": {"id": "CartPole-v1"}})  # fmt: skip
+    assert supervisor._attempts(cfg, tmp_path, Invocation(overrides=[])) == 0
+    assert json.loads((tmp_path / "summary.json").read_text())["env_steps_redone"] == redone
+    assert f"({redone:,} env steps trained twice)" in capfd.readouterr().err
