@@ -48,6 +48,7 @@ from ppo_fabric.config.values import ConfigError, composer, under_fabric_run
 from ppo_fabric.envs.make import end_env_workers, rank_seed, trust_override
 from ppo_fabric.learn.accel import set_cuda_math
 from ppo_fabric.models.agent import float32_default
+from ppo_fabric.runs import deadman
 from ppo_fabric.runs import lock as run_lock
 from ppo_fabric.runs.continuation import describe
 from ppo_fabric.runs.metrics import close_after_failure
@@ -336,6 +337,11 @@ def launch(
             raise  # the command line (or the caller of ppo_fabric.run) reports it
         if os.environ.get("PPO_FABRIC_TRACEBACK"):
             traceback.print_exc()
+        hung = deadman.report(run_dir) if peer_gone(exc) and not watchdog.cause_said() else None
+        if hung is not None:  # the peer was ended by its hang timer (C code held its interpreter lock)
+            os.write(2, f"ppo-fabric: error: {hung}\n".encode())
+            watchdog.spoke()
+            watchdog.leave(FAULT_EXIT)
         ended = ended_peer(fabric) if peer_gone(exc) and not watchdog.cause_said() else None
         if ended is not None:  # a rank this process launched ended without a line: named, its status kept
             rank, code = ended
