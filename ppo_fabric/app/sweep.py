@@ -238,8 +238,8 @@ class Sweep:
                     "resume=auto to continue each job of the sweep in its own directory"
                 )
             fail(f"job {num} ({shown}): {exc}")
-        except RunComplete as done:  # the job itself will say so and end at once
-            say(f"job {num} ({shown}): {done}")
+        except RunComplete:  # the job itself says so when it runs, and ends at once (said here too, it was
+            pass  # said twice)
         hydra_cfg = OmegaConf.create({"hydra": OmegaConf.to_container(sweep_config.hydra, resolve=False)})
         return Job(num, overrides, command, run_dir, cfg, hydra_cfg)
 
