@@ -88,6 +88,7 @@ class Job:
     cfg: DictConfig
     hydra_cfg: DictConfig
     status: str = "not started"
+    complete: str | None = None  # a `resume=auto` job whose run is finished: why, and nothing to start
     exit_code: int | None = None
     wall_s: float | None = None
     summary: dict[str, Any] = field(default_factory=dict)
@@ -238,10 +239,12 @@ class Sweep:
                     "resume=auto to continue each job of the sweep in its own directory"
                 )
             fail(f"job {num} ({shown}): {exc}")
-        except RunComplete:  # the job itself says so when it runs, and ends at once (said here too, it was
-            pass  # said twice)
+        except RunComplete as done:  # said when its turn comes, instead of starting it (it said so too)
+            complete = str(done)
+        else:
+            complete = None
         hydra_cfg = OmegaConf.create({"hydra": OmegaConf.to_container(sweep_config.hydra, resolve=False)})
-        return Job(num, overrides, command, run_dir, cfg, hydra_cfg)
+        return Job(num, overrides, command, run_dir, cfg, hydra_cfg, complete=complete)
 
     def _run(self, batch: list[Job]) -> int | None:
         """Run the jobs, `n_jobs` at a time; returns the signal that stopped the sweep, if one did."""
@@ -261,6 +264,10 @@ class Sweep:
             while pending or running:
                 while pending and not stop and len(running) < self.n_jobs:
                     job = pending.pop(0)
+                    if job.complete is not None:  # nothing to run: its finished run's summary is its row
+                        say(f"job {job.num} ({job.shown}): {job.complete}")
+                        job.finish(0, 0.0)
+                        continue
                     log = job.run_dir / "job.log" if self.n_jobs > 1 else None
                     say(f"job {job.num} ({job.shown}) starting in {job.run_dir}")
                     running.append((job, RunProcess.start(job.command, job.run_dir, log_path=log)))

@@ -309,3 +309,25 @@ def test_a_failed_job_leaves_the_later_batches_to_run(tmp_path: Path) -> None:
         ln for ln in proc.stderr.splitlines() if ln.endswith(f"failed (exit 1); see {sweep_dir / '0'}")
     ]
     assert line.startswith("ppo-fabric: job 0 (") and "+env.kwargs.fault=raise" in line
+
+
+def test_a_finished_job_of_a_resumed_sweep_is_not_started_again(
+    tmp_path: Path, capfd: pytest.CaptureFixture[str]
+) -> None:
+    """`-m ... resume=auto` whose job's run is complete: its row is its finished run's summary, and no process
+    starts for it (one started, said "complete" a second time, and spent a process start on nothing)."""
+    from omegaconf import OmegaConf
+
+    from ppo_fabric.app.sweep import Job, Sweep
+
+    (tmp_path / "summary.json").write_text('{"final_mean_return": 200.5, "sps": 4000}')
+    job = Job(
+        0, ["seed=1", "resume=auto"], ["seed=1"], tmp_path, OmegaConf.create({}), OmegaConf.create({}),
+        complete="resume=auto: the run in R is complete (512 env steps >= algo.total_steps=512); nothing to do",
+    )  # fmt: skip
+    assert Sweep(n_jobs=1)._run([job]) is None
+    assert capfd.readouterr().err == (
+        "ppo-fabric: job 0 (seed=1 resume=auto): resume=auto: the run in R is complete (512 env steps >= "
+        "algo.total_steps=512); nothing to do\n"
+    )
+    assert job.row()["final_mean_return"] == "200.50" and job.exit_code == 0
