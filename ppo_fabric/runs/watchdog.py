@@ -254,10 +254,12 @@ class Watchdog:
             "pid": os.getpid(),
         }
         path = target / f"{PROGRESS.label.replace(' ', '-')}.txt"
-        with open(path, "w") as fh:
+        part = path.with_name(path.name + ".part")  # named .txt once whole: `_others` reads its first line
+        with open(part, "w") as fh:
             fh.write(json.dumps(status) + "\n" + (note + "\n" if note else "") + "\n")
             fh.flush()
             faulthandler.dump_traceback(fh, all_threads=True)
+        os.replace(part, path)
         for hook in list(STACK_HOOKS):  # this process's own helpers (an evaluator), stuck with it or not
             with contextlib.suppress(Exception):
                 hook(target)

@@ -252,3 +252,19 @@ def test_a_child_forked_while_the_timer_is_armed_ends_normally(tmp_path: Path) -
     assert proc.stdout == "ended\n" and proc.returncode == 1, (proc.stdout, proc.stderr[-2000:])
     (hang,) = tmp_path.glob(".hang-*.txt")
     assert "Timeout" in hang.read_text()
+
+
+def test_a_status_file_is_seen_only_once_whole(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The claiming process reads each status file's first line as soon as it exists: one read while its
+    process was still writing it was empty and dropped, and the wrong rank was named stuck."""
+    seen: list[list[str]] = []
+    real = watchdog_module.faulthandler.dump_traceback
+
+    def dump(fh: object, all_threads: bool = True) -> None:  # mid-write: what the claimant would glob
+        seen.append(sorted(p.name for p in (tmp_path / "stall").glob("*.txt")))
+        real(fh, all_threads=all_threads)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(watchdog_module.faulthandler, "dump_traceback", dump)
+    monkeypatch.setattr(PROGRESS, "label", "rank 1")
+    Watchdog(tmp_path, 0, 2)._answer(tmp_path / "stall")
+    assert seen == [[]] and [p.name for p in (tmp_path / "stall").iterdir()] == ["rank-1.txt"]
